@@ -1,0 +1,51 @@
+"""tsckpt: checkpoints of pytrees as zarr v3 global arrays, written through TensorStore."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._errors import (
+    CheckpointExistsError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    FormatVersionError,
+    LayoutError,
+    LeafTypeError,
+    NotACheckpointError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    TsckptError,
+)
+from ._leaves import ArraySpec, ShardedArray
+from ._reader import ArrayMetadata, LazyArray, Reader, metadata, open
+from ._restore import RestoreWarning, restore
+from ._save import save
+from .tree import register_node
+
+__all__ = [
+    "ArrayMetadata",
+    "ArraySpec",
+    "CheckpointExistsError",
+    "CheckpointIncompleteError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DistributedError",
+    "FormatVersionError",
+    "LayoutError",
+    "LazyArray",
+    "LeafTypeError",
+    "NotACheckpointError",
+    "Reader",
+    "RestoreWarning",
+    "ShapeMismatchError",
+    "ShardedArray",
+    "StructureMismatchError",
+    "TsckptError",
+    "metadata",
+    "open",
+    "register_node",
+    "restore",
+    "save",
+]

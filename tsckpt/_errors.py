@@ -1,0 +1,70 @@
+"""Exception hierarchy. Every class also derives from the builtin a caller would catch."""
+
+from __future__ import annotations
+
+
+class TsckptError(Exception):
+    """Base class of every error tsckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(TsckptError, FileNotFoundError):
+    """The directory does not exist, or holds no checkpoint at all."""
+
+
+class NotACheckpointError(TsckptError, ValueError):
+    """The location holds data, but not a tsckpt checkpoint."""
+
+
+class CheckpointIncompleteError(TsckptError, RuntimeError):
+    """A save started here but never committed (crashed or still running)."""
+
+
+class CheckpointExistsError(TsckptError, FileExistsError):
+    """Saving over an existing checkpoint without ``overwrite=True``."""
+
+
+class FormatVersionError(TsckptError, ValueError):
+    """The checkpoint was written by a newer, incompatible format version."""
+
+
+class StructureMismatchError(TsckptError, KeyError):
+    """Target tree and checkpoint disagree on which leaf paths exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(TsckptError, ValueError):
+    """A leaf's shape in the target differs from the stored one."""
+
+
+class LeafTypeError(TsckptError, TypeError):
+    """A leaf has a type tsckpt cannot store or restore into."""
+
+
+class CorruptCheckpointError(TsckptError, OSError):
+    """Stored bytes fail their checksum, are truncated, or are missing."""
+
+
+class LayoutError(TsckptError, ValueError):
+    """Shards given for one global array overlap, leave holes, or disagree."""
+
+
+class DistributedError(TsckptError, RuntimeError):
+    """Another rank failed or disagreed during a collective save or restore."""
+
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointIncompleteError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DistributedError",
+    "FormatVersionError",
+    "LayoutError",
+    "LeafTypeError",
+    "NotACheckpointError",
+    "ShapeMismatchError",
+    "StructureMismatchError",
+    "TsckptError",
+]

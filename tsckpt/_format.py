@@ -1,0 +1,125 @@
+"""The on-disk format: version, node JSON, and per-leaf records (docs/format.md)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+import struct
+from typing import Any
+
+FORMAT_VERSION = 1
+ROOT_KEY = "zarr.json"
+STATE_PENDING = "pending"
+STATE_COMMITTED = "committed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one global array is cut into files.
+
+    ``shard_shape`` is the zarr chunk grid: one file per grid cell, written by
+    exactly one rank. ``chunk_shape`` is the inner chunk grid inside each file
+    (zarr ``sharding_indexed``), the unit of partial reads; ``None`` means the
+    file holds a single chunk (used for arrays smaller than one inner chunk).
+    """
+
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRecord:
+    """One array leaf as recorded in the root metadata."""
+
+    path: str
+    shape: tuple[int, ...]  # logical shape (complex32 adds a trailing 2 in storage)
+    dtype: str  # logical dtype name
+    kind: str  # "torch" | "numpy" | "numpy_scalar": what restore(target=None) returns
+    layout: Layout
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.layout.shard_shape),
+            "chunk_shape": None if self.layout.chunk_shape is None else list(self.layout.chunk_shape),
+        }
+
+    @staticmethod
+    def from_json(j: dict[str, Any]) -> ArrayRecord:
+        chunk = j.get("chunk_shape")
+        return ArrayRecord(
+            path=j["path"],
+            shape=tuple(j["shape"]),
+            dtype=j["dtype"],
+            kind=j["kind"],
+            layout=Layout(tuple(j["shard_shape"]), None if chunk is None else tuple(chunk)),
+        )
+
+
+def array_metadata(storage_shape: tuple[int, ...], data_type: str, layout: Layout, attrs: dict[str, Any]) -> dict[str, Any]:
+    """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index."""
+    checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    if layout.chunk_shape is None:
+        codecs: list[Any] = checked
+    else:
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(layout.chunk_shape),
+                    "codecs": checked,
+                    "index_codecs": checked,
+                    "index_location": "end",
+                },
+            }
+        ]
+    fill = False if data_type == "bool" else 0
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(storage_shape),
+        "data_type": data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attrs,
+    }
+
+
+def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attrs or {}}
+
+
+# ---- non-array leaves as JSON ------------------------------------------------
+
+
+def encode_value(v: Any) -> dict[str, Any] | None:
+    """JSON for a plain Python leaf, exact (floats keep their bits), or None if unsupported."""
+    if isinstance(v, bool):
+        return {"type": "bool", "value": v}
+    if isinstance(v, int):
+        return {"type": "int", "value": int(v)}
+    if isinstance(v, float):
+        bits = struct.pack("<d", v).hex()
+        return {"type": "float", "value": v if math.isfinite(v) else repr(v), "bits": bits}
+    if isinstance(v, str):
+        return {"type": "str", "value": v}
+    if isinstance(v, (bytes, bytearray)):
+        return {"type": "bytes", "value": base64.b64encode(bytes(v)).decode("ascii")}
+    return None
+
+
+def decode_value(j: dict[str, Any]) -> Any:
+    t = j["type"]
+    if t == "float":
+        return struct.unpack("<d", bytes.fromhex(j["bits"]))[0]
+    if t == "bytes":
+        return base64.b64decode(j["value"])
+    if t in ("bool", "int", "str"):
+        return j["value"]
+    raise ValueError(f"unknown value type {t!r}")

@@ -1,0 +1,98 @@
+"""Choosing chunk and shard shapes (pure functions, no I/O).
+
+Rule (docs/format.md, "Chunking"):
+
+1. Every dimension has a *step*: the gcd of the offsets where writers' regions
+   start in that dimension, or the full extent when one writer covers it. A
+   shard (one file) never crosses a step boundary, so each file has exactly one
+   writer.
+2. Inner chunks (the unit of partial reads) are filled in C order up to
+   ``INNER_CHUNK_BYTES``: trailing dimensions whole, then as many rows of the
+   next dimension as fit. A slice of a few rows therefore touches few chunks.
+3. Shards are whole multiples of the inner chunk, filled in C order up to
+   ``SHARD_BYTES`` within one step, which bounds the memory a single write
+   needs and the size of any one file.
+4. An array no larger than one inner chunk is stored as a single plain chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ._format import Layout
+
+INNER_CHUNK_BYTES = 1 << 20
+SHARD_BYTES = 256 << 20
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """Largest divisor of ``n`` that is <= ``limit`` (at least 1)."""
+    if limit >= n:
+        return n
+    best = 1
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            if i <= limit:
+                best = max(best, i)
+            if n // i <= limit:
+                best = max(best, n // i)
+    return best
+
+
+def _fill(limits: Sequence[int], divisible: Sequence[bool], unit_bytes: int, target: int) -> list[int]:
+    """C-order fill: trailing dims whole while the block stays under ``target`` bytes."""
+    out = [1] * len(limits)
+    budget = max(1, target // max(1, unit_bytes))
+    for d in reversed(range(len(limits))):
+        lim = limits[d]
+        v = min(lim, budget)
+        if divisible[d]:
+            v = largest_divisor_at_most(lim, max(1, budget))
+        out[d] = max(1, v)
+        if v < lim:
+            break
+        budget //= max(1, v)
+    return out
+
+
+def steps_from_cuts(shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> tuple[list[int], list[bool]]:
+    """Per-dim step (gcd of interior region starts) and whether it constrains the dim."""
+    steps, constrained = [], []
+    for d, n in enumerate(shape):
+        interior = [c for c in (cuts[d] if d < len(cuts) else ()) if 0 < c < n]
+        if interior:
+            steps.append(math.gcd(*interior))
+            constrained.append(True)
+        else:
+            steps.append(max(1, n))
+            constrained.append(False)
+    return steps, constrained
+
+
+def choose_layout(
+    shape: Sequence[int],
+    itemsize: int,
+    cuts: Sequence[Sequence[int]] = (),
+    *,
+    inner_bytes: int = INNER_CHUNK_BYTES,
+    shard_bytes: int = SHARD_BYTES,
+) -> Layout:
+    """Shard and inner chunk shapes for an array of ``shape``.
+
+    ``cuts[d]`` lists the offsets along dim ``d`` where writers' regions begin.
+    """
+    shape = [int(s) for s in shape]
+    if not shape:
+        return Layout((), None)
+    steps, constrained = steps_from_cuts(shape, cuts)
+    inner = _fill(steps, constrained, itemsize, inner_bytes)
+    if math.prod(steps) * itemsize <= inner_bytes and all(i == s for i, s in zip(inner, steps)):
+        return Layout(tuple(inner), None)
+    # shard = inner * k, k filled in C order in units of whole inner chunks
+    k_limits = [s // i if c else -(-s // i) for s, i, c in zip(steps, inner, constrained)]
+    k = _fill(k_limits, constrained, math.prod(inner) * itemsize, shard_bytes)
+    shard = tuple(i * m for i, m in zip(inner, k))
+    if shard == tuple(inner):
+        return Layout(shard, None)
+    return Layout(shard, tuple(inner))

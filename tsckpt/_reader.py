@@ -1,0 +1,269 @@
+"""Reading a committed checkpoint: its metadata, and lazy arrays for offline reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from . import _dtypes
+from ._arrays import open_array
+from ._errors import (
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    NotACheckpointError,
+)
+from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, decode_value
+from ._store import Directory, Location, resolve
+from .tree import ROOT_LEAF_PATH, structure_from_json
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What is known about a stored array without reading its data."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]  # unit of partial reads
+    shard_shape: tuple[int, ...]  # one file per shard
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The parsed root metadata of a committed checkpoint."""
+
+    location: Location
+    leaves: tuple[str, ...]
+    arrays: Mapping[str, ArrayRecord]
+    values: Mapping[str, Any]  # path -> decoded plain value
+    structure: Any
+    raw: Mapping[str, Any]
+
+    def array_metadata(self, path: str) -> ArrayMetadata:
+        rec = self.arrays[path]
+        itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
+        return ArrayMetadata(
+            path=path,
+            shape=rec.shape,
+            dtype=rec.dtype,
+            chunk_shape=rec.layout.chunk_shape or rec.layout.shard_shape,
+            shard_shape=rec.layout.shard_shape,
+            nbytes=math.prod(rec.shape) * itemsize,
+        )
+
+    def build(self, leaves: list[Any]) -> Any:
+        """Arrange per-leaf objects (in ``self.leaves`` order) into the saved tree."""
+        if self.structure is not None:
+            return structure_from_json(self.structure, leaves)
+        # saved by ranks with different trees: nested dicts keyed by path components
+        out: dict[str, Any] = {}
+        for path, leaf in zip(self.leaves, leaves):
+            node = out
+            *parents, last = path.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = leaf
+        return out
+
+
+def load(directory: Directory | Location) -> Checkpoint:
+    """Parse and validate the root metadata; raise a precise error if not a committed checkpoint."""
+    loc = directory if isinstance(directory, Location) else resolve(directory)
+    if loc.local is not None and not os.path.isdir(loc.local):
+        raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
+    kv = loc.kvstore()
+    r = kv.read(ROOT_KEY).result()
+    if r.state != "value":
+        if loc.local is None and not kv.list().result():
+            raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
+        raise NotACheckpointError(
+            f"{loc}: not a tsckpt checkpoint (no root zarr.json); it may be another kind of directory, "
+            "or an overwrite that was interrupted"
+        )
+    try:
+        root = json.loads(r.value)
+        meta = root["attributes"]["tsckpt"]
+    except (ValueError, KeyError, TypeError) as e:
+        if isinstance(e, ValueError):
+            raise CorruptCheckpointError(f"{loc}: root zarr.json is not valid JSON ({e})") from e
+        raise NotACheckpointError(
+            f"{loc}: a zarr hierarchy but not a tsckpt checkpoint (no 'tsckpt' attributes in zarr.json)"
+        ) from e
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{loc}: written with format version {version} by {meta.get('library', 'an unknown library')}, "
+            f"but this tsckpt reads versions up to {FORMAT_VERSION}; upgrade tsckpt"
+        )
+    if meta.get("state") != STATE_COMMITTED:
+        raise CheckpointIncompleteError(
+            f"{loc}: this checkpoint was never committed (state {meta.get('state')!r}): its save crashed or is "
+            "still running; use an earlier checkpoint, or save again with overwrite=True"
+        )
+    try:
+        arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}
+        values = {p: decode_value(v) for p, v in meta["values"].items()}
+        leaves = tuple(meta["leaves"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{loc}: root metadata is malformed ({type(e).__name__}: {e})") from e
+    missing = [p for p in leaves if p not in arrays and p not in values]
+    if missing:
+        raise CorruptCheckpointError(f"{loc}: leaves {missing[:5]} are listed but have no record")
+    return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta)
+
+
+def metadata(directory: Directory) -> Any:
+    """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data."""
+    ck = load(directory)
+    return ck.build([ck.array_metadata(p) if p in ck.arrays else ck.values[p] for p in ck.leaves])
+
+
+def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
+    msg = str(err)
+    if "crc32c" in msg.lower() or "checksum" in msg.lower():
+        what = "checksum mismatch: stored bytes were altered"
+    elif "missing" in msg.lower() or "not found" in msg.lower():
+        what = "a chunk file is missing"
+    else:
+        what = "stored data could not be decoded (truncated or damaged file)"
+    return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
+
+
+def _normalize(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
+    """numpy-style basic index -> (bounding box to read, index applied to what was read)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in index:
+        e = index.index(Ellipsis)
+        index = index[:e] + (slice(None),) * (len(shape) - len(index) + 1) + index[e + 1 :]
+    if len(index) > len(shape):
+        raise IndexError(f"too many indices: array is {len(shape)}-dimensional, but {len(index)} were indexed")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    box, post = [], []
+    for i, n in zip(index, shape):
+        if isinstance(i, (int, np.integer)):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise IndexError(f"index {int(i)} is out of bounds for axis with size {n}")
+            box.append(slice(j, j + 1))
+            post.append(0)
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step > 0:
+                lo, hi = start, max(start, stop)
+            else:
+                lo, hi = (stop + 1, start + 1) if start > stop else (0, 0)
+            box.append(slice(lo, hi))
+            post.append(slice(None, None, step))
+        else:
+            raise TypeError(f"only integers, slices and '...' are valid indices, not {type(i).__name__}")
+    return tuple(box), tuple(post)
+
+
+class LazyArray:
+    """A stored array; indexing reads only the chunks the index touches."""
+
+    def __init__(self, ck: Checkpoint, path: str) -> None:
+        self._ck = ck
+        self.path = path
+        self.metadata = ck.array_metadata(path)
+        self._store: ts.TensorStore | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.metadata.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.metadata.dtype
+
+    def __repr__(self) -> str:
+        return f"LazyArray('{self.path}', shape={list(self.shape)}, dtype={self.dtype})"
+
+    def _tensorstore(self) -> ts.TensorStore:
+        if self._store is None:
+            self._store = open_array(self._ck.location, self._ck.arrays[self.path])
+        return self._store
+
+    def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
+        """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
+        store = self._tensorstore()
+        try:
+            return store[box].read().result() if box else store.read().result()
+        except ValueError as e:
+            raise corrupt_error(self._ck, self.path, e) from e
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """numpy array in the storage dtype (complex32 comes back as float16 (..., 2) pairs)."""
+        box, post = _normalize(index, self.shape)
+        data = self.read_box(box)
+        if self.dtype == "complex32":
+            post = post + (slice(None),)
+        return data[post] if post else data
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def torch(self) -> _TorchView:
+        """``arr.torch[idx]`` returns a torch tensor of the logical dtype."""
+        return _TorchView(self)
+
+
+class _TorchView:
+    def __init__(self, arr: LazyArray) -> None:
+        self._arr = arr
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        data = self._arr[index]
+        if any(s < 0 for s in data.strides):
+            data = np.ascontiguousarray(data)
+        return _dtypes.numpy_to_tensor(data, self._arr.dtype)
+
+
+class Reader(Mapping[str, Any]):
+    """Mapping from leaf path to :class:`LazyArray` (arrays) or the saved value."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.checkpoint = ck
+
+    def __getitem__(self, path: str) -> Any:
+        ck = self.checkpoint
+        if path == "" and ROOT_LEAF_PATH in ck.arrays:
+            path = ROOT_LEAF_PATH
+        if path in ck.arrays:
+            return LazyArray(ck, path)
+        if path in ck.values:
+            return ck.values[path]
+        close = [p for p in ck.leaves if p.startswith(path.rstrip("/") + "/")][:5]
+        hint = f"; leaves below it: {close}" if close else "; `tsckpt ls` lists the paths"
+        raise KeyError(f"'{path}' is not a leaf of {ck.location}{hint}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checkpoint.leaves)
+
+    def __len__(self) -> int:
+        return len(self.checkpoint.leaves)
+
+    def metadata(self) -> Any:
+        ck = self.checkpoint
+        return ck.build([ck.array_metadata(p) if p in ck.arrays else ck.values[p] for p in ck.leaves])
+
+
+def open(directory: Directory) -> Reader:  # noqa: A001 - mirrors tsckpt.open
+    """A lazy, read-only view of a committed checkpoint; no process group needed."""
+    return Reader(load(directory))

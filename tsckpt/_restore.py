@@ -1,0 +1,232 @@
+"""restore(): match a target tree to a checkpoint, plan the reads, fill the leaves."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _dtypes
+from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
+from ._leaves import ArraySpec, ShardedArray
+from ._plan import ReadItem, plan_read, shard_boxes
+from ._reader import Checkpoint, LazyArray, load
+from ._store import Directory
+from .tree import flatten, unflatten
+
+# Bytes read from storage but not yet copied into their destination.
+READ_WINDOW_BYTES = 256 << 20
+
+
+class RestoreWarning(UserWarning):
+    """strict=False skipped leaves; the message lists them."""
+
+
+@dataclasses.dataclass
+class _Dest:
+    """Where one target leaf's data goes, and what restore returns for it."""
+
+    item: ReadItem
+    tensor: torch.Tensor  # a view of the destination memory, in the target's dtype
+    result: Any
+
+
+def _list(paths: list[str]) -> str:
+    shown = ", ".join(repr(p) for p in paths[:5])
+    return f"{len(paths)} ({shown}{', ...' if len(paths) > 5 else ''})"
+
+
+def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
+    stored = set(ck.leaves)
+    wanted = set(paths)
+    missing = sorted(wanted - stored)
+    unexpected = sorted(stored - wanted)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_list(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the target: {_list(unexpected)}")
+    msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
+    if strict:
+        raise StructureMismatchError(msg + ". Pass strict=False to restore only the leaves both have.")
+    warnings.warn(msg + ". strict=False: restored the common leaves, kept the target's values for the rest.", RestoreWarning, stacklevel=3)
+
+
+def _as_tensor_view(arr: np.ndarray, path: str) -> torch.Tensor:
+    name = _dtypes.numpy_name(arr.dtype)
+    if name is None:
+        raise LeafTypeError(f"'{path}': cannot restore into a numpy array of dtype {arr.dtype}")
+    if not arr.flags.writeable:
+        raise LeafTypeError(f"'{path}': target numpy array is read-only; pass a writable array or inplace=False")
+    return _dtypes.numpy_to_tensor(arr, name)
+
+
+def _check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> None:
+    if tuple(want) != tuple(stored):
+        raise ShapeMismatchError(
+            f"'{path}': target shape {list(want)} but the checkpoint stores {list(stored)}; resize the target, "
+            "or read a slice with tsckpt.open(...)[path][...] and copy it in yourself"
+        )
+
+
+def _check_cast(path: str, stored: str, target: torch.dtype) -> None:
+    if stored.startswith("complex") and not target.is_complex:
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
+            "imaginary part. Use a complex target"
+        )
+
+
+def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
+    rec = ck.arrays[path]
+    from ._dtensor import dtensor_destination, is_dtensor
+
+    if is_dtensor(leaf):
+        return dtensor_destination(rec, path, leaf, inplace)
+    whole = plan_read(path, (0,) * len(rec.shape), rec.shape)
+    if isinstance(leaf, ShardedArray):
+        local = leaf.local
+        _check_shape(path, leaf.global_shape, rec.shape)
+        item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
+        if isinstance(local, torch.Tensor):
+            _check_cast(path, rec.dtype, local.dtype)
+            t = local if inplace else torch.empty_like(local)
+            return _Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
+        a = local if inplace else np.empty_like(local)
+        return _Dest(item, _as_tensor_view(a, path), ShardedArray(a, leaf.global_shape, leaf.offsets))
+    if isinstance(leaf, torch.Tensor):
+        _check_shape(path, tuple(leaf.shape), rec.shape)
+        _check_cast(path, rec.dtype, leaf.dtype)
+        t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
+        return _Dest(whole, t, t)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        _check_shape(path, np.shape(leaf), rec.shape)
+        if isinstance(leaf, np.generic) or not inplace:
+            a = np.empty(rec.shape, dtype=leaf.dtype)
+        else:
+            a = leaf
+        return _Dest(whole, _as_tensor_view(a, path), a[()] if isinstance(leaf, np.generic) else a)
+    if isinstance(leaf, ArraySpec):
+        if leaf.shape is not None:
+            _check_shape(path, tuple(leaf.shape), rec.shape)
+        if isinstance(leaf.dtype, torch.dtype):
+            _check_cast(path, rec.dtype, leaf.dtype)
+            t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
+            return _Dest(whole, t, t)
+        dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
+        a = np.empty(rec.shape, dtype=dtype)
+        return _Dest(whole, _as_tensor_view(a, path), a)
+    raise LeafTypeError(
+        f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
+        f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
+    )
+
+
+def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
+    """Execute read items: shard by shard, a bounded window of reads in flight,
+    each copied (and cast) into its destination as it completes."""
+    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...]]] = collections.deque()
+    in_flight = 0
+    arrays: dict[str, LazyArray] = {}
+
+    def drain_one() -> int:
+        fut, dest, dsel = pending.popleft()
+        arr = arrays[dest.item.path]
+        try:
+            raw = fut.result()
+        except ValueError as e:
+            from ._reader import corrupt_error
+
+            raise corrupt_error(ck, dest.item.path, e) from e
+        src = _dtypes.numpy_to_tensor(raw, arr.dtype)
+        (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
+        return raw.nbytes
+
+    for dest in dests:
+        item = dest.item
+        if item.path not in arrays:
+            arrays[item.path] = LazyArray(ck, item.path)
+        store = arrays[item.path]._tensorstore()
+        rec = ck.arrays[item.path]
+        itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
+        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.layout):
+            box = tuple(slice(o, o + n) for o, n in zip(off, ln))
+            dsel = tuple(
+                slice(d + o - so, d + o - so + n)
+                for d, o, so, n in zip(item.dest_offsets, off, item.storage_offsets, ln)
+            )
+            pending.append((store[box].read() if box else store.read(), dest, dsel))
+            in_flight += int(np.prod(ln)) * itemsize
+            while in_flight > READ_WINDOW_BYTES and pending:
+                in_flight -= drain_one()
+    while pending:
+        drain_one()
+
+
+def restore(
+    directory: Directory,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    inplace: bool = False,
+) -> Any:
+    """Restore a checkpoint, optionally shaped like ``target``.
+
+    With ``target=None`` the saved tree comes back with numpy arrays (torch
+    complex32 as a torch tensor, which numpy cannot hold) and plain values.
+    Otherwise the result has the target's structure and, leaf by leaf, its type,
+    dtype (cast from the stored dtype) and device; ``inplace=True`` copies
+    straight into the target's tensors and arrays so memory does not double.
+    """
+    ck = load(directory)
+    if target is None:
+        return _restore_saved(ck)
+    flat = flatten(target)
+    _check_structure(ck, flat.paths, strict)
+    out: list[Any] = []
+    dests: list[_Dest] = []
+    for path, leaf in zip(flat.paths, flat.leaves):
+        if path in ck.values:
+            if isinstance(leaf, (torch.Tensor, np.ndarray, ArraySpec, ShardedArray)):
+                raise LeafTypeError(
+                    f"'{path}': the checkpoint stores a plain value ({type(ck.values[path]).__name__}) but the "
+                    f"target leaf is {type(leaf).__name__}"
+                )
+            out.append(ck.values[path])
+        elif path in ck.arrays:
+            dest = _destination(ck, path, leaf, inplace)
+            dests.append(dest)
+            out.append(dest.result)
+        else:
+            out.append(leaf)
+    read_into(ck, dests)
+    for i, value in enumerate(out):  # 0-d numpy targets come back as numpy scalars
+        if isinstance(value, np.ndarray) and isinstance(flat.leaves[i], np.generic):
+            out[i] = value[()]
+    return unflatten(flat.spec, out)
+
+
+def _restore_saved(ck: Checkpoint) -> Any:
+    dests = []
+    leaves: list[Any] = []
+    for path in ck.leaves:
+        if path in ck.values:
+            leaves.append(ck.values[path])
+            continue
+        rec = ck.arrays[path]
+        if rec.dtype == "complex32":
+            t = torch.empty(rec.shape, dtype=torch.complex32)
+            dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), t, t))
+            leaves.append(t)
+            continue
+        a = np.empty(rec.shape, dtype=_dtypes.numpy_dtype(rec.dtype))
+        dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), _dtypes.numpy_to_tensor(a, rec.dtype), a))
+        leaves.append(a[()] if rec.kind == "numpy_scalar" else a)
+    read_into(ck, dests)
+    return ck.build(leaves)

@@ -1,0 +1,162 @@
+"""save(): planning, writing regions, syncing, and the atomic commit."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import tensorstore as ts
+
+from . import _store
+from ._coord import Coordinator, Solo, phase
+from ._errors import CheckpointExistsError
+from ._format import (
+    FORMAT_VERSION,
+    ROOT_KEY,
+    STATE_COMMITTED,
+    STATE_PENDING,
+    group_metadata,
+)
+from ._arrays import array_node, open_array
+from ._leaves import Local, describe, storage_numpy
+from ._plan import SavePlan, WriteItem, plan_save, shard_boxes
+from ._store import Directory, Location, resolve
+from .tree import flatten, structure_to_json
+
+# Bytes of source data handed to TensorStore but not yet written; bounds the
+# extra host memory a save needs beyond the state itself.
+WRITE_WINDOW_BYTES = 512 << 20
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local]) -> int:
+    """Write this rank's regions shard by shard, keeping a bounded window in flight."""
+    records = {a.path: a for a in plan.arrays}
+    pending: collections.deque[tuple[Any, int]] = collections.deque()
+    in_flight = 0
+    written = 0
+    stores: dict[str, ts.TensorStore] = {}
+    for item in plan.writes_for(rank):
+        rec = records[item.path]
+        if item.path not in stores:
+            stores[item.path] = open_array(loc, rec, write=True)
+        store = stores[item.path]
+        data = local[item.path].data
+        for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
+            src_sel = tuple(
+                slice(s + o - io, s + o - io + n)
+                for s, o, io, n in zip(item.source_offsets, off, item.offsets, ln)
+            )
+            src = storage_numpy(data[src_sel] if src_sel else data)
+            dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
+            nbytes = src.nbytes
+            pending.append((dst.write(src).commit, nbytes))
+            in_flight += nbytes
+            written += nbytes
+            while in_flight > WRITE_WINDOW_BYTES and pending:
+                fut, n = pending.popleft()
+                fut.result()
+                in_flight -= n
+    for fut, _ in pending:
+        fut.result()
+    return written
+
+
+def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> None:
+    """zarr.json of every array and of every intermediate group (root excluded)."""
+    futures = []
+    groups: set[str] = set()
+    for rec in plan.arrays:
+        futures.append(kv.write(f"{rec.path}/{ROOT_KEY}", _store.encode_json(array_node(rec))))
+        parts = rec.path.split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    body = _store.encode_json(group_metadata())
+    futures += [kv.write(f"{g}/{ROOT_KEY}", body) for g in sorted(groups)]
+    for f in futures:
+        f.result()
+
+
+def _root(state: str, extra: dict[str, Any] | None = None) -> bytes:
+    meta = {"format_version": FORMAT_VERSION, "state": state, "library": f"tsckpt {_version()}"}
+    meta.update(extra or {})
+    return _store.encode_json(group_metadata({"tsckpt": meta}))
+
+
+def _begin(loc: Location, overwrite: bool) -> None:
+    """Refuse or clear an existing checkpoint, then mark this one as in progress."""
+    kv = loc.kvstore()
+    if _store.read_json(kv, ROOT_KEY) is not None or _store.has_any_key(loc):
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{loc}: a checkpoint (or other data) already exists here; pass overwrite=True to replace it, "
+                "or save to a new directory"
+            )
+        kv.write(ROOT_KEY, None).result()  # uncommit first: a crash below leaves no valid checkpoint
+        _store.delete_all(loc)
+    _store.write_durable(loc, ROOT_KEY, _root(STATE_PENDING))
+
+
+def save(
+    directory: Directory,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    check_replicas: bool = True,
+    coordinator: Coordinator | None = None,
+) -> None:
+    """Save a pytree as a committed zarr v3 checkpoint.
+
+    Protocol (every rank calls save with its local tree):
+
+    1. All ranks flatten their tree and describe each leaf (path, global shape,
+       dtype, local region, replica checksum); the descriptors are gathered on
+       every rank, and every rank computes the same plan (validation errors are
+       therefore raised identically everywhere).
+    2. Rank 0 refuses or clears an existing checkpoint and writes the root
+       ``zarr.json`` with state "pending".
+    3. Every rank writes its planned regions; rank 0 also writes the array and
+       group ``zarr.json`` nodes. Each rank then syncs its data to storage.
+    4. Once all ranks report success, rank 0 rewrites the root ``zarr.json``
+       with state "committed" and the tree metadata: a single atomic object
+       write, so readers see either no checkpoint or a complete one.
+
+    After each step all ranks exchange a status, so a failure on one rank makes
+    every rank raise and nothing is committed.
+    """
+    coord = coordinator or Solo()
+    loc = resolve(directory)
+    flat = flatten(tree)
+    multi = coord.world_size > 1
+    local = [describe(p, leaf, with_checksum=multi and check_replicas) for p, leaf in zip(flat.paths, flat.leaves)]
+    structure = structure_to_json(flat.spec)
+    gathered = coord.all_gather(([lf.desc for lf in local], flat.paths, structure))
+    plan = plan_save([g[0] for g in gathered])
+    same_tree = all(g[1] == flat.paths and g[2] == structure for g in gathered)
+    leaves = flat.paths if same_tree else sorted({p for g in gathered for p in g[1]})
+
+    phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
+    by_path = {lf.desc.path: lf for lf in local}
+
+    def write() -> None:
+        _write_regions(loc, plan, coord.rank, by_path)
+        if coord.rank == 0:
+            _write_nodes(loc.kvstore(), plan)
+        _store.sync_data(loc)
+
+    phase(coord, "save (write)", write)
+    meta = {
+        "structure": structure if same_tree else None,
+        "leaves": leaves,
+        "arrays": [a.to_json() for a in plan.arrays],
+        "values": dict(plan.values),
+        "world_size": coord.world_size,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    phase(coord, "save (commit)", lambda: _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta)), ranks={0})

@@ -1,0 +1,229 @@
+"""Pytrees: flattening with stable leaf paths, and a JSON form of the structure.
+
+Traversal is delegated to optree (the pytree library PyTorch itself uses): it
+already knows dicts, lists, tuples, namedtuples, deques and ordered dicts, and
+gives every leaf an accessor whose entries name the dict key, index or field.
+What optree does not do, and lives here, is (1) turning those entries into one
+escaped path string per leaf, and (2) writing the structure as JSON so a
+checkpoint can be rebuilt without pickle and without importing user classes.
+
+Path rules (see docs/format.md): components are joined by "/". A str key is
+kept when it only uses ``[A-Za-z0-9._-]``; any other byte is written as
+``%XX`` (UTF-8). Integer keys and sequence indices are plain decimal; a str key
+that would read as an integer gets its first character escaped, so ``{0: a}``
+and ``{"0": b}`` never collide. The empty key is ``%``, names zarr reserves
+("." "..", "zarr.json", leading "__") are escaped, and a tree that is a single
+leaf stores it at ``%root``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any, Callable, NamedTuple
+
+import optree
+from optree import PyTreeKind
+
+from ._errors import LeafTypeError
+
+NAMESPACE = "tsckpt"
+ROOT_LEAF_PATH = "%root"
+
+_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_INTLIKE = re.compile(r"-?[0-9]+")
+_RESERVED = {".", "..", "zarr.json"}
+
+
+def escape(key: str) -> str:
+    """One path component for a str key (injective, a valid zarr node name)."""
+    if key == "":
+        return "%"
+    out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__"):
+        out = f"%{ord(key[0]):02X}" + out[1:]
+    return out
+
+
+def _component(entry: Any, prefix: str) -> str:
+    if isinstance(entry, (optree.NamedTupleEntry, optree.DataclassEntry, optree.StructSequenceEntry)):
+        key = entry.field
+    elif isinstance(entry, optree.SequenceEntry):
+        return str(entry.index)
+    elif isinstance(entry, optree.MappingEntry):
+        key = entry.key
+    elif isinstance(entry, optree.GetAttrEntry):
+        key = entry.name
+    else:
+        key = entry.entry
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise LeafTypeError(
+            f"at '{prefix or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
+            "checkpoint path; use str or int keys"
+        )
+    return str(key) if isinstance(key, int) else escape(key)
+
+
+def join(components: list[str]) -> str:
+    return "/".join(components) if components else ROOT_LEAF_PATH
+
+
+# Dataclasses are pytree nodes in tsckpt (as in equinox/flax); optree needs a
+# registration per class, done lazily the first time one is met.
+_registered: set[type] = set()
+
+
+def _dataclass_flatten(obj: Any) -> tuple[list[Any], None, list[str]]:
+    names = [f.name for f in dataclasses.fields(obj)]
+    return [getattr(obj, n) for n in names], None, names
+
+
+def _make_dataclass_unflatten(cls: type) -> Callable[[Any, Any], Any]:
+    def unflatten(_: Any, children: Any) -> Any:
+        obj = object.__new__(cls)
+        for f, v in zip(dataclasses.fields(cls), children):
+            object.__setattr__(obj, f.name, v)
+        return obj
+
+    return unflatten
+
+
+def _register_dataclasses(node: Any) -> bool:
+    cls = type(node)
+    if cls not in _registered and dataclasses.is_dataclass(node) and not isinstance(node, type):
+        optree.register_pytree_node(
+            cls, _dataclass_flatten, _make_dataclass_unflatten(cls), namespace=NAMESPACE
+        )
+        _registered.add(cls)
+    return False
+
+
+def register_node(
+    cls: type,
+    flatten_fn: Callable[[Any], tuple[Any, Any, Any]],
+    unflatten_fn: Callable[[Any, Any], Any],
+) -> None:
+    """Make ``cls`` a pytree node. ``flatten_fn(obj) -> (children, aux, keys)``;
+    ``unflatten_fn(aux, children) -> obj``. ``keys`` (str or int) name the paths."""
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+    _registered.add(cls)
+
+
+class Flat(NamedTuple):
+    paths: list[str]
+    leaves: list[Any]
+    spec: optree.PyTreeSpec
+
+
+def flatten(tree: Any) -> Flat:
+    """Leaves in a fixed order, each with its unique path string."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(
+        tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
+    )
+    paths = []
+    for acc in accessors:
+        comps: list[str] = []
+        for entry in acc:
+            comps.append(_component(entry, "/".join(comps)))
+        paths.append(join(comps))
+    return Flat(paths, leaves, spec)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
+    return optree.tree_unflatten(spec, leaves)
+
+
+# ---- structure as JSON ------------------------------------------------------
+
+_SEQ = {PyTreeKind.LIST: "list", PyTreeKind.TUPLE: "tuple", PyTreeKind.DEQUE: "deque"}
+_MAP = {PyTreeKind.DICT, PyTreeKind.ORDEREDDICT, PyTreeKind.DEFAULTDICT}
+
+
+def _json_key(key: Any) -> Any:
+    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+
+
+def structure_to_json(spec: optree.PyTreeSpec) -> Any:
+    """The tree's shape as JSON; leaves are ``null``. No types are imported on load."""
+    kind = spec.kind
+    if kind == PyTreeKind.LEAF:
+        return None
+    if kind == PyTreeKind.NONE:
+        return {"type": "none"}
+    children = [structure_to_json(c) for c in spec.children()]
+    if kind in _SEQ:
+        return {"type": _SEQ[kind], "children": children}
+    keys = [_json_key(k) for k in spec.entries()]
+    if kind in _MAP:
+        node: dict[str, Any] = {"type": "dict", "keys": keys, "children": children}
+        positions = spec.one_level().unflatten(list(range(spec.num_children)))
+        order = list(positions.values())
+        if order != sorted(order):
+            node["order"] = order
+        if kind == PyTreeKind.ORDEREDDICT:
+            node["type"] = "ordereddict"
+        return node
+    if kind in (PyTreeKind.NAMEDTUPLE, PyTreeKind.STRUCTSEQUENCE):
+        fields = [acc[0].field for acc in spec.one_level().accessors()]
+        return {"type": "namedtuple", "name": spec.type.__name__, "keys": fields, "children": children}
+    cls = spec.type
+    return {
+        "type": "custom",
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "keys": keys,
+        "children": children,
+    }
+
+
+@dataclasses.dataclass
+class _Cursor:
+    leaves: list[Any]
+    pos: int = 0
+
+
+_namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def _namedtuple(name: str, fields: list[str]) -> type:
+    key = (name, tuple(fields))
+    if key not in _namedtuples:
+        _namedtuples[key] = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
+    return _namedtuples[key]
+
+
+def _build(node: Any, cur: _Cursor) -> Any:
+    if node is None:
+        value = cur.leaves[cur.pos]
+        cur.pos += 1
+        return value
+    kind = node["type"]
+    if kind == "none":
+        return None
+    children = [_build(c, cur) for c in node["children"]]
+    if kind == "list":
+        return children
+    if kind == "tuple":
+        return tuple(children)
+    if kind == "deque":
+        return collections.deque(children)
+    if kind == "namedtuple":
+        return _namedtuple(node["name"], node["keys"])(*children)
+    pairs = list(zip(node["keys"], children))
+    if "order" in node:
+        pairs = [pairs[i] for i in node["order"]]
+    if kind == "ordereddict":
+        return collections.OrderedDict(pairs)
+    return dict(pairs)  # dict, and custom nodes (their classes are never imported)
+
+
+def structure_from_json(structure: Any, leaves: list[Any]) -> Any:
+    """Rebuild a tree from :func:`structure_to_json` output and the leaves in order."""
+    cur = _Cursor(leaves)
+    tree = _build(structure, cur)
+    if cur.pos != len(leaves):
+        raise ValueError(f"structure has {cur.pos} leaves but {len(leaves)} were given")
+    return tree
+
+
+__all__ = ["escape", "flatten", "register_node", "ROOT_LEAF_PATH"]
