@@ -93,7 +93,10 @@ def checksum(data: Any) -> int:
     return zlib.crc32(buf)
 
 
-def _region(path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str, *, with_checksum: bool) -> Local:
+def region_leaf(
+    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str, *, with_checksum: bool
+) -> Local:
+    """A leaf that is the region of a global array starting at ``offsets``."""
     dtype = logical_dtype(path, data)
     itemsize = data.element_size() if isinstance(data, torch.Tensor) else data.dtype.itemsize
     if dtype == "complex32":
@@ -120,13 +123,13 @@ def describe(path: str, leaf: Any, *, with_checksum: bool = False) -> Local:
     if isinstance(leaf, ShardedArray):
         local = leaf.local
         kind = "torch" if isinstance(local, torch.Tensor) else "numpy"
-        return _region(path, local, leaf.global_shape, leaf.offsets, kind, with_checksum=with_checksum)
+        return region_leaf(path, local, leaf.global_shape, leaf.offsets, kind, with_checksum=with_checksum)
     if isinstance(leaf, torch.Tensor):
-        return _region(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch", with_checksum=with_checksum)
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch", with_checksum=with_checksum)
     if isinstance(leaf, np.ndarray):
-        return _region(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy", with_checksum=with_checksum)
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy", with_checksum=with_checksum)
     if isinstance(leaf, np.generic):
-        return _region(path, np.asarray(leaf), (), (), "numpy_scalar", with_checksum=with_checksum)
+        return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar", with_checksum=with_checksum)
     value = encode_value(leaf)
     if value is None:
         raise LeafTypeError(

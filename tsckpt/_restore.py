@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import datetime
 import dataclasses
 import warnings
 from typing import Any
@@ -11,6 +12,8 @@ import numpy as np
 import torch
 
 from . import _dtypes
+from ._coord import phase
+from ._dist import coordinator_for
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
 from ._leaves import ArraySpec, ShardedArray
 from ._plan import ReadItem, plan_read, shard_boxes
@@ -75,8 +78,10 @@ def _check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> N
         )
 
 
-def _check_cast(path: str, stored: str, target: torch.dtype) -> None:
-    if stored.startswith("complex") and not target.is_complex:
+def _check_cast(path: str, stored: str, target: Any) -> None:
+    """``target``: a torch or numpy dtype."""
+    is_complex = target.is_complex if isinstance(target, torch.dtype) else np.dtype(target).kind == "c"
+    if stored.startswith("complex") and not is_complex:
         raise LeafTypeError(
             f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
             "imaginary part. Use a complex target"
@@ -98,6 +103,7 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
             _check_cast(path, rec.dtype, local.dtype)
             t = local if inplace else torch.empty_like(local)
             return _Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
+        _check_cast(path, rec.dtype, local.dtype)
         a = local if inplace else np.empty_like(local)
         return _Dest(item, _as_tensor_view(a, path), ShardedArray(a, leaf.global_shape, leaf.offsets))
     if isinstance(leaf, torch.Tensor):
@@ -107,11 +113,12 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
         return _Dest(whole, t, t)
     if isinstance(leaf, (np.ndarray, np.generic)):
         _check_shape(path, np.shape(leaf), rec.shape)
+        _check_cast(path, rec.dtype, leaf.dtype)
         if isinstance(leaf, np.generic) or not inplace:
             a = np.empty(rec.shape, dtype=leaf.dtype)
         else:
             a = leaf
-        return _Dest(whole, _as_tensor_view(a, path), a[()] if isinstance(leaf, np.generic) else a)
+        return _Dest(whole, _as_tensor_view(a, path), a)  # 0-d: made a scalar after the read, in restore()
     if isinstance(leaf, ArraySpec):
         if leaf.shape is not None:
             _check_shape(path, tuple(leaf.shape), rec.shape)
@@ -120,6 +127,7 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
             t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
             return _Dest(whole, t, t)
         dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
+        _check_cast(path, rec.dtype, dtype)
         a = np.empty(rec.shape, dtype=dtype)
         return _Dest(whole, _as_tensor_view(a, path), a)
     raise LeafTypeError(
@@ -145,7 +153,8 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
 
             raise corrupt_error(ck, dest.item.path, e) from e
         src = _dtypes.numpy_to_tensor(raw, arr.dtype)
-        (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
+        with torch.no_grad():  # targets may be parameters that require grad
+            (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
         return raw.nbytes
 
     for dest in dests:
@@ -175,6 +184,8 @@ def restore(
     *,
     strict: bool = True,
     inplace: bool = False,
+    group: Any = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -183,7 +194,19 @@ def restore(
     Otherwise the result has the target's structure and, leaf by leaf, its type,
     dtype (cast from the stored dtype) and device; ``inplace=True`` copies
     straight into the target's tensors and arrays so memory does not double.
+
+    DTensor and ShardedArray targets receive just their local region, whatever
+    layout and world size saved the checkpoint; each rank reads only the
+    chunks overlapping that region.
     """
+    coord = coordinator_for(group, timeout)
+    if coord.world_size == 1:
+        return _restore(directory, target, strict, inplace)
+    # every rank reads its own regions; the shared outcome makes all ranks raise together
+    return phase(coord, "restore", lambda: _restore(directory, target, strict, inplace))
+
+
+def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> Any:
     ck = load(directory)
     if target is None:
         return _restore_saved(ck)
@@ -227,6 +250,8 @@ def _restore_saved(ck: Checkpoint) -> Any:
             continue
         a = np.empty(rec.shape, dtype=_dtypes.numpy_dtype(rec.dtype))
         dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), _dtypes.numpy_to_tensor(a, rec.dtype), a))
-        leaves.append(a[()] if rec.kind == "numpy_scalar" else a)
+        leaves.append(a)
     read_into(ck, dests)
+    # numpy scalars only after the read: a[()] copies the (still empty) buffer
+    leaves = [x[()] if p in ck.arrays and ck.arrays[p].kind == "numpy_scalar" else x for p, x in zip(ck.leaves, leaves)]
     return ck.build(leaves)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import collections
+import datetime
 import time
 from typing import Any
 
 import tensorstore as ts
 
 from . import _store
-from ._coord import Coordinator, Solo, phase
+from ._coord import phase
+from ._dist import coordinator_for
 from ._errors import CheckpointExistsError
 from ._format import (
     FORMAT_VERSION,
@@ -89,18 +91,49 @@ def _root(state: str, extra: dict[str, Any] | None = None) -> bytes:
     return _store.encode_json(group_metadata({"tsckpt": meta}))
 
 
+# Generation TensorStore reports for a key that does not exist; a write
+# conditioned on it creates the key only if nobody else has.
+_NO_KEY = b"\x02"
+
+
 def _begin(loc: Location, overwrite: bool) -> None:
-    """Refuse or clear an existing checkpoint, then mark this one as in progress."""
+    """Refuse or clear an existing checkpoint, then claim the directory.
+
+    The pending root is created with a conditional write that succeeds only if
+    no root exists, so of several savers racing for one directory exactly one
+    proceeds; the others raise CheckpointExistsError and touch nothing. A failed
+    condition is reported by TensorStore as an empty generation, not an error.
+    """
     kv = loc.kvstore()
-    if _store.read_json(kv, ROOT_KEY) is not None or _store.has_any_key(loc):
+    current = kv.read(ROOT_KEY).result()
+    if current.state == "value" or _store.has_any_key(loc):
         if not overwrite:
-            raise CheckpointExistsError(
-                f"{loc}: a checkpoint (or other data) already exists here; pass overwrite=True to replace it, "
-                "or save to a new directory"
+            pending = current.state == "value" and b'"state":"%s"' % STATE_PENDING.encode() in current.value
+            what = (
+                "another save into this directory is running, or one crashed (its root zarr.json says "
+                "'pending')"
+                if pending
+                else "a checkpoint (or other data) already exists here"
             )
-        kv.write(ROOT_KEY, None).result()  # uncommit first: a crash below leaves no valid checkpoint
+            raise CheckpointExistsError(
+                f"{loc}: {what}; pass overwrite=True to replace it, or save to a new directory"
+            )
+        if current.state == "value":
+            # uncommit first, so a crash below leaves no valid checkpoint; conditional,
+            # so a saver that replaced the root since we read it is not undone
+            if not kv.write(ROOT_KEY, None, if_equal=current.stamp.generation).result().generation:
+                raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
         _store.delete_all(loc)
-    _store.write_durable(loc, ROOT_KEY, _root(STATE_PENDING))
+    spec = dict(loc.spec)
+    if spec.get("driver") == "file":
+        spec["file_io_sync"] = True  # as _store.write_durable: temp file, fsync, rename
+    durable = ts.KvStore.open(spec, context=_store.CONTEXT).result()
+    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING), if_equal=_NO_KEY).result()
+    if not claimed.generation:
+        raise CheckpointExistsError(
+            f"{loc}: another save into this directory started at the same time and claimed it first; "
+            "nothing was written. Save each checkpoint from one job, or use distinct directories"
+        )
 
 
 def save(
@@ -108,10 +141,17 @@ def save(
     tree: Any,
     *,
     overwrite: bool = False,
+    group: Any = None,
     check_replicas: bool = True,
-    coordinator: Coordinator | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
+
+    Under torch.distributed every rank of ``group`` (default: the default group)
+    calls save with its local tree; leaves are DTensors, ShardedArrays, plain
+    tensors (replicas when several ranks give the same path) or values.
+    ``check_replicas`` compares replica contents by checksum; ``timeout`` bounds
+    every wait on other ranks.
 
     Protocol (every rank calls save with its local tree):
 
@@ -130,7 +170,7 @@ def save(
     After each step all ranks exchange a status, so a failure on one rank makes
     every rank raise and nothing is committed.
     """
-    coord = coordinator or Solo()
+    coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     flat = flatten(tree)
     multi = coord.world_size > 1

@@ -1,0 +1,73 @@
+"""Run a scenario function on N gloo ranks in fresh processes, with a hard timeout.
+
+Scenarios are plain module-level functions ``fn(rank, world_size, *args)``;
+their return values come back to the test, and an exception on any rank fails
+the test with that rank's traceback. A hung rank is killed after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+_CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        q.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent
+        q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        q.close()
+        q.join_thread()  # flush the result before skipping teardown
+        # skip interpreter teardown: gloo's destructors can abort at exit
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn`` on ``world`` ranks; return each rank's result, or raise with the failures."""
+    port = free_port()
+    q = _CTX.Queue()
+    procs = [_CTX.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = q.get(timeout=timeout)
+            results[rank] = (status, value)
+    except Exception as e:  # queue.Empty: some rank hung or died
+        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s") from e
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise RankError(errors)
+    return [results[r][1] for r in range(world)]
+
+
+class RankError(Exception):
+    """One or more ranks raised; ``errors`` maps rank -> message with traceback."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(f"--- rank {r}: {m}" for r, m in sorted(errors.items())))

@@ -1,0 +1,153 @@
+"""Multi-rank scenarios, run by tests/test_distributed.py on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tsckpt
+
+
+def global_tensor(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def dtensor(full: torch.Tensor, m: Any, placements: list[Any]) -> Any:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, m, placements)
+
+
+# ---- save side -------------------------------------------------------------
+
+
+def save_dtensors(rank: int, world: int, directory: str, mesh_shape: tuple[int, ...], spec: dict[str, Any]) -> None:
+    """spec: name -> (global shape, placements as strings like 'S0', 'S1', 'R')."""
+    m = mesh(mesh_shape)
+    tree = {name: dtensor(global_tensor(shape, seed=i), m, parse(pl)) for i, (name, (shape, pl)) in enumerate(sorted(spec.items()))}
+    tsckpt.save(directory, {"model": tree, "step": 7})
+
+
+def restore_dtensors(rank: int, world: int, directory: str, mesh_shape: tuple[int, ...], spec: dict[str, Any], inplace: bool = False) -> dict[str, int]:
+    m = mesh(mesh_shape)
+    target = {}
+    for i, (name, (shape, pl)) in enumerate(sorted(spec.items())):
+        d = dtensor(torch.full(shape, float("nan")), m, parse(pl))
+        target[name] = d
+    out = tsckpt.restore(directory, {"model": target, "step": 0}, inplace=inplace)
+    checked = {}
+    for i, (name, (shape, pl)) in enumerate(sorted(spec.items())):
+        got = out["model"][name]
+        expect = dtensor(global_tensor(shape, seed=i), m, parse(pl)).to_local()
+        if not torch.equal(got.to_local(), expect):
+            raise AssertionError(f"rank {rank}: {name} local shard differs")
+        if tuple(got.placements) != tuple(parse(pl)):
+            raise AssertionError(f"{name}: placements {got.placements}")
+        if inplace and got.to_local().data_ptr() != target[name].to_local().data_ptr():
+            raise AssertionError("inplace restore allocated a new local tensor")
+        checked[name] = got.to_local().numel()
+    if out["step"] != 7:
+        raise AssertionError(out["step"])
+    return checked
+
+
+def parse(pl: str) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in pl.split(",")]
+
+
+def save_fsdp2(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    fully_shard(model, mesh=mesh((world,)))
+    tsckpt.save(directory, {"model": dict(model.state_dict())})
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def restore_fsdp2(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    ref = tiny_model().state_dict()
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fully_shard(model, mesh=mesh((world,)))
+    sd = dict(model.state_dict())
+    for v in sd.values():
+        v.to_local().fill_(float("nan"))
+    tsckpt.restore(directory, {"model": sd}, inplace=True)
+    for name, p in model.state_dict().items():
+        if not torch.equal(p.full_tensor(), ref[name]):
+            raise AssertionError(f"rank {rank}: {name} differs after restore")
+
+
+def replicas(rank: int, world: int, directory: str, differ: bool) -> None:
+    w = global_tensor((6, 4))
+    if differ and rank == 1:
+        w = w + 1
+    tsckpt.save(directory, {"w": w, "b": torch.arange(3)})
+
+
+def pipeline_stages(rank: int, world: int, directory: str, collide: bool) -> None:
+    """Each stage holds 2 layers; global names unless ``collide`` (stage-local names)."""
+    tree = {}
+    for j in range(2):
+        idx = j if collide else rank * 2 + j
+        tree[f"layers.{idx}.weight"] = global_tensor((3, 3), seed=rank * 2 + j)
+    tsckpt.save(directory, {"model": tree})
+
+
+def partial_save(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.tensor import DTensor, Partial
+
+    m = mesh((world,))
+    d = DTensor.from_local(torch.ones(2, 2), m, [Partial()])
+    tsckpt.save(directory, {"p": d})
+
+
+def failing_save(rank: int, world: int, directory: str) -> None:
+    """Rank 1 fails while writing its data; every rank must raise."""
+    import tsckpt._save as save_mod
+
+    if rank == 1:
+        def boom(*a: Any, **k: Any) -> Any:
+            raise OSError("disk full (injected)")
+
+        save_mod._write_regions = boom  # type: ignore[assignment]
+    m = mesh((world,))
+    tsckpt.save(directory, {"w": dtensor(global_tensor((8, 2)), m, parse("S0"))})
+
+
+def sharded_arrays(rank: int, world: int, directory: str, splits: list[int], cols: int) -> None:
+    """Hand-made row shards of a (sum(splits), cols) array, one per rank."""
+    full = global_tensor((sum(splits), cols))
+    start = sum(splits[:rank])
+    local = full[start : start + splits[rank]].clone()
+    tsckpt.save(directory, {"emb": tsckpt.ShardedArray(local, full.shape, (start, 0))})
+
+
+def restore_sharded_arrays(rank: int, world: int, directory: str, splits: list[int], cols: int) -> None:
+    full = global_tensor((sum(splits), cols))
+    start = sum(splits[:rank])
+    target = tsckpt.ShardedArray(torch.empty(splits[rank], cols), full.shape, (start, 0))
+    out = tsckpt.restore(directory, {"emb": target})
+    if not torch.equal(out["emb"].local, full[start : start + splits[rank]]):
+        raise AssertionError(f"rank {rank}: region differs")
+
+
+def world_of_group(rank: int, world: int) -> int:
+    return dist.get_world_size()

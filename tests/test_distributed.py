@@ -1,0 +1,126 @@
+"""Multi-rank save/restore on gloo: layouts, resharding, replica checks, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tests import dist_scenarios as sc
+from tests.dist_helpers import RankError, run_ranks
+
+SPEC = {
+    "wte": ((10, 6), "S0"),
+    "wpe": ((5, 4), "S0"),
+    "proj": ((7, 3), "S1"),
+    "norm": ((6,), "R"),
+}
+
+
+def test_dtensor_4_ranks_restored_on_1_2_3_ranks_and_offline(tmp_path):
+    d = str(tmp_path / "ck")
+    run_ranks(sc.save_dtensors, 4, d, (4,), SPEC)
+    for world in (2, 3):
+        run_ranks(sc.restore_dtensors, world, d, (world,), SPEC)
+    # a plain single process, no torch.distributed
+    out = tsckpt.restore(d)
+    for i, (name, (shape, _)) in enumerate(sorted(SPEC.items())):
+        np.testing.assert_array_equal(out["model"][name], sc.global_tensor(shape, seed=i).numpy())
+    assert out["step"] == 7
+    assert tsckpt.open(d)["model/wte"][5:9].shape == (4, 6)
+
+
+def test_fsdp2_save_4_restore_2_and_as_tp_shard1(tmp_path):
+    d = str(tmp_path / "ck")
+    run_ranks(sc.save_fsdp2, 4, d)
+    run_ranks(sc.restore_fsdp2, 2, d)
+    ref = sc.tiny_model().state_dict()
+    spec = {f"model/{k}": None for k in ref}
+    got = tsckpt.restore(d)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(got["model"][k], v.numpy())
+    assert set(spec) == {f"model/{k}" for k in got["model"]}
+
+
+def test_2x2_mesh_to_1d_and_back(tmp_path):
+    spec2d = {"a": ((8, 6), "S0,S1"), "b": ((7, 3), "S0,S1"), "c": ((5, 4), "R,S0")}
+    spec1d = {"a": ((8, 6), "S1"), "b": ((7, 3), "S0"), "c": ((5, 4), "S0")}
+    d1, d2 = str(tmp_path / "a"), str(tmp_path / "b")
+    run_ranks(sc.save_dtensors, 4, d1, (2, 2), spec2d)
+    run_ranks(sc.restore_dtensors, 2, d1, (2,), spec1d, True)
+    run_ranks(sc.save_dtensors, 2, d2, (2,), spec1d)
+    run_ranks(sc.restore_dtensors, 4, d2, (2, 2), spec2d, True)
+
+
+def test_uneven_rows_on_three_ranks(tmp_path):
+    d = str(tmp_path / "ck")
+    spec = {"w": ((5, 2), "S0"), "v": ((2, 5), "S1")}
+    run_ranks(sc.save_dtensors, 3, d, (3,), spec)
+    run_ranks(sc.restore_dtensors, 2, d, (2,), spec)
+
+
+def test_ddp_style_replicas_written_once(tmp_path):
+    d = str(tmp_path / "ck")
+    run_ranks(sc.replicas, 2, d, False)
+    out = tsckpt.restore(d)
+    np.testing.assert_array_equal(out["w"], sc.global_tensor((6, 4)).numpy())
+    np.testing.assert_array_equal(out["b"], np.arange(3))
+
+
+def test_replica_mismatch_raises_on_every_rank(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.replicas, 2, d, True)
+    assert set(e.value.errors) == {0, 1}
+    for msg in e.value.errors.values():
+        assert "LayoutError" in msg and "'w'" in msg and "differ in content" in msg and "ranks [0] vs ranks [1]" in msg
+    assert not os.path.exists(os.path.join(d, "zarr.json"))
+
+
+def test_pipeline_disjoint_paths_union(tmp_path):
+    d = str(tmp_path / "ck")
+    run_ranks(sc.pipeline_stages, 2, d, False)
+    out = tsckpt.restore(d)
+    assert sorted(out["model"]) == [f"layers.{i}.weight" for i in range(4)]
+    for i in range(4):
+        np.testing.assert_array_equal(out["model"][f"layers.{i}.weight"], sc.global_tensor((3, 3), seed=i).numpy())
+
+
+def test_pipeline_name_collision_is_an_error(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.pipeline_stages, 2, d, True)
+    for msg in e.value.errors.values():
+        assert "'model/layers.0.weight'" in msg and "differ in content" in msg and "distinct global names" in msg
+
+
+def test_partial_placement_is_refused(tmp_path):
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.partial_save, 2, str(tmp_path / "ck"))
+    for msg in e.value.errors.values():
+        assert "Partial" in msg and "'p'" in msg and "redistribute" in msg
+
+
+def test_rank_failing_mid_save_makes_all_raise_and_commits_nothing(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.failing_save, 2, d, timeout=60)
+    assert "disk full (injected)" in e.value.errors[1]
+    assert "DistributedError" in e.value.errors[0] and "rank(s) [1]" in e.value.errors[0]
+    with open(os.path.join(d, "zarr.json")) as f:
+        assert json.load(f)["attributes"]["tsckpt"]["state"] == "pending"
+    with pytest.raises(tsckpt.CheckpointIncompleteError):
+        tsckpt.restore(d)
+
+
+def test_irregular_explicit_shards(tmp_path):
+    d = str(tmp_path / "ck")
+    splits = [3, 3, 2, 2]
+    run_ranks(sc.sharded_arrays, 4, d, splits, 5)
+    full = sc.global_tensor((10, 5))
+    np.testing.assert_array_equal(tsckpt.restore(d)["emb"], full.numpy())
+    run_ranks(sc.restore_sharded_arrays, 4, d, [4, 1, 1, 4], 5)

@@ -1,0 +1,56 @@
+"""torch.distributed coordination over a dedicated gloo group.
+
+Planning exchanges only small descriptors (paths, shapes, offsets, checksums),
+never tensor data, and always over gloo on the CPU: a job whose default
+backend is NCCL gets a side gloo group, so planning never touches GPU memory
+or interleaves with the training loop's own collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from ._coord import Coordinator, Solo
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+_groups: dict[tuple[Any, float], Any] = {}
+
+
+class DistCoordinator:
+    """Coordinator over the ranks of ``group``, talking through a gloo group."""
+
+    def __init__(self, group: Any, timeout: datetime.timedelta) -> None:
+        import torch.distributed as dist
+
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
+        key = (ranks, timeout.total_seconds())
+        if key not in _groups:
+            # new_group is collective over the default group: every rank calls
+            # save/restore, so every rank reaches this line in the same order.
+            _groups[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout)
+        self.group = _groups[key]
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def coordinator_for(group: Any = None, timeout: datetime.timedelta | None = None) -> Coordinator:
+    """Solo when torch.distributed is not initialized; otherwise the ranks of ``group``
+    (default: the default process group)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return Solo()
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialized")
+        return Solo()
+    return DistCoordinator(group, timeout or DEFAULT_TIMEOUT)
