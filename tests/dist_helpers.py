@@ -13,7 +13,10 @@ import socket
 import traceback
 from typing import Any, Callable
 
-_CTX = mp.get_context("spawn")
+# forkserver: torch and tsckpt are imported once in the server, then each rank
+# is forked from it, which is several times faster than spawn on a small machine.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "tsckpt", "tests.dist_scenarios"])
 
 
 def free_port() -> int:

@@ -124,3 +124,16 @@ def test_irregular_explicit_shards(tmp_path):
     full = sc.global_tensor((10, 5))
     np.testing.assert_array_equal(tsckpt.restore(d)["emb"], full.numpy())
     run_ranks(sc.restore_sharded_arrays, 4, d, [4, 1, 1, 4], 5)
+
+
+def test_irregular_split_keeps_few_files_and_one_writer_each(tmp_path):
+    """array_split-style rows 13,12,12,12 would need 1-row shards if files followed
+    the region starts; instead straddling shards get their few rows sent over."""
+    d = str(tmp_path / "ck")
+    splits = [13, 12, 12, 12]
+    run_ranks(sc.sharded_arrays, 4, d, splits, 64)
+    full = sc.global_tensor((49, 64))
+    np.testing.assert_array_equal(tsckpt.restore(d)["emb"], full.numpy())
+    files = sorted(os.listdir(os.path.join(d, "emb", "c")))
+    assert files == ["0", "1", "2", "3", "4"]  # 12-row shards, not 49 one-row files
+    run_ranks(sc.restore_sharded_arrays, 3, d, [20, 20, 9], 64)

@@ -21,6 +21,8 @@ class Coordinator(Protocol):
 
     def all_gather(self, obj: Any) -> list[Any]: ...
 
+    def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]: ...
+
 
 class Solo:
     rank = 0
@@ -28,6 +30,9 @@ class Solo:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]:
+        raise RuntimeError("a single process has no peers to exchange data with")
 
 
 def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int] | None = None) -> T | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
+
 from ._coord import Coordinator, Solo
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -40,6 +42,25 @@ class DistCoordinator:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def exchange(
+        self, sends: list[tuple[int, int, np.ndarray]], recvs: list[tuple[int, int, int]]
+    ) -> dict[int, np.ndarray]:
+        """Point-to-point bytes: ``sends`` are (dst, tag, array), ``recvs`` (src, tag, nbytes)."""
+        import torch
+        import torch.distributed as dist
+
+        works = []
+        for dst, tag, arr in sends:
+            t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+            works.append(dist.isend(t, dst=dist.get_global_rank(self.group, dst), group=self.group, tag=tag))
+        out = {}
+        for src, tag, nbytes in recvs:
+            out[tag] = torch.empty(nbytes, dtype=torch.uint8)
+            works.append(dist.irecv(out[tag], src=dist.get_global_rank(self.group, src), group=self.group, tag=tag))
+        for w in works:
+            w.wait()
+        return {tag: t.numpy() for tag, t in out.items()}
 
 
 def coordinator_for(group: Any = None, timeout: datetime.timedelta | None = None) -> Coordinator:

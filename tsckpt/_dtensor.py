@@ -46,11 +46,11 @@ def region(path: str, dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
 
 
-def describe_dtensor(path: str, leaf: Any, *, with_checksum: bool) -> Any:
+def describe_dtensor(path: str, leaf: Any) -> Any:
     from ._leaves import region_leaf
 
     offsets, _ = region(path, leaf)
-    return region_leaf(path, leaf.to_local(), tuple(leaf.shape), offsets, "torch", with_checksum=with_checksum)
+    return region_leaf(path, leaf.to_local(), tuple(leaf.shape), offsets, "torch")
 
 
 def dtensor_destination(rec: Any, path: str, leaf: Any, inplace: bool) -> Any:

@@ -94,7 +94,7 @@ def checksum(data: Any) -> int:
 
 
 def region_leaf(
-    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str, *, with_checksum: bool
+    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str
 ) -> Local:
     """A leaf that is the region of a global array starting at ``offsets``."""
     dtype = logical_dtype(path, data)
@@ -109,27 +109,26 @@ def region_leaf(
         global_shape=tuple(global_shape),
         offsets=tuple(offsets),
         lengths=tuple(int(s) for s in data.shape),
-        checksum=checksum(data) if with_checksum else None,
     )
     return Local(desc, data)
 
 
-def describe(path: str, leaf: Any, *, with_checksum: bool = False) -> Local:
+def describe(path: str, leaf: Any) -> Local:
     """Descriptor and local data for one leaf about to be saved."""
     from ._dtensor import describe_dtensor, is_dtensor
 
     if is_dtensor(leaf):
-        return describe_dtensor(path, leaf, with_checksum=with_checksum)
+        return describe_dtensor(path, leaf)
     if isinstance(leaf, ShardedArray):
         local = leaf.local
         kind = "torch" if isinstance(local, torch.Tensor) else "numpy"
-        return region_leaf(path, local, leaf.global_shape, leaf.offsets, kind, with_checksum=with_checksum)
+        return region_leaf(path, local, leaf.global_shape, leaf.offsets, kind)
     if isinstance(leaf, torch.Tensor):
-        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch", with_checksum=with_checksum)
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
     if isinstance(leaf, np.ndarray):
-        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy", with_checksum=with_checksum)
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
     if isinstance(leaf, np.generic):
-        return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar", with_checksum=with_checksum)
+        return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar")
     value = encode_value(leaf)
     if value is None:
         raise LeafTypeError(

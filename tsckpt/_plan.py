@@ -36,18 +36,31 @@ class LeafDesc:
 
 @dataclasses.dataclass(frozen=True)
 class WriteItem:
-    """Rank ``rank`` writes the global box (``offsets``, ``lengths``) of ``path``
-    from its local data starting at ``source_offsets``."""
+    """Rank ``rank`` writes the global box (``offsets``, ``lengths``) of ``path``.
+
+    Normally the box lies in the rank's own region and is read from its local
+    data at ``source_offsets``. An ``assembled`` item is one whole shard that
+    straddles regions of an irregular split: the rank fills it from its own
+    data plus the :class:`Transfer` pieces other ranks send it.
+    """
 
     rank: int
     path: str
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
-    source_offsets: tuple[int, ...]
+    source_offsets: tuple[int, ...] = ()
+    assembled: bool = False
 
-    @property
-    def nbytes_elems(self) -> int:
-        return math.prod(self.lengths)
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Rank ``src`` sends the global box (``offsets``, ``lengths``) of ``path`` to ``dst``."""
+
+    path: str
+    src: int
+    dst: int
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +68,7 @@ class SavePlan:
     arrays: tuple[ArrayRecord, ...]
     values: tuple[tuple[str, Any], ...]  # (path, value JSON)
     writes: tuple[WriteItem, ...]
+    transfers: tuple[Transfer, ...] = ()
 
     def writes_for(self, rank: int) -> list[WriteItem]:
         return [w for w in self.writes if w.rank == rank]
@@ -116,8 +130,8 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
 
     Identical regions given by several ranks are replicas: each is written by one
     of them, the one with the fewest bytes assigned so far (largest regions are
-    placed first). Distinct regions must exactly tile the global array. Shard
-    boundaries follow the region starts, so no file has two writers.
+    placed first). Distinct regions must exactly tile the global array. Every
+    shard (file) has exactly one writer (see :func:`_plan_array`).
     """
     by_path: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
     for rank, leaves in enumerate(per_rank):
@@ -126,6 +140,7 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
 
     arrays: list[ArrayRecord] = []
     values: list[tuple[str, Any]] = []
+    array_groups: list[tuple[str, LeafDesc, dict[Box, list[tuple[int, LeafDesc]]]]] = []
     regions: list[tuple[int, str, Box, list[tuple[int, LeafDesc]]]] = []
     for path in sorted(by_path):
         holders = by_path[path]
@@ -167,23 +182,71 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
                     "stages with stage-local names), give them distinct global names; to skip this check pass "
                     "check_replicas=False"
                 )
-        boxes = list(groups)
-        _check_exact_cover(path, first.global_shape, boxes)
-        cuts = [sorted({b[0][d] for b in boxes}) for d in range(len(first.global_shape))]
-        layout = choose_layout(first.global_shape, first.itemsize, cuts)
-        arrays.append(ArrayRecord(path, first.global_shape, first.dtype, first.kind, layout))
+        _check_exact_cover(path, first.global_shape, list(groups))
+        array_groups.append((path, first, groups))
         for box, members in groups.items():
             regions.append((math.prod(box[1]) * first.itemsize, path, box, members))
 
     load: dict[int, int] = defaultdict(int)
-    writes: list[WriteItem] = []
+    writer: dict[tuple[str, Box], tuple[int, LeafDesc]] = {}
     for nbytes, path, box, members in sorted(regions, key=lambda x: (-x[0], x[1], x[2])):
-        rank, leaf = min(members, key=lambda m: (load[m[0]], m[0]))
-        load[rank] += nbytes
-        src = tuple(o - lo for o, lo in zip(box[0], leaf.offsets))
-        writes.append(WriteItem(rank, path, box[0], box[1], src))
+        writer[(path, box)] = min(members, key=lambda m: (load[m[0]], m[0]))
+        load[writer[(path, box)][0]] += nbytes
+
+    writes: list[WriteItem] = []
+    transfers: list[Transfer] = []
+    for path, first, groups in array_groups:
+        owned = [(box, writer[(path, box)]) for box in groups if math.prod(box[1]) > 0]
+        layout, items, moves = _plan_array(path, first, owned)
+        arrays.append(ArrayRecord(path, first.global_shape, first.dtype, first.kind, layout))
+        writes += items
+        transfers += moves
     writes.sort(key=lambda w: (w.rank, w.path, w.offsets))
-    return SavePlan(tuple(arrays), tuple(values), tuple(writes))
+    return SavePlan(tuple(arrays), tuple(values), tuple(writes), tuple(transfers))
+
+
+def _n_shards(shape: Sequence[int], layout: Layout) -> int:
+    return math.prod(-(-max(1, n) // g) for n, g in zip(shape, layout.shard_shape))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def _plan_array(
+    path: str, first: LeafDesc, owned: list[tuple[Box, tuple[int, LeafDesc]]]
+) -> tuple[Layout, list[WriteItem], list[Transfer]]:
+    """Layout and write items of one array.
+
+    Shards follow the region starts when that keeps them reasonably large. An
+    irregular split (e.g. rows 3,3,2,2, or 12565,12564,... from array_split)
+    would need shards as thin as the gcd of the starts; instead shards are cut
+    no longer than the shortest region, each is written by the rank owning most
+    of it, and the thin pieces of straddling shards are sent to that rank.
+    """
+    shape = first.global_shape
+    cuts = [sorted({box[0][d] for box, _ in owned}) for d in range(len(shape))]
+    aligned = choose_layout(shape, first.itemsize, cuts)
+    # shards no longer than the shortest region, so most lie inside one region
+    shortest = [[min(box[1][d] for box, _ in owned)] if len(cuts[d]) > 1 else [] for d in range(len(shape))]
+    natural = choose_layout(shape, first.itemsize, shortest)
+    if _n_shards(shape, aligned) <= 2 * _n_shards(shape, natural):
+        items = [
+            WriteItem(rank, path, box[0], box[1], tuple(o - lo for o, lo in zip(box[0], leaf.offsets)))
+            for box, (rank, leaf) in owned
+        ]
+        return aligned, items, []
+    items, moves = [], []
+    for cell in shard_boxes((0,) * len(shape), shape, natural):
+        parts = [(part, rank) for box, (rank, _) in owned if (part := _intersect(cell, box)) is not None]
+        dst = max(parts, key=lambda p: (math.prod(p[0][1]), -p[1]))[1]
+        items.append(WriteItem(dst, path, cell[0], cell[1], assembled=True))
+        moves += [Transfer(path, rank, dst, part[0], part[1]) for part, rank in parts if rank != dst]
+    return natural, items, moves
 
 
 def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], layout: Layout) -> list[Box]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import collections
+import math
+import dataclasses
 import datetime
 import time
 from typing import Any
 
 import tensorstore as ts
 
-from . import _store
+import numpy as np
+
+from . import _dtypes, _store
 from ._coord import phase
 from ._dist import coordinator_for
 from ._errors import CheckpointExistsError
@@ -21,8 +25,8 @@ from ._format import (
     group_metadata,
 )
 from ._arrays import array_node, open_array
-from ._leaves import Local, describe, storage_numpy
-from ._plan import SavePlan, WriteItem, plan_save, shard_boxes
+from ._leaves import Local, checksum, describe, storage_numpy
+from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
@@ -37,8 +41,49 @@ def _version() -> str:
     return __version__
 
 
-def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local]) -> int:
-    """Write this rank's regions shard by shard, keeping a bounded window in flight."""
+def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
+    """Storage-dtype numpy of the global box (``offsets``, ``lengths``) from a rank's local data."""
+    sel = tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(offsets, lf.desc.offsets, lengths))
+    return storage_numpy(lf.data[sel] if sel else lf.data)
+
+
+def _exchange(coord: Any, plan: SavePlan, local: dict[str, Local]) -> dict[int, np.ndarray]:
+    """Send the pieces of straddling shards to their writers; return what this rank received,
+    keyed by transfer index."""
+    if not plan.transfers:
+        return {}
+    me = coord.rank
+    sends, recvs = [], []
+    for i, t in enumerate(plan.transfers):
+        if t.src == me:
+            sends.append((t.dst, i, np.ascontiguousarray(_local_box(local[t.path], t.offsets, t.lengths))))
+        elif t.dst == me:
+            lf = local[t.path]
+            nbytes = math.prod(t.lengths) * lf.desc.itemsize
+            recvs.append((t.src, i, nbytes))
+    return coord.exchange(sends, recvs) if sends or recvs else {}
+
+
+def _assemble(item: WriteItem, lf: Local, plan: SavePlan, received: dict[int, np.ndarray]) -> np.ndarray:
+    """The whole shard of an assembled item: this rank's part plus the pieces sent to it."""
+    dtype = lf.desc.dtype
+    buf = np.empty(_dtypes.storage_shape(dtype, item.lengths), _dtypes.numpy_dtype(dtype))
+    cell = (item.offsets, item.lengths)
+
+    def put(box: tuple[tuple[int, ...], tuple[int, ...]], data: np.ndarray) -> None:
+        buf[tuple(slice(o - c, o - c + n) for o, c, n in zip(box[0], item.offsets, box[1]))] = data
+
+    mine = _intersect(cell, (lf.desc.offsets, lf.desc.lengths))
+    if mine is not None:
+        put(mine, _local_box(lf, *mine))
+    for i, t in enumerate(plan.transfers):
+        if t.dst == item.rank and t.path == item.path and _intersect(cell, (t.offsets, t.lengths)) is not None:
+            put((t.offsets, t.lengths), received[i].view(buf.dtype).reshape(_dtypes.storage_shape(dtype, t.lengths)))
+    return buf
+
+
+def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray]) -> int:
+    """Write this rank's items shard by shard, keeping a bounded window in flight."""
     records = {a.path: a for a in plan.arrays}
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
@@ -49,18 +94,13 @@ def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Lo
         if item.path not in stores:
             stores[item.path] = open_array(loc, rec, write=True)
         store = stores[item.path]
-        data = local[item.path].data
+        lf = local[item.path]
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
-            src_sel = tuple(
-                slice(s + o - io, s + o - io + n)
-                for s, o, io, n in zip(item.source_offsets, off, item.offsets, ln)
-            )
-            src = storage_numpy(data[src_sel] if src_sel else data)
+            src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
             dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-            nbytes = src.nbytes
-            pending.append((dst.write(src).commit, nbytes))
-            in_flight += nbytes
-            written += nbytes
+            pending.append((dst.write(src).commit, src.nbytes))
+            in_flight += src.nbytes
+            written += src.nbytes
             while in_flight > WRITE_WINDOW_BYTES and pending:
                 fut, n = pending.popleft()
                 fut.result()
@@ -136,6 +176,22 @@ def _begin(loc: Location, overwrite: bool) -> None:
         )
 
 
+def _with_replica_checksums(coord: Any, per_rank: list[list[LeafDesc]], local: list[Local]) -> list[list[LeafDesc]]:
+    """Checksum only the regions more than one rank holds (a second, small exchange),
+    so fully sharded state is never hashed."""
+    holders = collections.Counter((d.path, d.offsets, d.lengths) for descs in per_rank for d in descs if d.kind != "value")
+    mine = {
+        lf.desc.path: checksum(lf.data)
+        for lf in local
+        if lf.desc.kind != "value" and holders[(lf.desc.path, lf.desc.offsets, lf.desc.lengths)] > 1
+    }
+    sums = coord.all_gather(mine)
+    return [
+        [dataclasses.replace(d, checksum=sums[r][d.path]) if d.path in sums[r] else d for d in descs]
+        for r, descs in enumerate(per_rank)
+    ]
+
+
 def save(
     directory: Directory,
     tree: Any,
@@ -173,19 +229,23 @@ def save(
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     flat = flatten(tree)
-    multi = coord.world_size > 1
-    local = [describe(p, leaf, with_checksum=multi and check_replicas) for p, leaf in zip(flat.paths, flat.leaves)]
+    local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
     structure = structure_to_json(flat.spec)
     gathered = coord.all_gather(([lf.desc for lf in local], flat.paths, structure))
-    plan = plan_save([g[0] for g in gathered])
+    per_rank = [g[0] for g in gathered]
+    if coord.world_size > 1 and check_replicas:
+        per_rank = _with_replica_checksums(coord, per_rank, local)
+    plan = plan_save(per_rank)
     same_tree = all(g[1] == flat.paths and g[2] == structure for g in gathered)
     leaves = flat.paths if same_tree else sorted({p for g in gathered for p in g[1]})
 
     phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
     by_path = {lf.desc.path: lf for lf in local}
 
+    received = phase(coord, "save (exchange)", lambda: _exchange(coord, plan, by_path)) or {}
+
     def write() -> None:
-        _write_regions(loc, plan, coord.rank, by_path)
+        _write_regions(loc, plan, coord.rank, by_path, received)
         if coord.rank == 0:
             _write_nodes(loc.kvstore(), plan)
         _store.sync_data(loc)

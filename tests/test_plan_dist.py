@@ -1,0 +1,130 @@
+"""Save planning across many simulated ranks: exact cover, one writer per file."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tsckpt import LayoutError
+from tsckpt._plan import LeafDesc, plan_save, shard_boxes
+
+
+def desc(path, shape, off, ln, itemsize=4, checksum=None):
+    return LeafDesc(path, "torch", "float32", itemsize, tuple(shape), tuple(off), tuple(ln), checksum)
+
+
+@st.composite
+def splits(draw, n):
+    """Split n into 1..4 positive parts (even or irregular)."""
+    k = draw(st.integers(1, min(4, n)))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
+    edges = [0, *cuts, n]
+    return [(a, b - a) for a, b in zip(edges, edges[1:])]
+
+
+@st.composite
+def sharded_arrays(draw):
+    rows = draw(st.integers(1, 300))
+    cols = draw(st.integers(1, 300))
+    row_parts = draw(splits(rows))
+    col_parts = draw(splits(cols))
+    replicas = draw(st.integers(1, 2))
+    per_rank = []
+    for (r0, rn), (c0, cn) in itertools.product(row_parts, col_parts):
+        for _ in range(replicas):
+            per_rank.append([desc("a", (rows, cols), (r0, c0), (rn, cn))])
+    return (rows, cols), per_rank
+
+
+def cells(shape, layout):
+    return shard_boxes((0,) * len(shape), shape, layout)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sharded_arrays())
+def test_every_file_has_exactly_one_writer_and_every_element_is_written_once(case):
+    shape, per_rank = case
+    plan = plan_save(per_rank)
+    (rec,) = plan.arrays
+    # cells covered by each item, per writer
+    writers: dict[tuple, set[int]] = {}
+    covered = 0
+    for w in plan.writes:
+        covered += math.prod(w.lengths)
+        for cell in shard_boxes(w.offsets, w.lengths, rec.layout):
+            key = tuple(o // g for o, g in zip(cell[0], rec.layout.shard_shape))
+            writers.setdefault(key, set()).add(w.rank)
+        if not w.assembled:  # a plain write only covers the writer's own region
+            (mine,) = per_rank[w.rank]
+            assert all(m <= o and o + n <= m + k for o, n, m, k in zip(w.offsets, w.lengths, mine.offsets, mine.lengths))
+    assert covered == math.prod(shape)
+    assert all(len(ranks) == 1 for ranks in writers.values())
+    assert len(writers) == len(cells(shape, rec.layout))
+    # the pieces sent to a writer come from the rank that owns them
+    for t in plan.transfers:
+        (src,) = per_rank[t.src]
+        assert all(m <= o and o + n <= m + k for o, n, m, k in zip(t.offsets, t.lengths, src.offsets, src.lengths))
+    # the number of files stays proportional to the regions, never one per row
+    regions = {(d.offsets, d.lengths) for (d,) in per_rank}
+    natural = math.prod(-(-s // max(1, min(ln[i] for _, ln in regions))) for i, s in enumerate(shape))
+    assert len(cells(shape, rec.layout)) <= 2 * natural + len(regions)
+
+
+def test_irregular_rows_use_region_sized_shards_with_boundary_transfers():
+    n, cols = 50257, 768
+    sizes = [12565, 12564, 12564, 12564]
+    starts = [0, 12565, 25129, 37693]
+    plan = plan_save([[desc("wte", (n, cols), (s, 0), (k, cols))] for s, k in zip(starts, sizes)])
+    (rec,) = plan.arrays
+    assert rec.layout.shard_shape == (12564, 768)
+    assert [(t.src, t.dst, t.offsets, t.lengths) for t in plan.transfers] == [
+        (0, 1, (12564, 0), (1, 768)),
+        (1, 2, (25128, 0), (1, 768)),
+        (2, 3, (37692, 0), (1, 768)),
+    ]
+
+
+def test_torch_chunk_splits_align_without_transfers():
+    plan = plan_save([[desc("w", (10, 4), (o, 0), (n, 4))] for o, n in [(0, 4), (4, 4), (8, 2)]])
+    assert plan.transfers == ()
+    assert plan.arrays[0].layout.shard_shape[0] == 4
+
+
+def test_replicas_are_balanced_across_ranks():
+    per_rank = [[desc(f"p{i}", (256, 256), (0, 0), (256, 256)) for i in range(8)] for _ in range(4)]
+    plan = plan_save(per_rank)
+    assert sorted(sum(1 for w in plan.writes if w.rank == r) for r in range(4)) == [2, 2, 2, 2]
+
+
+def test_overlap_and_hole_messages_name_path_and_regions():
+    with pytest.raises(LayoutError, match=r"'w': regions \[0:3, 0:4\] and \[2:5, 0:4\] overlap"):
+        plan_save([[desc("w", (10, 4), (0, 0), (3, 4))], [desc("w", (10, 4), (2, 0), (3, 4))]])
+    with pytest.raises(LayoutError, match=r"'w': shards cover 24 of 40 elements .* a shard is missing"):
+        plan_save([[desc("w", (10, 4), (0, 0), (3, 4))], [desc("w", (10, 4), (4, 0), (3, 4))]])
+    with pytest.raises(LayoutError, match=r"'w': region \[8:12, 0:4\] lies outside the global shape \[10, 4\]"):
+        plan_save([[desc("w", (10, 4), (0, 0), (8, 4))], [desc("w", (10, 4), (8, 0), (4, 4))]])
+
+
+def test_replica_checksum_mismatch_names_ranks():
+    with pytest.raises(LayoutError, match=r"'w': replicas of region \[0:2\] differ in content \(ranks \[0, 2\] vs ranks \[1\]\)"):
+        plan_save([[desc("w", (2,), (0,), (2,), checksum=c)] for c in (1, 2, 1)])
+
+
+def test_disagreeing_shapes_and_values():
+    with pytest.raises(LayoutError, match="ranks disagree on what this leaf is"):
+        plan_save([[desc("w", (2,), (0,), (2,))], [desc("w", (3,), (0,), (3,))]])
+    v = lambda x: LeafDesc("step", "value", value={"type": "int", "value": x})  # noqa: E731
+    with pytest.raises(LayoutError, match="'step': ranks 0 and \\[1\\] give different values"):
+        plan_save([[v(1)], [v(2)]])
+
+
+def test_planner_scales_to_64_ranks_and_1000_leaves():
+    per_rank = []
+    for r in range(64):
+        per_rank.append([desc(f"layers.{i}.w", (6400, 64), (r * 100, 0), (100, 64)) for i in range(1000)])
+    plan = plan_save(per_rank)
+    assert len(plan.arrays) == 1000 and len(plan.writes) == 64000 and not plan.transfers
