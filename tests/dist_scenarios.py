@@ -151,3 +151,62 @@ def restore_sharded_arrays(rank: int, world: int, directory: str, splits: list[i
 
 def world_of_group(rank: int, world: int) -> int:
     return dist.get_world_size()
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(6, 10)
+        self.down = torch.nn.Linear(10, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def save_fsdp_tp(rank: int, world: int, directory: str) -> list[str]:
+    """2x2 mesh: tensor parallel on 'tp', FSDP2 on 'dp' (strided sharding)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = mesh((2, 2), ("dp", "tp"))
+    model = MLP()
+    parallelize_module(model, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=m["dp"])
+    sd = dict(model.state_dict())
+    tsckpt.save(directory, {"model": sd})
+    return [str(v.placements) for v in sd.values()]
+
+
+def restore_fsdp_1d(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    ref = MLP().state_dict()
+    torch.manual_seed(5)
+    model = MLP()
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    fully_shard(model, mesh=mesh((world,)))
+    tsckpt.restore(directory, {"model": dict(model.state_dict())}, inplace=True)
+    for name, p in model.state_dict().items():
+        if not torch.equal(p.full_tensor(), ref[name]):
+            raise AssertionError(f"rank {rank}: {name} differs")
+
+
+def restore_fsdp_tp(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    ref = MLP().state_dict()
+    m = mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(5)
+    model = MLP()
+    parallelize_module(model, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=m["dp"])
+    sd = dict(model.state_dict())
+    for v in sd.values():
+        v.to_local().fill_(float("nan"))
+    tsckpt.restore(directory, {"model": sd}, inplace=True)
+    for name, p in model.state_dict().items():
+        if not torch.equal(p.full_tensor(), ref[name]):
+            raise AssertionError(f"rank {rank}: {name} differs")
