@@ -59,7 +59,8 @@ class DistCoordinator:
             out[tag] = torch.empty(nbytes, dtype=torch.uint8)
             works.append(dist.irecv(out[tag], src=dist.get_global_rank(self.group, src), group=self.group, tag=tag))
         for w in works:
-            w.wait()
+            if w is not None:
+                w.wait()
         return {tag: t.numpy() for tag, t in out.items()}
 
 

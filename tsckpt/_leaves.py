@@ -90,7 +90,7 @@ def checksum(data: Any) -> int:
             return int(flat.to(torch.int64).sum().item()) ^ (flat.numel() << 40)
         data = _dtypes.tensor_to_numpy(data)
     buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    return zlib.crc32(buf)
+    return zlib.crc32(buf.data)
 
 
 def region_leaf(

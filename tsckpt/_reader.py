@@ -64,7 +64,7 @@ class Checkpoint:
 
     def build(self, leaves: list[Any]) -> Any:
         """Arrange per-leaf objects (in ``self.leaves`` order) into the saved tree."""
-        if self.structure is not None:
+        if self.structure is not None or self.leaves == (ROOT_LEAF_PATH,):  # a lone leaf's structure is null
             return structure_from_json(self.structure, leaves)
         # saved by ranks with different trees: nested dicts keyed by path components
         out: dict[str, Any] = {}
@@ -131,12 +131,24 @@ def metadata(directory: Directory) -> Any:
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
     msg = str(err)
-    if "crc32c" in msg.lower() or "checksum" in msg.lower():
+    if "crc32c" in msg.lower() or "checksum" in msg.lower() or "digest mismatch" in msg.lower():
         what = "checksum mismatch: stored bytes were altered"
     elif "missing" in msg.lower() or "not found" in msg.lower():
         what = "a chunk file is missing"
     else:
         what = "stored data could not be decoded (truncated or damaged file)"
+    return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
+
+
+def node_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
+    """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
+    msg = str(err).split(" [tensorstore_spec=")[0]
+    if "does not exist" in msg or "not found" in msg.lower():
+        what = f"the array is missing ({path}/zarr.json does not exist)"
+    elif "Expected" in msg or "Mismatch" in msg or "Incompatible" in msg:
+        what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"
+    else:
+        what = f"{path}/zarr.json cannot be read"
     return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
 
 
@@ -152,7 +164,8 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], t
     if len(index) > len(shape):
         raise IndexError(f"too many indices: array is {len(shape)}-dimensional, but {len(index)} were indexed")
     index = index + (slice(None),) * (len(shape) - len(index))
-    box, post = [], []
+    box: list[slice] = []
+    post: list[Any] = []
     for i, n in zip(index, shape):
         if isinstance(i, (int, np.integer)):
             j = int(i) + n if i < 0 else int(i)
@@ -195,7 +208,10 @@ class LazyArray:
 
     def _tensorstore(self) -> ts.TensorStore:
         if self._store is None:
-            self._store = open_array(self._ck.location, self._ck.arrays[self.path])
+            try:
+                self._store = open_array(self._ck.location, self._ck.arrays[self.path])
+            except ValueError as e:
+                raise node_error(self._ck, self.path, e) from e
         return self._store
 
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
@@ -229,7 +245,7 @@ class _TorchView:
         self._arr = arr
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        data = self._arr[index]
+        data = np.asarray(self._arr[index])  # a full integer index gives a numpy scalar
         if any(s < 0 for s in data.strides):
             data = np.ascontiguousarray(data)
         return _dtypes.numpy_to_tensor(data, self._arr.dtype)

@@ -12,7 +12,7 @@ kept when it only uses ``[A-Za-z0-9._-]``; any other byte is written as
 ``%XX`` (UTF-8). Integer keys and sequence indices are plain decimal; a str key
 that would read as an integer gets its first character escaped, so ``{0: a}``
 and ``{"0": b}`` never collide. The empty key is ``%``, names zarr reserves
-("." "..", "zarr.json", leading "__") are escaped, and a tree that is a single
+(names of periods only, "zarr.json", leading "__") are escaped, and a tree that is a single
 leaf stores it at ``%root``.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import optree
 from optree import PyTreeKind
@@ -41,7 +41,7 @@ def escape(key: str) -> str:
     if key == "":
         return "%"
     out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
-    if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__"):
+    if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__") or not key.strip("."):
         out = f"%{ord(key[0]):02X}" + out[1:]
     return out
 
@@ -81,7 +81,7 @@ def _dataclass_flatten(obj: Any) -> tuple[list[Any], None, list[str]]:
 
 def _make_dataclass_unflatten(cls: type) -> Callable[[Any, Any], Any]:
     def unflatten(_: Any, children: Any) -> Any:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         for f, v in zip(dataclasses.fields(cls), children):
             object.__setattr__(obj, f.name, v)
         return obj
@@ -90,6 +90,10 @@ def _make_dataclass_unflatten(cls: type) -> Callable[[Any, Any], Any]:
 
 
 def _register_dataclasses(node: Any) -> bool:
+    from ._leaves import ArraySpec, ShardedArray  # lazy: _leaves must not be needed to import tree
+
+    if isinstance(node, (ArraySpec, ShardedArray)):
+        return True  # tsckpt's own leaf dataclasses are leaves, not containers
     cls = type(node)
     if cls not in _registered and dataclasses.is_dataclass(node) and not isinstance(node, type):
         optree.register_pytree_node(
@@ -157,17 +161,17 @@ def structure_to_json(spec: optree.PyTreeSpec) -> Any:
     keys = [_json_key(k) for k in spec.entries()]
     if kind in _MAP:
         node: dict[str, Any] = {"type": "dict", "keys": keys, "children": children}
-        positions = spec.one_level().unflatten(list(range(spec.num_children)))
-        order = list(positions.values())
+        positions = cast(optree.PyTreeSpec, spec.one_level()).unflatten(list(range(spec.num_children)))
+        order: list[int] = list(positions.values())  # type: ignore[union-attr]
         if order != sorted(order):
             node["order"] = order
         if kind == PyTreeKind.ORDEREDDICT:
             node["type"] = "ordereddict"
         return node
     if kind in (PyTreeKind.NAMEDTUPLE, PyTreeKind.STRUCTSEQUENCE):
-        fields = [acc[0].field for acc in spec.one_level().accessors()]
-        return {"type": "namedtuple", "name": spec.type.__name__, "keys": fields, "children": children}
-    cls = spec.type
+        fields = [getattr(acc[0], "field") for acc in cast(optree.PyTreeSpec, spec.one_level()).accessors()]
+        return {"type": "namedtuple", "name": cast(type, spec.type).__name__, "keys": fields, "children": children}
+    cls = cast(type, spec.type)
     return {
         "type": "custom",
         "class": f"{cls.__module__}.{cls.__qualname__}",
