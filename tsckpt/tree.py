@@ -162,7 +162,7 @@ def structure_to_json(spec: optree.PyTreeSpec) -> Any:
     if kind in _MAP:
         node: dict[str, Any] = {"type": "dict", "keys": keys, "children": children}
         positions = cast(optree.PyTreeSpec, spec.one_level()).unflatten(list(range(spec.num_children)))
-        order: list[int] = list(positions.values())  # type: ignore[union-attr]
+        order: list[int] = list(positions.values())  # type: ignore[union-attr,arg-type]
         if order != sorted(order):
             node["order"] = order
         if kind == PyTreeKind.ORDEREDDICT:
