@@ -1,0 +1,470 @@
+"""The tsckpt command line: in-process through main(argv), and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tsckpt._cli import human_bytes, main, parse_target
+
+TIMEOUT = 120  # seconds for one subprocess (imports torch and tensorstore)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tsckpt", *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def model_tree() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+            "b": torch.arange(8, dtype=torch.float32),
+            "f8": torch.linspace(-2, 2, 6).to(torch.float8_e4m3fn),
+            "c": torch.complex(torch.ones(3), torch.arange(3.0)).to(torch.complex32),
+        },
+        "opt": [np.arange(5, dtype=np.int64), np.float32(2.5)],
+        "step": 7,
+        "lr": 0.001,
+        "name": "run-1",
+        "blob": b"\x00\x01",
+    }
+
+
+@pytest.fixture
+def ck(tmp_path):
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, model_tree())
+    return path
+
+
+@pytest.fixture
+def multi(tmp_path, small_chunks):
+    """A checkpoint whose arrays span several shard files with several inner chunks each."""
+    path = str(tmp_path / "multi")
+    tsckpt.save(path, {"big": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32), "other": torch.ones(300)})
+    return path
+
+
+def _files(root: str, leaf: str) -> list[str]:
+    base = os.path.join(root, *leaf.split("/"), "c")
+    if os.path.isfile(base):
+        return [base]
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
+
+
+def _flip(path: str, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+# ---- helpers -------------------------------------------------------------------
+
+
+def test_human_bytes():
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 << 20) == "3.0 MiB"
+    assert human_bytes(5 << 40) == "5.0 TiB"
+
+
+@pytest.mark.parametrize(
+    "text, path, index",
+    [
+        ("model/w", "model/w", None),
+        ("model/w[5:9, :3]", "model/w", (slice(5, 9), slice(None, 3))),
+        ("w[-1]", "w", (-1,)),
+        ("w[..., 0]", "w", (Ellipsis, 0)),
+        ("w[::-2]", "w", (slice(None, None, -2),)),
+        ("w[1:-1:3,]", "w", (slice(1, -1, 3),)),
+        ("w[ +2 , : ]", "w", (2, slice(None))),
+        ("[0:2]", "", (slice(0, 2),)),
+    ],
+)
+def test_parse_target(text, path, index):
+    got_path, got_index, _ = parse_target(text)
+    assert got_path == path
+    assert got_index == index
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["w[", "w]", "w[]", "w[1][2]", "w[1,,2]", "w[a]", "w[1.5]", "w[1:2:3:4]", "w[__import__('os')]", "w[None]"],
+)
+def test_parse_target_rejects(text):
+    from tsckpt._cli import UsageError
+
+    with pytest.raises(UsageError):
+        parse_target(text)
+
+
+# ---- ls ------------------------------------------------------------------------------
+
+
+def test_ls(ck, capsys):
+    code, out, err = run_main(capsys, "ls", ck)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["PATH", "DTYPE", "SHAPE", "SIZE", "VALUE"]
+    rows = {line.split()[0]: line for line in lines[1:-1]}
+    assert set(rows) == {"model/w", "model/b", "model/f8", "model/c", "opt/0", "opt/1", "step", "lr", "name", "blob"}
+    assert rows["model/w"].split() == ["model/w", "bfloat16", "[16,", "8]", "256", "B"]
+    assert rows["model/c"].split()[1:3] == ["complex32", "[3]"]
+    assert rows["model/c"].split()[3:] == ["12", "B"]
+    assert rows["opt/1"].split() == ["opt/1", "float32", "[]", "4", "B"]
+    assert rows["step"].split() == ["step", "int", "7"]
+    assert rows["name"].split() == ["name", "str", "'run-1'"]
+    assert rows["blob"].split() == ["blob", "bytes", r"b'\x00\x01'"]
+    # 256 + 32 + 6 + 12 + 40 + 4 bytes
+    assert lines[-1] == "total 10 leaves: 6 arrays (350 B), 4 values"
+
+
+def test_ls_long_and_prefix(multi, capsys):
+    code, out, _ = run_main(capsys, "ls", "-l", multi, "big")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["PATH", "DTYPE", "SHAPE", "SIZE", "CHUNK", "SHARD", "VALUE"]
+    assert len(lines) == 3 and lines[1].startswith("big ")
+    md = tsckpt.open(multi)["big"].metadata
+    assert md.shard_shape != md.chunk_shape  # the fixture really has inner chunks
+    assert f"[{md.chunk_shape[0]}, {md.chunk_shape[1]}]" in lines[1]
+    assert lines[-1] == "total 1 leaf: 1 array (8.0 KiB), 0 values"
+
+    code, _, err = run_main(capsys, "ls", multi, "nothing/here")
+    assert code == 2 and "nothing/here" in err
+
+
+def test_ls_missing_directory_is_one_line(tmp_path, capsys):
+    code, out, err = run_main(capsys, "ls", str(tmp_path / "nope"))
+    assert code == 1
+    assert out == ""
+    assert err.count("\n") == 1 and "no such directory" in err and "Traceback" not in err
+
+
+# ---- show ----------------------------------------------------------------------------
+
+
+def test_show_slices(ck, capsys):
+    w = model_tree()["model"]["w"].float().numpy()
+    code, out, err = run_main(capsys, "show", ck, "model/w[5:9, :3]")
+    assert code == 0, err
+    header, *body = out.splitlines()
+    assert header == "model/w[5:9, :3]: bfloat16 [4, 3] (printed as float32)"
+    with np.printoptions(threshold=1000):
+        assert "\n".join(body) == str(w[5:9, :3])
+
+    for text, expected in [("model/w[-1]", w[-1]), ("model/w[..., 0]", w[..., 0]), ("model/w[::-5, 2]", w[::-5, 2])]:
+        code, out, _ = run_main(capsys, "show", ck, text)
+        assert code == 0
+        assert "\n".join(out.splitlines()[1:]) == str(expected)
+
+
+def test_show_dtypes_and_values(ck, capsys):
+    tree = model_tree()
+    code, out, _ = run_main(capsys, "show", ck, "model/f8")
+    assert code == 0
+    assert out.splitlines()[0] == "model/f8: float8_e4m3fn [6] (printed as float32)"
+    assert "\n".join(out.splitlines()[1:]) == str(tree["model"]["f8"].float().numpy())
+
+    code, out, err = run_main(capsys, "show", ck, "model/c[1:]")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == "model/c[1:]: complex32 [2] (printed as complex64)"
+    assert "\n".join(out.splitlines()[1:]) == str(np.array([1 + 1j, 1 + 2j], dtype=np.complex64))
+
+    code, out, _ = run_main(capsys, "show", ck, "opt/0[1:4]")
+    assert out.splitlines() == ["opt/0[1:4]: int64 [3]", "[1 2 3]"]
+    code, out, _ = run_main(capsys, "show", ck, "opt/1")
+    assert out.splitlines() == ["opt/1: float32 []", "2.5"]
+    assert run_main(capsys, "show", ck, "step")[1] == "7\n"
+    assert run_main(capsys, "show", ck, "name")[1] == "run-1\n"
+    assert run_main(capsys, "show", ck, "lr")[1] == "0.001\n"
+
+
+def test_show_full_prints_every_element(tmp_path, capsys):
+    path = str(tmp_path / "long")
+    tsckpt.save(path, {"x": np.arange(3000)})
+    _, out, _ = run_main(capsys, "show", path, "x")
+    assert "..." in out and "1500" not in out
+    _, out, _ = run_main(capsys, "show", path, "x", "--full")
+    assert "..." not in out and " 1500 " in out
+
+
+def test_show_single_leaf_tree(tmp_path, capsys):
+    path = str(tmp_path / "lone")
+    tsckpt.save(path, torch.arange(4))
+    code, out, _ = run_main(capsys, "show", path, "[1:3]")
+    assert code == 0 and out.splitlines() == ["%root[1:3]: int64 [2]", "[1 2]"]
+    code, out, _ = run_main(capsys, "show", path, "%root[-1]")
+    assert code == 0 and out.splitlines()[1] == "3"
+
+
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("model/w[16]", "out of bounds"),
+        ("model/w[0, 0, 0]", "too many indices"),
+        ("model/w[1:2:0]", "step cannot be zero"),
+        ("model/w[x]", "bad index"),
+        ("model/w[0", "bad index"),
+        ("step[0]", "cannot be indexed"),
+        ("model", "leaves below it"),
+        ("nope", "not a leaf"),
+    ],
+)
+def test_show_usage_errors(ck, capsys, target, words):
+    code, out, err = run_main(capsys, "show", ck, target)
+    assert code == 2
+    assert out == ""
+    assert words in err and err.count("\n") == 1
+
+
+def test_show_refuses_huge_selection(ck, capsys, monkeypatch):
+    import tsckpt._cli as cli
+
+    monkeypatch.setattr(cli, "SHOW_MAX_BYTES", 100)
+    code, _, err = run_main(capsys, "show", ck, "model/w")
+    assert code == 2 and "smaller slice" in err
+    code, out, _ = run_main(capsys, "show", ck, "model/w[:2]")
+    assert code == 0 and out.startswith("model/w[:2]: bfloat16 [2, 8]")
+
+
+# ---- verify --------------------------------------------------------------------------
+
+
+def test_verify_ok(ck, multi, capsys):
+    code, out, err = run_main(capsys, "verify", ck)
+    assert code == 0, out + err
+    assert out.startswith("OK: ") and "all 10 leaves present" in out and "6 arrays" in out and "4 values" in out
+
+    code, out, _ = run_main(capsys, "verify", "-v", multi)
+    assert code == 0
+    assert "ok    big" in out and "ok    other" in out
+    assert len(_files(multi, "big")) > 1  # several shard files, each read
+    assert f"from {len(_files(multi, 'big')) + len(_files(multi, 'other'))} shard files" in out
+
+
+def test_verify_flipped_byte_names_the_leaf(multi, capsys):
+    files = _files(multi, "big")
+    _flip(files[-1], 10)  # a data byte of the last shard
+    code, out, err = run_main(capsys, "verify", multi)
+    assert code == 1
+    assert "FAIL  big: checksum mismatch" in out
+    assert "other" not in out  # the intact leaf is not blamed
+    assert "'big'" in err and "1 of 2 arrays bad" in err
+
+
+def test_verify_flipped_index_byte(multi, capsys):
+    f = _files(multi, "big")[0]
+    _flip(f, os.path.getsize(f) - 6)  # inside the shard index at the end of the file
+    code, out, _ = run_main(capsys, "verify", multi)
+    assert code == 1 and "FAIL  big: checksum mismatch" in out
+
+
+def test_verify_deleted_and_truncated_chunks(ck, capsys):
+    os.remove(_files(ck, "model/b")[0])
+    with open(_files(ck, "opt/0")[0], "r+b") as f:
+        f.truncate(3)
+    code, out, err = run_main(capsys, "verify", ck)
+    assert code == 1
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 2
+    assert fails[0].startswith("FAIL  model/b: a chunk file is missing")
+    assert fails[1].startswith("FAIL  opt/0: ")
+    assert "'model/b'" in err and "'opt/0'" in err and "2 of 6 arrays bad" in err
+
+
+def test_verify_missing_nodes(ck, capsys):
+    os.remove(os.path.join(ck, "model", "w", "zarr.json"))
+    os.remove(os.path.join(ck, "opt", "zarr.json"))
+    code, out, _ = run_main(capsys, "verify", ck)
+    assert code == 1
+    assert "FAIL  model/w: its zarr.json is missing" in out
+    assert "FAIL  group 'opt'" in out
+
+
+def test_verify_node_that_disagrees(ck, capsys):
+    node_path = os.path.join(ck, "model", "b", "zarr.json")
+    node = json.load(open(node_path))
+    node["shape"] = [9]
+    with open(node_path, "w") as f:
+        json.dump(node, f)
+    code, out, _ = run_main(capsys, "verify", ck)
+    assert code == 1 and "FAIL  model/b: its zarr.json disagrees with the root metadata on 'shape'" in out
+
+
+def test_verify_uncommitted(ck, capsys):
+    root = os.path.join(ck, "zarr.json")
+    meta = json.load(open(root))
+    meta["attributes"]["tsckpt"]["state"] = "pending"
+    with open(root, "w") as f:
+        json.dump(meta, f)
+    code, out, err = run_main(capsys, "verify", ck)
+    assert code == 1 and out == ""
+    assert "never committed" in err and err.count("\n") == 1
+
+
+# ---- convert -------------------------------------------------------------------------
+
+
+def _same_checkpoint(a: str, b: str) -> None:
+    ra, rb = tsckpt.open(a), tsckpt.open(b)
+    assert list(ra) == list(rb)
+    ca, cb = ra.checkpoint, rb.checkpoint
+    assert ca.structure == cb.structure
+    for p in ra:
+        if p in ca.arrays:
+            assert ca.arrays[p] == cb.arrays[p]
+            x, y = ra[p][...], rb[p][...]
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), p
+        else:
+            assert ra[p] == rb[p] and type(ra[p]) is type(rb[p])
+
+
+def test_convert_checkpoint_copy(ck, tmp_path, capsys):
+    dst = str(tmp_path / "copy")
+    code, out, err = run_main(capsys, "convert", ck, dst)
+    assert code == 0, err
+    assert out.strip() == f"converted {ck} -> {dst}: 6 arrays (350 B), 4 values"
+    _same_checkpoint(ck, dst)
+    restored = tsckpt.restore(dst)
+    assert isinstance(restored["opt"], list) and isinstance(restored["opt"][1], np.float32)
+
+    code, _, err = run_main(capsys, "convert", ck, dst)
+    assert code == 1 and "--overwrite" in err
+    assert run_main(capsys, "convert", ck, dst, "--overwrite")[0] == 0
+
+
+def test_convert_through_safetensors_round_trip(multi, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    st = str(tmp_path / "model.safetensors")
+    back = str(tmp_path / "back")
+    assert run_main(capsys, "convert", multi, st)[0] == 0
+    tensors = load_file(st)
+    assert set(tensors) == {"big", "other"}
+    assert torch.equal(tensors["big"], torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32))
+    assert run_main(capsys, "convert", st, back)[0] == 0
+    assert tsckpt.open(back)["big"][3, 4] == 3 * 32 + 4
+    assert torch.equal(tsckpt.open(back)["other"].torch[...], torch.ones(300))
+
+
+def test_convert_tree_with_values_through_safetensors(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    tree = model_tree()
+    del tree["model"]["c"]  # complex32 has no safetensors dtype
+    tsckpt.save(src, tree)
+    st = str(tmp_path / "x.safetensors")
+    back = str(tmp_path / "back")
+    assert run_main(capsys, "convert", src, st)[0] == 0
+    assert run_main(capsys, "convert", st, back)[0] == 0
+    _same_checkpoint(src, back)  # values, numpy kinds and the structure come back
+
+
+def test_convert_plain_safetensors(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    st = str(tmp_path / "hf.safetensors")
+    weights = {"layers.0.weight": torch.randn(4, 4).to(torch.bfloat16), "layers.0.bias": torch.zeros(4)}
+    save_file(weights, st, metadata={"format": "pt"})
+    dst = str(tmp_path / "ck")
+    code, out, _ = run_main(capsys, "convert", st, dst)
+    assert code == 0 and "2 arrays (48 B), 0 values" in out
+    back = tsckpt.restore(dst, {k: torch.empty_like(v) for k, v in weights.items()})
+    for k, v in weights.items():
+        assert torch.equal(back[k], v)
+
+
+def test_convert_errors(ck, tmp_path, capsys):
+    code, _, err = run_main(capsys, "convert", ck, str(tmp_path / "y.safetensors"))
+    assert code == 1 and "'model/c'" in err and "complex32" in err
+    assert not os.path.exists(tmp_path / "y.safetensors") and not os.path.exists(tmp_path / "y.safetensors.tmp")
+    code, _, err = run_main(capsys, "convert", str(tmp_path / "missing.safetensors"), str(tmp_path / "z"))
+    assert code == 1 and "no such file" in err
+    code, _, err = run_main(capsys, "convert", ck, ck)
+    assert code == 2
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    code, _, err = run_main(capsys, "convert", str(garbage), str(tmp_path / "w"))
+    assert code == 1 and "not a readable safetensors file" in err and err.count("\n") == 1
+
+
+# ---- the real command ----------------------------------------------------------------
+
+
+def test_subprocess_ls_show_verify(ck):
+    r = run_cli("ls", ck)
+    assert r.returncode == 0, r.stderr
+    assert ["model/w", "bfloat16", "[16,", "8]", "256", "B"] in [line.split() for line in r.stdout.splitlines()]
+    assert r.stdout.splitlines()[-1].startswith("total 10 leaves")
+
+    r = run_cli("show", ck, "model/b[2:5]")
+    assert r.returncode == 0 and r.stdout.splitlines() == ["model/b[2:5]: float32 [3]", "[2. 3. 4.]"]
+    assert r.stderr == ""
+
+    r = run_cli("verify", ck)
+    assert r.returncode == 0 and r.stdout.startswith("OK: ")
+
+
+def test_subprocess_errors_have_no_traceback(ck, tmp_path):
+    os.remove(_files(ck, "model/w")[0])
+    r = run_cli("verify", ck)
+    assert r.returncode == 1
+    assert "FAIL  model/w: a chunk file is missing" in r.stdout
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+
+    r = run_cli("show", ck, "model/w[0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+    r = run_cli("ls", str(tmp_path / "missing"))
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+
+    r = run_cli("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tsckpt {tsckpt.__version__}"
+
+
+def test_main_help_and_usage(capsys):
+    assert main(["--help"]) == 0
+    assert "verify" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["show", "only-one-arg"]) == 2
+
+
+def test_examples_demo_runs():
+    """The README's first set-up command ends with this demo; it must keep working."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "model/0.weight" in r.stdout and "bfloat16" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("restored ") and "match the saved ones" in r.stdout
