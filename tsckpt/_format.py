@@ -77,7 +77,7 @@ def array_metadata(storage_shape: tuple[int, ...], data_type: str, layout: Layou
                 },
             }
         ]
-    fill = False if data_type == "bool" else 0
+    fill: Any = False if data_type == "bool" else [0, 0] if data_type.startswith("complex") else 0
     return {
         "zarr_format": 3,
         "node_type": "array",

@@ -75,13 +75,17 @@ def choose_layout(
     itemsize: int,
     cuts: Sequence[Sequence[int]] = (),
     *,
-    inner_bytes: int = INNER_CHUNK_BYTES,
-    shard_bytes: int = SHARD_BYTES,
+    inner_bytes: int | None = None,
+    shard_bytes: int | None = None,
 ) -> Layout:
     """Shard and inner chunk shapes for an array of ``shape``.
 
     ``cuts[d]`` lists the offsets along dim ``d`` where writers' regions begin.
+    The byte targets default to the module's ``INNER_CHUNK_BYTES`` and
+    ``SHARD_BYTES``, read at call time.
     """
+    inner_bytes = INNER_CHUNK_BYTES if inner_bytes is None else inner_bytes
+    shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
     shape = [int(s) for s in shape]
     if not shape:
         return Layout((), None)

@@ -86,7 +86,10 @@ def checksum(data: Any) -> int:
     """Cheap content checksum of a region, compared across replicas."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
-            flat = data.detach().contiguous().view(-1).view(torch.uint8)
+            flat = data.detach().contiguous().view(-1)
+            if flat.numel() == 1:  # a size-1 dim may keep any stride, which view(uint8) rejects
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            flat = flat.view(torch.uint8)
             return int(flat.to(torch.int64).sum().item()) ^ (flat.numel() << 40)
         data = _dtypes.tensor_to_numpy(data)
     buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import datetime
 import dataclasses
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -58,7 +60,20 @@ def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
     msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
     if strict:
         raise StructureMismatchError(msg + ". Pass strict=False to restore only the leaves both have.")
-    warnings.warn(msg + ". strict=False: restored the common leaves, kept the target's values for the rest.", RestoreWarning, stacklevel=3)
+    warnings.warn(
+        msg + ". strict=False: restored the common leaves, kept the target's values for the rest.",
+        RestoreWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _user_stacklevel() -> int:
+    """stacklevel (for a warn() in the caller of this function) of the first frame outside tsckpt."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(pkg):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _as_tensor_view(arr: np.ndarray, path: str) -> torch.Tensor:

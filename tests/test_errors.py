@@ -1,0 +1,254 @@
+"""Every failure mode raises its own exception class with a message that says what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+
+TREE = {"x": np.arange(8 * 256, dtype=np.float32).reshape(8, 256), "small": np.arange(4, dtype=np.int16), "step": 1}
+
+
+@pytest.fixture
+def saved(ckdir, small_chunks):
+    tsckpt.save(ckdir, TREE)
+    return ckdir
+
+
+def edit_root(d, fn):
+    path = os.path.join(d, "zarr.json")
+    with open(path) as f:
+        root = json.load(f)
+    fn(root["attributes"]["tsckpt"])
+    with open(path, "w") as f:
+        json.dump(root, f)
+
+
+def snapshot(d):
+    """Every file below ``d`` with its bytes and modification time."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            p = os.path.join(root, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, d)] = (f.read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_missing_directory(tmp_path):
+    d = str(tmp_path / "nope")
+    for fn in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
+        with pytest.raises(tsckpt.CheckpointNotFoundError) as ei:
+            fn(d)
+        assert str(ei.value) == f"{d}: no such directory; check the path"
+        assert isinstance(ei.value, FileNotFoundError)
+    with pytest.raises(FileNotFoundError):
+        tsckpt.restore(d, {"x": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("content", ["empty", "file", "zarr_group"])
+def test_directory_that_is_not_a_checkpoint(tmp_path, content):
+    d = tmp_path / "other"
+    d.mkdir()
+    if content == "file":
+        (d / "notes.txt").write_text("hello")
+    if content == "zarr_group":  # a plain zarr v3 group, not written by tsckpt
+        (d / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    with pytest.raises(tsckpt.NotACheckpointError) as ei:
+        tsckpt.restore(str(d))
+    if content == "zarr_group":
+        assert "a zarr hierarchy but not a tsckpt checkpoint (no 'tsckpt' attributes in zarr.json)" in str(ei.value)
+    else:
+        assert str(ei.value).startswith(f"{d}: not a tsckpt checkpoint (no root zarr.json)")
+    assert isinstance(ei.value, ValueError)
+
+
+def test_root_zarr_json_that_is_not_json(saved):
+    with open(os.path.join(saved, "zarr.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="root zarr.json is not valid JSON"):
+        tsckpt.restore(saved)
+
+
+def test_uncommitted_checkpoint(saved):
+    edit_root(saved, lambda m: m.update(state="pending"))
+    for fn in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
+        with pytest.raises(tsckpt.CheckpointIncompleteError) as ei:
+            fn(saved)
+        msg = str(ei.value)
+        assert msg.startswith(f"{saved}: this checkpoint was never committed (state 'pending')")
+        assert "save again with overwrite=True" in msg
+        assert isinstance(ei.value, RuntimeError)
+
+
+def test_newer_format_version(saved):
+    edit_root(saved, lambda m: m.update(format_version=999, library="tsckpt 9.0"))
+    with pytest.raises(tsckpt.FormatVersionError) as ei:
+        tsckpt.open(saved)
+    assert str(ei.value) == (
+        f"{saved}: written with format version 999 by tsckpt 9.0, but this tsckpt reads versions up to 1; upgrade tsckpt"
+    )
+    assert isinstance(ei.value, ValueError)
+
+
+def test_format_version_missing_is_refused(saved):
+    edit_root(saved, lambda m: m.pop("format_version"))
+    with pytest.raises(tsckpt.FormatVersionError, match="format version None"):
+        tsckpt.restore(saved)
+
+
+def test_malformed_root_metadata(saved):
+    edit_root(saved, lambda m: m.pop("arrays"))
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"root metadata is malformed \(KeyError: 'arrays'\)"):
+        tsckpt.restore(saved)
+
+
+def test_leaf_listed_without_record(saved):
+    edit_root(saved, lambda m: m["leaves"].append("ghost"))
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"leaves \['ghost'\] are listed but have no record"):
+        tsckpt.restore(saved)
+
+
+def test_flipped_byte_in_a_chunk_file(saved):
+    flip_byte(os.path.join(saved, "small", "c", "0"), 3)
+    with pytest.raises(tsckpt.CorruptCheckpointError) as ei:
+        tsckpt.restore(saved)
+    msg = str(ei.value)
+    assert msg.startswith(f"'small' in {saved}: checksum mismatch: stored bytes were altered; restore from another checkpoint.")
+    assert isinstance(ei.value, OSError)
+    # the other leaves are intact
+    np.testing.assert_array_equal(tsckpt.open(saved)["x"][...], TREE["x"])
+
+
+def test_flipped_byte_in_a_sharded_chunk_file(saved):
+    flip_byte(os.path.join(saved, "x", "c", "1", "0"), 1500)
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'x' in .*checksum mismatch"):
+        tsckpt.restore(saved, TREE)
+
+
+def test_flipped_byte_in_a_shard_index(saved):
+    path = os.path.join(saved, "x", "c", "0", "0")
+    flip_byte(path, os.path.getsize(path) - 10)
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'x' in .*checksum mismatch"):
+        tsckpt.restore(saved)
+
+
+@pytest.mark.parametrize("leaf, chunk, keep", [("small", "c/0", -3), ("x", "c/1/0", 100), ("x", "c/0/0", 0)])
+def test_truncated_chunk_file(saved, leaf, chunk, keep):
+    path = os.path.join(saved, leaf, *chunk.split("/"))
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:keep])
+    with pytest.raises(tsckpt.CorruptCheckpointError) as ei:
+        tsckpt.restore(saved)
+    msg = str(ei.value)
+    assert msg.startswith(f"'{leaf}' in {saved}: ") and "restore from another checkpoint" in msg
+
+
+@pytest.mark.parametrize("leaf, chunk", [("small", "c/0"), ("x", "c/1/0")])
+def test_deleted_chunk_file(saved, leaf, chunk):
+    os.remove(os.path.join(saved, leaf, *chunk.split("/")))
+    with pytest.raises(tsckpt.CorruptCheckpointError) as ei:
+        tsckpt.restore(saved)
+    assert str(ei.value).startswith(f"'{leaf}' in {saved}: a chunk file is missing; restore from another checkpoint.")
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="a chunk file is missing"):
+        tsckpt.open(saved)[leaf][...]
+
+
+def test_target_tree_of_the_wrong_structure(saved):
+    with pytest.raises(tsckpt.StructureMismatchError) as ei:
+        tsckpt.restore(saved, [TREE["x"], TREE["small"]])
+    assert str(ei.value) == (
+        f"{saved}: target tree and checkpoint differ; missing from the checkpoint: 2 ('0', '1'); "
+        "in the checkpoint but not in the target: 3 ('small', 'step', 'x'). "
+        "Pass strict=False to restore only the leaves both have."
+    )
+    with pytest.raises(KeyError):
+        tsckpt.restore(saved, {"x": {"nested": TREE["x"]}, "small": TREE["small"], "step": 1})
+
+
+def test_save_over_existing_checkpoint_raises_and_touches_nothing(saved):
+    before = snapshot(saved)
+    assert "zarr.json" in before and "x/c/1/0" in before
+    with pytest.raises(tsckpt.CheckpointExistsError) as ei:
+        tsckpt.save(saved, {"y": torch.ones(3)})
+    assert str(ei.value) == (
+        f"{saved}: a checkpoint (or other data) already exists here; pass overwrite=True to replace it, "
+        "or save to a new directory"
+    )
+    assert isinstance(ei.value, FileExistsError)
+    assert snapshot(saved) == before
+    np.testing.assert_array_equal(tsckpt.restore(saved)["x"], TREE["x"])
+
+
+def test_save_into_a_directory_with_other_files_raises(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="already exists here"):
+        tsckpt.save(str(d), {"a": 1})
+    assert os.listdir(d) == ["keep.txt"] and (d / "keep.txt").read_text() == "precious"
+
+
+def test_save_into_an_existing_empty_directory(tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    tsckpt.save(str(d), {"a": 1})
+    assert tsckpt.restore(str(d)) == {"a": 1}
+
+
+def test_overwrite_replaces_everything(saved):
+    tsckpt.save(saved, {"y": torch.arange(3)}, overwrite=True)
+    assert sorted(os.listdir(saved)) == ["y", "zarr.json"]  # old leaves' files are gone
+    back = tsckpt.restore(saved)
+    assert list(back) == ["y"] and back["y"].tolist() == [0, 1, 2]
+
+
+def test_overwrite_replaces_an_uncommitted_checkpoint(saved):
+    edit_root(saved, lambda m: m.update(state="pending"))
+    tsckpt.save(saved, {"z": 2}, overwrite=True)
+    assert tsckpt.restore(saved) == {"z": 2}
+
+
+def test_failed_save_leaves_no_committed_checkpoint(ckdir):
+    with pytest.raises(tsckpt.LeafTypeError):
+        tsckpt.save(ckdir, {"a": torch.ones(2), "b": object()})
+    with pytest.raises(tsckpt.CheckpointNotFoundError):
+        tsckpt.restore(ckdir)
+
+
+def test_failed_overwrite_keeps_the_old_checkpoint_when_rejected_early(saved):
+    before = snapshot(saved)
+    with pytest.raises(tsckpt.LeafTypeError):
+        tsckpt.save(saved, {"bad": object()}, overwrite=True)  # rejected while planning, before any I/O
+    assert snapshot(saved) == before
+
+
+def test_error_hierarchy():
+    for cls, builtin in [
+        (tsckpt.CheckpointNotFoundError, FileNotFoundError),
+        (tsckpt.NotACheckpointError, ValueError),
+        (tsckpt.CheckpointIncompleteError, RuntimeError),
+        (tsckpt.CheckpointExistsError, FileExistsError),
+        (tsckpt.FormatVersionError, ValueError),
+        (tsckpt.StructureMismatchError, KeyError),
+        (tsckpt.ShapeMismatchError, ValueError),
+        (tsckpt.LeafTypeError, TypeError),
+        (tsckpt.CorruptCheckpointError, OSError),
+        (tsckpt.LayoutError, ValueError),
+    ]:
+        assert issubclass(cls, tsckpt.TsckptError) and issubclass(cls, builtin), cls

@@ -1,0 +1,125 @@
+"""Chunk and shard shapes (tsckpt._layout): pure functions, plus what save writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tsckpt
+from tsckpt._format import Layout
+from tsckpt._layout import choose_layout, largest_divisor_at_most, steps_from_cuts
+
+
+@pytest.mark.parametrize(
+    "n, limit, want",
+    [(12, 5, 4), (13, 5, 1), (12, 100, 12), (36, 6, 6), (36, 5, 4), (1, 1, 1), (7, 7, 7), (100, 0, 1)],
+)
+def test_largest_divisor_at_most(n, limit, want):
+    assert largest_divisor_at_most(n, limit) == want
+
+
+def test_steps_from_cuts():
+    assert steps_from_cuts((8, 10), [[0, 4], [0]]) == ([4, 10], [True, False])
+    assert steps_from_cuts((12,), [[0, 4, 6]]) == ([2], [True])  # gcd of interior starts
+    assert steps_from_cuts((12,), [[0, 12]]) == ([12], [False])  # 12 is the end, not an interior start
+    assert steps_from_cuts((0, 3), []) == ([1, 3], [False, False])  # zero-size dims still get a step of 1
+
+
+def test_scalar_and_small_arrays_are_one_plain_chunk():
+    assert choose_layout((), 4) == Layout((), None)
+    assert choose_layout((10,), 4) == Layout((10,), None)
+    assert choose_layout((3, 4, 5), 8) == Layout((3, 4, 5), None)
+    assert choose_layout((0, 3), 4) == Layout((1, 3), None)  # chunk dims are never 0
+
+
+def test_default_targets_one_mib_inner_chunks_in_one_shard():
+    # 4 MiB of float32: trailing dim whole, 256 rows per 1 MiB inner chunk, one shard
+    assert choose_layout((1024, 1024), 4) == Layout((1024, 1024), (256, 1024))
+
+
+def test_inner_chunks_fill_trailing_dims_first():
+    assert choose_layout((8, 256), 4, inner_bytes=1024, shard_bytes=4096) == Layout((4, 256), (1, 256))
+    # a trailing dim larger than the inner budget is itself cut, into even pieces (150 + 150, not 256 + 44)
+    assert choose_layout((4, 300), 4, inner_bytes=1024, shard_bytes=4096) == Layout((2, 300), (1, 150))
+
+
+def test_writer_boundaries_constrain_shards():
+    # writers start at rows 0 and 4: no shard may cross row 4
+    assert choose_layout((8, 256), 4, [[0, 4]], inner_bytes=1024, shard_bytes=1 << 20) == Layout((4, 256), (1, 256))
+    # writers every 2 rows: shards of 2 rows, small enough for one plain chunk each
+    assert choose_layout((8, 256), 4, [[0, 2, 4, 6]], inner_bytes=4096, shard_bytes=1 << 20) == Layout((2, 256), None)
+    # a 2x2 grid of writers on a 6x10 array
+    assert choose_layout((6, 10), 4, [[0, 3], [0, 5]], inner_bytes=16, shard_bytes=1 << 20) == Layout((3, 5), (1, 1))
+
+
+def test_module_targets_are_read_at_call_time(small_chunks):
+    assert choose_layout((8, 256), 4) == Layout((4, 256), (1, 256))
+
+
+@st.composite
+def shapes_and_cuts(draw):
+    shape = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
+    cuts = []
+    for n in shape:
+        starts = draw(st.sets(st.integers(0, n - 1), max_size=3))
+        cuts.append(sorted(starts | {0}))
+    itemsize = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    inner = draw(st.sampled_from([16, 64, 256, 1024]))
+    shard = inner * draw(st.sampled_from([1, 2, 4, 16]))
+    return shape, cuts, itemsize, inner, shard
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes_and_cuts())
+def test_layout_invariants(args):
+    shape, cuts, itemsize, inner_bytes, shard_bytes = args
+    layout = choose_layout(shape, itemsize, cuts, inner_bytes=inner_bytes, shard_bytes=shard_bytes)
+    shard = layout.shard_shape
+    inner = layout.chunk_shape or shard
+    assert len(shard) == len(inner) == len(shape)
+    assert all(s >= 1 for s in shard) and all(c >= 1 for c in inner)
+    # shards are whole multiples of the inner chunk
+    assert all(s % c == 0 for s, c in zip(shard, inner))
+    # no shard (file) crosses a writer's region start: each file has one writer
+    for d, starts in enumerate(cuts):
+        for c in starts:
+            assert c % shard[d] == 0, (shape, cuts, layout)
+    # byte targets hold (a single element may exceed them)
+    assert math.prod(inner) * itemsize <= max(inner_bytes, itemsize)
+    assert math.prod(shard) * itemsize <= max(shard_bytes, math.prod(inner) * itemsize)
+    if layout.chunk_shape is not None:
+        assert layout.chunk_shape != layout.shard_shape
+
+
+def test_saved_array_uses_sharding_codec_with_crc32c(ckdir, small_chunks):
+    tsckpt.save(ckdir, {"x": np.zeros((8, 256), np.float32), "small": np.zeros(3, np.int16)})
+    with open(os.path.join(ckdir, "x", "zarr.json")) as f:
+        node = json.load(f)
+    assert node["chunk_grid"] == {"name": "regular", "configuration": {"chunk_shape": [4, 256]}}
+    assert node["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "/"}}
+    checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    assert node["codecs"] == [
+        {
+            "name": "sharding_indexed",
+            "configuration": {"chunk_shape": [1, 256], "codecs": checked, "index_codecs": checked, "index_location": "end"},
+        }
+    ]
+    # one file per shard, all-zero chunks included: a missing file is always an error
+    assert sorted(os.listdir(os.path.join(ckdir, "x", "c"))) == ["0", "1"]
+    assert os.listdir(os.path.join(ckdir, "x", "c", "0")) == ["0"]
+    # 4 inner chunks of 1024 bytes + crc32c each, then the index (4 x 16 bytes + crc32c)
+    assert os.path.getsize(os.path.join(ckdir, "x", "c", "1", "0")) == 4 * 1028 + 4 * 16 + 4
+
+    with open(os.path.join(ckdir, "small", "zarr.json")) as f:
+        small = json.load(f)
+    assert small["codecs"] == checked and small["chunk_grid"]["configuration"]["chunk_shape"] == [3]
+    assert os.path.getsize(os.path.join(ckdir, "small", "c", "0")) == 3 * 2 + 4
+
+    md = tsckpt.metadata(ckdir)["x"]
+    assert (md.chunk_shape, md.shard_shape, md.nbytes) == ((1, 256), (4, 256), 8 * 256 * 4)

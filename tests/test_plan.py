@@ -1,0 +1,164 @@
+"""Save and read plans from hand-made descriptors (tsckpt._plan): no I/O, many "ranks"."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tsckpt import LayoutError
+from tsckpt._format import Layout
+from tsckpt._plan import LeafDesc, ReadItem, WriteItem, plan_read, plan_save, shard_boxes
+
+
+def region(path, offsets, lengths, global_shape=(8, 4), *, dtype="float32", itemsize=4, checksum=None, kind="torch"):
+    return LeafDesc(
+        path=path,
+        kind=kind,
+        dtype=dtype,
+        itemsize=itemsize,
+        global_shape=tuple(global_shape),
+        offsets=tuple(offsets),
+        lengths=tuple(lengths),
+        checksum=checksum,
+    )
+
+
+def value(path, v):
+    return LeafDesc(path=path, kind="value", value={"type": "int", "value": v})
+
+
+def test_single_rank_whole_arrays_and_values():
+    plan = plan_save([[region("w", (0, 0), (8, 4)), value("step", 3), region("b", (0,), (5,), (5,))]])
+    assert [a.path for a in plan.arrays] == ["b", "w"]  # sorted by path
+    w = plan.arrays[1]
+    assert (w.shape, w.dtype, w.kind, w.layout) == ((8, 4), "float32", "torch", Layout((8, 4), None))
+    assert plan.values == (("step", {"type": "int", "value": 3}),)
+    assert plan.writes == (
+        WriteItem(0, "b", (0,), (5,), (0,)),
+        WriteItem(0, "w", (0, 0), (8, 4), (0, 0)),
+    )
+
+
+def test_row_sharded_array_one_write_per_rank_and_shards_follow_regions():
+    per_rank = [[region("w", (0, 0), (4, 4)), value("step", 3)], [region("w", (4, 0), (4, 4)), value("step", 3)]]
+    plan = plan_save(per_rank)
+    (w,) = plan.arrays
+    assert w.layout.shard_shape == (4, 4)  # no shard crosses the rank boundary at row 4
+    assert plan.writes_for(0) == [WriteItem(0, "w", (0, 0), (4, 4), (0, 0))]
+    assert plan.writes_for(1) == [WriteItem(1, "w", (4, 0), (4, 4), (0, 0))]
+    assert plan.values == (("step", {"type": "int", "value": 3}),)
+
+
+def test_replicas_are_written_once_balancing_bytes():
+    # every rank holds every array whole: each array is written by exactly one rank, spread out
+    per_rank = [[region(p, (0, 0), (8, 4), checksum=7) for p in ("a", "b", "c", "d")] for _ in range(4)]
+    plan = plan_save(per_rank)
+    assert sorted(w.path for w in plan.writes) == ["a", "b", "c", "d"]
+    assert sorted(w.rank for w in plan.writes) == [0, 1, 2, 3]
+
+
+def test_larger_regions_are_assigned_first():
+    big = [region("big", (0,), (100,), (100,)), region("small", (0,), (10,), (10,))]
+    plan = plan_save([big, big])
+    ranks = {w.path: w.rank for w in plan.writes}
+    assert ranks["big"] != ranks["small"]
+
+
+def test_mixed_sharded_and_replicated_with_source_offsets():
+    # ranks 0,1 hold rows [0:4], ranks 2,3 hold rows [4:8] (data parallel x tensor parallel)
+    per_rank = [[region("w", (0, 0), (4, 4))]] * 2 + [[region("w", (4, 0), (4, 4))]] * 2
+    plan = plan_save(per_rank)
+    assert len(plan.writes) == 2
+    boxes = sorted((w.offsets, w.lengths, w.source_offsets) for w in plan.writes)
+    assert boxes == [((0, 0), (4, 4), (0, 0)), ((4, 0), (4, 4), (0, 0))]
+    assert {w.rank for w in plan.writes if w.offsets == (0, 0)} <= {0, 1}
+    assert {w.rank for w in plan.writes if w.offsets == (4, 0)} <= {2, 3}
+
+
+def test_zero_size_regions_are_allowed():
+    plan = plan_save([[region("e", (0, 0), (0, 3), (0, 3))]])
+    assert plan.arrays[0].shape == (0, 3)
+
+
+def test_missing_shard_is_a_layout_error():
+    with pytest.raises(LayoutError, match=r"'w': shards cover 16 of 32 elements of global shape \[8, 4\] \(regions: \[0:4, 0:4\]\); a shard is missing"):
+        plan_save([[region("w", (0, 0), (4, 4))]])
+
+
+def test_overlapping_shards_are_a_layout_error():
+    with pytest.raises(LayoutError, match=r"'w': regions \[0:5, 0:4\] and \[4:8, 0:4\] overlap"):
+        plan_save([[region("w", (0, 0), (5, 4))], [region("w", (4, 0), (4, 4))]])
+
+
+def test_region_outside_global_shape_is_a_layout_error():
+    with pytest.raises(LayoutError, match=r"'w': region \[0:9, 0:4\] lies outside the global shape \[8, 4\]"):
+        plan_save([[region("w", (0, 0), (9, 4))]])
+    with pytest.raises(LayoutError, match="lies outside"):
+        plan_save([[region("w", (-1, 0), (8, 4))]])
+
+
+def test_replicas_with_different_content_are_a_layout_error():
+    with pytest.raises(LayoutError, match=r"'w': replicas of region \[0:8, 0:4\] differ in content \(ranks \[0, 2\] vs ranks \[1\]\)"):
+        plan_save([[region("w", (0, 0), (8, 4), checksum=1)], [region("w", (0, 0), (8, 4), checksum=2)], [region("w", (0, 0), (8, 4), checksum=1)]])
+
+
+def test_ranks_disagreeing_on_dtype_or_shape():
+    with pytest.raises(LayoutError, match=r"'w': ranks disagree on what this leaf is \(rank 0: torch float32 \[8, 4\]; rank 1: torch float16 \[8, 4\]\)"):
+        plan_save([[region("w", (0, 0), (8, 4))], [region("w", (0, 0), (8, 4), dtype="float16", itemsize=2)]])
+    with pytest.raises(LayoutError, match=r"rank 0: value; rank 1: torch float32"):
+        plan_save([[value("s", 1)], [region("s", (0, 0), (8, 4))]])
+
+
+def test_ranks_disagreeing_on_a_value():
+    with pytest.raises(LayoutError, match=r"'s': ranks 0 and \[1\] give different values .*use a rank-unique path"):
+        plan_save([[value("s", 3)], [value("s", 4)]])
+
+
+def test_shard_boxes_split_at_shard_boundaries():
+    assert shard_boxes((1, 0), (6, 4), Layout((4, 4), None)) == [((1, 0), (3, 4)), ((4, 0), (3, 4))]
+    assert shard_boxes((), (), Layout((), None)) == [((), ())]
+    assert shard_boxes((0, 0), (4, 4), Layout((2, 3), (1, 1))) == [
+        ((0, 0), (2, 3)),
+        ((0, 3), (2, 1)),
+        ((2, 0), (2, 3)),
+        ((2, 3), (2, 1)),
+    ]
+    assert shard_boxes((3,), (0,), Layout((2,), None)) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_shard_boxes_tile_the_region_within_single_shards(data):
+    ndim = data.draw(st.integers(1, 3))
+    shard = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
+    offsets = tuple(data.draw(st.integers(0, 12)) for _ in range(ndim))
+    lengths = tuple(data.draw(st.integers(0, 12)) for _ in range(ndim))
+    boxes = shard_boxes(offsets, lengths, Layout(shard, None))
+    cells = set()
+    for off, ln in boxes:
+        assert all(n > 0 for n in ln)
+        # every box lies inside one shard
+        assert all(o // g == (o + n - 1) // g for o, n, g in zip(off, ln, shard))
+        cells |= set(itertools.product(*(range(o, o + n) for o, n in zip(off, ln))))
+    assert sum(math.prod(ln) for _, ln in boxes) == len(cells)  # no overlap
+    assert cells == set(itertools.product(*(range(o, o + n) for o, n in zip(offsets, lengths))))
+
+
+def test_plan_read():
+    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5), (0, 0))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8))
+def test_many_ranks_row_sharded_tiles_exactly(world, rows_per_rank):
+    n = world * rows_per_rank
+    per_rank = [[region("w", (r * rows_per_rank, 0), (rows_per_rank, 3), (n, 3))] for r in range(world)]
+    plan = plan_save(per_rank)
+    assert len(plan.writes) == world
+    assert {w.rank for w in plan.writes} == set(range(world))
+    shard_rows = plan.arrays[0].layout.shard_shape[0]
+    assert rows_per_rank % shard_rows == 0
