@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._errors import LayoutError
@@ -203,6 +203,41 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
         transfers += moves
     writes.sort(key=lambda w: (w.rank, w.path, w.offsets))
     return SavePlan(tuple(arrays), tuple(values), tuple(writes), tuple(transfers))
+
+
+def plan_aliases(per_rank: Sequence[Sequence[LeafDesc]], links: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """Leaves written once: ``{alias path: stored path}``.
+
+    ``links[r]`` maps a path to the smallest path whose local data rank ``r``
+    found to be the very same memory (storage pointer, offset, shape, strides,
+    dtype); empty regions prove nothing and are never linked. A path is an alias
+    of ``s`` when some rank links it to ``s`` and every rank holding it agrees:
+    it links it to ``s`` too, or its region is empty and it holds ``s`` with the
+    identical region. One rank holding the two as different memory keeps both.
+    """
+    held = [{d.path: d for d in descs} for descs in per_rank]
+    out: dict[str, str] = {}
+    for alias in sorted({a for rank_links in links for a in rank_links}):
+        stored = next(rank_links[alias] for rank_links in links if alias in rank_links)
+        agreed = True
+        for descs, rank_links in zip(held, links):
+            if alias not in descs:
+                continue
+            if alias in rank_links:
+                agreed = rank_links[alias] == stored
+            else:
+                a, s = descs[alias], descs.get(stored)
+                agreed = (
+                    math.prod(a.lengths) == 0
+                    and s is not None
+                    and (a.kind, a.dtype, a.global_shape, a.offsets, a.lengths)
+                    == (s.kind, s.dtype, s.global_shape, s.offsets, s.lengths)
+                )
+            if not agreed:
+                break
+        if agreed:
+            out[alias] = stored
+    return out
 
 
 def _n_shards(shape: Sequence[int], layout: Layout) -> int:

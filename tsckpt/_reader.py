@@ -49,9 +49,13 @@ class Checkpoint:
     values: Mapping[str, Any]  # path -> decoded plain value
     structure: Any
     raw: Mapping[str, Any]
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # alias path -> stored array path
+
+    def is_array(self, path: str) -> bool:
+        return path in self.arrays or path in self.aliases
 
     def array_metadata(self, path: str) -> ArrayMetadata:
-        rec = self.arrays[path]
+        rec = self.arrays[self.aliases.get(path, path)]
         itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
         return ArrayMetadata(
             path=path,
@@ -115,18 +119,22 @@ def load(directory: Directory | Location) -> Checkpoint:
         arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}
         values = {p: decode_value(v) for p, v in meta["values"].items()}
         leaves = tuple(meta["leaves"])
-    except (KeyError, TypeError, ValueError) as e:
+        aliases = {str(a): str(s) for a, s in (meta.get("aliases") or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{loc}: root metadata is malformed ({type(e).__name__}: {e})") from e
-    missing = [p for p in leaves if p not in arrays and p not in values]
+    dangling = [f"{a} -> {s}" for a, s in aliases.items() if s not in arrays]
+    if dangling:
+        raise CorruptCheckpointError(f"{loc}: aliases {dangling[:5]} name no stored array")
+    missing = [p for p in leaves if p not in arrays and p not in values and p not in aliases]
     if missing:
         raise CorruptCheckpointError(f"{loc}: leaves {missing[:5]} are listed but have no record")
-    return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta)
+    return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta, aliases)
 
 
 def metadata(directory: Directory) -> Any:
     """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data."""
     ck = load(directory)
-    return ck.build([ck.array_metadata(p) if p in ck.arrays else ck.values[p] for p in ck.leaves])
+    return ck.build([ck.array_metadata(p) if ck.is_array(p) else ck.values[p] for p in ck.leaves])
 
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
@@ -261,6 +269,7 @@ class Reader(Mapping[str, Any]):
         ck = self.checkpoint
         if path == "" and ROOT_LEAF_PATH in ck.arrays:
             path = ROOT_LEAF_PATH
+        path = ck.aliases.get(path, path)  # a tied leaf reads its stored array
         if path in ck.arrays:
             return LazyArray(ck, path)
         if path in ck.values:
@@ -277,7 +286,7 @@ class Reader(Mapping[str, Any]):
 
     def metadata(self) -> Any:
         ck = self.checkpoint
-        return ck.build([ck.array_metadata(p) if p in ck.arrays else ck.values[p] for p in ck.leaves])
+        return ck.build([ck.array_metadata(p) if ck.is_array(p) else ck.values[p] for p in ck.leaves])
 
 
 def open(directory: Directory) -> Reader:  # noqa: A001 - mirrors tsckpt.open

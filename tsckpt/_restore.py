@@ -229,7 +229,9 @@ def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> 
     _check_structure(ck, flat.paths, strict)
     out: list[Any] = []
     dests: list[_Dest] = []
+    filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
     for path, leaf in zip(flat.paths, flat.leaves):
+        path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.values:
             if isinstance(leaf, (torch.Tensor, np.ndarray, ArraySpec, ShardedArray)):
                 raise LeafTypeError(
@@ -239,7 +241,12 @@ def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> 
             out.append(ck.values[path])
         elif path in ck.arrays:
             dest = _destination(ck, path, leaf, inplace)
-            dests.append(dest)
+            t = dest.tensor
+            mem = (path, dest.item.storage_offsets, dest.item.lengths, t.device, t.untyped_storage().data_ptr(),
+                   t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
+                filled.add(mem)
+                dests.append(dest)
             out.append(dest.result)
         else:
             out.append(leaf)
@@ -254,8 +261,8 @@ def _restore_saved(ck: Checkpoint) -> Any:
     dests = []
     leaves: list[Any] = []
     for path in ck.leaves:
-        if path in ck.values:
-            leaves.append(ck.values[path])
+        if path in ck.values or path in ck.aliases:
+            leaves.append(ck.values.get(path))  # aliases: filled after the read
             continue
         rec = ck.arrays[path]
         if rec.dtype == "complex32":
@@ -269,4 +276,7 @@ def _restore_saved(ck: Checkpoint) -> Any:
     read_into(ck, dests)
     # numpy scalars only after the read: a[()] copies the (still empty) buffer
     leaves = [x[()] if p in ck.arrays and ck.arrays[p].kind == "numpy_scalar" else x for p, x in zip(ck.leaves, leaves)]
+    if ck.aliases:  # a tied leaf is the very object of its stored leaf, as when it was saved
+        by_path = dict(zip(ck.leaves, leaves))
+        leaves = [by_path[ck.aliases[p]] if p in ck.aliases else x for p, x in zip(ck.leaves, leaves)]
     return ck.build(leaves)

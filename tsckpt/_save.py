@@ -12,6 +12,7 @@ from typing import Any
 import tensorstore as ts
 
 import numpy as np
+import torch
 
 from . import _dtypes, _store
 from ._coord import phase
@@ -26,7 +27,7 @@ from ._format import (
 )
 from ._arrays import array_node, open_array
 from ._leaves import Local, checksum, describe, storage_numpy
-from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_save, shard_boxes
+from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_aliases, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
@@ -192,6 +193,28 @@ def _with_replica_checksums(coord: Any, per_rank: list[list[LeafDesc]], local: l
     ]
 
 
+def _memory_key(lf: Local) -> tuple[Any, ...] | None:
+    """What makes two leaves the same memory (None: not an array, or empty, which proves nothing)."""
+    d, desc = lf.data, lf.desc
+    where = (desc.kind, desc.global_shape, desc.offsets)
+    if isinstance(d, torch.Tensor) and d.numel() > 0:
+        mem = (str(d.device), d.untyped_storage().data_ptr(), d.storage_offset(), tuple(d.stride()), str(d.dtype))
+        return (*where, tuple(d.shape), *mem)
+    if isinstance(d, np.ndarray) and desc.kind == "numpy" and d.size > 0:
+        return (*where, d.shape, d.__array_interface__["data"][0], d.strides, str(d.dtype))
+    return None
+
+
+def _links(local: list[Local]) -> dict[str, str]:
+    """Path -> the smallest other path of this rank whose leaf is the same memory (tied weights)."""
+    groups: dict[tuple[Any, ...], list[str]] = collections.defaultdict(list)
+    for lf in local:
+        key = _memory_key(lf)
+        if key is not None:
+            groups[key].append(lf.desc.path)
+    return {p: min(paths) for paths in groups.values() if len(paths) > 1 for p in paths if p != min(paths)}
+
+
 def save(
     directory: Directory,
     tree: Any,
@@ -231,8 +254,13 @@ def save(
     flat = flatten(tree)
     local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
     structure = structure_to_json(flat.spec)
-    gathered = coord.all_gather(([lf.desc for lf in local], flat.paths, structure))
+    gathered = coord.all_gather(([lf.desc for lf in local], flat.paths, structure, _links(local)))
     per_rank = [g[0] for g in gathered]
+    # leaves that are the same memory on every rank (tied weights) are written once
+    aliases = plan_aliases(per_rank, [g[3] for g in gathered])
+    if aliases:
+        per_rank = [[d for d in descs if d.path not in aliases] for descs in per_rank]
+        local = [lf for lf in local if lf.desc.path not in aliases]
     if coord.world_size > 1 and check_replicas:
         per_rank = _with_replica_checksums(coord, per_rank, local)
     plan = plan_save(per_rank)
@@ -256,6 +284,7 @@ def save(
         "leaves": leaves,
         "arrays": [a.to_json() for a in plan.arrays],
         "values": dict(plan.values),
+        **({"aliases": aliases} if aliases else {}),
         "world_size": coord.world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
