@@ -42,8 +42,7 @@ for _name in (
     "float8_e3m4",
     "float8_e4m3b11fnuz",
     "float4_e2m1fn",
-    "int4",
-    "uint4",
+    "int4",  # (ml_dtypes' uint4 is left out: TensorStore's zarr3 driver has no such type)
 ):
     if hasattr(ml_dtypes, _name):
         _NATIVE[_name] = np.dtype(getattr(ml_dtypes, _name))

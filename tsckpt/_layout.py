@@ -47,6 +47,8 @@ def _fill(limits: Sequence[int], divisible: Sequence[bool], unit_bytes: int, tar
     for d in reversed(range(len(limits))):
         lim = limits[d]
         v = min(lim, budget)
+        if v < lim:  # even pieces: 1024 rows at most 504 a piece -> 342, not 504+504+16
+            v = -(-lim // -(-lim // v))
         if divisible[d]:
             v = largest_divisor_at_most(lim, max(1, budget))
         out[d] = max(1, v)

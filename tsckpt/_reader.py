@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, decode_value
 from ._store import Directory, Location, resolve
-from .tree import ROOT_LEAF_PATH, structure_from_json
+from .tree import ROOT_LEAF_PATH, structure_from_json, unescape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +70,11 @@ class Checkpoint:
         """Arrange per-leaf objects (in ``self.leaves`` order) into the saved tree."""
         if self.structure is not None or self.leaves == (ROOT_LEAF_PATH,):  # a lone leaf's structure is null
             return structure_from_json(self.structure, leaves)
-        # saved by ranks with different trees: nested dicts keyed by path components
-        out: dict[str, Any] = {}
+        # saved by ranks with different trees: nested dicts keyed by the unescaped path components
+        out: dict[Any, Any] = {}
         for path, leaf in zip(self.leaves, leaves):
             node = out
-            *parents, last = path.split("/")
+            *parents, last = (unescape(c) for c in path.split("/"))
             for p in parents:
                 node = node.setdefault(p, {})
             node[last] = leaf

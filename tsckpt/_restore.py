@@ -36,7 +36,7 @@ class _Dest:
     """Where one target leaf's data goes, and what restore returns for it."""
 
     item: ReadItem
-    tensor: torch.Tensor  # a view of the destination memory, in the target's dtype
+    tensor: torch.Tensor | np.ndarray  # the destination memory, in the target's dtype
     result: Any
 
 
@@ -76,13 +76,11 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _as_tensor_view(arr: np.ndarray, path: str) -> torch.Tensor:
-    name = _dtypes.numpy_name(arr.dtype)
-    if name is None:
-        raise LeafTypeError(f"'{path}': cannot restore into a numpy array of dtype {arr.dtype}")
+def _writable(arr: np.ndarray, path: str) -> np.ndarray:
+    """A numpy destination; numpy assignment casts, so any numeric dtype will do."""
     if not arr.flags.writeable:
         raise LeafTypeError(f"'{path}': target numpy array is read-only; pass a writable array or inplace=False")
-    return _dtypes.numpy_to_tensor(arr, name)
+    return arr
 
 
 def _check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> None:
@@ -120,7 +118,7 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
             return _Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
         _check_cast(path, rec.dtype, local.dtype)
         a = local if inplace else np.empty_like(local)
-        return _Dest(item, _as_tensor_view(a, path), ShardedArray(a, leaf.global_shape, leaf.offsets))
+        return _Dest(item, _writable(a, path), ShardedArray(a, leaf.global_shape, leaf.offsets))
     if isinstance(leaf, torch.Tensor):
         _check_shape(path, tuple(leaf.shape), rec.shape)
         _check_cast(path, rec.dtype, leaf.dtype)
@@ -133,7 +131,7 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
             a = np.empty(rec.shape, dtype=leaf.dtype)
         else:
             a = leaf
-        return _Dest(whole, _as_tensor_view(a, path), a)  # 0-d: made a scalar after the read, in restore()
+        return _Dest(whole, _writable(a, path), a)  # 0-d: made a scalar after the read, in restore()
     if isinstance(leaf, ArraySpec):
         if leaf.shape is not None:
             _check_shape(path, tuple(leaf.shape), rec.shape)
@@ -144,7 +142,7 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
         dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
         _check_cast(path, rec.dtype, dtype)
         a = np.empty(rec.shape, dtype=dtype)
-        return _Dest(whole, _as_tensor_view(a, path), a)
+        return _Dest(whole, _writable(a, path), a)
     raise LeafTypeError(
         f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
         f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
@@ -167,6 +165,11 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
             from ._reader import corrupt_error
 
             raise corrupt_error(ck, dest.item.path, e) from e
+        if isinstance(dest.tensor, np.ndarray):
+            if arr.dtype == "complex32":  # float16 (re, im) pairs
+                raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
+            dest.tensor[dsel if dsel else ...] = raw
+            return raw.nbytes
         src = _dtypes.numpy_to_tensor(raw, arr.dtype)
         with torch.no_grad():  # targets may be parameters that require grad
             (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
@@ -221,6 +224,13 @@ def restore(
     return phase(coord, "restore", lambda: _restore(directory, target, strict, inplace))
 
 
+def _memory(t: torch.Tensor | np.ndarray) -> tuple[Any, ...]:
+    """Identity of the memory a destination views (tied targets share it)."""
+    if isinstance(t, np.ndarray):
+        return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> Any:
     ck = load(directory)
     if target is None:
@@ -241,9 +251,7 @@ def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> 
             out.append(ck.values[path])
         elif path in ck.arrays:
             dest = _destination(ck, path, leaf, inplace)
-            t = dest.tensor
-            mem = (path, dest.item.storage_offsets, dest.item.lengths, t.device, t.untyped_storage().data_ptr(),
-                   t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            mem = (path, dest.item.storage_offsets, dest.item.lengths, _memory(dest.tensor))
             if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
                 filled.add(mem)
                 dests.append(dest)
@@ -271,7 +279,7 @@ def _restore_saved(ck: Checkpoint) -> Any:
             leaves.append(t)
             continue
         a = np.empty(rec.shape, dtype=_dtypes.numpy_dtype(rec.dtype))
-        dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), _dtypes.numpy_to_tensor(a, rec.dtype), a))
+        dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), a, a))
         leaves.append(a)
     read_into(ck, dests)
     # numpy scalars only after the read: a[()] copies the (still empty) buffer

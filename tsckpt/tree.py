@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import urllib.parse
 from typing import Any, Callable, NamedTuple, cast
 
 import optree
@@ -44,6 +45,15 @@ def escape(key: str) -> str:
     if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__") or not key.strip("."):
         out = f"%{ord(key[0]):02X}" + out[1:]
     return out
+
+
+def unescape(component: str) -> str | int:
+    """The dict key or index a path component came from (inverse of :func:`escape`)."""
+    if component == "%":
+        return ""
+    if _INTLIKE.fullmatch(component):
+        return int(component)
+    return urllib.parse.unquote(component, errors="strict")
 
 
 def _component(entry: Any, prefix: str) -> str:
