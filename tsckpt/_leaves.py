@@ -129,6 +129,8 @@ def describe(path: str, leaf: Any) -> Local:
     if isinstance(leaf, torch.Tensor):
         return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
     if isinstance(leaf, np.ndarray):
+        if not leaf.dtype.isnative:  # stored little-endian; a byte-swapped copy keeps the values
+            leaf = leaf.astype(leaf.dtype.newbyteorder("="))
         return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
     if isinstance(leaf, np.generic):
         return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar")
