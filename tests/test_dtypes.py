@@ -211,3 +211,13 @@ def test_unsupported_torch_dtype(ckdir):
     q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
     with pytest.raises(tsckpt.LeafTypeError, match=r"^'q': torch dtype torch.quint8 cannot be stored; convert it first"):
         tsckpt.save(ckdir, {"q": q})
+
+
+def test_big_endian_numpy_is_stored_little_endian_with_same_values(ckdir):
+    a = np.array([1.5, -2.25, np.inf], dtype=">f8")
+    tsckpt.save(ckdir, {"a": a})
+    out = tsckpt.restore(ckdir)["a"]
+    assert out.dtype == np.dtype("<f8")
+    np.testing.assert_array_equal(out, a)
+    with open(os.path.join(ckdir, "a", "zarr.json")) as f:
+        assert json.load(f)["data_type"] == "float64"
