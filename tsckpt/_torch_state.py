@@ -1,0 +1,436 @@
+"""Model and optimizer state as plain pytrees keyed by parameter name, and loading them back.
+
+Names and sharded state come from torch's own
+``torch.distributed.checkpoint.state_dict`` helpers: FSDP2/DDP/torch.compile
+prefixes removed, optimizer state keyed by parameter name, DTensors kept
+sharded, optimizer state created lazily for a restore target. Loading is done
+here, by copying into the live tensors: every tensor keeps its own dtype
+(torch's ``Optimizer.load_state_dict`` would cast optimizer state to the
+parameter's dtype), a DTensor takes just its region of a full or differently
+sharded value, and tied parameters are matched under any of their names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from . import _dtypes
+from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
+
+MODEL = "model"
+OPTIM = "optim"
+STATE = "state"
+GROUPS = "param_groups"
+TYPES = "types"
+PARAMS = "params"
+
+Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None]
+
+
+def optimizer_tuple(optimizers: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizers is None:
+        return ()
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return (optimizers,)
+    return tuple(optimizers)
+
+
+def optimizer_type(optim: torch.optim.Optimizer) -> str:
+    return f"{type(optim).__module__}.{type(optim).__qualname__}"
+
+
+def param_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """``id(parameter)`` -> its names without wrapper prefixes, first as torch's
+    optimizer state dict keys it; tied parameters have several."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[int, list[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        names = out.setdefault(id(p), [])
+        for fqn in sorted(_get_fqns(model, key)):
+            if fqn not in names:
+                names.append(fqn)
+    return out
+
+
+def _names_of(names: dict[int, list[str]], p: torch.Tensor, optim: torch.optim.Optimizer) -> list[str]:
+    if id(p) not in names:
+        raise StructureMismatchError(
+            f"{type(optim).__name__} holds a parameter of shape {list(p.shape)} that is not a parameter of the "
+            "model; pass the model whose parameters the optimizer updates"
+        )
+    return names[id(p)]
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return dict(get_model_state_dict(model, options=StateDictOptions()))
+
+
+def optimizer_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...], *, init: bool) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (torch's layout) plus the optimizer types.
+
+    ``init=True`` lets torch create the state of a never-stepped optimizer (a
+    step with zero gradients and lr 0) so it can be restored into; ``init=False``
+    leaves such an optimizer untouched (its state is saved as empty), since that
+    step would change what the next real step does (Adam's step count).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    names = param_names(model)
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for optim in optims:
+        for g in optim.param_groups:
+            for p in g[PARAMS]:
+                _names_of(names, p, optim)
+        if optim.state or init:
+            osd = get_optimizer_state_dict(model, optim, options=StateDictOptions())
+        else:
+            osd = {
+                STATE: {},
+                GROUPS: [
+                    {**{k: v for k, v in g.items() if k != PARAMS}, PARAMS: [names[id(p)][0] for p in g[PARAMS]]}
+                    for g in optim.param_groups
+                ],
+            }
+        state.update(osd[STATE])
+        groups.extend(osd[GROUPS])
+    return {STATE: state, GROUPS: groups, TYPES: [optimizer_type(o) for o in optims]}
+
+
+def get_state_dict(model: torch.nn.Module, optimizers: Optimizers = None) -> dict[str, Any]:
+    """``{"model": {name: tensor}, "optim": {"state": {name: {...}}, "param_groups": [...], "types": [...]}}``.
+
+    A plain pytree for :func:`tsckpt.save`. Tensors are the live ones (no copy);
+    under FSDP2 they are DTensors, so each rank saves only its shards. Names are
+    the model's own (DDP's ``module.`` and torch.compile's ``_orig_mod.``
+    removed); tied parameters appear under every name and are stored once.
+    Several optimizers are merged, as torch does. Calling this has no side effects.
+    """
+    out: dict[str, Any] = {MODEL: _model_state(model)}
+    optims = optimizer_tuple(optimizers)
+    if optims:
+        out[OPTIM] = optimizer_state(model, optims, init=False)
+    return out
+
+
+def live_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
+    """Like :func:`get_state_dict`, with never-stepped optimizers' state created (a restore target)."""
+    out: dict[str, Any] = {MODEL: _model_state(model)}
+    if optims:
+        out[OPTIM] = optimizer_state(model, optims, init=True)
+    return out
+
+
+# ---- copying into live tensors ----------------------------------------------------------
+
+
+def _is_dtensor(x: Any) -> bool:
+    from ._dtensor import is_dtensor
+
+    return is_dtensor(x)
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """True when ``b`` is ``a`` or a view of exactly the same memory (nothing to copy)."""
+    if a is b:
+        return True
+    if _is_dtensor(a) and _is_dtensor(b):
+        a, b = a.to_local(), b.to_local()
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or _is_dtensor(a) or _is_dtensor(b):
+        return False
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+def as_tensor(value: Any, path: str) -> torch.Tensor:
+    """A CPU tensor (or the tensor itself) from a tensor, DTensor, numpy array or number."""
+    if _is_dtensor(value):
+        return value.full_tensor()
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        arr = np.asarray(value)
+        name = _dtypes.numpy_name(arr.dtype)
+        if name is None:
+            raise LeafTypeError(f"'{path}': numpy dtype {arr.dtype} cannot be loaded into a tensor")
+        return _dtypes.numpy_to_tensor(np.ascontiguousarray(arr), name)
+    if isinstance(value, (bool, int, float)):
+        return torch.tensor(value)
+    raise LeafTypeError(
+        f"'{path}': expected a tensor, numpy array or number to load into a tensor, found {type(value).__name__}"
+    )
+
+
+def region_of(dst: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local lengths) of the part of ``dst`` this rank holds."""
+    if _is_dtensor(dst):
+        from ._dtensor import region
+
+        return region(path, dst)
+    return (0,) * dst.dim(), tuple(dst.shape)
+
+
+def local_of(dst: Any) -> torch.Tensor:
+    return dst.to_local() if _is_dtensor(dst) else dst
+
+
+def shape_error(path: str, want: tuple[int, ...], stored: tuple[int, ...], name: str) -> ShapeMismatchError:
+    return ShapeMismatchError(
+        f"'{path}': the model has shape {list(want)} but the checkpoint holds {list(stored)}; for a resized "
+        f"parameter (e.g. a vocabulary padded to a multiple of 64) pass resize=[{name!r}] to copy the overlapping "
+        "region and keep the model's values elsewhere"
+    )
+
+
+@torch.no_grad()
+def copy_into(dst: Any, src: Any, path: str, *, name: str, resize: bool = False) -> None:
+    """Copy ``src`` (whole global value, or a DTensor) into the live tensor ``dst``, keeping dst's dtype.
+
+    A DTensor ``dst`` takes only its own region. With ``resize``, shapes may
+    differ: the overlapping leading region is copied.
+    """
+    if same_memory(dst, src):
+        return
+    if _is_dtensor(dst) and _is_dtensor(src) and src.placements == dst.placements and src.shape == dst.shape:
+        if src.device_mesh == dst.device_mesh:
+            dst.to_local().copy_(src.to_local())
+            return
+    full = as_tensor(src, path)
+    want = tuple(dst.shape)
+    if tuple(full.shape) != want:
+        if not resize or full.dim() != len(want):
+            raise shape_error(path, want, tuple(full.shape), name)
+    offsets, lengths = region_of(dst, path)
+    box = tuple(slice(o, min(o + n, s)) for o, n, s in zip(offsets, lengths, full.shape))
+    part = full[box] if box else full
+    local = local_of(dst)
+    dsel = tuple(slice(0, b.stop - b.start) if b.stop > b.start else slice(0, 0) for b in box)
+    (local[dsel] if dsel else local).copy_(part)
+
+
+def _stored_value(value: Any) -> Any:
+    """Plain Python from what a restore without a target gives for a value (numpy scalars included)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def as_list(x: Any) -> list[Any]:
+    """A list from a list/tuple, or a dict keyed 0..n-1 (how a tree saved by ranks with different trees comes back)."""
+    if isinstance(x, Mapping):
+        keys = sorted(x, key=lambda k: int(k))
+        return [x[k] for k in keys]
+    return list(x)
+
+
+# ---- set_state_dict ---------------------------------------------------------------------
+
+
+def _list(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:6])
+    return f"{len(names)} ({shown}{', ...' if len(names) > 6 else ''})"
+
+
+def check_names(what: str, live: Iterable[str], stored: Iterable[str], *, strict: bool, hint: str) -> None:
+    live_s, stored_s = set(live), set(stored)
+    missing, unexpected = sorted(live_s - stored_s), sorted(stored_s - live_s)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_list(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the {what}: {_list(unexpected)}")
+        raise StructureMismatchError(f"{what} and checkpoint differ; " + "; ".join(parts) + f". {hint}")
+
+
+ARCH_HINT = (
+    "The checkpoint is of another architecture (or another version of this model); pass strict=False to load "
+    "only the names both have"
+)
+
+
+def check_optimizer_types(stored: Any, optims: tuple[torch.optim.Optimizer, ...]) -> None:
+    live = [optimizer_type(o) for o in optims]
+    if stored is not None and [str(s) for s in as_list(stored)] != live:
+        raise StructureMismatchError(
+            f"optimizer types differ: the checkpoint was saved from {[str(s) for s in as_list(stored)]} but the "
+            f"target is {live}; build the same optimizer type(s) in the same order, or restore without "
+            "optimizers to load only the model"
+        )
+
+
+def check_state_keys(name: str, live_keys: Iterable[str], stored_keys: Iterable[str], optim: torch.optim.Optimizer) -> None:
+    live_k, stored_k = sorted(live_keys), sorted(stored_keys)
+    if live_k and live_k != stored_k:
+        raise StructureMismatchError(
+            f"optimizer state of parameter '{name}': the checkpoint holds {stored_k} but {type(optim).__name__} "
+            f"keeps {live_k}; the checkpoint was saved by another optimizer type or configuration (e.g. amsgrad, "
+            "momentum); build the same optimizer, or restore without optimizers to load only the model"
+        )
+
+
+def match_groups(
+    model: torch.nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    stored_groups: list[Mapping[str, Any]],
+    *,
+    strict: bool,
+) -> list[tuple[dict[str, Any], Mapping[str, Any] | None]]:
+    """Pair every live param group with the stored group holding its parameters (by name, any tied name)."""
+    names = param_names(model)
+    where: dict[str, int] = {}
+    for gi, sg in enumerate(stored_groups):
+        for n in as_list(sg.get(PARAMS, [])):
+            where[str(n)] = gi
+    missing: list[str] = []
+    pairs: list[tuple[dict[str, Any], Mapping[str, Any] | None]] = []
+    matched: set[str] = set()
+    for optim in optims:
+        for g in optim.param_groups:
+            found: set[int] = set()
+            for p in g[PARAMS]:
+                pn = _names_of(names, p, optim)
+                hits = [n for n in pn if n in where]
+                if hits:
+                    found.add(where[hits[0]])
+                    matched.update(hits)
+                else:
+                    missing.append(pn[0])
+            if len(found) > 1:
+                shown = [[str(n) for n in as_list(stored_groups[i][PARAMS])][:4] for i in sorted(found)]
+                raise StructureMismatchError(
+                    f"a param group of {type(optim).__name__} holds parameters {[names[id(p)][0] for p in g[PARAMS]][:6]} "
+                    f"that the checkpoint keeps in {len(found)} different groups ({shown}); group the "
+                    "parameters as when the checkpoint was saved"
+                )
+            pairs.append((g, stored_groups[found.pop()] if found else None))
+    check_names(
+        "optimizer",
+        missing + sorted(matched),
+        sorted(where),
+        strict=strict,
+        hint="The optimizer's parameters differ from the checkpoint's; pass strict=False to load the common ones",
+    )
+    return pairs
+
+
+def apply_group(live: dict[str, Any], stored: Mapping[str, Any], path: str) -> None:
+    """Hyperparameters of one param group (lr, betas, weight_decay, initial_lr, ...), live types kept."""
+    for key, value in stored.items():
+        if key == PARAMS:
+            continue
+        cur = live.get(key)
+        if isinstance(cur, torch.Tensor):
+            copy_into(cur, value, f"{path}/{key}", name=key)
+        elif isinstance(cur, tuple) or (cur is None and isinstance(value, Mapping)):
+            live[key] = tuple(_stored_value(v) for v in as_list(value))
+        elif isinstance(value, (list, Mapping)) and not isinstance(cur, list):
+            live[key] = tuple(_stored_value(v) for v in as_list(value))
+        else:
+            live[key] = _stored_value(value)
+
+
+def apply_optimizer(
+    model: torch.nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    stored: Mapping[str, Any],
+    *,
+    strict: bool,
+    resize: frozenset[str] = frozenset(),
+) -> None:
+    """Load stored optimizer state (any tree: tensors, numpy, DTensors, values) into live optimizers."""
+    check_optimizer_types(stored.get(TYPES), optims)
+    stored_state: Mapping[str, Any] = stored.get(STATE) or {}
+    stored_groups = [g for g in as_list(stored.get(GROUPS) or [])]
+    pairs = match_groups(model, optims, stored_groups, strict=strict)
+    for i, (g, sg) in enumerate(pairs):
+        if sg is not None:
+            apply_group(g, sg, f"{OPTIM}/{GROUPS}/{i}")
+    names = param_names(model)
+    in_groups = {str(n) for sg in stored_groups for n in as_list(sg.get(PARAMS, []))}
+    for optim in optims:
+        for g in optim.param_groups:
+            for p in g[PARAMS]:
+                pn = names[id(p)]
+                key = next((n for n in pn if n in stored_state), None)
+                if key is None:
+                    if any(n in in_groups for n in pn):
+                        optim.state.pop(p, None)  # it had no state when saved (never stepped)
+                    continue
+                ss = stored_state[key]
+                ls = optim.state[p]
+                check_state_keys(key, [k for k, v in ls.items() if v is not None], [k for k, v in ss.items() if v is not None], optim)
+                for k, v in ss.items():
+                    cur = ls.get(k)
+                    path = f"{OPTIM}/{STATE}/{key}/{k}"
+                    if isinstance(cur, torch.Tensor):
+                        copy_into(cur, v, path, name=key, resize=key in resize or any(n in resize for n in pn))
+                    elif v is None or not isinstance(v, (torch.Tensor, np.ndarray)):
+                        ls[k] = _stored_value(v)
+                    else:
+                        ls[k] = _new_state_tensor(p, v, path, key)
+
+
+def _new_state_tensor(p: torch.Tensor, value: Any, path: str, name: str) -> torch.Tensor:
+    """State the live optimizer lacks: laid out like the parameter when it has its shape."""
+    src = as_tensor(value, path)
+    if tuple(src.shape) == tuple(p.shape):
+        out = torch.empty_like(p.detach(), dtype=src.dtype)
+        copy_into(out, src, path, name=name)
+        return out
+    return src.clone()
+
+
+def set_state_dict(
+    model: torch.nn.Module,
+    optimizers: Optimizers,
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    resize: Iterable[str] = (),
+) -> None:
+    """Load ``state`` (as made by :func:`get_state_dict`) into a live model and optimizers.
+
+    ``state`` may hold tensors, DTensors (any sharding), numpy arrays or values,
+    e.g. ``tsckpt.restore(dir)``. Every value is copied into the live tensor in
+    the live tensor's dtype; a sharded model takes just its shards. Tied
+    parameters load from any of their names. ``strict`` reports names missing on
+    either side; ``resize`` names parameters (e.g. a padded embedding) whose
+    overlapping region is copied when shapes differ.
+    """
+    optims = optimizer_tuple(optimizers)
+    resized = frozenset(resize)
+    live = live_state(model, optims)
+    stored_model = state.get(MODEL)
+    if not isinstance(stored_model, Mapping):
+        raise StructureMismatchError(
+            f"state has no '{MODEL}' mapping (keys: {sorted(state)}); pass the tree get_state_dict made"
+        )
+    check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT)
+    for name, dst in live[MODEL].items():
+        if name in stored_model:
+            copy_into(dst, stored_model[name], f"{MODEL}/{name}", name=name, resize=name in resized)
+    if optims:
+        stored_optim = state.get(OPTIM)
+        if not isinstance(stored_optim, Mapping):
+            raise StructureMismatchError(
+                f"state has no '{OPTIM}' entry but optimizers were given; save with get_state_dict(model, "
+                "optimizers), or pass optimizers=None to load only the model"
+            )
+        apply_optimizer(model, optims, stored_optim, strict=strict, resize=resized)
+
+
+__all__ = ["get_state_dict", "set_state_dict"]

@@ -1,0 +1,432 @@
+"""Whole training state: model, optimizers, schedulers and other stateful objects,
+per-rank state (data samplers, RNG), saved with one call and restored in place.
+
+Checkpoint tree written by :func:`save`::
+
+    model/<name>                         parameters and buffers (DTensors: each rank its shards)
+    optim/state/<name>/<key>             per-parameter optimizer state, by parameter name
+    optim/param_groups/<i>/...           hyperparameters, with the parameter names of each group
+    optim/types/<i>                      the optimizer classes
+    extra/<key>/...                      state_dict() of stateful objects, or plain values (step, ...)
+    ranks/<rank>/rng/...                 this rank's torch / CUDA / numpy / Python RNG states
+    ranks/<rank>/<key>/...               this rank's per-rank objects (data samplers)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import random
+import urllib.parse
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ._coord import phase
+from ._dist import coordinator_for
+from ._errors import ShapeMismatchError, StructureMismatchError
+from ._reader import Checkpoint, LazyArray, load
+from ._restore import RestoreWarning
+from ._restore import restore as core_restore
+from ._save import save as core_save
+from ._store import Directory
+from ._torch_state import (
+    ARCH_HINT,
+    GROUPS,
+    MODEL,
+    OPTIM,
+    STATE,
+    TYPES,
+    Optimizers,
+    apply_optimizer,
+    check_names,
+    check_optimizer_types,
+    check_state_keys,
+    get_state_dict,
+    live_state,
+    local_of,
+    match_groups,
+    optimizer_tuple,
+    param_names,
+    region_of,
+    shape_error,
+)
+from .tree import escape, flatten
+
+EXTRA = "extra"
+RANKS = "ranks"
+RNG = "rng"
+
+
+# ---- RNG ------------------------------------------------------------------------------
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This process's RNG states as arrays and values (never pickled): torch CPU, CUDA (when
+    initialized), numpy's global generator and Python's ``random``."""
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    version, internal, gauss_next = random.getstate()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": keys, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {
+            "version": int(version),
+            "state": np.array(internal, dtype=np.int64),
+            "has_gauss_next": gauss_next is not None,
+            "gauss_next": 0.0 if gauss_next is None else float(gauss_next),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the RNG states :func:`get_rng_state` returned (from a restore, with or without a target)."""
+    if "torch" in state:
+        torch.set_rng_state(_byte_tensor(state["torch"]))
+    if "numpy" in state:
+        s = state["numpy"]
+        keys = np.asarray(s["keys"], dtype=np.uint32)
+        np.random.set_state(("MT19937", keys, int(s["pos"]), int(s["has_gauss"]), float(s["cached_gaussian"])))
+    if "python" in state:
+        s = state["python"]
+        gauss = float(s["gauss_next"]) if bool(s["has_gauss_next"]) else None
+        random.setstate((int(s["version"]), tuple(int(x) for x in np.asarray(s["state"])), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = _as_list(state["cuda"])
+        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_byte_tensor(s), i)
+
+
+def _byte_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.uint8).cpu()
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x, dtype=np.uint8)))
+
+
+def _as_list(x: Any) -> list[Any]:
+    if isinstance(x, Mapping):
+        return [x[k] for k in sorted(x, key=int)]
+    return list(x)
+
+
+# ---- stateful objects -------------------------------------------------------------------
+
+
+def is_stateful(obj: Any) -> bool:
+    """Has ``state_dict()`` and ``load_state_dict()`` (LR schedulers, samplers, GradScaler, modules)."""
+    return (
+        not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if is_stateful(obj) else obj
+
+
+def _check_keys(what: str, objs: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = dict(objs or {})
+    for k in out:
+        if not isinstance(k, str):
+            raise StructureMismatchError(f"{what} keys must be str names, found {k!r} ({type(k).__name__})")
+    return out
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+
+def save(
+    directory: Directory,
+    model: torch.nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    overwrite: bool = False,
+    group: Any = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Save the training state; every rank calls it.
+
+    ``extra``: name -> an object with ``state_dict()``/``load_state_dict()`` (LR
+    scheduler, GradScaler, ...) or a plain value or pytree (step counters); the
+    same on every rank. ``per_rank``: name -> stateful object or value that
+    differs between ranks (data sampler position), stored under
+    ``ranks/<rank>/<name>``. ``rng`` also stores this rank's RNG states there.
+    The optimizers are not stepped or otherwise changed.
+    """
+    coord = coordinator_for(group, timeout)
+    tree: dict[str, Any] = get_state_dict(model, optimizers)
+    extras = _check_keys("extra", extra)
+    if extras:
+        tree[EXTRA] = {name: _state_of(obj) for name, obj in extras.items()}
+    mine = {name: _state_of(obj) for name, obj in _check_keys("per_rank", per_rank).items()}
+    if RNG in mine and rng:
+        raise StructureMismatchError(f"per_rank name '{RNG}' is reserved for the RNG states; rename it")
+    if rng:
+        mine[RNG] = get_rng_state()
+    if mine:
+        tree[RANKS] = {coord.rank: mine}
+    core_save(directory, tree, overwrite=overwrite, group=group, timeout=timeout)
+
+
+# ---- restore ------------------------------------------------------------------------------
+
+
+def _unescape(component: str) -> str | int:
+    if component == "%":
+        return ""
+    if component.lstrip("-").isdigit():
+        return int(component)
+    return urllib.parse.unquote(component)
+
+
+def stored_subtree(ck: Checkpoint, prefix: str) -> Any:
+    """The saved subtree under ``prefix`` as nested dicts/lists; values as saved, arrays read whole."""
+    root: dict[Any, Any] = {}
+    start = prefix.rstrip("/") + "/"
+    for path in ck.leaves:
+        if not path.startswith(start):
+            continue
+        parts = [_unescape(c) for c in path[len(start) :].split("/")]
+        node = root
+        for c in parts[:-1]:
+            node = node.setdefault(c, {})
+        src = ck.aliases.get(path, path)
+        node[parts[-1]] = ck.values[src] if src in ck.values else LazyArray(ck, src)[...]
+
+    def listify(x: Any) -> Any:
+        if isinstance(x, dict):
+            x = {k: listify(v) for k, v in x.items()}
+            if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
+                return [x[i] for i in range(len(x))]
+        return x
+
+    return listify(root)
+
+
+def _under(ck: Checkpoint, prefix: str) -> list[str]:
+    start = prefix.rstrip("/") + "/"
+    return [p for p in ck.leaves if p.startswith(start) or p == prefix]
+
+
+def _shape_of(ck: Checkpoint, path: str) -> tuple[int, ...] | None:
+    return ck.array_metadata(path).shape if ck.is_array(path) else None
+
+
+@dataclasses.dataclass
+class _Plan:
+    target: dict[str, Any]
+    resized: list[tuple[str, Any]]  # (stored path, live tensor): overlapping region read separately
+    groups: list[Any]
+    types: Any
+    extras: dict[str, Any]
+    mine: dict[str, Any]
+
+
+def _plan(
+    ck: Checkpoint,
+    model: torch.nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    live: dict[str, Any],
+    extras: dict[str, Any],
+    mine: dict[str, Any],
+    rank: int,
+    *,
+    strict: bool,
+    resize: frozenset[str],
+) -> _Plan:
+    """Match the live state to the checkpoint, with precise errors, before anything is read."""
+    resized: list[tuple[str, Any]] = []
+    shape_errors: list[ShapeMismatchError] = []
+
+    def admit(path: str, dst: Any, name: str) -> bool:
+        """True: restore ``dst`` from ``path`` normally; False: its shape differs (read separately)."""
+        stored = _shape_of(ck, path)
+        if stored is None or not isinstance(dst, torch.Tensor) or tuple(dst.shape) == stored:
+            return True
+        if name in resize and len(stored) == dst.dim():
+            resized.append((path, dst))
+        else:
+            shape_errors.append(shape_error(path, tuple(dst.shape), stored, name))
+        return False
+
+    # model: names first (another architecture), then shapes
+    stored_model = {str(_unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
+    check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT)
+    target: dict[str, Any] = {MODEL: {}}
+    for name, dst in live[MODEL].items():
+        if name in stored_model and admit(stored_model[name], dst, name):
+            target[MODEL][name] = dst
+
+    groups: list[Any] = []
+    types: Any = None
+    if optims:
+        if not _under(ck, f"{OPTIM}/{GROUPS}"):
+            raise StructureMismatchError(
+                f"{ck.location}: the checkpoint holds no optimizer state (no '{OPTIM}/{GROUPS}'); restore "
+                "without optimizers to load only the model"
+            )
+        types = stored_subtree(ck, f"{OPTIM}/{TYPES}") or None
+        check_optimizer_types(types, optims)
+        groups = _as_list(stored_subtree(ck, f"{OPTIM}/{GROUPS}"))
+        match_groups(model, optims, groups, strict=strict)
+        stored_state: dict[str, dict[str, str]] = {}
+        for p in _under(ck, f"{OPTIM}/{STATE}"):
+            parts = p.split("/")
+            stored_state.setdefault(str(_unescape(parts[2])), {})[str(_unescape(parts[3]))] = p
+        names = param_names(model)
+        target_state: dict[str, dict[str, Any]] = {}
+        live_state_by_name = live[OPTIM][STATE]
+        for optim in optims:
+            for g in optim.param_groups:
+                for param in g["params"]:
+                    pn = names[id(param)]
+                    key = next((n for n in pn if n in stored_state), None)
+                    live_entry = next((live_state_by_name[n] for n in pn if n in live_state_by_name), None)
+                    if key is None or live_entry is None:
+                        continue  # never stepped when saved (or here): set afterwards
+                    stored_keys = stored_state[key]
+                    # a key whose value was None when saved has no leaf: compare only the keys with data
+                    check_state_keys(key, [k for k, v in live_entry.items() if v is not None], stored_keys, optim)
+                    entry = {}
+                    for k, v in live_entry.items():
+                        if k in stored_keys and (not isinstance(v, torch.Tensor) or admit(stored_keys[k], v, pn[0])):
+                            entry[k] = v
+                    target_state[key] = entry
+        target[OPTIM] = {STATE: target_state}
+
+    if shape_errors:
+        more = f" (and {len(shape_errors) - 1} more shape mismatches)" if len(shape_errors) > 1 else ""
+        raise ShapeMismatchError(str(shape_errors[0]) + more)
+
+    # extra, per-rank and RNG state: the target's own trees, compared path by path
+    target_extra = {name: _state_of(obj) for name, obj in extras.items()}
+    target_mine = {name: _state_of(obj) for name, obj in mine.items()}
+    if target_extra:
+        target[EXTRA] = target_extra
+    if target_mine:
+        target[RANKS] = {rank: target_mine}
+    if RNG in target_mine:
+        if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
+            del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
+    wanted = [p for p in flatten({k: v for k, v in target.items() if k in (EXTRA, RANKS)}).paths]
+    sections = [f"{EXTRA}/{escape(n)}" for n in target_extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in target_mine]
+    stored = [p for s in sections for p in _under(ck, s) if not p.startswith(f"{RANKS}/{rank}/{RNG}/cuda/")]
+    if strict:
+        missing, unexpected = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
+        if missing or unexpected:
+            saved = ck.raw.get("world_size")
+            hint = (
+                f" The checkpoint was saved by {saved} ranks; this is rank {rank}: per-rank state exists only for "
+                "the ranks that saved it. Pass rng=False / fewer per_rank objects, or strict=False to keep this "
+                "rank's current state where the checkpoint has none."
+                if any(p.startswith(f"{RANKS}/") for p in missing)
+                else " Pass strict=False to restore only the entries both have."
+            )
+            raise StructureMismatchError(
+                f"{ck.location}: extra / per-rank state differs; missing from the checkpoint: {missing[:6]}; "
+                f"in the checkpoint but not given: {unexpected[:6]}.{hint}"
+            )
+    return _Plan(target, resized, groups, types, target_extra, target_mine)
+
+
+def _read_overlap(ck: Checkpoint, path: str, dst: Any) -> None:
+    """Copy the overlap of the stored array and this rank's part of ``dst`` (a resized parameter)."""
+    arr = LazyArray(ck, ck.aliases.get(path, path))
+    offsets, lengths = region_of(dst, path)
+    box = tuple(slice(min(o, s), min(o + n, s)) for o, n, s in zip(offsets, lengths, arr.shape))
+    if any(b.stop <= b.start for b in box):
+        return
+    from . import _dtypes
+
+    part = _dtypes.numpy_to_tensor(arr.read_box(box), arr.dtype)
+    local = local_of(dst)
+    with torch.no_grad():
+        local[tuple(slice(0, b.stop - b.start) for b in box)].copy_(part)
+
+
+def restore(
+    directory: Directory,
+    model: torch.nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    strict: bool = True,
+    resize: Iterable[str] = (),
+    group: Any = None,
+    timeout: datetime.timedelta | None = None,
+) -> dict[str, Any]:
+    """Restore a :func:`save` checkpoint in place into a live model and optimizers; every rank calls it.
+
+    Each tensor is read straight into the live parameter, buffer or optimizer
+    state (in its own dtype; under FSDP2 each rank reads only its shards, from a
+    checkpoint saved with any sharding or world size), so memory stays at
+    model + optimizer + a bounded read buffer. Never-stepped optimizers get their
+    state created first (torch's lazy init). ``extra`` and ``per_rank`` are as
+    for :func:`save`: stateful objects get ``load_state_dict``; the result maps
+    each ``extra`` name to the object, or to the restored value (e.g. the step).
+    ``rng`` restores this rank's RNG states. ``strict`` reports names missing on
+    either side (another architecture, another optimizer type); ``resize`` names
+    parameters whose shape changed (a padded vocabulary): their overlapping
+    region is loaded, the rest keeps the model's values.
+    """
+    coord = coordinator_for(group, timeout)
+    optims = optimizer_tuple(optimizers)
+    extras = _check_keys("extra", extra)
+    mine = _check_keys("per_rank", per_rank)
+    if rng:
+        if RNG in mine:
+            raise StructureMismatchError(f"per_rank name '{RNG}' is reserved for the RNG states; rename it")
+        mine[RNG] = _RngSlot()
+
+    def check() -> tuple[Checkpoint, _Plan]:
+        ck = load(directory)
+        live = live_state(model, optims)  # creates never-stepped optimizers' state to read into
+        return ck, _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
+
+    ck, plan = cast("tuple[Checkpoint, _Plan]", phase(coord, "restore (check)", check))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RestoreWarning)  # differences were checked above, with better messages
+        restored = core_restore(directory, plan.target, strict=False, inplace=True, group=group, timeout=timeout)
+
+    def finish() -> None:
+        for path, dst in plan.resized:
+            _read_overlap(ck, path, dst)
+        if optims:
+            stored = {STATE: restored[OPTIM][STATE], GROUPS: plan.groups, TYPES: plan.types}
+            apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize))
+
+    phase(coord, "restore (apply)", finish)
+    out: dict[str, Any] = {}
+    for name, obj in extras.items():
+        value = restored.get(EXTRA, {}).get(name, plan.extras[name])
+        if is_stateful(obj):
+            obj.load_state_dict(value)
+            out[name] = obj
+        else:
+            out[name] = value
+    rank_state = restored.get(RANKS, {}).get(coord.rank, {})
+    for name, obj in mine.items():
+        if name in rank_state:
+            obj.load_state_dict(rank_state[name])
+    return out
+
+
+class _RngSlot:
+    """The RNG states as a stateful object, so they restore like any per-rank object."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_rng_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        set_rng_state(state)
