@@ -14,11 +14,14 @@ from ._errors import (
     LayoutError,
     LeafTypeError,
     NotACheckpointError,
+    SaveInProgressError,
     ShapeMismatchError,
     StructureMismatchError,
     TsckptError,
 )
+from ._async import AsyncSave, save_async
 from ._leaves import ArraySpec, ShardedArray
+from ._manager import CheckpointManager
 from ._reader import ArrayMetadata, LazyArray, Reader, metadata, open
 from ._restore import RestoreWarning, restore
 from ._save import save
@@ -27,8 +30,10 @@ from .tree import register_node
 __all__ = [
     "ArrayMetadata",
     "ArraySpec",
+    "AsyncSave",
     "CheckpointExistsError",
     "CheckpointIncompleteError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DistributedError",
@@ -39,6 +44,7 @@ __all__ = [
     "NotACheckpointError",
     "Reader",
     "RestoreWarning",
+    "SaveInProgressError",
     "ShapeMismatchError",
     "ShardedArray",
     "StructureMismatchError",
@@ -48,4 +54,5 @@ __all__ = [
     "register_node",
     "restore",
     "save",
+    "save_async",
 ]

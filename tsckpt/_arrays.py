@@ -25,15 +25,21 @@ def array_node(rec: ArrayRecord) -> dict[str, Any]:
 
 
 def open_array(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
-    """Open without reading zarr.json (the root metadata already has everything),
-    and with missing chunks reported as errors rather than read as fill values."""
+    """Open with missing chunks reported as errors rather than read as fill values.
+
+    Writers do not read zarr.json (the root metadata already has everything, and
+    rank 0 may write the node after other ranks start). Readers do: TensorStore
+    then checks the stored zarr.json against the root metadata's record (shape,
+    dtype, chunking, codecs), so metadata that disagrees with the data is an error
+    rather than a silent misreading.
+    """
     meta = array_node(rec)
     del meta["attributes"]
     spec = {
         "driver": "zarr3",
         "kvstore": loc.sub(rec.path),
         "metadata": meta,
-        "assume_metadata": True,
+        "assume_metadata": write,
         # Every chunk is written, even all-zero ones, so that a missing file is
         # always an error and never silently read back as zeros.
         "fill_missing_data_reads": False,

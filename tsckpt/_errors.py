@@ -54,6 +54,10 @@ class DistributedError(TsckptError, RuntimeError):
     """Another rank failed or disagreed during a collective save or restore."""
 
 
+class SaveInProgressError(TsckptError, RuntimeError):
+    """An asynchronous save is still running and the caller asked not to wait for it."""
+
+
 __all__ = [
     "CheckpointExistsError",
     "CheckpointIncompleteError",
@@ -64,6 +68,7 @@ __all__ = [
     "LayoutError",
     "LeafTypeError",
     "NotACheckpointError",
+    "SaveInProgressError",
     "ShapeMismatchError",
     "StructureMismatchError",
     "TsckptError",

@@ -1,0 +1,257 @@
+"""save_async: staging, background failures, one save at a time, buffer reuse."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+import tsckpt._save as save_module
+from tsckpt._async import AsyncSaver
+
+
+def _tree():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=g), "b": torch.arange(5, dtype=torch.bfloat16)},
+        "opt": [np.arange(12, dtype=np.int32).reshape(3, 4), np.float64(0.25)],
+        "shard": tsckpt.ShardedArray(torch.ones(4, 3), (4, 3), (0, 0)),
+        "step": 7,
+        "name": "run",
+        "blob": bytearray(b"\x00\x01"),
+    }
+
+
+def _gate(monkeypatch):
+    """Make every save wait until the returned event is set (the background phase, held open)."""
+    gate = threading.Event()
+    entered = threading.Event()
+    real = save_module.save
+
+    def slow_save(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30), "test gate never opened"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "save", slow_save)
+    return gate, entered
+
+
+def test_roundtrip_matches_sync_save(tmp_path):
+    tree = _tree()
+    tsckpt.save(tmp_path / "sync", tree)
+    handle = tsckpt.save_async(tmp_path / "async", tree)
+    assert handle.result(timeout=30) is None
+    assert handle.done()
+    sync, asyn = tsckpt.restore(tmp_path / "sync"), tsckpt.restore(tmp_path / "async")
+    assert sync["step"] == asyn["step"] == 7 and asyn["name"] == "run" and asyn["blob"] == b"\x00\x01"
+    for a, b in zip(
+        [sync["model"]["w"], sync["opt"][0], sync["opt"][1], sync["shard"]],
+        [asyn["model"]["w"], asyn["opt"][0], asyn["opt"][1], asyn["shard"]],
+    ):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    back = tsckpt.restore(tmp_path / "async", tree)
+    assert back["model"]["b"].dtype == torch.bfloat16 and back["model"]["b"].tolist() == [0, 1, 2, 3, 4]
+    assert isinstance(back["shard"], tsckpt.ShardedArray) and back["shard"].local.tolist() == [[1.0] * 3] * 4
+
+
+def test_returns_before_commit_and_snapshot_is_taken_at_call(tmp_path, monkeypatch):
+    gate, entered = _gate(monkeypatch)
+    w = torch.arange(6, dtype=torch.float32)
+    a = np.arange(4, dtype=np.int64)
+    strided = torch.arange(20, dtype=torch.float32).reshape(4, 5)[:, ::2]  # non-contiguous
+    handle = tsckpt.save_async(tmp_path / "ck", {"w": w, "a": a, "s": strided})
+    assert entered.wait(30)
+    assert not handle.done()
+    assert handle.staged_bytes == 6 * 4 + 4 * 8 + 12 * 4
+    # training goes on and mutates its state while the save is still running
+    w.add_(100)
+    a *= -1
+    strided.zero_()
+    with pytest.raises(TimeoutError, match="still running after 0.05 s"):
+        handle.result(timeout=0.05)
+    gate.set()
+    handle.result(timeout=30)
+    out = tsckpt.restore(tmp_path / "ck")
+    assert out["w"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert out["a"].tolist() == [0, 1, 2, 3]
+    assert out["s"].tolist() == torch.arange(20.0).reshape(4, 5)[:, ::2].tolist()
+
+
+def test_background_failure_is_reraised(tmp_path):
+    tsckpt.save(tmp_path / "ck", {"x": np.zeros(2)})
+    handle = tsckpt.save_async(tmp_path / "ck", {"x": np.ones(2)})
+    with pytest.raises(tsckpt.CheckpointExistsError, match="already exists here; pass overwrite=True"):
+        handle.result(timeout=30)
+    assert handle.done()
+    assert isinstance(handle.exception(), tsckpt.CheckpointExistsError)
+    assert tsckpt.restore(tmp_path / "ck")["x"].tolist() == [0, 0]  # untouched
+    tsckpt.save_async(tmp_path / "ck", {"x": np.ones(2)}, overwrite=True).result(timeout=30)
+    assert tsckpt.restore(tmp_path / "ck")["x"].tolist() == [1, 1]
+
+
+def test_unsupported_leaf_fails_in_the_caller(tmp_path):
+    with pytest.raises(tsckpt.LeafTypeError, match="'bad/0': leaf of type builtins.object cannot be stored"):
+        tsckpt.save_async(tmp_path / "ck", {"ok": np.zeros(1), "bad": [object()]})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_second_save_waits_for_the_first(tmp_path, monkeypatch):
+    gate, entered = _gate(monkeypatch)
+    first = tsckpt.save_async(tmp_path / "a", {"x": np.zeros(3)})
+    assert entered.wait(30)
+    second_handle = []
+    t = threading.Thread(target=lambda: second_handle.append(tsckpt.save_async(tmp_path / "b", {"x": np.ones(3)})))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not first.done()  # the second call is held until the first one commits
+    gate.set()
+    t.join(30)
+    assert not t.is_alive() and first.done()
+    second_handle[0].result(timeout=30)
+    assert tsckpt.restore(tmp_path / "a")["x"].tolist() == [0, 0, 0]
+    assert tsckpt.restore(tmp_path / "b")["x"].tolist() == [1, 1, 1]
+
+
+def test_second_save_can_refuse_instead(tmp_path, monkeypatch):
+    gate, entered = _gate(monkeypatch)
+    first = tsckpt.save_async(tmp_path / "a", {"x": np.zeros(3)})
+    assert entered.wait(30)
+    with pytest.raises(tsckpt.SaveInProgressError, match=r"save to .*a is still running; wait for it with \.result\(\)"):
+        tsckpt.save_async(tmp_path / "b", {"x": np.ones(3)}, if_busy="error")
+    with pytest.raises(ValueError, match="if_busy must be 'wait' or 'error', not 'skip'"):
+        tsckpt.save_async(tmp_path / "b", {"x": np.ones(3)}, if_busy="skip")
+    gate.set()
+    first.result(timeout=30)
+    assert not (tmp_path / "b").exists()
+
+
+def test_unchecked_failure_is_reported_by_the_next_save(tmp_path):
+    tsckpt.save(tmp_path / "ck", {"x": np.zeros(1)})
+    failed = tsckpt.save_async(tmp_path / "ck", {"x": np.zeros(1)})
+    deadline = time.monotonic() + 30
+    while not failed.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.warns(RuntimeWarning, match=r"save to .*ck failed and its result\(\) was never checked: CheckpointExistsError"):
+        tsckpt.save_async(tmp_path / "other", {"x": np.zeros(1)}).result(timeout=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once only
+        tsckpt.save_async(tmp_path / "third", {"x": np.zeros(1)}).result(timeout=30)
+
+
+def test_staging_buffers_are_reused_and_bounded(tmp_path):
+    saver = AsyncSaver()
+    seen = []
+
+    def job(staged):
+        seen.append(staged)
+
+    w = torch.zeros(256, 256)
+    a = np.zeros(1000, dtype=np.float32)
+    for i in range(3):
+        w.fill_(i)
+        a.fill(i)
+        saver.submit("x", {"w": w, "a": a, "i": i}, job).result(timeout=30)
+        assert seen[-1]["w"] is not w and seen[-1]["a"] is not a
+        assert float(seen[-1]["w"][0, 0]) == i and float(seen[-1]["a"][0]) == i and seen[-1]["i"] == i
+    assert seen[0]["w"].data_ptr() == seen[2]["w"].data_ptr()  # the same buffer each time
+    assert seen[0]["a"].ctypes.data == seen[2]["a"].ctypes.data
+    assert saver.staging_bytes == 256 * 256 * 4 + 4000
+    # a leaf that changed shape or dtype, or disappeared, releases its buffer
+    saver.submit("x", {"w": torch.zeros(10, dtype=torch.float64)}, job).result(timeout=30)
+    assert saver.staging_bytes == 80
+    saver.close()
+
+
+def test_staging_limit_falls_back_to_a_blocking_save(tmp_path):
+    saver = AsyncSaver(max_staging_bytes=100)
+    done = []
+    w = np.zeros(100)
+    with pytest.warns(RuntimeWarning, match="saving to x synchronously: the state has 800 bytes of arrays, more than max_staging_bytes=100"):
+        handle = saver.submit("x", {"w": w}, lambda tree: done.append(tree))
+    assert handle.done() and handle.staged_bytes == 0 and done[0]["w"] is w  # saved in place, no copy
+    assert saver.staging_bytes == 0
+    saver.submit("x", {"w": np.zeros(10)}, lambda tree: done.append(tree)).result(timeout=30)
+    assert saver.staging_bytes == 80
+
+
+def test_memory_store(tmp_path):
+    tsckpt.save_async("memory://async_test/ck", {"w": torch.arange(3)}).result(timeout=30)
+    assert tsckpt.restore("memory://async_test/ck")["w"].tolist() == [0, 1, 2]
+
+
+def test_pending_save_finishes_at_interpreter_exit(tmp_path):
+    code = (
+        "import numpy as np, tsckpt\n"
+        f"tsckpt.save_async({str(tmp_path / 'ck')!r}, {{'x': np.arange(1 << 20)}})\n"
+        # the script ends right away; the save is still in flight
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert tsckpt.restore(tmp_path / "ck")["x"][-1] == (1 << 20) - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_staged_in_pinned_memory(tmp_path):
+    saver = AsyncSaver()
+    seen = []
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    saver.submit("x", {"t": t}, seen.append).result(timeout=30)
+    staged = seen[0]["t"]
+    assert staged.device.type == "cpu" and staged.is_pinned()
+    assert staged.tolist() == list(range(1000))
+    handle = tsckpt.save_async(tmp_path / "ck", {"t": t})
+    t.zero_()
+    handle.result(timeout=30)
+    assert tsckpt.restore(tmp_path / "ck")["t"].tolist() == list(range(1000))
+
+
+def test_exports():
+    assert {"save_async", "AsyncSave", "CheckpointManager", "SaveInProgressError"} <= set(tsckpt.__all__)
+    assert issubclass(tsckpt.SaveInProgressError, tsckpt.TsckptError)
+    assert issubclass(tsckpt.SaveInProgressError, RuntimeError)
+
+
+def _two_ranks(rank: int, world: int, directory: str) -> tuple:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)])
+    sh = tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (4, 3), (2 * rank, 0))
+    m = tsckpt.CheckpointManager(directory, keep_last=1)
+    for step in range(3):
+        handle = m.save_async(step, {"dt": dt, "sh": sh, "rep": torch.ones(3) * step, "step": step})
+        dt.to_local().add_(100)  # training mutates its state ...
+        sh.local.add_(100)
+        x = torch.ones(1)
+        for _ in range(20):  # ... and runs its own collectives while the save commits
+            dist.all_reduce(x)
+        assert x.item() == world**20
+        handle.result(timeout=60)
+    out = m.restore()
+    return m.all_steps(), out["dt"].tolist(), out["sh"].tolist(), out["rep"].tolist(), out["step"]
+
+
+def test_two_ranks_dtensor_and_sharded_leaves(tmp_path):
+    from tests.dist_helpers import run_ranks
+    from tests.test_crash import _context
+
+    _context()  # if this starts the forkserver, preload what the crash tests fork too
+    results = run_ranks(_two_ranks, 2, str(tmp_path / "run"), timeout=120)
+    assert results[0] == results[1]
+    steps, dt, sh, rep, step = results[0]
+    assert steps == [2] and step == 2 and rep == [2.0, 2.0, 2.0]
+    assert dt == (torch.arange(32.0).reshape(8, 4) + 200).tolist()
+    assert sh == [[200.0] * 3] * 2 + [[201.0] * 3] * 2
+    assert sorted(os.listdir(tmp_path / "run")) == ["00000002"]

@@ -1,0 +1,236 @@
+"""CheckpointManager: steps, latest, retention, incomplete steps, storage drivers."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+import tsckpt._manager as manager_module
+from tsckpt._format import ROOT_KEY
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((3, 4), float(step)), "a": np.arange(5) * step, "step": step}
+
+
+def _check(out: dict, step: int) -> None:
+    assert out["step"] == step
+    assert np.asarray(out["w"]).tolist() == [[float(step)] * 4] * 3
+    assert np.asarray(out["a"]).tolist() == [i * step for i in range(5)]
+
+
+@pytest.fixture(params=["file", "memory"])
+def root(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "run")
+    return f"memory://manager-{uuid.uuid4().hex}/run"
+
+
+def test_save_list_restore(root):
+    m = tsckpt.CheckpointManager(root)
+    assert m.all_steps() == [] and m.latest_step() is None
+    with pytest.raises(tsckpt.CheckpointNotFoundError, match="no complete checkpoint to restore yet"):
+        m.restore()
+    for step in (0, 5, 10):
+        m.save(step, _state(step))
+    m.save_async(20, _state(20)).result(timeout=30)
+    assert m.all_steps() == [0, 5, 10, 20] and m.latest_step() == 20
+    _check(m.restore(), 20)
+    _check(m.restore(5), 5)
+    target = {"w": torch.zeros(3, 4, dtype=torch.float64), "a": np.zeros(5, dtype=np.int64), "step": 0}
+    out = m.restore(10, target)
+    assert out["w"].dtype == torch.float64
+    _check(out, 10)
+    _check(tsckpt.restore(m.directory(5)), 5)  # plain directories, readable without the manager
+    with pytest.raises(tsckpt.CheckpointNotFoundError):
+        m.restore(7)
+
+
+def test_directory_names(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run")
+    m.save(42, _state(42))
+    assert os.listdir(tmp_path / "run") == ["00000042"]
+    assert m.directory(42) == str(tmp_path / "run" / "00000042")
+    with pytest.raises(ValueError, match="step must be a non-negative int, not -1"):
+        m.save(-1, _state(1))
+    with pytest.raises(ValueError, match="step must be a non-negative int, not 1.5"):
+        m.directory(1.5)
+
+
+def test_existing_step_needs_overwrite(root):
+    m = tsckpt.CheckpointManager(root)
+    m.save(3, _state(3))
+    with pytest.raises(tsckpt.CheckpointExistsError, match="step 3 already has a complete checkpoint; pass overwrite=True"):
+        m.save(3, _state(4))
+    with pytest.raises(tsckpt.CheckpointExistsError, match="step 3 already has a complete checkpoint"):
+        m.save_async(3, _state(4))
+    _check(m.restore(3), 3)
+    m.save(3, _state(4), overwrite=True)
+    _check(m.restore(3), 4)
+    m.save_async(3, _state(5), overwrite=True).result(timeout=30)
+    _check(m.restore(3), 5)
+
+
+@pytest.mark.parametrize(
+    "keep_last, keep_every, expected",
+    [
+        (None, None, list(range(12))),
+        (3, None, [9, 10, 11]),
+        (1, None, [11]),
+        (2, 5, [0, 5, 10, 11]),
+        (None, 4, [0, 4, 8, 11]),  # the latest is kept although 11 % 4 != 0
+    ],
+)
+def test_retention(tmp_path, keep_last, keep_every, expected):
+    m = tsckpt.CheckpointManager(tmp_path / "run", keep_last=keep_last, keep_every=keep_every)
+    for step in range(12):
+        if step % 2:
+            m.save_async(step, _state(step))
+        else:
+            m.save(step, _state(step))
+    m.wait()
+    assert m.all_steps() == expected
+    assert sorted(os.listdir(tmp_path / "run")) == [f"{s:08d}" for s in expected]
+    for step in expected:
+        _check(m.restore(step), step)
+
+
+def test_retention_never_deletes_the_latest(root):
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    m.save(10, _state(10))
+    m.save(4, _state(4))  # an older step saved later: the latest complete one is still 10
+    assert m.all_steps() == [10]
+    _check(m.restore(), 10)
+
+
+def test_retention_on_memory_store():
+    root = f"memory://manager-{uuid.uuid4().hex}/run"
+    m = tsckpt.CheckpointManager(root, keep_last=2)
+    for step in range(5):
+        m.save_async(step, _state(step))
+    m.close()
+    assert m.all_steps() == [3, 4]
+    kv = tsckpt._store.resolve(root).kvstore()
+    assert {k.split(b"/")[0] for k in kv.list().result()} == {b"00000003", b"00000004"}
+
+
+def test_bad_retention_arguments(tmp_path):
+    with pytest.raises(ValueError, match="keep_last must be at least 1"):
+        tsckpt.CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="keep_every must be a positive step interval, not 0"):
+        tsckpt.CheckpointManager(tmp_path, keep_every=0)
+
+
+def _make_incomplete(m: tsckpt.CheckpointManager, step: int) -> None:
+    """What a crashed save leaves: a pending root and part of the data."""
+    import tsckpt._save as save_module
+    from tsckpt._store import resolve
+
+    loc = resolve(m.directory(step))
+    save_module._begin(loc, overwrite=False)
+    loc.kvstore().write("w/c/0/0", b"partial").result()
+
+
+def test_incomplete_steps_are_ignored_and_cleaned(root):
+    m = tsckpt.CheckpointManager(root)
+    m.save(1, _state(1))
+    _make_incomplete(m, 2)
+    assert m.all_steps() == [1] and m.latest_step() == 1
+    _check(m.restore(), 1)
+    with pytest.raises(tsckpt.CheckpointIncompleteError, match="never committed"):
+        m.restore(2)
+    # a fresh manager (a restarted job) removes it
+    m2 = tsckpt.CheckpointManager(root)
+    assert m2.all_steps() == [1]
+    kv = tsckpt._store.resolve(root).kvstore()
+    assert not [k for k in kv.list().result() if k.startswith(b"00000002")]
+    # so does the next commit
+    _make_incomplete(m2, 7)
+    m2.save(3, _state(3))
+    assert not [k for k in kv.list().result() if k.startswith(b"00000007")]
+    assert m2.all_steps() == [1, 3]
+
+
+def test_incomplete_step_is_replaced_by_its_save(root):
+    m = tsckpt.CheckpointManager(root)
+    _make_incomplete(m, 4)
+    m.save(4, _state(4))
+    _check(m.restore(4), 4)
+    _make_incomplete(m, 6)
+    m.save_async(6, _state(6)).result(timeout=30)
+    _check(m.restore(), 6)
+
+
+def test_leftovers_on_local_disk(tmp_path):
+    run = tmp_path / "run"
+    m = tsckpt.CheckpointManager(run)
+    m.save(1, _state(1))
+    (run / "00000002" / "w").mkdir(parents=True)  # a save killed before it wrote its root
+    (run / ".tsckpt-deleting-00000000-0123abcd" / "w").mkdir(parents=True)  # a deletion cut short
+    (run / "00000003").mkdir()
+    (run / "00000003" / ROOT_KEY).write_text("{not json")  # unreadable: never listed, never deleted
+    (run / "notes").mkdir()  # not a step
+    assert m.all_steps() == [1]
+    tsckpt.CheckpointManager(run)
+    assert sorted(os.listdir(run)) == ["00000001", "00000003", "notes"]
+
+
+def test_deletion_makes_a_step_incomplete_first(tmp_path, monkeypatch):
+    """A deletion interrupted at any point never leaves a step that looks complete."""
+    run = tmp_path / "run"
+    m = tsckpt.CheckpointManager(run, keep_last=1)
+    m.save(1, _state(1))
+
+    def crash(path, *a, **k):
+        raise KeyboardInterrupt("killed while deleting")
+
+    monkeypatch.setattr(manager_module.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(2, _state(2))
+    monkeypatch.undo()
+    assert m.all_steps() == [2]  # step 1 is already out of sight
+    assert [n for n in os.listdir(run) if n.startswith(".tsckpt-deleting-00000001")]
+    tsckpt.CheckpointManager(run)
+    assert sorted(os.listdir(run)) == ["00000002"]
+
+
+def test_only_rank_zero_deletes(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    m0 = tsckpt.CheckpointManager(run, keep_last=1)
+    m0.save(1, _state(1))
+    _make_incomplete(m0, 5)
+    monkeypatch.setattr(manager_module, "_rank", lambda group: 1)
+    m1 = tsckpt.CheckpointManager(run, keep_last=1)  # rank 1 does not clean up
+    m1.save(2, _state(2))  # ... nor apply retention
+    assert m1.all_steps() == [1, 2]
+    assert (run / "00000005").exists()
+    monkeypatch.undo()
+    m0.save(3, _state(3))
+    assert m0.all_steps() == [3] and sorted(os.listdir(run)) == ["00000003"]
+
+
+def test_manager_save_waits_for_its_async_save(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run", keep_last=2, if_busy="error")
+    w = torch.zeros(1000)
+    h = m.save_async(1, {"w": w})
+    w.fill_(1)
+    try:
+        m.save(2, {"w": w})
+    except tsckpt.SaveInProgressError as e:
+        assert "still running" in str(e)
+        h.result(timeout=30)
+        m.save(2, {"w": w})
+    assert m.staging_bytes == 4000
+    assert tsckpt.restore(m.directory(1))["w"].sum() == 0
+    assert tsckpt.restore(m.directory(2))["w"].sum() == 1000
+    root = json.loads((tmp_path / "run" / "00000002" / ROOT_KEY).read_text())
+    assert root["attributes"]["tsckpt"]["state"] == "committed"
+    with tsckpt.CheckpointManager(tmp_path / "run") as m2:
+        m2.save_async(3, {"w": w})
+    assert m2.latest_step() == 3  # leaving the block waited for the commit

@@ -1,0 +1,323 @@
+"""save_async(): copy the state to host memory, then save it in a background thread.
+
+The caller is held only while the leaves are copied into staging buffers
+(training mutates its tensors, so even CPU tensors are copied). Writing,
+syncing and the commit then run in one worker thread through the ordinary
+:func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
+guarantees are exactly those of a synchronous save.
+
+Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
+a training loop that saves the same state repeatedly allocates (and page-faults)
+host memory once; buffers for leaves that disappeared are released before new
+ones are allocated, so staging never holds more than one copy of the state.
+Buffers for CUDA tensors are pinned, and the device-to-host copies are issued
+asynchronously and awaited once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import threading
+import time
+import warnings
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+
+from ._errors import SaveInProgressError
+from ._leaves import ShardedArray, describe
+from ._store import Directory, resolve
+from .tree import flatten, unflatten
+
+IfBusy = Literal["wait", "error"]
+
+
+class AsyncSave:
+    """Handle of a save that continues in the background.
+
+    ``result(timeout)`` waits for the commit and re-raises a background failure;
+    ``done()`` tells whether it finished. ``blocked_s`` is how long the call that
+    started it held the caller, ``staged_bytes`` how much array data it copied.
+    """
+
+    def __init__(self, directory: str, future: concurrent.futures.Future[None], staged_bytes: int) -> None:
+        self.directory = directory
+        self.staged_bytes = staged_bytes
+        self.blocked_s = 0.0
+        self._future = future
+        self._retrieved = False
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
+        return f"AsyncSave({self.directory!r}, {state})"
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint is committed; re-raise the background error if the save failed.
+
+        Raises TimeoutError if it is still running after ``timeout`` seconds."""
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
+        finally:
+            if self._future.done():
+                self._retrieved = True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The background error (None on success), waiting up to ``timeout`` seconds."""
+        try:
+            err = self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
+        self._retrieved = True
+        return err
+
+
+class _Staging:
+    """Reusable host buffers, keyed by (path, kind, shape, dtype, pinned)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    @staticmethod
+    def _key(path: str, data: Any) -> tuple[Any, ...]:
+        if isinstance(data, torch.Tensor):
+            return (path, "torch", tuple(data.shape), data.dtype, data.device.type == "cuda")
+        return (path, "numpy", tuple(data.shape), data.dtype.str)
+
+    def stage(self, regions: list[tuple[str, Any]]) -> list[Any]:
+        """Copy each ``(path, data)`` into its buffer; returns the copies in order."""
+        keys = [self._key(p, d) for p, d in regions]
+        wanted = set(keys)
+        # release what this tree no longer has before allocating what it gained
+        kept = {k: b for k, b in self._buffers.items() if k in wanted}
+        self._buffers = kept
+        out: list[Any] = []
+        streams: dict[torch.device, Any] = {}
+        for key, (_, data) in zip(keys, regions):
+            buf = kept.get(key)
+            if isinstance(data, torch.Tensor):
+                src = data.detach()
+                cuda = src.device.type == "cuda"
+                if buf is None:
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
+                buf.copy_(src, non_blocking=cuda)
+                if cuda:
+                    streams.setdefault(src.device, torch.cuda.current_stream(src.device))
+            else:
+                if buf is None:
+                    buf = np.empty(data.shape, dtype=data.dtype)
+                np.copyto(buf, data, casting="no")
+            kept[key] = buf
+            out.append(buf)
+        for stream in streams.values():  # the non-blocking device-to-host copies
+            stream.synchronize()
+        return out
+
+
+def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, str, Any, Any]]]:
+    """Validate every leaf (errors surface in the caller) and pick out the array data to copy.
+
+    Returns the leaves with plain values already final, and for each array leaf
+    ``(index, path, data, where)``: ``where`` is None for a whole array, else the
+    ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard)."""
+    out: list[Any] = []
+    regions: list[tuple[int, str, Any, Any]] = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        local = describe(path, leaf)  # raises LeafTypeError for unsupported leaves
+        if local.desc.kind == "value":
+            out.append(bytes(leaf) if isinstance(leaf, bytearray) else leaf)
+            continue
+        if isinstance(leaf, np.generic):  # immutable
+            out.append(leaf)
+            continue
+        out.append(None)
+        if local.data is leaf:  # a whole tensor or numpy array
+            regions.append((i, path, leaf, None))
+        else:  # ShardedArray, DTensor: a region, kept at its place in the global array
+            regions.append((i, path, local.data, (local.desc.global_shape, local.desc.offsets)))
+    return out, regions
+
+
+class AsyncSaver:
+    """One background worker with its staging buffers; at most one save in flight."""
+
+    def __init__(self, *, max_staging_bytes: int | None = None) -> None:
+        self.max_staging_bytes = max_staging_bytes
+        self._staging = _Staging()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._inflight: AsyncSave | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory currently held by staging buffers."""
+        return self._staging.nbytes
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and re-raise its failure."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.result()
+
+    def _settle(self, if_busy: IfBusy) -> None:
+        """Wait for (or refuse next to) the save in flight; warn about an unchecked failure."""
+        if if_busy not in ("wait", "error"):
+            raise ValueError(f"if_busy must be 'wait' or 'error', not {if_busy!r}")
+        prev = self._inflight
+        if prev is None:
+            return
+        if not prev.done():
+            if if_busy == "error":
+                raise SaveInProgressError(
+                    f"an asynchronous save to {prev.directory} is still running; wait for it with "
+                    ".result(), or pass if_busy='wait'"
+                )
+            concurrent.futures.wait([prev._future])
+        err = prev._future.exception()
+        if err is not None and not prev._retrieved:
+            warnings.warn(
+                f"the asynchronous save to {prev.directory} failed and its result() was never checked: "
+                f"{type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        prev._retrieved = True
+        self._inflight = None
+
+    def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait") -> None:
+        """Run a synchronous save in the caller, after (or refusing) the one in flight."""
+        with self._lock:
+            self._settle(if_busy)
+            fn()
+
+    def submit(
+        self,
+        label: str,
+        tree: Any,
+        job: Callable[[Any], None],
+        *,
+        if_busy: IfBusy = "wait",
+        prepare: Callable[[], None] | None = None,
+    ) -> AsyncSave:
+        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
+
+        ``prepare`` runs in the caller once any previous save has finished (for
+        checks whose errors belong to the caller, and collective setup)."""
+        start = time.perf_counter()
+        with self._lock:
+            self._settle(if_busy)
+            if prepare is not None:
+                prepare()
+            flat = flatten(tree)
+            leaves, regions = _array_regions(flat.paths, flat.leaves)
+            nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
+            future: concurrent.futures.Future[None]
+            if self.max_staging_bytes is not None and nbytes > self.max_staging_bytes:
+                warnings.warn(
+                    f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "
+                    f"max_staging_bytes={self.max_staging_bytes}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                job(tree)
+                future = concurrent.futures.Future()
+                future.set_result(None)
+                handle = AsyncSave(label, future, 0)
+                handle._retrieved = True
+            else:
+                copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
+                for (i, _, _, where), copy in zip(regions, copies):
+                    leaves[i] = copy if where is None else ShardedArray(copy, *where)
+                staged = unflatten(flat.spec, leaves)
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tsckpt-save")
+                future = self._executor.submit(job, staged)
+                handle = AsyncSave(label, future, nbytes)
+            self._inflight = handle
+        handle.blocked_s = time.perf_counter() - start
+        return handle
+
+    def close(self) -> None:
+        """Wait for the save in flight (re-raising its failure) and stop the worker."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return int(data.nbytes)
+
+
+def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
+    """Under torch.distributed, create the gloo group save() coordinates over now, in the
+    caller's thread: creating a group is a collective on the default group, which must
+    never run in the background next to the training loop's own collectives."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        from ._dist import coordinator_for
+
+        coordinator_for(group, timeout)
+
+
+def save_kwargs(group: Any, check_replicas: bool, timeout: datetime.timedelta | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"check_replicas": check_replicas}
+    if group is not None:
+        kwargs["group"] = group
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    return kwargs
+
+
+_default = AsyncSaver()
+
+
+def save_async(
+    directory: Directory,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    group: Any = None,
+    check_replicas: bool = True,
+    timeout: datetime.timedelta | None = None,
+    if_busy: IfBusy = "wait",
+) -> AsyncSave:
+    """Start saving ``tree`` and return as soon as it is copied to host memory.
+
+    Writing, syncing and the commit continue in a background thread; the result
+    is the same checkpoint :func:`tsckpt.save` writes, and the returned handle's
+    ``result()`` waits for it and re-raises a failure. A save still in flight
+    from an earlier call is waited for first (``if_busy="error"`` raises
+    SaveInProgressError instead). Staging buffers are reused between calls.
+    Under torch.distributed every rank calls save_async; the background commit
+    talks over tsckpt's gloo side group, never the training loop's group. Wait
+    for ``result()`` before a collective tsckpt.save or restore, which use that
+    side group too. A pending save is finished at interpreter exit.
+    """
+    from ._save import save
+
+    label = str(resolve(directory))
+    kwargs = save_kwargs(group, check_replicas, timeout)
+
+    def job(staged: Any) -> None:
+        save(directory, staged, overwrite=overwrite, **kwargs)
+
+    return _default.submit(label, tree, job, if_busy=if_busy, prepare=lambda: prepare_group(group, timeout))

@@ -1,0 +1,299 @@
+"""CheckpointManager: one checkpoint directory per training step, with retention.
+
+A step is *complete* when its root ``zarr.json`` says "committed" (the last,
+atomic write of a save); anything else under the root is incomplete: a save in
+flight, one that crashed, or a deletion that was cut short. Incomplete steps are
+never listed, restored or counted for retention, and are removed when the
+manager starts and after every commit.
+
+Deleting a step first makes it incomplete (on a local disk the directory is
+renamed away in one atomic step; elsewhere the root ``zarr.json`` goes first),
+so a crash in the middle of a deletion never leaves a damaged step that looks
+complete. With several ranks, only rank 0 deletes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import tensorstore as ts
+
+from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
+from ._errors import CheckpointExistsError, CheckpointNotFoundError
+from ._format import ROOT_KEY, STATE_COMMITTED
+from ._store import Directory, resolve
+
+_STEP = re.compile(r"[0-9]+")
+_TRASH = ".tsckpt-deleting-"
+
+
+def _rank(group: Any) -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group) if group is not None else dist.get_rank()
+
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class CheckpointManager:
+    """Checkpoints of a training run under ``root``, one directory per step.
+
+    ``keep_last=N`` keeps the N most recent complete steps, ``keep_every=K``
+    additionally keeps every step divisible by K; the latest complete step is
+    never deleted. With neither, nothing is deleted. ``root`` is anything
+    :func:`tsckpt.save` accepts (a local path, ``memory://...``, ``s3://...``, a
+    kvstore spec). Several managers (or jobs) must not save under one root at
+    the same time.
+    """
+
+    def __init__(
+        self,
+        root: Directory,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        group: Any = None,
+        timeout: datetime.timedelta | None = None,
+        check_replicas: bool = True,
+        if_busy: IfBusy = "wait",
+        max_staging_bytes: int | None = None,
+        step_digits: int = 8,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 (the latest complete step is always kept), not {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be a positive step interval, not {keep_every}")
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._loc = resolve(root)
+        self._group = group
+        self._timeout = timeout
+        self._check_replicas = check_replicas
+        self._if_busy = if_busy
+        self._digits = step_digits
+        self._saver = AsyncSaver(max_staging_bytes=max_staging_bytes)
+        self._rank = _rank(group)
+        if self._rank == 0:
+            self._clean()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self._loc)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- naming and listing --------------------------------------------------
+
+    def _name(self, step: int) -> str:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        return f"{step:0{self._digits}d}"
+
+    def directory(self, step: int) -> Directory:
+        """Where step ``step`` is (or would be) stored; accepted by tsckpt.open and restore."""
+        name = self._name(step)
+        if self._loc.local is not None:
+            return os.path.join(self._loc.local, name)
+        return self._loc.sub(name)
+
+    def _names(self) -> list[str]:
+        """Top-level entries under the root (step directories and leftovers)."""
+        if self._loc.local is not None:
+            if not os.path.isdir(self._loc.local):
+                return []
+            return [e.name for e in os.scandir(self._loc.local) if e.is_dir()]
+        keys = self._loc.kvstore().list().result()
+        return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys if b"/" in k})
+
+    def _states(self, names: Iterable[str]) -> dict[str, str | None]:
+        """Root state of each step directory: "committed", "pending", None (no root) or "invalid"."""
+        kv = self._loc.kvstore()
+        reads = {n: kv.read(f"{n}/{ROOT_KEY}") for n in names}
+        out: dict[str, str | None] = {}
+        for name, fut in reads.items():
+            r = fut.result()
+            if r.state != "value":
+                out[name] = None
+                continue
+            try:
+                state = json.loads(r.value)["attributes"]["tsckpt"]["state"]
+                out[name] = state if isinstance(state, str) else "invalid"
+            except (ValueError, KeyError, TypeError):
+                out[name] = "invalid"
+        return out
+
+    def _step_states(self) -> dict[int, tuple[str, str | None]]:
+        names = [n for n in self._names() if _STEP.fullmatch(n)]
+        return {int(n): (n, s) for n, s in self._states(names).items()}
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint, ascending."""
+        return sorted(step for step, (_, state) in self._step_states().items() if state == STATE_COMMITTED)
+
+    def latest_step(self) -> int | None:
+        """The most recent complete step, or None if there is none yet."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---- saving --------------------------------------------------------------
+
+    def _check_free(self, step: int, overwrite: bool) -> bool:
+        """Raise if ``step`` is complete and may not be replaced; True if its directory must be cleared."""
+        name = self._name(step)
+        state = self._states([name])[name]
+        if state == STATE_COMMITTED and not overwrite:
+            raise CheckpointExistsError(
+                f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
+            )
+        if state is not None:
+            return True
+        return self._loc.local is not None and os.path.exists(os.path.join(self._loc.local, name))
+
+    def _job(self, step: int, clear: bool) -> Any:
+        from ._save import save
+
+        kwargs = save_kwargs(self._group, self._check_replicas, self._timeout)
+
+        def job(tree: Any) -> None:
+            if clear and self._rank == 0:
+                self._delete(self._name(step))
+            save(self.directory(step), tree, **kwargs)
+            if self._rank == 0:
+                self._after_commit()
+
+        return job
+
+    def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
+        """Save ``tree`` as step ``step`` and apply retention; returns once committed.
+
+        An incomplete directory for ``step`` (a crashed save) is replaced; a
+        complete one only with ``overwrite=True``. An asynchronous save still in
+        flight is waited for first (or, with ``if_busy="error"``, refused)."""
+        self._saver.run(lambda: self._job(step, self._check_free(step, overwrite))(tree), if_busy=self._if_busy)
+
+    def save_async(self, step: int, tree: Any, *, overwrite: bool = False) -> AsyncSave:
+        """Like :meth:`save`, but returns once ``tree`` is copied to host memory;
+        writing, the commit and retention continue in the background."""
+        clear: list[bool] = []
+
+        def prepare() -> None:
+            clear.append(self._check_free(step, overwrite))
+            prepare_group(self._group, self._timeout)
+
+        def job(staged: Any) -> None:
+            self._job(step, clear[0])(staged)
+
+        label = str(resolve(self.directory(step)))
+        return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare)
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any; re-raise its failure."""
+        self._saver.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight (re-raising its failure) and stop the background worker."""
+        self._saver.close()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by this manager's staging buffers."""
+        return self._saver.staging_bytes
+
+    # ---- restoring -----------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False) -> Any:
+        """Restore step ``step`` (default: the latest complete one); see :func:`tsckpt.restore`."""
+        from ._restore import restore
+
+        if _distributed():
+            # the background save and restore talk over the same gloo group
+            self._saver.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self._loc}: no complete checkpoint to restore yet")
+        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace}
+        if self._group is not None:
+            kwargs["group"] = self._group
+        if self._timeout is not None:
+            kwargs["timeout"] = self._timeout
+        return restore(self.directory(step), target, **kwargs)
+
+    # ---- retention and cleanup -------------------------------------------------
+
+    def _after_commit(self) -> None:
+        steps = self._step_states()
+        complete = sorted(s for s, (_, state) in steps.items() if state == STATE_COMMITTED)
+        doomed = [steps[s][0] for s in self._expired(complete)]
+        for name in doomed:
+            self._delete(name)
+        self._clean(steps)
+
+    def _expired(self, complete: list[int]) -> list[int]:
+        if not complete or (self.keep_last is None and self.keep_every is None):
+            return []
+        keep = {complete[-1]}
+        if self.keep_last is not None:
+            keep.update(complete[-self.keep_last :])
+        if self.keep_every is not None:
+            keep.update(s for s in complete if s % self.keep_every == 0)
+        return [s for s in complete if s not in keep]
+
+    def _clean(self, steps: dict[int, tuple[str, str | None]] | None = None) -> None:
+        """Remove incomplete step directories and leftovers of interrupted deletions."""
+        if steps is None:
+            steps = self._step_states()
+        for name, state in steps.values():
+            if state in (None, "pending"):  # "invalid" roots are left for a person to look at
+                self._delete(name)
+        if self._loc.local is not None:
+            for name in self._names():
+                if name.startswith(_TRASH):
+                    shutil.rmtree(os.path.join(self._loc.local, name), ignore_errors=True)
+
+    def _delete(self, name: str) -> None:
+        """Delete one step directory so that no crash leaves it looking complete."""
+        if self._loc.local is not None:
+            path = os.path.join(self._loc.local, name)
+            trash = os.path.join(self._loc.local, f"{_TRASH}{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                return
+            _fsync_dir(self._loc.local)
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        kv = self._loc.kvstore()
+        kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
+        kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["CheckpointManager"]
