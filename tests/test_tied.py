@@ -97,3 +97,31 @@ def test_dangling_or_malformed_aliases_are_corrupt(ckdir, bad):
         json.dump(root, f)
     with pytest.raises(tsckpt.CorruptCheckpointError, match="alias|malformed"):
         tsckpt.restore(ckdir)
+
+
+def test_tied_model_state_dict_keeps_both_names_and_stores_once(ckdir):
+    import tsckpt.torch as tt
+    from tests import torch_scenarios as sc
+
+    model = sc.gpt(0, dropout=0.0)
+    sd = tt.get_state_dict(model)
+    assert "tok.weight" in sd["model"] and "head.weight" in sd["model"]  # named_parameters would drop one
+    tsckpt.save(ckdir, sd)
+    assert _meta(ckdir)["aliases"] == {"model/tok.weight": "model/head.weight"}
+    assert not os.path.exists(os.path.join(ckdir, "model", "tok.weight"))
+
+    # strict restore into a fresh tied model: neither name missing nor unexpected, the tie kept
+    fresh = sc.gpt(1, dropout=0.0)
+    live = tt.get_state_dict(fresh)
+    out = tsckpt.restore(ckdir, live, inplace=True)
+    assert torch.equal(fresh.tok.weight, model.tok.weight) and fresh.head.weight is fresh.tok.weight
+    assert out["model"]["head.weight"].data_ptr() == fresh.tok.weight.data_ptr()
+
+    # an untied model of the same names gets the value under both
+    untied = sc.gpt(2, dropout=0.0, tied=False)
+    tt.set_state_dict(untied, None, tsckpt.restore(ckdir))
+    assert torch.equal(untied.tok.weight, model.tok.weight) and torch.equal(untied.head.weight, model.tok.weight)
+    assert untied.head.weight.data_ptr() != untied.tok.weight.data_ptr()
+    # and an untied model saves both
+    tsckpt.save(ckdir, tt.get_state_dict(untied), overwrite=True)
+    assert "aliases" not in _meta(ckdir)

@@ -216,19 +216,30 @@ def shard(model: nn.Module, world: int) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def train_save_continue(rank: int, world: int, directory: str, n: int, m: int, fsdp: bool, kind: str = "adamw") -> dict[str, Any]:
-    """Train n steps, save, train m more: losses and final state of the uninterrupted run."""
+def seed_all(rank: int) -> None:
     torch.manual_seed(100 + rank)  # dropout: per rank
     random.seed(200)  # data: the same global batch on every rank
     np.random.seed(300)
+
+
+def train_save_continue(
+    rank: int, world: int, directory: str | None, n: int, m: int, fsdp: bool, kind: str = "adamw"
+) -> dict[str, Any]:
+    """Train n steps, save (unless ``directory`` is None), train m more: the uninterrupted run."""
+    seed_all(rank)
     model = gpt(0, dropout=0.0 if fsdp else 0.1)  # dropout masks depend on the world size
     if fsdp:
         shard(model, world)
     opt = make_optimizer(model, kind)
     sched, cursor = scheduler(opt), Cursor()
     before = train(model, opt, sched, cursor, n, rank=rank, world=world)
-    tsckpt.torch.save(directory, model, opt, extra={"scheduler": sched, "step": n}, per_rank={"data": cursor})
+    if directory is not None:
+        tsckpt.torch.save(directory, model, opt, extra={"scheduler": sched, "step": n}, per_rank={"data": cursor})
     after = train(model, opt, sched, cursor, m, rank=rank, world=world)
+    if directory is not None and not fsdp:  # and a run that never saved, in the same process
+        unsaved = train_save_continue(rank, world, None, n, m, fsdp, kind)
+        if unsaved["before"] + unsaved["after"] != before + after:
+            raise AssertionError(f"saving changed training: {unsaved['after']} vs {after}")
     return {
         "before": before,
         "after": after,
@@ -239,8 +250,12 @@ def train_save_continue(rank: int, world: int, directory: str, n: int, m: int, f
     }
 
 
-def resume(rank: int, world: int, directory: str, m: int, fsdp: bool, kind: str = "adamw") -> dict[str, Any]:
-    """A fresh process: new model (other seed), NaN everywhere, restore, train m steps."""
+def resume(
+    rank: int, world: int, directory: str, m: int, fsdp: bool, kind: str = "adamw", unsharded: str | None = None
+) -> dict[str, Any]:
+    """A fresh process: new model (other seed), NaN everywhere, restore, train m steps.
+
+    ``unsharded``: also restore that single-process checkpoint into a fresh sharded model."""
     torch.manual_seed(999)
     random.seed(999)
     np.random.seed(999)
@@ -255,7 +270,17 @@ def resume(rank: int, world: int, directory: str, m: int, fsdp: bool, kind: str 
     tied = model.head.weight is model.tok.weight
     step = out["step"]
     after = train(model, opt, sched, cursor, m, rank=rank, world=world)
+    extra: dict[str, Any] = {}
+    if unsharded is not None:
+        plain = gpt(11, dropout=0.0)
+        shard(plain, world)
+        plain_opt = make_optimizer(plain, kind)
+        fill_nan(plain, plain_opt)
+        tsckpt.torch.restore(unsharded, plain, plain_opt, rng=False)
+        extra = {"unsharded_nan_left": nan_left(plain, plain_opt), "unsharded": full_params(plain),
+                 "unsharded_optim": full_optim(plain_opt, plain)}
     return {
+        **extra,
         "step": step,
         "nan_left": left,
         "tied": tied,

@@ -12,8 +12,8 @@ sharded value, and tied parameters are matched under any of their names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union, cast
 
 import numpy as np
 import torch
@@ -89,6 +89,7 @@ def optimizer_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer,
         for g in optim.param_groups:
             for p in g[PARAMS]:
                 _names_of(names, p, optim)
+        osd: dict[str, Any]
         if optim.state or init:
             osd = get_optimizer_state_dict(model, optim, options=StateDictOptions())
         else:
@@ -99,8 +100,8 @@ def optimizer_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer,
                     for g in optim.param_groups
                 ],
             }
-        state.update(osd[STATE])
-        groups.extend(osd[GROUPS])
+        state.update(cast("dict[str, Any]", osd[STATE]))
+        groups.extend(cast("list[dict[str, Any]]", osd[GROUPS]))
     return {STATE: state, GROUPS: groups, TYPES: [optimizer_type(o) for o in optims]}
 
 
@@ -166,7 +167,9 @@ def as_tensor(value: Any, path: str) -> torch.Tensor:
         name = _dtypes.numpy_name(arr.dtype)
         if name is None:
             raise LeafTypeError(f"'{path}': numpy dtype {arr.dtype} cannot be loaded into a tensor")
-        return _dtypes.numpy_to_tensor(np.ascontiguousarray(arr), name)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+        return _dtypes.numpy_to_tensor(arr, name)
     if isinstance(value, (bool, int, float)):
         return torch.tensor(value)
     raise LeafTypeError(
@@ -187,11 +190,14 @@ def local_of(dst: Any) -> torch.Tensor:
     return dst.to_local() if _is_dtensor(dst) else dst
 
 
-def shape_error(path: str, want: tuple[int, ...], stored: tuple[int, ...], name: str) -> ShapeMismatchError:
+def shape_error(
+    path: str, want: tuple[int, ...], stored: tuple[int, ...], names: list[str], others: Sequence[str] = ()
+) -> ShapeMismatchError:
+    also = f" (and {len(others)} more: {list(others)[:5]}{' ...' if len(others) > 5 else ''})" if others else ""
     return ShapeMismatchError(
-        f"'{path}': the model has shape {list(want)} but the checkpoint holds {list(stored)}; for a resized "
-        f"parameter (e.g. a vocabulary padded to a multiple of 64) pass resize=[{name!r}] to copy the overlapping "
-        "region and keep the model's values elsewhere"
+        f"'{path}': the model has shape {list(want)} but the checkpoint holds {list(stored)}{also}; for a resized "
+        f"parameter (e.g. a vocabulary padded to a multiple of 64) pass resize={sorted(names)} to copy the "
+        "overlapping region and keep the model's values elsewhere"
     )
 
 
@@ -212,7 +218,7 @@ def copy_into(dst: Any, src: Any, path: str, *, name: str, resize: bool = False)
     want = tuple(dst.shape)
     if tuple(full.shape) != want:
         if not resize or full.dim() != len(want):
-            raise shape_error(path, want, tuple(full.shape), name)
+            raise shape_error(path, want, tuple(full.shape), [name])
     offsets, lengths = region_of(dst, path)
     box = tuple(slice(o, min(o + n, s)) for o, n, s in zip(offsets, lengths, full.shape))
     part = full[box] if box else full
@@ -244,7 +250,7 @@ def _list(names: list[str]) -> str:
     return f"{len(names)} ({shown}{', ...' if len(names) > 6 else ''})"
 
 
-def check_names(what: str, live: Iterable[str], stored: Iterable[str], *, strict: bool, hint: str) -> None:
+def check_names(what: str, live: Iterable[str], stored: Iterable[str], *, strict: bool, hint: str, where: str = "") -> None:
     live_s, stored_s = set(live), set(stored)
     missing, unexpected = sorted(live_s - stored_s), sorted(stored_s - live_s)
     if strict and (missing or unexpected):
@@ -253,7 +259,8 @@ def check_names(what: str, live: Iterable[str], stored: Iterable[str], *, strict
             parts.append(f"missing from the checkpoint: {_list(missing)}")
         if unexpected:
             parts.append(f"in the checkpoint but not in the {what}: {_list(unexpected)}")
-        raise StructureMismatchError(f"{what} and checkpoint differ; " + "; ".join(parts) + f". {hint}")
+        prefix = f"{where}: " if where else ""
+        raise StructureMismatchError(f"{prefix}{what} and checkpoint differ; " + "; ".join(parts) + f". {hint}")
 
 
 ARCH_HINT = (
@@ -412,7 +419,7 @@ def set_state_dict(
     overlapping region is copied when shapes differ.
     """
     optims = optimizer_tuple(optimizers)
-    resized = frozenset(resize)
+    resized = frozenset(n for ns in param_names(model).values() if set(ns) & set(resize) for n in ns) | set(resize)
     live = live_state(model, optims)
     stored_model = state.get(MODEL)
     if not isinstance(stored_model, Mapping):

@@ -27,7 +27,7 @@ import torch
 
 from ._coord import phase
 from ._dist import coordinator_for
-from ._errors import ShapeMismatchError, StructureMismatchError
+from ._errors import StructureMismatchError
 from ._reader import Checkpoint, LazyArray, load
 from ._restore import RestoreWarning
 from ._restore import restore as core_restore
@@ -227,6 +227,7 @@ class _Plan:
     resized: list[tuple[str, Any]]  # (stored path, live tensor): overlapping region read separately
     groups: list[Any]
     types: Any
+    optim_state: dict[str, dict[str, Any]]  # stored name -> live entries the checkpoint has (resized ones too)
     extras: dict[str, Any]
     mine: dict[str, Any]
 
@@ -245,22 +246,23 @@ def _plan(
 ) -> _Plan:
     """Match the live state to the checkpoint, with precise errors, before anything is read."""
     resized: list[tuple[str, Any]] = []
-    shape_errors: list[ShapeMismatchError] = []
+    shape_errors: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = []
+    tied = {n: ns for ns in param_names(model).values() for n in ns}
 
     def admit(path: str, dst: Any, name: str) -> bool:
         """True: restore ``dst`` from ``path`` normally; False: its shape differs (read separately)."""
         stored = _shape_of(ck, path)
         if stored is None or not isinstance(dst, torch.Tensor) or tuple(dst.shape) == stored:
             return True
-        if name in resize and len(stored) == dst.dim():
+        if any(n in resize for n in tied.get(name, [name])) and len(stored) == dst.dim():
             resized.append((path, dst))
         else:
-            shape_errors.append(shape_error(path, tuple(dst.shape), stored, name))
+            shape_errors.append((path, tuple(dst.shape), stored, name))
         return False
 
     # model: names first (another architecture), then shapes
     stored_model = {str(_unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
-    check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT)
+    check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
     target: dict[str, Any] = {MODEL: {}}
     for name, dst in live[MODEL].items():
         if name in stored_model and admit(stored_model[name], dst, name):
@@ -268,6 +270,7 @@ def _plan(
 
     groups: list[Any] = []
     types: Any = None
+    optim_state: dict[str, dict[str, Any]] = {}
     if optims:
         if not _under(ck, f"{OPTIM}/{GROUPS}"):
             raise StructureMismatchError(
@@ -296,16 +299,17 @@ def _plan(
                     stored_keys = stored_state[key]
                     # a key whose value was None when saved has no leaf: compare only the keys with data
                     check_state_keys(key, [k for k, v in live_entry.items() if v is not None], stored_keys, optim)
-                    entry = {}
-                    for k, v in live_entry.items():
-                        if k in stored_keys and (not isinstance(v, torch.Tensor) or admit(stored_keys[k], v, pn[0])):
-                            entry[k] = v
-                    target_state[key] = entry
+                    optim_state[key] = {k: v for k, v in live_entry.items() if k in stored_keys}
+                    target_state[key] = {
+                        k: v
+                        for k, v in optim_state[key].items()
+                        if not isinstance(v, torch.Tensor) or admit(stored_keys[k], v, pn[0])
+                    }
         target[OPTIM] = {STATE: target_state}
 
     if shape_errors:
-        more = f" (and {len(shape_errors) - 1} more shape mismatches)" if len(shape_errors) > 1 else ""
-        raise ShapeMismatchError(str(shape_errors[0]) + more)
+        path, want, stored_shape, _ = shape_errors[0]
+        raise shape_error(path, want, stored_shape, sorted({e[3] for e in shape_errors}), [e[0] for e in shape_errors[1:]])
 
     # extra, per-rank and RNG state: the target's own trees, compared path by path
     target_extra = {name: _state_of(obj) for name, obj in extras.items()}
@@ -335,7 +339,7 @@ def _plan(
                 f"{ck.location}: extra / per-rank state differs; missing from the checkpoint: {missing[:6]}; "
                 f"in the checkpoint but not given: {unexpected[:6]}.{hint}"
             )
-    return _Plan(target, resized, groups, types, target_extra, target_mine)
+    return _Plan(target, resized, groups, types, optim_state, target_extra, target_mine)
 
 
 def _read_overlap(ck: Checkpoint, path: str, dst: Any) -> None:
@@ -403,7 +407,8 @@ def restore(
         for path, dst in plan.resized:
             _read_overlap(ck, path, dst)
         if optims:
-            stored = {STATE: restored[OPTIM][STATE], GROUPS: plan.groups, TYPES: plan.types}
+            state = {k: {**plan.optim_state[k], **v} for k, v in restored[OPTIM][STATE].items()}
+            stored = {STATE: state, GROUPS: plan.groups, TYPES: plan.types}
             apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize))
 
     phase(coord, "restore (apply)", finish)
