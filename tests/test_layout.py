@@ -38,9 +38,22 @@ def test_scalar_and_small_arrays_are_one_plain_chunk():
     assert choose_layout((0, 3), 4) == Layout((1, 3), None)  # chunk dims are never 0
 
 
-def test_default_targets_one_mib_inner_chunks_in_one_shard():
-    # 4 MiB of float32: trailing dim whole, 256 rows per 1 MiB inner chunk, one shard
-    assert choose_layout((1024, 1024), 4) == Layout((1024, 1024), (256, 1024))
+def test_default_targets_half_mib_inner_chunks_in_one_shard():
+    # 4 MiB of float32: the last dim in 4 pieces of 256, 512 rows per 512 KiB inner chunk, one shard
+    assert choose_layout((1024, 1024), 4) == Layout((1024, 1024), (512, 256))
+
+
+def test_trailing_dim_pieces_serve_column_slices_and_rows():
+    # 1 GiB float32: one row touches 4 chunks of 512 KiB (2 MiB); halves and quarters of columns align
+    layout = choose_layout((16384, 16384), 4)
+    assert layout.chunk_shape == (32, 4096)
+    assert layout.shard_shape == (4096, 16384)
+    # too narrow for 4 pieces of >= 256 elements: 2 pieces
+    assert choose_layout((50257, 768), 2).chunk_shape == (680, 384)
+    # 1-D arrays are never cut that way
+    assert choose_layout((1 << 20,), 4).chunk_shape == (131072,)
+    # a dim writers already cut is left to their regions
+    assert choose_layout((8192, 1024), 4, [[], [0, 512]]) == Layout((8192, 512), (256, 512))
 
 
 def test_inner_chunks_fill_trailing_dims_first():

@@ -8,7 +8,11 @@ Rule (docs/format.md, "Chunking"):
    writer.
 2. Inner chunks (the unit of partial reads) are filled in C order up to
    ``INNER_CHUNK_BYTES``: trailing dimensions whole, then as many rows of the
-   next dimension as fit. A slice of a few rows therefore touches few chunks.
+   next dimension as fit. The last dimension of a 2-D or larger array is first
+   cut into ``TRAILING_PIECES`` (4) even pieces when each keeps at least
+   ``MIN_PIECE`` elements, so a column (tensor-parallel) slice of a half or a
+   quarter reads no rows it does not need, while one row still touches only
+   4 chunks (2 MiB).
 3. Shards are whole multiples of the inner chunk, filled in C order up to
    ``SHARD_BYTES`` within one step, which bounds the memory a single write
    needs and the size of any one file.
@@ -22,8 +26,10 @@ from collections.abc import Sequence
 
 from ._format import Layout
 
-INNER_CHUNK_BYTES = 1 << 20
+INNER_CHUNK_BYTES = 512 << 10
 SHARD_BYTES = 256 << 20
+TRAILING_PIECES = 4
+MIN_PIECE = 256
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -92,9 +98,13 @@ def choose_layout(
     if not shape:
         return Layout((), None)
     steps, constrained = steps_from_cuts(shape, cuts)
-    inner = _fill(steps, constrained, itemsize, inner_bytes)
-    if math.prod(steps) * itemsize <= inner_bytes and all(i == s for i, s in zip(inner, steps)):
-        return Layout(tuple(inner), None)
+    if math.prod(steps) * itemsize <= inner_bytes:
+        return Layout(tuple(steps), None)
+    limits = list(steps)
+    if len(shape) >= 2 and not constrained[-1]:
+        pieces = next((p for p in (TRAILING_PIECES, 2) if limits[-1] // p >= MIN_PIECE), 1)
+        limits[-1] = -(-limits[-1] // pieces)
+    inner = _fill(limits, constrained, itemsize, inner_bytes)
     # shard = inner * k, k filled in C order in units of whole inner chunks
     k_limits = [s // i if c else -(-s // i) for s, i, c in zip(steps, inner, constrained)]
     k = _fill(k_limits, constrained, math.prod(inner) * itemsize, shard_bytes)
