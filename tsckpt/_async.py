@@ -275,7 +275,7 @@ def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
     if dist.is_available() and dist.is_initialized():
         from ._dist import coordinator_for
 
-        coordinator_for(group, timeout)
+        coordinator_for(group, timeout, channel="background")
 
 
 def save_kwargs(group: Any, check_replicas: bool, timeout: datetime.timedelta | None) -> dict[str, Any]:
@@ -308,9 +308,9 @@ def save_async(
     from an earlier call is waited for first (``if_busy="error"`` raises
     SaveInProgressError instead). Staging buffers are reused between calls.
     Under torch.distributed every rank calls save_async; the background commit
-    talks over tsckpt's gloo side group, never the training loop's group. Wait
-    for ``result()`` before a collective tsckpt.save or restore, which use that
-    side group too. A pending save is finished at interpreter exit.
+    talks over a gloo group of its own, never the training loop's group nor the
+    one a synchronous tsckpt.save or restore uses meanwhile. A pending save is
+    finished at interpreter exit.
     """
     from ._save import save
 

@@ -9,6 +9,7 @@ or interleaves with the training loop's own collectives.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,17 +18,17 @@ from ._coord import Coordinator, Solo
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
-_groups: dict[tuple[Any, float], Any] = {}
+_groups: dict[tuple[Any, float, str], Any] = {}
 
 
 class DistCoordinator:
     """Coordinator over the ranks of ``group``, talking through a gloo group."""
 
-    def __init__(self, group: Any, timeout: datetime.timedelta) -> None:
+    def __init__(self, group: Any, timeout: datetime.timedelta, channel: str) -> None:
         import torch.distributed as dist
 
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
-        key = (ranks, timeout.total_seconds())
+        key = (ranks, timeout.total_seconds(), channel)
         if key not in _groups:
             # new_group is collective over the default group: every rank calls
             # save/restore, so every rank reaches this line in the same order.
@@ -64,9 +65,17 @@ class DistCoordinator:
         return {tag: t.numpy() for tag, t in out.items()}
 
 
-def coordinator_for(group: Any = None, timeout: datetime.timedelta | None = None) -> Coordinator:
+def coordinator_for(
+    group: Any = None, timeout: datetime.timedelta | None = None, *, channel: str | None = None
+) -> Coordinator:
     """Solo when torch.distributed is not initialized; otherwise the ranks of ``group``
-    (default: the default process group)."""
+    (default: the default process group).
+
+    Each ``channel`` has its own gloo group; by default saves from the main
+    thread use "main" and saves from other threads (async saves) "background",
+    so a background commit never interleaves its collectives with a save or
+    restore the training loop runs meanwhile.
+    """
     try:
         import torch.distributed as dist
     except ImportError:
@@ -75,4 +84,6 @@ def coordinator_for(group: Any = None, timeout: datetime.timedelta | None = None
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return Solo()
-    return DistCoordinator(group, timeout or DEFAULT_TIMEOUT)
+    if channel is None:
+        channel = "main" if threading.current_thread() is threading.main_thread() else "background"
+    return DistCoordinator(group, timeout or DEFAULT_TIMEOUT, channel)
