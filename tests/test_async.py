@@ -238,8 +238,12 @@ def _two_ranks(rank: int, world: int, directory: str) -> tuple:
         for _ in range(20):  # ... and runs its own collectives while the save commits
             dist.all_reduce(x)
         assert x.item() == world**20
+        # a synchronous collective save while the background one commits: separate gloo groups
+        tsckpt.save(os.path.join(directory + "-sync", str(step)), {"dt": dt, "step": step})
         handle.result(timeout=60)
     out = m.restore()
+    sync = tsckpt.restore(os.path.join(directory + "-sync", "2"))
+    assert sync["step"] == 2 and sync["dt"].tolist() == (torch.arange(32.0).reshape(8, 4) + 300).tolist()
     return m.all_steps(), out["dt"].tolist(), out["sh"].tolist(), out["rep"].tolist(), out["step"]
 
 
