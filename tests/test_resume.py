@@ -89,3 +89,19 @@ def test_fsdp2_4_ranks_resumed_on_4_exactly_and_on_2_closely(tmp_path):
     for k, v in flat.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), saved["model"][k], err_msg=k)
     assert torch.equal(flat_opt.state[flat.tok.weight]["step"], torch.tensor(float(N)))
+
+
+def test_example_saves_and_resumes(tmp_path):
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_fsdp.py")
+    d = str(tmp_path / "ck")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    first = subprocess.run([sys.executable, script, "--steps", "5", "--save", d], capture_output=True, text=True, env=env, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"saved step 5 to {d}" in first.stdout
+    second = subprocess.run([sys.executable, script, "--resume", d, "--steps", "5"], capture_output=True, text=True, env=env, timeout=120)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"resumed {d} at step 5 on 1 rank(s)" in second.stdout and "step  10  loss" in second.stdout
