@@ -78,6 +78,11 @@ def test_fsdp2_4_ranks_resumed_on_4_exactly_and_on_2_closely(tmp_path):
     for k, v in two[0]["unsharded_optim"].items():
         name, key = k.split("/")
         np.testing.assert_array_equal(v, want["optim"]["state"][name][key], err_msg=k)
+    # and into a DDP-wrapped model on each of the 2 ranks
+    assert two[1]["ddp_names"] == ["blocks.0.ln1.bias", "blocks.0.ln1.weight", "blocks.0.ln2.bias"]
+    assert two[1]["ddp_nan_left"] == []
+    for k, v in two[1]["ddp"].items():
+        np.testing.assert_array_equal(v, want["model"][k], err_msg=k)
 
     # and the 4-rank FSDP2 checkpoint into a plain model, in this process without torch.distributed
     flat = sc.gpt(8, dropout=0.0)

@@ -279,6 +279,16 @@ def resume(
         tsckpt.torch.restore(unsharded, plain, plain_opt, rng=False)
         extra = {"unsharded_nan_left": nan_left(plain, plain_opt), "unsharded": full_params(plain),
                  "unsharded_optim": full_optim(plain_opt, plain)}
+        # DDP: names without the wrapper's "module." prefix, both ways
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(gpt(12, dropout=0.0))
+        ddp_opt = make_optimizer(ddp.module)
+        fill_nan(ddp, ddp_opt)
+        tsckpt.torch.restore(unsharded, ddp, ddp_opt, rng=False)
+        extra["ddp_names"] = sorted(tsckpt.torch.get_state_dict(ddp, ddp_opt)["model"])[:3]
+        extra["ddp_nan_left"] = nan_left(ddp, ddp_opt)
+        extra["ddp"] = full_params(ddp.module)
     return {
         **extra,
         "step": step,
