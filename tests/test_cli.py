@@ -468,3 +468,18 @@ def test_examples_demo_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "model/0.weight" in r.stdout and "bfloat16" in r.stdout
     assert r.stdout.splitlines()[-1].startswith("restored ") and "match the saved ones" in r.stdout
+
+
+def test_ls_and_convert_with_tied_leaves(tmp_path, capsys):
+    import torch
+
+    w = torch.arange(12.0).reshape(4, 3)
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    tsckpt.save(src, {"wte": w, "head": w})
+    assert main(["ls", src]) == 0
+    out = capsys.readouterr().out
+    assert "(tied: stored as head)" in out and "total 2 leaves: 2 arrays (48 B)" in out
+    assert main(["convert", src, dst]) == 0
+    got = tsckpt.restore(dst)
+    np.testing.assert_array_equal(got["wte"], w.numpy())
+    np.testing.assert_array_equal(got["head"], w.numpy())

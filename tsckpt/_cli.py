@@ -184,14 +184,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     total = 0
     n_arrays = 0
     for p in paths:
-        if p in ck.arrays:
+        if ck.is_array(p):
             md = ck.array_metadata(p)
-            total += md.nbytes
+            stored = ck.aliases.get(p)
+            if stored is None:  # a tied leaf's bytes are stored (and counted) once
+                total += md.nbytes
             n_arrays += 1
             row = [p, md.dtype, _shape_text(md.shape), human_bytes(md.nbytes)]
             if args.long:
                 row += [_shape_text(md.chunk_shape), _shape_text(md.shard_shape)]
-            rows.append(row + [""])
+            rows.append(row + ["" if stored is None else f"(tied: stored as {stored})"])
         else:
             v = ck.values[p]
             rows.append([p, type(v).__name__, "", ""] + (["", ""] if args.long else []) + [_short(v)])
@@ -441,7 +443,7 @@ def _read_checkpoint(src: str) -> tuple[Any, Checkpoint]:
         if p in ck.values:
             target.append(ck.values[p])
             continue
-        rec = ck.arrays[p]
+        rec = ck.arrays[ck.aliases.get(p, p)]
         if rec.kind == "torch":
             target.append(ArraySpec(rec.shape, _dtypes.torch_dtype(rec.dtype)))
         elif rec.kind == "numpy_scalar":
