@@ -25,6 +25,10 @@ def array_node(rec: ArrayRecord) -> dict[str, Any]:
 
 
 def open_array(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
+    return open_array_future(loc, rec, write=write).result()
+
+
+def open_array_future(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.Future:
     """Open with missing chunks reported as errors rather than read as fill values.
 
     Writers do not read zarr.json (the root metadata already has everything, and
@@ -45,4 +49,4 @@ def open_array(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.Te
         "fill_missing_data_reads": False,
         "store_data_equal_to_fill_value": True,
     }
-    return ts.open(spec, context=_store.CONTEXT, read=not write, write=write).result()
+    return ts.open(spec, context=_store.CONTEXT, read=not write, write=write)

@@ -14,7 +14,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes
-from ._arrays import open_array
+from ._arrays import open_array_future
 from ._errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -214,12 +214,18 @@ class LazyArray:
     def __repr__(self) -> str:
         return f"LazyArray('{self.path}', shape={list(self.shape)}, dtype={self.dtype})"
 
+    def open_future(self) -> ts.Future:
+        return open_array_future(self._ck.location, self._ck.arrays[self.path])
+
+    def set_store(self, future: ts.Future) -> None:
+        try:
+            self._store = future.result()
+        except ValueError as e:
+            raise node_error(self._ck, self.path, e) from e
+
     def _tensorstore(self) -> ts.TensorStore:
         if self._store is None:
-            try:
-                self._store = open_array(self._ck.location, self._ck.arrays[self.path])
-            except ValueError as e:
-                raise node_error(self._ck, self.path, e) from e
+            self.set_store(self.open_future())
         return self._store
 
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:

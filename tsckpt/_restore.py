@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 import torch
 
 from . import _dtypes
@@ -19,12 +20,12 @@ from ._dist import coordinator_for
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
 from ._leaves import ArraySpec, ShardedArray
 from ._plan import ReadItem, plan_read, shard_boxes
-from ._reader import Checkpoint, LazyArray, load
+from ._reader import Checkpoint, LazyArray, corrupt_error, load
 from ._store import Directory
 from .tree import flatten, unflatten
 
 # Bytes read from storage but not yet copied into their destination.
-READ_WINDOW_BYTES = 256 << 20
+READ_WINDOW_BYTES = 64 << 20
 
 
 class RestoreWarning(UserWarning):
@@ -149,46 +150,77 @@ def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
     )
 
 
+def _direct_view(dest: _Dest, stored: str) -> np.ndarray | None:
+    """The destination memory as a writable numpy view in the stored dtype, when
+    TensorStore can decode chunks straight into it (no buffer, no extra copy)."""
+    t = dest.tensor
+    if stored == "complex32":
+        return None
+    if isinstance(t, np.ndarray):
+        return t if t.dtype == _dtypes.numpy_dtype(stored) and t.flags.writeable else None
+    if t.device.type != "cpu" or _dtypes.torch_name(t.dtype) != stored or t.is_conj() or t.is_neg():
+        return None
+    return _dtypes.tensor_to_numpy(t)
+
+
+def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
+    """Open the arrays concurrently (each open reads and checks its zarr.json)."""
+    arrays = {p: LazyArray(ck, p) for p in dict.fromkeys(paths)}
+    futures = {p: arr.open_future() for p, arr in arrays.items()}
+    for p, fut in futures.items():
+        arrays[p].set_store(fut)
+    return {p: arr._tensorstore() for p, arr in arrays.items()}
+
+
 def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
-    """Execute read items: shard by shard, a bounded window of reads in flight,
-    each copied (and cast) into its destination as it completes."""
-    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...]]] = collections.deque()
+    """Execute read items shard by shard.
+
+    Where the destination is CPU memory of the stored dtype, TensorStore writes
+    the decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
+    shard is read into a buffer and copied; a bounded window of such reads is
+    in flight, which bounds the extra memory a restore needs.
+    """
+    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...], np.ndarray | None]] = collections.deque()
     in_flight = 0
-    arrays: dict[str, LazyArray] = {}
+    stores = _open_all(ck, [d.item.path for d in dests])
 
     def drain_one() -> int:
-        fut, dest, dsel = pending.popleft()
-        arr = arrays[dest.item.path]
+        fut, dest, dsel, direct = pending.popleft()
+        stored = ck.arrays[dest.item.path].dtype
         try:
             raw = fut.result()
         except ValueError as e:
-            from ._reader import corrupt_error
-
             raise corrupt_error(ck, dest.item.path, e) from e
+        if direct is not None:
+            return 0
         if isinstance(dest.tensor, np.ndarray):
-            if arr.dtype == "complex32":  # float16 (re, im) pairs
+            if stored == "complex32":  # float16 (re, im) pairs
                 raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
             dest.tensor[dsel if dsel else ...] = raw
-            return raw.nbytes
-        src = _dtypes.numpy_to_tensor(raw, arr.dtype)
+            return int(raw.nbytes)
+        src = _dtypes.numpy_to_tensor(raw, stored)
         with torch.no_grad():  # targets may be parameters that require grad
             (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
-        return raw.nbytes
+        return int(raw.nbytes)
 
     for dest in dests:
         item = dest.item
-        if item.path not in arrays:
-            arrays[item.path] = LazyArray(ck, item.path)
-        store = arrays[item.path]._tensorstore()
+        store = stores[item.path]
         rec = ck.arrays[item.path]
+        view = _direct_view(dest, rec.dtype)
+        target = ts.array(view, copy=False) if view is not None else None
         itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.layout):
             box = tuple(slice(o, o + n) for o, n in zip(off, ln))
+            src = store[box] if box else store
             dsel = tuple(
                 slice(d + o - so, d + o - so + n)
                 for d, o, so, n in zip(item.dest_offsets, off, item.storage_offsets, ln)
             )
-            pending.append((store[box].read() if box else store.read(), dest, dsel))
+            if target is not None:
+                pending.append(((target[dsel] if dsel else target).write(src), dest, dsel, view))
+                continue
+            pending.append((src.read(), dest, dsel, None))
             in_flight += int(np.prod(ln)) * itemsize
             while in_flight > READ_WINDOW_BYTES and pending:
                 in_flight -= drain_one()
