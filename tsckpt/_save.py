@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from . import _dtypes, _store
-from ._coord import phase
+from ._coord import gather_phase, phase
 from ._dist import coordinator_for
 from ._errors import CheckpointExistsError
 from ._format import (
+    ArrayRecord,
     FORMAT_VERSION,
     ROOT_KEY,
     STATE_COMMITTED,
@@ -83,12 +84,25 @@ def _assemble(item: WriteItem, lf: Local, plan: SavePlan, received: dict[int, np
     return buf
 
 
-def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray]) -> int:
-    """Write this rank's items shard by shard, keeping a bounded window in flight."""
+def _chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
+    """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
+    cell = [str(o // g) for o, g in zip(offsets, rec.layout.shard_shape)]
+    if rec.dtype == "complex32":  # the stored array's extra (re, im) dim
+        cell.append("0")
+    return "/".join([rec.path, "c", *cell])
+
+
+def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray]) -> list[str]:
+    """Write this rank's items shard by shard, keeping a bounded window in flight.
+
+    Returns the keys of the files written. TensorStore may encode straight from
+    the source memory (no staging copy): save() waits for every write before it
+    returns, so the caller cannot change the data underneath.
+    """
     records = {a.path: a for a in plan.arrays}
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
-    written = 0
+    written: list[str] = []
     stores: dict[str, ts.TensorStore] = {}
     for item in plan.writes_for(rank):
         rec = records[item.path]
@@ -99,9 +113,9 @@ def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Lo
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
             src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
             dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-            pending.append((dst.write(src).commit, src.nbytes))
+            pending.append((dst.write(src, can_reference_source_data_indefinitely=True).commit, src.nbytes))
             in_flight += src.nbytes
-            written += src.nbytes
+            written.append(_chunk_key(rec, off))
             while in_flight > WRITE_WINDOW_BYTES and pending:
                 fut, n = pending.popleft()
                 fut.result()
@@ -111,7 +125,7 @@ def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Lo
     return written
 
 
-def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> None:
+def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> list[str]:
     """zarr.json of every array and of every intermediate group (root excluded)."""
     futures = []
     groups: set[str] = set()
@@ -124,6 +138,7 @@ def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> None:
     futures += [kv.write(f"{g}/{ROOT_KEY}", body) for g in sorted(groups)]
     for f in futures:
         f.result()
+    return [f"{rec.path}/{ROOT_KEY}" for rec in plan.arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
 
 
 def _root(state: str, extra: dict[str, Any] | None = None) -> bytes:
@@ -181,12 +196,17 @@ def _with_replica_checksums(coord: Any, per_rank: list[list[LeafDesc]], local: l
     """Checksum only the regions more than one rank holds (a second, small exchange),
     so fully sharded state is never hashed."""
     holders = collections.Counter((d.path, d.offsets, d.lengths) for descs in per_rank for d in descs if d.kind != "value")
-    mine = {
-        lf.desc.path: checksum(lf.data)
-        for lf in local
-        if lf.desc.kind != "value" and holders[(lf.desc.path, lf.desc.offsets, lf.desc.lengths)] > 1
-    }
-    sums = coord.all_gather(mine)
+    if all(n == 1 for n in holders.values()):  # every rank knows this: all skip the exchange
+        return per_rank
+
+    def mine_sums() -> dict[str, int]:
+        return {
+            lf.desc.path: checksum(lf.data)
+            for lf in local
+            if lf.desc.kind != "value" and holders[(lf.desc.path, lf.desc.offsets, lf.desc.lengths)] > 1
+        }
+
+    _, sums = gather_phase(coord, "save (replica checksums)", lambda: (None, mine_sums()))
     return [
         [dataclasses.replace(d, checksum=sums[r][d.path]) if d.path in sums[r] else d for d in descs]
         for r, descs in enumerate(per_rank)
@@ -251,10 +271,14 @@ def save(
     """
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    flat = flatten(tree)
-    local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
-    structure = structure_to_json(flat.spec)
-    gathered = coord.all_gather(([lf.desc for lf in local], flat.paths, structure, _links(local)))
+
+    def prepare() -> tuple[tuple[Any, list[Local], Any], tuple[Any, ...]]:
+        flat = flatten(tree)
+        local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
+        structure = structure_to_json(flat.spec)
+        return (flat, local, structure), ([lf.desc for lf in local], flat.paths, structure, _links(local))
+
+    (flat, local, structure), gathered = gather_phase(coord, "save (describe)", prepare)
     per_rank = [g[0] for g in gathered]
     # leaves that are the same memory on every rank (tied weights) are written once
     aliases = plan_aliases(per_rank, [g[3] for g in gathered])
@@ -270,13 +294,15 @@ def save(
     phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
     by_path = {lf.desc.path: lf for lf in local}
 
-    received = phase(coord, "save (exchange)", lambda: _exchange(coord, plan, by_path)) or {}
+    received: dict[int, np.ndarray] = {}
+    if plan.transfers:  # identical plan on every rank: all skip this round together
+        received = phase(coord, "save (exchange)", lambda: _exchange(coord, plan, by_path)) or {}
 
     def write() -> None:
-        _write_regions(loc, plan, coord.rank, by_path, received)
+        keys = _write_regions(loc, plan, coord.rank, by_path, received)
         if coord.rank == 0:
-            _write_nodes(loc.kvstore(), plan)
-        _store.sync_data(loc)
+            keys += _write_nodes(loc.kvstore(), plan)
+        _store.sync_data(loc, keys)
 
     phase(coord, "save (write)", write)
     meta = {

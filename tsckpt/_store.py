@@ -84,17 +84,30 @@ def write_durable(loc: Location, key: str, data: bytes) -> None:
     ts.KvStore.open(spec, context=CONTEXT).result().write(key, data).result()
 
 
-def sync_data(loc: Location) -> None:
-    """Make everything written below ``loc`` durable.
+# Up to this many files are fsynced one by one; more are flushed with syncfs().
+FSYNC_FILES_MAX = 64
 
-    Linux's syncfs() flushes the whole filesystem in one call, which is far
-    cheaper than an fsync per chunk file (thousands of small files); no library
-    wraps it, hence ctypes. Elsewhere each file and directory is fsynced.
-    Object stores acknowledge writes durably, so there is nothing to do.
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_data(loc: Location, keys: list[str]) -> None:
+    """Make the files at ``keys`` (written below ``loc``) durable, with their directories.
+
+    A rank that wrote few files fsyncs just those and the directories that hold
+    them. One that wrote many (thousands of small arrays) uses Linux's
+    syncfs(), which flushes the whole filesystem in one call, far cheaper than
+    an fsync per file; no library wraps it, hence ctypes. Object stores
+    acknowledge writes durably, so there is nothing to do.
     """
     if loc.local is None or not os.path.isdir(loc.local):
         return
-    if sys.platform.startswith("linux"):
+    if len(keys) > FSYNC_FILES_MAX and sys.platform.startswith("linux"):
         fd = os.open(loc.local, os.O_RDONLY)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -104,13 +117,13 @@ def sync_data(loc: Location) -> None:
         finally:
             os.close(fd)
         return
-    for root, dirs, files in os.walk(loc.local):
-        for name in files + dirs:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    dirs = {loc.local}
+    for key in keys:
+        _fsync(os.path.join(loc.local, key))
+        parts = key.split("/")[:-1]
+        dirs.update(os.path.join(loc.local, *parts[:i]) for i in range(1, len(parts) + 1))
+    for d in sorted(dirs, key=len, reverse=True):  # new entries first, then their parents
+        _fsync(d)
 
 
 def delete_all(loc: Location) -> None:
