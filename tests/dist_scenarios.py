@@ -210,3 +210,10 @@ def restore_fsdp_tp(rank: int, world: int, directory: str) -> None:
     for name, p in model.state_dict().items():
         if not torch.equal(p.full_tensor(), ref[name]):
             raise AssertionError(f"rank {rank}: {name} differs")
+
+
+def bad_leaf_on_one_rank(rank: int, world: int, directory: str) -> None:
+    tree: dict[str, Any] = {"w": torch.ones(2)}
+    if rank == 1:
+        tree["oops"] = object()
+    tsckpt.save(directory, tree)

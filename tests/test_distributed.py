@@ -157,3 +157,12 @@ def test_hsdp_and_empty_shards(tmp_path):
     spec = {"hsdp": ((6, 4), "R,S0"), "tiny": ((1, 3), "S0,R")}  # rank (1, *) holds an empty shard of tiny
     run_ranks(sc.save_dtensors, 4, d, (2, 2), spec)
     run_ranks(sc.restore_dtensors, 3, d, (3,), {"hsdp": ((6, 4), "S1"), "tiny": ((1, 3), "S0")})
+
+
+def test_bad_leaf_on_one_rank_fails_every_rank_before_anything_is_written(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.bad_leaf_on_one_rank, 2, d, timeout=60)
+    assert "LeafTypeError" in e.value.errors[1] and "'oops'" in e.value.errors[1]
+    assert "DistributedError" in e.value.errors[0] and "save (describe) failed on rank(s) [1]" in e.value.errors[0]
+    assert not os.path.exists(d)
