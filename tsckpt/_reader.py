@@ -7,7 +7,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import tensorstore as ts
@@ -226,7 +226,7 @@ class LazyArray:
     def _tensorstore(self) -> ts.TensorStore:
         if self._store is None:
             self.set_store(self.open_future())
-        return self._store
+        return cast(ts.TensorStore, self._store)
 
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
         """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
