@@ -8,6 +8,7 @@ uses on top of tensor parallelism.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -16,11 +17,10 @@ from ._errors import LayoutError
 
 
 def is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(x, DTensor)
+    # No DTensor can exist before its module is imported, and importing it costs
+    # about a second: look it up instead.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(x, mod.DTensor)
 
 
 def region(path: str, dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
