@@ -217,3 +217,18 @@ def bad_leaf_on_one_rank(rank: int, world: int, directory: str) -> None:
     if rank == 1:
         tree["oops"] = object()
     tsckpt.save(directory, tree)
+
+
+def restore_fsdp2_as_tp_shard1(rank: int, world: int, directory: str) -> dict[str, str]:
+    """An FSDP2 (Shard(0)) checkpoint read into tensor-parallel Shard(1) DTensors (Shard(0) for 1-D)."""
+    from torch.distributed.tensor import Shard
+
+    ref = tiny_model().state_dict()
+    m = mesh((world,))
+    target = {k: dtensor(torch.full(v.shape, float("nan")), m, [Shard(1 if v.dim() == 2 else 0)]) for k, v in ref.items()}
+    out = tsckpt.restore(directory, {"model": target}, inplace=True)["model"]
+    for k, v in ref.items():
+        want = dtensor(v, m, [Shard(1 if v.dim() == 2 else 0)]).to_local()
+        if not torch.equal(out[k].to_local(), want):
+            raise AssertionError(f"rank {rank}: {k} differs")
+    return {k: str(out[k].placements) for k in ref}

@@ -259,3 +259,71 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
     with raises(tsckpt.CheckpointExistsError, match="another save claimed this directory first; nothing was changed"):
         save_module._begin(loc, overwrite=True)
     assert (tmp_path / "ck" / "x").exists()
+
+
+def _dist_saver(rank: int, port: int, root: str, log: str) -> None:
+    """One of 2 gloo ranks saving step after step (rows of 'w' sharded by rank) until killed."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+    latest = m.latest_step()
+    step = 0 if latest is None else latest + 1
+    os.write(fd, b"ready\n")
+    while True:
+        state = make_state(step)
+        w = state["model"]["w"]
+        half = w.shape[0] // 2
+        state["model"]["w"] = tsckpt.ShardedArray(w[rank * half : (rank + 1) * half].clone(), tuple(w.shape), (rank * half, 0))
+        os.write(fd, f"begin {step} {time.monotonic()}\n".encode())
+        if step % 2:
+            m.save(step, state)
+        else:
+            m.save_async(step, state).result()
+        os.write(fd, f"committed {step} {time.monotonic()}\n".encode())
+        step += 1
+
+
+def test_sigkill_two_ranks_at_random_moments(tmp_path):
+    from tests.dist_helpers import free_port
+
+    ctx = _context()
+    rng = random.Random(7)
+    root = tmp_path / "run"
+    committed_ever: int | None = None
+    for kill in range(20):
+        log = tmp_path / f"log{kill}"
+        port = free_port()
+        procs = [ctx.Process(target=_dist_saver, args=(r, port, str(root), str(log)), daemon=True) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        try:
+            for r, p in enumerate(procs):
+                _wait_for(Path(f"{log}.{r}"), "ready", p)
+            time.sleep(rng.uniform(0.0, 1.5))
+        finally:
+            for p in procs:
+                if p.pid is not None:
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join(30)
+        events = [line.split() for line in Path(f"{log}.0").read_text().splitlines()[1:]]
+        begun = [int(e[1]) for e in events if e[0] == "begin" and len(e) == 3]
+        done = [int(e[1]) for e in events if e[0] == "committed" and len(e) == 3]
+        committed_ever = max(done, default=committed_ever)
+        before = _on_disk(root)
+        m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+        latest = m.latest_step()
+        context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}"
+        if committed_ever is not None:
+            assert latest is not None and latest >= committed_ever, context
+        if begun:
+            assert latest is None or latest <= begun[-1], context
+        for step in m.all_steps():  # every step called complete restores bit-exactly
+            assert _same(m.restore(step), step), f"{context}: step {step} differs"
+        after = _on_disk(root)
+        assert set(after.values()) <= {"committed"}, f"{context}: after cleanup {after}"
+    assert committed_ever is not None and committed_ever >= 5, "the ranks made too little progress"

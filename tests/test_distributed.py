@@ -38,6 +38,8 @@ def test_fsdp2_save_4_restore_2_and_as_tp_shard1(tmp_path):
     d = str(tmp_path / "ck")
     run_ranks(sc.save_fsdp2, 4, d)
     run_ranks(sc.restore_fsdp2, 2, d)
+    placements = run_ranks(sc.restore_fsdp2_as_tp_shard1, 2, d)
+    assert placements[0]["0.weight"] == "(Shard(dim=1),)"
     ref = sc.tiny_model().state_dict()
     spec = {f"model/{k}": None for k in ref}
     got = tsckpt.restore(d)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import _dtypes
+from ._dtensor import is_dtensor
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
 
 MODEL = "model"
@@ -132,19 +133,13 @@ def live_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...]
 # ---- copying into live tensors ----------------------------------------------------------
 
 
-def _is_dtensor(x: Any) -> bool:
-    from ._dtensor import is_dtensor
-
-    return is_dtensor(x)
-
-
 def same_memory(a: Any, b: Any) -> bool:
     """True when ``b`` is ``a`` or a view of exactly the same memory (nothing to copy)."""
     if a is b:
         return True
-    if _is_dtensor(a) and _is_dtensor(b):
+    if is_dtensor(a) and is_dtensor(b):
         a, b = a.to_local(), b.to_local()
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or _is_dtensor(a) or _is_dtensor(b):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or is_dtensor(a) or is_dtensor(b):
         return False
     return (
         a.device == b.device
@@ -158,7 +153,7 @@ def same_memory(a: Any, b: Any) -> bool:
 
 def as_tensor(value: Any, path: str) -> torch.Tensor:
     """A CPU tensor (or the tensor itself) from a tensor, DTensor, numpy array or number."""
-    if _is_dtensor(value):
+    if is_dtensor(value):
         return value.full_tensor()
     if isinstance(value, torch.Tensor):
         return value
@@ -179,7 +174,7 @@ def as_tensor(value: Any, path: str) -> torch.Tensor:
 
 def region_of(dst: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local lengths) of the part of ``dst`` this rank holds."""
-    if _is_dtensor(dst):
+    if is_dtensor(dst):
         from ._dtensor import region
 
         return region(path, dst)
@@ -187,7 +182,7 @@ def region_of(dst: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def local_of(dst: Any) -> torch.Tensor:
-    return dst.to_local() if _is_dtensor(dst) else dst
+    return dst.to_local() if is_dtensor(dst) else dst
 
 
 def shape_error(
@@ -210,7 +205,7 @@ def copy_into(dst: Any, src: Any, path: str, *, name: str, resize: bool = False)
     """
     if same_memory(dst, src):
         return
-    if _is_dtensor(dst) and _is_dtensor(src) and src.placements == dst.placements and src.shape == dst.shape:
+    if is_dtensor(dst) and is_dtensor(src) and src.placements == dst.placements and src.shape == dst.shape:
         if src.device_mesh == dst.device_mesh:
             dst.to_local().copy_(src.to_local())
             return

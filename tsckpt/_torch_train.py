@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import random
-import urllib.parse
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -54,7 +53,7 @@ from ._torch_state import (
     region_of,
     shape_error,
 )
-from .tree import escape, flatten
+from .tree import escape, flatten, unescape
 
 EXTRA = "extra"
 RANKS = "ranks"
@@ -180,14 +179,6 @@ def save(
 # ---- restore ------------------------------------------------------------------------------
 
 
-def _unescape(component: str) -> str | int:
-    if component == "%":
-        return ""
-    if component.lstrip("-").isdigit():
-        return int(component)
-    return urllib.parse.unquote(component)
-
-
 def stored_subtree(ck: Checkpoint, prefix: str) -> Any:
     """The saved subtree under ``prefix`` as nested dicts/lists; values as saved, arrays read whole."""
     root: dict[Any, Any] = {}
@@ -195,7 +186,7 @@ def stored_subtree(ck: Checkpoint, prefix: str) -> Any:
     for path in ck.leaves:
         if not path.startswith(start):
             continue
-        parts = [_unescape(c) for c in path[len(start) :].split("/")]
+        parts = [unescape(c) for c in path[len(start) :].split("/")]
         node = root
         for c in parts[:-1]:
             node = node.setdefault(c, {})
@@ -261,7 +252,7 @@ def _plan(
         return False
 
     # model: names first (another architecture), then shapes
-    stored_model = {str(_unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
+    stored_model = {str(unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
     check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
     target: dict[str, Any] = {MODEL: {}}
     for name, dst in live[MODEL].items():
@@ -284,7 +275,7 @@ def _plan(
         stored_state: dict[str, dict[str, str]] = {}
         for p in _under(ck, f"{OPTIM}/{STATE}"):
             parts = p.split("/")
-            stored_state.setdefault(str(_unescape(parts[2])), {})[str(_unescape(parts[3]))] = p
+            stored_state.setdefault(str(unescape(parts[2])), {})[str(unescape(parts[3]))] = p
         names = param_names(model)
         target_state: dict[str, dict[str, Any]] = {}
         live_state_by_name = live[OPTIM][STATE]
