@@ -294,6 +294,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path):
     rng = random.Random(7)
     root = tmp_path / "run"
     committed_ever: int | None = None
+    interrupted = 0
     for kill in range(20):
         log = tmp_path / f"log{kill}"
         port = free_port()
@@ -315,6 +316,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path):
         done = [int(e[1]) for e in events if e[0] == "committed" and len(e) == 3]
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
+        interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
         m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
         latest = m.latest_step()
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}"
@@ -327,3 +329,4 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path):
         after = _on_disk(root)
         assert set(after.values()) <= {"committed"}, f"{context}: after cleanup {after}"
     assert committed_ever is not None and committed_ever >= 5, "the ranks made too little progress"
+    assert interrupted >= 5, f"only {interrupted} of 20 kills landed inside a save or deletion"
