@@ -10,7 +10,6 @@ import sys
 import time
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 import torch
@@ -18,6 +17,7 @@ import torch
 from . import _dtypes, _store
 from ._coord import gather_phase, phase
 from ._dist import coordinator_for
+from ._encode import LITTLE_ENDIAN, encode_chunk
 from ._errors import CheckpointExistsError
 from ._format import (
     ArrayRecord,
@@ -93,21 +93,21 @@ def _chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
     return "/".join([rec.path, "c", *cell])
 
 
-def _single_chunk(rec: ArrayRecord, lengths: tuple[int, ...]) -> bool:
-    """The box is one whole unsharded chunk (a small array, or one cell of one)."""
-    return rec.layout.chunk_shape is None and tuple(lengths) == tuple(rec.layout.shard_shape) and sys.byteorder == "little"
+def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
+    """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
+    extra = (2,) if rec.dtype == "complex32" else ()
+    inner = rec.layout.chunk_shape
+    return (*rec.layout.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
 
 
-def _encode_chunk(src: np.ndarray) -> bytes:
-    """One chunk with zarr v3 codecs [bytes (little endian), crc32c]: the C-order bytes,
-    then their crc32c as 4 little-endian bytes.
-
-    Small arrays bypass TensorStore: for thousands of tiny leaves its per-array
-    open and write machinery, not the bytes, dominated the save. The bytes are
-    exactly what TensorStore writes and reads for this codec chain.
-    """
-    data = np.ascontiguousarray(src).tobytes()
-    return data + google_crc32c.value(data).to_bytes(4, "little")
+def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> bytes | None:
+    """The encoded file of an unsharded chunk that ``src`` fills whole, else None
+    (TensorStore then encodes the write)."""
+    shard, inner, shape = _storage_layout(rec)
+    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, 0), shard, shape))
+    if not LITTLE_ENDIAN or src.shape != full[: src.ndim] or any(o % g for o, g in zip(offsets, shard)):
+        return None
+    return encode_chunk(src) if inner is None and src.shape == shard else None
 
 
 def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray]) -> list[str]:
@@ -130,8 +130,9 @@ def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Lo
             src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
             key = _chunk_key(rec, off)
             fut: Any
-            if _single_chunk(rec, ln):
-                fut = kv.write(key, _encode_chunk(src))
+            encoded = _encode_file(rec, off, src)
+            if encoded is not None:
+                fut = kv.write(key, encoded)
             else:
                 if item.path not in stores:
                     stores[item.path] = open_array(loc, rec, write=True)
