@@ -49,10 +49,12 @@ RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 SECTION = "## PyTorch bridge"
 MiB = 1 << 20
 NOTE = (
-    "Where tsckpt's extra memory comes from: the core restore keeps up to `READ_WINDOW_BYTES` (256 MiB) of "
-    "chunk reads in flight, each a fresh array copied into its tensor when it completes, plus what the allocator "
-    "keeps of freed reads; it does not grow with the state (scaling table), and no copy of the state is made "
-    "(compare tsckpt-copy). DCP reads one tensor's bytes at a time and copies them in."
+    "Where tsckpt's extra memory comes from: TensorStore decodes chunks straight into the live tensors, and "
+    "the core restore keeps at most `READ_WINDOW_BYTES` (64 MiB) of chunk reads in flight; the rest is "
+    "TensorStore's decode buffers and what the allocator keeps of them. It does not grow with the state "
+    "(scaling table), and no copy of the state is made (compare tsckpt-copy). DCP reads one tensor's bytes at "
+    "a time and copies them in, so it needs almost nothing extra; tsckpt's in-flight window is what lets it "
+    "overlap reads, decoding and checksums."
 )
 
 

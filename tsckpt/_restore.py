@@ -180,28 +180,28 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
     shard is read into a buffer and copied; a bounded window of such reads is
     in flight, which bounds the extra memory a restore needs.
     """
-    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...], np.ndarray | None]] = collections.deque()
+    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...], np.ndarray | None, int]] = collections.deque()
     in_flight = 0
     stores = _open_all(ck, [d.item.path for d in dests])
 
     def drain_one() -> int:
-        fut, dest, dsel, direct = pending.popleft()
+        fut, dest, dsel, direct, nbytes = pending.popleft()
         stored = ck.arrays[dest.item.path].dtype
         try:
             raw = fut.result()
         except ValueError as e:
             raise corrupt_error(ck, dest.item.path, e) from e
         if direct is not None:
-            return 0
+            return nbytes
         if isinstance(dest.tensor, np.ndarray):
             if stored == "complex32":  # float16 (re, im) pairs
                 raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
             dest.tensor[dsel if dsel else ...] = raw
-            return int(raw.nbytes)
+            return nbytes
         src = _dtypes.numpy_to_tensor(raw, stored)
         with torch.no_grad():  # targets may be parameters that require grad
             (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
-        return int(raw.nbytes)
+        return nbytes
 
     for dest in dests:
         item = dest.item
@@ -217,11 +217,12 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
                 slice(d + o - so, d + o - so + n)
                 for d, o, so, n in zip(item.dest_offsets, off, item.storage_offsets, ln)
             )
-            if target is not None:
-                pending.append(((target[dsel] if dsel else target).write(src), dest, dsel, view))
-                continue
-            pending.append((src.read(), dest, dsel, None))
-            in_flight += int(np.prod(ln)) * itemsize
+            nbytes = int(np.prod(ln)) * itemsize
+            if target is not None:  # TensorStore's decode buffers are bounded by the same window
+                pending.append(((target[dsel] if dsel else target).write(src), dest, dsel, view, nbytes))
+            else:
+                pending.append((src.read(), dest, dsel, None, nbytes))
+            in_flight += nbytes
             while in_flight > READ_WINDOW_BYTES and pending:
                 in_flight -= drain_one()
     while pending:
