@@ -31,13 +31,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from _common import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
@@ -446,42 +447,6 @@ def bench_row(base: str, args: argparse.Namespace, can_drop: bool) -> dict[str, 
     }
 
 
-def machine_info() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    try:
-        rev = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../tsckpt"], capture_output=True, text=True).stdout.strip()
-        rev = rev + (" + uncommitted changes to tsckpt/" if dirty else "")
-    except OSError:
-        rev = "unknown"
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "nproc": os.cpu_count(),
-        "mem_gib": mem / GiB,
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "torch": torch.__version__,
-        "tensorstore": version("tensorstore"),
-        "safetensors": version("safetensors"),
-        "tsckpt": version("tsckpt"),
-        "tsckpt_rev": rev,
-        "load_avg": os.getloadavg(),
-    }
 
 
 # ---- formatting ------------------------------------------------------------

@@ -51,7 +51,6 @@ import json
 import math
 import os
 import pickle
-import platform
 import shutil
 import socket
 import subprocess
@@ -59,6 +58,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from _common import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
@@ -447,41 +448,6 @@ def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
 # ---- reporting ---------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    try:
-        rev = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../tsckpt"], capture_output=True, text=True).stdout.strip()
-        rev = rev + (" + uncommitted changes to tsckpt/" if dirty else "")
-    except OSError:
-        rev = "unknown"
-    return {
-        "date": subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip(),
-        "nproc": os.cpu_count(),
-        "mem_gib": mem / GiB,
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "torch": torch.__version__,
-        "tensorstore": version("tensorstore"),
-        "tsckpt": version("tsckpt"),
-        "tsckpt_rev": rev,
-        "load_avg": os.getloadavg(),
-    }
 
 
 def spread(xs: list[float]) -> str:

@@ -1,0 +1,51 @@
+"""What the benchmark scripts share: a description of the machine and code they ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _first(path: str, prefix: str) -> str | None:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(prefix):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, CPU, memory, library versions, tsckpt commit, and load average."""
+    import torch
+
+    mem_kib = (_first("/proc/meminfo", "MemTotal:") or "0 kB").split()[0]
+    try:
+        rev = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../tsckpt"], capture_output=True, text=True).stdout.strip()
+        rev = rev + (" + uncommitted changes to tsckpt/" if dirty else "")
+    except OSError:
+        rev = "unknown"
+    try:
+        st_version = version("safetensors")
+    except PackageNotFoundError:
+        st_version = "not installed"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "mem_gib": int(mem_kib) * 1024 / (1 << 30),
+        "cpu": _first("/proc/cpuinfo", "model name") or "unknown",
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "torch": torch.__version__,
+        "tensorstore": version("tensorstore"),
+        "safetensors": st_version,
+        "tsckpt": version("tsckpt"),
+        "tsckpt_rev": rev,
+        "load_avg": os.getloadavg(),
+    }
