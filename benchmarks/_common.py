@@ -49,3 +49,27 @@ def machine_info() -> dict[str, Any]:
         "tsckpt_rev": rev,
         "load_avg": os.getloadavg(),
     }
+
+
+RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+NOTES = "### Notes"  # kept verbatim when a section is regenerated
+
+
+def write_section(title: str, body: str) -> None:
+    """Replace (or append) the ``title`` section of RESULTS.md, keeping its hand-written Notes."""
+    text = open(RESULTS_MD).read() if os.path.exists(RESULTS_MD) else "# Benchmark results\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == title), None)
+    notes = ""
+    if start is None:
+        head, tail = text.rstrip("\n") + "\n\n", ""
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        old = "".join(lines[start:end])
+        k = old.find("\n" + NOTES)
+        if k >= 0:
+            notes = old[k + 1 :].rstrip("\n") + "\n"
+        head, tail = "".join(lines[:start]), "".join(lines[end:])
+    new = body.rstrip("\n") + "\n" + ("\n" + notes if notes else "")
+    with open(RESULTS_MD, "w") as f:
+        f.write(head + new + ("\n" + tail if tail else ""))

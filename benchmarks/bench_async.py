@@ -43,15 +43,15 @@ import tempfile
 import time
 from typing import Any
 
+from _common import write_section
+
 import torch
 
 import tsckpt
 from tsckpt._async import AsyncSaver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 SECTION = "## Async save"
-NOTES = "### Notes"  # kept verbatim when --write-results regenerates the section
 MiB = 1 << 20
 
 
@@ -201,26 +201,6 @@ def section(r: dict[str, Any], repeats: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    """Replace only this benchmark's section of RESULTS.md (keeping its Notes)."""
-    old = open(RESULTS_MD).read() if os.path.exists(RESULTS_MD) else "# Benchmark results\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.rstrip() == SECTION), None)
-    notes = ""
-    if start is None:
-        head, tail = old.rstrip("\n") + "\n\n", ""
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        body = "".join(lines[start:end])
-        k = body.find("\n" + NOTES)
-        if k >= 0:
-            notes = body[k + 1 :].rstrip("\n") + "\n"
-        head, tail = "".join(lines[:start]), "".join(lines[end:])
-    new = text.rstrip("\n") + "\n" + ("\n" + notes if notes else "")
-    with open(RESULTS_MD, "w") as f:
-        f.write(head + new + ("\n" + tail if tail else ""))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="128 MiB, 2 runs: a smoke test")
@@ -243,7 +223,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
     if args.write_results:
-        write_results(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

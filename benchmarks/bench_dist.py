@@ -59,12 +59,10 @@ import tempfile
 import time
 from typing import Any
 
-from _common import machine_info
+from _common import machine_info, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 SECTION = "## Distributed save/restore"
-NOTES = "### Notes"  # kept verbatim when --write-results regenerates the section
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -566,25 +564,6 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def write_results(section: str) -> None:
-    text = open(RESULTS_MD).read() if os.path.exists(RESULTS_MD) else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.rstrip() == SECTION), None)
-    notes = ""
-    if start is None:
-        head, tail = text.rstrip("\n") + "\n\n", ""
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        old = "".join(lines[start:end])
-        k = old.find("\n" + NOTES)
-        if k >= 0:
-            notes = old[k + 1 :].rstrip("\n") + "\n"
-        head, tail = "".join(lines[:start]), "".join(lines[end:])
-    body = section.rstrip("\n") + "\n" + ("\n" + notes if notes else "")
-    with open(RESULTS_MD, "w") as f:
-        f.write(head + body + ("\n" + tail if tail else ""))
-
-
 def print_profiles(profile_dir: str) -> None:
     import pstats
 
@@ -617,7 +596,7 @@ def main() -> None:
         section = report(saved, args)
         print(section)
         if args.write_results:
-            write_results(section)
+            write_section(SECTION, section)
         return
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
@@ -650,7 +629,7 @@ def main() -> None:
     section = report(results, args)
     print(section)
     if args.write_results:
-        write_results(section)
+        write_section(SECTION, section)
 
 
 if __name__ == "__main__":

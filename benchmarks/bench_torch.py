@@ -44,8 +44,9 @@ import sys
 import tempfile
 import time
 
+from _common import write_section
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 SECTION = "## PyTorch bridge"
 MiB = 1 << 20
 NOTE = (
@@ -232,21 +233,6 @@ def report(rows: list[dict], args: argparse.Namespace, scale: list[dict]) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_results(section: str) -> None:
-    """Replace (or append) only the '## PyTorch bridge' section of RESULTS.md."""
-    text = open(RESULTS_MD).read() if os.path.exists(RESULTS_MD) else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    with open(RESULTS_MD, "w") as f:
-        f.write(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description="Peak memory of restoring a model and optimizer: tsckpt vs DCP")
     ap.add_argument("--layers", type=int, default=12)
@@ -295,7 +281,7 @@ def main() -> None:
     print()
     print(section)
     if args.write_results:
-        write_results(section)
+        write_section(SECTION, section)
 
 
 if __name__ == "__main__":
