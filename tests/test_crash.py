@@ -103,6 +103,23 @@ def _on_disk(root: Path) -> dict[str, str | None]:
     return out
 
 
+def _events(log: Path) -> tuple[list[int], list[int], dict[int, float], dict[int, float]]:
+    """Steps begun and committed per the saver's log, with their times."""
+    events = [line.split() for line in log.read_text().splitlines()[1:]]
+    starts = {int(e[1]): float(e[2]) for e in events if e[0] == "begin" and len(e) == 3}
+    ends = {int(e[1]): float(e[2]) for e in events if e[0] == "committed" and len(e) == 3}
+    return list(starts), list(ends), starts, ends
+
+
+def _check_latest(m: tsckpt.CheckpointManager, committed_ever: int | None, begun: list[int], context: str) -> None:
+    """The last commit the saver saw survives, and nothing newer than what it started exists."""
+    latest = m.latest_step()
+    if committed_ever is not None:
+        assert latest is not None and latest >= committed_ever, context
+    if begun:
+        assert latest is None or latest <= begun[-1], context
+
+
 def test_sigkill_at_random_moments(tmp_path):
     ctx = _context()
     rng = random.Random(20240611)
@@ -122,11 +139,8 @@ def test_sigkill_at_random_moments(tmp_path):
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(30)
         assert proc.exitcode == -signal.SIGKILL
-        events = [line.split() for line in log.read_text().splitlines()[1:]]
-        begun = [int(e[1]) for e in events if e[0] == "begin" and len(e) == 3]
-        done = [int(e[1]) for e in events if e[0] == "committed" and len(e) == 3]
-        starts = {int(e[1]): float(e[2]) for e in events if e[0] == "begin" and len(e) == 3}
-        durations += [float(e[2]) - starts[int(e[1])] for e in events if e[0] == "committed" and len(e) == 3]
+        begun, done, starts, ends = _events(log)
+        durations += [t - starts[step] for step, t in ends.items()]
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
         # a kill inside a save leaves a pending or rootless step; inside a deletion, a renamed-away one
@@ -136,11 +150,7 @@ def test_sigkill_at_random_moments(tmp_path):
         latest = m.latest_step()
         steps = m.all_steps()
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}, complete {steps}"
-        # the last commit the saver saw survives; nothing newer than what it started exists
-        if committed_ever is not None:
-            assert latest is not None and latest >= committed_ever, context
-        if begun:
-            assert latest is None or latest <= begun[-1], context
+        _check_latest(m, committed_ever, begun, context)
         # every step called complete is complete, bit for bit
         if latest is not None:
             assert _same(m.restore(), latest), context
@@ -311,19 +321,13 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path):
                     os.kill(p.pid, signal.SIGKILL)
             for p in procs:
                 p.join(30)
-        events = [line.split() for line in Path(f"{log}.0").read_text().splitlines()[1:]]
-        begun = [int(e[1]) for e in events if e[0] == "begin" and len(e) == 3]
-        done = [int(e[1]) for e in events if e[0] == "committed" and len(e) == 3]
+        begun, done, _, _ = _events(Path(f"{log}.0"))
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
         interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
         m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
-        latest = m.latest_step()
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}"
-        if committed_ever is not None:
-            assert latest is not None and latest >= committed_ever, context
-        if begun:
-            assert latest is None or latest <= begun[-1], context
+        _check_latest(m, committed_ever, begun, context)
         for step in m.all_steps():  # every step called complete restores bit-exactly
             assert _same(m.restore(step), step), f"{context}: step {step} differs"
         after = _on_disk(root)
