@@ -79,13 +79,8 @@ def tiny_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
 
 
-def restore_fsdp2(rank: int, world: int, directory: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    ref = tiny_model().state_dict()
-    torch.manual_seed(123)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
-    fully_shard(model, mesh=mesh((world,)))
+def restore_and_check(rank: int, model: torch.nn.Module, directory: str, ref: dict[str, torch.Tensor]) -> None:
+    """NaN-fill the (sharded) model, restore it in place, compare every full tensor with ``ref``."""
     sd = dict(model.state_dict())
     for v in sd.values():
         v.to_local().fill_(float("nan"))
@@ -93,6 +88,16 @@ def restore_fsdp2(rank: int, world: int, directory: str) -> None:
     for name, p in model.state_dict().items():
         if not torch.equal(p.full_tensor(), ref[name]):
             raise AssertionError(f"rank {rank}: {name} differs after restore")
+
+
+def restore_fsdp2(rank: int, world: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    ref = tiny_model().state_dict()
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fully_shard(model, mesh=mesh((world,)))
+    restore_and_check(rank, model, directory, ref)
 
 
 def replicas(rank: int, world: int, directory: str, differ: bool) -> None:
@@ -184,13 +189,8 @@ def restore_fsdp_1d(rank: int, world: int, directory: str) -> None:
     ref = MLP().state_dict()
     torch.manual_seed(5)
     model = MLP()
-    for p in model.parameters():
-        p.data.fill_(float("nan"))
     fully_shard(model, mesh=mesh((world,)))
-    tsckpt.restore(directory, {"model": dict(model.state_dict())}, inplace=True)
-    for name, p in model.state_dict().items():
-        if not torch.equal(p.full_tensor(), ref[name]):
-            raise AssertionError(f"rank {rank}: {name} differs")
+    restore_and_check(rank, model, directory, ref)
 
 
 def restore_fsdp_tp(rank: int, world: int, directory: str) -> None:
@@ -203,13 +203,7 @@ def restore_fsdp_tp(rank: int, world: int, directory: str) -> None:
     model = MLP()
     parallelize_module(model, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=m["dp"])
-    sd = dict(model.state_dict())
-    for v in sd.values():
-        v.to_local().fill_(float("nan"))
-    tsckpt.restore(directory, {"model": sd}, inplace=True)
-    for name, p in model.state_dict().items():
-        if not torch.equal(p.full_tensor(), ref[name]):
-            raise AssertionError(f"rank {rank}: {name} differs")
+    restore_and_check(rank, model, directory, ref)
 
 
 def bad_leaf_on_one_rank(rank: int, world: int, directory: str) -> None:
