@@ -205,7 +205,7 @@ def test_only_rank_zero_deletes(tmp_path, monkeypatch):
     m0 = tsckpt.CheckpointManager(run, keep_last=1)
     m0.save(1, _state(1))
     _make_incomplete(m0, 5)
-    monkeypatch.setattr(manager_module, "_rank", lambda group: 1)
+    monkeypatch.setattr(tsckpt._dist, "rank_of", lambda group=None: 1)
     m1 = tsckpt.CheckpointManager(run, keep_last=1)  # rank 1 does not clean up
     m1.save(2, _state(2))  # ... nor apply retention
     assert m1.all_steps() == [1, 2]

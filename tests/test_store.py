@@ -17,8 +17,8 @@ def _files(root: str) -> set[str]:
 
 def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, monkeypatch):
     synced: list[str] = []
-    real = store._fsync
-    monkeypatch.setattr(store, "_fsync", lambda p: (synced.append(p), real(p)))
+    real = store.fsync_path
+    monkeypatch.setattr(store, "fsync_path", lambda p: (synced.append(p), real(p)))
     committed_after: list[int] = []
     real_durable = store.write_durable
 
@@ -45,6 +45,6 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
 
 def test_many_files_use_one_filesystem_sync(tmp_path, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(store, "_fsync", calls.append)
+    monkeypatch.setattr(store, "fsync_path", calls.append)
     tsckpt.save(str(tmp_path / "ck"), {f"t{i}": torch.ones(2) for i in range(store.FSYNC_FILES_MAX)})
     assert calls == []  # 64 chunk files + 64 array nodes: syncfs instead of 128 fsyncs

@@ -20,11 +20,13 @@ from ._errors import (
     TsckptError,
 )
 from ._async import AsyncSave, save_async
-from ._leaves import ArraySpec, ShardedArray
+from ._convert import ConvertReport, convert
 from ._manager import CheckpointManager
 from ._reader import ArrayMetadata, LazyArray, Reader, metadata, open
 from ._restore import RestoreWarning, restore
 from ._save import save
+from ._types import ArraySpec, ShardedArray
+from ._verify import VerifyReport, verify
 from .tree import register_node
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "ConvertReport",
     "CorruptCheckpointError",
     "DistributedError",
     "FormatVersionError",
@@ -49,10 +52,13 @@ __all__ = [
     "ShardedArray",
     "StructureMismatchError",
     "TsckptError",
+    "VerifyReport",
+    "convert",
     "metadata",
     "open",
     "register_node",
     "restore",
     "save",
     "save_async",
+    "verify",
 ]

@@ -27,56 +27,64 @@ import numpy as np
 import torch
 
 from ._errors import SaveInProgressError
-from ._leaves import ShardedArray, describe
+from ._jax import is_jax_array
+from ._leaves import describe, memory
+from ._types import LazySource, ShardedArray
 from ._store import Directory, resolve
 from .tree import flatten, unflatten
 
 IfBusy = Literal["wait", "error"]
 
 
-class AsyncSave:
-    """Handle of a save that continues in the background.
+class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
+    """Handle of a save that continues in the background: a :class:`concurrent.futures.Future`.
 
     ``result(timeout)`` waits for the commit and re-raises a background failure;
     ``done()`` tells whether it finished. ``blocked_s`` is how long the call that
     started it held the caller, ``staged_bytes`` how much array data it copied.
     """
 
-    def __init__(self, directory: str, future: concurrent.futures.Future[None], staged_bytes: int) -> None:
+    def __init__(self, directory: str, staged_bytes: int) -> None:
+        super().__init__()
         self.directory = directory
         self.staged_bytes = staged_bytes
         self.blocked_s = 0.0
-        self._future = future
-        self._retrieved = False
+        self.retrieved = False  # result() or exception() has reported the outcome
 
     def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
+        state = "running" if not self.done() else ("failed" if super().exception() else "committed")
         return f"AsyncSave({self.directory!r}, {state})"
-
-    def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self._future.done()
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the checkpoint is committed; re-raise the background error if the save failed.
 
         Raises TimeoutError if it is still running after ``timeout`` seconds."""
         try:
-            self._future.result(timeout)
+            super().result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
         finally:
-            if self._future.done():
-                self._retrieved = True
+            self.retrieved = self.retrieved or self.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The background error (None on success), waiting up to ``timeout`` seconds."""
         try:
-            err = self._future.exception(timeout)
+            err = super().exception(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
-        self._retrieved = True
+        self.retrieved = True
         return err
+
+    def run(self, job: Callable[[Any], None], tree: Any) -> None:
+        """Run ``job(tree)`` and settle this future with its outcome (in the worker thread)."""
+        if not self.set_running_or_notify_cancel():
+            return
+        try:
+            job(tree)
+        except BaseException as e:  # noqa: BLE001 - delivered through result()
+            self.set_exception(e)
+        else:
+            self.set_result(None)
 
 
 class _Staging:
@@ -96,7 +104,10 @@ class _Staging:
         return (path, "numpy", tuple(data.shape), data.dtype.str)
 
     def stage(self, regions: list[tuple[str, Any]]) -> list[Any]:
-        """Copy each ``(path, data)`` into its buffer; returns the copies in order."""
+        """Copy each ``(path, data)`` into its buffer; returns the copies in order.
+
+        Regions that are the same memory (tied weights) share one copy, so the
+        save that follows still sees them tied and stores them once."""
         keys = [self._key(p, d) for p, d in regions]
         wanted = set(keys)
         # release what this tree no longer has before allocating what it gained
@@ -104,7 +115,14 @@ class _Staging:
         self._buffers = kept
         out: list[Any] = []
         streams: dict[torch.device, Any] = {}
-        for key, (_, data) in zip(keys, regions):
+        first: dict[Any, int] = {}  # memory -> index of the region that staged it (tied leaves)
+        for i, (key, (_, data)) in enumerate(zip(keys, regions)):
+            mem = memory(data) if _nbytes(data) else None
+            if mem is not None and mem in first:
+                out.append(out[first[mem]])
+                continue
+            if mem is not None:
+                first[mem] = i
             buf = kept.get(key)
             if isinstance(data, torch.Tensor):
                 src = data.detach()
@@ -138,7 +156,7 @@ def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list
         if local.desc.kind == "value":
             out.append(bytes(leaf) if isinstance(leaf, bytearray) else leaf)
             continue
-        if isinstance(leaf, np.generic):  # immutable
+        if isinstance(leaf, (np.generic, LazySource)) or is_jax_array(leaf):  # immutable
             out.append(leaf)
             continue
         out.append(None)
@@ -183,16 +201,16 @@ class AsyncSaver:
                     f"an asynchronous save to {prev.directory} is still running; wait for it with "
                     ".result(), or pass if_busy='wait'"
                 )
-            concurrent.futures.wait([prev._future])
-        err = prev._future.exception()
-        if err is not None and not prev._retrieved:
+            concurrent.futures.wait([prev])
+        err = concurrent.futures.Future.exception(prev)
+        if err is not None and not prev.retrieved:
             warnings.warn(
                 f"the asynchronous save to {prev.directory} failed and its result() was never checked: "
                 f"{type(err).__name__}: {err}",
                 RuntimeWarning,
                 stacklevel=4,
             )
-        prev._retrieved = True
+        prev.retrieved = True
         self._inflight = None
 
     def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait") -> None:
@@ -222,7 +240,6 @@ class AsyncSaver:
             flat = flatten(tree)
             leaves, regions = _array_regions(flat.paths, flat.leaves)
             nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
-            future: concurrent.futures.Future[None]
             if self.max_staging_bytes is not None and nbytes > self.max_staging_bytes:
                 warnings.warn(
                     f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "
@@ -230,11 +247,10 @@ class AsyncSaver:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                job(tree)
-                future = concurrent.futures.Future()
-                future.set_result(None)
-                handle = AsyncSave(label, future, 0)
-                handle._retrieved = True
+                handle = AsyncSave(label, 0)
+                handle.run(job, tree)
+                handle.retrieved = True
+                handle.result()
             else:
                 copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
                 for (i, _, _, where), copy in zip(regions, copies):
@@ -242,8 +258,8 @@ class AsyncSaver:
                 staged = unflatten(flat.spec, leaves)
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tsckpt-save")
-                future = self._executor.submit(job, staged)
-                handle = AsyncSave(label, future, nbytes)
+                handle = AsyncSave(label, nbytes)
+                self._executor.submit(handle.run, job, staged)
             self._inflight = handle
         handle.blocked_s = time.perf_counter() - start
         return handle

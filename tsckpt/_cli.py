@@ -9,13 +9,10 @@ Errors tsckpt raises on purpose print one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import math
 import os
 import re
 import sys
-import urllib.parse
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -24,10 +21,8 @@ import numpy as np
 import torch
 
 from . import __version__, _dtypes
-from ._errors import CheckpointExistsError, LeafTypeError, TsckptError
-from ._format import ROOT_KEY, decode_value, encode_value
-from ._leaves import ArraySpec
-from ._reader import Checkpoint, LazyArray, load
+from ._errors import CheckpointExistsError, TsckptError
+from ._reader import LazyArray, load
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -35,10 +30,6 @@ EXIT_USAGE = 2
 
 # `show` refuses to read more than this without a slice (numpy would only print the corners).
 SHOW_MAX_BYTES = 256 << 20
-# `verify` keeps at most this many bytes of reads in flight.
-VERIFY_WINDOW_BYTES = 256 << 20
-# Metadata key under which `convert` stores the tree in an exported .safetensors file.
-SAFETENSORS_KEY = "tsckpt"
 
 
 class UsageError(Exception):
@@ -225,8 +216,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         box, _ = _normalize(index if index is not None else (), leaf.shape)
     except (IndexError, TypeError, ValueError) as e:
         raise UsageError(f"{args.target}: {e} (array shape {_shape_text(leaf.shape)})") from None
-    itemsize = _itemsize(leaf.dtype)
-    nbytes = math.prod(s.stop - s.start for s in box) * itemsize
+    nbytes = math.prod(s.stop - s.start for s in box) * _dtypes.itemsize(leaf.dtype)
     if nbytes > SHOW_MAX_BYTES:
         raise UsageError(
             f"'{path}'{index_text} selects {human_bytes(nbytes)}, more than show reads "
@@ -246,137 +236,32 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _array_node_problem(node: Any, expected: dict[str, Any]) -> str | None:
-    if not isinstance(node, dict) or node.get("node_type") != "array":
-        return "its zarr.json is not a zarr array node"
-    for key in ("zarr_format", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
-        if node.get(key) != expected[key]:
-            return f"its zarr.json disagrees with the root metadata on '{key}' ({node.get(key)!r} != {expected[key]!r})"
-    return None
-
-
-def _check_nodes(ck: Checkpoint) -> tuple[dict[str, str], list[str]]:
-    """zarr.json of every array and group below the root: (bad array -> why, group problems)."""
-    from ._arrays import array_node
-
-    kv = ck.location.kvstore()
-    groups = sorted({"/".join(p.split("/")[:i]) for p in ck.arrays for i in range(1, len(p.split("/")))})
-    futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays}
-    group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups}
-    bad: dict[str, str] = {}
-    for p, fut in futures.items():
-        r = fut.result()
-        if r.state != "value":
-            bad[p] = "its zarr.json is missing (zarr readers cannot open this array)"
-            continue
-        try:
-            node = json.loads(r.value)
-        except ValueError as e:
-            bad[p] = f"its zarr.json is not valid JSON ({e})"
-            continue
-        why = _array_node_problem(node, array_node(ck.arrays[p]))
-        if why:
-            bad[p] = why
-    group_problems = []
-    for g, fut in group_futures.items():
-        r = fut.result()
-        try:
-            ok = r.state == "value" and json.loads(r.value).get("node_type") == "group"
-        except (ValueError, AttributeError):
-            ok = False
-        if not ok:
-            group_problems.append(f"group '{g}': zarr.json is missing or not a zarr group node")
-    return bad, group_problems
-
-
-def _describe_read_error(err: Exception) -> str:
-    if isinstance(err, TsckptError):
-        return str(err)
-    msg = " ".join(str(err).split())
-    low = msg.lower()
-    if "digest mismatch" in low or "crc32c" in low or "checksum" in low:
-        what = "checksum mismatch: stored bytes were altered"
-    elif "not_found" in low or "missing" in low or "not found" in low:
-        what = "a chunk file is missing"
-    else:
-        what = "stored data could not be decoded (truncated or damaged file)"
-    return f"{what} ({msg})"
-
-
-def _itemsize(dtype: str) -> int:
-    return 4 if dtype == "complex32" else _dtypes.numpy_dtype(dtype).itemsize
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ._arrays import open_array
-    from ._plan import shard_boxes
+    from ._verify import verify
 
-    ck = load(args.dir)
-    bad, group_problems = _check_nodes(ck)
-    read_bad: dict[str, str] = {}
-    pending: collections.deque[tuple[Any, str, int]] = collections.deque()
-    in_flight = 0
-    total_bytes = 0
-    n_pieces = 0
-
-    def drain() -> None:
-        nonlocal in_flight
-        fut, path, n = pending.popleft()
-        in_flight -= n
-        try:
-            fut.result()
-        except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
-            read_bad.setdefault(path, _describe_read_error(e))
-
-    progress = _progress(len(ck.arrays), args)
-    for path, rec in ck.arrays.items():
-        if path in bad:  # its zarr.json is missing or wrong: no reader can open it
-            progress.update(1)
-            continue
-        itemsize = _itemsize(rec.dtype)
-        try:
-            store = open_array(ck.location, rec)
-        except Exception as e:  # noqa: BLE001
-            read_bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
-            progress.update(1)
-            continue
-        for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.layout):
-            if path in read_bad:
-                break
-            view = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-            nbytes = math.prod(ln) * itemsize
-            pending.append((view.read(), path, nbytes))
-            in_flight += nbytes
-            total_bytes += nbytes
-            n_pieces += 1
-            while in_flight > VERIFY_WINDOW_BYTES and pending:
-                drain()
-        progress.update(1)
-    while pending:
-        drain()
-    progress.close()
-
-    for path, why in read_bad.items():
-        bad[path] = why if path not in bad else f"{bad[path]}; {why}"
+    progress = _progress(args)
+    try:
+        report = verify(args.dir, progress=progress.update)
+    finally:
+        progress.close()
     if args.verbose:
-        for p in ck.leaves:
-            if p not in bad:
+        for p in report.leaves:
+            if p not in report.bad:
                 print(f"ok    {p}")
-    for p in sorted(bad):
-        print(f"FAIL  {p}: {bad[p]}")
-    for problem in group_problems:
+    for p, why in report.bad.items():
+        print(f"FAIL  {p}: {why}")
+    for problem in report.group_problems:
         print(f"FAIL  {problem}")
-    n_arrays, n_values = len(ck.arrays), len(ck.values)
-    if bad or group_problems:
-        names = ", ".join(f"'{p}'" for p in sorted(bad)) or "none"
+    if not report.ok:
+        names = ", ".join(f"'{p}'" for p in report.bad) or "none"
         raise Problem(
-            f"verification failed for {ck.location}: {len(bad)} of {n_arrays} arrays bad ({names})"
-            + (f", {len(group_problems)} group node(s) bad" if group_problems else "")
+            f"verification failed for {report.location}: {len(report.bad)} of {report.n_arrays} arrays bad ({names})"
+            + (f", {len(report.group_problems)} group node(s) bad" if report.group_problems else "")
         )
     print(
-        f"OK: {ck.location}: committed, all {_count(len(ck.leaves), 'leaf', 'leaves')} present; "
-        f"{_count(n_arrays, 'array')} ({human_bytes(total_bytes)} read from {_count(n_pieces, 'shard file')}, "
-        f"all checksums match), {_count(n_values, 'value')}"
+        f"OK: {report.location}: committed, all {_count(len(report.leaves), 'leaf', 'leaves')} present; "
+        f"{_count(report.n_arrays, 'array')} ({human_bytes(report.bytes_read)} read from "
+        f"{_count(report.files_read, 'shard file')}, all checksums match), {_count(report.n_values, 'value')}"
     )
     return EXIT_OK
 
@@ -389,174 +274,32 @@ class _NoProgress:
         pass
 
 
-def _progress(total: int, args: argparse.Namespace) -> Any:
+def _progress(args: argparse.Namespace) -> Any:
     if args.verbose or not sys.stderr.isatty():
         return _NoProgress()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="array", desc="verify", file=sys.stderr, leave=False)
+    return tqdm(unit="array", desc=args.command, file=sys.stderr, leave=False)
 
 
 # ---- convert -----------------------------------------------------------------
 
 
-def _unescape(component: str) -> Any:
-    """Inverse of tsckpt.tree path escaping for one component (int-like means an int key)."""
-    if component == "%":
-        return ""
-    if re.fullmatch(r"-?[0-9]+", component):
-        return int(component)
-    return urllib.parse.unquote(component, errors="strict")
-
-
-def _tree_from_paths(paths: Sequence[str], leaves: Sequence[Any]) -> Any:
-    """Nested dicts whose flattened paths are exactly ``paths`` (used when no structure was stored)."""
-    from .tree import ROOT_LEAF_PATH
-
-    if list(paths) == [ROOT_LEAF_PATH]:
-        return leaves[0]
-    out: dict[Any, Any] = {}
-    for path, leaf in zip(paths, leaves):
-        node = out
-        *parents, last = [_unescape(c) for c in path.split("/")]
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf
-    return out
-
-
-def _arrange(structure: Any, paths: Sequence[str], leaves: list[Any]) -> Any:
-    from .tree import structure_from_json
-
-    if structure is not None:
-        return structure_from_json(structure, leaves)
-    return _tree_from_paths(paths, leaves)
-
-
-def _read_checkpoint(src: str) -> tuple[Any, Checkpoint]:
-    """The saved tree, each array as the kind it was saved as (torch tensor, numpy array or scalar)."""
-    from ._restore import restore
-
-    ck = load(src)
-    target = []
-    for p in ck.leaves:
-        if p in ck.values:
-            target.append(ck.values[p])
-            continue
-        rec = ck.arrays[ck.aliases.get(p, p)]
-        if rec.kind == "torch":
-            target.append(ArraySpec(rec.shape, _dtypes.torch_dtype(rec.dtype)))
-        elif rec.kind == "numpy_scalar":
-            target.append(np.zeros((), _dtypes.numpy_dtype(rec.dtype))[()])
-        else:
-            target.append(ArraySpec(rec.shape, _dtypes.numpy_dtype(rec.dtype)))
-    return restore(src, _arrange(ck.structure, ck.leaves, target)), ck
-
-
-def _read_safetensors(src: str) -> Any:
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(src, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as e:
-        raise Problem(f"{src}: not a readable safetensors file ({e})") from None
-    info = meta.get(SAFETENSORS_KEY)
-    if info is None:
-        return dict(sorted(tensors.items()))  # a plain file: a flat dict, names kept as keys
-    try:
-        info = json.loads(info)
-        leaves: list[Any] = []
-        for p in info["leaves"]:
-            if p in info["values"]:
-                leaves.append(decode_value(info["values"][p]))
-                continue
-            t: torch.Tensor = tensors[p]
-            kind = info["kinds"].get(p, "torch")
-            if kind in ("numpy", "numpy_scalar"):
-                a = _dtypes.tensor_to_numpy(t).copy()
-                leaves.append(a[()] if kind == "numpy_scalar" else a)
-            else:
-                leaves.append(t)
-        return _arrange(info.get("structure"), info["leaves"], leaves)
-    except (KeyError, TypeError, ValueError) as e:
-        raise Problem(f"{src}: its '{SAFETENSORS_KEY}' metadata is malformed ({type(e).__name__}: {e})") from None
-
-
-def _write_safetensors(dst: str, tree: Any, overwrite: bool) -> tuple[int, int, int]:
-    import torch
-    from safetensors import SafetensorError
-    from safetensors import torch as st
-
-    from ._leaves import describe
-    from .tree import flatten, structure_to_json
-
-    if os.path.exists(dst) and not overwrite:
-        raise Problem(f"{dst} already exists; pass --overwrite to replace it")
-    flat = flatten(tree)
-    supported = set(getattr(st, "_TYPES", {}).values())
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
-    kinds: dict[str, str] = {}
-    nbytes = 0
-    for path, leaf in zip(flat.paths, flat.leaves):
-        local = describe(path, leaf)
-        if local.desc.kind == "value":
-            values[path] = local.desc.value
-            continue
-        data = local.data
-        if not isinstance(data, torch.Tensor):  # np.ascontiguousarray would make 0-d arrays 1-d
-            data = _dtypes.numpy_to_tensor(np.require(data, requirements="C"), local.desc.dtype)
-        t = data
-        if supported and t.dtype not in supported:
-            raise LeafTypeError(f"'{path}': dtype {local.desc.dtype} has no safetensors equivalent; keep it in a tsckpt checkpoint")
-        tensors[path] = t.detach().cpu().contiguous()
-        kinds[path] = local.desc.kind
-        nbytes += t.numel() * t.element_size()
-    info = {
-        "format_version": 1,
-        "structure": structure_to_json(flat.spec),
-        "leaves": flat.paths,
-        "kinds": kinds,
-        "values": values,
-    }
-    tmp = dst + ".tmp"
-    try:
-        st.save_file(tensors, tmp, metadata={SAFETENSORS_KEY: json.dumps(info, separators=(",", ":"))})
-        os.replace(tmp, dst)
-    except SafetensorError as e:
-        raise Problem(f"{dst}: cannot write ({e})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return len(tensors), nbytes, len(values)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ._save import save
+    from ._convert import convert
 
-    src, dst = args.src, args.dst
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise UsageError("SRC and DST are the same; convert writes a new copy")
-    if src.endswith(".safetensors") and not os.path.isdir(src):
-        if not os.path.isfile(src):
-            raise Problem(f"{src}: no such file")
-        tree = _read_safetensors(src)
-    else:
-        tree, _ = _read_checkpoint(src)
-    if dst.endswith(".safetensors"):
-        n_arrays, nbytes, n_values = _write_safetensors(dst, tree, args.overwrite)
-    else:
-        try:
-            save(dst, tree, overwrite=args.overwrite)
-        except CheckpointExistsError:
-            raise Problem(f"{dst} already exists; pass --overwrite to replace it") from None
-        ck = load(dst)
-        n_arrays, n_values = len(ck.arrays), len(ck.values)
-        nbytes = sum(ck.array_metadata(p).nbytes for p in ck.arrays)
-    print(f"converted {src} -> {dst}: {_count(n_arrays, 'array')} ({human_bytes(nbytes)}), {_count(n_values, 'value')}")
+    try:
+        report = convert(args.src, args.dst, overwrite=args.overwrite)
+    except CheckpointExistsError:
+        raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
+    except ValueError as e:
+        if isinstance(e, TsckptError):
+            raise
+        raise UsageError(str(e)) from None
+    print(
+        f"converted {report.src} -> {report.dst}: {_count(report.n_arrays, 'array')} ({human_bytes(report.nbytes)}), "
+        f"{_count(report.n_values, 'value')}"
+    )
     return EXIT_OK
 
 

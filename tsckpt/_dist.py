@@ -65,6 +65,32 @@ class DistCoordinator:
         return {tag: t.numpy() for tag, t in out.items()}
 
 
+def _initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_of(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the default group); 0 without torch.distributed."""
+    if not _initialized():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if group is not None else dist.get_rank()
+
+
+def is_distributed() -> bool:
+    """torch.distributed is initialized with more than one rank."""
+    if not _initialized():
+        return False
+    import torch.distributed as dist
+
+    return dist.get_world_size() > 1
+
+
 def coordinator_for(
     group: Any = None, timeout: datetime.timedelta | None = None, *, channel: str | None = None
 ) -> Coordinator:
@@ -76,11 +102,7 @@ def coordinator_for(
     so a background commit never interleaves its collectives with a save or
     restore the training loop runs meanwhile.
     """
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return Solo()
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return Solo()

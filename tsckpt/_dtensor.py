@@ -3,7 +3,8 @@
 The global offset of a rank's shard comes from torch's own
 ``compute_local_shape_and_global_offset`` (what DCP uses), which knows uneven
 ``torch.chunk`` splits, multi-dimensional meshes and the strided sharding FSDP2
-uses on top of tensor parallelism.
+uses on top of tensor parallelism. This module is the only place tsckpt uses
+that private helper.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Any
 import torch
 
 from ._errors import LayoutError
+from ._format import ArrayRecord
+from ._kinds import LeafKind, Memory, TorchKind, check_cast, check_shape, region_leaf
+from ._plan import ReadItem
+from ._types import Dest, Local
 
 
 def is_dtensor(x: Any) -> bool:
@@ -46,29 +51,30 @@ def region(path: str, dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
 
 
-def describe_dtensor(path: str, leaf: Any) -> Any:
-    from ._leaves import region_leaf
+class DTensorKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return is_dtensor(leaf)
 
-    offsets, _ = region(path, leaf)
-    return region_leaf(path, leaf.to_local(), tuple(leaf.shape), offsets, "torch")
+    def describe(self, path: str, leaf: Any) -> Local:
+        offsets, _ = region(path, leaf)
+        return region_leaf(path, leaf.to_local(), tuple(leaf.shape), offsets, "torch")
 
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+        """Read this rank's region straight into (a copy of) the DTensor's local shard."""
+        from torch.distributed.tensor import DTensor
 
-def dtensor_destination(rec: Any, path: str, leaf: Any, inplace: bool) -> Any:
-    """Read this rank's region straight into (a copy of) the DTensor's local shard."""
-    from torch.distributed.tensor import DTensor
+        check_shape(path, tuple(leaf.shape), rec.shape)
+        local = leaf.to_local()
+        check_cast(path, rec.dtype, local.dtype)
+        offsets, lengths = region(path, leaf)
+        item = ReadItem(path, offsets, lengths, (0,) * len(offsets))
+        if inplace:
+            return Dest(item, local, leaf)
+        fresh = torch.empty_like(local)
+        result = DTensor.from_local(
+            fresh, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
+        )
+        return Dest(item, fresh, result)
 
-    from ._plan import ReadItem
-    from ._restore import _check_cast, _check_shape, _Dest
-
-    _check_shape(path, tuple(leaf.shape), rec.shape)
-    local = leaf.to_local()
-    _check_cast(path, rec.dtype, local.dtype)
-    offsets, lengths = region(path, leaf)
-    item = ReadItem(path, offsets, lengths, (0,) * len(offsets))
-    if inplace:
-        return _Dest(item, local, leaf)
-    fresh = torch.empty_like(local)
-    result = DTensor.from_local(
-        fresh, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
-    )
-    return _Dest(item, fresh, result)
+    def memory(self, leaf: Any) -> Memory:
+        return TorchKind().memory(leaf.to_local())

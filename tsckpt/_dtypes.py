@@ -9,8 +9,6 @@ and packed/bit dtypes as unsigned integers of the same width.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ml_dtypes
 import numpy as np
 import torch
@@ -85,6 +83,16 @@ def storage_dtype(logical: str) -> str:
 
 def storage_shape(logical: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape, 2) if logical == "complex32" else tuple(shape)
+
+
+def storage_extra_dims(logical: str) -> tuple[int, ...]:
+    """Trailing dimensions storage adds to the logical shape: (2,) for complex32's (re, im)."""
+    return (2,) if logical == "complex32" else ()
+
+
+def itemsize(logical: str) -> int:
+    """Bytes per logical element (complex32: two float16)."""
+    return 4 if logical == "complex32" else numpy_dtype(logical).itemsize
 
 
 def is_supported_torch(dtype: torch.dtype) -> bool:

@@ -73,3 +73,9 @@ __all__ = [
     "StructureMismatchError",
     "TsckptError",
 ]
+
+
+def count_and_list(items: list[str], limit: int = 5) -> str:
+    """``3 ('a', 'b', 'c')``: how many, and the first few, for error messages."""
+    shown = ", ".join(repr(x) for x in items[:limit])
+    return f"{len(items)} ({shown}{', ...' if len(items) > limit else ''})"

@@ -1,139 +1,40 @@
 """Turning user leaves into descriptors plus local data, and back.
 
-A leaf is one of: a torch.Tensor, a numpy array or scalar, a
-:class:`ShardedArray` (a region of a larger global array), or a plain value
-(int, float, bool, str, bytes). Anything else is rejected with its path.
+A leaf is an array of one of the kinds below (torch.Tensor, DTensor, numpy
+array or scalar, :class:`ShardedArray`, :class:`LazySource`; jax.Array when jax
+is installed), a restore-only :class:`ArraySpec`, or a plain value (int, float,
+bool, str, bytes). Anything else is rejected with its path.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import zlib
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import torch
-
-from . import _dtypes
+from ._dtensor import DTensorKind
 from ._errors import LeafTypeError
-from ._format import encode_value
+from ._format import ArrayRecord, encode_value
+from ._jax import JaxKind
+from ._kinds import LazyKind, LeafKind, Memory, NumpyKind, ShardedKind, SpecKind, TorchKind
 from ._plan import LeafDesc
+from ._types import Dest, Local
+
+_TORCH, _NUMPY = TorchKind(), NumpyKind()
+# DTensor before torch: a DTensor is also a torch.Tensor.
+KINDS: tuple[LeafKind, ...] = (
+    DTensorKind(), ShardedKind((_TORCH, _NUMPY)), _TORCH, _NUMPY, JaxKind(), SpecKind(), LazyKind()
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardedArray:
-    """A rank's region of a global array, for tensors sharded by hand.
-
-    ``local`` holds the elements ``[offsets[d] : offsets[d] + local.shape[d]]`` of a
-    global array of ``global_shape``. Regions given by all ranks under one path must
-    tile the global array exactly (identical regions are replicas).
-    """
-
-    local: Any  # torch.Tensor or numpy array
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
-        if len(self.global_shape) != len(self.offsets) or len(self.offsets) != len(self.local.shape):
-            raise ValueError(
-                f"ShardedArray: local shape {list(self.local.shape)}, global_shape {list(self.global_shape)} "
-                f"and offsets {list(self.offsets)} must have the same number of dimensions"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class ArraySpec:
-    """A restore target leaf that only names the shape and dtype to produce.
-
-    A torch dtype yields a torch tensor (on ``device``), a numpy dtype a numpy array.
-    ``shape=None`` accepts whatever shape is stored.
-    """
-
-    shape: tuple[int, ...] | None
-    dtype: Any
-    device: Any = None
-
-
-@dataclasses.dataclass
-class Local:
-    """A leaf ready to save: its descriptor and the data of its local region."""
-
-    desc: LeafDesc
-    data: Any = None  # torch.Tensor or np.ndarray of the local region
-
-
-def logical_dtype(path: str, data: Any) -> str:
-    if isinstance(data, torch.Tensor):
-        if not _dtypes.is_supported_torch(data.dtype):
-            raise LeafTypeError(
-                f"'{path}': torch dtype {data.dtype} cannot be stored; convert it first "
-                "(e.g. dequantize a quantized tensor)"
-            )
-        return _dtypes.torch_name(data.dtype)
-    name = _dtypes.numpy_name(data.dtype)
-    if name is None:
-        raise LeafTypeError(
-            f"'{path}': numpy dtype {data.dtype} cannot be stored (no zarr v3 data type); "
-            "convert it to a numeric dtype first"
-        )
-    return name
-
-
-def checksum(data: Any) -> int:
-    """Cheap content checksum of a region, compared across replicas."""
-    if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu":
-            flat = data.detach().contiguous().view(-1)
-            if flat.numel() == 1:  # a size-1 dim may keep any stride, which view(uint8) rejects
-                flat = flat.clone(memory_format=torch.contiguous_format)
-            flat = flat.view(torch.uint8)
-            return int(flat.to(torch.int64).sum().item()) ^ (flat.numel() << 40)
-        data = _dtypes.tensor_to_numpy(data)
-    buf = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    return zlib.crc32(buf.data)
-
-
-def region_leaf(
-    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str
-) -> Local:
-    """A leaf that is the region of a global array starting at ``offsets``."""
-    dtype = logical_dtype(path, data)
-    itemsize = data.element_size() if isinstance(data, torch.Tensor) else data.dtype.itemsize
-    if dtype == "complex32":
-        itemsize = 4
-    desc = LeafDesc(
-        path=path,
-        kind=kind,
-        dtype=dtype,
-        itemsize=itemsize,
-        global_shape=tuple(global_shape),
-        offsets=tuple(offsets),
-        lengths=tuple(int(s) for s in data.shape),
-    )
-    return Local(desc, data)
+def kind_of(leaf: Any) -> LeafKind | None:
+    """The adapter of an array leaf, None for anything else (plain values)."""
+    return next((k for k in KINDS if k.owns(leaf)), None)
 
 
 def describe(path: str, leaf: Any) -> Local:
     """Descriptor and local data for one leaf about to be saved."""
-    from ._dtensor import describe_dtensor, is_dtensor
-
-    if is_dtensor(leaf):
-        return describe_dtensor(path, leaf)
-    if isinstance(leaf, ShardedArray):
-        local = leaf.local
-        kind = "torch" if isinstance(local, torch.Tensor) else "numpy"
-        return region_leaf(path, local, leaf.global_shape, leaf.offsets, kind)
-    if isinstance(leaf, torch.Tensor):
-        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
-    if isinstance(leaf, np.ndarray):
-        if not leaf.dtype.isnative:  # stored little-endian; a byte-swapped copy keeps the values
-            leaf = leaf.astype(leaf.dtype.newbyteorder("="))
-        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
-    if isinstance(leaf, np.generic):
-        return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar")
+    kind = kind_of(leaf)
+    if kind is not None:
+        return kind.describe(path, leaf)
     value = encode_value(leaf)
     if value is None:
         raise LeafTypeError(
@@ -144,10 +45,18 @@ def describe(path: str, leaf: Any) -> Local:
     return Local(LeafDesc(path=path, kind="value", value=value))
 
 
-def storage_numpy(data: Any) -> np.ndarray:
-    """The local data as a CPU numpy array in its storage dtype (a view when possible)."""
-    if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu":
-            data = data.detach().cpu()
-        return _dtypes.tensor_to_numpy(data)
-    return np.asarray(data)
+def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+    """Where restore puts the stored array ``rec`` for the target leaf ``leaf``."""
+    kind = kind_of(leaf)
+    if kind is None:
+        raise LeafTypeError(
+            f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
+            f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
+        )
+    return kind.destination(rec, path, leaf, inplace)
+
+
+def memory(x: Any) -> Memory | None:
+    """Identity of the memory an array leaf (or local data) views; tied leaves share it."""
+    kind = kind_of(x)
+    return None if kind is None else kind.memory(x)

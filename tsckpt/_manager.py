@@ -15,7 +15,6 @@ complete. With several ranks, only rank 0 deletes.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import shutil
@@ -25,31 +24,15 @@ from typing import Any
 
 import tensorstore as ts
 
+from . import _dist
 from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
 from ._errors import CheckpointExistsError, CheckpointNotFoundError
 from ._format import ROOT_KEY, STATE_COMMITTED
-from ._store import Directory, resolve
+from ._reader import read_root_states
+from ._store import Directory, fsync_path, resolve
 
 _STEP = re.compile(r"[0-9]+")
 _TRASH = ".tsckpt-deleting-"
-
-
-def _rank(group: Any) -> int:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return 0
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group) if group is not None else dist.get_rank()
-
-
-def _distributed() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class CheckpointManager:
@@ -89,7 +72,7 @@ class CheckpointManager:
         self._if_busy = if_busy
         self._digits = step_digits
         self._saver = AsyncSaver(max_staging_bytes=max_staging_bytes)
-        self._rank = _rank(group)
+        self._rank = _dist.rank_of(group)
         if self._rank == 0:
             self._clean()
 
@@ -127,20 +110,8 @@ class CheckpointManager:
 
     def _states(self, names: Iterable[str]) -> dict[str, str | None]:
         """Root state of each step directory: "committed", "pending", None (no root) or "invalid"."""
-        kv = self._loc.kvstore()
-        reads = {n: kv.read(f"{n}/{ROOT_KEY}") for n in names}
-        out: dict[str, str | None] = {}
-        for name, fut in reads.items():
-            r = fut.result()
-            if r.state != "value":
-                out[name] = None
-                continue
-            try:
-                state = json.loads(r.value)["attributes"]["tsckpt"]["state"]
-                out[name] = state if isinstance(state, str) else "invalid"
-            except (ValueError, KeyError, TypeError):
-                out[name] = "invalid"
-        return out
+        roots = read_root_states(self._loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
+        return {key[: -len(ROOT_KEY) - 1]: root.state for key, root in roots.items()}
 
     def _step_states(self) -> dict[int, tuple[str, str | None]]:
         names = [n for n in self._names() if _STEP.fullmatch(n)]
@@ -225,7 +196,7 @@ class CheckpointManager:
         """Restore step ``step`` (default: the latest complete one); see :func:`tsckpt.restore`."""
         from ._restore import restore
 
-        if _distributed():
+        if _dist.is_distributed():
             # the background save and restore talk over the same gloo group
             self._saver.wait()
         if step is None:
@@ -280,20 +251,12 @@ class CheckpointManager:
                 os.rename(path, trash)
             except FileNotFoundError:
                 return
-            _fsync_dir(self._loc.local)
+            fsync_path(self._loc.local)
             shutil.rmtree(trash, ignore_errors=True)
             return
         kv = self._loc.kvstore()
         kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
         kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["CheckpointManager"]

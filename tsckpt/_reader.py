@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
+import optree
 import tensorstore as ts
 import torch
 
@@ -24,7 +25,7 @@ from ._errors import (
 )
 from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, decode_value
 from ._store import Directory, Location, resolve
-from .tree import ROOT_LEAF_PATH, structure_from_json, unescape
+from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,29 +57,69 @@ class Checkpoint:
 
     def array_metadata(self, path: str) -> ArrayMetadata:
         rec = self.arrays[self.aliases.get(path, path)]
-        itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
         return ArrayMetadata(
             path=path,
             shape=rec.shape,
             dtype=rec.dtype,
             chunk_shape=rec.layout.chunk_shape or rec.layout.shard_shape,
             shard_shape=rec.layout.shard_shape,
-            nbytes=math.prod(rec.shape) * itemsize,
+            nbytes=math.prod(rec.shape) * _dtypes.itemsize(rec.dtype),
         )
 
     def build(self, leaves: list[Any]) -> Any:
         """Arrange per-leaf objects (in ``self.leaves`` order) into the saved tree."""
-        if self.structure is not None or self.leaves == (ROOT_LEAF_PATH,):  # a lone leaf's structure is null
+        if self.structure is not None:
             return structure_from_json(self.structure, leaves)
-        # saved by ranks with different trees: nested dicts keyed by the unescaped path components
-        out: dict[Any, Any] = {}
-        for path, leaf in zip(self.leaves, leaves):
-            node = out
-            *parents, last = (unescape(c) for c in path.split("/"))
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[last] = leaf
-        return out
+        return from_paths(self.leaves, leaves)  # saved by ranks with different trees
+
+    def subtree(self, prefix: str) -> Any:
+        """The saved subtree at ``prefix``: values as saved, arrays read whole (numpy), containers as saved."""
+        node = self.build(list(self.leaves))
+        for component in (c for c in prefix.strip("/").split("/") if c):
+            try:
+                node = child(node, component)
+            except (KeyError, IndexError):
+                return None
+        return optree.tree_map(self._read_whole, node, none_is_leaf=False)
+
+    def _read_whole(self, path: str) -> Any:
+        stored = self.aliases.get(path, path)
+        return self.values[stored] if stored in self.values else LazyArray(self, stored)[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RootState:
+    """What a root ``zarr.json`` says about the save that wrote it."""
+
+    state: str | None  # "committed", "pending", ...; None when there is no root zarr.json
+    meta: Mapping[str, Any] | None = None  # attributes.tsckpt, when readable
+    problem: str | None = None  # "json": not valid JSON; "foreign": a zarr.json without tsckpt metadata
+    detail: str = ""
+
+
+def root_state(value: bytes | None) -> RootState:
+    """Parse a root ``zarr.json`` (None: the key does not exist). The one reading of a root's state."""
+    if value is None:
+        return RootState(None)
+    try:
+        root = json.loads(value)
+    except ValueError as e:
+        return RootState("invalid", problem="json", detail=str(e))
+    meta = root.get("attributes", {}).get("tsckpt") if isinstance(root, dict) else None
+    if not isinstance(meta, dict):
+        return RootState("invalid", problem="foreign")
+    state = meta.get("state")
+    return RootState(state if isinstance(state, str) else "invalid", meta)
+
+
+def read_root_states(kv: ts.KvStore, keys: list[str]) -> dict[str, RootState]:
+    """:func:`root_state` of several root keys, read concurrently."""
+    reads = {k: kv.read(k) for k in keys}
+    out = {}
+    for key, fut in reads.items():
+        r = fut.result()
+        out[key] = root_state(r.value if r.state == "value" else None)
+    return out
 
 
 def load(directory: Directory | Location) -> Checkpoint:
@@ -87,30 +128,28 @@ def load(directory: Directory | Location) -> Checkpoint:
     if loc.local is not None and not os.path.isdir(loc.local):
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
-    r = kv.read(ROOT_KEY).result()
-    if r.state != "value":
+    root = read_root_states(kv, [ROOT_KEY])[ROOT_KEY]
+    if root.state is None:
         if loc.local is None and not kv.list().result():
             raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
         raise NotACheckpointError(
             f"{loc}: not a tsckpt checkpoint (no root zarr.json); it may be another kind of directory, "
             "or an overwrite that was interrupted"
         )
-    try:
-        root = json.loads(r.value)
-        meta = root["attributes"]["tsckpt"]
-    except (ValueError, KeyError, TypeError) as e:
-        if isinstance(e, ValueError):
-            raise CorruptCheckpointError(f"{loc}: root zarr.json is not valid JSON ({e})") from e
+    if root.problem == "json":
+        raise CorruptCheckpointError(f"{loc}: root zarr.json is not valid JSON ({root.detail})")
+    if root.meta is None:
         raise NotACheckpointError(
             f"{loc}: a zarr hierarchy but not a tsckpt checkpoint (no 'tsckpt' attributes in zarr.json)"
-        ) from e
+        )
+    meta = root.meta
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{loc}: written with format version {version} by {meta.get('library', 'an unknown library')}, "
             f"but this tsckpt reads versions up to {FORMAT_VERSION}; upgrade tsckpt"
         )
-    if meta.get("state") != STATE_COMMITTED:
+    if root.state != STATE_COMMITTED:
         raise CheckpointIncompleteError(
             f"{loc}: this checkpoint was never committed (state {meta.get('state')!r}): its save crashed or is "
             "still running; use an earlier checkpoint, or save again with overwrite=True"
@@ -133,18 +172,27 @@ def load(directory: Directory | Location) -> Checkpoint:
 
 def metadata(directory: Directory) -> Any:
     """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data."""
-    ck = load(directory)
-    return ck.build([ck.array_metadata(p) if ck.is_array(p) else ck.values[p] for p in ck.leaves])
+    return open(directory).metadata()
+
+
+def _classify_read_error(err: Exception) -> tuple[str, str]:
+    """(what a failed chunk read means, TensorStore's message): the one place that reads it."""
+    msg = " ".join(str(err).split())
+    low = msg.lower()
+    if "digest mismatch" in low or "crc32c" in low or "checksum" in low:
+        return "checksum mismatch: stored bytes were altered", msg
+    if "not_found" in low or "missing" in low or "not found" in low:
+        return "a chunk file is missing", msg
+    return "stored data could not be decoded (truncated or damaged file)", msg
+
+
+def describe_read_error(err: Exception) -> str:
+    what, msg = _classify_read_error(err)
+    return f"{what} ({msg})"
 
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
-    msg = str(err)
-    if "crc32c" in msg.lower() or "checksum" in msg.lower() or "digest mismatch" in msg.lower():
-        what = "checksum mismatch: stored bytes were altered"
-    elif "missing" in msg.lower() or "not found" in msg.lower():
-        what = "a chunk file is missing"
-    else:
-        what = "stored data could not be decoded (truncated or damaged file)"
+    what, msg = _classify_read_error(err)
     return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import dataclasses
 import os
 import sys
 import warnings
@@ -17,11 +16,13 @@ import torch
 from . import _dtypes
 from ._coord import phase
 from ._dist import coordinator_for
-from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
-from ._leaves import ArraySpec, ShardedArray
-from ._plan import ReadItem, plan_read, shard_boxes
+from ._errors import LeafTypeError, StructureMismatchError, count_and_list
+from ._format import ArrayRecord
+from ._leaves import destination, kind_of, memory
+from ._plan import shard_boxes
 from ._reader import Checkpoint, LazyArray, corrupt_error, load
 from ._store import Directory
+from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
 
 # Bytes read from storage but not yet copied into their destination.
@@ -30,20 +31,6 @@ READ_WINDOW_BYTES = 64 << 20
 
 class RestoreWarning(UserWarning):
     """strict=False skipped leaves; the message lists them."""
-
-
-@dataclasses.dataclass
-class _Dest:
-    """Where one target leaf's data goes, and what restore returns for it."""
-
-    item: ReadItem
-    tensor: torch.Tensor | np.ndarray  # the destination memory, in the target's dtype
-    result: Any
-
-
-def _list(paths: list[str]) -> str:
-    shown = ", ".join(repr(p) for p in paths[:5])
-    return f"{len(paths)} ({shown}{', ...' if len(paths) > 5 else ''})"
 
 
 def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
@@ -55,9 +42,9 @@ def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
         return
     parts = []
     if missing:
-        parts.append(f"missing from the checkpoint: {_list(missing)}")
+        parts.append(f"missing from the checkpoint: {count_and_list(missing)}")
     if unexpected:
-        parts.append(f"in the checkpoint but not in the target: {_list(unexpected)}")
+        parts.append(f"in the checkpoint but not in the target: {count_and_list(unexpected)}")
     msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
     if strict:
         raise StructureMismatchError(msg + ". Pass strict=False to restore only the leaves both have.")
@@ -77,80 +64,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _writable(arr: np.ndarray, path: str) -> np.ndarray:
-    """A numpy destination; numpy assignment casts, so any numeric dtype will do."""
-    if not arr.flags.writeable:
-        raise LeafTypeError(f"'{path}': target numpy array is read-only; pass a writable array or inplace=False")
-    return arr
-
-
-def _check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> None:
-    if tuple(want) != tuple(stored):
-        raise ShapeMismatchError(
-            f"'{path}': target shape {list(want)} but the checkpoint stores {list(stored)}; resize the target, "
-            "or read a slice with tsckpt.open(...)[path][...] and copy it in yourself"
-        )
-
-
-def _check_cast(path: str, stored: str, target: Any) -> None:
-    """``target``: a torch or numpy dtype."""
-    is_complex = target.is_complex if isinstance(target, torch.dtype) else np.dtype(target).kind == "c"
-    if stored.startswith("complex") and not is_complex:
-        raise LeafTypeError(
-            f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
-            "imaginary part. Use a complex target"
-        )
-
-
-def _destination(ck: Checkpoint, path: str, leaf: Any, inplace: bool) -> _Dest:
-    rec = ck.arrays[path]
-    from ._dtensor import dtensor_destination, is_dtensor
-
-    if is_dtensor(leaf):
-        return dtensor_destination(rec, path, leaf, inplace)
-    whole = plan_read(path, (0,) * len(rec.shape), rec.shape)
-    if isinstance(leaf, ShardedArray):
-        local = leaf.local
-        _check_shape(path, leaf.global_shape, rec.shape)
-        item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
-        if isinstance(local, torch.Tensor):
-            _check_cast(path, rec.dtype, local.dtype)
-            t = local if inplace else torch.empty_like(local)
-            return _Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
-        _check_cast(path, rec.dtype, local.dtype)
-        a = local if inplace else np.empty_like(local)
-        return _Dest(item, _writable(a, path), ShardedArray(a, leaf.global_shape, leaf.offsets))
-    if isinstance(leaf, torch.Tensor):
-        _check_shape(path, tuple(leaf.shape), rec.shape)
-        _check_cast(path, rec.dtype, leaf.dtype)
-        t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
-        return _Dest(whole, t, t)
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        _check_shape(path, np.shape(leaf), rec.shape)
-        _check_cast(path, rec.dtype, leaf.dtype)
-        if isinstance(leaf, np.generic) or not inplace:
-            a = np.empty(rec.shape, dtype=leaf.dtype)
-        else:
-            a = leaf
-        return _Dest(whole, _writable(a, path), a)  # 0-d: made a scalar after the read, in restore()
-    if isinstance(leaf, ArraySpec):
-        if leaf.shape is not None:
-            _check_shape(path, tuple(leaf.shape), rec.shape)
-        if isinstance(leaf.dtype, torch.dtype):
-            _check_cast(path, rec.dtype, leaf.dtype)
-            t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
-            return _Dest(whole, t, t)
-        dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
-        _check_cast(path, rec.dtype, dtype)
-        a = np.empty(rec.shape, dtype=dtype)
-        return _Dest(whole, _writable(a, path), a)
-    raise LeafTypeError(
-        f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
-        f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
-    )
-
-
-def _direct_view(dest: _Dest, stored: str) -> np.ndarray | None:
+def _direct_view(dest: Dest, stored: str) -> np.ndarray | None:
     """The destination memory as a writable numpy view in the stored dtype, when
     TensorStore can decode chunks straight into it (no buffer, no extra copy)."""
     t = dest.tensor
@@ -172,7 +86,7 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     return {p: arr._tensorstore() for p, arr in arrays.items()}
 
 
-def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
+def read_into(ck: Checkpoint, dests: list[Dest]) -> None:
     """Execute read items shard by shard.
 
     Where the destination is CPU memory of the stored dtype, TensorStore writes
@@ -180,7 +94,7 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
     shard is read into a buffer and copied; a bounded window of such reads is
     in flight, which bounds the extra memory a restore needs.
     """
-    pending: collections.deque[tuple[Any, _Dest, tuple[slice, ...], np.ndarray | None, int]] = collections.deque()
+    pending: collections.deque[tuple[Any, Dest, tuple[slice, ...], np.ndarray | None, int]] = collections.deque()
     in_flight = 0
     stores = _open_all(ck, [d.item.path for d in dests])
 
@@ -209,7 +123,7 @@ def read_into(ck: Checkpoint, dests: list[_Dest]) -> None:
         rec = ck.arrays[item.path]
         view = _direct_view(dest, rec.dtype)
         target = ts.array(view, copy=False) if view is not None else None
-        itemsize = 4 if rec.dtype == "complex32" else _dtypes.numpy_dtype(rec.dtype).itemsize
+        itemsize = _dtypes.itemsize(rec.dtype)
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.layout):
             box = tuple(slice(o, o + n) for o, n in zip(off, ln))
             src = store[box] if box else store
@@ -235,89 +149,86 @@ def restore(
     *,
     strict: bool = True,
     inplace: bool = False,
+    as_saved: bool = False,
     group: Any = None,
     timeout: datetime.timedelta | None = None,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
     With ``target=None`` the saved tree comes back with numpy arrays (torch
-    complex32 as a torch tensor, which numpy cannot hold) and plain values.
-    Otherwise the result has the target's structure and, leaf by leaf, its type,
-    dtype (cast from the stored dtype) and device; ``inplace=True`` copies
-    straight into the target's tensors and arrays so memory does not double.
+    complex32 as a torch tensor, which numpy cannot hold) and plain values, so
+    reading needs no torch device; ``as_saved=True`` gives each array back as
+    the kind it was saved as (torch tensors on the CPU, numpy arrays, numpy
+    scalars). Otherwise the result has the target's structure and, leaf by leaf,
+    its type, dtype (cast from the stored dtype) and device; ``inplace=True``
+    copies straight into the target's tensors and arrays so memory does not double.
 
     DTensor and ShardedArray targets receive just their local region, whatever
     layout and world size saved the checkpoint; each rank reads only the
     chunks overlapping that region.
     """
     coord = coordinator_for(group, timeout)
+
+    def run() -> Any:
+        ck = load(directory)
+        if target is None:
+            return _restore_saved(ck, as_saved)
+        return _restore_into(ck, target, strict, inplace)
+
     if coord.world_size == 1:
-        return _restore(directory, target, strict, inplace)
+        return run()
     # every rank reads its own regions; the shared outcome makes all ranks raise together
-    return phase(coord, "restore", lambda: _restore(directory, target, strict, inplace))
+    return phase(coord, "restore", run)
 
 
-def _memory(t: torch.Tensor | np.ndarray) -> tuple[Any, ...]:
-    """Identity of the memory a destination views (tied targets share it)."""
-    if isinstance(t, np.ndarray):
-        return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def _restore(directory: Directory, target: Any, strict: bool, inplace: bool) -> Any:
-    ck = load(directory)
-    if target is None:
-        return _restore_saved(ck)
-    flat = flatten(target)
-    _check_structure(ck, flat.paths, strict)
+def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool) -> list[Any]:
+    """Read the stored leaves into the target ``leaves``; returns the restored leaves in order."""
     out: list[Any] = []
-    dests: list[_Dest] = []
+    dests: list[tuple[int, Dest]] = []
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
-    for path, leaf in zip(flat.paths, flat.leaves):
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.values:
-            if isinstance(leaf, (torch.Tensor, np.ndarray, ArraySpec, ShardedArray)):
+            if kind_of(leaf) is not None:
                 raise LeafTypeError(
                     f"'{path}': the checkpoint stores a plain value ({type(ck.values[path]).__name__}) but the "
                     f"target leaf is {type(leaf).__name__}"
                 )
             out.append(ck.values[path])
         elif path in ck.arrays:
-            dest = _destination(ck, path, leaf, inplace)
-            mem = (path, dest.item.storage_offsets, dest.item.lengths, _memory(dest.tensor))
+            dest = destination(ck.arrays[path], path, leaf, inplace)
+            mem = (path, dest.item.storage_offsets, dest.item.lengths, memory(dest.tensor))
             if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
                 filled.add(mem)
-                dests.append(dest)
+                dests.append((i, dest))
             out.append(dest.result)
         else:
             out.append(leaf)
-    read_into(ck, dests)
-    for i, value in enumerate(out):  # 0-d numpy targets come back as numpy scalars
-        if isinstance(value, np.ndarray) and isinstance(flat.leaves[i], np.generic):
-            out[i] = value[()]
-    return unflatten(flat.spec, out)
+    read_into(ck, [d for _, d in dests])
+    for i, dest in dests:
+        if dest.finish is not None:
+            out[i] = dest.restored()
+    return out
 
 
-def _restore_saved(ck: Checkpoint) -> Any:
-    dests = []
-    leaves: list[Any] = []
-    for path in ck.leaves:
-        if path in ck.values or path in ck.aliases:
-            leaves.append(ck.values.get(path))  # aliases: filled after the read
-            continue
-        rec = ck.arrays[path]
-        if rec.dtype == "complex32":
-            t = torch.empty(rec.shape, dtype=torch.complex32)
-            dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), t, t))
-            leaves.append(t)
-            continue
-        a = np.empty(rec.shape, dtype=_dtypes.numpy_dtype(rec.dtype))
-        dests.append(_Dest(plan_read(path, (0,) * len(rec.shape), rec.shape), a, a))
-        leaves.append(a)
-    read_into(ck, dests)
-    # numpy scalars only after the read: a[()] copies the (still empty) buffer
-    leaves = [x[()] if p in ck.arrays and ck.arrays[p].kind == "numpy_scalar" else x for p, x in zip(ck.leaves, leaves)]
-    if ck.aliases:  # a tied leaf is the very object of its stored leaf, as when it was saved
-        by_path = dict(zip(ck.leaves, leaves))
-        leaves = [by_path[ck.aliases[p]] if p in ck.aliases else x for p, x in zip(ck.leaves, leaves)]
-    return ck.build(leaves)
+def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool) -> Any:
+    flat = flatten(target)
+    _check_structure(ck, flat.paths, strict)
+    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace))
+
+
+def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
+    """The target leaf that restores ``rec`` as numpy, or (``as_saved``) as the kind it was saved as."""
+    if rec.kind == "numpy_scalar":
+        return _dtypes.numpy_dtype(rec.dtype).type(0)
+    if rec.dtype == "complex32" or (as_saved and rec.kind == "torch"):
+        return ArraySpec(rec.shape, _dtypes.torch_dtype(rec.dtype))
+    return ArraySpec(rec.shape, None)
+
+
+def _restore_saved(ck: Checkpoint, as_saved: bool) -> Any:
+    stored = [p for p in ck.leaves if p not in ck.aliases]
+    targets = [ck.values[p] if p in ck.values else saved_kind_target(ck.arrays[p], as_saved) for p in stored]
+    by_path = dict(zip(stored, _fill(ck, stored, targets, inplace=False)))
+    # a tied leaf is the very object of its stored leaf, as when it was saved
+    return ck.build([by_path[ck.aliases.get(p, p)] for p in ck.leaves])

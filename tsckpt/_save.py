@@ -6,13 +6,11 @@ import collections
 import dataclasses
 import datetime
 import math
-import sys
 import time
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
-import torch
 
 from . import _dtypes, _store
 from ._coord import gather_phase, phase
@@ -28,7 +26,10 @@ from ._format import (
     group_metadata,
 )
 from ._arrays import array_node, open_array
-from ._leaves import Local, checksum, describe, storage_numpy
+from ._kinds import checksum, storage_numpy
+from ._leaves import describe, memory
+from ._reader import root_state
+from ._types import Local
 from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_aliases, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
@@ -88,14 +89,13 @@ def _assemble(item: WriteItem, lf: Local, plan: SavePlan, received: dict[int, np
 def _chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
     """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
     cell = [str(o // g) for o, g in zip(offsets, rec.layout.shard_shape)]
-    if rec.dtype == "complex32":  # the stored array's extra (re, im) dim
-        cell.append("0")
+    cell += ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]  # complex32's (re, im) dim
     return "/".join([rec.path, "c", *cell])
 
 
 def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
     """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
-    extra = (2,) if rec.dtype == "complex32" else ()
+    extra = _dtypes.storage_extra_dims(rec.dtype)
     inner = rec.layout.chunk_shape
     return (*rec.layout.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
 
@@ -190,7 +190,7 @@ def _begin(loc: Location, overwrite: bool) -> None:
     current = kv.read(ROOT_KEY).result()
     if current.state == "value" or _store.has_any_key(loc):
         if not overwrite:
-            pending = current.state == "value" and b'"state":"%s"' % STATE_PENDING.encode() in current.value
+            pending = root_state(current.value if current.state == "value" else None).state == STATE_PENDING
             what = (
                 "another save into this directory is running, or one crashed (its root zarr.json says "
                 "'pending')"
@@ -239,25 +239,13 @@ def _with_replica_checksums(coord: Any, per_rank: list[list[LeafDesc]], local: l
     ]
 
 
-def _memory_key(lf: Local) -> tuple[Any, ...] | None:
-    """What makes two leaves the same memory (None: not an array, or empty, which proves nothing)."""
-    d, desc = lf.data, lf.desc
-    where = (desc.kind, desc.global_shape, desc.offsets)
-    if isinstance(d, torch.Tensor) and d.numel() > 0:
-        mem = (str(d.device), d.untyped_storage().data_ptr(), d.storage_offset(), tuple(d.stride()), str(d.dtype))
-        return (*where, tuple(d.shape), *mem)
-    if isinstance(d, np.ndarray) and desc.kind == "numpy" and d.size > 0:
-        return (*where, d.shape, d.__array_interface__["data"][0], d.strides, str(d.dtype))
-    return None
-
-
 def _links(local: list[Local]) -> dict[str, str]:
     """Path -> the smallest other path of this rank whose leaf is the same memory (tied weights)."""
     groups: dict[tuple[Any, ...], list[str]] = collections.defaultdict(list)
     for lf in local:
-        key = _memory_key(lf)
-        if key is not None:
-            groups[key].append(lf.desc.path)
+        mem = memory(lf.data) if lf.desc.kind != "value" and math.prod(lf.desc.lengths) > 0 else None
+        if mem is not None:  # empty regions prove nothing
+            groups[(lf.desc.kind, lf.desc.global_shape, lf.desc.offsets, *mem)].append(lf.desc.path)
     return {p: min(paths) for paths in groups.values() if len(paths) > 1 for p in paths if p != min(paths)}
 
 
@@ -297,47 +285,84 @@ def save(
     """
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
+    job = _plan_job(coord, _describe(coord, tree), check_replicas)
+    phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
+    received: dict[int, np.ndarray] = {}
+    if job.plan.transfers:  # identical plan on every rank: all skip this round together
+        received = phase(coord, "save (exchange)", lambda: _exchange(coord, job.plan, job.local)) or {}
+    phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received))
+    phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job), ranks={0})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """Step 1's result: this rank's leaves, and what every rank holds."""
+
+    paths: list[str]
+    structure: Any
+    local: list[Local]
+    per_rank: list[list[LeafDesc]]  # descriptors of every rank's leaves
+    gathered: list[tuple[Any, ...]]  # every rank's (descs, paths, structure, tied links)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """Step 1's plan: what to write, where, and the metadata to commit."""
+
+    plan: SavePlan
+    local: dict[str, Local]  # this rank's leaves to write, by path
+    leaves: list[str]
+    structure: Any  # None when ranks gave different trees
+    aliases: dict[str, str]
+
+
+def _describe(coord: Any, tree: Any) -> _Described:
+    """Flatten and describe this rank's leaves; gather every rank's descriptors (all ranks)."""
 
     def prepare() -> tuple[tuple[Any, list[Local], Any], tuple[Any, ...]]:
         flat = flatten(tree)
         local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
         structure = structure_to_json(flat.spec)
-        return (flat, local, structure), ([lf.desc for lf in local], flat.paths, structure, _links(local))
+        return (flat.paths, local, structure), ([lf.desc for lf in local], flat.paths, structure, _links(local))
 
-    (flat, local, structure), gathered = gather_phase(coord, "save (describe)", prepare)
-    per_rank = [g[0] for g in gathered]
+    (paths, local, structure), gathered = gather_phase(coord, "save (describe)", prepare)
+    return _Described(paths, structure, local, [g[0] for g in gathered], gathered)
+
+
+def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
+    """The same plan on every rank: tied leaves written once, replicas checked, regions assigned."""
+    per_rank, local = d.per_rank, d.local
     # leaves that are the same memory on every rank (tied weights) are written once
-    aliases = plan_aliases(per_rank, [g[3] for g in gathered])
+    aliases = plan_aliases(per_rank, [g[3] for g in d.gathered])
     if aliases:
-        per_rank = [[d for d in descs if d.path not in aliases] for descs in per_rank]
+        per_rank = [[desc for desc in descs if desc.path not in aliases] for descs in per_rank]
         local = [lf for lf in local if lf.desc.path not in aliases]
     if coord.world_size > 1 and check_replicas:
         per_rank = _with_replica_checksums(coord, per_rank, local)
-    plan = plan_save(per_rank)
-    same_tree = all(g[1] == flat.paths and g[2] == structure for g in gathered)
-    leaves = flat.paths if same_tree else sorted({p for g in gathered for p in g[1]})
+    same_tree = all(g[1] == d.paths and g[2] == d.structure for g in d.gathered)
+    leaves = d.paths if same_tree else sorted({p for g in d.gathered for p in g[1]})
+    return _Job(
+        plan_save(per_rank), {lf.desc.path: lf for lf in local}, leaves, d.structure if same_tree else None, aliases
+    )
 
-    phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
-    by_path = {lf.desc.path: lf for lf in local}
 
-    received: dict[int, np.ndarray] = {}
-    if plan.transfers:  # identical plan on every rank: all skip this round together
-        received = phase(coord, "save (exchange)", lambda: _exchange(coord, plan, by_path)) or {}
+def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray]) -> None:
+    """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
+    keys = _write_regions(loc, job.plan, rank, job.local, received)
+    if rank == 0:
+        keys += _write_nodes(loc.kvstore(), job.plan)
+    _store.sync_data(loc, keys)
 
-    def write() -> None:
-        keys = _write_regions(loc, plan, coord.rank, by_path, received)
-        if coord.rank == 0:
-            keys += _write_nodes(loc.kvstore(), plan)
-        _store.sync_data(loc, keys)
 
-    phase(coord, "save (write)", write)
+def _commit(loc: Location, world_size: int, job: _Job) -> None:
+    """Rank 0: the one atomic write that makes the checkpoint visible."""
     meta = {
-        "structure": structure if same_tree else None,
-        "leaves": leaves,
-        "arrays": [a.to_json() for a in plan.arrays],
-        "values": dict(plan.values),
-        **({"aliases": aliases} if aliases else {}),
-        "world_size": coord.world_size,
+        "structure": job.structure,
+        "leaves": job.leaves,
+        "arrays": [a.to_json() for a in job.plan.arrays],
+        "values": dict(job.plan.values),
+        **({"aliases": job.aliases} if job.aliases else {}),
+        "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    phase(coord, "save (commit)", lambda: _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta)), ranks={0})
+    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta))

@@ -63,14 +63,6 @@ def resolve(directory: Directory) -> Location:
     return Location(spec, local)
 
 
-def read_json(kv: ts.KvStore, key: str) -> Any | None:
-    """Parsed JSON object at ``key``, or None when it does not exist."""
-    r = kv.read(key).result()
-    if r.state != "value":
-        return None
-    return json.loads(r.value)
-
-
 def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
@@ -88,7 +80,8 @@ def write_durable(loc: Location, key: str, data: bytes) -> None:
 FSYNC_FILES_MAX = 64
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync one file or directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -119,11 +112,11 @@ def sync_data(loc: Location, keys: list[str]) -> None:
         return
     dirs = {loc.local}
     for key in keys:
-        _fsync(os.path.join(loc.local, key))
+        fsync_path(os.path.join(loc.local, key))
         parts = key.split("/")[:-1]
         dirs.update(os.path.join(loc.local, *parts[:i]) for i in range(1, len(parts) + 1))
     for d in sorted(dirs, key=len, reverse=True):  # new entries first, then their parents
-        _fsync(d)
+        fsync_path(d)
 
 
 def delete_all(loc: Location) -> None:

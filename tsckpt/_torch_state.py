@@ -20,7 +20,8 @@ import torch
 
 from . import _dtypes
 from ._dtensor import is_dtensor
-from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError
+from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
+from ._leaves import memory
 
 MODEL = "model"
 OPTIM = "optim"
@@ -137,18 +138,9 @@ def same_memory(a: Any, b: Any) -> bool:
     """True when ``b`` is ``a`` or a view of exactly the same memory (nothing to copy)."""
     if a is b:
         return True
-    if is_dtensor(a) and is_dtensor(b):
-        a, b = a.to_local(), b.to_local()
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or is_dtensor(a) or is_dtensor(b):
+    if is_dtensor(a) != is_dtensor(b) or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    return (
-        a.device == b.device
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset()
-    )
+    return memory(a) == memory(b)
 
 
 def as_tensor(value: Any, path: str) -> torch.Tensor:
@@ -240,20 +232,15 @@ def as_list(x: Any) -> list[Any]:
 # ---- set_state_dict ---------------------------------------------------------------------
 
 
-def _list(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:6])
-    return f"{len(names)} ({shown}{', ...' if len(names) > 6 else ''})"
-
-
 def check_names(what: str, live: Iterable[str], stored: Iterable[str], *, strict: bool, hint: str, where: str = "") -> None:
     live_s, stored_s = set(live), set(stored)
     missing, unexpected = sorted(live_s - stored_s), sorted(stored_s - live_s)
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint: {_list(missing)}")
+            parts.append(f"missing from the checkpoint: {count_and_list(missing, 6)}")
         if unexpected:
-            parts.append(f"in the checkpoint but not in the {what}: {_list(unexpected)}")
+            parts.append(f"in the checkpoint but not in the {what}: {count_and_list(unexpected, 6)}")
         prefix = f"{where}: " if where else ""
         raise StructureMismatchError(f"{prefix}{what} and checkpoint differ; " + "; ".join(parts) + f". {hint}")
 

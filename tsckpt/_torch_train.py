@@ -48,6 +48,7 @@ from ._torch_state import (
     live_state,
     local_of,
     match_groups,
+    as_list,
     optimizer_tuple,
     param_names,
     region_of,
@@ -96,7 +97,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         gauss = float(s["gauss_next"]) if bool(s["has_gauss_next"]) else None
         random.setstate((int(s["version"]), tuple(int(x) for x in np.asarray(s["state"])), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        cuda = _as_list(state["cuda"])
+        cuda = as_list(state["cuda"])
         for i, s in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_byte_tensor(s), i)
 
@@ -105,12 +106,6 @@ def _byte_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(torch.uint8).cpu()
     return torch.from_numpy(np.ascontiguousarray(np.asarray(x, dtype=np.uint8)))
-
-
-def _as_list(x: Any) -> list[Any]:
-    if isinstance(x, Mapping):
-        return [x[k] for k in sorted(x, key=int)]
-    return list(x)
 
 
 # ---- stateful objects -------------------------------------------------------------------
@@ -179,40 +174,12 @@ def save(
 # ---- restore ------------------------------------------------------------------------------
 
 
-def stored_subtree(ck: Checkpoint, prefix: str) -> Any:
-    """The saved subtree under ``prefix`` as nested dicts/lists; values as saved, arrays read whole."""
-    root: dict[Any, Any] = {}
-    start = prefix.rstrip("/") + "/"
-    for path in ck.leaves:
-        if not path.startswith(start):
-            continue
-        parts = [unescape(c) for c in path[len(start) :].split("/")]
-        node = root
-        for c in parts[:-1]:
-            node = node.setdefault(c, {})
-        src = ck.aliases.get(path, path)
-        node[parts[-1]] = ck.values[src] if src in ck.values else LazyArray(ck, src)[...]
-
-    def listify(x: Any) -> Any:
-        if isinstance(x, dict):
-            x = {k: listify(v) for k, v in x.items()}
-            if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
-                return [x[i] for i in range(len(x))]
-        return x
-
-    return listify(root)
-
-
 def _under(ck: Checkpoint, prefix: str) -> list[str]:
     start = prefix.rstrip("/") + "/"
     return [p for p in ck.leaves if p.startswith(start) or p == prefix]
 
 
-def _shape_of(ck: Checkpoint, path: str) -> tuple[int, ...] | None:
-    return ck.array_metadata(path).shape if ck.is_array(path) else None
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     target: dict[str, Any]
     resized: list[tuple[str, Any]]  # (stored path, live tensor): overlapping region read separately
@@ -221,6 +188,119 @@ class _Plan:
     optim_state: dict[str, dict[str, Any]]  # stored name -> live entries the checkpoint has (resized ones too)
     extras: dict[str, Any]
     mine: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Optim:
+    """The optimizers matched to the checkpoint."""
+
+    target: dict[str, dict[str, Any]]  # stored name -> live state tensors to restore in place
+    state: dict[str, dict[str, Any]]  # stored name -> live entries the checkpoint has
+    groups: list[Any]
+    types: Any
+
+
+class _Shapes:
+    """Sorts live tensors by whether their stored shape matches: restored in place, read as a
+    resized overlap, or an error (all shape errors are reported together)."""
+
+    def __init__(self, ck: Checkpoint, model: torch.nn.Module, resize: frozenset[str]) -> None:
+        self.ck, self.resize = ck, resize
+        self.tied = {n: ns for ns in param_names(model).values() for n in ns}
+        self.resized: list[tuple[str, Any]] = []
+        self.errors: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = []
+
+    def admit(self, path: str, dst: Any, name: str) -> bool:
+        """True: restore ``dst`` from ``path`` normally; False: its shape differs (read separately)."""
+        stored = self.ck.array_metadata(path).shape if self.ck.is_array(path) else None
+        if stored is None or not isinstance(dst, torch.Tensor) or tuple(dst.shape) == stored:
+            return True
+        if any(n in self.resize for n in self.tied.get(name, [name])) and len(stored) == dst.dim():
+            self.resized.append((path, dst))
+        else:
+            self.errors.append((path, tuple(dst.shape), stored, name))
+        return False
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            path, want, stored, _ = self.errors[0]
+            names = sorted({e[3] for e in self.errors})
+            raise shape_error(path, want, stored, names, [e[0] for e in self.errors[1:]])
+
+
+def _match_model(ck: Checkpoint, live: dict[str, Any], shapes: _Shapes, strict: bool) -> dict[str, Any]:
+    """Live model tensors to restore: names first (another architecture), then shapes."""
+    stored_model = {str(unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
+    check_names("model", live, stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
+    return {n: dst for n, dst in live.items() if n in stored_model and shapes.admit(stored_model[n], dst, n)}
+
+
+def _match_optimizers(
+    ck: Checkpoint, model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...], live_state: dict[str, Any],
+    shapes: _Shapes, strict: bool,
+) -> _Optim:
+    """Optimizer types, param groups and per-parameter state keys, checked against the checkpoint."""
+    if not _under(ck, f"{OPTIM}/{GROUPS}"):
+        raise StructureMismatchError(
+            f"{ck.location}: the checkpoint holds no optimizer state (no '{OPTIM}/{GROUPS}'); restore "
+            "without optimizers to load only the model"
+        )
+    types = ck.subtree(f"{OPTIM}/{TYPES}") or None
+    check_optimizer_types(types, optims)
+    groups = as_list(ck.subtree(f"{OPTIM}/{GROUPS}"))
+    match_groups(model, optims, groups, strict=strict)
+    stored_state: dict[str, dict[str, str]] = {}
+    for p in _under(ck, f"{OPTIM}/{STATE}"):
+        parts = p.split("/")
+        stored_state.setdefault(str(unescape(parts[2])), {})[str(unescape(parts[3]))] = p
+    names = param_names(model)
+    target: dict[str, dict[str, Any]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for optim, param in ((o, p) for o in optims for g in o.param_groups for p in g["params"]):
+        pn = names[id(param)]
+        key = next((n for n in pn if n in stored_state), None)
+        live_entry = next((live_state[n] for n in pn if n in live_state), None)
+        if key is None or live_entry is None:
+            continue  # never stepped when saved (or here): set afterwards
+        stored_keys = stored_state[key]
+        # a key whose value was None when saved has no leaf: compare only the keys with data
+        check_state_keys(key, [k for k, v in live_entry.items() if v is not None], stored_keys, optim)
+        state[key] = {k: v for k, v in live_entry.items() if k in stored_keys}
+        target[key] = {
+            k: v for k, v in state[key].items() if not isinstance(v, torch.Tensor) or shapes.admit(stored_keys[k], v, pn[0])
+        }
+    return _Optim(target, state, groups, types)
+
+
+def _match_extras(
+    ck: Checkpoint, extras: dict[str, Any], mine: dict[str, Any], rank: int, strict: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Extra, per-rank and RNG state: the target's own trees, compared path by path."""
+    target_extra = {name: _state_of(obj) for name, obj in extras.items()}
+    target_mine = {name: _state_of(obj) for name, obj in mine.items()}
+    if RNG in target_mine:
+        if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
+            del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
+    if not strict:
+        return target_extra, target_mine
+    wanted = flatten({EXTRA: target_extra, RANKS: {rank: target_mine}}).paths
+    sections = [f"{EXTRA}/{escape(n)}" for n in target_extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in target_mine]
+    stored = [p for s in sections for p in _under(ck, s) if not p.startswith(f"{RANKS}/{rank}/{RNG}/cuda/")]
+    missing, unexpected = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
+    if missing or unexpected:
+        saved = ck.raw.get("world_size")
+        hint = (
+            f" The checkpoint was saved by {saved} ranks; this is rank {rank}: per-rank state exists only for "
+            "the ranks that saved it. Pass rng=False / fewer per_rank objects, or strict=False to keep this "
+            "rank's current state where the checkpoint has none."
+            if any(p.startswith(f"{RANKS}/") for p in missing)
+            else " Pass strict=False to restore only the entries both have."
+        )
+        raise StructureMismatchError(
+            f"{ck.location}: extra / per-rank state differs; missing from the checkpoint: {missing[:6]}; "
+            f"in the checkpoint but not given: {unexpected[:6]}.{hint}"
+        )
+    return target_extra, target_mine
 
 
 def _plan(
@@ -236,101 +316,19 @@ def _plan(
     resize: frozenset[str],
 ) -> _Plan:
     """Match the live state to the checkpoint, with precise errors, before anything is read."""
-    resized: list[tuple[str, Any]] = []
-    shape_errors: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = []
-    tied = {n: ns for ns in param_names(model).values() for n in ns}
-
-    def admit(path: str, dst: Any, name: str) -> bool:
-        """True: restore ``dst`` from ``path`` normally; False: its shape differs (read separately)."""
-        stored = _shape_of(ck, path)
-        if stored is None or not isinstance(dst, torch.Tensor) or tuple(dst.shape) == stored:
-            return True
-        if any(n in resize for n in tied.get(name, [name])) and len(stored) == dst.dim():
-            resized.append((path, dst))
-        else:
-            shape_errors.append((path, tuple(dst.shape), stored, name))
-        return False
-
-    # model: names first (another architecture), then shapes
-    stored_model = {str(unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
-    check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
-    target: dict[str, Any] = {MODEL: {}}
-    for name, dst in live[MODEL].items():
-        if name in stored_model and admit(stored_model[name], dst, name):
-            target[MODEL][name] = dst
-
-    groups: list[Any] = []
-    types: Any = None
-    optim_state: dict[str, dict[str, Any]] = {}
+    shapes = _Shapes(ck, model, resize)
+    target: dict[str, Any] = {MODEL: _match_model(ck, live[MODEL], shapes, strict)}
+    optim = _Optim({}, {}, [], None)
     if optims:
-        if not _under(ck, f"{OPTIM}/{GROUPS}"):
-            raise StructureMismatchError(
-                f"{ck.location}: the checkpoint holds no optimizer state (no '{OPTIM}/{GROUPS}'); restore "
-                "without optimizers to load only the model"
-            )
-        types = stored_subtree(ck, f"{OPTIM}/{TYPES}") or None
-        check_optimizer_types(types, optims)
-        groups = _as_list(stored_subtree(ck, f"{OPTIM}/{GROUPS}"))
-        match_groups(model, optims, groups, strict=strict)
-        stored_state: dict[str, dict[str, str]] = {}
-        for p in _under(ck, f"{OPTIM}/{STATE}"):
-            parts = p.split("/")
-            stored_state.setdefault(str(unescape(parts[2])), {})[str(unescape(parts[3]))] = p
-        names = param_names(model)
-        target_state: dict[str, dict[str, Any]] = {}
-        live_state_by_name = live[OPTIM][STATE]
-        for optim in optims:
-            for g in optim.param_groups:
-                for param in g["params"]:
-                    pn = names[id(param)]
-                    key = next((n for n in pn if n in stored_state), None)
-                    live_entry = next((live_state_by_name[n] for n in pn if n in live_state_by_name), None)
-                    if key is None or live_entry is None:
-                        continue  # never stepped when saved (or here): set afterwards
-                    stored_keys = stored_state[key]
-                    # a key whose value was None when saved has no leaf: compare only the keys with data
-                    check_state_keys(key, [k for k, v in live_entry.items() if v is not None], stored_keys, optim)
-                    optim_state[key] = {k: v for k, v in live_entry.items() if k in stored_keys}
-                    target_state[key] = {
-                        k: v
-                        for k, v in optim_state[key].items()
-                        if not isinstance(v, torch.Tensor) or admit(stored_keys[k], v, pn[0])
-                    }
-        target[OPTIM] = {STATE: target_state}
-
-    if shape_errors:
-        path, want, stored_shape, _ = shape_errors[0]
-        raise shape_error(path, want, stored_shape, sorted({e[3] for e in shape_errors}), [e[0] for e in shape_errors[1:]])
-
-    # extra, per-rank and RNG state: the target's own trees, compared path by path
-    target_extra = {name: _state_of(obj) for name, obj in extras.items()}
-    target_mine = {name: _state_of(obj) for name, obj in mine.items()}
+        optim = _match_optimizers(ck, model, optims, live[OPTIM][STATE], shapes, strict)
+        target[OPTIM] = {STATE: optim.target}
+    shapes.raise_errors()
+    target_extra, target_mine = _match_extras(ck, extras, mine, rank, strict)
     if target_extra:
         target[EXTRA] = target_extra
     if target_mine:
         target[RANKS] = {rank: target_mine}
-    if RNG in target_mine:
-        if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
-            del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
-    wanted = [p for p in flatten({k: v for k, v in target.items() if k in (EXTRA, RANKS)}).paths]
-    sections = [f"{EXTRA}/{escape(n)}" for n in target_extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in target_mine]
-    stored = [p for s in sections for p in _under(ck, s) if not p.startswith(f"{RANKS}/{rank}/{RNG}/cuda/")]
-    if strict:
-        missing, unexpected = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
-        if missing or unexpected:
-            saved = ck.raw.get("world_size")
-            hint = (
-                f" The checkpoint was saved by {saved} ranks; this is rank {rank}: per-rank state exists only for "
-                "the ranks that saved it. Pass rng=False / fewer per_rank objects, or strict=False to keep this "
-                "rank's current state where the checkpoint has none."
-                if any(p.startswith(f"{RANKS}/") for p in missing)
-                else " Pass strict=False to restore only the entries both have."
-            )
-            raise StructureMismatchError(
-                f"{ck.location}: extra / per-rank state differs; missing from the checkpoint: {missing[:6]}; "
-                f"in the checkpoint but not given: {unexpected[:6]}.{hint}"
-            )
-    return _Plan(target, resized, groups, types, optim_state, target_extra, target_mine)
+    return _Plan(target, shapes.resized, optim.groups, optim.types, optim.state, target_extra, target_mine)
 
 
 def _read_overlap(ck: Checkpoint, path: str, dst: Any) -> None:

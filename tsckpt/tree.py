@@ -28,6 +28,7 @@ import optree
 from optree import PyTreeKind
 
 from ._errors import LeafTypeError
+from ._types import ArraySpec, LazySource, ShardedArray
 
 NAMESPACE = "tsckpt"
 ROOT_LEAF_PATH = "%root"
@@ -100,9 +101,7 @@ def _make_dataclass_unflatten(cls: type) -> Callable[[Any, Any], Any]:
 
 
 def _register_dataclasses(node: Any) -> bool:
-    from ._leaves import ArraySpec, ShardedArray  # lazy: _leaves must not be needed to import tree
-
-    if isinstance(node, (ArraySpec, ShardedArray)):
+    if isinstance(node, (ArraySpec, ShardedArray, LazySource)):
         return True  # tsckpt's own leaf dataclasses are leaves, not containers
     cls = type(node)
     if cls not in _registered and dataclasses.is_dataclass(node) and not isinstance(node, type):
@@ -238,6 +237,33 @@ def structure_from_json(structure: Any, leaves: list[Any]) -> Any:
     if cur.pos != len(leaves):
         raise ValueError(f"structure has {cur.pos} leaves but {len(leaves)} were given")
     return tree
+
+
+def from_paths(paths: list[str] | tuple[str, ...], leaves: list[Any]) -> Any:
+    """Nested dicts whose flattened paths are exactly ``paths`` (for trees saved without a
+    structure: by ranks with different trees, or converted from other formats)."""
+    if list(paths) == [ROOT_LEAF_PATH]:
+        return leaves[0]
+    out: dict[Any, Any] = {}
+    for path, leaf in zip(paths, leaves):
+        node = out
+        *parents, last = (unescape(c) for c in path.split("/"))
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return out
+
+
+def child(node: Any, component: str) -> Any:
+    """The child of a rebuilt tree node named by one path component (KeyError if none)."""
+    key = unescape(component)
+    if isinstance(node, dict):
+        return node[key]
+    if isinstance(node, (list, tuple, collections.deque)) and isinstance(key, int) and not hasattr(node, "_fields"):
+        return node[key]
+    if hasattr(node, "_fields") and isinstance(key, str) and key in node._fields:
+        return getattr(node, key)
+    raise KeyError(component)
 
 
 __all__ = ["escape", "flatten", "register_node", "ROOT_LEAF_PATH"]

@@ -1,0 +1,241 @@
+"""Leaf kinds: one adapter per type of array leaf.
+
+Each :class:`LeafKind` answers, for the leaves it owns, the four questions
+save and restore ask: how to describe the leaf for the save plan (its global
+array and local region), where a restore puts its data, which memory it views
+(tied weights share it), and how to read its local data. Saving and restoring
+never branch on leaf types themselves; they ask :func:`tsckpt._leaves.kind_of`.
+
+This module holds the base class and the kinds that need nothing beyond torch
+and numpy; DTensors live in ``_dtensor.py`` (the one home of torch's private
+sharding helpers) and jax arrays in ``_jax.py``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _dtypes
+from ._errors import LeafTypeError, ShapeMismatchError
+from ._format import ArrayRecord
+from ._plan import LeafDesc, ReadItem, plan_read
+from ._types import ArraySpec, Dest, LazySource, Local, ShardedArray
+
+Memory = tuple[Any, ...]
+
+
+# ---- checks shared by the kinds ---------------------------------------------------
+
+
+def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> None:
+    if tuple(want) != tuple(stored):
+        raise ShapeMismatchError(
+            f"'{path}': target shape {list(want)} but the checkpoint stores {list(stored)}; resize the target, "
+            "or read a slice with tsckpt.open(...)[path][...] and copy it in yourself"
+        )
+
+
+def check_cast(path: str, stored: str, target: Any) -> None:
+    """``target``: a torch or numpy dtype."""
+    is_complex = target.is_complex if isinstance(target, torch.dtype) else np.dtype(target).kind == "c"
+    if stored.startswith("complex") and not is_complex:
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
+            "imaginary part. Use a complex target"
+        )
+
+
+def writable(arr: np.ndarray, path: str) -> np.ndarray:
+    """A numpy destination; numpy assignment casts, so any numeric dtype will do."""
+    if not arr.flags.writeable:
+        raise LeafTypeError(f"'{path}': target numpy array is read-only; pass a writable array or inplace=False")
+    return arr
+
+
+def logical_dtype(path: str, dtype: Any) -> str:
+    """tsckpt's dtype name for a torch or numpy dtype, or a precise error."""
+    if isinstance(dtype, torch.dtype):
+        if not _dtypes.is_supported_torch(dtype):
+            raise LeafTypeError(
+                f"'{path}': torch dtype {dtype} cannot be stored; convert it first "
+                "(e.g. dequantize a quantized tensor)"
+            )
+        return _dtypes.torch_name(dtype)
+    name = _dtypes.numpy_name(np.dtype(dtype))
+    if name is None:
+        raise LeafTypeError(
+            f"'{path}': numpy dtype {dtype} cannot be stored (no zarr v3 data type); "
+            "convert it to a numeric dtype first"
+        )
+    return name
+
+
+def region_leaf(
+    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str
+) -> Local:
+    """A leaf that is the region of a global array starting at ``offsets``."""
+    dtype = logical_dtype(path, data.dtype)
+    desc = LeafDesc(
+        path=path,
+        kind=kind,
+        dtype=dtype,
+        itemsize=_dtypes.itemsize(dtype),
+        global_shape=tuple(global_shape),
+        offsets=tuple(offsets),
+        lengths=tuple(int(s) for s in data.shape),
+    )
+    return Local(desc, data)
+
+
+def whole(rec: ArrayRecord, path: str) -> ReadItem:
+    return plan_read(path, (0,) * len(rec.shape), rec.shape)
+
+
+def storage_numpy(data: Any) -> np.ndarray:
+    """Local data as a CPU numpy array in its storage dtype (a view when possible)."""
+    if isinstance(data, LazySource):
+        data = data[tuple(slice(0, n) for n in data.shape)]
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            data = data.detach().cpu()
+        return _dtypes.tensor_to_numpy(data)
+    return np.asarray(data)
+
+
+def checksum(data: Any) -> int:
+    """Cheap content checksum of a local region, compared across replicas."""
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        flat = data.detach().contiguous().view(-1)
+        if flat.numel() == 1:  # a size-1 dim may keep any stride, which view(uint8) rejects
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = flat.view(torch.uint8)
+        return int(flat.to(torch.int64).sum().item()) ^ (flat.numel() << 40)
+    buf = np.ascontiguousarray(storage_numpy(data)).view(np.uint8).reshape(-1)
+    return zlib.crc32(buf.data)
+
+
+# ---- the kinds ----------------------------------------------------------------------
+
+
+class LeafKind:
+    """Adapter for one type of array leaf (see the module docstring)."""
+
+    def owns(self, leaf: Any) -> bool:
+        raise NotImplementedError
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        """The leaf's descriptor for the save plan, and its local data."""
+        raise LeafTypeError(f"'{path}': a {type(leaf).__name__} is a restore target only; it cannot be saved")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+        """Where a restore writes this target leaf's data, and what it returns for the leaf."""
+        raise NotImplementedError
+
+    def memory(self, leaf: Any) -> Memory | None:
+        """Identity of the memory the leaf views (equal for tied leaves), None if it has none."""
+        return None
+
+
+class TorchKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, torch.Tensor)
+
+    def describe(self, path: str, leaf: torch.Tensor) -> Local:
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: torch.Tensor, inplace: bool) -> Dest:
+        check_shape(path, tuple(leaf.shape), rec.shape)
+        check_cast(path, rec.dtype, leaf.dtype)
+        t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
+        return Dest(whole(rec, path), t, t)
+
+    def memory(self, leaf: torch.Tensor) -> Memory:
+        return (str(leaf.device), leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape),
+                tuple(leaf.stride()), str(leaf.dtype))
+
+
+class NumpyKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, (np.ndarray, np.generic))
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        if isinstance(leaf, np.generic):
+            return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar")
+        if not leaf.dtype.isnative:  # stored little-endian; a byte-swapped copy keeps the values
+            leaf = leaf.astype(leaf.dtype.newbyteorder("="))
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+        check_shape(path, np.shape(leaf), rec.shape)
+        check_cast(path, rec.dtype, leaf.dtype)
+        if isinstance(leaf, np.generic):  # immutable: a 0-d buffer, made a scalar after the read
+            return Dest(whole(rec, path), np.empty((), dtype=leaf.dtype), None, finish=lambda a: a[()])
+        a = leaf if inplace else np.empty(rec.shape, dtype=leaf.dtype)
+        return Dest(whole(rec, path), writable(a, path), a)
+
+    def memory(self, leaf: Any) -> Memory | None:
+        if not isinstance(leaf, np.ndarray):
+            return None
+        return ("numpy", leaf.__array_interface__["data"][0], leaf.shape, leaf.strides, leaf.dtype.str)
+
+
+class ShardedKind(LeafKind):
+    """:class:`ShardedArray`: a hand-made region; its local array is a tensor or numpy array."""
+
+    def __init__(self, local_kinds: Sequence[LeafKind]) -> None:
+        self._local_kinds = local_kinds
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, ShardedArray)
+
+    def describe(self, path: str, leaf: ShardedArray) -> Local:
+        kind = "torch" if isinstance(leaf.local, torch.Tensor) else "numpy"
+        return region_leaf(path, leaf.local, leaf.global_shape, leaf.offsets, kind)
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool) -> Dest:
+        local = leaf.local
+        check_shape(path, leaf.global_shape, rec.shape)
+        check_cast(path, rec.dtype, local.dtype)
+        item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
+        if isinstance(local, torch.Tensor):
+            t = local if inplace else torch.empty_like(local)
+        else:
+            t = writable(local if inplace else np.empty_like(local), path)
+        return Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
+
+    def memory(self, leaf: ShardedArray) -> Memory | None:
+        return next((k.memory(leaf.local) for k in self._local_kinds if k.owns(leaf.local)), None)
+
+
+class SpecKind(LeafKind):
+    """:class:`ArraySpec`: a restore target that names only shape, dtype and device."""
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, ArraySpec)
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: ArraySpec, inplace: bool) -> Dest:
+        if leaf.shape is not None:
+            check_shape(path, tuple(leaf.shape), rec.shape)
+        if isinstance(leaf.dtype, torch.dtype):
+            check_cast(path, rec.dtype, leaf.dtype)
+            t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
+            return Dest(whole(rec, path), t, t)
+        dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
+        check_cast(path, rec.dtype, dtype)
+        a = np.empty(rec.shape, dtype=dtype)
+        return Dest(whole(rec, path), a, a)
+
+
+class LazyKind(LeafKind):
+    """:class:`LazySource`: data read from another file only when written."""
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, LazySource)
+
+    def describe(self, path: str, leaf: LazySource) -> Local:
+        return region_leaf(path, leaf, leaf.shape, (0,) * len(leaf.shape), leaf.kind)

@@ -1,0 +1,91 @@
+"""Plain data types shared by saving, restoring and the leaf kinds.
+
+This module imports nothing heavier than the plan's descriptors, so any other
+module (``tree`` included) can use these types without an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._plan import LeafDesc, ReadItem
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedArray:
+    """A rank's region of a global array, for tensors sharded by hand.
+
+    ``local`` holds the elements ``[offsets[d] : offsets[d] + local.shape[d]]`` of a
+    global array of ``global_shape``. Regions given by all ranks under one path must
+    tile the global array exactly (identical regions are replicas).
+    """
+
+    local: Any  # torch.Tensor or numpy array
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        if len(self.global_shape) != len(self.offsets) or len(self.offsets) != len(self.local.shape):
+            raise ValueError(
+                f"ShardedArray: local shape {list(self.local.shape)}, global_shape {list(self.global_shape)} "
+                f"and offsets {list(self.offsets)} must have the same number of dimensions"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """A restore target leaf that only names the shape and dtype to produce.
+
+    A torch dtype yields a torch tensor (on ``device``), a numpy dtype a numpy array.
+    ``shape=None`` accepts whatever shape is stored.
+    """
+
+    shape: tuple[int, ...] | None
+    dtype: Any
+    device: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """A leaf ready to save: its descriptor and the data of its local region
+    (a torch tensor, a numpy array, or a :class:`LazySource`)."""
+
+    desc: LeafDesc
+    data: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Dest:
+    """Where one target leaf's data goes, and what restore returns for it."""
+
+    item: ReadItem
+    tensor: Any  # torch.Tensor or np.ndarray: the destination memory, in the target's dtype
+    result: Any
+    finish: Any = None  # called with ``tensor`` after the read, returns the result (jax arrays, numpy scalars)
+
+    def restored(self) -> Any:
+        return self.result if self.finish is None else self.finish(self.tensor)
+
+
+class LazySource:
+    """An array leaf whose data is read only when it is written (imports of other formats).
+
+    ``read(box)`` returns the elements of ``box`` (a tuple of unit-step slices) as a
+    CPU torch tensor or numpy array of ``dtype``; ``save`` calls it shard by shard,
+    so converting a file never holds more of it than the write window.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Any, *, kind: str = "torch") -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype  # torch.dtype or numpy dtype
+        self.kind = kind  # what a restore with as_saved=True gives back: "torch" or "numpy"
+        self._read = read
+
+    def __getitem__(self, box: tuple[slice, ...]) -> Any:
+        return self._read(box)
+
+    def __repr__(self) -> str:
+        return f"LazySource(shape={list(self.shape)}, dtype={self.dtype})"
