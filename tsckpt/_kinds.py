@@ -202,6 +202,7 @@ class ShardedKind(LeafKind):
         check_shape(path, leaf.global_shape, rec.shape)
         check_cast(path, rec.dtype, local.dtype)
         item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
+        t: Any
         if isinstance(local, torch.Tensor):
             t = local if inplace else torch.empty_like(local)
         else:
@@ -239,3 +240,6 @@ class LazyKind(LeafKind):
 
     def describe(self, path: str, leaf: LazySource) -> Local:
         return region_leaf(path, leaf, leaf.shape, (0,) * len(leaf.shape), leaf.kind)
+
+    def memory(self, leaf: LazySource) -> Memory:
+        return ("lazy", id(leaf))  # one source given under several paths is stored once (tied)

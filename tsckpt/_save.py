@@ -110,7 +110,9 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
     return encode_chunk(src) if inner is None and src.shape == shard else None
 
 
-def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray]) -> list[str]:
+def _write_regions(
+    loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray], window: int
+) -> list[str]:
     """Write this rank's items shard by shard, keeping a bounded window in flight.
 
     Returns the keys of the files written. TensorStore may encode straight from
@@ -142,7 +144,7 @@ def _write_regions(loc: Location, plan: SavePlan, rank: int, local: dict[str, Lo
             pending.append((fut, src.nbytes))
             in_flight += src.nbytes
             written.append(key)
-            while in_flight > WRITE_WINDOW_BYTES and pending:
+            while in_flight > window and pending:
                 done, n = pending.popleft()
                 done.result()
                 in_flight -= n
@@ -245,7 +247,7 @@ def _links(local: list[Local]) -> dict[str, str]:
     for lf in local:
         mem = memory(lf.data) if lf.desc.kind != "value" and math.prod(lf.desc.lengths) > 0 else None
         if mem is not None:  # empty regions prove nothing
-            groups[(lf.desc.kind, lf.desc.global_shape, lf.desc.offsets, *mem)].append(lf.desc.path)
+            groups[(lf.desc.kind, lf.desc.global_shape, lf.desc.offsets) + mem].append(lf.desc.path)
     return {p: min(paths) for paths in groups.values() if len(paths) > 1 for p in paths if p != min(paths)}
 
 
@@ -283,9 +285,25 @@ def save(
     After each step all ranks exchange a status, so a failure on one rank makes
     every rank raise and nothing is committed.
     """
+    write_checkpoint(
+        directory, tree, overwrite=overwrite, group=group, check_replicas=check_replicas, timeout=timeout
+    )
+
+
+def write_checkpoint(
+    directory: Directory,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    group: Any = None,
+    check_replicas: bool = True,
+    timeout: datetime.timedelta | None = None,
+    window_bytes: int = WRITE_WINDOW_BYTES,
+) -> None:
+    """:func:`save`, with the bytes of source data in flight as an option (imports lower it)."""
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    job = _plan_job(coord, _describe(coord, tree), check_replicas)
+    job = _plan_job(coord, _describe(coord, tree), check_replicas, window_bytes)
     phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
     received: dict[int, np.ndarray] = {}
     if job.plan.transfers:  # identical plan on every rank: all skip this round together
@@ -314,6 +332,7 @@ class _Job:
     leaves: list[str]
     structure: Any  # None when ranks gave different trees
     aliases: dict[str, str]
+    window: int  # bytes of source data in flight while writing
 
 
 def _describe(coord: Any, tree: Any) -> _Described:
@@ -329,7 +348,7 @@ def _describe(coord: Any, tree: Any) -> _Described:
     return _Described(paths, structure, local, [g[0] for g in gathered], gathered)
 
 
-def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
+def _plan_job(coord: Any, d: _Described, check_replicas: bool, window: int) -> _Job:
     """The same plan on every rank: tied leaves written once, replicas checked, regions assigned."""
     per_rank, local = d.per_rank, d.local
     # leaves that are the same memory on every rank (tied weights) are written once
@@ -342,13 +361,14 @@ def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
     same_tree = all(g[1] == d.paths and g[2] == d.structure for g in d.gathered)
     leaves = d.paths if same_tree else sorted({p for g in d.gathered for p in g[1]})
     return _Job(
-        plan_save(per_rank), {lf.desc.path: lf for lf in local}, leaves, d.structure if same_tree else None, aliases
+        plan_save(per_rank), {lf.desc.path: lf for lf in local}, leaves, d.structure if same_tree else None, aliases,
+        window,
     )
 
 
 def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray]) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
-    keys = _write_regions(loc, job.plan, rank, job.local, received)
+    keys = _write_regions(loc, job.plan, rank, job.local, received, job.window)
     if rank == 0:
         keys += _write_nodes(loc.kvstore(), job.plan)
     _store.sync_data(loc, keys)
