@@ -259,3 +259,31 @@ def test_two_ranks_dtensor_and_sharded_leaves(tmp_path):
     assert dt == (torch.arange(32.0).reshape(8, 4) + 200).tolist()
     assert sh == [[200.0] * 3] * 2 + [[201.0] * 3] * 2
     assert sorted(os.listdir(tmp_path / "run")) == ["00000002"]
+
+
+def test_tied_leaves_are_staged_once_and_stay_tied(tmp_path):
+    emb = torch.randn(8, 4)
+    tree = {"tok": emb, "head": emb, "view": emb.view(8, 4), "other": emb.clone()}
+    saver = AsyncSaver()
+    h = saver.submit("x", tree, lambda staged: save_module.save(str(tmp_path / "ck"), staged))
+    h.result(timeout=60)
+    assert h.staged_bytes == 4 * 8 * 4 * 4  # counted per leaf; copied once per distinct memory
+    assert saver.staging_bytes == 2 * 8 * 4 * 4
+    ck = tsckpt.open(str(tmp_path / "ck")).checkpoint
+    assert ck.aliases == {"tok": "head", "view": "head"}
+    out = tsckpt.restore(str(tmp_path / "ck"))
+    assert out["tok"] is out["head"] and np.array_equal(out["head"], emb.numpy())
+    m = tsckpt.CheckpointManager(tmp_path / "run")
+    m.save_async(1, tree).result(timeout=60)
+    assert tsckpt.open(m.directory(1)).checkpoint.aliases == {"tok": "head", "view": "head"}
+    saver.close()
+    m.close()
+
+
+def test_async_save_is_a_future(tmp_path):
+    import concurrent.futures
+
+    h = tsckpt.save_async(str(tmp_path / "ck"), {"w": torch.ones(2)})
+    assert isinstance(h, concurrent.futures.Future)
+    done, _ = concurrent.futures.wait([h], timeout=60)
+    assert h in done and h.result() is None

@@ -134,7 +134,10 @@ class LeafKind:
 
     def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
         """Where a restore writes this target leaf's data, and what it returns for the leaf."""
-        raise NotImplementedError
+        raise LeafTypeError(
+            f"'{path}': a {type(leaf).__name__} cannot be a restore target; use a tensor, numpy array, "
+            "tsckpt.ArraySpec or ShardedArray"
+        )
 
     def memory(self, leaf: Any) -> Memory | None:
         """Identity of the memory the leaf views (equal for tied leaves), None if it has none."""

@@ -1,0 +1,89 @@
+"""Leaf kinds (tsckpt._kinds, _leaves): one adapter per array type, tested without I/O."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tsckpt._format import ArrayRecord, Layout
+from tsckpt._kinds import LazyKind, NumpyKind, ShardedKind, SpecKind, TorchKind
+from tsckpt._leaves import describe, destination, kind_of, memory
+from tsckpt._types import LazySource
+
+
+def rec(shape, dtype="float32", kind="torch"):
+    return ArrayRecord("w", tuple(shape), dtype, kind, Layout(tuple(shape) or (1,), None))
+
+
+@pytest.mark.parametrize(
+    "leaf, kind",
+    [
+        (torch.zeros(2), TorchKind),
+        (np.zeros(2), NumpyKind),
+        (np.float32(1), NumpyKind),
+        (tsckpt.ShardedArray(torch.zeros(2), (4,), (2,)), ShardedKind),
+        (tsckpt.ArraySpec((2,), torch.float32), SpecKind),
+        (LazySource((2,), torch.float32, lambda box: torch.zeros(2)), LazyKind),
+    ],
+)
+def test_each_array_leaf_has_one_kind(leaf, kind):
+    assert isinstance(kind_of(leaf), kind)
+
+
+@pytest.mark.parametrize("value", [1, 2.5, "s", b"b", True])
+def test_plain_values_have_no_kind(value):
+    assert kind_of(value) is None
+    assert describe("v", value).desc.kind == "value"
+
+
+def test_describe_records_region_dtype_and_itemsize():
+    d = describe("w", tsckpt.ShardedArray(torch.zeros(2, 3, dtype=torch.complex32), (4, 3), (2, 0))).desc
+    assert (d.kind, d.dtype, d.itemsize, d.global_shape, d.offsets, d.lengths) == (
+        "torch", "complex32", 4, (4, 3), (2, 0), (2, 3))
+    d = describe("s", np.float16(1)).desc
+    assert (d.kind, d.dtype, d.itemsize, d.global_shape) == ("numpy_scalar", "float16", 2, ())
+
+
+def test_memory_identity_is_equal_for_the_same_view_only():
+    w = torch.arange(12.0).reshape(3, 4)
+    assert memory(w) == memory(w.view(3, 4)) == memory(tsckpt.ShardedArray(w, (3, 4), (0, 0)))
+    assert memory(w) != memory(w[1:])
+    assert memory(w) != memory(w.t())
+    assert memory(w) != memory(w.view(torch.int32))
+    a = np.arange(6.0)
+    assert memory(a) == memory(a[:]) and memory(a) != memory(a[1:])
+    assert memory(np.float32(1)) is None
+    src = LazySource((2,), torch.float32, lambda box: None)
+    assert memory(src) == memory(src) and memory(src) != memory(LazySource((2,), torch.float32, lambda b: None))
+
+
+def test_destinations_check_shape_and_cast_with_the_path():
+    with pytest.raises(tsckpt.ShapeMismatchError, match=r"'w': target shape \[3\] but the checkpoint stores \[2\]"):
+        destination(rec((2,)), "w", torch.zeros(3), False)
+    with pytest.raises(tsckpt.LeafTypeError, match="'w': stored dtype complex64 is complex but the target is"):
+        destination(rec((2,), "complex64"), "w", np.zeros(2), False)
+    with pytest.raises(tsckpt.LeafTypeError, match="'w': the checkpoint stores an array float32\\[2\\] but the target leaf is str"):
+        destination(rec((2,)), "w", "x", False)
+    with pytest.raises(tsckpt.LeafTypeError, match="'w': a LazySource cannot be a restore target"):
+        destination(rec((2,)), "w", LazySource((2,), torch.float32, None), False)
+
+
+def test_destination_in_place_or_fresh():
+    t = torch.zeros(2)
+    assert destination(rec((2,)), "w", t, True).tensor is t
+    fresh = destination(rec((2,)), "w", t, False)
+    assert fresh.tensor is not t and fresh.result is fresh.tensor
+    scalar = destination(rec((), "float32", "numpy_scalar"), "s", np.float32(0), True)
+    scalar.tensor[()] = 7
+    assert scalar.restored() == np.float32(7) and isinstance(scalar.restored(), np.float32)
+    region = destination(rec((4,)), "w", tsckpt.ShardedArray(np.zeros(2, np.float32), (4,), (2,)), False)
+    assert (region.item.storage_offsets, region.item.lengths) == ((2,), (2,))
+
+
+def test_read_only_numpy_target_refused_in_place():
+    a = np.zeros(2, np.float32)
+    a.flags.writeable = False
+    with pytest.raises(tsckpt.LeafTypeError, match="'w': target numpy array is read-only"):
+        destination(rec((2,)), "w", a, True)

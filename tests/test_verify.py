@@ -1,0 +1,78 @@
+"""tsckpt.verify(): the library's full check, reported per leaf (the CLI prints it)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+
+
+@pytest.fixture
+def ck(tmp_path, small_chunks):
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, {"m": {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(3)}, "n": 1, "s": np.int8(2)})
+    return path
+
+
+def test_healthy_checkpoint(ck):
+    calls: list[int] = []
+    r = tsckpt.verify(ck, progress=calls.append)
+    assert r.ok and r.bad == {} and r.group_problems == ()
+    assert (r.n_arrays, r.n_values, r.leaves) == (3, 1, ("m/b", "m/w", "n", "s"))
+    assert r.bytes_read == 4096 * 4 + 3 * 4 + 1
+    assert r.files_read == 4 + 1 + 1  # 16 KiB of w in 4 KiB shards
+    assert sum(calls) == 3
+
+
+def test_every_damaged_leaf_is_listed(ck):
+    with open(os.path.join(ck, "m/w/c/1/0"), "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.remove(os.path.join(ck, "m/b/c/0"))
+    node = os.path.join(ck, "s/zarr.json")
+    meta = json.load(open(node))
+    meta["shape"] = [5]
+    json.dump(meta, open(node, "w"))
+    os.remove(os.path.join(ck, "m/zarr.json"))
+    r = tsckpt.verify(ck)
+    assert not r.ok
+    assert list(r.bad) == ["m/b", "m/w", "s"]
+    assert r.bad["m/w"].startswith("checksum mismatch: stored bytes were altered")
+    assert r.bad["m/b"].startswith("a chunk file is missing")
+    assert r.bad["s"] == "its zarr.json disagrees with the root metadata on 'shape' ([5] != [])"
+    assert r.group_problems == ("group 'm': zarr.json is missing or not a zarr group node",)
+
+
+def test_an_uncommitted_checkpoint_raises(tmp_path):
+    with pytest.raises(tsckpt.CheckpointNotFoundError):
+        tsckpt.verify(str(tmp_path / "nothing"))
+
+
+def test_restore_as_saved_gives_each_kind_back(tmp_path):
+    path = str(tmp_path / "ck")
+    tree = {"t": torch.arange(3, dtype=torch.bfloat16), "a": np.arange(2), "s": np.float32(1.5), "v": 3}
+    tsckpt.save(path, tree)
+    plain = tsckpt.restore(path)
+    assert isinstance(plain["t"], np.ndarray) and plain["t"].dtype.name == "bfloat16"
+    saved = tsckpt.restore(path, as_saved=True)
+    assert isinstance(saved["t"], torch.Tensor) and saved["t"].dtype == torch.bfloat16
+    assert torch.equal(saved["t"], tree["t"])
+    assert isinstance(saved["a"], np.ndarray) and np.array_equal(saved["a"], tree["a"])
+    assert type(saved["s"]) is np.float32 and saved["s"] == 1.5 and saved["v"] == 3
+
+
+def test_subtree_reads_one_branch_with_its_containers(tmp_path):
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, {"opt": {"groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "state": {"w": np.ones(2)}}, "x": 1})
+    ck = tsckpt.open(path).checkpoint
+    assert ck.subtree("opt/groups") == [{"lr": 0.1, "betas": (0.9, 0.99)}]
+    state = ck.subtree("opt/state")
+    assert list(state) == ["w"] and np.array_equal(state["w"], np.ones(2))
+    assert ck.subtree("opt/missing") is None
