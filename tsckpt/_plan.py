@@ -138,61 +138,21 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
         for leaf in leaves:
             by_path[leaf.path].append((rank, leaf))
 
-    arrays: list[ArrayRecord] = []
     values: list[tuple[str, Any]] = []
     array_groups: list[tuple[str, LeafDesc, dict[Box, list[tuple[int, LeafDesc]]]]] = []
-    regions: list[tuple[int, str, Box, list[tuple[int, LeafDesc]]]] = []
     for path in sorted(by_path):
         holders = by_path[path]
-        first_rank, first = holders[0]
-        kinds = {leaf.kind for _, leaf in holders}
-        if len(kinds) > 1 or (first.kind != "value" and len({(lf.dtype, lf.global_shape) for _, lf in holders}) > 1):
-            desc = "; ".join(
-                f"rank {r}: {lf.kind} {lf.dtype} {list(lf.global_shape)}" if lf.kind != "value" else f"rank {r}: value"
-                for r, lf in holders[:8]
-            )
-            raise LayoutError(
-                f"'{path}': ranks disagree on what this leaf is ({desc}); every rank giving a path must give "
-                "the same global shape and dtype"
-            )
+        _check_agreement(path, holders)
+        first = holders[0][1]
         if first.kind == "value":
-            distinct = {repr(lf.value) for _, lf in holders}
-            if len(distinct) > 1:
-                ranks = [r for r, lf in holders if repr(lf.value) != repr(first.value)]
-                raise LayoutError(
-                    f"'{path}': ranks {first_rank} and {ranks[:8]} give different values "
-                    f"({first.value!r} vs {holders[[r for r, _ in holders].index(ranks[0])][1].value!r}); "
-                    "use a rank-unique path for per-rank state"
-                )
-            values.append((path, first.value))
+            values.append((path, _agreed_value(path, holders)))
             continue
-        groups: dict[Box, list[tuple[int, LeafDesc]]] = defaultdict(list)
-        for r, lf in holders:
-            groups[(lf.offsets, lf.lengths)].append((r, lf))
-        for box, members in groups.items():
-            sums = {lf.checksum for _, lf in members if lf.checksum is not None}
-            if len(sums) > 1:
-                by_sum: dict[int | None, list[int]] = defaultdict(list)
-                for r, lf in members:
-                    by_sum[lf.checksum].append(r)
-                parts = " vs ".join(f"ranks {rs}" for rs in by_sum.values())
-                raise LayoutError(
-                    f"'{path}': replicas of region {_fmt_box(box)} differ in content ({parts}); ranks that give "
-                    "the same path must hold the same data. If these are different tensors (e.g. pipeline "
-                    "stages with stage-local names), give them distinct global names; to skip this check pass "
-                    "check_replicas=False"
-                )
+        groups = _replica_groups(path, holders)
         _check_exact_cover(path, first.global_shape, list(groups))
         array_groups.append((path, first, groups))
-        for box, members in groups.items():
-            regions.append((math.prod(box[1]) * first.itemsize, path, box, members))
 
-    load: dict[int, int] = defaultdict(int)
-    writer: dict[tuple[str, Box], tuple[int, LeafDesc]] = {}
-    for nbytes, path, box, members in sorted(regions, key=lambda x: (-x[0], x[1], x[2])):
-        writer[(path, box)] = min(members, key=lambda m: (load[m[0]], m[0]))
-        load[writer[(path, box)][0]] += nbytes
-
+    writer = _assign_writers(array_groups)
+    arrays: list[ArrayRecord] = []
     writes: list[WriteItem] = []
     transfers: list[Transfer] = []
     for path, first, groups in array_groups:
@@ -203,6 +163,71 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
         transfers += moves
     writes.sort(key=lambda w: (w.rank, w.path, w.offsets))
     return SavePlan(tuple(arrays), tuple(values), tuple(writes), tuple(transfers))
+
+
+def _check_agreement(path: str, holders: list[tuple[int, LeafDesc]]) -> None:
+    """Every rank giving ``path`` gives the same kind of leaf, global shape and dtype."""
+    first = holders[0][1]
+    kinds = {leaf.kind for _, leaf in holders}
+    if len(kinds) > 1 or (first.kind != "value" and len({(lf.dtype, lf.global_shape) for _, lf in holders}) > 1):
+        desc = "; ".join(
+            f"rank {r}: {lf.kind} {lf.dtype} {list(lf.global_shape)}" if lf.kind != "value" else f"rank {r}: value"
+            for r, lf in holders[:8]
+        )
+        raise LayoutError(
+            f"'{path}': ranks disagree on what this leaf is ({desc}); every rank giving a path must give "
+            "the same global shape and dtype"
+        )
+
+
+def _agreed_value(path: str, holders: list[tuple[int, LeafDesc]]) -> Any:
+    """The value every rank giving ``path`` gives (a plain value is never per-rank)."""
+    first_rank, first = holders[0]
+    differ = [(r, lf) for r, lf in holders if repr(lf.value) != repr(first.value)]
+    if differ:
+        raise LayoutError(
+            f"'{path}': ranks {first_rank} and {[r for r, _ in differ][:8]} give different values "
+            f"({first.value!r} vs {differ[0][1].value!r}); use a rank-unique path for per-rank state"
+        )
+    return first.value
+
+
+def _replica_groups(path: str, holders: list[tuple[int, LeafDesc]]) -> dict[Box, list[tuple[int, LeafDesc]]]:
+    """Holders grouped by region; replicas of a region must agree on their checksum."""
+    groups: dict[Box, list[tuple[int, LeafDesc]]] = defaultdict(list)
+    for r, lf in holders:
+        groups[(lf.offsets, lf.lengths)].append((r, lf))
+    for box, members in groups.items():
+        if len({lf.checksum for _, lf in members if lf.checksum is not None}) > 1:
+            by_sum: dict[int | None, list[int]] = defaultdict(list)
+            for r, lf in members:
+                by_sum[lf.checksum].append(r)
+            parts = " vs ".join(f"ranks {rs}" for rs in by_sum.values())
+            raise LayoutError(
+                f"'{path}': replicas of region {_fmt_box(box)} differ in content ({parts}); ranks that give "
+                "the same path must hold the same data. If these are different tensors (e.g. pipeline "
+                "stages with stage-local names), give them distinct global names; to skip this check pass "
+                "check_replicas=False"
+            )
+    return groups
+
+
+def _assign_writers(
+    array_groups: list[tuple[str, LeafDesc, dict[Box, list[tuple[int, LeafDesc]]]]],
+) -> dict[tuple[str, Box], tuple[int, LeafDesc]]:
+    """One writer per region: among its replicas, the rank with the fewest bytes so far,
+    placing the largest regions first."""
+    regions = [
+        (math.prod(box[1]) * first.itemsize, path, box, members)
+        for path, first, groups in array_groups
+        for box, members in groups.items()
+    ]
+    load: dict[int, int] = defaultdict(int)
+    writer: dict[tuple[str, Box], tuple[int, LeafDesc]] = {}
+    for nbytes, path, box, members in sorted(regions, key=lambda x: (-x[0], x[1], x[2])):
+        writer[(path, box)] = min(members, key=lambda m: (load[m[0]], m[0]))
+        load[writer[(path, box)][0]] += nbytes
+    return writer
 
 
 def plan_aliases(per_rank: Sequence[Sequence[LeafDesc]], links: Sequence[Mapping[str, str]]) -> dict[str, str]:

@@ -259,6 +259,7 @@ def save(
     group: Any = None,
     check_replicas: bool = True,
     timeout: datetime.timedelta | None = None,
+    max_inflight_bytes: int = WRITE_WINDOW_BYTES,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
 
@@ -266,7 +267,9 @@ def save(
     calls save with its local tree; leaves are DTensors, ShardedArrays, plain
     tensors (replicas when several ranks give the same path) or values.
     ``check_replicas`` compares replica contents by checksum; ``timeout`` bounds
-    every wait on other ranks.
+    every wait on other ranks. ``max_inflight_bytes`` bounds the source data
+    handed to storage but not yet written (host memory a save needs beyond the
+    state itself, e.g. when the leaves are read lazily from another file).
 
     Protocol (every rank calls save with its local tree):
 
@@ -285,25 +288,9 @@ def save(
     After each step all ranks exchange a status, so a failure on one rank makes
     every rank raise and nothing is committed.
     """
-    write_checkpoint(
-        directory, tree, overwrite=overwrite, group=group, check_replicas=check_replicas, timeout=timeout
-    )
-
-
-def write_checkpoint(
-    directory: Directory,
-    tree: Any,
-    *,
-    overwrite: bool = False,
-    group: Any = None,
-    check_replicas: bool = True,
-    timeout: datetime.timedelta | None = None,
-    window_bytes: int = WRITE_WINDOW_BYTES,
-) -> None:
-    """:func:`save`, with the bytes of source data in flight as an option (imports lower it)."""
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    job = _plan_job(coord, _describe(coord, tree), check_replicas, window_bytes)
+    job = _plan_job(coord, _describe(coord, tree), check_replicas, max_inflight_bytes)
     phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
     received: dict[int, np.ndarray] = {}
     if job.plan.transfers:  # identical plan on every rank: all skip this round together
