@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on the CPU, quietly
 
 
 def pytest_configure(config):
