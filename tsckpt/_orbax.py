@@ -1,0 +1,319 @@
+"""Reading checkpoints written by orbax-checkpoint (JAX) with TensorStore alone.
+
+Layouts understood (local directories):
+
+* **Item directory** (``PyTreeCheckpointHandler``, ``StandardCheckpointer``,
+  ``ArrayCheckpointHandler``): ``_METADATA`` is JSON whose ``tree_metadata`` has one
+  entry per leaf in tree order, with ``key_metadata`` (keys from the root; ``key_type``
+  1 = sequence index, 2 = dict key or attribute) and ``value_metadata.value_type``:
+  ``jax.Array``/``np.ndarray`` are arrays, ``scalar`` is a Python number stored as a
+  0-d array, ``string`` lives in ``_strings.json``, and ``None``/``Dict``/``List``/
+  ``Tuple``/``NamedTuple`` are empty nodes (skipped). An array is stored under its
+  keys joined by "."; ``use_zarr3`` picks the ``zarr3`` or ``zarr`` (v2) driver.
+  Without OCDBT each array is a directory ``<name>/``. With OCDBT (the default) each
+  process writes a database in ``ocdbt.process_<id>/`` and the commit merges their
+  indices into the item's own ``manifest.ocdbt`` (+ ``d/``), whose B-tree points into
+  the per-process data files: arrays are read, as Orbax reads them, through the
+  ``ocdbt`` kvstore over the item directory with key prefix ``<name>/``.
+* **Step directory** of a ``CheckpointManager``: ``_CHECKPOINT_METADATA`` lists
+  ``item_handlers``, one subdirectory per item; leaf paths start with the item name,
+  except for a lone ``default`` item. ``JsonSave`` items (a ``metadata`` file) become values.
+* **Commit**: saves are written to ``<name>.orbax-checkpoint-tmp*`` and renamed, or
+  (filesystems without atomic rename) written in place and marked by
+  ``commit_success.txt``; current Orbax writes that marker in both modes, right after
+  the commit timestamp in ``_CHECKPOINT_METADATA``. Having neither means uncommitted.
+
+Not supported: the legacy msgpack ``checkpoint`` file of old Orbax/Flax, custom type
+handlers (e.g. PRNG keys), and remote (gs://, s3://) locations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from . import _dtypes
+from ._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import LeafTypeError, NotACheckpointError
+from .tree import ROOT_LEAF_PATH, escape
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"
+TREE_METADATA = "_METADATA"
+STEP_METADATA = "_CHECKPOINT_METADATA"
+MANIFEST = "manifest.ocdbt"
+JSON_ITEM = "metadata"
+_STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)")
+_ARRAY_TYPES = {"jax.Array", "np.ndarray"}
+_EMPTY_TYPES = {"None", "Dict", "List", "Tuple", "NamedTuple", "placeholder"}
+_UNCOMMITTED = "the save crashed or is still running; wait for it to finish or pass a committed checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignArray:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    spec: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignCheckpoint:
+    location: str
+    leaves: tuple[str, ...]
+    arrays: Mapping[str, ForeignArray]
+    values: Mapping[str, Any]
+    structure: Any
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _read_json(loc: Path, name: str) -> Any:
+    try:
+        return json.loads((loc / name).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{loc}: Orbax metadata file '{name}' is unreadable: expected JSON, found {_one_line(e)}; "
+            "the checkpoint is damaged, use another one or re-save it"
+        ) from e
+
+
+def _committed(d: Path) -> bool | None:
+    """True/False when ``d`` records whether its save committed, None when it records nothing."""
+    if (d / COMMIT_FILE).is_file():
+        return True
+    meta = _read_json(d, STEP_METADATA) if (d / STEP_METADATA).is_file() else None
+    if isinstance(meta, dict) and "commit_timestamp_nsecs" in meta:
+        return meta["commit_timestamp_nsecs"] is not None
+    return None
+
+
+def _check_committed(d: Path) -> None:
+    """Raise unless ``d`` (and the CheckpointManager step holding it, if any) committed."""
+    for p in (d, d.parent):
+        if TMP_SUFFIX in p.name:
+            raise CheckpointIncompleteError(
+                f"{d}: Orbax checkpoint never committed: expected a final directory name, found the temporary "
+                f"suffix '{TMP_SUFFIX}' on '{p.name}'; {_UNCOMMITTED}"
+            )
+    step = d.parent if (d.parent / STEP_METADATA).is_file() else d
+    for p in dict.fromkeys((step, d)):
+        if _committed(p) is False:
+            raise CheckpointIncompleteError(
+                f"{p}: Orbax checkpoint never committed: expected '{COMMIT_FILE}' or a commit timestamp in "
+                f"'{STEP_METADATA}', found neither; {_UNCOMMITTED}"
+            )
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """Numbered CheckpointManager step directories under ``root`` (temporary ones included)."""
+    out = []
+    for child in root.iterdir():
+        m = _STEP_NAME.fullmatch(child.name.split(TMP_SUFFIX)[0])
+        if m and child.is_dir() and (TMP_SUFFIX in child.name or (child / STEP_METADATA).is_file()):
+            out.append((int(m.group(1)), child))
+    return sorted(out)
+
+
+def detect(directory: str) -> bool:
+    """True if ``directory`` looks like an Orbax item, step or CheckpointManager root directory."""
+    try:
+        d = Path(directory)
+        if not d.is_dir():
+            return False
+        if TMP_SUFFIX in d.name or any((d / f).is_file() for f in (TREE_METADATA, STEP_METADATA, MANIFEST)):
+            return True
+        return bool(_steps(d))
+    except (OSError, ValueError):
+        return False
+
+
+def _spec(item: Path, name: str, zarr3: bool, ocdbt: bool, fill_missing: bool) -> dict[str, Any]:
+    kvstore = (
+        {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/"}, "path": name}
+        if ocdbt
+        else {"driver": "file", "path": os.path.join(str(item), name)}
+    )
+    return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kvstore, "fill_missing_data_reads": fill_missing}
+
+
+class _Reader:
+    """Collects the leaves of one Orbax checkpoint; arrays are opened together at the end."""
+
+    def __init__(self, location: Path) -> None:
+        self.location = location
+        self.leaves: list[str] = []
+        self.values: dict[str, Any] = {}
+        self.pending: list[tuple[str, str, bool, dict[str, Any]]] = []  # path, name, is_scalar, spec
+
+    def add_item(self, item: Path, prefix: list[str]) -> None:
+        _check_committed(item)
+        if not (item / TREE_METADATA).is_file():
+            if (item / JSON_ITEM).is_file():
+                self._add_json(_read_json(item, JSON_ITEM), prefix)
+                return
+            found = sorted(p.name for p in item.iterdir())[:8]
+            raise CheckpointIncompleteError(
+                f"{item}: Orbax item is incomplete: expected the tree metadata file '{TREE_METADATA}', found "
+                f"{found}; the save crashed before writing it, use another checkpoint or re-save"
+            )
+        meta = _read_json(item, TREE_METADATA)
+        try:
+            entries = list(meta["tree_metadata"].values())
+            zarr3 = bool(meta.get("use_zarr3", False))
+            ocdbt = meta.get("use_ocdbt")
+            fill_missing = not meta.get("store_array_data_equal_to_fill_value", False)
+        except (AttributeError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(
+                f"{item}: Orbax '{TREE_METADATA}' is malformed: expected an object with 'tree_metadata', found "
+                f"{type(meta).__name__} ({_one_line(e)}); the checkpoint is damaged, re-save it"
+            ) from e
+        if ocdbt is None:
+            ocdbt = (item / MANIFEST).is_file()
+        if ocdbt and not (item / MANIFEST).is_file():
+            procs = sorted(p.name for p in item.glob("ocdbt.process_*"))
+            raise CheckpointIncompleteError(
+                f"{item}: Orbax OCDBT checkpoint is incomplete: expected '{MANIFEST}' (written when the per-process "
+                f"databases are merged at commit), found none (per-process directories: {procs}); {_UNCOMMITTED}"
+            )
+        strings: dict[str, Any] | None = None
+        for entry in entries:
+            try:
+                keys = [(str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"]]
+                value_type = str(entry["value_metadata"]["value_type"])
+                skip = bool(entry["value_metadata"].get("skip_deserialize", False))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(
+                    f"{item}: Orbax '{TREE_METADATA}' entry {entry!r:.80} is malformed: expected 'key_metadata' and "
+                    f"'value_metadata', found {_one_line(e)}; the checkpoint is damaged, re-save it"
+                ) from e
+            comps = [str(int(k)) if t == 1 else escape(k) for k, t in keys]
+            path = "/".join(prefix + comps) or ROOT_LEAF_PATH
+            name = ".".join(k for k, _ in keys)
+            if skip or value_type in _EMPTY_TYPES:
+                continue
+            if value_type == "string":
+                strings = _read_json(item, "_strings.json") if strings is None else strings
+                if not isinstance(strings, dict) or not isinstance(strings.get(name), str):
+                    raise CorruptCheckpointError(
+                        f"{item}: leaf '{path}': expected string '{name}' in '_strings.json', found none; "
+                        "the checkpoint is damaged, re-save it"
+                    )
+                self.leaves.append(path)
+                self.values[path] = strings[name]
+            elif value_type in _ARRAY_TYPES or value_type == "scalar":
+                self.leaves.append(path)
+                self.pending.append((path, name, value_type == "scalar", _spec(item, name, zarr3, ocdbt, fill_missing)))
+            else:
+                raise LeafTypeError(
+                    f"{item}: leaf '{path}': Orbax value type '{value_type}' is not supported: expected one of "
+                    f"{sorted(_ARRAY_TYPES | {'scalar', 'string'})}; restore this leaf with orbax instead"
+                )
+
+    def _add_json(self, value: Any, comps: list[str]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                self._add_json(v, comps + [escape(str(k))])
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                self._add_json(v, comps + [str(i)])
+        elif value is not None:
+            path = "/".join(comps) or ROOT_LEAF_PATH
+            self.leaves.append(path)
+            self.values[path] = value
+
+    def finish(self) -> ForeignCheckpoint:
+        context = ts.Context()
+        opened = [ts.open(spec, read=True, context=context) for _, _, _, spec in self.pending]
+        arrays: dict[str, ForeignArray] = {}
+        for (path, name, scalar, spec), future in zip(self.pending, opened):
+            try:
+                store = future.result()
+                if scalar:  # a Python int/float/bool saved as a 0-d array
+                    self.values[path] = store.read().result().item()
+                    continue
+            except Exception as e:  # TensorStore raises ValueError/OSError subclasses, varying by version
+                raise CorruptCheckpointError(
+                    f"{self.location}: leaf '{path}': cannot read Orbax array '{name}': expected a readable "
+                    f"{spec['driver']} array, found {_one_line(e)}; the checkpoint is damaged, re-save it"
+                ) from e
+            dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
+            if dtype is None:
+                raise LeafTypeError(
+                    f"{self.location}: leaf '{path}': Orbax array dtype {store.dtype.name} has no tsckpt "
+                    f"equivalent: expected a numeric dtype; restore this leaf with orbax instead"
+                )
+            shape = tuple(int(s) for s in store.shape)
+            chunk = tuple(int(c or s) for c, s in zip(store.chunk_layout.read_chunk.shape or shape, shape))
+            arrays[path] = ForeignArray(path, shape, dtype, chunk, spec)
+        values = {p: self.values[p] for p in self.leaves if p in self.values}
+        proxy = types.MappingProxyType
+        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None)
+
+
+def _items(step: Path) -> list[str]:
+    meta = _read_json(step, STEP_METADATA) if (step / STEP_METADATA).is_file() else None
+    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+    if isinstance(handlers, dict):
+        return sorted(str(k) for k in handlers)
+    return sorted(
+        p.name for p in step.iterdir() if p.is_dir() and any((p / f).is_file() for f in (TREE_METADATA, JSON_ITEM))
+    )
+
+
+def load(directory: str) -> ForeignCheckpoint:
+    """Parse an Orbax item or step directory; arrays come back as TensorStore specs."""
+    d = Path(os.path.abspath(directory))
+    if not d.is_dir():
+        raise CheckpointNotFoundError(f"{d}: no such directory: expected an Orbax checkpoint directory; check the path")
+    reader = _Reader(d)
+    if (d / TREE_METADATA).is_file() or TMP_SUFFIX in d.name:
+        reader.add_item(d, [])
+        return reader.finish()
+    items = _items(d) if (d / STEP_METADATA).is_file() else []
+    if items:
+        _check_committed(d)
+        for name in items:
+            if not (d / name).is_dir():
+                raise CheckpointIncompleteError(
+                    f"{d}: Orbax step is incomplete: expected item directory '{name}' listed in '{STEP_METADATA}', "
+                    f"found none; {_UNCOMMITTED}"
+                )
+            reader.add_item(d / name, [] if items == ["default"] else [escape(name)])
+        return reader.finish()
+    if (d / STEP_METADATA).is_file() or (d / MANIFEST).is_file() or any(d.glob("ocdbt.process_*")):
+        reader.add_item(d, [])  # an item without tree metadata: raises unless it is a JSON item
+        return reader.finish()
+    steps = _steps(d)
+    if steps:
+        done = [(s, p) for s, p in steps if TMP_SUFFIX not in p.name and _committed(p) is not False]
+        if not done:
+            raise CheckpointIncompleteError(
+                f"{d}: Orbax CheckpointManager root with no committed step: expected a committed step directory, "
+                f"found only {[p.name for _, p in steps]}; {_UNCOMMITTED}"
+            )
+        raise NotACheckpointError(
+            f"{d}: an Orbax CheckpointManager root, not one checkpoint: expected an item or step directory, found "
+            f"steps {[s for s, _ in done]}; pass the newest committed step directory '{done[-1][1]}' instead"
+        )
+    if (d / "checkpoint").is_file():
+        raise NotACheckpointError(
+            f"{d}: a legacy msgpack Orbax/Flax checkpoint: expected '{TREE_METADATA}' tree metadata, found only "
+            "the 'checkpoint' file; re-save it with a current orbax-checkpoint"
+        )
+    found = sorted(p.name for p in d.iterdir())[:8]
+    raise NotACheckpointError(
+        f"{d}: not an Orbax checkpoint: expected '{TREE_METADATA}' (item), '{STEP_METADATA}' (step) or numbered "
+        f"step directories, found {found}; pass an Orbax item or step directory"
+    )
