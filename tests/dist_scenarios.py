@@ -226,3 +226,20 @@ def restore_fsdp2_as_tp_shard1(rank: int, world: int, directory: str) -> dict[st
         if not torch.equal(out[k].to_local(), want):
             raise AssertionError(f"rank {rank}: {k} differs")
     return {k: str(out[k].placements) for k in ref}
+
+
+def restore_foreign_dtensor(rank: int, world: int, directory: str, path: str, shape: tuple[int, ...], placement: str):
+    """Restore one array of a checkpoint (any format tsckpt reads) into a DTensor; return the local shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.full(shape, float("nan")), mesh, [Shard(0 if placement == "shard0" else 1)])
+    parts = path.split("/")
+    target: dict = {}
+    node = target
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = dt
+    tsckpt.restore(directory, target, strict=False, inplace=True)
+    return dt.to_local().numpy().copy()

@@ -14,7 +14,7 @@ import optree
 import tensorstore as ts
 import torch
 
-from . import _dtypes
+from . import _dtypes, _orbax, _store
 from ._arrays import open_array_future
 from ._errors import (
     CheckpointIncompleteError,
@@ -23,7 +23,7 @@ from ._errors import (
     FormatVersionError,
     NotACheckpointError,
 )
-from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, decode_value
+from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, Layout, decode_value
 from ._store import Directory, Location, resolve
 from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json
 
@@ -51,6 +51,19 @@ class Checkpoint:
     structure: Any
     raw: Mapping[str, Any]
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # alias path -> stored array path
+    # arrays of a checkpoint written by another library (Orbax): path -> TensorStore spec
+    specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def format(self) -> str:
+        """"tsckpt", or the library that wrote a checkpoint tsckpt reads directly ("orbax")."""
+        return str(self.raw.get("format", "tsckpt"))
+
+    def open_array_future(self, path: str) -> ts.Future:
+        """Open a stored array for reading; its zarr.json is checked against the root metadata."""
+        if path in self.specs:
+            return ts.open(self.specs[path], read=True, context=_store.CONTEXT)
+        return open_array_future(self.location, self.arrays[path])
 
     def is_array(self, path: str) -> bool:
         return path in self.arrays or path in self.aliases
@@ -129,6 +142,8 @@ def load(directory: Directory | Location) -> Checkpoint:
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
     root = read_root_states(kv, [ROOT_KEY])[ROOT_KEY]
+    if root.state is None and loc.local is not None and _orbax.detect(loc.local):
+        return _from_orbax(loc, _orbax.load(loc.local))
     if root.state is None:
         if loc.local is None and not kv.list().result():
             raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
@@ -168,6 +183,16 @@ def load(directory: Directory | Location) -> Checkpoint:
     if missing:
         raise CorruptCheckpointError(f"{loc}: leaves {missing[:5]} are listed but have no record")
     return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta, aliases)
+
+
+def _from_orbax(loc: Location, fc: _orbax.ForeignCheckpoint) -> Checkpoint:
+    """An Orbax checkpoint as a :class:`Checkpoint` whose arrays open through their own specs."""
+    arrays = {
+        p: ArrayRecord(p, a.shape, a.dtype, "numpy", Layout(a.chunk_shape or (1,) * len(a.shape), None))
+        for p, a in fc.arrays.items()
+    }
+    specs = {p: a.spec for p, a in fc.arrays.items()}
+    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), None, {"format": "orbax"}, {}, specs)
 
 
 def metadata(directory: Directory) -> Any:
@@ -263,7 +288,7 @@ class LazyArray:
         return f"LazyArray('{self.path}', shape={list(self.shape)}, dtype={self.dtype})"
 
     def open_future(self) -> ts.Future:
-        return open_array_future(self._ck.location, self._ck.arrays[self.path])
+        return self._ck.open_array_future(self.path)
 
     def set_store(self, future: ts.Future) -> None:
         try:

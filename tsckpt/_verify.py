@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from . import _dtypes
-from ._arrays import array_node, open_array
+from ._arrays import array_node
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._reader import Checkpoint, describe_read_error, load
@@ -112,7 +112,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
             progress(1)
             continue
         try:
-            store = open_array(ck.location, rec)
+            store = ck.open_array_future(path).result()
         except Exception as e:  # noqa: BLE001
             bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
             progress(1)
@@ -138,7 +138,7 @@ def verify(directory: Directory, *, progress: Callable[[int], None] | None = Non
     the returned report, never raised; a root that is not a committed checkpoint raises.
     ``progress(n)`` is called as arrays are done."""
     ck = load(directory)
-    nodes = _check_nodes(ck)
+    nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
     reads = _read_all(ck, nodes.bad, progress or (lambda n: None))
     bad = dict(nodes.bad)
     for path, why in reads.bad.items():
