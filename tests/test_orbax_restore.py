@@ -75,6 +75,7 @@ def test_restore_into_numpy_and_torch(orbax_dirs, name):
     assert out["step"] == 12 and out["layers"][0].tolist() == [0, 0] and out["layers"][1].tolist() == [1, 1]
     plain = tsckpt.restore(orbax_dirs[name])
     assert plain["params"]["w"].tobytes() == W.tobytes() and plain["step"] == 12
+    assert isinstance(plain["layers"], list) and [a.tolist() for a in plain["layers"]] == [[0, 0], [1, 1]]
     assert tsckpt.verify(orbax_dirs[name]).ok
 
 

@@ -264,3 +264,12 @@ def test_structure_json_roundtrip_property(t):
     out = _json_roundtrip(t)
     assert out == t
     assert repr(out) == repr(t)  # same container types and key order, all the way down
+
+
+def test_structure_from_paths_makes_lists_of_index_runs():
+    from tsckpt.tree import structure_from_json, structure_from_paths
+
+    paths = ["a/0", "a/1/x", "b%2Fc", "d/%31"]  # "d/%31" is the str key "1", not an index
+    s = structure_from_paths(paths)
+    assert structure_from_json(s, [1, 2, 3, 4]) == {"a": [1, {"x": 2}], "b/c": 3, "d": {"1": 4}}
+    assert structure_from_paths(["a/1", "b", "a/0"]) is None  # not depth-first: no structure claimed

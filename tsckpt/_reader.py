@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, Layout, decode_value
 from ._store import Directory, Location, resolve
-from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json
+from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,9 @@ def _from_orbax(loc: Location, fc: _orbax.ForeignCheckpoint) -> Checkpoint:
         for p, a in fc.arrays.items()
     }
     specs = {p: a.spec for p, a in fc.arrays.items()}
-    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), None, {"format": "orbax"}, {}, specs)
+    # Orbax escapes int-like dict keys, so a plain int component is a list index
+    structure = structure_from_paths(fc.leaves)
+    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {"format": "orbax"}, {}, specs)
 
 
 def metadata(directory: Directory) -> Any:

@@ -254,6 +254,43 @@ def from_paths(paths: list[str] | tuple[str, ...], leaves: list[Any]) -> Any:
     return out
 
 
+def structure_from_paths(paths: list[str] | tuple[str, ...]) -> Any:
+    """Structure JSON of the nested containers ``paths`` name, where a node whose keys are
+    exactly 0..n-1 is a list (for trees whose int components are sequence indices, as in
+    Orbax checkpoints). None if the paths are not in depth-first order of that tree."""
+    if list(paths) == [ROOT_LEAF_PATH]:
+        return None
+    root: dict[Any, Any] = {}
+    for path in paths:
+        node = root
+        *parents, last = (unescape(c) for c in path.split("/"))
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = path
+
+    def to_json(node: Any) -> Any:
+        if isinstance(node, str):
+            return None
+        keys = list(node)
+        children = [to_json(node[k]) for k in keys]
+        if keys == list(range(len(keys))):
+            return {"type": "list", "children": children}
+        return {"type": "dict", "keys": keys, "children": children}
+
+    structure = to_json(root)
+    order: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, str):
+            order.append(node)
+        else:
+            for v in node.values():
+                walk(v)
+
+    walk(root)
+    return structure if order == list(paths) else None
+
+
 def child(node: Any, component: str) -> Any:
     """The child of a rebuilt tree node named by one path component (KeyError if none)."""
     key = unescape(component)
