@@ -15,7 +15,7 @@ import numpy as np
 
 from ._errors import LeafTypeError
 from ._format import ArrayRecord
-from ._kinds import LeafKind, check_cast, check_shape, region_leaf, whole
+from ._kinds import LeafKind, check_cast, check_shape, host_empty, region_leaf, whole
 from ._types import Dest, Local
 
 
@@ -43,6 +43,6 @@ class JaxKind(LeafKind):
 
         check_shape(path, tuple(leaf.shape), rec.shape)
         check_cast(path, rec.dtype, leaf.dtype)
-        buf = np.empty(rec.shape, dtype=leaf.dtype)
+        buf = host_empty(rec.shape, leaf.dtype)
         sharding = leaf.sharding
         return Dest(whole(rec, path), buf, None, finish=lambda a: jax.device_put(a, sharding))
