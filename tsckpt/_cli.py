@@ -22,7 +22,9 @@ import torch
 
 from . import __version__, _dtypes
 from ._errors import CheckpointExistsError, TsckptError
+from ._convert import TARGETS
 from ._reader import LazyArray, load
+from ._sources import FORMATS
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -289,16 +291,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ._convert import convert
 
     try:
-        report = convert(args.src, args.dst, overwrite=args.overwrite)
+        report = convert(
+            args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
+            strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
+            dtype=args.dtype, overwrite=args.overwrite,
+        )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
-    except ValueError as e:
+    except (ValueError, KeyError) as e:
         if isinstance(e, TsckptError):
             raise
-        raise UsageError(str(e)) from None
+        raise UsageError(e.args[0] if e.args else str(e)) from None
+    tied = f", {_count(report.n_tied, 'tied leaf', 'tied leaves')}" if report.n_tied else ""
+    files = f" in {_count(len(report.files), 'file')}" if len(report.files) > 1 else ""
     print(
-        f"converted {report.src} -> {report.dst}: {_count(report.n_arrays, 'array')} ({human_bytes(report.nbytes)}), "
-        f"{_count(report.n_values, 'value')}"
+        f"converted {report.src} ({report.src_format}) -> {report.dst} ({report.dst_format}): "
+        f"{_count(report.n_arrays, 'array')} ({human_bytes(report.nbytes)}){files}, "
+        f"{_count(report.n_values, 'value')}{tied}"
     )
     return EXIT_OK
 
@@ -343,13 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="copy a checkpoint; SRC or DST may be a .safetensors file",
-        description="Re-save SRC as DST. Either may be a checkpoint directory or a file ending in "
-        ".safetensors (a plain safetensors file becomes a flat dict of tensors). The whole tree is held "
-        "in memory.",
+        help="copy a checkpoint into another format (safetensors, Hugging Face, torch.save, DCP, Orbax)",
+        description="Stream SRC into DST, reading and writing piece by piece (memory stays bounded). SRC is "
+        "detected: a tsckpt checkpoint, a .safetensors file or Hugging Face directory (model.safetensors, or "
+        "shards and model.safetensors.index.json), a torch.save file (loaded with weights_only=True), a "
+        "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint, a "
+        ".safetensors file, or (--to safetensors) a Hugging Face directory, sharded at --max-shard-size. "
+        "Tied leaves stay tied (stored once). Warning: a torch.distributed.checkpoint's .metadata file is a "
+        "pickle, and reading it can run code: convert DCP checkpoints only from a trusted source.",
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
+    p.add_argument("--from", dest="from_format", choices=FORMATS, help="source format (default: detected)")
+    p.add_argument("--to", dest="to_format", choices=TARGETS,
+                   help="destination format (default: safetensors if DST ends in .safetensors, else tsckpt)")
+    p.add_argument("--subtree", metavar="PATH", help="convert only the leaves below PATH (e.g. model)")
+    p.add_argument("--strip-prefix", metavar="TEXT", help="remove TEXT from the start of every leaf name")
+    p.add_argument("--add-prefix", metavar="TEXT", help="put TEXT in front of every leaf name (e.g. 'model.')")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
+    p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point arrays, e.g. bfloat16 or float16")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
     return parser

@@ -1,16 +1,43 @@
-"""convert(): copy a checkpoint between tsckpt and other formats."""
+"""convert(): stream a checkpoint from one format into another.
+
+1. Open the source as a tree of lazy sources (``_sources``), format detected or given.
+2. Select the subtree and rename its leaves (prefixes): :func:`select`.
+3. Wrap each stored array once (tied leaves share it) to cast and count progress.
+4. Write: ``tsckpt.save`` (shard by shard, a bounded window in flight) or the
+   safetensors writer (block by block). Memory stays bounded by the window, never
+   by the model.
+5. On failure remove the partial output, so nothing half-written is left behind.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
+import sys
+from collections.abc import Callable
 from typing import Any
 
-from . import _safetensors
-from ._reader import load
-from ._restore import restore
+import numpy as np
+import torch
+
+from . import _dtypes, _safetensors, _store
+from ._format import ROOT_KEY, STATE_PENDING, encode_value
+from ._leaves import describe, memory
+from ._reader import read_root_states
 from ._save import save
+from ._sources import open_source
 from ._store import Directory
+from ._types import LazySource, Local
+from .tree import child, flatten, from_paths, structure_from_json, structure_to_json
+
+TARGETS = ("tsckpt", "safetensors")
+# Source bytes in flight while writing a tsckpt checkpoint (beyond the shard being read).
+CONVERT_WINDOW_BYTES = 64 << 20
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,32 +46,259 @@ class ConvertReport:
 
     src: str
     dst: str
-    n_arrays: int
-    nbytes: int
+    src_format: str
+    dst_format: str
+    n_arrays: int  # arrays stored (tied leaves count once)
+    nbytes: int  # bytes of array data written
     n_values: int
+    n_tied: int  # leaves stored as a tie to another leaf
+    files: tuple[str, ...] = ()  # safetensors files written (empty for a tsckpt checkpoint)
 
 
-def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors") and not os.path.isdir(path)
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """Step 2's result: the leaves to write, under their output names."""
+
+    names: list[str]
+    leaves: list[Any]
+    structure: Any  # JSON structure of the selected subtree; None after renaming
 
 
-def _read(src: str) -> Any:
-    if _is_safetensors(src):
-        return _safetensors.read_file(src)
-    return restore(src, as_saved=True)
+def parse_size(size: int | str | None) -> int | None:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2**31 (units as in transformers)."""
+    if size is None or isinstance(size, int):
+        return size
+    m = _SIZE.fullmatch(size)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected a byte count such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
-def convert(src: Directory, dst: Directory, *, overwrite: bool = False) -> ConvertReport:
-    """Re-save ``src`` as ``dst``; either may be a checkpoint or a ``.safetensors`` file."""
-    src_s, dst_s = os.fspath(src) if not isinstance(src, dict) else str(src), os.fspath(dst) if not isinstance(dst, dict) else str(dst)
+def parse_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    candidate = getattr(torch, str(dtype), None)
+    if not isinstance(candidate, torch.dtype) or not candidate.is_floating_point:
+        raise ValueError(f"dtype {dtype!r}: expected a floating-point torch dtype such as bfloat16 or float16")
+    return candidate
+
+
+def select(tree: Any, subtree: str | None, strip_prefix: str | None, add_prefix: str | None) -> Selected:
+    """The leaves at or below ``subtree``, named by their path below it, then renamed:
+    ``strip_prefix`` removed (every name must start with it) and ``add_prefix`` put in front."""
+    node = tree
+    for component in (c for c in (subtree or "").strip("/").split("/") if c):
+        try:
+            node = child(node, component)
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(f"no subtree '{subtree}' in the source (no '{component}' there)") from None
+    flat = flatten(node)
+    if not flat.paths:
+        raise KeyError(f"the subtree '{subtree or ''}' holds no leaves")
+    names = list(flat.paths)
+    if strip_prefix:
+        outside = [n for n in names if not n.startswith(strip_prefix)]
+        if outside:
+            raise ValueError(
+                f"strip_prefix {strip_prefix!r}: {len(outside)} leaves do not start with it (e.g. {outside[0]!r}); "
+                "select the part that does with subtree"
+            )
+        names = [n[len(strip_prefix):] for n in names]
+    if add_prefix:
+        names = [add_prefix + n for n in names]
+    renamed = bool(strip_prefix or add_prefix)
+    return Selected(names, flat.leaves, None if renamed else structure_to_json(flat.spec))
+
+
+class _Progress:
+    """A tqdm bar of bytes read, when wanted; opened once the total is known."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+        self.bar: Any = None
+
+    def start(self, total: int) -> None:
+        if self.show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+                            file=sys.stderr, leave=False)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _reader(local: Local, cast: torch.dtype | None, count: Callable[[int], None]) -> tuple[LazySource, str]:
+    """A lazy source over one stored array that casts floating-point data to ``cast`` and
+    counts what it reads; returns it with its (output) logical dtype."""
+    stored = local.desc.dtype
+    out = stored
+    if cast is not None and _dtypes.torch_dtype(stored).is_floating_point:
+        out = _dtypes.torch_name(cast)
+    data = local.data
+
+    def read(box: tuple[slice, ...]) -> np.ndarray:
+        block = data[box]
+        arr: np.ndarray
+        if isinstance(block, torch.Tensor):
+            arr = _dtypes.tensor_to_numpy(block.detach().cpu().contiguous())
+        else:
+            arr = np.asarray(block)
+        count(arr.nbytes)
+        if out != stored:
+            arr = _dtypes.tensor_to_numpy(_dtypes.numpy_to_tensor(np.ascontiguousarray(arr), stored).to(cast))
+        return arr
+
+    kind = local.desc.kind
+    dtype: Any = _dtypes.torch_dtype(out) if kind == "torch" else _dtypes.numpy_dtype(out)
+    return LazySource(local.desc.global_shape, dtype, read, kind=kind), out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """Step 3's result: the leaves to write (sources wrapped once per stored array)."""
+
+    leaves: list[Any]
+    dtypes: dict[str, str]  # stored name -> output logical dtype
+    aliases: dict[str, str]  # tied name -> stored name
+    nbytes_in: int
+
+
+def _prepare(sel: Selected, cast: torch.dtype | None, count: Callable[[int], None]) -> _Prepared:
+    first: dict[Any, tuple[str, LazySource]] = {}
+    leaves: list[Any] = []
+    dtypes: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    nbytes = 0
+    for name, leaf in zip(sel.names, sel.leaves):
+        local = describe(name, leaf)
+        if local.desc.kind == "value":
+            leaves.append(leaf)
+            continue
+        mem = memory(leaf)
+        key = mem if mem is not None else ("leaf", id(leaf))
+        if key in first:  # tied: the same memory (or source) as an earlier leaf
+            aliases[name] = first[key][0]
+            leaves.append(first[key][1])
+            continue
+        src, out = _reader(local, cast, count)
+        first[key] = (name, src)
+        dtypes[name] = out
+        nbytes += math.prod(src.shape) * _dtypes.itemsize(local.desc.dtype)
+        leaves.append(src)
+    return _Prepared(leaves, dtypes, aliases, nbytes)
+
+
+def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: bool) -> None:
+    tree: Any
+    if sel.structure is not None:
+        tree = structure_from_json(sel.structure, prep.leaves)
+    else:
+        tree = from_paths(sel.names, prep.leaves)
+    existed = _store.has_any_key(_store.resolve(dst))
+    try:
+        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES)
+    except BaseException:
+        _remove_claimed(dst, existed, overwrite)
+        raise
+
+
+def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
+    """Remove what a failed save left (its pending root and data), never another's checkpoint."""
+    if existed and not overwrite:
+        return
+    loc = _store.resolve(dst)
+    if read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY].state in (STATE_PENDING, None):
+        _store.delete_all(loc)
+        if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
+            os.rmdir(loc.local)
+
+
+def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_size: int | None,
+                       overwrite: bool) -> list[str]:
+    tensors, values, kinds = [], {}, {}
+    for name, leaf in zip(sel.names, prep.leaves):
+        if not isinstance(leaf, LazySource):
+            values[name] = encode_value(leaf)
+            continue
+        kinds[name] = leaf.kind
+        if name in prep.aliases:
+            continue
+        tensors.append(_safetensors.OutTensor(name, prep.dtypes[name], leaf.shape, leaf.__getitem__))
+    info = {
+        "format_version": 1,
+        "structure": sel.structure,
+        "leaves": sel.names,
+        "kinds": kinds,
+        "values": values,
+        **({"aliases": prep.aliases} if prep.aliases else {}),
+    }
+    directory = not dst.endswith(".safetensors")
+    return _safetensors.write(
+        dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite,
+        progress=lambda n: None,
+    )
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    from_format: str | None = None,
+    to_format: str | None = None,
+    subtree: str | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    max_shard_size: int | str | None = None,
+    dtype: Any = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> ConvertReport:
+    """Copy a checkpoint into another format, streaming (memory stays bounded).
+
+    ``src`` may be a tsckpt checkpoint, a safetensors file or Hugging Face directory
+    (``model.safetensors`` or shards with ``model.safetensors.index.json``), a
+    ``torch.save`` file (loaded with ``weights_only=True``), a
+    torch.distributed.checkpoint directory (its metadata is pickled: only from a
+    trusted source) or an Orbax checkpoint; ``from_format`` overrides detection.
+    ``dst`` is a tsckpt checkpoint, or safetensors (``to_format="safetensors"``, or a
+    path ending in ``.safetensors``): one file, or a Hugging Face directory sharded at
+    ``max_shard_size`` (e.g. ``"5GB"``). ``subtree`` picks the leaves below a path;
+    ``strip_prefix``/``add_prefix`` rename them; ``dtype`` casts floating-point arrays.
+    Tied leaves stay tied. ``progress`` shows a bar (default: when stderr is a terminal).
+    """
+    src_s, dst_s = os.fspath(src), os.fspath(dst)
     if os.path.abspath(src_s) == os.path.abspath(dst_s):
         raise ValueError(f"convert: source and destination are the same ({src_s}); convert writes a new copy")
-    tree = _read(src_s)
-    if _is_safetensors(dst_s):
-        n_arrays, nbytes, n_values = _safetensors.write_file(dst_s, tree, overwrite=overwrite)
-    else:
-        save(dst, tree, overwrite=overwrite)
-        ck = load(dst)
-        n_arrays, n_values = len(ck.arrays), len(ck.values)
-        nbytes = sum(ck.array_metadata(p).nbytes for p in ck.arrays)
-    return ConvertReport(src_s, dst_s, n_arrays, nbytes, n_values)
+    to = to_format or ("safetensors" if dst_s.endswith(".safetensors") else "tsckpt")
+    if to not in TARGETS:
+        raise ValueError(f"unknown destination format {to!r}; choose one of {', '.join(TARGETS)}")
+    shard_limit = parse_size(max_shard_size)
+    if shard_limit is not None and (to != "safetensors" or dst_s.endswith(".safetensors")):
+        raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
+    cast = parse_dtype(dtype)
+    fmt, tree = open_source(src_s, from_format)
+    sel = select(tree, subtree, strip_prefix, add_prefix)
+    counter = _Progress(sys.stderr.isatty() if progress is None else progress)
+    prep = _prepare(sel, cast, counter)
+    counter.start(prep.nbytes_in)
+    try:
+        files: list[str] = []
+        if to == "tsckpt":
+            _write_tsckpt(dst_s, sel, prep, overwrite)
+        else:
+            files = _write_safetensors(dst_s, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
+    finally:
+        counter.close()
+    n_values = sum(not isinstance(x, LazySource) for x in prep.leaves)
+    nbytes = sum(
+        math.prod(x.shape) * _dtypes.itemsize(prep.dtypes[n])
+        for n, x in zip(sel.names, prep.leaves) if isinstance(x, LazySource) and n not in prep.aliases
+    )
+    return ConvertReport(src_s, dst_s, fmt, to, len(prep.dtypes), nbytes, n_values, len(prep.aliases), tuple(files))
+

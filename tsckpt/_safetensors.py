@@ -1,119 +1,421 @@
-"""safetensors files: a tsckpt tree to one file and back (mapping in docs/format.md).
+"""safetensors files and Hugging Face sharded directories, read and written in pieces.
 
-A file written here carries the tree's structure, leaf kinds and plain values
-as JSON under the metadata key ``tsckpt``, so it converts back to the same
-tree; a plain safetensors file reads as a flat dict of tensors, names as keys.
+The byte layout is the safetensors library's own (docs/format.md): an 8-byte
+little-endian header length, a JSON header (``__metadata__`` first, then one
+``{"dtype", "shape", "data_offsets"}`` entry per tensor in data order), padded
+with spaces to a multiple of 8, then the tensors' bytes back to back; files
+written here are byte-identical to ``safetensors.torch.save_file`` (a test
+checks). The header is parsed and written here rather than through the library
+because the library cannot do either in bounded memory: ``save_file`` needs
+every tensor of a file in memory at once, and its reader maps the file, so the
+pages a conversion touches count against the process for the whole file. Here
+tensor bytes are read with positional reads and written in blocks, so peak
+memory is one block, whatever the model size.
+
+A Hugging Face directory holds ``model.safetensors``, or
+``model-0000N-of-0000M.safetensors`` shards and ``model.safetensors.index.json``
+(``metadata.total_size`` and ``weight_map``), as ``save_pretrained`` writes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
+import math
 import os
+import re
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import _dtypes
-from ._errors import CheckpointExistsError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from ._format import decode_value
-from ._leaves import describe
-from .tree import flatten, from_paths, structure_from_json, structure_to_json
+from ._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
+from ._errors import NotACheckpointError
+from ._types import LazySource
 
-# Metadata key under which the tree is stored in a .safetensors file.
+# Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
 METADATA_KEY = "tsckpt"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# safetensors refuses headers above 100 MB; so does this reader.
+MAX_HEADER_BYTES = 100_000_000
+# Bytes of one tensor read or written at a time.
+BLOCK_BYTES = 64 << 20
+
+# safetensors dtype name -> tsckpt logical dtype name
+DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+    "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
 
-def read_file(src: str) -> Any:
-    """The tree stored in a safetensors file (tensors are read into memory)."""
-    from safetensors import SafetensorError, safe_open
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file; ``begin``/``end`` are absolute file offsets."""
 
-    if not os.path.isfile(src):
-        raise NotACheckpointError(f"{src}: no such file")
+    name: str
+    dtype: str  # tsckpt logical name
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    file: str
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+def _corrupt(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {what}; the file is damaged or was not fully written, get a good copy")
+
+
+def read_header(path: str) -> Header:
+    """Parse and check a safetensors header against the file's size, before any data is read."""
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"{path}: no such file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+        if len(head) < 9 or head[8:9] != b"{":
+            raise NotACheckpointError(f"{path}: not a safetensors file (no JSON header after the 8-byte length)")
+        (n,) = struct.unpack("<Q", head[:8])
+        if n > MAX_HEADER_BYTES:
+            raise NotACheckpointError(f"{path}: not a safetensors file (header length {n} is over 100 MB)")
+        if 8 + n > size:
+            raise _corrupt(path, f"truncated: the header needs {n} bytes but the file has {size - 8} after its length")
+        f.seek(8)
+        raw = f.read(n)
     try:
-        with safe_open(src, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as e:
-        raise NotACheckpointError(f"{src}: not a readable safetensors file ({e})") from None
-    info = meta.get(METADATA_KEY)
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _corrupt(path, f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _corrupt(path, "its __metadata__ is not a map of strings")
+    entries = {name: _entry(path, name, e, 8 + n) for name, e in header.items()}
+    _check_cover(path, entries, 8 + n, size)
+    return Header(path, entries, meta)
+
+
+def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
+    try:
+        dtype = DTYPES[e["dtype"]]
+        shape = tuple(int(s) for s in e["shape"])
+        begin, end = (int(o) for o in e["data_offsets"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _corrupt(path, f"tensor '{name}' has a malformed header entry {e!r} ({type(err).__name__}: {err})") from None
+    if any(s < 0 for s in shape) or not 0 <= begin <= end:
+        raise _corrupt(path, f"tensor '{name}': negative shape {list(shape)} or offsets [{begin}, {end}]")
+    want = math.prod(shape) * _dtypes.itemsize(dtype)
+    if end - begin != want:
+        raise _corrupt(
+            path, f"tensor '{name}': {e['dtype']}{list(shape)} needs {want} bytes but its offsets [{begin}, {end}] "
+            f"span {end - begin}"
+        )
+    return TensorEntry(name, dtype, shape, start + begin, start + end)
+
+
+def _check_cover(path: str, entries: dict[str, TensorEntry], start: int, size: int) -> None:
+    """Tensors must tile the data section exactly: no overlap, no gap, nothing past the end."""
+    pos = start
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            what = "overlaps another tensor" if e.begin < pos else f"leaves a gap of {e.begin - pos} bytes before it"
+            raise _corrupt(path, f"tensor '{e.name}' at data offset {e.begin - start} {what}")
+        pos = e.end
+    if pos > size:
+        raise _corrupt(path, f"truncated: the header describes {pos - start} data bytes but the file holds {size - start}")
+    if pos < size:
+        raise _corrupt(path, f"{size - pos} bytes follow the last tensor; the header does not describe them")
+
+
+def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...]) -> np.ndarray:
+    """The elements of ``box`` of one tensor (storage dtype): the rows it spans are read
+    with positional reads, then the other dimensions are sliced."""
+    dtype = _dtypes.numpy_dtype(entry.dtype)
+    shape = entry.shape
+    rows = box[0] if box else slice(0, 1)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    out = np.empty(((rows.stop - rows.start) * row_bytes,), np.uint8)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        view, pos, at = out.data, 0, entry.begin + rows.start * row_bytes
+        while pos < out.nbytes:
+            got = os.preadv(fd, [view[pos:]], at + pos)
+            if got <= 0:
+                raise _corrupt(file, f"tensor '{entry.name}' ends early (the file shrank while it was read)")
+            pos += got
+    finally:
+        os.close(fd)
+    data = out.view(dtype).reshape(((rows.stop - rows.start), *shape[1:]) if shape else ())
+    return data[(slice(None),) + tuple(box[1:])] if len(box) > 1 else data
+
+
+def _source(entry: TensorEntry, file: str, kind: str = "torch") -> LazySource:
+    """``kind``: "torch", or "numpy"/"numpy_scalar" for leaves saved from numpy."""
+    dtype: Any = _dtypes.torch_dtype(entry.dtype) if kind == "torch" else _dtypes.numpy_dtype(entry.dtype)
+    return LazySource(entry.shape, dtype, lambda box: read_box(entry, file, box), kind=kind)
+
+
+# ---- reading a file or a directory as a tree -------------------------------------------
+
+
+def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any) -> Any:
+    """The tree: rebuilt from tsckpt's metadata when the file has it, else a flat dict by name."""
+    from ._format import decode_value
+    from .tree import escape, from_paths, structure_from_json
+
     if info is None:
-        return dict(sorted(tensors.items()))  # a plain file: a flat dict, names kept as keys
+        return {name: _source(e, f) for name, (e, f) in sorted(sources.items())}
     try:
-        info = json.loads(info)
-        leaves: list[Any] = []
-        for p in info["leaves"]:
-            if p in info["values"]:
-                leaves.append(decode_value(info["values"][p]))
-                continue
-            t: torch.Tensor = tensors[p]
-            kind = info["kinds"].get(p, "torch")
-            if kind in ("numpy", "numpy_scalar"):
-                a = _dtypes.tensor_to_numpy(t).copy()
-                leaves.append(a[()] if kind == "numpy_scalar" else a)
-            else:
-                leaves.append(t)
+        if isinstance(info, str):
+            info = json.loads(info)
+        kinds, aliases = info["kinds"], info.get("aliases", {})
+        made: dict[str, Any] = {}
+
+        def leaf(path: str) -> Any:
+            if path in info["values"]:
+                return decode_value(info["values"][path])
+            path = aliases.get(path, path)  # a tied leaf is the same source as the one stored
+            if path not in made:
+                entry, file = sources[path]
+                made[path] = _source(entry, file, kinds.get(path, "torch"))
+            return made[path]
+
+        leaves = [leaf(p) for p in info["leaves"]]
         if info.get("structure") is not None:
             return structure_from_json(info["structure"], leaves)
         return from_paths(info["leaves"], leaves)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
-            f"{src}: its '{METADATA_KEY}' metadata is malformed ({type(e).__name__}: {e})"
+            f"{where}: its '{METADATA_KEY}' metadata is malformed ({type(e).__name__}: {e}); "
+            f"remove it to read the tensors as a flat dict (names: e.g. {escape(next(iter(sources), ''))!r})"
         ) from None
 
 
-def safetensors_dtypes() -> set[torch.dtype]:
-    from safetensors import torch as st
-
-    return set(getattr(st, "_TYPES", {}).values())
-
-
-def as_cpu_tensor(path: str, local_data: Any, dtype_name: str) -> torch.Tensor:
-    """A contiguous CPU tensor of a leaf's data, refused if safetensors has no such dtype."""
-    data = local_data
-    if not isinstance(data, torch.Tensor):  # np.ascontiguousarray would make 0-d arrays 1-d
-        data = _dtypes.numpy_to_tensor(np.require(data, requirements="C"), dtype_name)
-    supported = safetensors_dtypes()
-    if supported and data.dtype not in supported:
-        raise LeafTypeError(f"'{path}': dtype {dtype_name} has no safetensors equivalent; keep it in a tsckpt checkpoint")
-    return data.detach().cpu().contiguous()
+def read_file(path: str) -> Any:
+    """A safetensors file as a tree of lazy sources (nothing but the header is read)."""
+    h = read_header(path)
+    return _tree(path, {n: (e, path) for n, e in h.entries.items()}, h.metadata.get(METADATA_KEY))
 
 
-def write_file(dst: str, tree: Any, *, overwrite: bool = False) -> tuple[int, int, int]:
-    """Write ``tree`` to one safetensors file (atomically); returns (arrays, bytes, values)."""
-    from safetensors import SafetensorError
-    from safetensors import torch as st
+def is_hf_dir(path: str) -> bool:
+    return os.path.isdir(path) and (
+        os.path.isfile(os.path.join(path, INDEX_NAME)) or os.path.isfile(os.path.join(path, SINGLE_NAME))
+        or bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors.index.json")))
+    )
 
-    if os.path.exists(dst) and not overwrite:
-        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
-    flat = flatten(tree)
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
-    kinds: dict[str, str] = {}
-    nbytes = 0
-    for path, leaf in zip(flat.paths, flat.leaves):
-        local = describe(path, leaf)
-        if local.desc.kind == "value":
-            values[path] = local.desc.value
-            continue
-        t = as_cpu_tensor(path, local.data, local.desc.dtype)
-        tensors[path] = t
-        kinds[path] = local.desc.kind
-        nbytes += t.numel() * t.element_size()
-    info = {
-        "format_version": 1,
-        "structure": structure_to_json(flat.spec),
-        "leaves": flat.paths,
-        "kinds": kinds,
-        "values": values,
-    }
-    tmp = dst + ".tmp"
+
+def read_dir(path: str) -> Any:
+    """A Hugging Face directory (one file, or shards and their index) as a tree of lazy sources."""
+    indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors.index.json")))
+    if not indexes:
+        if os.path.isfile(os.path.join(path, SINGLE_NAME)):
+            return read_file(os.path.join(path, SINGLE_NAME))
+        raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
+    index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
     try:
-        st.save_file(tensors, tmp, metadata={METADATA_KEY: json.dumps(info, separators=(",", ":"))})
-        os.replace(tmp, dst)
-    except SafetensorError as e:
-        raise OSError(f"{dst}: cannot write ({e})") from None
+        with open(index_file, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map: dict[str, str] = dict(index["weight_map"])
+        meta = index.get("metadata") or {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{index_file}: not a valid index ({type(e).__name__}: {e})") from None
+    headers: dict[str, Header] = {}
+    sources: dict[str, tuple[TensorEntry, str]] = {}
+    for name, fname in weight_map.items():
+        file = os.path.join(path, fname)
+        if os.path.dirname(os.path.normpath(file)) != os.path.normpath(path):
+            raise CorruptCheckpointError(f"{index_file}: '{name}' points outside the directory ({fname!r})")
+        if fname not in headers:
+            if not os.path.isfile(file):
+                raise CorruptCheckpointError(f"{file}: missing, but {os.path.basename(index_file)} maps '{name}' to it")
+            headers[fname] = read_header(file)
+        if name not in headers[fname].entries:
+            raise CorruptCheckpointError(f"{file}: has no tensor '{name}', but {os.path.basename(index_file)} maps it there")
+        sources[name] = (headers[fname].entries[name], file)
+    return _tree(index_file, sources, meta.get(METADATA_KEY))
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OutTensor:
+    """A tensor to write: ``read(box)`` returns the box's elements in ``dtype`` (storage numpy)."""
+
+    name: str
+    dtype: str  # tsckpt logical name
+    shape: tuple[int, ...]
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _dtypes.itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """Which tensors go to which file, in data order, and the bytes they hold."""
+
+    files: tuple[tuple[str, tuple[str, ...]], ...]
+    total_size: int
+
+
+def check_dtype(path: str, dtype: str) -> None:
+    if dtype not in _NAMES:
+        raise LeafTypeError(f"'{path}': dtype {dtype} has no safetensors equivalent; keep it in a tsckpt checkpoint")
+
+
+def _data_order(tensors: Sequence[OutTensor]) -> list[OutTensor]:
+    """safetensors' order: larger itemsizes first (aligned), then by name."""
+    return sorted(tensors, key=lambda t: (-_dtypes.itemsize(t.dtype), t.name))
+
+
+def plan_shards(tensors: Sequence[OutTensor], max_shard_size: int | None) -> ShardPlan:
+    """Fill files in order up to ``max_shard_size`` bytes, as transformers does (a tensor
+    larger than the limit gets a file of its own); one file when no limit is given."""
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if max_shard_size is not None and groups[-1] and size + t.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    n = len(groups)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    files = tuple((name, tuple(t.name for t in _data_order(g))) for name, g in zip(names, groups))
+    return ShardPlan(files, sum(t.nbytes for t in tensors))
+
+
+def header_bytes(tensors: Sequence[OutTensor], metadata: dict[str, str] | None) -> bytes:
+    """The 8-byte length and padded JSON header for ``tensors`` (already in data order)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    pos = 0
+    for t in tensors:
+        header[t.name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
+    """Row ranges of about BLOCK_BYTES each, covering the tensor in C order."""
+    if not shape:
+        return [()]
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    step = max(1, BLOCK_BYTES // row)
+    return [(slice(lo, min(lo + step, shape[0])),) + tuple(slice(0, n) for n in shape[1:])
+            for lo in range(0, shape[0], step)] or [tuple(slice(0, n) for n in shape)]
+
+
+def _write_one(file: str, tensors: Sequence[OutTensor], metadata: dict[str, str] | None,
+               progress: Callable[[int], None]) -> None:
+    with open(file, "xb") as f:
+        f.write(header_bytes(tensors, metadata))
+        for t in tensors:
+            want = np.dtype(_dtypes.numpy_dtype(t.dtype))
+            for box in _blocks(t.shape, want.itemsize):
+                data = np.require(t.read(box), requirements="C")  # ascontiguousarray makes 0-d 1-d
+                shape = tuple(s.stop - s.start for s in box)
+                if data.shape != shape or data.dtype != want:
+                    raise ValueError(f"'{t.name}': read {data.dtype}{list(data.shape)} for a {want}{list(shape)} block")
+                f.write(data.reshape(-1).view(np.uint8).data)
+                progress(data.nbytes)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def existing_outputs(directory: str) -> list[str]:
+    """The safetensors weight files and indexes in a directory (what writing would replace)."""
+    pattern = [os.path.join(glob.escape(directory), p) for p in ("*.safetensors", "*.safetensors.index.json")]
+    return sorted(f for p in pattern for f in glob.glob(p))
+
+
+def write(
+    dst: str,
+    tensors: Sequence[OutTensor],
+    info: dict[str, Any] | None,
+    *,
+    directory: bool,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int], None] = lambda n: None,
+) -> list[str]:
+    """Write ``tensors`` to the file ``dst``, or as a Hugging Face directory; returns the files.
+
+    Every file is written under a temporary name, synced, and renamed only when all
+    are complete (the index last), so a failed write leaves no partial output; other
+    files of a directory (config.json, tokenizer, ...) are kept.
+    """
+    seen: set[str] = set()
+    for t in tensors:
+        check_dtype(t.name, t.dtype)
+        if t.name in seen:
+            raise ValueError(f"two leaves map to the tensor name '{t.name}'; change the prefix options")
+        seen.add(t.name)
+    plan = plan_shards(tensors, max_shard_size if directory else None)
+    if not directory and len(plan.files) > 1:
+        raise ValueError("a .safetensors destination is one file; write to a directory to shard it")
+    old = existing_outputs(dst) if directory and os.path.isdir(dst) else ([dst] if os.path.exists(dst) else [])
+    if old and not overwrite:
+        raise CheckpointExistsError(f"{old[0]} already exists; pass overwrite=True (--overwrite) to replace it")
+    by_name = {t.name: t for t in tensors}
+    info_text = json.dumps(info, separators=(",", ":"), ensure_ascii=False) if info is not None else None
+    sharded = len(plan.files) > 1
+    final = [os.path.join(dst, name) for name, _ in plan.files] if directory else [dst]
+    if sharded:
+        final.append(os.path.join(dst, INDEX_NAME))
+    temps = [f"{f}.tmp-{os.getpid()}" for f in final]
+    created = directory and not os.path.isdir(dst)
+    done = False
+    try:
+        if directory:
+            os.makedirs(dst, exist_ok=True)
+        for (_, names), tmp in zip(plan.files, temps):
+            meta = {"format": "pt"}
+            if info_text is not None and not sharded:
+                meta[METADATA_KEY] = info_text
+            _write_one(tmp, [by_name[n] for n in names], meta, progress)
+        if sharded:
+            index_meta: dict[str, Any] = {"total_size": plan.total_size}
+            if info is not None:
+                index_meta[METADATA_KEY] = info
+            weight_map = {n: name for name, names in plan.files for n in names}
+            index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+            with open(temps[-1], "x", encoding="utf-8") as out:
+                out.write(json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+        for stale in old:
+            if stale not in final:
+                os.remove(stale)
+        for tmp, name in zip(temps, final):
+            os.replace(tmp, name)
+        fd = os.open(os.path.dirname(os.path.abspath(final[0])), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        done = True
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return len(tensors), nbytes, len(values)
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if created and not done and os.path.isdir(dst) and not os.listdir(dst):
+            os.rmdir(dst)
+    return final

@@ -16,7 +16,7 @@ from . import _dtypes, _store
 from ._coord import gather_phase, phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
-from ._errors import CheckpointExistsError
+from ._errors import CheckpointExistsError, LeafTypeError
 from ._format import (
     ArrayRecord,
     FORMAT_VERSION,
@@ -29,7 +29,7 @@ from ._arrays import array_node, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._reader import root_state
-from ._types import Local
+from ._types import LazySource, Local
 from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_aliases, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
@@ -48,7 +48,16 @@ def _version() -> str:
 def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
     """Storage-dtype numpy of the global box (``offsets``, ``lengths``) from a rank's local data."""
     sel = tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(offsets, lf.desc.offsets, lengths))
-    return storage_numpy(lf.data[sel] if sel else lf.data)
+    if not isinstance(lf.data, LazySource):
+        return storage_numpy(lf.data[sel] if sel else lf.data)
+    got = storage_numpy(lf.data[sel])
+    want = (_dtypes.storage_shape(lf.desc.dtype, lengths), _dtypes.numpy_dtype(lf.desc.dtype))
+    if (got.shape, got.dtype) != want:
+        raise LeafTypeError(
+            f"'{lf.desc.path}': its source returned {got.dtype}{list(got.shape)} for a {want[1]}{list(want[0])} "
+            "region; the file it reads may have changed"
+        )
+    return got
 
 
 def _exchange(coord: Any, plan: SavePlan, local: dict[str, Local]) -> dict[int, np.ndarray]:
