@@ -1,0 +1,245 @@
+"""safetensors files and Hugging Face directories: reading, streaming writes, bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
+from tsckpt import NotACheckpointError
+from tsckpt import _dtypes, _safetensors
+from tsckpt._safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
+from tsckpt._types import LazySource
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "emb.weight": torch.randn(10, 6, generator=g),
+        "layers.0.w": torch.randn(3, 4, 5, generator=g).to(torch.bfloat16),
+        "layers.0.b": torch.arange(4, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "f8": torch.linspace(-1, 1, 5).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 3),
+        "u16": torch.arange(7, dtype=torch.int32).to(torch.uint16),
+    }
+
+
+def out(name: str, t: torch.Tensor) -> OutTensor:
+    arr = _dtypes.tensor_to_numpy(t)
+    return OutTensor(name, _dtypes.torch_name(t.dtype), tuple(t.shape), lambda box: arr[box])
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (float8 has no ==; NaN-safe)."""
+    return a.dtype == b.dtype and a.shape == b.shape and (
+        _dtypes.tensor_to_numpy(a.contiguous()).tobytes() == _dtypes.tensor_to_numpy(b.contiguous()).tobytes()
+    )
+
+
+def read_all(src: LazySource) -> torch.Tensor:
+    return _dtypes.numpy_to_tensor(np.asarray(src[tuple(slice(0, n) for n in src.shape)]), _dtypes.torch_name(src.dtype))
+
+
+# ---- the byte layout --------------------------------------------------------------------
+
+
+def test_written_file_is_byte_identical_to_save_file(tmp_path):
+    ts = tensors()
+    ref, mine = str(tmp_path / "ref.safetensors"), str(tmp_path / "mine.safetensors")
+    save_file(ts, ref, metadata={"format": "pt"})
+    assert write(mine, [out(n, t) for n, t in ts.items()], None, directory=False) == [mine]
+    with open(ref, "rb") as a, open(mine, "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_written_in_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(_safetensors, "BLOCK_BYTES", 64)
+    t = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)  # 32-byte rows: 2 rows a block
+    boxes = []
+    arr = t.numpy()
+
+    def read(box):
+        boxes.append(box)
+        return arr[box]
+
+    write(str(tmp_path / "x.safetensors"), [OutTensor("t", "float32", (40, 8), read)], None, directory=False)
+    assert len(boxes) == 20 and all(b[0].stop - b[0].start == 2 for b in boxes)
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["t"], t)
+
+
+def test_read_file_is_lazy_and_exact(tmp_path):
+    ts = tensors()
+    path = str(tmp_path / "x.safetensors")
+    save_file(ts, path)
+    tree = read_file(path)
+    assert list(tree) == sorted(ts)
+    for name, t in ts.items():
+        src = tree[name]
+        assert isinstance(src, LazySource) and src.shape == tuple(t.shape) and src.dtype == t.dtype
+        assert same_bytes(read_all(src), t), name
+    w = ts["layers.0.w"]
+    box = (slice(1, 3), slice(2, 4), slice(0, 5))
+    got = _dtypes.numpy_to_tensor(tree["layers.0.w"][box], "bfloat16")
+    assert torch.equal(got, w[1:3, 2:4, :])
+
+
+# ---- sharding and the Hugging Face index -------------------------------------------------
+
+
+def test_plan_shards_fills_in_order_like_transformers():
+    sizes = {"a": 40, "b": 40, "c": 100, "d": 10, "e": 10}
+    ts = [OutTensor(n, "uint8", (s,), lambda box: None) for n, s in sizes.items()]
+    plan = plan_shards(ts, 90)
+    assert plan.total_size == 200
+    assert [names for _, names in plan.files] == [("a", "b"), ("c",), ("d", "e")]  # c alone: over the limit
+    assert [f for f, _ in plan.files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert plan_shards(ts, None).files == (("model.safetensors", ("a", "b", "c", "d", "e")),)
+    assert plan_shards(ts, 10**9).files[0][0] == "model.safetensors"
+
+
+def test_sharded_directory_as_transformers_writes_it(tmp_path):
+    ts = tensors()
+    d = str(tmp_path / "hf")
+    os.makedirs(d)
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    files = write(d, [out(n, t) for n, t in ts.items()], None, directory=True, max_shard_size=200)
+    names = sorted(os.listdir(d))
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) > 1 and "config.json" in names and "model.safetensors.index.json" in names
+    assert sorted(os.path.basename(f) for f in files) == sorted(shards + ["model.safetensors.index.json"])
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ts.values())
+    assert sorted(index["weight_map"]) == sorted(ts) and set(index["weight_map"].values()) == set(shards)
+    loaded = {}
+    for shard in shards:
+        part = load_file(os.path.join(d, shard))
+        with safe_open(os.path.join(d, shard), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+        assert all(index["weight_map"][n] == shard for n in part)
+        loaded.update(part)
+    for n, t in ts.items():
+        assert same_bytes(loaded[n], t), n
+    tree = read_dir(d)
+    assert sorted(tree) == sorted(ts) and torch.equal(read_all(tree["emb.weight"]), ts["emb.weight"])
+
+
+def test_overwrite_replaces_stale_shards_and_keeps_other_files(tmp_path):
+    d = str(tmp_path / "hf")
+    ts = tensors()
+    write(d, [out(n, t) for n, t in ts.items()], None, directory=True, max_shard_size=100)
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match="already exists; pass overwrite=True"):
+        write(d, [out("x", torch.ones(2))], None, directory=True)
+    write(d, [out("x", torch.ones(2))], None, directory=True, overwrite=True)
+    assert sorted(os.listdir(d)) == ["model.safetensors", "tokenizer.json"]
+    assert list(load_file(os.path.join(d, "model.safetensors"))) == ["x"]
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    def boom(box):
+        raise OSError("disk on fire")
+
+    d = str(tmp_path / "hf")
+    ts = [out("a", torch.ones(100)), OutTensor("b", "float32", (100,), boom)]
+    with pytest.raises(OSError, match="disk on fire"):
+        write(d, ts, None, directory=True, max_shard_size=100)
+    assert not os.path.exists(d)
+    f = str(tmp_path / "x.safetensors")
+    with pytest.raises(OSError, match="disk on fire"):
+        write(f, ts, None, directory=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unsupported_dtype_and_name_collisions(tmp_path):
+    with pytest.raises(LeafTypeError, match="'c': dtype complex32 has no safetensors equivalent"):
+        write(str(tmp_path / "x.safetensors"), [OutTensor("c", "complex32", (2,), lambda b: None)], None,
+              directory=False)
+    with pytest.raises(ValueError, match="two leaves map to the tensor name 'a'"):
+        write(str(tmp_path / "x.safetensors"), [out("a", torch.ones(1)), out("a", torch.ones(1))], None,
+              directory=False)
+    assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+# ---- bad files -------------------------------------------------------------------------------
+
+
+def _with_header(path, header: dict, data: bytes) -> None:
+    body = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body + data)
+
+
+@pytest.mark.parametrize(
+    "header, data, match",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
+         r"tensor 'b' at data offset 4 overlaps another tensor"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
+         r"tensor 'a': F32\[3\] needs 12 bytes but its offsets \[0, 8\] span 8"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
+         r"tensor 'a' at data offset 4 leaves a gap of 4 bytes before it"),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8),
+         r"truncated: the header describes 16 data bytes but the file holds 8"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12),
+         r"4 bytes follow the last tensor"),
+        ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
+         r"tensor 'a' has a malformed header entry"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 0]}}, b"",
+         r"tensor 'a': negative shape"),
+    ],
+)
+def test_header_that_lies_is_refused(tmp_path, header, data, match):
+    path = str(tmp_path / "bad.safetensors")
+    _with_header(path, header, data)
+    with pytest.raises(CorruptCheckpointError, match=match) as e:
+        read_header(path)
+    assert str(e.value).startswith(path + ": ") and "\n" not in str(e.value)
+
+
+def test_truncated_and_foreign_files(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    save_file(tensors(), path)
+    whole = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", whole[:8])
+    for cut, match in ((len(whole) - 5, "truncated: the header describes"), (8 + n // 2, "truncated: the header needs")):
+        with open(path, "wb") as f:
+            f.write(whole[:cut])
+        with pytest.raises(CorruptCheckpointError, match=match):
+            read_file(path)
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 a zip file, not safetensors")
+    with pytest.raises(NotACheckpointError, match=r"not a safetensors file"):
+        read_file(path)
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        read_file(str(tmp_path / "missing.safetensors"))
+
+
+def test_directory_with_missing_or_wrong_shard(tmp_path):
+    d = tmp_path / "hf"
+    write(str(d), [out(n, t) for n, t in tensors().items()], None, directory=True, max_shard_size=100)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = index["weight_map"]["emb.weight"]
+    index["weight_map"]["ghost"] = first
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=rf"{first}: has no tensor 'ghost', but model.safetensors.index"):
+        read_dir(str(d))
+    del index["weight_map"]["ghost"]
+    index["weight_map"]["emb.weight"] = "../elsewhere.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="'emb.weight' points outside the directory"):
+        read_dir(str(d))
+    index["weight_map"]["emb.weight"] = first
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.remove(d / first)
+    with pytest.raises(CorruptCheckpointError, match=rf"{first}: missing, but model.safetensors.index.json maps"):
+        read_dir(str(d))
