@@ -162,3 +162,26 @@ def test_many_ranks_row_sharded_tiles_exactly(world, rows_per_rank):
     assert {w.rank for w in plan.writes} == set(range(world))
     shard_rows = plan.arrays[0].layout.shard_shape[0]
     assert rows_per_rank % shard_rows == 0
+
+
+def test_shard_bytes_caps_every_shard():
+    big = region("w", (0, 0), (4096, 1024), (4096, 1024))  # 16 MiB of float32
+    (rec,) = plan_save([[big]]).arrays
+    assert math.prod(rec.layout.shard_shape) * 4 == 16 << 20
+    (rec,) = plan_save([[big]], shard_bytes=2 << 20).arrays
+    assert math.prod(rec.layout.shard_shape) * 4 <= 2 << 20
+    assert math.prod(rec.layout.chunk_shape) * 4 == 512 << 10  # inner chunks unchanged
+
+
+def test_save_window_caps_shard_files(tmp_path):
+    import os
+
+    import numpy as np
+
+    import tsckpt
+
+    a = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB
+    tsckpt.save(str(tmp_path / "ck"), {"a": a}, max_inflight_bytes=1 << 20)
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "ck" / "a" / "c") for f in fs]
+    assert len(files) == 4 and all(os.path.getsize(f) <= (1 << 20) + 4096 for f in files)
+    assert np.array_equal(tsckpt.restore(str(tmp_path / "ck"))["a"], a)

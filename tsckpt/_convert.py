@@ -34,7 +34,7 @@ from .tree import child, flatten, from_paths, structure_from_json, structure_to_
 
 TARGETS = ("tsckpt", "safetensors")
 # Source bytes in flight while writing a tsckpt checkpoint (beyond the shard being read).
-CONVERT_WINDOW_BYTES = 64 << 20
+CONVERT_WINDOW_BYTES = 32 << 20
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}

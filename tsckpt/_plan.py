@@ -125,13 +125,14 @@ def _check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> N
         )
 
 
-def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
+def plan_save(per_rank: Sequence[Sequence[LeafDesc]], *, shard_bytes: int | None = None) -> SavePlan:
     """Validate what all ranks hold and decide who writes what.
 
     Identical regions given by several ranks are replicas: each is written by one
     of them, the one with the fewest bytes assigned so far (largest regions are
     placed first). Distinct regions must exactly tile the global array. Every
-    shard (file) has exactly one writer (see :func:`_plan_array`).
+    shard (file) has exactly one writer (see :func:`_plan_array`). ``shard_bytes``
+    caps the size of a shard (default: the layout's ``SHARD_BYTES``).
     """
     by_path: dict[str, list[tuple[int, LeafDesc]]] = defaultdict(list)
     for rank, leaves in enumerate(per_rank):
@@ -157,7 +158,7 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]]) -> SavePlan:
     transfers: list[Transfer] = []
     for path, first, groups in array_groups:
         owned = [(box, writer[(path, box)]) for box in groups if math.prod(box[1]) > 0]
-        layout, items, moves = _plan_array(path, first, owned)
+        layout, items, moves = _plan_array(path, first, owned, shard_bytes)
         arrays.append(ArrayRecord(path, first.global_shape, first.dtype, first.kind, layout))
         writes += items
         transfers += moves
@@ -278,7 +279,7 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 
 def _plan_array(
-    path: str, first: LeafDesc, owned: list[tuple[Box, tuple[int, LeafDesc]]]
+    path: str, first: LeafDesc, owned: list[tuple[Box, tuple[int, LeafDesc]]], shard_bytes: int | None = None
 ) -> tuple[Layout, list[WriteItem], list[Transfer]]:
     """Layout and write items of one array.
 
@@ -290,10 +291,10 @@ def _plan_array(
     """
     shape = first.global_shape
     cuts = [sorted({box[0][d] for box, _ in owned}) for d in range(len(shape))]
-    aligned = choose_layout(shape, first.itemsize, cuts)
+    aligned = choose_layout(shape, first.itemsize, cuts, shard_bytes=shard_bytes)
     # shards no longer than the shortest region, so most lie inside one region
     shortest = [[min(box[1][d] for box, _ in owned)] if len(cuts[d]) > 1 else [] for d in range(len(shape))]
-    natural = choose_layout(shape, first.itemsize, shortest)
+    natural = choose_layout(shape, first.itemsize, shortest, shard_bytes=shard_bytes)
     if _n_shards(shape, aligned) <= 2 * _n_shards(shape, natural):
         items = [
             WriteItem(rank, path, box[0], box[1], tuple(o - lo for o, lo in zip(box[0], leaf.offsets)))

@@ -43,7 +43,7 @@ SINGLE_NAME = "model.safetensors"
 # safetensors refuses headers above 100 MB; so does this reader.
 MAX_HEADER_BYTES = 100_000_000
 # Bytes of one tensor read or written at a time.
-BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 32 << 20
 
 # safetensors dtype name -> tsckpt logical dtype name
 DTYPES = {

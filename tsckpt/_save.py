@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _dtypes, _store
+from . import _dtypes, _layout, _store
 from ._coord import gather_phase, phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
@@ -278,7 +278,8 @@ def save(
     ``check_replicas`` compares replica contents by checksum; ``timeout`` bounds
     every wait on other ranks. ``max_inflight_bytes`` bounds the source data
     handed to storage but not yet written (host memory a save needs beyond the
-    state itself, e.g. when the leaves are read lazily from another file).
+    state itself, e.g. when the leaves are read lazily from another file); no
+    shard file is made larger than the smallest window of any rank.
 
     Protocol (every rank calls save with its local tree):
 
@@ -299,7 +300,7 @@ def save(
     """
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    job = _plan_job(coord, _describe(coord, tree), check_replicas, max_inflight_bytes)
+    job = _plan_job(coord, _describe(coord, tree, max_inflight_bytes), check_replicas)
     phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
     received: dict[int, np.ndarray] = {}
     if job.plan.transfers:  # identical plan on every rank: all skip this round together
@@ -316,7 +317,7 @@ class _Described:
     structure: Any
     local: list[Local]
     per_rank: list[list[LeafDesc]]  # descriptors of every rank's leaves
-    gathered: list[tuple[Any, ...]]  # every rank's (descs, paths, structure, tied links)
+    gathered: list[tuple[Any, ...]]  # every rank's (descs, paths, structure, tied links, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,20 +332,22 @@ class _Job:
     window: int  # bytes of source data in flight while writing
 
 
-def _describe(coord: Any, tree: Any) -> _Described:
-    """Flatten and describe this rank's leaves; gather every rank's descriptors (all ranks)."""
+def _describe(coord: Any, tree: Any, window: int) -> _Described:
+    """Flatten and describe this rank's leaves; gather every rank's descriptors and write
+    window (all ranks)."""
 
     def prepare() -> tuple[tuple[Any, list[Local], Any], tuple[Any, ...]]:
         flat = flatten(tree)
         local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
         structure = structure_to_json(flat.spec)
-        return (flat.paths, local, structure), ([lf.desc for lf in local], flat.paths, structure, _links(local))
+        gathered = ([lf.desc for lf in local], flat.paths, structure, _links(local), window)
+        return (flat.paths, local, structure), gathered
 
     (paths, local, structure), gathered = gather_phase(coord, "save (describe)", prepare)
     return _Described(paths, structure, local, [g[0] for g in gathered], gathered)
 
 
-def _plan_job(coord: Any, d: _Described, check_replicas: bool, window: int) -> _Job:
+def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
     """The same plan on every rank: tied leaves written once, replicas checked, regions assigned."""
     per_rank, local = d.per_rank, d.local
     # leaves that are the same memory on every rank (tied weights) are written once
@@ -356,9 +359,10 @@ def _plan_job(coord: Any, d: _Described, check_replicas: bool, window: int) -> _
         per_rank = _with_replica_checksums(coord, per_rank, local)
     same_tree = all(g[1] == d.paths and g[2] == d.structure for g in d.gathered)
     leaves = d.paths if same_tree else sorted({p for g in d.gathered for p in g[1]})
+    window = min(g[4] for g in d.gathered)  # the same on every rank, so is the plan
     return _Job(
-        plan_save(per_rank), {lf.desc.path: lf for lf in local}, leaves, d.structure if same_tree else None, aliases,
-        window,
+        plan_save(per_rank, shard_bytes=min(_layout.SHARD_BYTES, window)), {lf.desc.path: lf for lf in local}, leaves,
+        d.structure if same_tree else None, aliases, window,
     )
 
 
