@@ -73,3 +73,58 @@ def write_section(title: str, body: str) -> None:
     new = body.rstrip("\n") + "\n" + ("\n" + notes if notes else "")
     with open(RESULTS_MD, "w") as f:
         f.write(head + new + ("\n" + tail if tail else ""))
+
+
+# ---- measuring one case in a fresh process ---------------------------------------------------
+
+
+def rss(field: str = "VmRSS:") -> int:
+    """Bytes of a /proc/self/status memory field (VmRSS: now, VmHWM: peak since reset_peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak() -> None:
+    """Restart VmHWM from the current RSS, so a peak measures one call."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def drop_caches() -> bool:
+    """Drop the whole page cache (needs root); False when not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def evict(path: str) -> None:
+    """Drop one file's or directory tree's pages from the page cache (no root needed:
+    clean pages of a file can always be given up with posix_fadvise)."""
+    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_child(script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run ``script --child SPEC`` in a fresh interpreter; its last stdout line is the JSON result."""
+    import json
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
+                       timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise RuntimeError(f"{spec}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])

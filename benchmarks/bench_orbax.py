@@ -31,13 +31,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from _common import machine_info, write_section
+from _common import drop_caches, machine_info, reset_peak, rss, run_child, write_section
 
 SECTION = "## Orbax interop"
 MiB = 1 << 20
@@ -52,29 +51,6 @@ def value(i: int, shape: tuple[int, int]) -> Any:
     import numpy as np
 
     return (np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) % 1000) * (i + 1)
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
 
 
 def child_write(spec: dict[str, Any]) -> dict[str, Any]:
@@ -124,15 +100,6 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
     return {"time": elapsed, "peak_extra": peak, "ok": ok, "dropped": dropped}
 
 
-def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                       timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
-        raise RuntimeError(f"{spec}: exit {r.returncode}\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -150,13 +117,13 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="bench-orbax-", dir=args.dir)
     try:
         path = os.path.join(base, "ckpt")
-        run_child({"op": "write", "path": path, "quick": args.quick}, args.timeout)
+        run_child(__file__, {"op": "write", "path": path, "quick": args.quick}, args.timeout)
         can_drop = drop_caches()
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in ("orbax", "tsckpt", "tsckpt-numpy")}
         for _ in range(args.repeats):
             for system in runs:
                 spec = {"op": "restore", "system": system, "path": path, "quick": args.quick, "drop": can_drop}
-                runs[system].append(run_child(spec, args.timeout))
+                runs[system].append(run_child(__file__, spec, args.timeout))
                 print(f"{system}: {runs[system][-1]}", file=sys.stderr)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -23,6 +23,7 @@ import torch
 from . import __version__, _dtypes
 from ._errors import CheckpointExistsError, TsckptError
 from ._convert import TARGETS
+from ._dcp import PICKLE_WARNING
 from ._reader import LazyArray, load
 from ._sources import FORMATS
 
@@ -358,8 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shards and model.safetensors.index.json), a torch.save file (loaded with weights_only=True), a "
         "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint, a "
         ".safetensors file, or (--to safetensors) a Hugging Face directory, sharded at --max-shard-size. "
-        "Tied leaves stay tied (stored once). Warning: a torch.distributed.checkpoint's .metadata file is a "
-        "pickle, and reading it can run code: convert DCP checkpoints only from a trusted source.",
+        "Tied leaves stay tied (stored once). Warning: " + PICKLE_WARNING,
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")

@@ -1,0 +1,186 @@
+"""torch.save files read as a tsckpt source tree (tsckpt._torchfile)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+
+import tsckpt
+from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from tsckpt._torchfile import read_torch_file
+
+
+class Pickled:  # a class weights_only=True refuses to unpickle
+    pass
+
+
+def _assert_same(a, b, path="<root>"):
+    """Exact equality of two trees: same containers and keys, tensors equal in dtype and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}/{i}")
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
+
+
+def _training_state():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    return {
+        "model": model.state_dict(),
+        "opt": {
+            "state": {0: {"exp_avg": torch.randn(3, 4), "step": torch.tensor(5.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.999), "name": None}],
+        },
+        "step": 7,
+        "scale": torch.tensor(2**16, dtype=torch.int64),
+    }
+
+
+def test_training_state_reads_saves_and_restores_exactly(tmp_path):
+    state = _training_state()
+    src = str(tmp_path / "state.pt")
+    torch.save(state, src)
+    tree = read_torch_file(src)
+    _assert_same(dict(state), dict(tree))
+    assert tree["model"]["0.weight"].dtype == torch.bfloat16
+    assert list(tree["opt"]["state"]) == [0]  # int keys stay int
+
+    d = str(tmp_path / "ck")
+    tsckpt.save(d, tree, max_inflight_bytes=1 << 10)
+    out = tsckpt.restore(d, as_saved=True)
+    expected = {**state, "model": dict(state["model"])}
+    _assert_same(expected, out)
+
+
+def test_zip_files_are_memory_mapped(tmp_path):
+    src = str(tmp_path / "w.pt")
+    torch.save({"w": torch.arange(1000.0)}, src)
+    w = read_torch_file(src)["w"]
+    assert torch.equal(w, torch.arange(1000.0))
+    assert not w.untyped_storage().resizable()  # torch.load's heap storages are resizable
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as f:
+            assert src in f.read()
+
+
+def test_tied_tensors_share_memory_and_are_stored_once(tmp_path):
+    w = torch.randn(6, 4)
+    src = str(tmp_path / "tied.pt")
+    torch.save({"emb": w, "head": w, "same_view": w[:], "row": w[2], "other": w.clone()}, src)
+    tree = read_torch_file(src)
+    assert tree["emb"].data_ptr() == tree["head"].data_ptr() == tree["same_view"].data_ptr()
+    assert tree["row"].untyped_storage().data_ptr() == tree["emb"].untyped_storage().data_ptr()
+    assert tree["other"].data_ptr() != tree["emb"].data_ptr()
+
+    d = str(tmp_path / "ck")
+    tsckpt.save(d, tree)
+    aliases = tsckpt.open(d).checkpoint.aliases
+    assert aliases == {"head": "emb", "same_view": "emb"}
+    assert sorted(tsckpt.open(d).checkpoint.arrays) == ["emb", "other", "row"]
+    out = tsckpt.restore(d, as_saved=True)
+    assert torch.equal(out["head"], w) and torch.equal(out["row"], w[2])
+
+
+def test_legacy_format_reads_without_mmap(tmp_path):
+    state = {"w": torch.randn(3, 2, dtype=torch.bfloat16), "n": [1, 2.5, "x"], "t": torch.arange(4)}
+    state["tied"] = state["t"]
+    src = str(tmp_path / "legacy.pt")
+    torch.save(state, src, _use_new_zipfile_serialization=False)
+    tree = read_torch_file(src)
+    _assert_same(state, tree)
+    assert tree["tied"].data_ptr() == tree["t"].data_ptr()
+
+
+def test_sizes_become_tuples_and_single_tensors_read(tmp_path):
+    src = str(tmp_path / "misc.pt")
+    torch.save({"shape": torch.Size([2, 3]), "od": collections.OrderedDict(b=1, a=2)}, src)
+    tree = read_torch_file(src)
+    assert tree["shape"] == (2, 3) and type(tree["shape"]) is tuple
+    assert list(tree["od"].items()) == [("b", 1), ("a", 2)]
+    one = str(tmp_path / "one.pt")
+    torch.save(torch.ones(2), one)
+    assert torch.equal(read_torch_file(one), torch.ones(2))
+
+
+def test_leaf_that_is_not_a_tensor_or_plain_value_is_named(tmp_path):
+    src = str(tmp_path / "set.pt")
+    torch.save({"cfg": {"tags": {1, 2}}}, src)
+    with pytest.raises(LeafTypeError) as e:
+        read_torch_file(src)
+    assert src in str(e.value) and "'cfg/tags'" in str(e.value) and "set" in str(e.value)
+
+
+def test_missing_file(tmp_path):
+    src = str(tmp_path / "nope.pt")
+    with pytest.raises(CheckpointNotFoundError, match="no such file") as e:
+        read_torch_file(src)
+    assert src in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"hello, world\n", b""], ids=["text", "empty"])
+def test_not_a_torch_file(tmp_path, content):
+    src = str(tmp_path / "notes.pt")
+    with open(src, "wb") as f:
+        f.write(content)
+    with pytest.raises(NotACheckpointError, match="not a torch.save file") as e:
+        read_torch_file(src)
+    assert src in str(e.value) and "\n" not in str(e.value)
+
+
+def test_safetensors_file_is_not_a_torch_file(tmp_path):
+    from safetensors.torch import save_file
+
+    src = str(tmp_path / "weights.bin")
+    save_file({"w": torch.ones(2)}, src)
+    with pytest.raises(NotACheckpointError, match="safetensors file, not a torch.save file") as e:
+        read_torch_file(src)
+    assert src in str(e.value)
+
+
+def test_file_that_needs_full_unpickling_is_refused(tmp_path):
+    src = str(tmp_path / "obj.pt")
+    torch.save({"w": torch.ones(2), "obj": Pickled()}, src)
+    with pytest.raises(NotACheckpointError) as e:
+        read_torch_file(src)
+    msg = str(e.value)
+    assert src in msg and "\n" not in msg
+    assert "weights_only=True" in msg and "can run code" in msg and "state_dict" in msg
+    assert "Pickled" in msg  # names what was refused
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_truncated_file_is_corrupt(tmp_path, legacy):
+    src = str(tmp_path / "cut.pt")
+    torch.save({"w": torch.randn(64, 64)}, src, _use_new_zipfile_serialization=not legacy)
+    with open(src, "rb") as f:
+        data = f.read()
+    with open(src, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt") as e:
+        read_torch_file(src)
+    assert src in str(e.value) and "\n" not in str(e.value)
+
+
+def test_damaged_pickle_is_corrupt_not_refused(tmp_path):
+    src = str(tmp_path / "bad.pt")
+    with open(src, "wb") as f:
+        f.write(b"\x80\x02" + b"\xff" * 32)  # a pickle header, then opcodes that do not exist
+    with pytest.raises(CorruptCheckpointError, match="corrupt torch.save file") as e:
+        read_torch_file(src)
+    assert src in str(e.value) and "\n" not in str(e.value)
+
+
+def test_directory_is_not_a_torch_file(tmp_path):
+    with pytest.raises(NotACheckpointError, match="is a directory"):
+        read_torch_file(str(tmp_path))

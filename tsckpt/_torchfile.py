@@ -1,0 +1,108 @@
+"""torch.save files (``.pt``, ``.pth``, ``.bin``) read as a tsckpt source tree.
+
+Files are loaded only with ``torch.load(weights_only=True)``: full unpickling can
+run any code the file names, so a file that needs it is refused, never trusted.
+Zip-format files (every torch.save since 1.6) are memory-mapped, so tensors are
+paged in by the OS while ``save`` writes them and a file larger than RAM still
+converts; legacy (non-zip) files cannot be mapped and are read into memory.
+Tensors that shared storage when saved share it when loaded, so tied weights
+stay tied and ``save`` stores them once.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .tree import ROOT_LEAF_PATH, flatten, unflatten
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = 0x80  # a legacy file is a pickle stream, which starts with the PROTO opcode
+_PLAIN = (bool, int, float, str, bytes, bytearray)
+
+
+def read_torch_file(path: str) -> Any:
+    """The object ``torch.save`` stored at ``path``: its dicts, lists and tuples with
+    CPU tensors (memory-mapped when the format allows) and plain values as leaves."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file; give the path of a file written by torch.save") from None
+    except IsADirectoryError:
+        raise NotACheckpointError(f"{path}: is a directory, not a torch.save file; give the file itself") from None
+    if not head:
+        raise NotACheckpointError(f"{path}: is empty (0 bytes), not a torch.save file; save it again")
+    if len(head) == 9 and head[8:9] == b"{":
+        raise NotACheckpointError(f"{path}: is a safetensors file, not a torch.save file; convert it as a .safetensors file")
+    zipped = head.startswith(_ZIP_MAGIC)
+    if not zipped and head[0] != _PICKLE_PROTO:
+        raise NotACheckpointError(
+            f"{path}: not a torch.save file (found neither a zip archive nor a pickle stream at its start); "
+            "give a file written by torch.save"
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        refused = weights_only_refusal(e)
+        if refused is None:
+            raise CorruptCheckpointError(f"{path}: corrupt torch.save file ({reason(e)}); save or copy it again") from None
+        raise NotACheckpointError(
+            f"{path}: torch.load(weights_only=True) refuses it ({refused}); "
+            "tsckpt only loads torch.save files with weights_only=True because full unpickling can run code. "
+            "Re-save the state_dict with plain tensors, e.g. torch.save(model.state_dict(), path)"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
+        raise CorruptCheckpointError(
+            f"{path}: truncated or corrupt torch.save file ({reason(e)}); save or copy it again"
+        ) from None
+    return plain_tree(obj, path)
+
+
+def plain_tree(tree: Any, where: str) -> Any:
+    """``tree`` with each ``torch.Size`` made a tuple; LeafTypeError (naming ``where`` and the
+    leaf path) for a leaf that is neither a dense tensor, a numpy array nor a plain value."""
+    try:
+        flat = flatten(tree)
+    except LeafTypeError as e:
+        raise LeafTypeError(f"{where}: {e}") from None
+    leaves: list[Any] = []
+    for p, leaf in zip(flat.paths, flat.leaves):
+        at = where if p == ROOT_LEAF_PATH else f"{where}: leaf '{p}'"
+        if isinstance(leaf, torch.Size):
+            leaf = tuple(int(n) for n in leaf)
+        elif isinstance(leaf, torch.Tensor):
+            if leaf.layout != torch.strided:
+                raise LeafTypeError(f"{at} is a {leaf.layout} tensor; only dense tensors are stored, save it .to_dense()")
+        elif not isinstance(leaf, (*_PLAIN, np.ndarray, np.generic)):
+            raise LeafTypeError(
+                f"{at} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which is neither a tensor nor a plain "
+                "value (int, float, bool, str, bytes, None); convert it (e.g. to a list or str) in the source and save again"
+            )
+        leaves.append(leaf)
+    return unflatten(flat.spec, leaves)
+
+
+def _unpickler_detail(e: BaseException) -> str | None:
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\. |\n|$)", str(e))
+    return found.group(1) if found else None
+
+
+def weights_only_refusal(e: pickle.UnpicklingError) -> str | None:
+    """What ``torch.load(weights_only=True)`` refused to unpickle (a class or function outside its
+    allowlist), or None when ``e`` reports damaged bytes (an unknown pickle opcode) instead."""
+    detail = _unpickler_detail(e) or "content outside its allowlist"
+    if not str(e).startswith("Weights only load failed") or detail.startswith("Unsupported operand"):
+        return None
+    return detail
+
+
+def reason(e: BaseException) -> str:
+    """The exception's type and gist (its first sentence), for a one-line message."""
+    text = _unpickler_detail(e) or (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
