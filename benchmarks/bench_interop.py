@@ -49,7 +49,10 @@ from _common import evict, machine_info, reset_peak, rss, run_child, write_secti
 
 SECTION = "## Safetensors interop"
 MiB = 1 << 20
-SHARD = "300MB"
+
+
+def shard_limit(quick: bool) -> str:
+    return "20MB" if quick else "300MB"
 
 
 def shapes(quick: bool) -> dict[str, tuple[int, int]]:
@@ -69,11 +72,8 @@ def state(quick: bool) -> dict[str, Any]:
     return {k: value(i, s) for i, (k, s) in enumerate(shapes(quick).items())}
 
 
-def shard_groups(names: list[str], sizes: dict[str, int]) -> list[list[str]]:
+def shard_groups(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
     """The same grouping transformers (and tsckpt) use: fill in order up to the limit."""
-    from tsckpt._convert import parse_size
-
-    limit = parse_size(SHARD)
     groups: list[list[str]] = [[]]
     total = 0
     for n in names:
@@ -85,12 +85,14 @@ def shard_groups(names: list[str], sizes: dict[str, int]) -> list[list[str]]:
     return groups
 
 
-def save_shards(tensors: dict[str, Any], directory: str) -> None:
+def save_shards(tensors: dict[str, Any], directory: str, quick: bool) -> None:
     from safetensors.torch import save_file
+
+    from tsckpt._convert import parse_size
 
     os.makedirs(directory, exist_ok=True)
     names = sorted(tensors)
-    groups = shard_groups(names, {n: tensors[n].numel() * 4 for n in names})
+    groups = shard_groups(names, {n: tensors[n].numel() * 4 for n in names}, parse_size(shard_limit(quick)) or 0)
     for i, group in enumerate(groups):
         path = os.path.join(directory, f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors")
         save_file({n: tensors[n] for n in group}, path, metadata={"format": "pt"})
@@ -131,11 +133,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     touched = 0.0
     if system == "export/tsckpt":
-        tsckpt.convert(src, dst, to_format="safetensors", subtree="model", max_shard_size=SHARD, progress=False)
+        tsckpt.convert(src, dst, to_format="safetensors", subtree="model", max_shard_size=shard_limit(quick),
+                        progress=False)
     elif system == "export/save_file":
-        save_shards(tensors, dst)
+        save_shards(tensors, dst, quick)
     elif system == "export/restore+save_file":
-        save_shards(tsckpt.restore(src, as_saved=True)["model"], dst)
+        save_shards(tsckpt.restore(src, as_saved=True)["model"], dst, quick)
     elif system == "import/tsckpt":
         tsckpt.convert(src, dst, progress=False)
     elif system == "import/load_file":
@@ -183,7 +186,8 @@ def main() -> None:
     try:
         ck, hf = os.path.join(base, "ckpt"), os.path.join(base, "hf")
         tsckpt.save(ck, {"model": state(args.quick)})
-        tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", max_shard_size=SHARD, progress=False)
+        tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", max_shard_size=shard_limit(args.quick),
+                       progress=False)
         for r in range(args.repeats):
             for cold in (False, True):
                 for op, systems in SYSTEMS.items():
@@ -206,7 +210,7 @@ def main() -> None:
         "",
         f"`python benchmarks/bench_interop.py{' --quick' if args.quick else ''} --repeats {args.repeats}`: "
         f"{nbytes / MiB:.0f} MiB (one 65536 x 1024 and 48 1024 x 4096 float32 tensors) exported to "
-        f"safetensors shards of at most {SHARD} and imported back; median of {args.repeats} rotating rounds, each "
+        f"safetensors shards of at most {shard_limit(args.quick)} and imported back; median of {args.repeats} rotating rounds, each "
         f"case in a fresh process. {info['date']}, {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}, "
         f"safetensors {info['safetensors']}, tensorstore {info['tensorstore']}, tsckpt {info['tsckpt_rev']}.",
         "",

@@ -296,3 +296,43 @@ def test_tsckpt_checkpoint_is_not_detected(tmp_path):
     mgr.save(1, {"w": torch.ones(2)})
     mgr.close()
     assert not _orbax.detect(str(tmp_path / "run"))
+
+
+# ---- convert: Orbax (JAX) into Hugging Face safetensors and tsckpt --------------------------
+
+
+def test_convert_orbax_to_hf_directory_and_tsckpt(saved, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    import tsckpt
+
+    directory, expected = saved["manager-step2"]
+    hf = str(tmp_path / "hf")
+    r = tsckpt.convert(str(directory), hf, to_format="safetensors", subtree="state", max_shard_size="16B")
+    assert (r.src_format, r.n_arrays, r.n_values) == ("orbax", 2, 1) and len(r.files) == 3
+    index = json.load(open(os.path.join(hf, "model.safetensors.index.json")))
+    assert sorted(index["weight_map"]) == ["a", "opt/0"]
+    loaded = {}
+    for f in set(index["weight_map"].values()):
+        loaded.update(load_file(os.path.join(hf, f)))
+    assert torch.equal(loaded["a"], torch.from_numpy(np.asarray(expected["state/a"])))
+    assert loaded["opt/0"].dtype == torch.bfloat16
+    assert torch.equal(loaded["opt/0"].float(), torch.full((3,), 2.0))
+    ck = str(tmp_path / "ck")
+    assert tsckpt.convert(str(directory), ck).src_format == "orbax"
+    got = tsckpt.restore(ck)
+    assert got["state"]["step"] == 2 and isinstance(got["state"]["opt"], list)
+    np.testing.assert_array_equal(got["params"]["w"], np.eye(5, dtype=np.float32) * 2)
+
+
+def test_convert_uncommitted_orbax_is_one_line_exit_1(monkeypatch, tmp_path, capsys):
+    from tsckpt._cli import main
+
+    _uncommitted(monkeypatch, tmp_path, ocp.path.atomicity.CommitFileTemporaryPath)
+    code = main(["convert", str(tmp_path / "ck"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and "never committed" in err and str(tmp_path / "ck") in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    code = main(["convert", str(tmp_path / "ck"), str(tmp_path / "out"), "--from", "tsckpt"])
+    assert code == 1 and not (tmp_path / "out").exists()

@@ -19,6 +19,7 @@ A Hugging Face directory holds ``model.safetensors``, or
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import glob
 import json
@@ -325,15 +326,25 @@ def _blocks(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
 
 def _write_one(file: str, tensors: Sequence[OutTensor], metadata: dict[str, str] | None,
                progress: Callable[[int], None]) -> None:
-    with open(file, "xb") as f:
+    """Write one file; the next block is read on a second thread while this one is
+    written (reads decode and checksum with the GIL released), two blocks at most in memory."""
+
+    def read(t: OutTensor, box: tuple[slice, ...]) -> np.ndarray:
+        want = np.dtype(_dtypes.numpy_dtype(t.dtype))
+        data = np.require(t.read(box), requirements="C")  # ascontiguousarray makes 0-d 1-d
+        shape = tuple(s.stop - s.start for s in box)
+        if data.shape != shape or data.dtype != want:
+            raise ValueError(f"'{t.name}': read {data.dtype}{list(data.shape)} for a {want}{list(shape)} block")
+        return data
+
+    blocks = [(t, box) for t in tensors for box in _blocks(t.shape, _dtypes.itemsize(t.dtype))]
+    with open(file, "xb") as f, concurrent.futures.ThreadPoolExecutor(1) as pool:
         f.write(header_bytes(tensors, metadata))
-        for t in tensors:
-            want = np.dtype(_dtypes.numpy_dtype(t.dtype))
-            for box in _blocks(t.shape, want.itemsize):
-                data = np.require(t.read(box), requirements="C")  # ascontiguousarray makes 0-d 1-d
-                shape = tuple(s.stop - s.start for s in box)
-                if data.shape != shape or data.dtype != want:
-                    raise ValueError(f"'{t.name}': read {data.dtype}{list(data.shape)} for a {want}{list(shape)} block")
+        ahead = pool.submit(read, *blocks[0]) if blocks else None
+        for i in range(len(blocks)):
+            data = ahead.result() if ahead is not None else None
+            ahead = pool.submit(read, *blocks[i + 1]) if i + 1 < len(blocks) else None
+            if data is not None:
                 f.write(data.reshape(-1).view(np.uint8).data)
                 progress(data.nbytes)
         f.flush()
