@@ -128,3 +128,17 @@ def run_child(script: str, spec: dict[str, Any], timeout: float) -> dict[str, An
     if r.returncode != 0:
         raise RuntimeError(f"{spec}: exit {r.returncode}\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_parser(doc: str | None, repeats: int) -> "argparse.ArgumentParser":
+    """The options every interop benchmark takes (``--child`` runs one case)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small workload, a smoke run")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--dir", default=None, help="where to write (a temporary directory below it)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per case")
+    p.add_argument("--write-results", action="store_true", help="rewrite this script's section of RESULTS.md")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p

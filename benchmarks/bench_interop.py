@@ -35,7 +35,6 @@ Usage
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import evict, machine_info, reset_peak, rss, run_child, write_section
+from _common import bench_parser, evict, machine_info, reset_peak, rss, run_child, write_section
 
 SECTION = "## Safetensors interop"
 MiB = 1 << 20
@@ -167,13 +166,7 @@ DIRECT = {"export": "save_file", "import": "load_file"}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dir", default=None)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--write-results", action="store_true")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p = bench_parser(__doc__, repeats=5)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))

@@ -27,7 +27,6 @@ Usage
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,7 +35,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import drop_caches, machine_info, reset_peak, rss, run_child, write_section
+from _common import bench_parser, drop_caches, machine_info, reset_peak, rss, run_child, write_section
 
 SECTION = "## Orbax interop"
 MiB = 1 << 20
@@ -101,13 +100,7 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default=None)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--write-results", action="store_true")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p = bench_parser(__doc__, repeats=3)
     args = p.parse_args()
     if args.child:
         spec = json.loads(args.child)

@@ -16,6 +16,7 @@ import tsckpt._dcp as dcp_mod
 from tsckpt._dcp import PICKLE_WARNING, read_dcp
 from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from tsckpt._types import LazySource
+from tests.strategies import assert_same
 
 
 class Opaque:  # a value weights_only=True refuses to unpickle
@@ -43,22 +44,6 @@ def _materialize(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_materialize(v) for v in tree)
     return tree
-
-
-def _assert_same(a, b, path="<root>"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}/{i}")
-    else:
-        assert type(a) is type(b) and a == b, (path, a, b)
 
 
 @pytest.fixture
@@ -96,11 +81,11 @@ def test_nested_state_dict_reads_lazily_and_restores_exactly(tmp_path, state):
     assert tree["model"]["b"].dtype == torch.bfloat16 and tree["model"]["scale"].shape == ()
     assert isinstance(tree["layers"], list) and isinstance(tree["opt"]["param_groups"], list)
     assert tree["step"] == 7 and tree["tag"] == "run-1"
-    _assert_same(_expected(state), _materialize(tree))
+    assert_same(_materialize(tree), _expected(state))
 
     d = str(tmp_path / "ck")
     tsckpt.save(d, tree, max_inflight_bytes=64)
-    _assert_same(_expected(state), tsckpt.restore(d, as_saved=True))
+    assert_same(tsckpt.restore(d, as_saved=True), _expected(state))
 
 
 def test_read_of_a_box_is_exactly_that_region(tmp_path, state):

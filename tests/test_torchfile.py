@@ -11,27 +11,11 @@ import torch
 import tsckpt
 from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from tsckpt._torchfile import read_torch_file
+from tests.strategies import assert_same
 
 
 class Pickled:  # a class weights_only=True refuses to unpickle
     pass
-
-
-def _assert_same(a, b, path="<root>"):
-    """Exact equality of two trees: same containers and keys, tensors equal in dtype and bits."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}/{i}")
-    else:
-        assert type(a) is type(b) and a == b, (path, a, b)
 
 
 def _training_state():
@@ -52,15 +36,14 @@ def test_training_state_reads_saves_and_restores_exactly(tmp_path):
     src = str(tmp_path / "state.pt")
     torch.save(state, src)
     tree = read_torch_file(src)
-    _assert_same(dict(state), dict(tree))
+    assert_same(tree, state)
     assert tree["model"]["0.weight"].dtype == torch.bfloat16
     assert list(tree["opt"]["state"]) == [0]  # int keys stay int
 
     d = str(tmp_path / "ck")
     tsckpt.save(d, tree, max_inflight_bytes=1 << 10)
     out = tsckpt.restore(d, as_saved=True)
-    expected = {**state, "model": dict(state["model"])}
-    _assert_same(expected, out)
+    assert_same(out, state)  # containers too: the state_dict comes back an OrderedDict
 
 
 def test_zip_files_are_memory_mapped(tmp_path):
@@ -98,7 +81,7 @@ def test_legacy_format_reads_without_mmap(tmp_path):
     src = str(tmp_path / "legacy.pt")
     torch.save(state, src, _use_new_zipfile_serialization=False)
     tree = read_torch_file(src)
-    _assert_same(state, tree)
+    assert_same(tree, state)
     assert tree["tied"].data_ptr() == tree["t"].data_ptr()
 
 
