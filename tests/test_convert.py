@@ -276,3 +276,18 @@ def test_numpy_and_values_survive_safetensors_round_trip(tmp_path):
     assert got["name"] == "x" and got["n"] is None and isinstance(got["t"], tuple) and got["t"][0] == 1
     assert equal(got["t"][1], torch.ones(2))
 
+
+
+
+def test_failed_convert_keeps_what_was_there_before(ck, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x0f\x00\x00\x00\x00\x00\x00\x00{not json}     ")
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="bad.safetensors: its header is not valid JSON"):
+        tsckpt.convert(str(bad), str(other), overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine"
+    with pytest.raises(tsckpt.CheckpointExistsError):
+        tsckpt.convert(ck, str(other))
+    assert os.listdir(other) == ["notes.txt"]

@@ -213,7 +213,8 @@ def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
     if existed and not overwrite:
         return
     loc = _store.resolve(dst)
-    if read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY].state in (STATE_PENDING, None):
+    state = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY].state
+    if state == STATE_PENDING or (state is None and not existed):
         _store.delete_all(loc)
         if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
             os.rmdir(loc.local)
@@ -240,8 +241,7 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
     }
     directory = not dst.endswith(".safetensors")
     return _safetensors.write(
-        dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite,
-        progress=lambda n: None,
+        dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite
     )
 
 

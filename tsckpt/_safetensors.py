@@ -324,8 +324,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int) -> list[tuple[slice, ...]]:
             for lo in range(0, shape[0], step)] or [tuple(slice(0, n) for n in shape)]
 
 
-def _write_one(file: str, tensors: Sequence[OutTensor], metadata: dict[str, str] | None,
-               progress: Callable[[int], None]) -> None:
+def _write_one(file: str, tensors: Sequence[OutTensor], metadata: dict[str, str] | None) -> None:
     """Write one file; the next block is read on a second thread while this one is
     written (reads decode and checksum with the GIL released), two blocks at most in memory."""
 
@@ -346,7 +345,6 @@ def _write_one(file: str, tensors: Sequence[OutTensor], metadata: dict[str, str]
             ahead = pool.submit(read, *blocks[i + 1]) if i + 1 < len(blocks) else None
             if data is not None:
                 f.write(data.reshape(-1).view(np.uint8).data)
-                progress(data.nbytes)
         f.flush()
         os.fsync(f.fileno())
 
@@ -365,7 +363,6 @@ def write(
     directory: bool,
     max_shard_size: int | None = None,
     overwrite: bool = False,
-    progress: Callable[[int], None] = lambda n: None,
 ) -> list[str]:
     """Write ``tensors`` to the file ``dst``, or as a Hugging Face directory; returns the files.
 
@@ -401,7 +398,7 @@ def write(
             meta = {"format": "pt"}
             if info_text is not None and not sharded:
                 meta[METADATA_KEY] = info_text
-            _write_one(tmp, [by_name[n] for n in names], meta, progress)
+            _write_one(tmp, [by_name[n] for n in names], meta)
         if sharded:
             index_meta: dict[str, Any] = {"total_size": plan.total_size}
             if info is not None:
