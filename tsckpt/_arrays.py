@@ -1,4 +1,4 @@
-"""Opening one stored array through TensorStore's zarr3 driver."""
+"""Where arrays live (per layout) and opening one through TensorStore's zarr3 driver."""
 
 from __future__ import annotations
 
@@ -7,8 +7,29 @@ from typing import Any
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._format import ArrayRecord, Layout, array_metadata
+from ._format import LAYOUT_PLAIN, ArrayRecord, Layout, array_metadata
 from ._store import Location
+
+# The compact layout's per-rank databases: ``ocdbt.r<rank>/`` below the root.
+OCDBT_PREFIX = "ocdbt.r"
+MANIFEST = "manifest.ocdbt"
+
+
+def data_spec(loc: Location, layout: str, *, writer: int | None = None) -> dict[str, Any]:
+    """kvstore spec under which the array keys (``<path>/zarr.json``, ``<path>/c/...``) live.
+
+    Plain: the checkpoint directory itself. Compact: an OCDBT database, the
+    merged one at the root for readers, rank ``writer``'s own for a writer.
+    """
+    if layout == LAYOUT_PLAIN:
+        return loc.spec
+    base = loc.spec if writer is None else loc.sub(f"{OCDBT_PREFIX}{writer}")
+    return {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
+
+
+def below(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """The same kvstore, with keys below ``path``."""
+    return {**spec, "path": f"{spec.get('path', '')}{path}/"}
 
 
 def array_node(rec: ArrayRecord) -> dict[str, Any]:
@@ -24,12 +45,13 @@ def array_node(rec: ArrayRecord) -> dict[str, Any]:
     )
 
 
-def open_array(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
-    return open_array_future(loc, rec, write=write).result()
+def open_array(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
+    return open_array_future(data, rec, write=write).result()
 
 
-def open_array_future(loc: Location, rec: ArrayRecord, *, write: bool = False) -> ts.Future:
-    """Open with missing chunks reported as errors rather than read as fill values.
+def open_array_future(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.Future:
+    """Open ``rec`` in the kvstore ``data`` (see :func:`data_spec`), with missing
+    chunks reported as errors rather than read as fill values.
 
     Writers do not read zarr.json (the root metadata already has everything, and
     rank 0 may write the node after other ranks start). Readers do: TensorStore
@@ -41,7 +63,7 @@ def open_array_future(loc: Location, rec: ArrayRecord, *, write: bool = False) -
     del meta["attributes"]
     spec = {
         "driver": "zarr3",
-        "kvstore": loc.sub(rec.path),
+        "kvstore": below(data, rec.path),
         "metadata": meta,
         "assume_metadata": write,
         # Every chunk is written, even all-zero ones, so that a missing file is

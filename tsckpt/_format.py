@@ -8,10 +8,23 @@ import math
 import struct
 from typing import Any
 
-FORMAT_VERSION = 1
+# The newest version this tsckpt reads. Plain checkpoints are written as 1, so
+# older readers still read them; compact ones as 2 (older readers refuse them).
+FORMAT_VERSION = 2
 ROOT_KEY = "zarr.json"
 STATE_PENDING = "pending"
 STATE_COMMITTED = "committed"
+
+# Where array data lives (docs/format.md, "Layouts"): a file per shard, or one
+# OCDBT database per writing rank merged into one at the commit.
+LAYOUT_PLAIN = "plain"
+LAYOUT_COMPACT = "compact"
+LAYOUTS = (LAYOUT_PLAIN, LAYOUT_COMPACT)
+
+
+def format_version(layout: str) -> int:
+    """The format version a checkpoint of ``layout`` is written with."""
+    return 2 if layout == LAYOUT_COMPACT else 1
 
 
 @dataclasses.dataclass(frozen=True)

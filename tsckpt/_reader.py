@@ -15,7 +15,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes, _orbax, _store
-from ._arrays import open_array_future
+from ._arrays import data_spec, open_array_future
 from ._errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -23,7 +23,7 @@ from ._errors import (
     FormatVersionError,
     NotACheckpointError,
 )
-from ._format import FORMAT_VERSION, ROOT_KEY, STATE_COMMITTED, ArrayRecord, Layout, decode_value
+from ._format import FORMAT_VERSION, LAYOUT_PLAIN, LAYOUTS, ROOT_KEY, STATE_COMMITTED, ArrayRecord, Layout, decode_value
 from ._store import Directory, Location, resolve
 from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths
 
@@ -59,11 +59,20 @@ class Checkpoint:
         """"tsckpt", or the library that wrote a checkpoint tsckpt reads directly ("orbax")."""
         return str(self.raw.get("format", "tsckpt"))
 
+    @property
+    def layout(self) -> str:
+        """Where the array data lives: "plain" (a file per shard) or "compact" (OCDBT)."""
+        return str(self.raw.get("layout", LAYOUT_PLAIN))
+
+    def data(self) -> dict[str, Any]:
+        """kvstore spec holding the array nodes and chunks."""
+        return data_spec(self.location, self.layout)
+
     def open_array_future(self, path: str) -> ts.Future:
         """Open a stored array for reading; its zarr.json is checked against the root metadata."""
         if path in self.specs:
             return ts.open(self.specs[path], read=True, context=_store.CONTEXT)
-        return open_array_future(self.location, self.arrays[path])
+        return open_array_future(self.data(), self.arrays[path])
 
     def is_array(self, path: str) -> bool:
         return path in self.arrays or path in self.aliases
@@ -168,6 +177,10 @@ def load(directory: Directory | Location) -> Checkpoint:
         raise CheckpointIncompleteError(
             f"{loc}: this checkpoint was never committed (state {meta.get('state')!r}): its save crashed or is "
             "still running; use an earlier checkpoint, or save again with overwrite=True"
+        )
+    if meta.get("layout", LAYOUT_PLAIN) not in LAYOUTS:
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata names an unknown layout {meta.get('layout')!r} (expected one of {list(LAYOUTS)})"
         )
     try:
         arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}

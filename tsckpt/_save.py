@@ -18,14 +18,17 @@ from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
 from ._errors import CheckpointExistsError, LeafTypeError
 from ._format import (
+    LAYOUT_COMPACT,
+    LAYOUT_PLAIN,
+    LAYOUTS,
     ArrayRecord,
-    FORMAT_VERSION,
     ROOT_KEY,
     STATE_COMMITTED,
     STATE_PENDING,
+    format_version,
     group_metadata,
 )
-from ._arrays import array_node, open_array
+from ._arrays import MANIFEST, OCDBT_PREFIX, array_node, data_spec, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._reader import root_state
@@ -120,20 +123,40 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
 
 
 def _write_regions(
-    loc: Location, plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray], window: int
+    data: dict[str, Any], plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray],
+    window: int, *, compact: bool,
 ) -> list[str]:
-    """Write this rank's items shard by shard, keeping a bounded window in flight.
+    """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
+    window in flight.
 
-    Returns the keys of the files written. TensorStore may encode straight from
-    the source memory (no staging copy): save() waits for every write before it
-    returns, so the caller cannot change the data underneath.
+    Returns the keys written. TensorStore may encode straight from the source
+    memory (no staging copy): save() waits for every write before it returns,
+    so the caller cannot change the data underneath. The compact layout's
+    database gets one transaction per window, so each window becomes a few
+    large files rather than a commit (and files) per write.
     """
     records = {a.path: a for a in plan.arrays}
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
     written: list[str] = []
     stores: dict[str, ts.TensorStore] = {}
-    kv = loc.kvstore()
+    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+    txn = ts.Transaction() if compact else None
+
+    def settle(keep: int) -> None:
+        nonlocal in_flight, txn
+        if txn is not None:  # a window is written by committing its transaction
+            for fut, _ in pending:
+                fut.result()
+            pending.clear()
+            in_flight = 0
+            txn.commit_async().result()
+            txn = ts.Transaction()
+        while in_flight > keep and pending:
+            fut, n = pending.popleft()
+            fut.result()
+            in_flight -= n
+
     for item in plan.writes_for(rank):
         rec = records[item.path]
         lf = local[item.path]
@@ -143,27 +166,30 @@ def _write_regions(
             fut: Any
             encoded = _encode_file(rec, off, src)
             if encoded is not None:
-                fut = kv.write(key, encoded)
+                fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
             else:
                 if item.path not in stores:
-                    stores[item.path] = open_array(loc, rec, write=True)
-                store = stores[item.path]
+                    stores[item.path] = open_array(data, rec, write=True)
+                store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
                 dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-                fut = dst.write(src, can_reference_source_data_indefinitely=True).commit
+                w = dst.write(src, can_reference_source_data_indefinitely=True)
+                fut = w.commit if txn is None else w.copy
             pending.append((fut, src.nbytes))
             in_flight += src.nbytes
             written.append(key)
-            while in_flight > window and pending:
-                done, n = pending.popleft()
-                done.result()
-                in_flight -= n
-    for done, _ in pending:
-        done.result()
+            if in_flight > window:
+                settle(window)
+    settle(0)
     return written
 
 
-def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> list[str]:
-    """zarr.json of every array and of every intermediate group (root excluded)."""
+def _write_nodes(data: dict[str, Any], plan: SavePlan, *, compact: bool) -> list[str]:
+    """zarr.json of every array and of every intermediate group (root excluded), in the
+    kvstore ``data`` (one transaction in a compact layout's database)."""
+    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+    txn = ts.Transaction() if compact else None
+    if txn is not None:
+        kv = kv.with_transaction(txn)
     futures = []
     groups: set[str] = set()
     for rec in plan.arrays:
@@ -175,11 +201,15 @@ def _write_nodes(kv: ts.KvStore, plan: SavePlan) -> list[str]:
     futures += [kv.write(f"{g}/{ROOT_KEY}", body) for g in sorted(groups)]
     for f in futures:
         f.result()
+    if txn is not None:
+        txn.commit_async().result()
     return [f"{rec.path}/{ROOT_KEY}" for rec in plan.arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
 
 
-def _root(state: str, extra: dict[str, Any] | None = None) -> bytes:
-    meta = {"format_version": FORMAT_VERSION, "state": state, "library": f"tsckpt {_version()}"}
+def _root(state: str, layout: str, extra: dict[str, Any] | None = None) -> bytes:
+    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {_version()}"}
+    if layout != LAYOUT_PLAIN:
+        meta["layout"] = layout
     meta.update(extra or {})
     return _store.encode_json(group_metadata({"tsckpt": meta}))
 
@@ -189,7 +219,7 @@ def _root(state: str, extra: dict[str, Any] | None = None) -> bytes:
 _NO_KEY = b"\x02"
 
 
-def _begin(loc: Location, overwrite: bool) -> None:
+def _begin(loc: Location, overwrite: bool, layout: str) -> None:
     """Refuse or clear an existing checkpoint, then claim the directory.
 
     The pending root is created with a conditional write that succeeds only if
@@ -221,7 +251,7 @@ def _begin(loc: Location, overwrite: bool) -> None:
     if spec.get("driver") == "file":
         spec["file_io_sync"] = True  # as _store.write_durable: temp file, fsync, rename
     durable = ts.KvStore.open(spec, context=_store.CONTEXT).result()
-    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING), if_equal=_NO_KEY).result()
+    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING, layout), if_equal=_NO_KEY).result()
     if not claimed.generation:
         raise CheckpointExistsError(
             f"{loc}: another save into this directory started at the same time and claimed it first; "
@@ -269,6 +299,7 @@ def save(
     check_replicas: bool = True,
     timeout: datetime.timedelta | None = None,
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
+    layout: str = LAYOUT_PLAIN,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
 
@@ -280,6 +311,9 @@ def save(
     handed to storage but not yet written (host memory a save needs beyond the
     state itself, e.g. when the leaves are read lazily from another file); no
     shard file is made larger than the smallest window of any rank.
+    ``layout="compact"`` stores the arrays in one OCDBT database per writing
+    rank, merged at the commit, so the file count does not grow with the
+    number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
 
     Protocol (every rank calls save with its local tree):
 
@@ -291,22 +325,26 @@ def save(
        ``zarr.json`` with state "pending".
     3. Every rank writes its planned regions; rank 0 also writes the array and
        group ``zarr.json`` nodes. Each rank then syncs its data to storage.
-    4. Once all ranks report success, rank 0 rewrites the root ``zarr.json``
+       (Compact layout: each rank writes into its own database.)
+    4. Once all ranks report success, rank 0 (compact layout: after merging
+       the ranks' databases into the root one) rewrites the root ``zarr.json``
        with state "committed" and the tree metadata: a single atomic object
        write, so readers see either no checkpoint or a complete one.
 
     After each step all ranks exchange a status, so a failure on one rank makes
     every rank raise and nothing is committed.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, not {layout!r}")
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     job = _plan_job(coord, _describe(coord, tree, max_inflight_bytes), check_replicas)
-    phase(coord, "save (begin)", lambda: _begin(loc, overwrite), ranks={0})
+    phase(coord, "save (begin)", lambda: _begin(loc, overwrite, layout), ranks={0})
     received: dict[int, np.ndarray] = {}
     if job.plan.transfers:  # identical plan on every rank: all skip this round together
         received = phase(coord, "save (exchange)", lambda: _exchange(coord, job.plan, job.local)) or {}
-    phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received))
-    phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job), ranks={0})
+    phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received, layout))
+    phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job, layout), ranks={0})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,16 +404,39 @@ def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
     )
 
 
-def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray]) -> None:
+def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
-    keys = _write_regions(loc, job.plan, rank, job.local, received, job.window)
+    compact = layout == LAYOUT_COMPACT
+    data = data_spec(loc, layout, writer=rank)
+    keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact)
     if rank == 0:
-        keys += _write_nodes(loc.kvstore(), job.plan)
-    _store.sync_data(loc, keys)
+        keys += _write_nodes(data, job.plan, compact=compact)
+    if compact:
+        _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
+    else:
+        _store.sync_data(loc, keys)
 
 
-def _commit(loc: Location, world_size: int, job: _Job) -> None:
+def _merge_databases(loc: Location, plan: SavePlan) -> None:
+    """Rank 0, compact layout: link every writing rank's database into the root one.
+
+    OCDBT copies B-tree references, not data: the root database points into the
+    ranks' data files, so readers open one database and outside TensorStore
+    users see one zarr hierarchy.
+    """
+    root = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
+    txn = ts.Transaction(atomic=True)
+    for rank in sorted({0} | {w.rank for w in plan.writes}):
+        db = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
+        db.experimental_copy_range_to(root.with_transaction(txn)).result()
+    txn.commit_async().result()
+    _store.sync_paths(loc, [MANIFEST, "d"])
+
+
+def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
     """Rank 0: the one atomic write that makes the checkpoint visible."""
+    if layout == LAYOUT_COMPACT:
+        _merge_databases(loc, job.plan)
     meta = {
         "structure": job.structure,
         "leaves": job.leaves,
@@ -385,4 +446,4 @@ def _commit(loc: Location, world_size: int, job: _Job) -> None:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta))
+    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, layout, meta))

@@ -9,7 +9,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from . import _dtypes
+import tensorstore as ts
+
+from . import _dtypes, _store
 from ._arrays import array_node
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
@@ -62,7 +64,7 @@ def _array_node_problem(node: Any, expected: dict[str, Any]) -> str | None:
 
 def _check_nodes(ck: Checkpoint) -> _Nodes:
     """zarr.json of every array and group below the root."""
-    kv = ck.location.kvstore()
+    kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
     groups = sorted({"/".join(p.split("/")[:i]) for p in ck.arrays for i in range(1, len(p.split("/")))})
     futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays}
     group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups}
