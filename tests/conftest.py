@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.dist_helpers import LAYOUT_ENV
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on the CPU, quietly
 
@@ -13,6 +14,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on th
 def pytest_configure(config):
     # torch warns on complex32 allocations; the tests use complex32 on purpose
     config.addinivalue_line("filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
+
+
+@pytest.fixture(params=["plain", "compact"])
+def layout(request, monkeypatch):
+    """Runs a test once per checkpoint layout: tsckpt.save (and so every verb built on it)
+    defaults to that layout here and in the ranks run_ranks starts."""
+    import tsckpt
+
+    monkeypatch.setitem(tsckpt.save.__kwdefaults__, "layout", request.param)
+    monkeypatch.setenv(LAYOUT_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -19,16 +19,26 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "tsckpt", "tests.dist_scenarios"])
 
 
+# The checkpoint layout tsckpt.save defaults to in the ranks (set by the `layout` fixture).
+LAYOUT_ENV = "TSCKPT_TEST_LAYOUT"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any, layout: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
+
+    import tsckpt
+
+    tsckpt.save.__kwdefaults__["layout"] = layout  # type: ignore[index]
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -43,11 +53,17 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``fn`` on ``world`` ranks; return each rank's result, or raise with the failures."""
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, layout: str | None = None
+) -> list[Any]:
+    """Run ``fn`` on ``world`` ranks; return each rank's result, or raise with the failures.
+    ``layout`` is the ranks' default checkpoint layout (default: the `layout` fixture's, else plain)."""
     port = free_port()
     q = _CTX.Queue()
-    procs = [_CTX.Process(target=_entry, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
+    layout = layout or os.environ.get(LAYOUT_ENV, "plain")
+    procs = [
+        _CTX.Process(target=_entry, args=(fn, r, world, port, args, q, layout), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}

@@ -243,3 +243,12 @@ def restore_foreign_dtensor(rank: int, world: int, directory: str, path: str, sh
     node[parts[-1]] = dt
     tsckpt.restore(directory, target, strict=False, inplace=True)
     return dt.to_local().numpy().copy()
+
+
+def many_leaves(rank: int, world: int, directory: str, n: int) -> None:
+    """An optimizer-like state of ``n`` leaves, each row-sharded over the ranks, plus a replicated step."""
+    tree = {}
+    for i in range(n):
+        full = torch.arange(world * 4 * 3, dtype=torch.float32).reshape(world * 4, 3) + i
+        tree[f"l{i:04d}"] = tsckpt.ShardedArray(full[rank * 4 : (rank + 1) * 4].clone(), tuple(full.shape), (rank * 4, 0))
+    tsckpt.save(directory, {"opt": tree, "step": 5})

@@ -99,7 +99,7 @@ def test_newer_format_version(saved):
     with pytest.raises(tsckpt.FormatVersionError) as ei:
         tsckpt.open(saved)
     assert str(ei.value) == (
-        f"{saved}: written with format version 999 by tsckpt 9.0, but this tsckpt reads versions up to 1; upgrade tsckpt"
+        f"{saved}: written with format version 999 by tsckpt 9.0, but this tsckpt reads versions up to 2; upgrade tsckpt"
     )
     assert isinstance(ei.value, ValueError)
 

@@ -11,16 +11,18 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._layout as layout
+import tsckpt._layout as chunking
 from tsckpt._format import ROOT_KEY
+from tests.stored import chunk_keys, delete_prefix, read_key, write_key
 
 
 @pytest.fixture
-def ck(tmp_path, monkeypatch):
+def ck(tmp_path, monkeypatch, layout):
     """A checkpoint whose big leaf spans several shard files, each of several inner chunks,
-    and whose small leaf is a single plain chunk."""
-    monkeypatch.setattr(layout, "INNER_CHUNK_BYTES", 1024)
-    monkeypatch.setattr(layout, "SHARD_BYTES", 4096)
+    and whose small leaf is a single plain chunk; in each layout (damage is done to the
+    stored chunk keys: files in the plain layout, keys of the database in the compact one)."""
+    monkeypatch.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunking, "SHARD_BYTES", 4096)
     tree = {
         "layer": {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)},
         "bias": np.arange(10, dtype=np.int64),
@@ -31,8 +33,8 @@ def ck(tmp_path, monkeypatch):
     return path
 
 
-def _files(ck: Path, leaf: str) -> list[Path]:
-    return sorted(p for p in (ck / leaf / "c").rglob("*") if p.is_file())
+def _chunks(ck: Path, leaf: str) -> list[str]:
+    return [f"{leaf}/c/{k}" for k in chunk_keys(ck, leaf)]
 
 
 def _restore_fails(ck: Path, leaf: str, what: str) -> str:
@@ -45,43 +47,43 @@ def _restore_fails(ck: Path, leaf: str, what: str) -> str:
 
 
 def test_layout_of_the_fixture(ck):
-    assert len(_files(ck, "layer/w")) == 2  # 8 KiB in 4 KiB shards
-    assert len(_files(ck, "bias")) == 1
+    assert len(_chunks(ck, "layer/w")) == 2  # 8 KiB in 4 KiB shards
+    assert len(_chunks(ck, "bias")) == 1
     meta = tsckpt.metadata(ck)["layer"]["w"]
     assert meta.shard_shape == (32, 32) and meta.chunk_shape == (8, 32)
 
 
 @pytest.mark.parametrize("leaf", ["layer/w", "bias"])
 def test_flipped_byte_anywhere(ck, leaf):
-    for f in _files(ck, leaf):
-        data = f.read_bytes()
+    for key in _chunks(ck, leaf):
+        data = read_key(ck, key)
         # chunk data at the start and middle, and the shard index (with its crc) at the end
         for pos in sorted({0, len(data) // 2, len(data) - 1, len(data) - 5}):
             damaged = bytearray(data)
             damaged[pos] ^= 0x10
-            f.write_bytes(bytes(damaged))
+            write_key(ck, key, bytes(damaged))
             _restore_fails(ck, leaf, "checksum mismatch: stored bytes were altered")
-            f.write_bytes(data)
+            write_key(ck, key, data)
     out = tsckpt.restore(ck)  # repaired: reads again
     assert out["bias"].tolist() == list(range(10))
 
 
 @pytest.mark.parametrize("leaf", ["layer/w", "bias"])
 def test_missing_chunk_file(ck, leaf):
-    for f in _files(ck, leaf):
-        data = f.read_bytes()
-        f.unlink()
+    for key in _chunks(ck, leaf):
+        data = read_key(ck, key)
+        write_key(ck, key, None)
         _restore_fails(ck, leaf, "a chunk file is missing")
-        f.write_bytes(data)
+        write_key(ck, key, data)
 
 
 @pytest.mark.parametrize("leaf", ["layer/w", "bias"])
 @pytest.mark.parametrize("keep", [0, 0.5, -1])
 def test_truncated_file(ck, leaf, keep):
-    f = _files(ck, leaf)[-1]
-    data = f.read_bytes()
+    key = _chunks(ck, leaf)[-1]
+    data = read_key(ck, key)
     n = {0: 0, 0.5: len(data) // 2, -1: len(data) - 1}[keep]
-    f.write_bytes(data[:n])
+    write_key(ck, key, data[:n])
     msg = _restore_fails(ck, leaf, "; restore from another checkpoint")
     # a shard's index sits at its end, so a cut shard fails the index checksum
     assert "checksum mismatch" in msg or "could not be decoded (truncated or damaged file)" in msg, msg
@@ -89,7 +91,7 @@ def test_truncated_file(ck, leaf, keep):
 
 @pytest.mark.parametrize("leaf", ["layer/w", "bias"])
 def test_missing_array(ck, leaf):
-    shutil.rmtree(ck / leaf)
+    delete_prefix(ck, f"{leaf}/")
     _restore_fails(ck, leaf, f"the array is missing ({leaf}/zarr.json does not exist)")
 
 
@@ -120,15 +122,17 @@ def test_root_metadata_disagrees_with_the_array(ck, leaf, field, value, detail):
 
 
 def test_array_metadata_disagrees_with_the_root(ck):
-    _edit(ck / "layer/w" / ROOT_KEY, lambda node: node.__setitem__("shape", [128, 32]))
+    node = json.loads(read_key(ck, f"layer/w/{ROOT_KEY}"))
+    node["shape"] = [128, 32]
+    write_key(ck, f"layer/w/{ROOT_KEY}", json.dumps(node).encode())
     _restore_fails(ck, "layer/w", 'Expected "shape" of [64,32] but received: [128,32]')
 
 
 def test_detected_with_a_target_and_by_the_lazy_reader(ck):
-    f = _files(ck, "layer/w")[0]
-    data = bytearray(f.read_bytes())
+    key = _chunks(ck, "layer/w")[0]
+    data = bytearray(read_key(ck, key))
     data[3] ^= 1
-    f.write_bytes(bytes(data))
+    write_key(ck, key, bytes(data))
     target = {"layer": {"w": torch.zeros(64, 32)}, "bias": np.zeros(10, dtype=np.int64), "step": 0}
     with pytest.raises(tsckpt.CorruptCheckpointError, match="'layer/w' in .*checksum mismatch"):
         tsckpt.restore(ck, target)
@@ -138,7 +142,7 @@ def test_detected_with_a_target_and_by_the_lazy_reader(ck):
     assert reader["layer/w"][40:48].shape == (8, 32)  # other shard file: intact
     with pytest.raises(tsckpt.CorruptCheckpointError, match="'layer/w' in .*checksum mismatch"):
         reader["layer/w"][0:8]
-    shutil.rmtree(ck / "bias")
+    delete_prefix(ck, "bias/")
     with pytest.raises(tsckpt.CorruptCheckpointError, match=r"'bias' in .*the array is missing \(bias/zarr.json"):
         tsckpt.open(ck)["bias"][:]
 

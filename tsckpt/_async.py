@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ._errors import SaveInProgressError
+from ._format import LAYOUT_PLAIN, check_layout
 from ._jax import is_jax_array
 from ._leaves import describe, memory
 from ._types import LazySource, ShardedArray
@@ -294,8 +295,9 @@ def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
         coordinator_for(group, timeout, channel="background")
 
 
-def save_kwargs(group: Any, check_replicas: bool, timeout: datetime.timedelta | None) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"check_replicas": check_replicas}
+def save_kwargs(group: Any, check_replicas: bool, timeout: datetime.timedelta | None, layout: str) -> dict[str, Any]:
+    check_layout(layout)  # in the caller's thread, before anything is staged
+    kwargs: dict[str, Any] = {"check_replicas": check_replicas, "layout": layout}
     if group is not None:
         kwargs["group"] = group
     if timeout is not None:
@@ -315,6 +317,7 @@ def save_async(
     check_replicas: bool = True,
     timeout: datetime.timedelta | None = None,
     if_busy: IfBusy = "wait",
+    layout: str = LAYOUT_PLAIN,
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 
@@ -331,7 +334,7 @@ def save_async(
     from ._save import save
 
     label = str(resolve(directory))
-    kwargs = save_kwargs(group, check_replicas, timeout)
+    kwargs = save_kwargs(group, check_replicas, timeout, layout)
 
     def job(staged: Any) -> None:
         save(directory, staged, overwrite=overwrite, **kwargs)

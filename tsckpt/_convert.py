@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import _dtypes, _safetensors, _store
-from ._format import ROOT_KEY, STATE_PENDING, encode_value
+from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
 from ._leaves import describe, memory
 from ._reader import read_root_states
 from ._save import save
@@ -194,7 +194,7 @@ def _prepare(sel: Selected, cast: torch.dtype | None, count: Callable[[int], Non
     return _Prepared(leaves, dtypes, aliases, nbytes)
 
 
-def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: bool) -> None:
+def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: bool, layout: str) -> None:
     tree: Any
     if sel.structure is not None:
         tree = structure_from_json(sel.structure, prep.leaves)
@@ -202,7 +202,7 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: boo
         tree = from_paths(sel.names, prep.leaves)
     existed = _store.has_any_key(_store.resolve(dst))
     try:
-        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES)
+        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES, layout=layout)
     except BaseException:
         _remove_claimed(dst, existed, overwrite)
         raise
@@ -258,6 +258,7 @@ def convert(
     dtype: Any = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    layout: str = LAYOUT_PLAIN,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
 
@@ -271,6 +272,7 @@ def convert(
     ``max_shard_size`` (e.g. ``"5GB"``). ``subtree`` picks the leaves below a path;
     ``strip_prefix``/``add_prefix`` rename them; ``dtype`` casts floating-point arrays.
     Tied leaves stay tied. ``progress`` shows a bar (default: when stderr is a terminal).
+    ``layout`` is the tsckpt destination's layout (see :func:`tsckpt.save`).
     """
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if os.path.abspath(src_s) == os.path.abspath(dst_s):
@@ -278,6 +280,9 @@ def convert(
     to = to_format or ("safetensors" if dst_s.endswith(".safetensors") else "tsckpt")
     if to not in TARGETS:
         raise ValueError(f"unknown destination format {to!r}; choose one of {', '.join(TARGETS)}")
+    check_layout(layout)
+    if layout != LAYOUT_PLAIN and to != "tsckpt":
+        raise ValueError(f"layout={layout!r} applies to a tsckpt destination, not {to}")
     shard_limit = parse_size(max_shard_size)
     if shard_limit is not None and (to != "safetensors" or dst_s.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
@@ -290,7 +295,7 @@ def convert(
     try:
         files: list[str] = []
         if to == "tsckpt":
-            _write_tsckpt(dst_s, sel, prep, overwrite)
+            _write_tsckpt(dst_s, sel, prep, overwrite, layout)
         else:
             files = _write_safetensors(dst_s, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
     finally:

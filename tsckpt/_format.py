@@ -22,6 +22,12 @@ LAYOUT_COMPACT = "compact"
 LAYOUTS = (LAYOUT_PLAIN, LAYOUT_COMPACT)
 
 
+def check_layout(layout: str) -> None:
+    """Refuse a ``layout=`` option tsckpt does not write."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, not {layout!r}")
+
+
 def format_version(layout: str) -> int:
     """The format version a checkpoint of ``layout`` is written with."""
     return 2 if layout == LAYOUT_COMPACT else 1

@@ -27,7 +27,7 @@ import tensorstore as ts
 from . import _dist
 from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
 from ._errors import CheckpointExistsError, CheckpointNotFoundError
-from ._format import ROOT_KEY, STATE_COMMITTED
+from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
 from ._reader import read_root_states
 from ._store import Directory, fsync_path, resolve
 
@@ -43,7 +43,7 @@ class CheckpointManager:
     never deleted. With neither, nothing is deleted. ``root`` is anything
     :func:`tsckpt.save` accepts (a local path, ``memory://...``, ``s3://...``, a
     kvstore spec). Several managers (or jobs) must not save under one root at
-    the same time.
+    the same time. ``layout`` is passed to every save (see :func:`tsckpt.save`).
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class CheckpointManager:
         if_busy: IfBusy = "wait",
         max_staging_bytes: int | None = None,
         step_digits: int = 8,
+        layout: str = LAYOUT_PLAIN,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (the latest complete step is always kept), not {keep_last}")
@@ -71,6 +72,8 @@ class CheckpointManager:
         self._check_replicas = check_replicas
         self._if_busy = if_busy
         self._digits = step_digits
+        self._layout = layout
+        save_kwargs(group, check_replicas, timeout, layout)  # refuse a bad option now, not at the first save
         self._saver = AsyncSaver(max_staging_bytes=max_staging_bytes)
         self._rank = _dist.rank_of(group)
         if self._rank == 0:
@@ -143,7 +146,7 @@ class CheckpointManager:
     def _job(self, step: int, clear: bool) -> Any:
         from ._save import save
 
-        kwargs = save_kwargs(self._group, self._check_replicas, self._timeout)
+        kwargs = save_kwargs(self._group, self._check_replicas, self._timeout, self._layout)
 
         def job(tree: Any) -> None:
             if clear and self._rank == 0:

@@ -15,7 +15,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes, _orbax, _store
-from ._arrays import data_spec, open_array_future
+from ._arrays import MANIFEST, data_spec, open_array_future
 from ._errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -23,7 +23,17 @@ from ._errors import (
     FormatVersionError,
     NotACheckpointError,
 )
-from ._format import FORMAT_VERSION, LAYOUT_PLAIN, LAYOUTS, ROOT_KEY, STATE_COMMITTED, ArrayRecord, Layout, decode_value
+from ._format import (
+    FORMAT_VERSION,
+    LAYOUT_COMPACT,
+    LAYOUT_PLAIN,
+    LAYOUTS,
+    ROOT_KEY,
+    STATE_COMMITTED,
+    ArrayRecord,
+    Layout,
+    decode_value,
+)
 from ._store import Directory, Location, resolve
 from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths
 
@@ -182,6 +192,11 @@ def load(directory: Directory | Location) -> Checkpoint:
         raise CorruptCheckpointError(
             f"{loc}: root metadata names an unknown layout {meta.get('layout')!r} (expected one of {list(LAYOUTS)})"
         )
+    if meta.get("layout") == LAYOUT_COMPACT and meta.get("arrays") and kv.read(MANIFEST).result().state != "value":
+        raise CorruptCheckpointError(
+            f"{loc}: the array database of this compact checkpoint is missing ({MANIFEST} does not exist); "
+            "restore from another checkpoint"
+        )
     try:
         arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}
         values = {p: decode_value(v) for p, v in meta["values"].items()}
@@ -239,7 +254,13 @@ def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpoin
 def node_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
     """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
     msg = str(err).split(" [tensorstore_spec=")[0]
-    if "does not exist" in msg or "not found" in msg.lower():
+    low = msg.lower()
+    if "ocdbt database" in low and any(s in low for s in ("manifest", "byte range", "error decoding", "invalid json")):
+        what = (
+            f"the checkpoint's database could not be read for {path}/zarr.json ({MANIFEST} or a file under d/ "
+            "or ocdbt.r*/d/ is damaged or missing)"
+        )
+    elif "does not exist" in msg or "not found" in low:
         what = f"the array is missing ({path}/zarr.json does not exist)"
     elif "Expected" in msg or "Mismatch" in msg or "Incompatible" in msg:
         what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"

@@ -20,11 +20,11 @@ from ._errors import CheckpointExistsError, LeafTypeError
 from ._format import (
     LAYOUT_COMPACT,
     LAYOUT_PLAIN,
-    LAYOUTS,
     ArrayRecord,
     ROOT_KEY,
     STATE_COMMITTED,
     STATE_PENDING,
+    check_layout,
     format_version,
     group_metadata,
 )
@@ -206,7 +206,7 @@ def _write_nodes(data: dict[str, Any], plan: SavePlan, *, compact: bool) -> list
     return [f"{rec.path}/{ROOT_KEY}" for rec in plan.arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
 
 
-def _root(state: str, layout: str, extra: dict[str, Any] | None = None) -> bytes:
+def _root(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
     meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {_version()}"}
     if layout != LAYOUT_PLAIN:
         meta["layout"] = layout
@@ -219,7 +219,7 @@ def _root(state: str, layout: str, extra: dict[str, Any] | None = None) -> bytes
 _NO_KEY = b"\x02"
 
 
-def _begin(loc: Location, overwrite: bool, layout: str) -> None:
+def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN) -> None:
     """Refuse or clear an existing checkpoint, then claim the directory.
 
     The pending root is created with a conditional write that succeeds only if
@@ -251,7 +251,7 @@ def _begin(loc: Location, overwrite: bool, layout: str) -> None:
     if spec.get("driver") == "file":
         spec["file_io_sync"] = True  # as _store.write_durable: temp file, fsync, rename
     durable = ts.KvStore.open(spec, context=_store.CONTEXT).result()
-    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING, layout), if_equal=_NO_KEY).result()
+    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING, layout=layout), if_equal=_NO_KEY).result()
     if not claimed.generation:
         raise CheckpointExistsError(
             f"{loc}: another save into this directory started at the same time and claimed it first; "
@@ -334,8 +334,7 @@ def save(
     After each step all ranks exchange a status, so a failure on one rank makes
     every rank raise and nothing is committed.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, not {layout!r}")
+    check_layout(layout)
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     job = _plan_job(coord, _describe(coord, tree, max_inflight_bytes), check_replicas)
@@ -446,4 +445,4 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, layout, meta))
+    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta, layout=layout))

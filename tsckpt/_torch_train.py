@@ -27,6 +27,7 @@ import torch
 from ._coord import phase
 from ._dist import coordinator_for
 from ._errors import StructureMismatchError
+from ._format import LAYOUT_PLAIN
 from ._reader import Checkpoint, LazyArray, load
 from ._restore import RestoreWarning
 from ._restore import restore as core_restore
@@ -146,6 +147,7 @@ def save(
     overwrite: bool = False,
     group: Any = None,
     timeout: datetime.timedelta | None = None,
+    layout: str = LAYOUT_PLAIN,
 ) -> None:
     """Save the training state; every rank calls it.
 
@@ -154,7 +156,7 @@ def save(
     same on every rank. ``per_rank``: name -> stateful object or value that
     differs between ranks (data sampler position), stored under
     ``ranks/<rank>/<name>``. ``rng`` also stores this rank's RNG states there.
-    The optimizers are not stepped or otherwise changed.
+    The optimizers are not stepped or otherwise changed. ``layout``: see :func:`tsckpt.save`.
     """
     coord = coordinator_for(group, timeout)
     tree: dict[str, Any] = get_state_dict(model, optimizers)
@@ -168,7 +170,7 @@ def save(
         mine[RNG] = get_rng_state()
     if mine:
         tree[RANKS] = {coord.rank: mine}
-    core_save(directory, tree, overwrite=overwrite, group=group, timeout=timeout)
+    core_save(directory, tree, overwrite=overwrite, group=group, timeout=timeout, layout=layout)
 
 
 # ---- restore ------------------------------------------------------------------------------

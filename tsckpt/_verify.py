@@ -70,7 +70,11 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
     group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups}
     bad: dict[str, str] = {}
     for p, fut in futures.items():
-        r = fut.result()
+        try:
+            r = fut.result()
+        except Exception as e:  # noqa: BLE001 - a damaged database: reported per leaf
+            bad[p] = f"its zarr.json cannot be read ({' '.join(str(e).split())})"
+            continue
         if r.state != "value":
             bad[p] = "its zarr.json is missing (zarr readers cannot open this array)"
             continue
@@ -84,10 +88,10 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
             bad[p] = why
     problems = []
     for g, fut in group_futures.items():
-        r = fut.result()
         try:
+            r = fut.result()
             ok = r.state == "value" and json.loads(r.value).get("node_type") == "group"
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError):  # TensorStore's read errors are ValueErrors too
             ok = False
         if not ok:
             problems.append(f"group '{g}': zarr.json is missing or not a zarr group node")
