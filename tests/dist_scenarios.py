@@ -252,3 +252,26 @@ def many_leaves(rank: int, world: int, directory: str, n: int) -> None:
         full = torch.arange(world * 4 * 3, dtype=torch.float32).reshape(world * 4, 3) + i
         tree[f"l{i:04d}"] = tsckpt.ShardedArray(full[rank * 4 : (rank + 1) * 4].clone(), tuple(full.shape), (rank * 4, 0))
     tsckpt.save(directory, {"opt": tree, "step": 5})
+
+
+def save_and_restore_with_progress(rank: int, world: int, directory: str) -> list[tuple[str, int, int]]:
+    """Save and restore row shards with progress=True; return the bars this rank showed (verb, n, total)."""
+    import tqdm
+
+    bars: list[tuple[str, int, int]] = []
+
+    class Recording(tqdm.tqdm):
+        def close(self) -> None:
+            if not self.disable:  # tqdm closes again when collected
+                bars.append((self.desc, self.n, self.total))
+            super().close()
+
+    tqdm.tqdm = Recording  # type: ignore[misc]
+    full = torch.arange(world * 256, dtype=torch.float32).reshape(world * 16, 16)
+    mine = full[rank * 16 : (rank + 1) * 16].clone()
+    tsckpt.save(directory, {"w": tsckpt.ShardedArray(mine, tuple(full.shape), (rank * 16, 0))}, progress=True)
+    target = {"w": tsckpt.ShardedArray(torch.zeros(16, 16), tuple(full.shape), (rank * 16, 0))}
+    tsckpt.restore(directory, target, inplace=True, progress=True)
+    if not torch.equal(target["w"].local, mine):
+        raise AssertionError(f"rank {rank}: restored rows differ")
+    return bars

@@ -26,6 +26,7 @@ from ._convert import TARGETS
 from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._dcp import PICKLE_WARNING
 from ._reader import LazyArray, load
+from ._progress import human_bytes
 from ._sources import FORMATS
 
 EXIT_OK = 0
@@ -45,18 +46,6 @@ class Problem(Exception):
 
 
 # ---- small helpers -----------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``'1.5 KiB'``; bytes below 1 KiB are exact."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -243,11 +232,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    progress = _progress(args)
-    try:
-        report = verify(args.dir, progress=progress.update)
-    finally:
-        progress.close()
+    report = verify(args.dir, progress=False if args.verbose else None)
     if args.verbose:
         for p in report.leaves:
             if p not in report.bad:
@@ -268,22 +253,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"{_count(report.files_read, 'shard file')}, all checksums match), {_count(report.n_values, 'value')}"
     )
     return EXIT_OK
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(args: argparse.Namespace) -> Any:
-    if args.verbose or not sys.stderr.isatty():
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(unit="array", desc=args.command, file=sys.stderr, leave=False)
 
 
 # ---- convert -----------------------------------------------------------------

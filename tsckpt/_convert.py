@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode
 from ._leaves import describe, memory
 from ._reader import read_root_states
 from ._save import save
+from ._progress import Progress
 from ._sources import open_source
 from ._store import Directory
 from ._types import LazySource, Local
@@ -110,29 +110,6 @@ def select(tree: Any, subtree: str | None, strip_prefix: str | None, add_prefix:
     return Selected(names, flat.leaves, None if renamed else structure_to_json(flat.spec))
 
 
-class _Progress:
-    """A tqdm bar of bytes read, when wanted; opened once the total is known."""
-
-    def __init__(self, show: bool) -> None:
-        self.show = show
-        self.bar: Any = None
-
-    def start(self, total: int) -> None:
-        if self.show:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-                            file=sys.stderr, leave=False)
-
-    def __call__(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _reader(local: Local, cast: torch.dtype | None, count: Callable[[int], None]) -> tuple[LazySource, str]:
     """A lazy source over one stored array that casts floating-point data to ``cast`` and
     counts what it reads; returns it with its (output) logical dtype."""
@@ -202,7 +179,7 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: boo
         tree = from_paths(sel.names, prep.leaves)
     existed = _store.has_any_key(_store.resolve(dst))
     try:
-        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES, layout=layout)
+        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES, layout=layout, progress=False)
     except BaseException:
         _remove_claimed(dst, existed, overwrite)
         raise
@@ -289,17 +266,14 @@ def convert(
     cast = parse_dtype(dtype)
     fmt, tree = open_source(src_s, from_format)
     sel = select(tree, subtree, strip_prefix, add_prefix)
-    counter = _Progress(sys.stderr.isatty() if progress is None else progress)
-    prep = _prepare(sel, cast, counter)
-    counter.start(prep.nbytes_in)
-    try:
+    with Progress("convert", dst_s, show=progress) as counter:
+        prep = _prepare(sel, cast, counter.update)
+        counter.set_total(prep.nbytes_in)
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst_s, sel, prep, overwrite, layout)
         else:
             files = _write_safetensors(dst_s, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
-    finally:
-        counter.close()
     n_values = sum(not isinstance(x, LazySource) for x in prep.leaves)
     nbytes = sum(
         math.prod(x.shape) * _dtypes.itemsize(prep.dtypes[n])

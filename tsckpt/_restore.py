@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import os
 import sys
 import warnings
@@ -20,6 +21,7 @@ from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._plan import shard_boxes
+from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, corrupt_error, load
 from ._store import Directory
 from ._types import ArraySpec, Dest
@@ -86,7 +88,7 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     return {p: arr._tensorstore() for p, arr in arrays.items()}
 
 
-def read_into(ck: Checkpoint, dests: list[Dest]) -> None:
+def read_into(ck: Checkpoint, dests: list[Dest], progress: Progress | None = None) -> None:
     """Execute read items shard by shard.
 
     Where the destination is CPU memory of the stored dtype, TensorStore writes
@@ -97,6 +99,8 @@ def read_into(ck: Checkpoint, dests: list[Dest]) -> None:
     pending: collections.deque[tuple[Any, Dest, tuple[slice, ...], np.ndarray | None, int]] = collections.deque()
     in_flight = 0
     stores = _open_all(ck, [d.item.path for d in dests])
+    if progress is not None:
+        progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
 
     def drain_one() -> int:
         fut, dest, dsel, direct, nbytes = pending.popleft()
@@ -105,6 +109,8 @@ def read_into(ck: Checkpoint, dests: list[Dest]) -> None:
             raw = fut.result()
         except ValueError as e:
             raise corrupt_error(ck, dest.item.path, e) from e
+        if progress is not None:
+            progress.update(nbytes, 1)
         if direct is not None:
             return nbytes
         if isinstance(dest.tensor, np.ndarray):
@@ -152,6 +158,7 @@ def restore(
     as_saved: bool = False,
     group: Any = None,
     timeout: datetime.timedelta | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -166,14 +173,18 @@ def restore(
     DTensor and ShardedArray targets receive just their local region, whatever
     layout and world size saved the checkpoint; each rank reads only the
     chunks overlapping that region.
+
+    ``progress`` shows a bar of bytes read on rank 0 (default: when stderr is a
+    terminal); each rank logs bytes, reads and throughput at the end.
     """
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
         ck = load(directory)
-        if target is None:
-            return _restore_saved(ck, as_saved)
-        return _restore_into(ck, target, strict, inplace)
+        with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
+            if target is None:
+                return _restore_saved(ck, as_saved, bar)
+            return _restore_into(ck, target, strict, inplace, bar)
 
     if coord.world_size == 1:
         return run()
@@ -181,7 +192,7 @@ def restore(
     return phase(coord, "restore", run)
 
 
-def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool) -> list[Any]:
+def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, progress: Progress) -> list[Any]:
     """Read the stored leaves into the target ``leaves``; returns the restored leaves in order."""
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
@@ -204,17 +215,17 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool) ->
             out.append(dest.result)
         else:
             out.append(leaf)
-    read_into(ck, [d for _, d in dests])
+    read_into(ck, [d for _, d in dests], progress)
     for i, dest in dests:
         if dest.finish is not None:
             out[i] = dest.restored()
     return out
 
 
-def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool) -> Any:
+def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, progress: Progress) -> Any:
     flat = flatten(target)
     _check_structure(ck, flat.paths, strict)
-    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace))
+    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, progress))
 
 
 def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
@@ -226,9 +237,9 @@ def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
     return ArraySpec(rec.shape, None)
 
 
-def _restore_saved(ck: Checkpoint, as_saved: bool) -> Any:
+def _restore_saved(ck: Checkpoint, as_saved: bool, progress: Progress) -> Any:
     stored = [p for p in ck.leaves if p not in ck.aliases]
     targets = [ck.values[p] if p in ck.values else saved_kind_target(ck.arrays[p], as_saved) for p in stored]
-    by_path = dict(zip(stored, _fill(ck, stored, targets, inplace=False)))
+    by_path = dict(zip(stored, _fill(ck, stored, targets, False, progress)))
     # a tied leaf is the very object of its stored leaf, as when it was saved
     return ck.build([by_path[ck.aliases.get(p, p)] for p in ck.leaves])

@@ -33,6 +33,7 @@ from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._reader import root_state
 from ._types import LazySource, Local
+from ._progress import Progress
 from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_aliases, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
@@ -124,7 +125,7 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
 
 def _write_regions(
     data: dict[str, Any], plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray],
-    window: int, *, compact: bool,
+    window: int, *, compact: bool, progress: Progress,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight.
@@ -148,14 +149,16 @@ def _write_regions(
         if txn is not None:  # a window is written by committing its transaction
             for fut, _ in pending:
                 fut.result()
-            pending.clear()
-            in_flight = 0
             txn.commit_async().result()
             txn = ts.Transaction()
+            progress.update(in_flight, len(pending))
+            pending.clear()
+            in_flight = 0
         while in_flight > keep and pending:
             fut, n = pending.popleft()
             fut.result()
             in_flight -= n
+            progress.update(n, 1)
 
     for item in plan.writes_for(rank):
         rec = records[item.path]
@@ -300,6 +303,7 @@ def save(
     timeout: datetime.timedelta | None = None,
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
+    progress: bool | None = None,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
 
@@ -314,6 +318,8 @@ def save(
     ``layout="compact"`` stores the arrays in one OCDBT database per writing
     rank, merged at the commit, so the file count does not grow with the
     number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
+    ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
+    a terminal); each rank logs bytes, files and throughput at the end.
 
     Protocol (every rank calls save with its local tree):
 
@@ -342,8 +348,9 @@ def save(
     received: dict[int, np.ndarray] = {}
     if job.plan.transfers:  # identical plan on every rank: all skip this round together
         received = phase(coord, "save (exchange)", lambda: _exchange(coord, job.plan, job.local)) or {}
-    phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received, layout))
-    phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job, layout), ranks={0})
+    with Progress("save", loc, show=progress, rank=coord.rank) as bar:
+        phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received, layout, bar))
+        phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job, layout), ranks={0})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,11 +410,15 @@ def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
     )
 
 
-def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str) -> None:
+def _write(
+    loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress
+) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = data_spec(loc, layout, writer=rank)
-    keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact)
+    writes = job.plan.writes_for(rank)
+    progress.set_total(sum(math.prod(w.lengths) * job.local[w.path].desc.itemsize for w in writes))
+    keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact, progress=progress)
     if rank == 0:
         keys += _write_nodes(data, job.plan, compact=compact)
     if compact:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 import tensorstore as ts
 
@@ -15,6 +15,7 @@ from . import _dtypes, _store
 from ._arrays import array_node
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
+from ._progress import Progress
 from ._reader import Checkpoint, describe_read_error, load
 from ._store import Directory
 
@@ -98,7 +99,7 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
     return _Nodes(bad, tuple(problems))
 
 
-def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int], None]) -> _Reads:
+def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _Reads:
     """Read every shard file of every array not in ``skip``, a bounded window at a time."""
     bad: dict[str, str] = {}
     pending: collections.deque[tuple[Any, str, int]] = collections.deque()
@@ -108,6 +109,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
         nonlocal in_flight
         fut, path, n = pending.popleft()
         in_flight -= n
+        progress.update(n, 1)
         try:
             fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
@@ -115,13 +117,11 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
 
     for path, rec in ck.arrays.items():
         if path in skip:  # its zarr.json is missing or wrong: no reader can open it
-            progress(1)
             continue
         try:
             store = ck.open_array_future(path).result()
         except Exception as e:  # noqa: BLE001
             bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
-            progress(1)
             continue
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.layout):
             if path in bad:
@@ -132,20 +132,22 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
             in_flight, total, files = in_flight + nbytes, total + nbytes, files + 1
             while in_flight > VERIFY_WINDOW_BYTES and pending:
                 drain()
-        progress(1)
     while pending:
         drain()
     return _Reads(bad, total, files)
 
 
-def verify(directory: Directory, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify(directory: Directory, *, progress: bool | None = None) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
     metadata, and every chunk read back with its checksum. Damage is reported per leaf in
     the returned report, never raised; a root that is not a committed checkpoint raises.
-    ``progress(n)`` is called as arrays are done."""
+    ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
+    bytes, files and throughput are logged at the end."""
     ck = load(directory)
     nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
-    reads = _read_all(ck, nodes.bad, progress or (lambda n: None))
+    with Progress("verify", ck.location, show=progress) as bar:
+        bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
+        reads = _read_all(ck, nodes.bad, bar)
     bad = dict(nodes.bad)
     for path, why in reads.bad.items():
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
