@@ -196,7 +196,13 @@ def _begin(loc: Location, overwrite: bool) -> None:
     no root exists, so of several savers racing for one directory exactly one
     proceeds; the others raise CheckpointExistsError and touch nothing. A failed
     condition is reported by TensorStore as an empty generation, not an error.
+    On object stores the create is a PUT with ``If-None-Match: *``.
     """
+    with _store.storage_errors(loc):
+        _claim(loc, overwrite)
+
+
+def _claim(loc: Location, overwrite: bool) -> None:
     kv = loc.kvstore()
     current = kv.read(ROOT_KEY).result()
     if current.state == "value" or _store.has_any_key(loc):
@@ -368,9 +374,10 @@ def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
 
 def _write(loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray]) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
-    keys = _write_regions(loc, job.plan, rank, job.local, received, job.window)
-    if rank == 0:
-        keys += _write_nodes(loc.kvstore(), job.plan)
+    with _store.storage_errors(loc):
+        keys = _write_regions(loc, job.plan, rank, job.local, received, job.window)
+        if rank == 0:
+            keys += _write_nodes(loc.kvstore(), job.plan)
     _store.sync_data(loc, keys)
 
 
@@ -385,4 +392,5 @@ def _commit(loc: Location, world_size: int, job: _Job) -> None:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta))
+    with _store.storage_errors(loc):
+        _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta))

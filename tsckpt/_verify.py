@@ -14,7 +14,7 @@ from ._arrays import array_node
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._reader import Checkpoint, describe_read_error, load
-from ._store import Directory
+from ._store import Directory, storage_errors, storage_problem
 
 # Bytes of reads kept in flight.
 VERIFY_WINDOW_BYTES = 256 << 20
@@ -105,6 +105,9 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
         try:
             fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
+            unreachable = storage_problem(ck.location, e)
+            if unreachable is not None:  # not damage: the storage itself failed
+                raise unreachable from e
             bad.setdefault(path, describe_read_error(e))
 
     for path, rec in ck.arrays.items():
@@ -114,6 +117,9 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Callable[[int],
         try:
             store = ck.open_array_future(path).result()
         except Exception as e:  # noqa: BLE001
+            unreachable = storage_problem(ck.location, e)
+            if unreachable is not None:
+                raise unreachable from e
             bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
             progress(1)
             continue
@@ -138,7 +144,8 @@ def verify(directory: Directory, *, progress: Callable[[int], None] | None = Non
     the returned report, never raised; a root that is not a committed checkpoint raises.
     ``progress(n)`` is called as arrays are done."""
     ck = load(directory)
-    nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
+    with storage_errors(ck.location):
+        nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
     reads = _read_all(ck, nodes.bad, progress or (lambda n: None))
     bad = dict(nodes.bad)
     for path, why in reads.bad.items():
