@@ -327,3 +327,50 @@ def test_bad_credentials(s3_server, prefix, monkeypatch):
         with pytest.raises(tsckpt.StorageError, match="access denied by .*check AWS_ACCESS_KEY_ID"):
             call()
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_unusable_credentials_spec(prefix):
+    spec = {
+        "driver": "s3", "bucket": BUCKET, "path": prefix,
+        "context": {"aws_credentials": {"type": "profile", "profile": "no-such-profile"}},
+    }
+    with pytest.raises(tsckpt.StorageError, match="no usable credentials .*check AWS_ACCESS_KEY_ID"):
+        tsckpt.open(spec)
+
+
+_STALLED_OPEN = """
+import sys, tsckpt
+quick = {"s3_request_retries": {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}}
+try:
+    tsckpt.open({"driver": "s3", "bucket": "b-1", "path": "ck", "endpoint": sys.argv[1], "context": quick})
+except tsckpt.StorageError as e:
+    print(e)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stalled_endpoint_is_dropped(tmp_path):
+    """A server that accepts connections and never answers: the stall limit ends each try.
+    In a fresh process, as TensorStore reads the limit once per process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        here = os.path.dirname(os.path.dirname(os.path.abspath(tsckpt.__file__)))  # this tsckpt, not another copy
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1",
+               "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", _STALLED_OPEN, endpoint], env=env, capture_output=True,
+                             text=True, timeout=50, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert f"cannot reach {endpoint}" in out.stdout and "Timeout was reached" in out.stdout
+    assert time.monotonic() - start < 30

@@ -117,6 +117,9 @@ def storage_problem(loc: Location, err: BaseException) -> StorageError | None:
             "'aws_credentials'" if aws else "the credentials"
         )
         return StorageError(f"{loc}: access denied by {where} ({detail}); check {fix} and the bucket's permissions")
+    if "credentials" in msg.lower() and ("provider" in msg.lower() or "spec" in msg.lower()):
+        fix = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the context 'aws_credentials'"
+        return StorageError(f"{loc}: no usable credentials ({detail}); check {fix if aws else 'the credentials'}")
     if "CURL error" in msg or "retry attempts failed" in msg:
         fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
         return StorageError(
