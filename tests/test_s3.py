@@ -78,7 +78,7 @@ def _root(url: str, prefix: str) -> dict:
 
 
 @pytest.fixture
-def requests(monkeypatch):
+def s3_calls(monkeypatch):
     """Record the object keys the server is asked to GET and the prefixes it is asked to list."""
     import moto.s3.responses as responses
 
@@ -121,7 +121,7 @@ def _assert_tree(got: dict, seed: int = 0) -> None:
 # ---- single rank -------------------------------------------------------------
 
 
-def test_save_restore_open_metadata_verify(s3_server, prefix, small_chunks, requests):
+def test_save_restore_open_metadata_verify(s3_server, prefix, small_chunks, s3_calls):
     url = f"s3://{BUCKET}/{prefix}"
     tsckpt.save(url, _tree())
     assert _root(s3_server, prefix)["state"] == "committed"
@@ -132,11 +132,11 @@ def test_save_restore_open_metadata_verify(s3_server, prefix, small_chunks, requ
     chunk_files = [k for k in _keys(s3_server, f"{prefix}/w/c/")]
     assert len(chunk_files) > 1  # small_chunks: several shard files
 
-    requests["get"].clear()
+    s3_calls["get"].clear()
     reader = tsckpt.open(url)
     row = reader["w"].torch[3, 5:9]
     assert torch.equal(row, _tree()["w"][3, 5:9])
-    read_chunks = {p for p in requests["get"] if "/w/c/" in p}
+    read_chunks = {p for p in s3_calls["get"] if "/w/c/" in p}
     assert 0 < len(read_chunks) < len(chunk_files)  # a slice reads only the files it touches
 
     report = tsckpt.verify(url)
@@ -253,7 +253,7 @@ def test_concurrent_savers_exactly_one_wins(s3_server, prefix, monkeypatch):
 # ---- manager ----------------------------------------------------------------------
 
 
-def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, requests):
+def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, s3_calls):
     root = f"s3://{BUCKET}/{prefix}"
     m = tsckpt.CheckpointManager(root, keep_last=2)
     for step in range(4):
@@ -263,10 +263,10 @@ def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, requests)
         _crash_before_commit(mp)
         with pytest.raises(RuntimeError, match="simulated crash"):
             m.save(5, _tree(5))
-    requests["list"].clear()
+    s3_calls["list"].clear()
     assert m.all_steps() == [3, 4] and m.latest_step() == 4
     # the steps are found by listing the index only, never every key of every step
-    assert requests["list"] and all(p == f"{prefix}/.tsckpt-steps/" for p in requests["list"])
+    assert s3_calls["list"] and all(p == f"{prefix}/.tsckpt-steps/" for p in s3_calls["list"])
     _assert_tree(m.restore(), 4)
     _assert_tree(m.restore(3), 3)
     with pytest.raises(tsckpt.CheckpointIncompleteError):
