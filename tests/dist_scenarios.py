@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,13 @@ def dtensor(full: torch.Tensor, m: Any, placements: list[Any]) -> Any:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, m, placements)
+
+
+def in_env(rank: int, world: int, env: dict[str, str], fn: Any, *args: Any) -> Any:
+    """Run scenario ``fn`` with ``env`` set first: forked ranks start with the
+    environment their fork server had, not the test's."""
+    os.environ.update(env)
+    return fn(rank, world, *args)
 
 
 # ---- save side -------------------------------------------------------------

@@ -117,7 +117,9 @@ def test_retention_on_memory_store():
     m.close()
     assert m.all_steps() == [3, 4]
     kv = tsckpt._store.resolve(root).kvstore()
-    assert {k.split(b"/")[0] for k in kv.list().result()} == {b"00000003", b"00000004"}
+    keys = kv.list().result()
+    assert {k.split(b"/")[0] for k in keys} == {b"00000003", b"00000004", b".tsckpt-steps"}
+    assert {k for k in keys if k.startswith(b".tsckpt-steps/")} == {b".tsckpt-steps/00000003", b".tsckpt-steps/00000004"}
 
 
 def test_bad_retention_arguments(tmp_path):
@@ -128,11 +130,13 @@ def test_bad_retention_arguments(tmp_path):
 
 
 def _make_incomplete(m: tsckpt.CheckpointManager, step: int) -> None:
-    """What a crashed save leaves: a pending root and part of the data."""
+    """What a crashed save leaves: a pending root and part of the data (and, on an
+    object store, the step's index marker, written before the save began)."""
     import tsckpt._save as save_module
     from tsckpt._store import resolve
 
     loc = resolve(m.directory(step))
+    m._mark(m._name(step))
     save_module._begin(loc, overwrite=False)
     loc.kvstore().write("w/c/0/0", b"partial").result()
 

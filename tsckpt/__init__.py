@@ -16,6 +16,7 @@ from ._errors import (
     NotACheckpointError,
     SaveInProgressError,
     ShapeMismatchError,
+    StorageError,
     StructureMismatchError,
     TsckptError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "SaveInProgressError",
     "ShapeMismatchError",
     "ShardedArray",
+    "StorageError",
     "StructureMismatchError",
     "TsckptError",
     "VerifyReport",

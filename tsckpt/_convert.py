@@ -181,7 +181,10 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: boo
     try:
         save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES, layout=layout, progress=False)
     except BaseException:
-        _remove_claimed(dst, existed, overwrite)
+        try:
+            _remove_claimed(dst, existed, overwrite)
+        except ValueError:  # storage unreachable: the save's own error says why
+            pass
         raise
 
 

@@ -58,6 +58,11 @@ class SaveInProgressError(TsckptError, RuntimeError):
     """An asynchronous save is still running and the caller asked not to wait for it."""
 
 
+class StorageError(TsckptError, OSError):
+    """The storage service refused or could not be reached: no such bucket, access denied,
+    endpoint unreachable."""
+
+
 __all__ = [
     "CheckpointExistsError",
     "CheckpointIncompleteError",
@@ -70,6 +75,7 @@ __all__ = [
     "NotACheckpointError",
     "SaveInProgressError",
     "ShapeMismatchError",
+    "StorageError",
     "StructureMismatchError",
     "TsckptError",
 ]

@@ -10,6 +10,16 @@ Deleting a step first makes it incomplete (on a local disk the directory is
 renamed away in one atomic step; elsewhere the root ``zarr.json`` goes first),
 so a crash in the middle of a deletion never leaves a damaged step that looks
 complete. With several ranks, only rank 0 deletes.
+
+Object stores have no directories, and listing every key of every step to find
+the step names would read thousands of keys per step. So the manager keeps an
+index there: before a step's save begins it writes an empty marker object
+``.tsckpt-steps/<step>``, and it deletes the marker last when the step goes.
+Listing the steps lists only the markers (one small key range); each step's
+root ``zarr.json`` then says whether it is complete, so a marker is only a
+hint and never makes a step look complete. A step saved under the root without
+the manager (``tsckpt.save`` on ``directory(step)``) has no marker and is not
+listed there. Local disks are listed directly.
 """
 
 from __future__ import annotations
@@ -24,15 +34,16 @@ from typing import Any
 
 import tensorstore as ts
 
-from . import _dist
+from . import _dist, _store
 from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
 from ._errors import CheckpointExistsError, CheckpointNotFoundError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
 from ._reader import read_root_states
-from ._store import Directory, fsync_path, resolve
+from ._store import Directory, fsync_path, resolve, storage_errors
 
 _STEP = re.compile(r"[0-9]+")
 _TRASH = ".tsckpt-deleting-"
+_INDEX = ".tsckpt-steps/"  # object stores: one empty marker per step directory
 
 
 class CheckpointManager:
@@ -108,12 +119,15 @@ class CheckpointManager:
             if not os.path.isdir(self._loc.local):
                 return []
             return [e.name for e in os.scandir(self._loc.local) if e.is_dir()]
-        keys = self._loc.kvstore().list().result()
-        return sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys if b"/" in k})
+        markers = ts.KvStore.KeyRange(_INDEX, _INDEX[:-1] + "0")  # '0' follows '/'
+        with storage_errors(self._loc):
+            keys = self._loc.kvstore().list(markers, strip_prefix_length=len(_INDEX)).result()
+        return sorted(k.decode("utf-8", "replace") for k in keys)
 
     def _states(self, names: Iterable[str]) -> dict[str, str | None]:
         """Root state of each step directory: "committed", "pending", None (no root) or "invalid"."""
-        roots = read_root_states(self._loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
+        with storage_errors(self._loc):
+            roots = read_root_states(self._loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
         return {key[: -len(ROOT_KEY) - 1]: root.state for key, root in roots.items()}
 
     def _step_states(self) -> dict[int, tuple[str, str | None]]:
@@ -141,7 +155,9 @@ class CheckpointManager:
             )
         if state is not None:
             return True
-        return self._loc.local is not None and os.path.exists(os.path.join(self._loc.local, name))
+        if self._loc.local is not None:
+            return os.path.exists(os.path.join(self._loc.local, name))
+        return _store.has_any_key(resolve(self._loc.sub(name)))
 
     def _job(self, step: int, clear: bool) -> Any:
         from ._save import save
@@ -149,8 +165,10 @@ class CheckpointManager:
         kwargs = save_kwargs(self._group, self._check_replicas, self._timeout, self._layout)
 
         def job(tree: Any) -> None:
-            if clear and self._rank == 0:
-                self._delete(self._name(step))
+            if self._rank == 0:
+                if clear:
+                    self._delete(self._name(step))
+                self._mark(self._name(step))
             save(self.directory(step), tree, **kwargs)
             if self._rank == 0:
                 self._after_commit()
@@ -245,6 +263,12 @@ class CheckpointManager:
                 if name.startswith(_TRASH):
                     shutil.rmtree(os.path.join(self._loc.local, name), ignore_errors=True)
 
+    def _mark(self, name: str) -> None:
+        """Object stores: list step ``name`` in the index before anything of it is written."""
+        if self._loc.local is None:
+            with storage_errors(self._loc):
+                self._loc.kvstore().write(f"{_INDEX}{name}", b"").result()
+
     def _delete(self, name: str) -> None:
         """Delete one step directory so that no crash leaves it looking complete."""
         if self._loc.local is not None:
@@ -258,8 +282,10 @@ class CheckpointManager:
             shutil.rmtree(trash, ignore_errors=True)
             return
         kv = self._loc.kvstore()
-        kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
-        kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
+        with storage_errors(self._loc):
+            kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
+            kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
+            kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
 
 
 __all__ = ["CheckpointManager"]

@@ -22,6 +22,7 @@ from ._errors import (
     CorruptCheckpointError,
     FormatVersionError,
     NotACheckpointError,
+    TsckptError,
 )
 from ._format import (
     FORMAT_VERSION,
@@ -157,6 +158,11 @@ def read_root_states(kv: ts.KvStore, keys: list[str]) -> dict[str, RootState]:
 def load(directory: Directory | Location) -> Checkpoint:
     """Parse and validate the root metadata; raise a precise error if not a committed checkpoint."""
     loc = directory if isinstance(directory, Location) else resolve(directory)
+    with _store.storage_errors(loc):
+        return _load(loc)
+
+
+def _load(loc: Location) -> Checkpoint:
     if loc.local is not None and not os.path.isdir(loc.local):
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
@@ -246,13 +252,19 @@ def describe_read_error(err: Exception) -> str:
     return f"{what} ({msg})"
 
 
-def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
+def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
+    unreachable = _store.storage_problem(ck.location, err)
+    if unreachable is not None:
+        return unreachable
     what, msg = _classify_read_error(err)
     return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
 
 
-def node_error(ck: Checkpoint, path: str, err: Exception) -> CorruptCheckpointError:
+def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
+    unreachable = _store.storage_problem(ck.location, err)
+    if unreachable is not None:
+        return unreachable
     msg = str(err).split(" [tensorstore_spec=")[0]
     low = msg.lower()
     if "ocdbt database" in low and any(s in low for s in ("manifest", "byte range", "error decoding", "invalid json")):

@@ -229,7 +229,13 @@ def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN) -> None:
     no root exists, so of several savers racing for one directory exactly one
     proceeds; the others raise CheckpointExistsError and touch nothing. A failed
     condition is reported by TensorStore as an empty generation, not an error.
+    On object stores the create is a PUT with ``If-None-Match: *``.
     """
+    with _store.storage_errors(loc):
+        _claim(loc, overwrite, layout)
+
+
+def _claim(loc: Location, overwrite: bool, layout: str) -> None:
     kv = loc.kvstore()
     current = kv.read(ROOT_KEY).result()
     if current.state == "value" or _store.has_any_key(loc):
@@ -418,9 +424,10 @@ def _write(
     data = data_spec(loc, layout, writer=rank)
     writes = job.plan.writes_for(rank)
     progress.set_total(sum(math.prod(w.lengths) * job.local[w.path].desc.itemsize for w in writes))
-    keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact, progress=progress)
-    if rank == 0:
-        keys += _write_nodes(data, job.plan, compact=compact)
+    with _store.storage_errors(loc):
+        keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact, progress=progress)
+        if rank == 0:
+            keys += _write_nodes(data, job.plan, compact=compact)
     if compact:
         _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
     else:
@@ -446,7 +453,8 @@ def _merge_databases(loc: Location, plan: SavePlan) -> None:
 def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
     """Rank 0: the one atomic write that makes the checkpoint visible."""
     if layout == LAYOUT_COMPACT:
-        _merge_databases(loc, job.plan)
+        with _store.storage_errors(loc):
+            _merge_databases(loc, job.plan)
     meta = {
         "structure": job.structure,
         "leaves": job.leaves,
@@ -456,4 +464,5 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta, layout=layout))
+    with _store.storage_errors(loc):
+        _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta, layout=layout))

@@ -4,26 +4,52 @@ All I/O goes through TensorStore kvstores so local disks, memory and object
 stores (s3, gcs) share one code path. One TensorStore context is shared by the
 whole process: ``memory://`` stores live in a context, and sharing it also
 shares TensorStore's thread pools and cache.
+
+s3 locations take their credentials and profile from the AWS environment
+(TensorStore reads those itself); the endpoint and region are filled in here
+from ``AWS_ENDPOINT_URL`` and ``AWS_REGION``, which TensorStore ignores. Keys of
+a spec dict always win, and a spec's own ``context`` overrides the retry policy
+and credentials set here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
 import os
+import re
 import sys
+from collections.abc import Iterator
 from typing import Any, Union
 
 import tensorstore as ts
 
+from ._errors import StorageError, TsckptError
+
 Directory = Union[str, "os.PathLike[str]", dict]
+
+# TensorStore's default for s3 (32 attempts, backoff up to 32 s) turns an
+# unreachable endpoint into a wait of many minutes; this gives up after about 10 s.
+S3_REQUEST_RETRIES = {"max_retries": 6, "initial_delay": "0.25s", "max_delay": "4s"}
+
+# An HTTP transfer that moves no byte for this long fails (and is retried) rather
+# than hanging forever. TensorStore reads these once, at its first HTTP request.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 # Chunk files are written without a per-file fsync; sync_data() makes them
 # durable in bulk before the commit object is written (see _save.py).
 # The OCDBT cache pool keeps B-tree nodes of compact checkpoints in memory, so
 # opening thousands of arrays does not re-read the tree for each.
-CONTEXT = ts.Context({"file_io_sync": False, "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})
+CONTEXT = ts.Context(
+    {
+        "file_io_sync": False,
+        "s3_request_retries": S3_REQUEST_RETRIES,
+        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +88,65 @@ def resolve(directory: Directory) -> Location:
         path += "/"
     spec["path"] = path
     local = path.rstrip("/") or "/" if spec.get("driver") == "file" else None
+    if spec.get("driver") == "s3":
+        _fill_from_environment(spec)
     return Location(spec, local)
+
+
+def _fill_from_environment(spec: dict[str, Any]) -> None:
+    """Endpoint and region from the AWS environment, where the spec names none."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "endpoint" not in spec:
+        spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region and "aws_region" not in spec:
+        spec["aws_region"] = region
+
+
+def storage_problem(loc: Location, err: BaseException) -> StorageError | None:
+    """The StorageError a failed request to an object store means, or None when ``err``
+    is not about reaching the store (a missing key, damaged data, a local disk)."""
+    if loc.local is not None or loc.spec.get("driver") in ("memory", None) or isinstance(err, TsckptError):
+        return None
+    msg = " ".join(str(err).split())
+    detail = msg.split(" [")[0]
+    driver = loc.spec.get("driver")
+    where = loc.spec.get("endpoint") or f"the default {driver} endpoint"
+    aws = driver == "s3"
+    if "NoSuchBucket" in msg or "bucket does not exist" in msg.lower():
+        fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
+        return StorageError(
+            f"{loc}: bucket {loc.spec.get('bucket')!r} does not exist at {where}; create it, or check the "
+            f"bucket name and {fix}"
+        )
+    if "PERMISSION_DENIED" in msg or "UNAUTHENTICATED" in msg or re.search(r"http_response_code='40[13]'", msg):
+        fix = (
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or the spec's context "
+            "'aws_credentials'" if aws else "the credentials"
+        )
+        return StorageError(f"{loc}: access denied by {where} ({detail}); check {fix} and the bucket's permissions")
+    if "credentials" in msg.lower() and ("provider" in msg.lower() or "spec" in msg.lower()):
+        fix = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the context 'aws_credentials'"
+        return StorageError(f"{loc}: no usable credentials ({detail}); check {fix if aws else 'the credentials'}")
+    if "CURL error" in msg or "retry attempts failed" in msg:
+        fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
+        return StorageError(
+            f"{loc}: cannot reach {where} ({detail}); check {fix} and the network. Retries are bounded by "
+            "the context resource 's3_request_retries'"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(loc: Location) -> Iterator[None]:
+    """Turn TensorStore's errors for an unreachable or refusing object store into StorageError."""
+    try:
+        yield
+    except ValueError as e:  # TensorStore reports failed requests as ValueError
+        err = storage_problem(loc, e)
+        if err is None:
+            raise
+        raise err from e
 
 
 def encode_json(obj: Any) -> bytes:
@@ -154,4 +238,5 @@ def delete_all(loc: Location) -> None:
 def has_any_key(loc: Location) -> bool:
     if loc.local is not None:
         return os.path.isdir(loc.local) and any(os.scandir(loc.local))
-    return bool(loc.kvstore().list().result())
+    with storage_errors(loc):
+        return bool(loc.kvstore().list().result())

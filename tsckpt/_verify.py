@@ -17,7 +17,7 @@ from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, describe_read_error, load
-from ._store import Directory
+from ._store import Directory, storage_errors, storage_problem
 
 # Bytes of reads kept in flight.
 VERIFY_WINDOW_BYTES = 256 << 20
@@ -113,6 +113,9 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
         try:
             fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
+            unreachable = storage_problem(ck.location, e)
+            if unreachable is not None:  # not damage: the storage itself failed
+                raise unreachable from e
             bad.setdefault(path, describe_read_error(e))
 
     for path, rec in ck.arrays.items():
@@ -121,6 +124,9 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
         try:
             store = ck.open_array_future(path).result()
         except Exception as e:  # noqa: BLE001
+            unreachable = storage_problem(ck.location, e)
+            if unreachable is not None:
+                raise unreachable from e
             bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
             continue
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.layout):
@@ -144,7 +150,8 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
     ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
     bytes, files and throughput are logged at the end."""
     ck = load(directory)
-    nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
+    with storage_errors(ck.location):
+        nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
     with Progress("verify", ck.location, show=progress) as bar:
         bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
         reads = _read_all(ck, nodes.bad, bar)

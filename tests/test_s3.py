@@ -1,0 +1,376 @@
+"""tsckpt on s3, against moto's S3 server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+import tsckpt._save as save_module
+from tests import dist_scenarios as sc
+from tests.dist_helpers import free_port, run_ranks
+
+BUCKET = "tsckpt-test"
+SPEC = {"wte": ((10, 6), "S0"), "proj": ((7, 3), "S1"), "norm": ((6,), "R")}
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 in this process, serving one bucket; yields its endpoint URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    _client(url).create_bucket(Bucket=BUCKET)
+    yield url
+    server.stop()
+
+
+def _client(url: str):
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS environment pointing at the server; restored after the test."""
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def prefix(s3_env):
+    """A fresh key prefix in the bucket (no trailing slash)."""
+    return f"{uuid.uuid4().hex}/ck"
+
+
+def _keys(url: str, prefix: str) -> list[str]:
+    pages = _client(url).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def _root(url: str, prefix: str) -> dict:
+    body = _client(url).get_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json")["Body"].read()
+    return json.loads(body)["attributes"]["tsckpt"]
+
+
+@pytest.fixture
+def s3_calls(monkeypatch):
+    """Record the object keys the server is asked to GET and the prefixes it is asked to list."""
+    import moto.s3.responses as responses
+
+    seen: dict[str, list[str]] = {"get": [], "list": []}
+    get, list_v2 = responses.S3Response.get_object, responses.S3Response.list_objects_v2
+
+    def spy_get(self):
+        seen["get"].append(self.path)
+        return get(self)
+
+    def spy_list(self):
+        seen["list"].append(self.querystring.get("prefix", [""])[0])
+        return list_v2(self)
+
+    monkeypatch.setattr(responses.S3Response, "get_object", spy_get)
+    monkeypatch.setattr(responses.S3Response, "list_objects_v2", spy_list)
+    return seen
+
+
+def _tree(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, 64, generator=g),
+        "b": torch.arange(10, dtype=torch.bfloat16),
+        "np": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "step": seed,
+        "name": "run",
+    }
+
+
+def _assert_tree(got: dict, seed: int = 0) -> None:
+    """``got`` restored without a target: arrays come back as numpy."""
+    ref = _tree(seed)
+    np.testing.assert_array_equal(got["w"], ref["w"].numpy())
+    np.testing.assert_array_equal(np.asarray(got["b"], dtype=np.float32), ref["b"].float().numpy())
+    np.testing.assert_array_equal(got["np"], ref["np"])
+    assert (got["step"], got["name"]) == (seed, "run")
+
+
+# ---- single rank -------------------------------------------------------------
+
+
+def test_save_restore_open_metadata_verify(s3_server, prefix, small_chunks, s3_calls):
+    url = f"s3://{BUCKET}/{prefix}"
+    tsckpt.save(url, _tree())
+    assert _root(s3_server, prefix)["state"] == "committed"
+    _assert_tree(tsckpt.restore(url))
+
+    meta = tsckpt.metadata(url)
+    assert meta["w"].shape == (64, 64) and meta["w"].dtype == "float32" and meta["step"] == 0
+    chunk_files = [k for k in _keys(s3_server, f"{prefix}/w/c/")]
+    assert len(chunk_files) > 1  # small_chunks: several shard files
+
+    s3_calls["get"].clear()
+    reader = tsckpt.open(url)
+    row = reader["w"].torch[3, 5:9]
+    assert torch.equal(row, _tree()["w"][3, 5:9])
+    read_chunks = {p for p in s3_calls["get"] if "/w/c/" in p}
+    assert 0 < len(read_chunks) < len(chunk_files)  # a slice reads only the files it touches
+
+    report = tsckpt.verify(url)
+    assert report.ok and report.n_arrays == 3 and report.location == f"s3://{BUCKET}/{prefix}/"
+
+
+def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    spec = {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": s3_server}
+    tsckpt.save(spec, _tree(1))
+    _assert_tree(tsckpt.restore(spec), 1)
+    assert tsckpt._store.resolve(spec).spec["endpoint"] == s3_server
+
+
+def test_save_async(prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    tree = _tree(2)
+    pending = tsckpt.save_async(url, tree)
+    tree["w"].zero_()  # staged already: the save keeps the values it was given
+    pending.result(timeout=60)
+    _assert_tree(tsckpt.restore(url), 2)
+
+
+def test_convert_local_to_s3_and_to_safetensors(tmp_path, prefix):
+    local = str(tmp_path / "ck")
+    tsckpt.save(local, _tree(3))
+    url = f"s3://{BUCKET}/{prefix}"
+    report = tsckpt.convert(local, url)
+    assert (report.dst_format, report.n_arrays, report.n_values) == ("tsckpt", 3, 2)
+    _assert_tree(tsckpt.restore(url), 3)
+    out = str(tmp_path / "model.safetensors")
+    tsckpt.convert(url, out)
+    from safetensors.torch import load_file
+
+    np.testing.assert_array_equal(load_file(out)["w"].numpy(), _tree(3)["w"].numpy())
+
+
+# ---- several ranks -----------------------------------------------------------
+
+
+def test_4_ranks_save_2_ranks_restore(s3_env, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    run_ranks(sc.in_env, 4, s3_env, sc.save_dtensors, url, (4,), SPEC)
+    checked = run_ranks(sc.in_env, 2, s3_env, sc.restore_dtensors, url, (2,), SPEC)
+    assert checked[0]["wte"] == 5 * 6  # rank 0 holds half of wte's 10 rows
+    out = tsckpt.restore(url)
+    for i, (name, (shape, _)) in enumerate(sorted(SPEC.items())):
+        np.testing.assert_array_equal(out["model"][name], sc.global_tensor(shape, seed=i).numpy())
+    assert out["step"] == 7
+
+
+# ---- commit protocol ------------------------------------------------------------
+
+
+def _crash_before_commit(monkeypatch):
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash before the commit")
+
+    monkeypatch.setattr(save_module, "_commit", crash)
+
+
+def test_interrupted_save_never_looks_complete(s3_server, prefix, monkeypatch):
+    url = f"s3://{BUCKET}/{prefix}"
+    with monkeypatch.context() as m:
+        _crash_before_commit(m)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            tsckpt.save(url, _tree())
+    assert _root(s3_server, prefix)["state"] == "pending"
+    assert any("/w/c/" in k for k in _keys(s3_server, prefix))  # the data is all there
+    with pytest.raises(tsckpt.CheckpointIncompleteError, match="never committed"):
+        tsckpt.restore(url)
+    with pytest.raises(tsckpt.CheckpointIncompleteError, match="never committed"):
+        tsckpt.open(url)
+    with pytest.raises(tsckpt.CheckpointExistsError, match="another save into this directory is running, or one crashed"):
+        tsckpt.save(url, _tree(1))
+    tsckpt.save(url, _tree(1), overwrite=True)
+    _assert_tree(tsckpt.restore(url), 1)
+
+
+def test_concurrent_savers_exactly_one_wins(s3_server, prefix, monkeypatch):
+    """Both savers find the location empty; the conditional create (If-None-Match) lets one through."""
+    url = f"s3://{BUCKET}/{prefix}"
+    both_checked = threading.Barrier(2, timeout=30)
+    real = save_module._store.has_any_key
+
+    def has_any_key(loc):
+        found = real(loc)
+        both_checked.wait()
+        return found
+
+    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
+    outcome: dict[int, BaseException | None] = {}
+
+    def saver(i: int) -> None:
+        try:
+            tsckpt.save(url, _tree(i))
+            outcome[i] = None
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcome[i] = e
+
+    threads = [threading.Thread(target=saver, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    winners = [i for i, e in outcome.items() if e is None]
+    losers = [e for e in outcome.values() if e is not None]
+    assert len(winners) == 1 and len(losers) == 1, outcome
+    assert isinstance(losers[0], tsckpt.CheckpointExistsError)
+    assert "claimed it first; nothing was written" in str(losers[0])
+    _assert_tree(tsckpt.restore(url), winners[0])
+
+
+# ---- manager ----------------------------------------------------------------------
+
+
+def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, s3_calls):
+    root = f"s3://{BUCKET}/{prefix}"
+    m = tsckpt.CheckpointManager(root, keep_last=2)
+    for step in range(4):
+        m.save(step, _tree(step))
+    m.save_async(4, _tree(4)).result(timeout=60)
+    with monkeypatch.context() as mp:  # step 5 crashes before its commit
+        _crash_before_commit(mp)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            m.save(5, _tree(5))
+    s3_calls["list"].clear()
+    assert m.all_steps() == [3, 4] and m.latest_step() == 4
+    # the steps are found by listing the index only, never every key of every step
+    assert s3_calls["list"] and all(p == f"{prefix}/.tsckpt-steps/" for p in s3_calls["list"])
+    _assert_tree(m.restore(), 4)
+    _assert_tree(m.restore(3), 3)
+    with pytest.raises(tsckpt.CheckpointIncompleteError):
+        m.restore(5)
+    # a restarted job removes the crashed step, data, index marker and all
+    m2 = tsckpt.CheckpointManager(root, keep_last=2)
+    tops = {k[len(prefix) + 1 :].split("/")[0] for k in _keys(s3_server, prefix + "/")}
+    assert tops == {"00000003", "00000004", ".tsckpt-steps"}
+    assert _keys(s3_server, f"{prefix}/.tsckpt-steps/") == [f"{prefix}/.tsckpt-steps/0000000{s}" for s in (3, 4)]
+    m2.save(6, _tree(6))
+    assert m2.all_steps() == [4, 6]
+    m.close()
+    m2.close()
+
+
+# ---- failures are bounded and explained ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_endpoint_fails_fast(prefix, monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    url = f"s3://{BUCKET}/{prefix}"
+    start = time.monotonic()
+    with pytest.raises(tsckpt.StorageError, match=f"cannot reach {dead}.*check AWS_ENDPOINT_URL") as e:
+        tsckpt.save(url, _tree())  # tsckpt's default retry policy
+    assert time.monotonic() - start < 30
+    assert isinstance(e.value, OSError) and str(e.value).startswith(f"s3://{BUCKET}/{prefix}/:")
+    # a spec's own context overrides the retry policy
+    quick = {"s3_request_retries": {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}}
+    start = time.monotonic()
+    with pytest.raises(tsckpt.StorageError, match="cannot reach"):
+        tsckpt.open({"driver": "s3", "bucket": BUCKET, "path": prefix, "context": quick})
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_missing_bucket(s3_server, s3_env):
+    url = "s3://no-such-bucket-here/ck"
+    start = time.monotonic()
+    for call in (lambda: tsckpt.save(url, _tree()), lambda: tsckpt.open(url), lambda: tsckpt.restore(url)):
+        with pytest.raises(tsckpt.StorageError, match=f"bucket 'no-such-bucket-here' does not exist at {s3_server}"):
+            call()
+    with pytest.raises(tsckpt.StorageError, match="does not exist"):
+        tsckpt.CheckpointManager("s3://no-such-bucket-here/run").all_steps()
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_bad_credentials(s3_server, prefix, monkeypatch):
+    import moto.settings
+
+    url = f"s3://{BUCKET}/{prefix}"
+    tsckpt.save(url, _tree())
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks keys
+    start = time.monotonic()
+    for call in (lambda: tsckpt.save(url + "2", _tree()), lambda: tsckpt.restore(url), lambda: tsckpt.verify(url)):
+        with pytest.raises(tsckpt.StorageError, match="access denied by .*check AWS_ACCESS_KEY_ID"):
+            call()
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_unusable_credentials_spec(prefix):
+    spec = {
+        "driver": "s3", "bucket": BUCKET, "path": prefix,
+        "context": {"aws_credentials": {"type": "profile", "profile": "no-such-profile"}},
+    }
+    with pytest.raises(tsckpt.StorageError, match="no usable credentials .*check AWS_ACCESS_KEY_ID"):
+        tsckpt.open(spec)
+
+
+_STALLED_OPEN = """
+import sys, tsckpt
+quick = {"s3_request_retries": {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}}
+try:
+    tsckpt.open({"driver": "s3", "bucket": "b-1", "path": "ck", "endpoint": sys.argv[1], "context": quick})
+except tsckpt.StorageError as e:
+    print(e)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stalled_endpoint_is_dropped(tmp_path):
+    """A server that accepts connections and never answers: the stall limit ends each try.
+    In a fresh process, as TensorStore reads the limit once per process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        here = os.path.dirname(os.path.dirname(os.path.abspath(tsckpt.__file__)))  # this tsckpt, not another copy
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1",
+               "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", _STALLED_OPEN, endpoint], env=env, capture_output=True,
+                             text=True, timeout=50, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert f"cannot reach {endpoint}" in out.stdout and "Timeout was reached" in out.stdout
+    assert time.monotonic() - start < 30
