@@ -151,6 +151,20 @@ def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch):
     assert tsckpt._store.resolve(spec).spec["endpoint"] == s3_server
 
 
+def test_compact_layout_on_s3(s3_server, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    tree = {"opt": {f"l{i:03d}": torch.full((3, 2), float(i)) for i in range(200)}, **_tree(4)}
+    tsckpt.save(url, tree, layout="compact")
+    assert _root(s3_server, prefix)["layout"] == "compact"
+    assert len(list(_keys(s3_server, f"{prefix}/"))) <= 12  # not one object per leaf
+    out = tsckpt.restore(url)
+    _assert_tree(out, 4)
+    assert out["opt"]["l199"].tolist() == [[199.0] * 2] * 3
+    assert tsckpt.open(url)["opt/l007"][1:].tolist() == [[7.0, 7.0]] * 2
+    assert tsckpt.verify(url).ok
+
+
+@pytest.mark.usefixtures("layout")
 def test_save_async(prefix):
     url = f"s3://{BUCKET}/{prefix}"
     tree = _tree(2)
@@ -177,6 +191,7 @@ def test_convert_local_to_s3_and_to_safetensors(tmp_path, prefix):
 # ---- several ranks -----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("layout")
 def test_4_ranks_save_2_ranks_restore(s3_env, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     run_ranks(sc.in_env, 4, s3_env, sc.save_dtensors, url, (4,), SPEC)
