@@ -99,16 +99,6 @@ def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int]
     return result
 
 
-def gather_phase(coord: Coordinator, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
-    """Like :func:`phase` on all ranks, where ``fn`` returns (local result, payload):
-    the outcome and every rank's payload travel in one all_gather."""
-    out, error = _attempt(fn)
-    result, payload = out if out is not None else (None, None)
-    gathered = coord.all_gather((_report(error), payload)) if coord.world_size > 1 else [(None, payload)]
-    _settle(what, error, [g[0] for g in gathered])
-    return result, [g[1] for g in gathered]  # type: ignore[return-value]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Failed:
     """Sent instead of an answer: what every rank that did not fail raises."""
