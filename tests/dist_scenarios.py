@@ -283,3 +283,8 @@ def save_and_restore_with_progress(rank: int, world: int, directory: str) -> lis
     if not torch.equal(target["w"].local, mine):
         raise AssertionError(f"rank {rank}: restored rows differ")
     return bars
+
+
+def save_with_layouts(rank: int, world: int, directory: str, layouts: list[str]) -> None:
+    """Each rank saves its row block with its own ``layouts[rank]``."""
+    tsckpt.save(directory, {"w": tsckpt.ShardedArray(torch.ones(2, 3), (2 * world, 3), (2 * rank, 0))}, layout=layouts[rank])

@@ -181,3 +181,15 @@ def test_missing_manifest_is_named(tmp_path):
     msg = f"{d}: the array database of this compact checkpoint is missing (manifest.ocdbt does not exist)"
     with pytest.raises(tsckpt.CorruptCheckpointError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         tsckpt.open(d)
+
+
+def test_ranks_must_agree_on_the_layout(tmp_path):
+    from tests.dist_helpers import RankError
+
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as info:
+        run_ranks(sc.save_with_layouts, 2, d, ["plain", "compact"], timeout=60)
+    assert sorted(info.value.errors) == [0, 1]
+    for msg in info.value.errors.values():
+        assert "ranks passed different layouts ('compact', 'plain'); every rank must save with the same" in msg
+    assert not os.path.exists(os.path.join(d, "zarr.json"))

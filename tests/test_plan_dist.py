@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsckpt import LayoutError
-from tsckpt._plan import LeafDesc, plan_save, shard_boxes
+from tsckpt._plan import LeafDesc, gather_descs, plan_for_rank, plan_save, shard_boxes, shared_regions, split_plan, with_checksums
 
 
 def desc(path, shape, off, ln, itemsize=4, checksum=None):
@@ -128,3 +129,89 @@ def test_planner_scales_to_64_ranks_and_1000_leaves():
         per_rank.append([desc(f"layers.{i}.w", (6400, 64), (r * 100, 0), (100, 64)) for i in range(1000)])
     plan = plan_save(per_rank)
     assert len(plan.arrays) == 1000 and len(plan.writes) == 64000 and not plan.transfers
+
+
+# ---- each rank's part of the plan ----------------------------------------------------------
+
+
+def fsdp(world, leaves, rows_per_rank=4, cols=8, replicated=0):
+    """Every leaf Shard(0) over ``world`` ranks, plus ``replicated`` small leaves every rank holds."""
+    n = world * rows_per_rank
+    per_rank = []
+    for r in range(world):
+        descs = [desc(f"layers.{i}.w", (n, cols), (r * rows_per_rank, 0), (rows_per_rank, cols)) for i in range(leaves)]
+        descs += [desc(f"layers.{i}.b", (cols,), (0,), (cols,), checksum=5) for i in range(replicated)]
+        per_rank.append(descs)
+    return per_rank
+
+
+def test_union_of_rank_parts_is_the_whole_plan():
+    sizes, cols = [13, 12, 12, 12], 64  # irregular: straddling shards and transfers
+    starts = [sum(sizes[:i]) for i in range(4)]
+    per_rank = [
+        [desc("emb", (49, cols), (s, 0), (k, cols)), desc("b", (3,), (0,), (3,), checksum=1), desc(f"own{r}", (2,), (0,), (2,))]
+        for r, (s, k) in enumerate(zip(starts, sizes))
+    ]
+    plan = plan_save(per_rank)
+    assert plan.transfers
+    parts = split_plan(plan)
+    assert parts == [plan_for_rank(plan, r) for r in range(4)]
+    assert [w for p in parts for w in p.writes] == list(plan.writes)
+    assert sorted(tag for p in parts for tag, _ in p.transfers) == sorted(
+        [i for i, _ in enumerate(plan.transfers)] * 2
+    )  # each transfer in its sender's part and its receiver's
+    for p in parts:
+        assert all(p.rank in (t.src, t.dst) and plan.transfers[i] == t for i, t in p.transfers)
+        assert p.exchange
+        written = {w.path for w in p.writes}
+        assert {a.path for a in p.arrays} == (written if p.rank else {a.path for a in plan.arrays})
+    assert parts[0].arrays == plan.arrays  # rank 0 writes every array's zarr.json
+
+
+def test_tuple_descriptors_plan_like_leaf_descs():
+    per_rank = fsdp(4, 3, replicated=2)
+    assert plan_save([[tuple(d) for d in descs] for descs in per_rank]) == plan_save(per_rank)
+
+
+def test_a_ranks_part_does_not_grow_with_the_world():
+    sizes = {}
+    for world in (64, 1024):
+        parts = split_plan(plan_save(fsdp(world, 50, replicated=5)))
+        sizes[world] = [len(pickle.dumps(parts[r])) for r in (1, world // 2, world - 1)]
+    assert max(sizes[1024]) <= 1.05 * min(sizes[64]), sizes
+
+
+def test_shared_regions_fast_path_and_replicas():
+    assert not any(shared_regions(gather_descs(fsdp(8, 5))))  # fully sharded: nothing to checksum
+    pipeline = [[desc(f"stage{r}.w", (4,), (0,), (4,))] for r in range(4)]
+    assert not any(shared_regions(gather_descs(pipeline)))  # pipeline-disjoint
+    hsdp = [[desc("w", (4, 2), (2 * (r // 2), 0), (2, 2)), desc("s", (2,), (0,), (2,))] for r in range(4)]
+    assert shared_regions(gather_descs(hsdp)) == [["w", "s"]] * 4
+    mixed = fsdp(3, 2, replicated=1)
+    assert shared_regions(gather_descs(mixed)) == [["layers.0.b"]] * 3
+
+
+def test_checksums_reach_the_plan():
+    per_rank = [[desc("w", (2,), (0,), (2,))] for _ in range(3)]
+    g = gather_descs(per_rank)
+    with pytest.raises(LayoutError, match=r"ranks \[0, 2\] vs ranks \[1\]"):
+        plan_save(with_checksums(g, [{"w": 1}, {"w": 2}, {"w": 1}]))
+    assert len(plan_save(with_checksums(g, [{"w": 1}] * 3)).writes) == 1
+
+
+def test_single_holder_regions_count_before_replicas_are_assigned():
+    # rank 0 already writes a large sharded array: the replicated one goes to rank 1
+    per_rank = [[desc("big", (100,), (0,), (90,)), desc("r", (10,), (0,), (10,))], [desc("big", (100,), (90,), (10,)), desc("r", (10,), (0,), (10,))]]
+    assert {w.path: w.rank for w in plan_save(per_rank).writes if w.path == "r"} == {"r": 1}
+
+
+def test_ask_root_alone_answers_and_raises_the_roots_error():
+    from tsckpt._coord import Solo, ask_root
+
+    assert ask_root(Solo(), "x", lambda: (1, "p"), lambda got: [got]) == (1, ["p"])
+
+    def refuse(got):
+        raise LayoutError("'w': regions overlap")
+
+    with pytest.raises(LayoutError, match="regions overlap"):
+        ask_root(Solo(), "x", lambda: (1, "p"), refuse)

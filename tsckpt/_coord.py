@@ -1,12 +1,13 @@
 """Coordination between ranks: gathering small objects and agreeing on failure.
 
 ``Solo`` is the single-process case. The torch.distributed implementation lives
-in ``_dist.py``; both offer the same three operations, so save and restore are
+in ``_dist.py``; both offer the same operations, so save and restore are
 written once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -21,6 +22,14 @@ class Coordinator(Protocol):
 
     def all_gather(self, obj: Any) -> list[Any]: ...
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, None on the others."""
+        ...
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank 0 passes one object per rank; each rank gets its own."""
+        ...
+
     def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]: ...
 
 
@@ -30,6 +39,12 @@ class Solo:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        return objs[0] if objs else None
 
     def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]:
         raise RuntimeError("a single process has no peers to exchange data with")
@@ -51,15 +66,23 @@ def _report(error: BaseException | None) -> str | None:
     return report
 
 
+def _failure(what: str, reports: list[str | None]) -> str | None:
+    """The message naming the failed ranks and their messages; None if none failed."""
+    failed = [(r, msg) for r, msg in enumerate(reports) if msg is not None]
+    if not failed:
+        return None
+    detail = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for r, msg in failed[:4])
+    return f"{what} failed on rank(s) {[r for r, _ in failed]}: {detail}"
+
+
 def _settle(what: str, error: BaseException | None, reports: list[str | None]) -> None:
     """Raise on every rank if any rank failed: the failing rank its own exception,
     the others a DistributedError naming the failed ranks and their messages."""
     if error is not None:
         raise error
-    failed = [(r, msg) for r, msg in enumerate(reports) if msg is not None]
-    if failed:
-        detail = "; ".join(f"rank {r}: {msg.splitlines()[0]}" for r, msg in failed[:4])
-        raise DistributedError(f"{what} failed on rank(s) {[r for r, _ in failed]}: {detail}")
+    message = _failure(what, reports)
+    if message is not None:
+        raise DistributedError(message)
 
 
 def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int] | None = None) -> T | None:
@@ -76,11 +99,51 @@ def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int]
     return result
 
 
-def gather_phase(coord: Coordinator, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
-    """Like :func:`phase` on all ranks, where ``fn`` returns (local result, payload):
-    the outcome and every rank's payload travel in one all_gather."""
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """Sent instead of an answer: what every rank that did not fail raises."""
+
+    message: str
+    error: TsckptError | None = None  # rank 0's own deliberate error, raised as is everywhere
+
+
+def ask_root(
+    coord: Coordinator, what: str, fn: Callable[[], tuple[T, Any]], answer: Callable[[list[Any]], list[Any]]
+) -> tuple[T, Any]:
+    """One round trip through rank 0: ``fn`` runs on every rank and returns (local result,
+    payload); rank 0 gets every payload and ``answer`` returns one reply per rank; each
+    rank gets its reply. What a rank receives is its reply alone, whatever the world size.
+
+    If ``fn`` failed on any rank, or ``answer`` raised, every rank raises: the failing
+    rank its own exception; the others the same deliberate error (a TsckptError
+    ``answer`` raised, e.g. overlapping regions) or a DistributedError naming the
+    failed ranks.
+    """
     out, error = _attempt(fn)
     result, payload = out if out is not None else (None, None)
-    gathered = coord.all_gather((_report(error), payload)) if coord.world_size > 1 else [(None, payload)]
-    _settle(what, error, [g[0] for g in gathered])
-    return result, [g[1] for g in gathered]  # type: ignore[return-value]
+    gathered = coord.gather((_report(error), payload))
+    replies: list[Any] | None = None
+    mine: Any = None
+    if coord.rank == 0:
+        everyone = gathered or []
+        message = _failure(what, [g[0] for g in everyone])
+        root_error: BaseException | None = None
+        if message is None:
+            replies, root_error = _attempt(lambda: answer([g[1] for g in everyone]))
+            if root_error is not None:
+                message = _failure(what, [_report(root_error)])
+        if message is not None or replies is None:
+            shared = root_error if isinstance(root_error, TsckptError) else None
+            replies = [_Failed(message or f"{what} failed on rank 0", shared)] * coord.world_size
+        if error is None and root_error is not None:
+            error = root_error
+        mine = replies[0]
+        replies = [None, *replies[1:]]  # rank 0 keeps its own reply: never pickled, never padded into others'
+    if coord.world_size > 1:
+        got = coord.scatter(replies)
+        mine = mine if coord.rank == 0 else got
+    if error is not None:
+        raise error
+    if isinstance(mine, _Failed):
+        raise mine.error if mine.error is not None else DistributedError(mine.message)
+    return result, mine  # type: ignore[return-value]

@@ -44,6 +44,20 @@ class DistCoordinator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        import torch.distributed as dist
+
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return out[0]
+
     def exchange(
         self, sends: list[tuple[int, int, np.ndarray]], recvs: list[tuple[int, int, int]]
     ) -> dict[int, np.ndarray]:

@@ -13,7 +13,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import _dtypes, _layout, _store
-from ._coord import gather_phase, phase
+from ._coord import ask_root, phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
 from ._errors import CheckpointExistsError, LeafTypeError
@@ -33,8 +33,21 @@ from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._reader import root_state
 from ._types import LazySource, Local
+from ._plan import (
+    Gathered,
+    RankPlan,
+    WriteItem,
+    _intersect,
+    gather_descs,
+    plan_aliases,
+    plan_save,
+    shard_boxes,
+    shared_regions,
+    split_plan,
+    with_checksums,
+    without,
+)
 from ._progress import Progress
-from ._plan import LeafDesc, SavePlan, WriteItem, _intersect, plan_aliases, plan_save, shard_boxes
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
@@ -64,14 +77,12 @@ def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) ->
     return got
 
 
-def _exchange(coord: Any, plan: SavePlan, local: dict[str, Local]) -> dict[int, np.ndarray]:
+def _exchange(coord: Any, plan: RankPlan, local: dict[str, Local]) -> dict[int, np.ndarray]:
     """Send the pieces of straddling shards to their writers; return what this rank received,
-    keyed by transfer index."""
-    if not plan.transfers:
-        return {}
+    keyed by transfer tag."""
     me = coord.rank
     sends, recvs = [], []
-    for i, t in enumerate(plan.transfers):
+    for i, t in plan.transfers:
         if t.src == me:
             sends.append((t.dst, i, np.ascontiguousarray(_local_box(local[t.path], t.offsets, t.lengths))))
         elif t.dst == me:
@@ -81,7 +92,7 @@ def _exchange(coord: Any, plan: SavePlan, local: dict[str, Local]) -> dict[int, 
     return coord.exchange(sends, recvs) if sends or recvs else {}
 
 
-def _assemble(item: WriteItem, lf: Local, plan: SavePlan, received: dict[int, np.ndarray]) -> np.ndarray:
+def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np.ndarray]) -> np.ndarray:
     """The whole shard of an assembled item: this rank's part plus the pieces sent to it."""
     dtype = lf.desc.dtype
     buf = np.empty(_dtypes.storage_shape(dtype, item.lengths), _dtypes.numpy_dtype(dtype))
@@ -93,7 +104,7 @@ def _assemble(item: WriteItem, lf: Local, plan: SavePlan, received: dict[int, np
     mine = _intersect(cell, (lf.desc.offsets, lf.desc.lengths))
     if mine is not None:
         put(mine, _local_box(lf, *mine))
-    for i, t in enumerate(plan.transfers):
+    for i, t in plan.transfers:
         if t.dst == item.rank and t.path == item.path and _intersect(cell, (t.offsets, t.lengths)) is not None:
             put((t.offsets, t.lengths), received[i].view(buf.dtype).reshape(_dtypes.storage_shape(dtype, t.lengths)))
     return buf
@@ -124,8 +135,8 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
 
 
 def _write_regions(
-    data: dict[str, Any], plan: SavePlan, rank: int, local: dict[str, Local], received: dict[int, np.ndarray],
-    window: int, *, compact: bool, progress: Progress,
+    data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
+    *, compact: bool, progress: Progress,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight.
@@ -160,7 +171,7 @@ def _write_regions(
             in_flight -= n
             progress.update(n, 1)
 
-    for item in plan.writes_for(rank):
+    for item in plan.writes:
         rec = records[item.path]
         lf = local[item.path]
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
@@ -186,7 +197,7 @@ def _write_regions(
     return written
 
 
-def _write_nodes(data: dict[str, Any], plan: SavePlan, *, compact: bool) -> list[str]:
+def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool) -> list[str]:
     """zarr.json of every array and of every intermediate group (root excluded), in the
     kvstore ``data`` (one transaction in a compact layout's database)."""
     kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
@@ -195,7 +206,7 @@ def _write_nodes(data: dict[str, Any], plan: SavePlan, *, compact: bool) -> list
         kv = kv.with_transaction(txn)
     futures = []
     groups: set[str] = set()
-    for rec in plan.arrays:
+    for rec in arrays:
         futures.append(kv.write(f"{rec.path}/{ROOT_KEY}", _store.encode_json(array_node(rec))))
         parts = rec.path.split("/")
         for i in range(1, len(parts)):
@@ -206,7 +217,7 @@ def _write_nodes(data: dict[str, Any], plan: SavePlan, *, compact: bool) -> list
         f.result()
     if txn is not None:
         txn.commit_async().result()
-    return [f"{rec.path}/{ROOT_KEY}" for rec in plan.arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
+    return [f"{rec.path}/{ROOT_KEY}" for rec in arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
 
 
 def _root(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
@@ -268,27 +279,6 @@ def _claim(loc: Location, overwrite: bool, layout: str) -> None:
         )
 
 
-def _with_replica_checksums(coord: Any, per_rank: list[list[LeafDesc]], local: list[Local]) -> list[list[LeafDesc]]:
-    """Checksum only the regions more than one rank holds (a second, small exchange),
-    so fully sharded state is never hashed."""
-    holders = collections.Counter((d.path, d.offsets, d.lengths) for descs in per_rank for d in descs if d.kind != "value")
-    if all(n == 1 for n in holders.values()):  # every rank knows this: all skip the exchange
-        return per_rank
-
-    def mine_sums() -> dict[str, int]:
-        return {
-            lf.desc.path: checksum(lf.data)
-            for lf in local
-            if lf.desc.kind != "value" and holders[(lf.desc.path, lf.desc.offsets, lf.desc.lengths)] > 1
-        }
-
-    _, sums = gather_phase(coord, "save (replica checksums)", lambda: (None, mine_sums()))
-    return [
-        [dataclasses.replace(d, checksum=sums[r][d.path]) if d.path in sums[r] else d for d in descs]
-        for r, descs in enumerate(per_rank)
-    ]
-
-
 def _links(local: list[Local]) -> dict[str, str]:
     """Path -> the smallest other path of this rank whose leaf is the same memory (tied weights)."""
     groups: dict[tuple[Any, ...], list[str]] = collections.defaultdict(list)
@@ -327,32 +317,45 @@ def save(
     ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
     a terminal); each rank logs bytes, files and throughput at the end.
 
-    Protocol (every rank calls save with its local tree):
+    Protocol (every rank calls save with its local tree; rank 0 coordinates):
 
-    1. All ranks flatten their tree and describe each leaf (path, global shape,
-       dtype, local region, replica checksum); the descriptors are gathered on
-       every rank, and every rank computes the same plan (validation errors are
-       therefore raised identically everywhere).
-    2. Rank 0 refuses or clears an existing checkpoint and writes the root
-       ``zarr.json`` with state "pending".
-    3. Every rank writes its planned regions; rank 0 also writes the array and
-       group ``zarr.json`` nodes. Each rank then syncs its data to storage.
+    1. Describe (all ranks): each rank flattens its tree and describes each leaf
+       (path, global shape, dtype, local region) and sends the descriptors, its
+       tree paths, tied-leaf links and write window to rank 0 only.
+    2. Plan (rank 0): finds tied leaves (written once), the regions several
+       ranks hold, and either
+       a. when no region has several holders (or check_replicas=False), goes
+          straight to step 4, or
+       b. sends each rank the paths of its replicated regions to checksum.
+    3. Replica checksums (all ranks, only in 2b): each rank checksums those
+       regions and sends the checksums to rank 0.
+    4. Rank 0 validates and plans the whole save (errors such as overlapping
+       regions or differing replicas are sent to every rank, which raises the
+       same error), refuses or clears an existing checkpoint and writes the
+       root ``zarr.json`` with state "pending". It then sends each rank only
+       its part of the plan: its writes, the records of the arrays it writes
+       and the transfers it sends or receives.
+    5. Exchange (ranks with transfers; skipped by all when there are none):
+       pieces of shards that straddle irregular regions go to their writer.
+    6. Write (all ranks): every rank writes its planned regions; rank 0 also
+       the array and group ``zarr.json`` nodes. Each rank syncs its files.
        (Compact layout: each rank writes into its own database.)
-    4. Once all ranks report success, rank 0 (compact layout: after merging
-       the ranks' databases into the root one) rewrites the root ``zarr.json``
-       with state "committed" and the tree metadata: a single atomic object
-       write, so readers see either no checkpoint or a complete one.
+    7. Commit (rank 0): once all ranks report success, rank 0 (compact
+       layout: after merging the ranks' databases into the root one) rewrites
+       the root ``zarr.json`` with state "committed" and the tree metadata: a
+       single atomic object write, so readers see either no checkpoint or a
+       complete one.
 
-    After each step all ranks exchange a status, so a failure on one rank makes
-    every rank raise and nothing is committed.
+    Every step ends with every rank knowing the outcome (steps 1-4 through the
+    replies of rank 0, the others by exchanging a status), so a failure on one
+    rank makes every rank raise and nothing is committed.
     """
     check_layout(layout)
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    job = _plan_job(coord, _describe(coord, tree, max_inflight_bytes), check_replicas)
-    phase(coord, "save (begin)", lambda: _begin(loc, overwrite, layout), ranks={0})
+    job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout)
     received: dict[int, np.ndarray] = {}
-    if job.plan.transfers:  # identical plan on every rank: all skip this round together
+    if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
         received = phase(coord, "save (exchange)", lambda: _exchange(coord, job.plan, job.local)) or {}
     with Progress("save", loc, show=progress, rank=coord.rank) as bar:
         phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received, layout, bar))
@@ -360,60 +363,99 @@ def save(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Described:
-    """Step 1's result: this rank's leaves, and what every rank holds."""
+class _Checksums:
+    """Rank 0 to one rank: checksum your regions of these paths (others hold them too)."""
 
-    paths: list[str]
-    structure: Any
-    local: list[Local]
-    per_rank: list[list[LeafDesc]]  # descriptors of every rank's leaves
-    gathered: list[tuple[Any, ...]]  # every rank's (descs, paths, structure, tied links, window)
+    paths: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    """What rank 0 records in the committed root."""
+
+    arrays: tuple[ArrayRecord, ...]
+    values: tuple[tuple[str, Any], ...]
+    leaves: list[str]
+    structure: Any  # None when ranks gave different trees
+    aliases: dict[str, str]
+    writers: tuple[int, ...]  # ranks with data to write (the compact layout's databases)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Rank 0 to one rank: its part of the plan."""
+
+    plan: RankPlan
+    window: int  # bytes of source data in flight while writing: the least of any rank's
+    commit: _Commit | None = None  # rank 0 only; never sent
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """Step 1's plan: what to write, where, and the metadata to commit."""
+    """This rank's leaves and its part of the plan."""
 
-    plan: SavePlan
-    local: dict[str, Local]  # this rank's leaves to write, by path
-    leaves: list[str]
-    structure: Any  # None when ranks gave different trees
-    aliases: dict[str, str]
-    window: int  # bytes of source data in flight while writing
+    plan: RankPlan
+    local: dict[str, Local]  # this rank's leaves, by path
+    window: int
+    commit: _Commit | None
 
 
-def _describe(coord: Any, tree: Any, window: int) -> _Described:
-    """Flatten and describe this rank's leaves; gather every rank's descriptors and write
-    window (all ranks)."""
-
-    def prepare() -> tuple[tuple[Any, list[Local], Any], tuple[Any, ...]]:
-        flat = flatten(tree)
-        local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
-        structure = structure_to_json(flat.spec)
-        gathered = ([lf.desc for lf in local], flat.paths, structure, _links(local), window)
-        return (flat.paths, local, structure), gathered
-
-    (paths, local, structure), gathered = gather_phase(coord, "save (describe)", prepare)
-    return _Described(paths, structure, local, [g[0] for g in gathered], gathered)
-
-
-def _plan_job(coord: Any, d: _Described, check_replicas: bool) -> _Job:
-    """The same plan on every rank: tied leaves written once, replicas checked, regions assigned."""
-    per_rank, local = d.per_rank, d.local
-    # leaves that are the same memory on every rank (tied weights) are written once
-    aliases = plan_aliases(per_rank, [g[3] for g in d.gathered])
-    if aliases:
-        per_rank = [[desc for desc in descs if desc.path not in aliases] for descs in per_rank]
-        local = [lf for lf in local if lf.desc.path not in aliases]
-    if coord.world_size > 1 and check_replicas:
-        per_rank = _with_replica_checksums(coord, per_rank, local)
-    same_tree = all(g[1] == d.paths and g[2] == d.structure for g in d.gathered)
-    leaves = d.paths if same_tree else sorted({p for g in d.gathered for p in g[1]})
-    window = min(g[4] for g in d.gathered)  # the same on every rank, so is the plan
-    return _Job(
-        plan_save(per_rank, shard_bytes=min(_layout.SHARD_BYTES, window)), {lf.desc.path: lf for lf in local}, leaves,
-        d.structure if same_tree else None, aliases, window,
+def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], tuple[Any, ...]]:
+    """This rank's leaves by path, and what rank 0 needs of them: descriptors as plain
+    tuples, tree paths and structure, tied-leaf links, write window, layout."""
+    flat = flatten(tree)
+    local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
+    payload = (
+        [tuple(lf.desc) for lf in local], flat.paths, structure_to_json(flat.spec), _links(local), window, layout
     )
+    return {lf.desc.path: lf for lf in local}, payload
+
+
+def _plan_job(
+    coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str
+) -> _Job:
+    """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
+    state: dict[str, Any] = {}  # rank 0, between the two round trips
+
+    def first(payloads: list[tuple[Any, ...]]) -> list[Any]:
+        layouts = sorted({p[5] for p in payloads})
+        if len(layouts) > 1:
+            raise ValueError(
+                f"ranks passed different layouts ({', '.join(map(repr, layouts))}); every rank must save with the same"
+            )
+        per_rank = [p[0] for p in payloads]
+        aliases = plan_aliases(per_rank, [p[3] for p in payloads])
+        state.update(payloads=payloads, aliases=aliases)
+        g = without(gather_descs(per_rank), aliases)
+        shared = shared_regions(g) if check_replicas and coord.world_size > 1 else []
+        if any(shared):
+            state["gathered"] = g
+            return [_Checksums(tuple(paths)) for paths in shared]
+        return finish(g)
+
+    def finish(g: Gathered) -> list[_Part]:
+        payloads = state["payloads"]
+        least = min(p[4] for p in payloads)
+        plan = plan_save(g, shard_bytes=min(_layout.SHARD_BYTES, least))
+        paths, structure = payloads[0][1], payloads[0][2]
+        same_tree = all(p[1] == paths and p[2] == structure for p in payloads)
+        parts = split_plan(plan)
+        commit = _Commit(
+            plan.arrays, plan.values, paths if same_tree else sorted({q for p in payloads for q in p[1]}),
+            structure if same_tree else None, state["aliases"], tuple(r for r, part in enumerate(parts) if part.rows),
+        )
+        _begin(loc, overwrite, layout)
+        return [_Part(part, least, commit if r == 0 else None) for r, part in enumerate(parts)]
+
+    local, reply = ask_root(coord, "save (describe)", lambda: _describe(tree, window, layout), first)
+    if isinstance(reply, _Checksums):
+        asked = reply.paths
+
+        def sums() -> tuple[None, dict[str, int]]:
+            return None, {p: checksum(local[p].data) for p in asked}
+
+        _, reply = ask_root(coord, "save (replica checksums)", sums, lambda got: finish(with_checksums(state["gathered"], got)))
+    return _Job(reply.plan, local, reply.window, reply.commit)
 
 
 def _write(
@@ -422,19 +464,18 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = data_spec(loc, layout, writer=rank)
-    writes = job.plan.writes_for(rank)
-    progress.set_total(sum(math.prod(w.lengths) * job.local[w.path].desc.itemsize for w in writes))
+    progress.set_total(sum(math.prod(w.lengths) * job.local[w.path].desc.itemsize for w in job.plan.writes))
     with _store.storage_errors(loc):
-        keys = _write_regions(data, job.plan, rank, job.local, received, job.window, compact=compact, progress=progress)
-        if rank == 0:
-            keys += _write_nodes(data, job.plan, compact=compact)
+        keys = _write_regions(data, job.plan, job.local, received, job.window, compact=compact, progress=progress)
+        if job.commit is not None:
+            keys += _write_nodes(data, job.commit.arrays, compact=compact)
     if compact:
         _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
     else:
         _store.sync_data(loc, keys)
 
 
-def _merge_databases(loc: Location, plan: SavePlan) -> None:
+def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
     """Rank 0, compact layout: link every writing rank's database into the root one.
 
     OCDBT copies B-tree references, not data: the root database points into the
@@ -443,7 +484,7 @@ def _merge_databases(loc: Location, plan: SavePlan) -> None:
     """
     root = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
     txn = ts.Transaction(atomic=True)
-    for rank in sorted({0} | {w.rank for w in plan.writes}):
+    for rank in sorted({0, *writers}):
         db = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
         db.experimental_copy_range_to(root.with_transaction(txn)).result()
     txn.commit_async().result()
@@ -452,15 +493,18 @@ def _merge_databases(loc: Location, plan: SavePlan) -> None:
 
 def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
     """Rank 0: the one atomic write that makes the checkpoint visible."""
+    c = job.commit
+    if c is None:
+        raise RuntimeError("only rank 0 commits a save")
     if layout == LAYOUT_COMPACT:
         with _store.storage_errors(loc):
-            _merge_databases(loc, job.plan)
+            _merge_databases(loc, c.writers)
     meta = {
-        "structure": job.structure,
-        "leaves": job.leaves,
-        "arrays": [a.to_json() for a in job.plan.arrays],
-        "values": dict(job.plan.values),
-        **({"aliases": job.aliases} if job.aliases else {}),
+        "structure": c.structure,
+        "leaves": c.leaves,
+        "arrays": [a.to_json() for a in c.arrays],
+        "values": dict(c.values),
+        **({"aliases": c.aliases} if c.aliases else {}),
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
