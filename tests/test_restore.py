@@ -250,3 +250,30 @@ def test_reversed_numpy_target(saved):
     assert back["n"] is rev
     np.testing.assert_array_equal(rev, tree["n"])
     np.testing.assert_array_equal(base, tree["n"][::-1, ::-1])
+
+
+@pytest.mark.parametrize("window", [1, 4096, 64 << 20])
+def test_read_window_is_an_option_and_changes_no_value(ckdir, small_chunks, dirty_empty, window, monkeypatch):
+    import tsckpt._restore as restore_mod
+
+    tree = {"w": torch.randn(64, 32), "b": np.arange(100, dtype=np.int16), "c": torch.randn(8).to(torch.bfloat16)}
+    tsckpt.save(ckdir, tree)
+    waits: list[int] = []  # reads outstanding when the executor waits for the oldest
+    real = restore_mod.read_into
+
+    def counting(ck, dests, progress=None, *, window):
+        drained = progress.update
+
+        def update(nbytes, files=0):
+            waits.append(nbytes)
+            drained(nbytes, files)
+
+        progress.update = update
+        return real(ck, dests, progress, window=window)
+
+    monkeypatch.setattr(restore_mod, "read_into", counting)
+    target = {"w": torch.empty(64, 32), "b": np.empty(100, np.int16), "c": torch.empty(8, dtype=torch.bfloat16)}
+    out = tsckpt.restore(ckdir, target, inplace=True, max_inflight_bytes=window)
+    assert torch.equal(out["w"], tree["w"]) and np.array_equal(out["b"], tree["b"]) and torch.equal(out["c"], tree["c"])
+    assert sum(waits) == 64 * 32 * 4 + 100 * 2 + 8 * 2
+    assert len(waits) == 2 + 1 + 1  # w in two 4 KiB shards: one read per shard file, whatever the window

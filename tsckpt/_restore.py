@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import math
 import os
@@ -88,7 +89,9 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     return {p: arr._tensorstore() for p, arr in arrays.items()}
 
 
-def read_into(ck: Checkpoint, dests: list[Dest], progress: Progress | None = None) -> None:
+def read_into(
+    ck: Checkpoint, dests: list[Dest], progress: Progress | None = None, *, window: int = READ_WINDOW_BYTES
+) -> None:
     """Execute read items shard by shard.
 
     Where the destination is CPU memory of the stored dtype, TensorStore writes
@@ -143,7 +146,7 @@ def read_into(ck: Checkpoint, dests: list[Dest], progress: Progress | None = Non
             else:
                 pending.append((src.read(), dest, dsel, None, nbytes))
             in_flight += nbytes
-            while in_flight > READ_WINDOW_BYTES and pending:
+            while in_flight > window and pending:
                 in_flight -= drain_one()
     while pending:
         drain_one()
@@ -159,6 +162,7 @@ def restore(
     group: Any = None,
     timeout: datetime.timedelta | None = None,
     progress: bool | None = None,
+    max_inflight_bytes: int = READ_WINDOW_BYTES,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -176,15 +180,18 @@ def restore(
 
     ``progress`` shows a bar of bytes read on rank 0 (default: when stderr is a
     terminal); each rank logs bytes, reads and throughput at the end.
+    ``max_inflight_bytes`` bounds the chunk reads in flight, which bounds the
+    memory a restore needs beyond its result (smaller: less memory, less overlap).
     """
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
         ck = load(directory)
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
+            reader = _Reader(bar, max_inflight_bytes)
             if target is None:
-                return _restore_saved(ck, as_saved, bar)
-            return _restore_into(ck, target, strict, inplace, bar)
+                return _restore_saved(ck, as_saved, reader)
+            return _restore_into(ck, target, strict, inplace, reader)
 
     if coord.world_size == 1:
         return run()
@@ -192,7 +199,15 @@ def restore(
     return phase(coord, "restore", run)
 
 
-def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, progress: Progress) -> list[Any]:
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """How a restore reads: its progress, and the bytes of reads kept in flight."""
+
+    progress: Progress
+    window: int
+
+
+def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, reader: _Reader) -> list[Any]:
     """Read the stored leaves into the target ``leaves``; returns the restored leaves in order."""
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
@@ -215,17 +230,17 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, pr
             out.append(dest.result)
         else:
             out.append(leaf)
-    read_into(ck, [d for _, d in dests], progress)
+    read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
     for i, dest in dests:
         if dest.finish is not None:
             out[i] = dest.restored()
     return out
 
 
-def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, progress: Progress) -> Any:
+def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _Reader) -> Any:
     flat = flatten(target)
     _check_structure(ck, flat.paths, strict)
-    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, progress))
+    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader))
 
 
 def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
@@ -237,9 +252,9 @@ def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
     return ArraySpec(rec.shape, None)
 
 
-def _restore_saved(ck: Checkpoint, as_saved: bool, progress: Progress) -> Any:
+def _restore_saved(ck: Checkpoint, as_saved: bool, reader: _Reader) -> Any:
     stored = [p for p in ck.leaves if p not in ck.aliases]
     targets = [ck.values[p] if p in ck.values else saved_kind_target(ck.arrays[p], as_saved) for p in stored]
-    by_path = dict(zip(stored, _fill(ck, stored, targets, False, progress)))
+    by_path = dict(zip(stored, _fill(ck, stored, targets, False, reader)))
     # a tied leaf is the very object of its stored leaf, as when it was saved
     return ck.build([by_path[ck.aliases.get(p, p)] for p in ck.leaves])

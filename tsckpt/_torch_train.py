@@ -29,7 +29,7 @@ from ._dist import coordinator_for
 from ._errors import StructureMismatchError
 from ._format import LAYOUT_PLAIN
 from ._reader import Checkpoint, LazyArray, load
-from ._restore import RestoreWarning
+from ._restore import READ_WINDOW_BYTES, RestoreWarning
 from ._restore import restore as core_restore
 from ._save import save as core_save
 from ._store import Directory
@@ -360,6 +360,7 @@ def restore(
     resize: Iterable[str] = (),
     group: Any = None,
     timeout: datetime.timedelta | None = None,
+    max_inflight_bytes: int = READ_WINDOW_BYTES,
 ) -> dict[str, Any]:
     """Restore a :func:`save` checkpoint in place into a live model and optimizers; every rank calls it.
 
@@ -373,7 +374,8 @@ def restore(
     ``rng`` restores this rank's RNG states. ``strict`` reports names missing on
     either side (another architecture, another optimizer type); ``resize`` names
     parameters whose shape changed (a padded vocabulary): their overlapping
-    region is loaded, the rest keeps the model's values.
+    region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
+    is that read buffer's bound (see :func:`tsckpt.restore`).
     """
     coord = coordinator_for(group, timeout)
     optims = optimizer_tuple(optimizers)
@@ -392,7 +394,10 @@ def restore(
     ck, plan = cast("tuple[Checkpoint, _Plan]", phase(coord, "restore (check)", check))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RestoreWarning)  # differences were checked above, with better messages
-        restored = core_restore(directory, plan.target, strict=False, inplace=True, group=group, timeout=timeout)
+        restored = core_restore(
+            directory, plan.target, strict=False, inplace=True, group=group, timeout=timeout,
+            max_inflight_bytes=max_inflight_bytes,
+        )
 
     def finish() -> None:
         for path, dst in plan.resized:
