@@ -55,13 +55,13 @@ def _same(out: dict, step: int) -> bool:
     return out["step"] == step and all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in pairs)
 
 
-def _saver(root: str, log: str) -> None:
+def _saver(root: str, log: str, layout: str = "plain") -> None:
     """Save step after step until killed; log progress with unbuffered appends."""
     torch.set_num_threads(1)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     # one-time costs (lazy imports, thread pools) before the clock starts
     tsckpt.save_async(f"memory://warmup-{os.getpid()}", {"x": np.zeros(1)}).result()
-    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
     latest = m.latest_step()
     step = 0 if latest is None else latest + 1
     os.write(fd, b"ready\n")
@@ -120,7 +120,7 @@ def _check_latest(m: tsckpt.CheckpointManager, committed_ever: int | None, begun
         assert latest is None or latest <= begun[-1], context
 
 
-def test_sigkill_at_random_moments(tmp_path):
+def test_sigkill_at_random_moments(tmp_path, layout):
     ctx = _context()
     rng = random.Random(20240611)
     root = tmp_path / "run"
@@ -130,7 +130,7 @@ def test_sigkill_at_random_moments(tmp_path):
     durations = [0.2]  # seconds per save, as observed; kills fall within a few saves of the start
     for kill in range(KILLS):
         log = tmp_path / f"log{kill}"
-        proc = ctx.Process(target=_saver, args=(str(root), str(log)), daemon=True)
+        proc = ctx.Process(target=_saver, args=(str(root), str(log), layout), daemon=True)
         proc.start()
         try:
             _wait_for(log, "ready", proc)
@@ -271,7 +271,7 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
     assert (tmp_path / "ck" / "x").exists()
 
 
-def _dist_saver(rank: int, port: int, root: str, log: str) -> None:
+def _dist_saver(rank: int, port: int, root: str, log: str, layout: str = "plain") -> None:
     """One of 2 gloo ranks saving step after step (rows of 'w' sharded by rank) until killed."""
     import torch.distributed as dist
 
@@ -279,7 +279,7 @@ def _dist_saver(rank: int, port: int, root: str, log: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
     latest = m.latest_step()
     step = 0 if latest is None else latest + 1
     os.write(fd, b"ready\n")
@@ -297,7 +297,7 @@ def _dist_saver(rank: int, port: int, root: str, log: str) -> None:
         step += 1
 
 
-def test_sigkill_two_ranks_at_random_moments(tmp_path):
+def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
     from tests.dist_helpers import free_port
 
     ctx = _context()
@@ -308,7 +308,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path):
     for kill in range(20):
         log = tmp_path / f"log{kill}"
         port = free_port()
-        procs = [ctx.Process(target=_dist_saver, args=(r, port, str(root), str(log)), daemon=True) for r in (0, 1)]
+        procs = [ctx.Process(target=_dist_saver, args=(r, port, str(root), str(log), layout), daemon=True) for r in (0, 1)]
         for p in procs:
             p.start()
         try:
