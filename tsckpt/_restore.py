@@ -21,6 +21,7 @@ from ._dist import coordinator_for
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ArrayRecord
 from ._leaves import destination, kind_of, memory
+from ._memory import release_free_memory
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, corrupt_error, load
@@ -97,10 +98,11 @@ def read_into(
     Where the destination is CPU memory of the stored dtype, TensorStore writes
     the decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
     shard is read into a buffer and copied; a bounded window of such reads is
-    in flight, which bounds the extra memory a restore needs.
+    in flight, which bounds the extra memory a restore needs; after each
+    window's worth of reads the decode buffers' freed pages are given back.
     """
     pending: collections.deque[tuple[Any, Dest, tuple[slice, ...], np.ndarray | None, int]] = collections.deque()
-    in_flight = 0
+    in_flight = drained = 0
     stores = _open_all(ck, [d.item.path for d in dests])
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
@@ -147,9 +149,15 @@ def read_into(
                 pending.append((src.read(), dest, dsel, None, nbytes))
             in_flight += nbytes
             while in_flight > window and pending:
-                in_flight -= drain_one()
+                n = drain_one()
+                in_flight -= n
+                drained += n
+                if drained >= window:
+                    drained = 0
+                    release_free_memory()
     while pending:
         drain_one()
+    release_free_memory()
 
 
 def restore(
