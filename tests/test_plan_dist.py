@@ -178,7 +178,8 @@ def test_a_ranks_part_does_not_grow_with_the_world():
     for world in (64, 1024):
         parts = split_plan(plan_save(fsdp(world, 50, replicated=5)))
         sizes[world] = [len(pickle.dumps(parts[r])) for r in (1, world // 2, world - 1)]
-    assert max(sizes[1024]) <= 1.05 * min(sizes[64]), sizes
+    # a rank that also writes a replicated array receives one more group: compare the largest
+    assert max(sizes[1024]) <= 1.05 * max(sizes[64]), sizes
 
 
 def test_shared_regions_fast_path_and_replicas():
