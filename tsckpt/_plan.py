@@ -70,14 +70,15 @@ class Descs(Sequence[tuple[Any, ...]]):
     descriptors (plain tuples in LeafDesc order) for the general planning path.
     """
 
-    paths: list[str]
-    kinds: list[str]
-    dtypes: list[str]
-    itemsizes: np.ndarray  # int64, one per leaf
-    ndims: np.ndarray  # int64 (3, leaves): lengths of global_shape, offsets, lengths
-    dims: tuple[np.ndarray, np.ndarray, np.ndarray]  # int64: every leaf's global_shape, offsets, lengths, concatenated
-    checksums: list[int | None]
-    values: list[Any]
+    # tuples of strings and ints: the garbage collector stops tracking them
+    paths: tuple[str, ...]
+    kinds: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    itemsizes: np.ndarray  # one per leaf
+    ndims: np.ndarray  # (3, leaves): lengths of global_shape, offsets, lengths
+    dims: tuple[np.ndarray, np.ndarray, np.ndarray]  # every leaf's global_shape, offsets, lengths, concatenated
+    checksums: tuple[int | None, ...]
+    values: tuple[Any, ...]
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -109,18 +110,27 @@ class Descs(Sequence[tuple[Any, ...]]):
 def pack_descs(descs: Sequence[Sequence[Any]]) -> Descs:
     """A rank's descriptors (LeafDescs or plain tuples in their order) as one Descs."""
     rows = [tuple(d) if len(d) == len(LeafDesc._fields) else tuple(LeafDesc(*d)) for d in descs]
-    fields = list(zip(*rows)) if rows else [()] * 9
-    shapes, offsets, lengths = fields[_SHAPE], fields[_OFFSETS], fields[_LENGTHS]
+    fields = list(zip(*rows)) if rows else [()] * len(LeafDesc._fields)
+    boxes = fields[_SHAPE], fields[_OFFSETS], fields[_LENGTHS]
     return Descs(
-        list(fields[_PATH]),
-        list(fields[_KIND]),
-        list(fields[_DTYPE]),
-        np.array(fields[_ITEMSIZE], dtype=np.int64),
-        np.array([list(map(len, shapes)), list(map(len, offsets)), list(map(len, lengths))], dtype=np.int64).reshape(3, len(rows)),
-        tuple(np.fromiter((x for t in col for x in t), dtype=np.int64) for col in (shapes, offsets, lengths)),  # type: ignore[arg-type]
-        list(fields[_CHECKSUM]),
-        list(fields[_VALUE]),
+        fields[_PATH],
+        fields[_KIND],
+        fields[_DTYPE],
+        _ints(fields[_ITEMSIZE]),
+        _ints([list(map(len, col)) for col in boxes]).reshape(3, len(rows)),
+        tuple(_ints([x for t in col for x in t]) for col in boxes),  # type: ignore[arg-type]
+        fields[_CHECKSUM],
+        fields[_VALUE],
     )
+
+
+def _ints(values: Sequence[Any]) -> np.ndarray:
+    """``values`` in the smallest signed integer dtype that holds them (a smaller payload)."""
+    a = np.array(values, dtype=np.int64)
+    for t in (np.int8, np.int16, np.int32):
+        if not a.size or (np.iinfo(t).min <= a.min() and a.max() <= np.iinfo(t).max):
+            return a.astype(t)
+    return a
 
 
 @dataclasses.dataclass(frozen=True)

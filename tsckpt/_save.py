@@ -8,6 +8,7 @@ import datetime
 import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -411,12 +412,12 @@ def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], tu
 
 
 def _payload(
-    descs: list[Any], paths: list[str], structure: Any, links: dict[str, str], window: int, layout: str
+    descs: list[Any], paths: Sequence[str], structure: Any, links: dict[str, str], window: int, layout: str
 ) -> tuple[Any, ...]:
     """What a rank sends rank 0: its descriptors packed field by field, tree paths, the
     tree structure as JSON text, tied-leaf links, write window and layout. Few objects,
     so rank 0 unpickles every rank's payload fast, and compares trees as strings."""
-    return pack_descs(descs), paths, json.dumps(structure, separators=(",", ":")), links, window, layout
+    return pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout
 
 
 def _plan_job(
@@ -450,7 +451,7 @@ def _plan_job(
         structure = json.loads(structure) if same_tree else None
         parts = split_plan(plan)
         commit = _Commit(
-            plan.arrays, plan.values, paths if same_tree else sorted({q for p in payloads for q in p[1]}),
+            plan.arrays, plan.values, list(paths) if same_tree else sorted({q for p in payloads for q in p[1]}),
             structure, state["aliases"], tuple(r for r, part in enumerate(parts) if part.writes_anything),
         )
         _begin(loc, overwrite, layout)
