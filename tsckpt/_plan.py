@@ -64,7 +64,7 @@ GroupWrite = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
 class Descs(Sequence[tuple[Any, ...]]):
     """One rank's descriptors, field by field: what a rank sends rank 0.
 
-    A few lists and int64 arrays instead of one tuple per leaf, so that the
+    A few tuples and small integer arrays instead of one tuple per leaf, so that the
     coordinator unpickles 1,024 ranks' payloads without building a million
     objects, and compares whole ranks at once. Reads as a sequence of
     descriptors (plain tuples in LeafDesc order) for the general planning path.
