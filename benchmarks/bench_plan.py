@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import pickle
 import statistics
@@ -46,7 +47,7 @@ from tsckpt._plan import (
     with_checksums,
     without,
 )
-from tsckpt._save import WRITE_WINDOW_BYTES, _Checksums, _Part
+from tsckpt._save import WRITE_WINDOW_BYTES, _Checksums, _Part, _payload
 from tsckpt.tree import flatten, structure_to_json
 
 LEAVES = 1000
@@ -84,7 +85,7 @@ def payloads(world: int, replicated: int) -> list[tuple[Any, ...]]:
             else tuple(LeafDesc(p, "torch", "float32", 4, (ROWS, COLS), (r * rows, 0), (rows, COLS)))
             for p in flat.paths
         ]
-        out.append((descs, flat.paths, structure, {}, WRITE_WINDOW_BYTES))
+        out.append(_payload(descs, flat.paths, structure, {}, WRITE_WINDOW_BYTES, "plain"))
     return out
 
 
@@ -99,9 +100,10 @@ def run_once(blobs: list[bytes], world: int) -> dict[str, Any]:
     shared = shared_regions(g)
     t2 = time.perf_counter()
     asks = [pickle.dumps(_Checksums(tuple(s))) for s in shared] if any(shared) else []
+    t3 = time.perf_counter()
     if asks:  # every replica agrees (what the ranks would send back)
         g = with_checksums(g, [{p: 7 for p in s} for s in shared])
-    t3 = time.perf_counter()
+    t3b = time.perf_counter()
     plan = plan_save(g, shard_bytes=min(SHARD_BYTES, min(p[4] for p in got)))
     t4 = time.perf_counter()
     parts = split_plan(plan)
@@ -111,14 +113,15 @@ def run_once(blobs: list[bytes], world: int) -> dict[str, Any]:
     return {
         "unpickle_s": t1 - t0,
         "group_s": t2 - t1,
-        "plan_s": t4 - t3,
+        "plan_s": t4 - t3b,
         "split_s": t5 - t4,
         "plan_total_s": (t2 - t1) + (t4 - t3) + (t5 - t4),
-        "pickle_s": t6 - t5,
+        "pickle_s": (t6 - t5) + (t3 - t2),
+        "total_s": t6 - t0,
         "reply_max": max(len(r) for r in replies),
         "reply_min": min(len(r) for r in replies),
         "ask_max": max((len(a) for a in asks), default=0),
-        "writes": sum(len(p.rows) for p in parts),
+        "writes": sum(len(g.paths) * len(g.writes) for p in parts for g in p.groups),
         "transfers": len(plan.transfers),
     }
 
@@ -126,7 +129,7 @@ def run_once(blobs: list[bytes], world: int) -> dict[str, Any]:
 def measure(world: int, replicated: int, repeats: int) -> dict[str, Any]:
     pl = payloads(world, replicated)
     blobs = [pickle.dumps(p) for p in pl]
-    old = [pickle.dumps(([OldLeafDesc(*d) for d in p[0]], *p[1:])) for p in pl]
+    old = [pickle.dumps(([OldLeafDesc(*d) for d in p[0]], p[1], json.loads(p[2]), *p[3:5])) for p in pl]
     runs = []
     for _ in range(repeats):
         gc.collect()
@@ -161,7 +164,7 @@ def main() -> None:
                 f"(checksum list {fmt_bytes(m['ask_max'])}); rank 0 receives {fmt_bytes(m['root_received'])}; "
                 f"before: every rank received {fmt_bytes(m['old_received'])}; planning {m['plan_total_s']:.2f} s "
                 f"(group {m['group_s']:.2f}, plan {m['plan_s']:.2f}, split {m['split_s']:.2f}); "
-                f"unpickle {m['unpickle_s']:.2f} s, pickle replies {m['pickle_s']:.2f} s",
+                f"unpickle {m['unpickle_s']:.2f} s, pickle replies {m['pickle_s']:.2f} s; total {m['total_s']:.2f} s",
                 flush=True,
             )
     if args.write_results:
@@ -188,18 +191,20 @@ def report(rows: list[dict[str, Any]], repeats: int) -> str:
         "pads every rank's message to the largest) and, in *mixed*, its list of regions to checksum. "
         "*before*: what every rank received when every rank all-gathered every rank's payload (descriptors as "
         "dataclasses). Planning = grouping + `plan_save` + `split_plan` on rank 0; unpickling the gathered payloads "
-        "and pickling the replies are shown apart.",
+        "and pickling the replies are shown apart, and in the total (everything rank 0 does between receiving "
+        "and sending, except the checksum round trip itself).",
         "",
         "| workload | ranks | a rank sends | a rank receives | rank 0 receives | before: every rank received "
-        "| planning (s) | of which plan_save (s) | unpickle (s) | pickle replies (s) | writes planned |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| planning (s) | of which plan_save (s) | unpickle (s) | pickle replies (s) | total on rank 0 (s) "
+        "| writes planned |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in rows:
         recv = fmt_bytes(m["reply_max"]) + (f" + {fmt_bytes(m['ask_max'])}" if m["ask_max"] else "")
         lines.append(
             f"| {m['workload']} | {m['world']:,} | {fmt_bytes(m['sent'])} | {recv} | {fmt_bytes(m['root_received'])} "
             f"| {fmt_bytes(m['old_received'])} | {m['plan_total_s']:.2f} | {m['plan_s']:.2f} | {m['unpickle_s']:.2f} "
-            f"| {m['pickle_s']:.2f} | {m['writes']:,} |"
+            f"| {m['pickle_s']:.2f} | {m['total_s']:.2f} | {m['writes']:,} |"
         )
     return "\n".join(lines) + "\n"
 

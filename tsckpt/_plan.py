@@ -10,8 +10,10 @@ import dataclasses
 import math
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, overload
+
+import numpy as np
 
 from ._errors import LayoutError
 from ._format import ArrayRecord, Layout
@@ -53,8 +55,82 @@ _VALUE: Final = 8
 # One write of one rank: (path, offsets, lengths, source_offsets, assembled), the
 # fields of WriteItem after its rank; plain tuples, as LeafDesc.
 WriteRow = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
-# An ArrayRecord as (path, shape, dtype, kind, shard_shape, chunk_shape).
-RecordRow = tuple[str, tuple[int, ...], str, str, tuple[int, ...], tuple[int, ...] | None]
+# A write without its path, for every array of an ArrayGroup: (rank, offsets, lengths,
+# source_offsets, assembled).
+GroupWrite = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Descs(Sequence[tuple[Any, ...]]):
+    """One rank's descriptors, field by field: what a rank sends rank 0.
+
+    A few tuples and small integer arrays instead of one tuple per leaf, so that the
+    coordinator unpickles 1,024 ranks' payloads without building a million
+    objects, and compares whole ranks at once. Reads as a sequence of
+    descriptors (plain tuples in LeafDesc order) for the general planning path.
+    """
+
+    # tuples of strings and ints: the garbage collector stops tracking them
+    paths: tuple[str, ...]
+    kinds: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    itemsizes: np.ndarray  # one per leaf
+    ndims: np.ndarray  # (3, leaves): lengths of global_shape, offsets, lengths
+    dims: tuple[np.ndarray, np.ndarray, np.ndarray]  # every leaf's global_shape, offsets, lengths, concatenated
+    checksums: tuple[int | None, ...]
+    values: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[Any, ...]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[tuple[Any, ...]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[Any, ...] | Sequence[tuple[Any, ...]]:
+        return self.rows()[i]
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        return iter(self.rows())
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """Every descriptor as a plain tuple in LeafDesc order."""
+        cols = [d.tolist() for d in self.dims]
+        ends = np.cumsum(self.ndims, axis=1).tolist()
+        starts = [[0, *e[:-1]] for e in ends]
+        fields = zip(self.paths, self.kinds, self.dtypes, self.itemsizes.tolist(), self.checksums, self.values)
+        return [
+            (p, k, dt, n, *(tuple(c[s[i]:e[i]]) for c, s, e in zip(cols, starts, ends)), sum_, v)
+            for i, (p, k, dt, n, sum_, v) in enumerate(fields)
+        ]
+
+
+def pack_descs(descs: Sequence[Sequence[Any]]) -> Descs:
+    """A rank's descriptors (LeafDescs or plain tuples in their order) as one Descs."""
+    rows = [tuple(d) if len(d) == len(LeafDesc._fields) else tuple(LeafDesc(*d)) for d in descs]
+    fields = list(zip(*rows)) if rows else [()] * len(LeafDesc._fields)
+    boxes = fields[_SHAPE], fields[_OFFSETS], fields[_LENGTHS]
+    return Descs(
+        fields[_PATH],
+        fields[_KIND],
+        fields[_DTYPE],
+        _ints(fields[_ITEMSIZE]),
+        _ints([list(map(len, col)) for col in boxes]).reshape(3, len(rows)),
+        tuple(_ints([x for t in col for x in t]) for col in boxes),  # type: ignore[arg-type]
+        fields[_CHECKSUM],
+        fields[_VALUE],
+    )
+
+
+def _ints(values: Sequence[Any]) -> np.ndarray:
+    """``values`` in the smallest signed integer dtype that holds them (a smaller payload)."""
+    a = np.array(values, dtype=np.int64)
+    for t in (np.int8, np.int16, np.int32):
+        if not a.size or (np.iinfo(t).min <= a.min() and a.max() <= np.iinfo(t).max):
+            return a.astype(t)
+    return a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,43 +163,81 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
-class SavePlan:
-    """The whole plan, as the coordinator computes it: ``rows[r]`` are rank r's writes,
-    ordered by path and offsets."""
+class ArrayGroup:
+    """Arrays stored and written alike: each of ``paths`` has this shape, dtype, kind
+    and layout, and gets the same ``writes`` (rank, offsets, lengths, source_offsets,
+    assembled; ordered by rank and offsets). A plan holds one per such set of arrays
+    (e.g. every layer's weight of one shape, sharded the same way), not one row per write."""
 
-    arrays: tuple[ArrayRecord, ...]
+    paths: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    layout: Layout
+    writes: tuple[GroupWrite, ...]
+
+    def records(self) -> list[ArrayRecord]:
+        return [ArrayRecord(p, self.shape, self.dtype, self.kind, self.layout) for p in self.paths]
+
+
+def _rows(groups: Sequence[ArrayGroup], rank: int) -> list[WriteRow]:
+    """Rank ``rank``'s writes in ``groups``, ordered by path and offsets."""
+    rows: list[WriteRow] = []
+    for grp in groups:
+        mine = [w[1:] for w in grp.writes if w[0] == rank]
+        if mine:
+            rows += [(p, *w) for p in grp.paths for w in mine]  # type: ignore[misc]
+    rows.sort(key=_path_of)  # stable: a path's writes stay ordered by offsets
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """The whole plan, as the coordinator computes it."""
+
+    arrays: tuple[ArrayRecord, ...]  # ordered by path
     values: tuple[tuple[str, Any], ...]  # (path, value JSON)
-    rows: tuple[tuple[WriteRow, ...], ...]
+    groups: tuple[ArrayGroup, ...]  # every array in exactly one
     transfers: tuple[Transfer, ...] = ()
+    world: int = 1
+
+    @property
+    def rows(self) -> tuple[tuple[WriteRow, ...], ...]:
+        """``rows[r]``: rank r's writes, ordered by path and offsets."""
+        return tuple(tuple(_rows(self.groups, r)) for r in range(self.world))
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
         return tuple(WriteItem(r, *row) for r, rows in enumerate(self.rows) for row in rows)
 
     def writes_for(self, rank: int) -> list[WriteItem]:
-        return [WriteItem(rank, *row) for row in self.rows[rank]] if 0 <= rank < len(self.rows) else []
+        return [WriteItem(rank, *row) for row in _rows(self.groups, rank)] if 0 <= rank < self.world else []
 
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """What one rank needs of a SavePlan: its writes, the records of the arrays it
-    writes (rank 0: every array, it writes their nodes) and the transfers it sends
-    or receives, with their tags. Nothing of other ranks' regions, so its size
+    """What one rank needs of a SavePlan: the groups of the arrays it writes, with its
+    writes only (rank 0: every group, it writes every array's node), and the transfers
+    it sends or receives, with their tags. Nothing of other ranks' regions, so its size
     does not grow with the number of ranks."""
 
     rank: int
-    records: tuple[RecordRow, ...]
-    rows: tuple[WriteRow, ...]
+    groups: tuple[ArrayGroup, ...]
     transfers: tuple[tuple[int, Transfer], ...] = ()  # (tag, transfer)
     exchange: bool = False  # some rank sends or receives: every rank joins the exchange round
 
     @property
     def arrays(self) -> tuple[ArrayRecord, ...]:
-        return tuple(ArrayRecord(p, shape, dtype, kind, Layout(shard, chunk)) for p, shape, dtype, kind, shard, chunk in self.records)
+        """Records of the arrays in this part, ordered by path."""
+        return tuple(sorted((r for grp in self.groups for r in grp.records()), key=lambda r: r.path))
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
-        return tuple(WriteItem(self.rank, *row) for row in self.rows)
+        return tuple(WriteItem(self.rank, *row) for row in _rows(self.groups, self.rank))
+
+    @property
+    def writes_anything(self) -> bool:
+        return any(w[0] == self.rank for grp in self.groups for w in grp.writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +293,7 @@ def _check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> N
 
 # (ranks, their descriptors, in rank order; and a number for what they give: the kind,
 # dtype, itemsize, shape and region of each, equal for arrays sharded the same way)
-Holders = tuple[tuple[int, ...], tuple[LeafDesc, ...], int]
+Holders = tuple[tuple[int, ...], Sequence[Any], int]  # descriptors: LeafDescs or plain tuples
 Pairs = list[tuple[int, LeafDesc]]
 
 _path_of = operator.itemgetter(_PATH)
@@ -196,9 +310,14 @@ class Gathered:
     by_path: dict[str, Holders]
 
 
-def gather_descs(per_rank: Sequence[Sequence[LeafDesc]]) -> Gathered:
-    """Group every rank's descriptors by path (plain tuples in LeafDesc order are fine)."""
+def gather_descs(per_rank: Sequence[Sequence[LeafDesc]] | Sequence[Descs]) -> Gathered:
+    """Group every rank's descriptors by path (plain tuples in LeafDesc order, or Descs)."""
     world = len(per_rank)
+    if world and all(isinstance(d, Descs) for d in per_rank):
+        fast = _gather_alike(per_rank)  # type: ignore[arg-type]
+        if fast is not None:
+            return fast
+        per_rank = [d.rows() for d in per_rank]  # type: ignore[union-attr,assignment]
     ids: dict[tuple[Any, ...], int] = {}
     paths = list(map(_path_of, per_rank[0])) if per_rank else []
     if world > 1 and len(set(paths)) == len(paths) and all(list(map(_path_of, d)) == paths for d in per_rank[1:]):
@@ -207,7 +326,7 @@ def gather_descs(per_rank: Sequence[Sequence[LeafDesc]]) -> Gathered:
         everyone = tuple(range(world))
         return Gathered(world, {p: _holders(everyone, col, ids) for p, col in zip(paths, zip(*per_rank))})
     ranks: dict[str, list[int]] = defaultdict(list)
-    descs: dict[str, list[LeafDesc]] = defaultdict(list)
+    descs: dict[str, list[Any]] = defaultdict(list)
     for rank, leaves in enumerate(per_rank):
         for leaf in leaves:
             ranks[leaf[_PATH]].append(rank)
@@ -215,8 +334,81 @@ def gather_descs(per_rank: Sequence[Sequence[LeafDesc]]) -> Gathered:
     return Gathered(world, {p: _holders(tuple(ranks[p]), tuple(descs[p]), ids) for p in ranks})
 
 
-def _holders(ranks: tuple[int, ...], descs: tuple[LeafDesc, ...], ids: dict[tuple[Any, ...], int]) -> Holders:
+def _holders(ranks: tuple[int, ...], descs: tuple[Any, ...], ids: dict[tuple[Any, ...], int]) -> Holders:
     return ranks, descs, ids.setdefault(tuple(map(_given_of, descs)), len(ids))
+
+
+def _gather_alike(tables: Sequence[Descs]) -> Gathered | None:
+    """The common case at scale, a column at a time: every rank gives the same paths in
+    the same order, each with the same kind, dtype, itemsize and global shape on every
+    rank. Only regions, checksums and values differ. None otherwise (the general path
+    then groups descriptor by descriptor, and reports any disagreement)."""
+    first = tables[0]
+    paths = first.paths
+    if len(set(paths)) != len(paths):
+        return None
+    for t in tables[1:]:
+        if t.paths != paths or t.kinds != first.kinds or t.dtypes != first.dtypes:
+            return None
+        if not (np.array_equal(t.itemsizes, first.itemsizes) and np.array_equal(t.ndims, first.ndims)):
+            return None
+        if not np.array_equal(t.dims[0], first.dims[0]):
+            return None
+    if not (np.array_equal(first.ndims[0], first.ndims[1]) and np.array_equal(first.ndims[0], first.ndims[2])):
+        return None  # a region of another rank than its global shape: the general path explains
+    # one row per dimension of every leaf, one column per rank
+    offsets = np.stack([t.dims[1] for t in tables], axis=1)
+    lengths = np.stack([t.dims[2] for t in tables], axis=1)
+    world = len(tables)
+    everyone = tuple(range(world))
+    ids: dict[tuple[Any, ...], int] = {}
+    by_path: dict[str, Holders] = {}
+    rank0 = first.rows()
+    s = 0
+    for i, e in enumerate(np.cumsum(first.ndims[0]).tolist()):
+        d = rank0[i]
+        # what every holder gives (_given_of over the column), with the regions as bytes
+        given = (d[_KIND], d[_DTYPE], d[_ITEMSIZE], d[_SHAPE], offsets[s:e].tobytes(), lengths[s:e].tobytes())
+        column = _Column(tables, i, d, offsets[s:e], lengths[s:e])
+        by_path[d[_PATH]] = (everyone, column, ids.setdefault(given, len(ids)))
+        s = e
+    return Gathered(world, by_path)
+
+
+class _Column(Sequence[tuple[Any, ...]]):
+    """Leaf ``i``'s descriptors on every rank, built from the ranks' tables when first
+    read past rank 0's: the planner reads them whole once per distinct sharding."""
+
+    def __init__(self, tables: Sequence[Descs], i: int, first: tuple[Any, ...], offsets: np.ndarray, lengths: np.ndarray):
+        self._tables, self._i, self._first = tables, i, first
+        self._offsets, self._lengths = offsets, lengths
+        self._rows: list[tuple[Any, ...]] | None = None
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    @overload
+    def __getitem__(self, k: int) -> tuple[Any, ...]: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[tuple[Any, ...]]: ...
+
+    def __getitem__(self, k: int | slice) -> tuple[Any, ...] | Sequence[tuple[Any, ...]]:
+        if k == 0:
+            return self._first
+        return self.rows()[k]
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        return iter(self.rows())
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        if self._rows is None:
+            i, head = self._i, self._first[:_OFFSETS]
+            offs, lens = self._offsets.T.tolist(), self._lengths.T.tolist()
+            self._rows = [
+                (*head, tuple(o), tuple(n), t.checksums[i], t.values[i]) for t, o, n in zip(self._tables, offs, lens)
+            ]
+        return self._rows
 
 
 def without(g: Gathered, paths: Collection[str]) -> Gathered:
@@ -246,7 +438,9 @@ def with_checksums(g: Gathered, sums: Sequence[Mapping[str, int]]) -> Gathered:
     by_path = dict(g.by_path)
     for p in {p for rank_sums in sums for p in rank_sums}:
         ranks, descs, given = by_path[p]
-        descs = tuple(LeafDesc(*d)._replace(checksum=sums[r][p]) if p in sums[r] else d for r, d in zip(ranks, descs))
+        descs = tuple(
+            (*d[:_CHECKSUM], sums[r][p], *d[_CHECKSUM + 1 :]) if p in sums[r] else d for r, d in zip(ranks, descs)
+        )
         by_path[p] = (ranks, descs, given)
     return Gathered(g.world, by_path)
 
@@ -268,10 +462,11 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes:
     values: list[tuple[str, Any]] = []
     # (path, first holder, key of its layout (None: replicated), owned regions or replica groups)
     entries: list[tuple[str, LeafDesc, Any, Any]] = []
-    # what every holder gives (kind, dtype, itemsize, shape, region), already checked -> its
-    # number, and the indexes of its non-empty regions (None: all), or no indexes when
-    # a region has several holders
-    seen: dict[int, tuple[int, list[int] | None]] = {}
+    # what every holder gives (kind, dtype, itemsize, shape, region), already checked -> the
+    # indexes of its non-empty regions (None: all), or None itself when a region has several
+    # holders (then their boxes, checked)
+    seen: dict[int, tuple[list[int] | None] | None] = {}
+    covered: set[int] = set()  # what holders give, for replicated regions whose cover was checked
     single: Counter[tuple[Any, ...]] = Counter()  # layout key of each single-holder array -> arrays
     owners: dict[tuple[Any, ...], tuple[tuple[Box, int], ...]] = {}  # layout key -> (region, writer)
     for path in sorted(g.by_path):
@@ -282,48 +477,55 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes:
                 _check_agreement(path, list(zip(ranks, descs)))
             values.append((path, _agreed_value(path, list(zip(ranks, descs)))))
             continue
-        known = seen.get(given)
-        if known is None:
+        if given not in seen:
             if len(set(map(_sig_of, descs))) > 1:
                 _check_agreement(path, list(zip(ranks, descs)))
-            boxes = [(d[_OFFSETS], d[_LENGTHS]) for d in descs]
+            boxes = list(map(_box_of, descs))
+            known = None
             if len(set(boxes)) == len(boxes):
                 _check_exact_cover(path, first[_SHAPE], boxes)
                 empty = {i for i, box in enumerate(boxes) if math.prod(box[1]) == 0}
-                known = seen[given] = (len(seen), [i for i in range(len(boxes)) if i not in empty] if empty else None)
+                known = ([i for i in range(len(boxes)) if i not in empty] if empty else None,)
+            seen[given] = known
+        known = seen[given]
         if known is not None:
-            key = (known[0], ranks)
+            key = (given, ranks)
             if key not in owners:
-                boxes = [(d[_OFFSETS], d[_LENGTHS]) for d in descs]
-                keep = range(len(boxes)) if known[1] is None else known[1]
+                boxes = list(map(_box_of, descs))
+                keep = range(len(boxes)) if known[0] is None else known[0]
                 owners[key] = tuple((boxes[i], ranks[i]) for i in keep)
             single[key] += 1
             entries.append((path, first, key, owners[key]))
         else:
-            groups = _replica_groups(path, list(zip(ranks, descs)))
-            _check_exact_cover(path, first[_SHAPE], list(groups))
-            entries.append((path, first, None, groups))
+            replicas = _replica_groups(path, list(zip(ranks, descs)))
+            if given not in covered:  # the same regions: the same cover
+                _check_exact_cover(path, first[_SHAPE], list(replicas))
+                covered.add(given)
+            entries.append((path, first, None, replicas))
 
     itemsize = {key: first[_ITEMSIZE] for _, first, key, _ in entries if key is not None}
     writer = _assign_writers(entries, {owners[key]: (itemsize[key], n) for key, n in single.items()})
     arrays: list[ArrayRecord] = []
-    rows: list[list[WriteRow]] = [[] for _ in range(g.world)]
-    add = [r.append for r in rows]
     transfers: list[Transfer] = []
-    laid_out: dict[Any, tuple[Layout, list[tuple[int, tuple[Any, ...]]], list[tuple[int, int, Box]]]] = {}
+    laid_out: dict[Any, tuple[Layout, tuple[GroupWrite, ...], list[tuple[int, int, Box]]]] = {}
+    # (layout key, shape, dtype, kind) -> paths
+    members: dict[tuple[Any, tuple[int, ...], str, str], list[str]] = defaultdict(list)
     for path, first, key, owned in entries:
         if key is None:
             owned = tuple((box, writer[(path, box)]) for box in owned if math.prod(box[1]) > 0)
             key = (first[_SHAPE], first[_ITEMSIZE], owned)  # type: ignore[assignment]
         if key not in laid_out:
-            laid_out[key] = _plan_array(first[_SHAPE], first[_ITEMSIZE], owned, shard_bytes)
-        layout, items, moves = laid_out[key]
+            layout, items, moves = _plan_array(first[_SHAPE], first[_ITEMSIZE], owned, shard_bytes)
+            laid_out[key] = (layout, tuple((rank, *rest) for rank, rest in items), moves)  # type: ignore[misc]
+        layout, _, moves = laid_out[key]
         arrays.append(ArrayRecord(path, first[_SHAPE], first[_DTYPE], first[_KIND], layout))
-        named = (path,)
-        for rank, rest in items:
-            add[rank](named + rest)  # type: ignore[arg-type]
+        members[(key, first[_SHAPE], first[_DTYPE], first[_KIND])].append(path)
         transfers += [Transfer(path, src, dst, box[0], box[1]) for src, dst, box in moves]
-    return SavePlan(tuple(arrays), tuple(values), tuple(tuple(r) for r in rows), tuple(transfers))
+    groups = tuple(
+        ArrayGroup(tuple(paths), shape, dtype, kind, laid_out[key][0], laid_out[key][1])
+        for (key, shape, dtype, kind), paths in members.items()
+    )
+    return SavePlan(tuple(arrays), tuple(values), groups, tuple(transfers), g.world)
 
 
 def _check_agreement(path: str, holders: Pairs) -> None:
@@ -442,30 +644,34 @@ def plan_aliases(per_rank: Sequence[Sequence[LeafDesc]], links: Sequence[Mapping
 
 def plan_for_rank(plan: SavePlan, rank: int) -> RankPlan:
     """Rank ``rank``'s part of ``plan`` (see :func:`split_plan` for every rank at once)."""
-    return _part(plan, rank, _records(plan), [(i, t) for i, t in enumerate(plan.transfers) if rank in (t.src, t.dst)])
+    moves = tuple((i, t) for i, t in enumerate(plan.transfers) if rank in (t.src, t.dst))
+    mine = [_only(grp, rank) for grp in plan.groups]
+    return RankPlan(rank, tuple(grp for grp in mine if rank == 0 or grp.writes), moves, bool(plan.transfers))
+
+
+def _only(grp: ArrayGroup, rank: int) -> ArrayGroup:
+    return dataclasses.replace(grp, writes=tuple(w for w in grp.writes if w[0] == rank))
 
 
 def split_plan(plan: SavePlan) -> list[RankPlan]:
     """Every rank's part of ``plan``, in one pass over it."""
-    moves: list[list[tuple[int, Transfer]]] = [[] for _ in plan.rows]
+    moves: list[list[tuple[int, Transfer]]] = [[] for _ in range(plan.world)]
     for i, t in enumerate(plan.transfers):
         moves[t.src].append((i, t))
         if t.dst != t.src:
             moves[t.dst].append((i, t))
-    records = _records(plan)
-    return [_part(plan, rank, records, moves[rank]) for rank in range(len(plan.rows))]
-
-
-def _records(plan: SavePlan) -> dict[str, RecordRow]:
-    return {
-        a.path: (a.path, a.shape, a.dtype, a.kind, a.layout.shard_shape, a.layout.chunk_shape) for a in plan.arrays
-    }
-
-
-def _part(plan: SavePlan, rank: int, records: dict[str, RecordRow], moves: list[tuple[int, Transfer]]) -> RankPlan:
-    rows = plan.rows[rank] if 0 <= rank < len(plan.rows) else ()
-    mine = tuple(records.values()) if rank == 0 else tuple(records[p] for p in dict.fromkeys(row[0] for row in rows))
-    return RankPlan(rank, mine, rows, tuple(moves), bool(plan.transfers))
+    parts: list[list[ArrayGroup]] = [[] for _ in range(plan.world)]
+    for grp in plan.groups:
+        by_rank: dict[int, list[GroupWrite]] = defaultdict(list)
+        for w in grp.writes:
+            by_rank[w[0]].append(w)
+        for rank, writes in by_rank.items():
+            if rank:
+                parts[rank].append(dataclasses.replace(grp, writes=tuple(writes)))
+        if parts:  # rank 0 writes every array's node: it gets every group
+            parts[0].append(dataclasses.replace(grp, writes=tuple(by_rank.get(0, ()))))
+    exchange = bool(plan.transfers)
+    return [RankPlan(r, tuple(groups), tuple(moves[r]), exchange) for r, groups in enumerate(parts)]
 
 
 def _n_shards(shape: Sequence[int], layout: Layout) -> int:

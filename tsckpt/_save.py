@@ -5,8 +5,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from ._plan import (
     WriteItem,
     _intersect,
     gather_descs,
+    pack_descs,
     plan_aliases,
     plan_save,
     shard_boxes,
@@ -401,14 +404,20 @@ class _Job:
 
 
 def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], tuple[Any, ...]]:
-    """This rank's leaves by path, and what rank 0 needs of them: descriptors as plain
-    tuples, tree paths and structure, tied-leaf links, write window, layout."""
+    """This rank's leaves by path, and what rank 0 needs of them (see :func:`_payload`)."""
     flat = flatten(tree)
     local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
-    payload = (
-        [tuple(lf.desc) for lf in local], flat.paths, structure_to_json(flat.spec), _links(local), window, layout
-    )
+    payload = _payload([lf.desc for lf in local], flat.paths, structure_to_json(flat.spec), _links(local), window, layout)
     return {lf.desc.path: lf for lf in local}, payload
+
+
+def _payload(
+    descs: list[Any], paths: Sequence[str], structure: Any, links: dict[str, str], window: int, layout: str
+) -> tuple[Any, ...]:
+    """What a rank sends rank 0: its descriptors packed field by field, tree paths, the
+    tree structure as JSON text, tied-leaf links, write window and layout. Few objects,
+    so rank 0 unpickles every rank's payload fast, and compares trees as strings."""
+    return pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout
 
 
 def _plan_job(
@@ -439,10 +448,11 @@ def _plan_job(
         plan = plan_save(g, shard_bytes=min(_layout.SHARD_BYTES, least))
         paths, structure = payloads[0][1], payloads[0][2]
         same_tree = all(p[1] == paths and p[2] == structure for p in payloads)
+        structure = json.loads(structure) if same_tree else None
         parts = split_plan(plan)
         commit = _Commit(
-            plan.arrays, plan.values, paths if same_tree else sorted({q for p in payloads for q in p[1]}),
-            structure if same_tree else None, state["aliases"], tuple(r for r, part in enumerate(parts) if part.rows),
+            plan.arrays, plan.values, list(paths) if same_tree else sorted({q for p in payloads for q in p[1]}),
+            structure, state["aliases"], tuple(r for r, part in enumerate(parts) if part.writes_anything),
         )
         _begin(loc, overwrite, layout)
         return [_Part(part, least, commit if r == 0 else None) for r, part in enumerate(parts)]
