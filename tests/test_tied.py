@@ -53,7 +53,12 @@ def test_inplace_into_tied_target_reads_once(ckdir, monkeypatch):
     tsckpt.save(ckdir, {"emb": w, "head": w, "b": torch.ones(2)})
     seen: list[list[str]] = []
     real = restore_mod.read_into
-    monkeypatch.setattr(restore_mod, "read_into", lambda ck, dests, *rest: (seen.append([d.item.path for d in dests]), real(ck, dests, *rest))[1])
+
+    def recording(ck, dests, *rest, **kw):
+        seen.append([d.item.path for d in dests])
+        return real(ck, dests, *rest, **kw)
+
+    monkeypatch.setattr(restore_mod, "read_into", recording)
     live = torch.full((6, 3), float("nan"))
     out = tsckpt.restore(ckdir, {"emb": live, "head": live, "b": torch.zeros(2)}, inplace=True)
     assert seen == [["b", "emb"]]
