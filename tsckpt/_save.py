@@ -324,7 +324,7 @@ def save(
 
     1. Describe (all ranks): each rank flattens its tree and describes each leaf
        (path, global shape, dtype, local region) and sends the descriptors, its
-       tree paths, tied-leaf links and write window to rank 0 only.
+       tree paths, tied-leaf links, write window and layout to rank 0 only.
     2. Plan (rank 0): finds tied leaves (written once), the regions several
        ranks hold, and either
        a. when no region has several holders (or check_replicas=False), goes
