@@ -409,6 +409,12 @@ def bench_dist(base: str, args: Any) -> dict[str, Any]:
     return runs
 
 
+def s3_quick(args: Any) -> bool:
+    """The S3 part runs the --quick state (a tenth) unless --s3-full: the local server answers
+    about 150 requests a second here, and a full-size restore makes tens of thousands."""
+    return args.quick or not args.s3_full
+
+
 def bench_s3(args: Any) -> dict[str, Any]:
     """The same 4-rank save and restore against moto's S3 server, with request counts."""
     server = LocalS3()
@@ -418,7 +424,7 @@ def bench_s3(args: Any) -> dict[str, Any]:
             for system in rotate(S3_SYSTEMS, r):
                 key, warm = f"{system}-{r}", f"{system}-warm-{r}"
                 path = f"s3://{server.BUCKET}/{key}"
-                job = {"system": system, "path": path, "warm_path": f"s3://{server.BUCKET}/{warm}", "quick": args.quick,
+                job = {"system": system, "path": path, "warm_path": f"s3://{server.BUCKET}/{warm}", "quick": s3_quick(args),
                        "s3_url": server.url, "profile": prof_path(args, f"s3-{system}-{r}")}
                 server.take_counts()
                 ranks = run_ranks(SCRIPT, job, WORLD, args.timeout, env=server.env())
@@ -614,7 +620,8 @@ def report(results: dict[str, Any], args: Any) -> str:
         lines += [
             f"### {WORLD} ranks, S3 (moto's server on 127.0.0.1)",
             "",
-            "The same saves and restores to `s3://bucket/...` against moto's S3 server, run in a thread of the "
+            f"The same saves and restores{'' if args.s3_full else ', on a tenth of the state (' + format(len(leaves(True)), ',') + ' leaves, ' + format(total_bytes(True) / MiB, '.0f') + ' MiB; --s3-full for all of it)'}, "
+            "to `s3://bucket/...` against moto's S3 server, run in a thread of the "
             "benchmark's parent process on the same 2 CPUs (its request handling competes with the ranks, so these times "
             "measure the request pattern more than the library). Requests counted at the server by method, first round. "
             "Requests at open: `tsckpt.open` and `tsckpt.metadata` in a fresh process. DCP: torch has no S3 storage "
@@ -652,7 +659,10 @@ def main() -> None:
     p = bench_parser(__doc__, repeats=3)
     p.add_argument("--only", choices=PARTS, action="append", help="run only these parts")
     p.add_argument("--json", default=None, help="write the raw measurements here")
+    p.add_argument("--s3-full", action="store_true", help="run the S3 part on the full state (default: a tenth of it)")
     p.add_argument("--profile", action="store_true", help="cProfile each timed call (rank 0); print the top functions")
+    p.add_argument("--report", default=None, metavar="JSON", help="only print (with --write-results, write) the section "
+                   "from measurements saved earlier with --json")
     p.add_argument("--rank-job", default=None, help="==SUPPRESS==")
     args = p.parse_args()
     if args.rank_job is not None:
@@ -661,6 +671,15 @@ def main() -> None:
     if args.child is not None:
         child_main(json.loads(args.child))
         return
+    if args.report is not None:
+        with open(args.report) as f:
+            results = json.load(f)
+        args.quick, args.repeats, args.s3_full = results["quick"], results["rounds"], results["s3_full"]
+        section = report(results, args)
+        print(section)
+        if args.write_results:
+            write_section(SECTION, section)
+        return
     if args.quick and "--repeats" not in sys.argv and "--rounds" not in sys.argv:
         args.repeats = 1
     parts = args.only or list(PARTS)
@@ -668,7 +687,8 @@ def main() -> None:
     args.profile_dir = os.path.join(base, "profiles") if args.profile else None
     if args.profile_dir:
         os.makedirs(args.profile_dir)
-    results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "n_leaves": len(leaves(args.quick))}
+    results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "rounds": args.repeats,
+                               "s3_full": args.s3_full, "n_leaves": len(leaves(args.quick))}
     log(f"load average at start: {results['machine']['load_avg']}")
     t0 = time.time()
     try:
