@@ -349,7 +349,8 @@ def child_single(spec: dict[str, Any]) -> dict[str, Any]:
     system, path, quick = spec["system"], spec["path"], spec["quick"]
     if spec["op"] == "save":
         state = build_state(quick, True)
-        os.makedirs(path, exist_ok=True) if system == "safetensors" else None
+        if system == "safetensors":
+            os.makedirs(path, exist_ok=True)
         t0 = time.perf_counter()
         profiled(lambda: do_save(system, path, state), spec.get("profile"))
         return {"time": time.perf_counter() - t0}
