@@ -117,12 +117,13 @@ def evict(path: str) -> None:
             os.close(fd)
 
 
-def run_child(script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``script --child SPEC`` in a fresh interpreter; its last stdout line is the JSON result."""
+def run_child(script: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``script --child SPEC`` in a fresh interpreter (``env`` added to the environment);
+    its last stdout line is the JSON result."""
     import json
     import sys
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     r = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
                        timeout=timeout, env=env, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
@@ -136,9 +137,179 @@ def bench_parser(doc: str | None, repeats: int) -> "argparse.ArgumentParser":
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small workload, a smoke run")
-    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--repeats", "--rounds", type=int, default=repeats, help="rounds (each case once per round)")
     p.add_argument("--dir", default=None, help="where to write (a temporary directory below it)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per case")
     p.add_argument("--write-results", action="store_true", help="rewrite this script's section of RESULTS.md")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def proc_io() -> dict[str, int]:
+    """This process's /proc/self/io counters (rchar: bytes returned by read calls; read_bytes:
+    bytes fetched from the block device; syscr/syscw: read/write calls)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+def dir_stats(path: str) -> tuple[int, int]:
+    """(number of files, total bytes) under ``path``."""
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            files += 1
+            size += os.path.getsize(os.path.join(root, n))
+    return files, size
+
+
+# ---- multi-rank runs ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(script: str, job: dict[str, Any], world: int, timeout: float,
+              env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run ``script --rank-job JOB`` as ``world`` gloo ranks (fresh processes, torchrun's
+    environment variables); each rank prints one ``RESULT <json>`` line. Returns them by rank."""
+    import json
+    import sys
+
+    port = free_port()
+    procs = []
+    for r in range(world):
+        penv = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                    WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, script, "--rank-job", json.dumps(job)], env=penv,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL))
+    outs = []
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.time())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r, (out, err) in enumerate(outs):
+        line = next((l for l in out.splitlines()[::-1] if l.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"{job.get('op', '')} {job.get('system', '')}: rank {r} failed:\n{out[-2000:]}\n{err[-4000:]}")
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
+def rank_entry(fn: Any, job: dict[str, Any]) -> None:
+    """Run ``fn(job)`` in a rank process, print its result as the ``RESULT`` line run_ranks reads,
+    and leave without interpreter teardown (gloo's destructors can abort at exit)."""
+    import json
+    import sys
+
+    try:
+        print("RESULT " + json.dumps(fn(job)), flush=True)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+# ---- a local S3 server --------------------------------------------------------------------
+
+
+class LocalS3:
+    """moto's S3 server on 127.0.0.1 in a thread of this process, with one bucket, counting the
+    requests it serves by method under the current ``phase`` (None: not counted).
+
+    A client can switch the phase itself with a GET of ``<url>/_bench/phase/<name>`` (answered
+    here, never passed to the server), so a multi-rank job can separate its save from its restore.
+    """
+
+    BUCKET = "bench"
+    CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+    def __init__(self) -> None:
+        import logging
+        import threading
+
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.phase: str | None = None
+        self.counts: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def counting(environ: dict[str, Any], start_response: Any) -> Any:
+            path = environ.get("PATH_INFO", "")
+            if path.startswith("/_bench/phase/"):
+                name = path[len("/_bench/phase/"):]
+                self.set_phase(None if name == "none" else name)
+                start_response("200 OK", [("Content-Length", "0")])
+                return [b""]
+            with self._lock:
+                if self.phase is not None:
+                    c = self.counts.setdefault(self.phase, {})
+                    c[environ["REQUEST_METHOD"]] = c.get(environ["REQUEST_METHOD"], 0) + 1
+            return app(environ, start_response)
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = make_server("127.0.0.1", self.port, counting, threaded=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.client().create_bucket(Bucket=self.BUCKET)
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name=self.CREDS["AWS_REGION"],
+                            aws_access_key_id=self.CREDS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=self.CREDS["AWS_SECRET_ACCESS_KEY"])
+
+    def env(self) -> dict[str, str]:
+        """The AWS environment variables a client process needs to reach this server."""
+        return {"AWS_ENDPOINT_URL": self.url, **self.CREDS}
+
+    def set_phase(self, name: str | None) -> None:
+        with self._lock:
+            self.phase = name
+
+    def take_counts(self) -> dict[str, dict[str, int]]:
+        """The counts so far, by phase and method; starts new counts."""
+        with self._lock:
+            out, self.counts = self.counts, {}
+        return out
+
+    def objects(self, prefix: str) -> tuple[int, int]:
+        """(number of objects, total bytes) under ``prefix`` in the bucket."""
+        n = size = 0
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=self.BUCKET, Prefix=prefix):
+            for o in page.get("Contents", []):
+                n += 1
+                size += o["Size"]
+        return n, size
+
+    def delete(self, prefix: str) -> None:
+        c = self.client()
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=self.BUCKET, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                c.delete_objects(Bucket=self.BUCKET, Delete={"Objects": keys})
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._thread.join()

@@ -52,16 +52,15 @@ import math
 import os
 import pickle
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from _common import machine_info, write_section
+from _common import dir_stats, drop_caches, machine_info, proc_io, rank_entry, run_ranks, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.abspath(__file__)
 SECTION = "## Distributed save/restore"
 
 MiB = 1 << 20
@@ -121,15 +120,6 @@ def make_tree(mesh: Any, spec: list[tuple[str, tuple[int, int]]], dim: int, fill
         box = local_box(shape, dim, rank, world)
         local = values(i, shape, box) if fill else torch.zeros(box[1], dtype=torch.float32)
         out[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1))
-    return out
-
-
-def proc_io() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
     return out
 
 
@@ -223,81 +213,12 @@ def rank_main(job: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def rank_entry(job: dict[str, Any]) -> None:
-    try:
-        res = rank_main(job)
-        print("RESULT " + json.dumps(res), flush=True)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: gloo's destructors can abort at exit
-
-
 # --------------------------------------------------------------------------
 # parent side
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(job: dict[str, Any], world: int, timeout: float) -> list[dict[str, Any]]:
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world))
-        env["OMP_NUM_THREADS"] = "1"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--rank-job", json.dumps(job)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    deadline = time.time() + timeout
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.time())))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r, (out, err) in enumerate(outs):
-        line = next((l for l in out.splitlines()[::-1] if l.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"{job['op']} {job['system']}: rank {r} failed:\n{out[-2000:]}\n{err[-4000:]}")
-        results.append(json.loads(line[len("RESULT ") :]))
-    return results
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dir_stats(path: str) -> tuple[int, int]:
-    files = size = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            files += 1
-            size += os.path.getsize(os.path.join(root, n))
-    return files, size
 
 
 def expected_tsckpt_reads(path: str, spec: list[tuple[str, tuple[int, int]]], world: int) -> dict[str, Any]:
@@ -341,12 +262,12 @@ def bench_system(system: str, base: str, args: argparse.Namespace, can_drop: boo
     prof = os.path.join(args.profile_dir, f"{system}-save-{rep}.prof") if args.profile_dir else None
     job = {"op": "save", "system": system, "path": path, "warm_path": warm, "spec": spec, "profile": prof}
     can_drop and drop_caches()
-    save = run_ranks(job, SAVE_RANKS, args.timeout)
+    save = run_ranks(SCRIPT, job, SAVE_RANKS, args.timeout)
     files, size = dir_stats(path)
     exp = expected_tsckpt_reads(path, spec, RESTORE_RANKS) if system == "tsckpt" else None
     can_drop and drop_caches()
     prof = os.path.join(args.profile_dir, f"{system}-restore-{rep}.prof") if args.profile_dir else None
-    restore = run_ranks(dict(job, op="restore", profile=prof), RESTORE_RANKS, args.timeout)
+    restore = run_ranks(SCRIPT, dict(job, op="restore", profile=prof), RESTORE_RANKS, args.timeout)
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(warm, ignore_errors=True)
     need = sum(r["local_bytes"] for r in restore)
@@ -587,7 +508,7 @@ def main() -> None:
     ap.add_argument("--rank-job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_job is not None:
-        rank_entry(json.loads(args.rank_job))
+        rank_entry(rank_main, json.loads(args.rank_job))
         return
     if args.report is not None:
         with open(args.report) as f:
