@@ -277,3 +277,30 @@ def test_read_window_is_an_option_and_changes_no_value(ckdir, small_chunks, dirt
     assert torch.equal(out["w"], tree["w"]) and np.array_equal(out["b"], tree["b"]) and torch.equal(out["c"], tree["c"])
     assert sum(waits) == 64 * 32 * 4 + 100 * 2 + 8 * 2
     assert len(waits) == 2 + 1 + 1  # w in two 4 KiB shards: one read per shard file, whatever the window
+
+
+def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, monkeypatch, layout):
+    """One plain chunk each: decoded by tsckpt (node checked, crc32c checked); the rest,
+    and any target needing a cast, go through TensorStore."""
+    import tsckpt._restore as restore_mod
+
+    tree = {
+        "big": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32),  # sharded: several files
+        "small": np.arange(10, dtype=np.int64),
+        "bf": torch.linspace(-1, 1, 7).to(torch.bfloat16),
+        "flag": np.array(True),
+        "cast": torch.arange(6, dtype=torch.float32),
+    }
+    tsckpt.save(ckdir, tree)
+    opened: list[str] = []
+    real = restore_mod._open_all
+    monkeypatch.setattr(restore_mod, "_open_all", lambda ck, paths: (opened.extend(paths), real(ck, paths))[1])
+    target = {
+        "big": torch.zeros(64, 32), "small": np.zeros(10, np.int64), "bf": torch.zeros(7, dtype=torch.bfloat16),
+        "flag": np.array(False), "cast": torch.zeros(6, dtype=torch.float64),
+    }
+    out = tsckpt.restore(ckdir, target, inplace=True)
+    assert sorted(opened) == ["big", "cast"]
+    assert torch.equal(out["big"], tree["big"]) and np.array_equal(out["small"], tree["small"])
+    assert torch.equal(out["bf"], tree["bf"]) and out["flag"] == np.array(True)
+    assert torch.equal(out["cast"], tree["cast"].double())

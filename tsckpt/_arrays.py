@@ -45,6 +45,24 @@ def array_node(rec: ArrayRecord) -> dict[str, Any]:
     )
 
 
+def chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
+    """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
+    cell = [str(o // g) for o, g in zip(offsets, rec.layout.shard_shape)]
+    cell += ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]  # complex32's (re, im) dim
+    return "/".join([rec.path, "c", *cell])
+
+
+def node_problem(node: Any, rec: ArrayRecord) -> str | None:
+    """Why an array's parsed zarr.json disagrees with its record in the root metadata, or None."""
+    expected = array_node(rec)
+    if not isinstance(node, dict) or node.get("node_type") != "array":
+        return "its zarr.json is not a zarr array node"
+    for key in ("zarr_format", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
+        if node.get(key) != expected[key]:
+            return f"its zarr.json disagrees with the root metadata on '{key}' ({node.get(key)!r} != {expected[key]!r})"
+    return None
+
+
 def open_array(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
     return open_array_future(data, rec, write=write).result()
 

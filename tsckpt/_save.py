@@ -30,7 +30,7 @@ from ._format import (
     format_version,
     group_metadata,
 )
-from ._arrays import MANIFEST, OCDBT_PREFIX, array_node, data_spec, open_array
+from ._arrays import MANIFEST, OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._reader import root_state
@@ -113,13 +113,6 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
     return buf
 
 
-def _chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
-    """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
-    cell = [str(o // g) for o, g in zip(offsets, rec.layout.shard_shape)]
-    cell += ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]  # complex32's (re, im) dim
-    return "/".join([rec.path, "c", *cell])
-
-
 def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
     """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
     extra = _dtypes.storage_extra_dims(rec.dtype)
@@ -179,7 +172,7 @@ def _write_regions(
         lf = local[item.path]
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
             src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
-            key = _chunk_key(rec, off)
+            key = chunk_key(rec, off)
             fut: Any
             encoded = _encode_file(rec, off, src)
             if encoded is not None:

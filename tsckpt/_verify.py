@@ -12,7 +12,7 @@ from typing import Any
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._arrays import array_node
+from ._arrays import node_problem
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._progress import Progress
@@ -54,15 +54,6 @@ class _Reads:
     files_read: int
 
 
-def _array_node_problem(node: Any, expected: dict[str, Any]) -> str | None:
-    if not isinstance(node, dict) or node.get("node_type") != "array":
-        return "its zarr.json is not a zarr array node"
-    for key in ("zarr_format", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"):
-        if node.get(key) != expected[key]:
-            return f"its zarr.json disagrees with the root metadata on '{key}' ({node.get(key)!r} != {expected[key]!r})"
-    return None
-
-
 def _check_nodes(ck: Checkpoint) -> _Nodes:
     """zarr.json of every array and group below the root."""
     kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
@@ -84,7 +75,7 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
         except ValueError as e:
             bad[p] = f"its zarr.json is not valid JSON ({e})"
             continue
-        why = _array_node_problem(node, array_node(ck.arrays[p]))
+        why = node_problem(node, ck.arrays[p])
         if why:
             bad[p] = why
     problems = []
