@@ -51,10 +51,12 @@ SECTION = "## PyTorch bridge"
 MiB = 1 << 20
 NOTE = (
     "Where tsckpt's extra memory comes from: TensorStore decodes chunks straight into the live tensors, and "
-    "the core restore keeps at most `READ_WINDOW_BYTES` (64 MiB) of chunk reads in flight; the rest is "
-    "TensorStore's decode buffers and what the allocator keeps of them. It does not grow with the state "
-    "(scaling table), and no copy of the state is made (compare tsckpt-copy). DCP reads one tensor's bytes at "
-    "a time and copies them in, so it needs almost nothing extra; tsckpt's in-flight window is what lets it "
+    "the core restore keeps at most `max_inflight_bytes` (default `READ_WINDOW_BYTES`, 16 MiB) of chunk reads "
+    "in flight. The rest is glibc's per-thread heaps: TensorStore decodes on several threads, and each keeps "
+    "what it freed, so the resident memory added is a few times the window (with `MALLOC_ARENA_MAX=1` it is "
+    "about 5 MiB whatever the window). Restore gives those freed pages back (`malloc_trim`) after each window "
+    "and at the end. No copy of the state is made (compare tsckpt-copy). DCP reads one tensor's bytes at a "
+    "time and copies them in, so it needs almost nothing extra; tsckpt's in-flight window is what lets it "
     "overlap reads, decoding and checksums."
 )
 
