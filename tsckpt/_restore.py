@@ -18,9 +18,9 @@ import torch
 
 from . import _dtypes, _store
 from ._arrays import chunk_key, node_problem
-from ._encode import LITTLE_ENDIAN, decode_chunk
 from ._coord import phase
 from ._dist import coordinator_for
+from ._encode import LITTLE_ENDIAN, decode_chunk
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
