@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -53,6 +54,17 @@ def machine_info() -> dict[str, Any]:
 
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 NOTES = "### Notes"  # kept verbatim when a section is regenerated
+
+
+def finish(results: dict[str, Any], args: Any, report: Any, title: str) -> None:
+    """Keep the raw results (``--json``), print the section, and write it (``--write-results``)."""
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    section = report(results, args)
+    print(section)
+    if args.write_results:
+        write_section(title, section)
 
 
 def write_section(title: str, body: str) -> None:

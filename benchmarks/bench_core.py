@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import machine_info, write_section
+from _common import dir_stats, machine_info, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Core save/restore"
@@ -358,15 +358,6 @@ def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"case {spec} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
-
-
-def dir_stats(path: str) -> tuple[int, int]:
-    files = size = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            files += 1
-            size += os.path.getsize(os.path.join(root, n))
-    return files, size
 
 
 def log(msg: str) -> None:

@@ -57,7 +57,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import dir_stats, drop_caches, machine_info, proc_io, rank_entry, run_ranks, write_section
+from _common import dir_stats, drop_caches, finish, machine_info, proc_io, rank_entry, run_ranks, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.abspath(__file__)
@@ -544,13 +544,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     results["wall_s"] = time.time() - t0
     log(f"total {results['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    section = report(results, args)
-    print(section)
-    if args.write_results:
-        write_section(SECTION, section)
+    finish(results, args, report, SECTION)
 
 
 if __name__ == "__main__":

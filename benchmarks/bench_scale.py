@@ -53,7 +53,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import (LocalS3, bench_parser, dir_stats, evict, machine_info, proc_io, rank_entry, run_child,
+from _common import (LocalS3, bench_parser, dir_stats, evict, finish, machine_info, proc_io, rank_entry, run_child,
                      run_ranks, write_section)
 
 SCRIPT = os.path.abspath(__file__)
@@ -705,13 +705,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     results["wall_s"] = time.time() - t0
     results["load_end"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    section = report(results, args)
-    print(section)
-    if args.write_results:
-        write_section(SECTION, section)
+    finish(results, args, report, SECTION)
 
 
 if __name__ == "__main__":
