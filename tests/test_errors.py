@@ -252,3 +252,27 @@ def test_error_hierarchy():
         (tsckpt.LayoutError, ValueError),
     ]:
         assert issubclass(cls, tsckpt.TsckptError) and issubclass(cls, builtin), cls
+
+
+@pytest.mark.parametrize(
+    "leaf, message",
+    [
+        (torch.empty(3, device="meta"), "'model/w': a tensor on the meta device has no data to save; materialize"),
+        (torch.eye(3).to_sparse(), "'model/w': a torch.sparse_coo tensor cannot be saved (tsckpt stores dense arrays)"),
+        (torch.eye(3).to_sparse_csr(), "'model/w': a torch.sparse_csr tensor cannot be saved"),
+    ],
+)
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_unsavable_tensor_is_refused_before_anything_is_written(tmp_path, leaf, message, how):
+    d = tmp_path / "ck"
+    tree = {"model": {"w": leaf, "b": torch.ones(2)}, "step": 1}
+    with pytest.raises(tsckpt.LeafTypeError) as info:
+        if how == "save":
+            tsckpt.save(d, tree)
+        else:
+            tsckpt.save_async(d, tree).result()
+    assert str(info.value).startswith(message)
+    assert not d.exists()  # nothing claimed: a plain retry with a fixed tree works
+    tree["model"]["w"] = torch.zeros(3)
+    tsckpt.save(d, tree)
+    assert tsckpt.restore(d)["model"]["w"].tolist() == [0.0, 0.0, 0.0]

@@ -79,7 +79,10 @@ def logical_dtype(path: str, dtype: Any) -> str:
 def region_leaf(
     path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str
 ) -> Local:
-    """A leaf that is the region of a global array starting at ``offsets``."""
+    """A leaf that is the region of a global array starting at ``offsets``; tensors
+    without plain readable memory are refused here, before a save claims its directory."""
+    if isinstance(data, torch.Tensor):
+        _check_storable(path, data)
     dtype = logical_dtype(path, data.dtype)
     desc = LeafDesc(
         path=path,
@@ -91,6 +94,19 @@ def region_leaf(
         lengths=tuple(int(s) for s in data.shape),
     )
     return Local(desc, data)
+
+
+def _check_storable(path: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise LeafTypeError(
+            f"'{path}': a tensor on the meta device has no data to save; materialize the module first "
+            "(e.g. module.to_empty(device='cpu') and initialize or load its weights)"
+        )
+    if t.layout != torch.strided:
+        raise LeafTypeError(
+            f"'{path}': a {t.layout} tensor cannot be saved (tsckpt stores dense arrays); "
+            "save t.to_dense(), or its indices and values as separate leaves"
+        )
 
 
 def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
