@@ -255,17 +255,19 @@ def test_error_hierarchy():
 
 
 @pytest.mark.parametrize(
-    "leaf, message",
+    "make, message",
     [
-        (torch.empty(3, device="meta"), "'model/w': a tensor on the meta device has no data to save; materialize"),
-        (torch.eye(3).to_sparse(), "'model/w': a torch.sparse_coo tensor cannot be saved (tsckpt stores dense arrays)"),
-        (torch.eye(3).to_sparse_csr(), "'model/w': a torch.sparse_csr tensor cannot be saved"),
+        (lambda: torch.empty(3, device="meta"), "'model/w': a tensor on the meta device has no data to save; materialize"),
+        (lambda: torch.eye(3).to_sparse(), "'model/w': a torch.sparse_coo tensor cannot be saved (tsckpt stores dense arrays)"),
+        (lambda: torch.eye(3).to_sparse_csr(), "'model/w': a torch.sparse_csr tensor cannot be saved"),
     ],
+    ids=["meta", "sparse_coo", "sparse_csr"],
 )
 @pytest.mark.parametrize("how", ["save", "save_async"])
-def test_unsavable_tensor_is_refused_before_anything_is_written(tmp_path, leaf, message, how):
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_unsavable_tensor_is_refused_before_anything_is_written(tmp_path, make, message, how):
     d = tmp_path / "ck"
-    tree = {"model": {"w": leaf, "b": torch.ones(2)}, "step": 1}
+    tree = {"model": {"w": make(), "b": torch.ones(2)}, "step": 1}
     with pytest.raises(tsckpt.LeafTypeError) as info:
         if how == "save":
             tsckpt.save(d, tree)
@@ -276,3 +278,55 @@ def test_unsavable_tensor_is_refused_before_anything_is_written(tmp_path, leaf, 
     tree["model"]["w"] = torch.zeros(3)
     tsckpt.save(d, tree)
     assert tsckpt.restore(d)["model"]["w"].tolist() == [0.0, 0.0, 0.0]
+
+
+def _set_record_field(field, value):
+    def edit(meta):
+        rec = next(a for a in meta["arrays"] if a["path"] == "x")
+        rec[field] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("dtype", "float128x", "'dtype' 'float128x' is not a dtype this tsckpt reads (written by a newer tsckpt?)"),
+        ("dtype", 7, "'dtype' 7 is not a dtype this tsckpt reads"),
+        ("shape", [8, -256], "'shape' [8, -256] is not a list of non-negative integers"),
+        ("shape", "8x256", "'shape' '8x256' is not a list of non-negative integers"),
+        ("shape", [8, True], "'shape' [8, True] is not a list of non-negative integers"),
+        ("shard_shape", [8], "'shard_shape' [8] is not a list of 2 positive integers"),
+        ("shard_shape", [0, 256], "'shard_shape' [0, 256] is not a list of 2 positive integers"),
+        ("chunk_shape", [3, 256], "'chunk_shape' [3, 256] does not divide 'shard_shape'"),
+        ("kind", "pickle", "'kind' is 'pickle', expected one of ['torch', 'numpy', 'numpy_scalar']"),
+    ],
+)
+def test_invalid_array_record_is_named_before_any_read(saved, field, value, why):
+    edit_root(saved, _set_record_field(field, value))
+    want = f"{saved}: the record of array 'x' in the root metadata is invalid: {why}"
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata, tsckpt.verify):
+        with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+            call(saved)
+        assert str(info.value).startswith(want), str(info.value)
+
+
+@pytest.mark.parametrize("path", ["../outside", "/abs", "a//b", "a/./b", ""])
+def test_record_path_outside_the_checkpoint_is_refused(saved, path):
+    def edit(meta):
+        rec = next(a for a in meta["arrays"] if a["path"] == "x")
+        rec["path"] = path
+        meta["leaves"] = [path if p == "x" else p for p in meta["leaves"]]
+
+    edit_root(saved, edit)
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=f"'path' {path!r} is not a relative path inside the checkpoint"):
+        tsckpt.restore(saved)
+
+
+def test_invalid_record_through_the_cli_is_one_line(saved, capsys):
+    from tsckpt._cli import main
+
+    edit_root(saved, _set_record_field("dtype", "float128x"))
+    assert main(["ls", saved]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the record of array 'x' in the root metadata is invalid: 'dtype'" in err[0]

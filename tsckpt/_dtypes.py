@@ -9,6 +9,8 @@ and packed/bit dtypes as unsigned integers of the same width.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -79,6 +81,11 @@ def storage_dtype(logical: str) -> str:
     if logical in _RAW_BITS:
         return _RAW_BITS[logical]
     raise KeyError(logical)
+
+
+def is_known(logical: Any) -> bool:
+    """A logical dtype name this tsckpt reads."""
+    return isinstance(logical, str) and (logical in _NATIVE or logical == "complex32" or logical in _RAW_BITS)
 
 
 def storage_shape(logical: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -79,6 +79,48 @@ class ArrayRecord:
         )
 
 
+KINDS = ("torch", "numpy", "numpy_scalar")
+MAX_NDIM = 64
+
+
+def _dims(value: Any, *, positive: bool) -> bool:
+    least = 1 if positive else 0
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_NDIM
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value)
+    )
+
+
+def record_problem(j: Any, known_dtype: Any) -> str | None:
+    """Why an array record of the root metadata cannot be read, or None. Checked before
+    anything is opened or allocated; ``known_dtype(name)`` tells the dtype names this
+    tsckpt reads."""
+    if not isinstance(j, dict):
+        return "the record is not a JSON object"
+    path = j.get("path")
+    if not isinstance(path, str) or not path or path.startswith("/") or any(
+        part in ("", ".", "..") for part in path.split("/")
+    ):
+        return f"'path' {path!r} is not a relative path inside the checkpoint"
+    if j.get("kind") not in KINDS:
+        return f"'kind' is {j.get('kind')!r}, expected one of {list(KINDS)}"
+    if not known_dtype(j.get("dtype")):
+        return f"'dtype' {j.get('dtype')!r} is not a dtype this tsckpt reads (written by a newer tsckpt?)"
+    shape: Any = j.get("shape")
+    shard: Any = j.get("shard_shape")
+    chunk: Any = j.get("chunk_shape")
+    if not _dims(shape, positive=False):
+        return f"'shape' {shape!r} is not a list of non-negative integers"
+    if not _dims(shard, positive=True) or len(shard) != len(shape):
+        return f"'shard_shape' {shard!r} is not a list of {len(shape)} positive integers"
+    if chunk is not None and (
+        not _dims(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
+    ):
+        return f"'chunk_shape' {chunk!r} does not divide 'shard_shape' {shard!r}"
+    return None
+
+
 def array_metadata(storage_shape: tuple[int, ...], data_type: str, layout: Layout, attrs: dict[str, Any]) -> dict[str, Any]:
     """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index."""
     checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]

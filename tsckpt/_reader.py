@@ -34,6 +34,7 @@ from ._format import (
     ArrayRecord,
     Layout,
     decode_value,
+    record_problem,
 )
 from ._store import Directory, Location, resolve
 from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths
@@ -203,6 +204,15 @@ def _load(loc: Location) -> Checkpoint:
             f"{loc}: the array database of this compact checkpoint is missing ({MANIFEST} does not exist); "
             "restore from another checkpoint"
         )
+    records: Any = meta.get("arrays")
+    for a in records if isinstance(records, list) else []:
+        why = record_problem(a, _dtypes.is_known)
+        if why is not None:
+            name = a.get("path") if isinstance(a, dict) and isinstance(a.get("path"), str) else "?"
+            raise CorruptCheckpointError(
+                f"{loc}: the record of array '{name}' in the root metadata is invalid: {why}; "
+                "restore from another checkpoint"
+            )
     try:
         arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}
         values = {p: decode_value(v) for p, v in meta["values"].items()}
