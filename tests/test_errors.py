@@ -330,3 +330,48 @@ def test_invalid_record_through_the_cli_is_one_line(saved, capsys):
     assert main(["ls", saved]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the record of array 'x' in the root metadata is invalid: 'dtype'" in err[0]
+
+
+def _nested_lists(depth: int) -> dict:
+    node = {"type": "list", "children": [None]}
+    for _ in range(depth - 1):
+        node = {"type": "list", "children": [node]}
+    return node
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda s: s.update(type="evil"), "it has a node of unknown type 'evil'"),
+        (lambda s: s["children"].append(None), "it has a dict node whose keys do not match its 4 children"),
+        (lambda s: (s.pop("order", None), s["keys"].append("extra"), s["children"].append(None)),
+         "it has 4 leaves but the checkpoint lists 3"),
+        (lambda s: s.update(order=[0, 0, 1]), "it has a dict node whose order is not a permutation of its children"),
+        (lambda s: s.update(children="abc"), "it has a dict node without a list of children"),
+        (lambda s: s["children"].__setitem__(0, _nested_lists(300)), "it is nested more than 200 levels deep"),
+    ],
+)
+def test_invalid_structure_is_named_by_every_entry_point(saved, edit, why):
+    edit_root(saved, lambda meta: edit(meta["structure"]))
+    want = f"{saved}: the tree structure in the root metadata is invalid: {why}"
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata, tsckpt.verify):
+        with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+            call(saved)
+        assert str(info.value).startswith(want), str(info.value)
+
+
+def test_structure_nested_too_deep_to_parse(saved, capsys):
+    path = os.path.join(saved, "zarr.json")
+    with open(path) as f:
+        text = f.read()
+    depth = 100_000
+    deep = '{"type":"list","children":[' * depth + "null" + "]}" * depth
+    with open(path, "w") as f:
+        f.write(text.replace('"structure":', f'"structure":{deep},"old_structure":', 1))
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="root zarr.json is not valid JSON"):
+        tsckpt.restore(saved)
+    from tsckpt._cli import main
+
+    assert main(["verify", saved]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "root zarr.json is not valid JSON" in err[0]

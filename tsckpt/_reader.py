@@ -37,7 +37,7 @@ from ._format import (
     record_problem,
 )
 from ._store import Directory, Location, resolve
-from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths
+from .tree import ROOT_LEAF_PATH, child, from_paths, structure_from_json, structure_from_paths, structure_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def root_state(value: bytes | None) -> RootState:
         return RootState(None)
     try:
         root = json.loads(value)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         return RootState("invalid", problem="json", detail=str(e))
     meta = root.get("attributes", {}).get("tsckpt") if isinstance(root, dict) else None
     if not isinstance(meta, dict):
@@ -226,6 +226,12 @@ def _load(loc: Location) -> Checkpoint:
     missing = [p for p in leaves if p not in arrays and p not in values and p not in aliases]
     if missing:
         raise CorruptCheckpointError(f"{loc}: leaves {missing[:5]} are listed but have no record")
+    if meta.get("structure") is not None:
+        why = structure_problem(meta["structure"], len(leaves))
+        if why is not None:
+            raise CorruptCheckpointError(
+                f"{loc}: the tree structure in the root metadata is invalid: {why}; restore from another checkpoint"
+            )
     return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta, aliases)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import keyword
 import re
 import urllib.parse
 from typing import Any, Callable, NamedTuple, cast
@@ -228,6 +229,56 @@ def _build(node: Any, cur: _Cursor) -> Any:
     if kind == "ordereddict":
         return collections.OrderedDict(pairs)
     return dict(pairs)  # dict, and custom nodes (their classes are never imported)
+
+
+# Deeper structures are refused: rebuilding recurses once per level.
+MAX_STRUCTURE_DEPTH = 200
+_KEYED = ("dict", "ordereddict", "namedtuple", "custom")
+_NODE_TYPES = ("none", "list", "tuple", "deque", *_KEYED)
+
+
+def _node_problem(node: Any) -> str | None:
+    if not isinstance(node, dict) or node.get("type") not in _NODE_TYPES:
+        kind = node.get("type") if isinstance(node, dict) else type(node).__name__
+        return f"a node of unknown type {kind!r}"
+    if node["type"] == "none":
+        return None
+    children = node.get("children")
+    if not isinstance(children, list):
+        return f"a {node['type']} node without a list of children"
+    if node["type"] in _KEYED:
+        keys = node.get("keys")
+        if not isinstance(keys, list) or len(keys) != len(children):
+            return f"a {node['type']} node whose keys do not match its {len(children)} children"
+        order = node.get("order")
+        if order is not None and (not isinstance(order, list) or sorted(order) != list(range(len(children)))):
+            return f"a {node['type']} node whose order is not a permutation of its children"
+    if node["type"] == "namedtuple":
+        name = node.get("name")
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            return f"a namedtuple node named {name!r}, not an identifier"
+    return None
+
+
+def structure_problem(structure: Any, n_leaves: int) -> str | None:
+    """Why ``structure`` (from the root metadata) cannot hold ``n_leaves`` leaves, or None.
+    Iterative, so a hostile structure cannot exhaust the stack."""
+    seen = 0
+    stack: list[tuple[Any, int]] = [(structure, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_STRUCTURE_DEPTH:
+            return f"it is nested more than {MAX_STRUCTURE_DEPTH} levels deep"
+        if node is None:
+            seen += 1
+            continue
+        why = _node_problem(node)
+        if why is not None:
+            return f"it has {why}"
+        stack.extend((c, depth + 1) for c in node.get("children", ()))
+    if seen != n_leaves:
+        return f"it has {seen} leaves but the checkpoint lists {n_leaves}"
+    return None
 
 
 def structure_from_json(structure: Any, leaves: list[Any]) -> Any:
