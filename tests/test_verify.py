@@ -74,3 +74,23 @@ def test_subtree_reads_one_branch_with_its_containers(tmp_path):
     state = ck.subtree("opt/state")
     assert list(state) == ["w"] and np.array_equal(state["w"], np.ones(2))
     assert ck.subtree("opt/missing") is None
+
+
+def test_a_symlinked_chunk_file_is_reported(ck, tmp_path, capsys):
+    """The link points at a copy of the very bytes, outside the checkpoint: the data reads
+    back fine, but the checkpoint no longer holds its own files."""
+    chunk = os.path.join(ck, "m", "b", "c", "0")
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(open(chunk, "rb").read())
+    os.remove(chunk)
+    os.symlink(outside, chunk)
+    r = tsckpt.verify(ck, progress=False)
+    assert not r.ok and list(r.bad) == ["m/b"]
+    assert r.bad["m/b"] == (
+        f"m/b/c/0 is a symbolic link (to {outside}); a checkpoint holds its own files: "
+        "replace the link with a copy of the file"
+    )
+    from tsckpt._cli import main
+
+    assert main(["verify", ck]) == 1
+    assert "FAIL  m/b: m/b/c/0 is a symbolic link" in capsys.readouterr().out

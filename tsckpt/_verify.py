@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,9 +135,32 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
     return _Reads(bad, total, files)
 
 
+def _links(ck: Checkpoint) -> dict[str, str]:
+    """Local checkpoints: array path -> why one of its files is a symbolic link. Readers
+    follow links, so a link could make a checkpoint read data from outside itself."""
+    if ck.location.local is None or ck.specs:
+        return {}
+    root = ck.location.local
+    found: dict[str, str] = {}
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = os.path.join(top, name)
+            if not os.path.islink(full):
+                continue
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            owner = max((p for p in ck.arrays if rel == p or rel.startswith(f"{p}/")), key=len, default=None)
+            why = (
+                f"{rel} is a symbolic link (to {os.readlink(full)}); a checkpoint holds its own files: "
+                "replace the link with a copy of the file"
+            )
+            found.setdefault(owner or rel, why)
+    return found
+
+
 def verify(directory: Directory, *, progress: bool | None = None) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
-    metadata, and every chunk read back with its checksum. Damage is reported per leaf in
+    metadata, every chunk read back with its checksum, and (on a local disk) no file a
+    symbolic link. Damage is reported per leaf in
     the returned report, never raised; a root that is not a committed checkpoint raises.
     ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
     bytes, files and throughput are logged at the end."""
@@ -147,7 +171,7 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
         bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
         reads = _read_all(ck, nodes.bad, bar)
     bad = dict(nodes.bad)
-    for path, why in reads.bad.items():
+    for path, why in [*reads.bad.items(), *_links(ck).items()]:
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
     return VerifyReport(
         location=str(ck.location),
