@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import dir_stats, machine_info, write_section
+from _common import dir_stats, machine_info, proc_io, write_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Core save/restore"
@@ -136,15 +136,6 @@ def peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def proc_io() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out
 
 
 def cpu_s() -> float:
