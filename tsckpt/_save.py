@@ -167,7 +167,9 @@ def _write_regions(
             in_flight -= n
             progress.update(n, 1)
 
-    for item in plan.writes:
+    writes = plan.writes  # built from the plan's groups on each access
+    progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
+    for item in writes:
         rec = records[item.path]
         lf = local[item.path]
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
@@ -467,7 +469,6 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = data_spec(loc, layout, writer=rank)
-    progress.set_total(sum(math.prod(w.lengths) * job.local[w.path].desc.itemsize for w in job.plan.writes))
     with _store.storage_errors(loc):
         keys = _write_regions(data, job.plan, job.local, received, job.window, compact=compact, progress=progress)
         if job.commit is not None:
