@@ -49,6 +49,14 @@ def check_cast(path: str, stored: str, target: Any) -> None:
             f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
             "imaginary part. Use a complex target"
         )
+    storage = _dtypes.storage_dtype(stored)
+    if storage != stored and stored != "complex32":  # raw bits: no numeric value to cast
+        name = _dtypes.torch_name(target) if isinstance(target, torch.dtype) else _dtypes.numpy_name(np.dtype(target))
+        if name not in (stored, storage):
+            raise LeafTypeError(
+                f"'{path}': stored dtype {stored} is raw bits (stored as {storage}), which have no value to cast "
+                f"to {target}. Use a {stored} or {storage} target"
+            )
 
 
 def writable(arr: np.ndarray, path: str) -> np.ndarray:
