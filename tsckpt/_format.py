@@ -120,7 +120,10 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     if not _dims(shape, positive=False):
         return f"'shape' {short_repr(shape)} is not a list of non-negative integers with a product under 2**59"
     if not _dims(shard, positive=True) or len(shard) != len(shape):
-        return f"'shard_shape' {short_repr(shard)} is not a list of {len(shape)} positive integers with a product under 2**59"
+        return (
+            f"'shard_shape' {short_repr(shard)} is not a list of {len(shape)} positive integers with a product "
+            "under 2**59"
+        )
     if chunk is not None and (
         not _dims(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
     ):
@@ -185,6 +188,7 @@ def encode_value(v: Any) -> dict[str, Any] | None:
 
 
 _VALUE_TYPES = {"bool": bool, "int": int, "str": str}
+_JSON_NAMES = {"bool": "true or false", "int": "an integer", "str": "a string"}
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
@@ -208,6 +212,6 @@ def decode_value(j: Any) -> Any:
     if isinstance(t, str) and t in _VALUE_TYPES:
         want = _VALUE_TYPES[t]
         if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise ValueError(f"'value' of a {t} must be a JSON {t}, found {short_repr(v)}")
+            raise ValueError(f"'value' must be {_JSON_NAMES[t]} for type {t!r}, found {short_repr(v)}")
         return v
     raise ValueError(f"unknown value type {short_repr(t)}")

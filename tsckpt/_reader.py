@@ -19,13 +19,13 @@ from . import _dtypes, _orbax, _store
 from ._arrays import MANIFEST, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from ._errors import (
     CheckpointIncompleteError,
-    count_and_list,
-    short_repr,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
     NotACheckpointError,
     TsckptError,
+    count_and_list,
+    short_repr,
 )
 from ._format import (
     FORMAT_VERSION,
@@ -154,7 +154,8 @@ class Opening:
                 node = parse_node(found.value)
             except ValueError as e:
                 raise CorruptCheckpointError(
-                    f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); restore from another checkpoint"
+                    f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); "
+                    "restore from another checkpoint"
                 ) from None
             if node_problem(node, rec) is None:
                 return open_array_future(ck.data(), rec, checked=True).result()
@@ -244,12 +245,13 @@ def _load(loc: Location, keep_bad: bool) -> Checkpoint:
         )
     if root.state != STATE_COMMITTED:
         raise CheckpointIncompleteError(
-            f"{loc}: this checkpoint was never committed (state {short_repr(meta.get('state'))}): its save crashed or is "
-            "still running; use an earlier checkpoint, or save again with overwrite=True"
+            f"{loc}: this checkpoint was never committed (state {short_repr(meta.get('state'))}): its save crashed "
+            "or is still running; use an earlier checkpoint, or save again with overwrite=True"
         )
     if meta.get("layout", LAYOUT_PLAIN) not in LAYOUTS:
         raise CorruptCheckpointError(
-            f"{loc}: root metadata names an unknown layout {short_repr(meta.get('layout'))} (expected one of {list(LAYOUTS)})"
+            f"{loc}: root metadata names an unknown layout {short_repr(meta.get('layout'))} "
+            f"(expected one of {list(LAYOUTS)})"
         )
     if meta.get("layout") == LAYOUT_COMPACT and meta.get("arrays") and kv.read(MANIFEST).result().state != "value":
         raise CorruptCheckpointError(
@@ -263,15 +265,16 @@ def _load(loc: Location, keep_bad: bool) -> Checkpoint:
         tree_problem = f"the tree structure in the root metadata is invalid: {tree_problem}"
     if not keep_bad:
         _raise_first(loc, bad, tree_problem)
-    return Checkpoint(
-        loc, leaves, arrays, values, None if tree_problem else structure, meta, aliases, bad=bad, tree_problem=tree_problem
-    )
+    structure = None if tree_problem else structure
+    return Checkpoint(loc, leaves, arrays, values, structure, meta, aliases, bad=bad, tree_problem=tree_problem)
 
 
 def _root_field(loc: Location, meta: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
     """A required field of the root metadata, of the JSON type ``kind``; else the root is malformed."""
     if key not in meta:
-        raise CorruptCheckpointError(f"{loc}: root metadata is malformed (KeyError: '{key}'); restore from another checkpoint")
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata is malformed (KeyError: '{key}'); restore from another checkpoint"
+        )
     value = meta[key]
     if not isinstance(value, kind):
         raise CorruptCheckpointError(
@@ -314,7 +317,8 @@ def _leaf_records(
             why = "the leaf has two records"
             del arrays[name]
         if why is not None:
-            bad.setdefault(name if name != "?" else f"arrays[{i}]", f"the record of array '{name}' in the root metadata is invalid: {why}")
+            key = name if name != "?" else f"arrays[{i}]"
+            bad.setdefault(key, f"the record of array '{name}' in the root metadata is invalid: {why}")
         elif name not in bad:
             arrays[name] = ArrayRecord.from_json(rec)
     values: dict[str, Any] = {}
@@ -327,7 +331,9 @@ def _leaf_records(
             bad.setdefault(path, f"'{path}' has both an array record and a value in the root metadata")
     aliases: dict[str, str] = {}
     for alias, stored in tied.items():
-        if stored not in arrays:
+        if stored in bad:
+            bad.setdefault(alias, f"aliases ['{alias} -> {stored}'] name an array whose record is invalid")
+        elif stored not in arrays:
             bad.setdefault(alias, f"aliases ['{alias} -> {stored}'] name no stored array")
         elif alias in arrays or alias in encoded:
             bad.setdefault(alias, f"alias '{alias}' also has its own record in the root metadata")
@@ -339,11 +345,6 @@ def _leaf_records(
     for path in bad:  # a bad leaf is neither read nor listed as good
         arrays.pop(path, None)
         values.pop(path, None)
-        aliases.pop(path, None)
-    for alias, stored in list(aliases.items()):
-        if stored in bad:
-            del aliases[alias]
-            bad.setdefault(alias, f"aliases ['{alias} -> {stored}'] name an array whose record is invalid")
     return tuple(listed), arrays, values, aliases, bad
 
 
@@ -351,7 +352,7 @@ def _raise_first(loc: Location, bad: Mapping[str, str], tree_problem: str | None
     """Refuse a root with bad leaves (naming the first and how many) or an invalid tree."""
     if bad:
         first = next(iter(bad.values()))
-        more = f" ({len(bad) - 1} more bad leaves: {count_and_list(list(bad)[1:])})" if len(bad) > 1 else ""
+        more = f" (also bad: {count_and_list(list(bad)[1:])})" if len(bad) > 1 else ""
         raise CorruptCheckpointError(f"{loc}: {first}; restore from another checkpoint{more}")
     if tree_problem is not None:
         raise CorruptCheckpointError(f"{loc}: {tree_problem}; restore from another checkpoint")
@@ -413,7 +414,7 @@ def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     elif "does not exist" in msg or "not found" in low:
         what = f"the array is missing ({path}/zarr.json does not exist)"
     elif "Cannot create using specified" in msg:
-        what = f"TensorStore cannot open the array its record describes ('shard_shape' or 'chunk_shape' out of its range)"
+        what = "TensorStore cannot open the array its record describes ('shard_shape' or 'chunk_shape' beyond its limits)"
     elif "Expected" in msg or "Mismatch" in msg or "Incompatible" in msg:
         what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"
     else:

@@ -26,7 +26,8 @@ VERIFY_WINDOW_BYTES = 256 << 20
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What :func:`verify` found. ``bad`` maps each damaged array leaf to why."""
+    """What :func:`verify` found. ``bad`` maps each bad leaf to why: its entry in the root
+    metadata, its array node, or its stored bytes."""
 
     location: str
     leaves: tuple[str, ...]
@@ -161,8 +162,9 @@ def _links(ck: Checkpoint) -> dict[str, str]:
 def verify(directory: Directory, *, progress: bool | None = None) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
     metadata, every chunk read back with its checksum, and (on a local disk) no file a
-    symbolic link. Damage is reported per leaf in
-    the returned report, never raised; a root that is not a committed checkpoint raises.
+    symbolic link. Damage is reported per leaf in the returned report, never raised; a
+    root that is not a committed checkpoint, or whose fields are not even of their JSON
+    types, raises.
     ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
     bytes, files and throughput are logged at the end.
 
@@ -180,17 +182,18 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
     for alias, stored in ck.aliases.items():
         if stored in bad:
             bad[alias] = f"tied to '{stored}', which is bad"
-    records = ck.raw.get("arrays")
-    arrays = {r["path"] for r in records if isinstance(r, dict) and isinstance(r.get("path"), str)} if isinstance(records, list) else set()
+    records: Any = ck.raw.get("arrays")
+    records = records if isinstance(records, list) else []
+    arrays = {r["path"] for r in records if isinstance(r, dict) and isinstance(r.get("path"), str)} | set(ck.arrays)
     return VerifyReport(
         location=str(ck.location),
         leaves=ck.leaves,
-        n_arrays=len(arrays | set(ck.arrays)),
+        n_arrays=len(arrays),
         n_values=len(ck.values),
         bad=dict(sorted(bad.items())),
         group_problems=nodes.group_problems,
         bytes_read=reads.bytes_read,
         files_read=reads.files_read,
         tree_problem=ck.tree_problem,
-        arrays=tuple(sorted(arrays | set(ck.arrays))),
+        arrays=tuple(sorted(arrays)),
     )
