@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tsckpt
+from tests.stored import read_key, write_key
 from tests.strategies import assert_same, bits, dumps, json_mutations, mutate, record_edits
 from tsckpt._arrays import array_node
 from tsckpt._dtypes import is_known
@@ -88,19 +89,22 @@ def target_tree() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    import tsckpt._layout as layout
+def bases(tmp_path_factory) -> dict[str, str]:
+    """The checkpoint of :func:`original_tree` in each layout."""
+    import tsckpt._layout as chunking
 
-    path = str(tmp_path_factory.mktemp("fuzz") / "base")
-    with pytest.MonkeyPatch.context() as mp:  # 1 KiB inner chunks, 4 KiB shards
-        mp.setattr(layout, "INNER_CHUNK_BYTES", 1024)
-        mp.setattr(layout, "SHARD_BYTES", 4096)
-        tsckpt.save(path, original_tree())
-    w = tsckpt.metadata(path)["model"]["w"]
-    assert (w.shard_shape, w.chunk_shape) == ((16, 64), (4, 64))
-    meta = _root(path)["attributes"]["tsckpt"]
-    assert meta["aliases"] == {"model/head": "model/emb"}
-    return path
+    out = {}
+    for layout in ("plain", "compact"):
+        path = str(tmp_path_factory.mktemp("fuzz") / layout)
+        with pytest.MonkeyPatch.context() as mp:  # 1 KiB inner chunks, 4 KiB shards
+            mp.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
+            mp.setattr(chunking, "SHARD_BYTES", 4096)
+            tsckpt.save(path, original_tree(), layout=layout)
+        w = tsckpt.metadata(path)["model"]["w"]
+        assert (w.shard_shape, w.chunk_shape) == ((16, 64), (4, 64))
+        assert _root(path)["attributes"]["tsckpt"]["aliases"] == {"model/head": "model/emb"}
+        out[layout] = path
+    return out
 
 
 def _root(path: str) -> Any:
@@ -302,9 +306,9 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def fuzz_worker(base, tmp_path_factory):
+def fuzz_worker(bases, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fuzz_worker"))
-    w = Worker(root, {"dir": base, "unchanged": list(_leaves(original_tree())), "tree_unchanged": True,
+    w = Worker(root, {"dir": bases["compact"], "unchanged": list(_leaves(original_tree())), "tree_unchanged": True,
                       "nothing_changed": True})
     yield w
     w.close()
@@ -313,15 +317,18 @@ def fuzz_worker(base, tmp_path_factory):
 # ---- damaging a copy of the checkpoint ---------------------------------------------
 
 
-def _read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
+def _read_json(ck: str, key: str) -> Any:
+    return json.loads(read_key(ck, key) or b"null")
 
 
-def _write(path: str, doc: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(dumps(doc))
+def _write(ck: str, key: str, doc: Any) -> None:
+    """Write a document below the checkpoint: the root zarr.json is a file in both layouts;
+    the other keys are files, or keys of the database in the compact layout."""
+    if key == "zarr.json":
+        with open(os.path.join(ck, key), "w") as f:
+            f.write(dumps(doc))
+    else:
+        write_key(ck, key, dumps(doc).encode())
 
 
 def _changes(before: Any, after: Any) -> dict[str, Any]:
@@ -365,7 +372,7 @@ def damage(data: Any, base: str, path: str) -> dict[str, Any]:
 
     def doc(key: str) -> Any:
         if key not in docs:
-            docs[key] = _read_json(os.path.join(base, key))
+            docs[key] = _read_json(base, key)
         return docs[key]
 
     for _ in range(data.draw(st.integers(1, 2), label="mutations")):
@@ -397,8 +404,8 @@ def damage(data: Any, base: str, path: str) -> dict[str, Any]:
                 key = "model/zarr.json"
             node = doc(key)
             docs[key] = mutate(node, data.draw(json_mutations(node), label="mutation"))
-    for key, value in docs.items():
-        _write(os.path.join(path, key), value)
+    for key in sorted(docs, key=lambda k: k == "zarr.json"):  # the root last: the others are found through it
+        _write(path, key, docs[key])
     return {"dir": path, **_changes(root0, docs["zarr.json"])}
 
 
@@ -416,17 +423,44 @@ _counter = iter(range(10**9))
 
 
 @settings(
-    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "200")),
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(data=st.data())
-def test_damaged_metadata_never_crashes_a_reader(base, fuzz_worker, tmp_path_factory, data):
+def test_damaged_metadata_never_crashes_a_reader(bases, fuzz_worker, tmp_path_factory, data):
     path = str(tmp_path_factory.getbasetemp() / "fuzz_examples" / f"ex{next(_counter)}")
+    layout = data.draw(st.sampled_from(["plain", "plain", "plain", "compact"]), label="layout")
     try:
-        job = damage(data, base, path)
+        job = damage(data, bases[layout], path)
         answer = fuzz_worker.ask(job)
         assert answer["failures"] == [], "\n".join(answer["failures"])
         assert answer["rss_growth"] < RSS_GROWTH_LIMIT, f"resident memory grew by {answer['rss_growth']} bytes"
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage_to, commands", [("record", ("verify", "ls")), ("node", ("verify",))])
+def test_the_command_on_damaged_metadata(bases, tmp_path, damage_to, commands):
+    """Real processes of the command: a record saying a chunk holds 4 PB (TensorStore aborted
+    reading it), an array node nested 100,000 deep (TensorStore crashed parsing it). verify
+    exits 1 naming the leaf, with one line on stderr; ls reads only the root and lists it."""
+    path = str(tmp_path / "ck")
+    shutil.copytree(bases["plain"], path)
+    if damage_to == "node":
+        _write(path, "model/b/zarr.json", mutate(_read_json(path, "model/b/zarr.json"), ("deep", (), 100_000)))
+    else:
+        root = _root(path)
+        rec = next(r for r in root["attributes"]["tsckpt"]["arrays"] if r["path"] == "model/b")
+        rec.update(shape=[10**15], shard_shape=[10**15])
+        _write(path, "model/b/zarr.json", array_node(ArrayRecord.from_json(rec)))
+        _write(path, "zarr.json", root)
+    for command in commands:
+        r = subprocess.run([sys.executable, "-m", "tsckpt", command, path], capture_output=True, text=True,
+                           timeout=300, stdin=subprocess.DEVNULL)
+        if command == "ls":
+            assert r.returncode == 0 and r.stderr == "" and "3.6 PiB" in r.stdout, r.stdout + r.stderr
+            continue
+        assert r.returncode == 1, (r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr and "bug in tsckpt" not in r.stderr
+        assert "FAIL  model/b: " in r.stdout and "1 of 6 arrays bad ('model/b')" in r.stderr

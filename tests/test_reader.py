@@ -371,3 +371,85 @@ print("verify", sorted(r.bad.items()))
         assert lines[0].startswith("restore '") and "/zarr.json is not valid JSON" in lines[0], out
         assert lines[1].startswith(f"lazy 'x' in {two}: x/zarr.json is not valid JSON"), out
         assert "its zarr.json is not valid JSON" in lines[2] and "'small'" in lines[2] and "'x'" in lines[2], out
+
+
+# ---- the root metadata: every field checked before it is used -------------------------
+
+
+def edit_root(ck: str, fn) -> None:
+    with open(os.path.join(ck, "zarr.json")) as f:
+        root = json.load(f)
+    fn(root)
+    with open(os.path.join(ck, "zarr.json"), "w") as f:
+        json.dump(root, f)
+
+
+@pytest.fixture
+def tree_ck(ckdir):
+    tsckpt.save(ckdir, {"b": {"z": 1, "a": np.arange(2)}, "c": [2.5, "s"]})
+    return ckdir
+
+
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        # errors before the checks: AttributeError, TypeError (unhashable), struct.error
+        (lambda r: r.update(attributes=[1]), tsckpt.NotACheckpointError, "no 'tsckpt' attributes"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["b/z"].update(type=["int"]), tsckpt.CorruptCheckpointError,
+         "the value of 'b/z' in the root metadata is invalid: unknown value type ['int']"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["c/0"].update(bits="00"), tsckpt.CorruptCheckpointError,
+         "the value of 'c/0' in the root metadata is invalid: 'bits' of a float must be 16 hex digits, found '00'"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["c/1"].update(value=None), tsckpt.CorruptCheckpointError,
+         "the value of 'c/1' in the root metadata is invalid: 'value' must be a string for type 'str', found None"),
+        (lambda r: r["attributes"]["tsckpt"].update(leaves="b/ab/zc/0c/1"), tsckpt.CorruptCheckpointError,
+         "root metadata is malformed ('leaves' is a JSON string, expected a list of leaf paths)"),
+        (lambda r: r["attributes"]["tsckpt"].update(aliases=["b/a"]), tsckpt.CorruptCheckpointError,
+         "root metadata is malformed ('aliases' is not an object mapping leaf paths to paths)"),
+        (lambda r: r["attributes"]["tsckpt"].update(format_version=0), tsckpt.FormatVersionError,
+         "'format_version' is 0, which no tsckpt writes (versions start at 1)"),
+        (lambda r: r["attributes"]["tsckpt"].update(format_version=True), tsckpt.FormatVersionError,
+         "written with format version True by tsckpt"),
+        # a dict's keys: unhashable, repeated, or swapped against the leaves
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0]["keys"].__setitem__(0, ["a"]),
+         tsckpt.CorruptCheckpointError, "it has a dict node with the key ['a'] (a str or int expected)"),
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0]["keys"].__setitem__(0, "z"),
+         tsckpt.CorruptCheckpointError, "it has a dict node with a repeated key"),
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0].update(order=[1, "0"]),
+         tsckpt.CorruptCheckpointError, "it has a dict node whose order is not a permutation of its children"),
+        # without a structure, the paths themselves must make a tree
+        (lambda r: r["attributes"]["tsckpt"].update(structure=None, leaves=["b", "b/a", "b/z", "c/0", "c/1"],
+                                                    values={**r["attributes"]["tsckpt"]["values"], "b": {"type": "int", "value": 1}}),
+         tsckpt.CorruptCheckpointError, "its leaf 'b' also has leaves below it"),
+        (lambda r: r["attributes"]["tsckpt"].update(structure=None, leaves=["b/a", "b/%7A", "c/0", "c/1"],
+                                                    values={**r["attributes"]["tsckpt"]["values"], "b/%7A": {"type": "int", "value": 1}}),
+         tsckpt.CorruptCheckpointError, "its leaf path 'b/%7A' is not a path tsckpt writes"),  # 'z' escaped needlessly
+    ],
+)
+def test_a_damaged_root_field_is_named(tree_ck, edit, error, message):
+    edit_root(tree_ck, edit)
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
+        with pytest.raises(error) as info:
+            call(tree_ck)
+        assert message in str(info.value), str(info.value)
+
+
+def test_a_null_order_is_no_order(tree_ck):
+    edit_root(tree_ck, lambda r: r["attributes"]["tsckpt"]["structure"].update(order=None))
+    out = tsckpt.restore(tree_ck)
+    assert out["b"]["z"] == 1 and out["c"] == [2.5, "s"]
+    assert tsckpt.verify(tree_ck, progress=False).ok
+
+
+def test_raw_bits_restore_only_into_their_own_dtype(ckdir):
+    """A record whose dtype says raw bits made a float target fail inside torch's copy."""
+    bits = torch.arange(6, dtype=torch.int16).view(torch.bits16)
+    tsckpt.save(ckdir, {"b": bits})
+    with pytest.raises(tsckpt.LeafTypeError) as info:
+        tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.bfloat16)})
+    assert str(info.value) == (
+        "'b': stored dtype bits16 is raw bits (stored as uint16), which have no value to cast to torch.bfloat16. "
+        "Use a bits16 or uint16 target"
+    )
+    out = tsckpt.restore(ckdir, {"b": np.zeros(6, np.uint16)})
+    assert out["b"].tolist() == list(range(6))
+    assert tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})["b"].view(torch.int16).tolist() == list(range(6))
