@@ -440,16 +440,33 @@ def test_a_null_order_is_no_order(tree_ck):
     assert tsckpt.verify(tree_ck, progress=False).ok
 
 
-def test_raw_bits_restore_only_into_their_own_dtype(ckdir):
-    """A record whose dtype says raw bits made a float target fail inside torch's copy."""
-    bits = torch.arange(6, dtype=torch.int16).view(torch.bits16)
-    tsckpt.save(ckdir, {"b": bits})
+def test_dtypes_torch_cannot_cast_are_refused_for_tensor_targets(ckdir):
+    """A record whose dtype says raw bits or int4 made a float tensor target fail inside
+    torch's copy (NotImplementedError); one torch has no dtype for, with a KeyError."""
+    tsckpt.save(ckdir, {"b": torch.arange(6, dtype=torch.int16).view(torch.bits16),
+                        "i4": np.arange(-3, 3).astype(ml_dtypes.int4), "e3": np.ones(2, ml_dtypes.float8_e3m4)})
+    target = {"b": torch.zeros(6, dtype=torch.bfloat16), "i4": np.zeros(6, np.int8), "e3": np.zeros(2, np.float32)}
     with pytest.raises(tsckpt.LeafTypeError) as info:
-        tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.bfloat16)})
+        tsckpt.restore(ckdir, target)
     assert str(info.value) == (
-        "'b': stored dtype bits16 is raw bits (stored as uint16), which have no value to cast to torch.bfloat16. "
-        "Use a bits16 or uint16 target"
+        "'b': stored dtype bits16 cannot be cast to torch.bfloat16 by torch; use a bits16 tensor or a numpy array "
+        "as the target"
     )
-    out = tsckpt.restore(ckdir, {"b": np.zeros(6, np.uint16)})
-    assert out["b"].tolist() == list(range(6))
-    assert tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})["b"].view(torch.int16).tolist() == list(range(6))
+    for leaf, tensor in (("i4", torch.zeros(6)), ("e3", torch.zeros(2))):
+        with pytest.raises(tsckpt.LeafTypeError, match=f"^'{leaf}': stored dtype .* cannot be cast to torch.float32"):
+            tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.uint16), leaf: tensor})
+    with pytest.raises(tsckpt.LeafTypeError, match="'b': stored dtype bits16 is raw bits .* no value to cast to float32"):
+        tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.float32)})
+    out = tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.uint16)})
+    assert out["b"].tolist() == list(range(6)) and out["i4"].tolist() == list(range(-3, 3))
+    same = tsckpt.restore(ckdir, {**target, "b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})
+    assert same["b"].view(torch.int16).tolist() == list(range(6))
+
+
+def test_a_torch_kind_needs_a_torch_dtype(ckdir):
+    tsckpt.save(ckdir, {"e3": np.ones(2, ml_dtypes.float8_e3m4)})
+    edit_root(ckdir, lambda r: r["attributes"]["tsckpt"]["arrays"][0].update(kind="torch"))
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.restore(ckdir, as_saved=True)  # raised KeyError
+    assert "the record of array 'e3' in the root metadata is invalid: 'kind' is 'torch' but torch has no dtype " \
+        "'float8_e3m4'" in str(info.value)

@@ -50,13 +50,20 @@ def check_cast(path: str, stored: str, target: Any) -> None:
             "imaginary part. Use a complex target"
         )
     storage = _dtypes.storage_dtype(stored)
-    if storage != stored and stored != "complex32":  # raw bits: no numeric value to cast
-        name = _dtypes.torch_name(target) if isinstance(target, torch.dtype) else _dtypes.numpy_name(np.dtype(target))
-        if name not in (stored, storage):
+    raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
+    if isinstance(target, torch.dtype):
+        # torch has no copy kernels for int4 and raw bits, and no dtype at all for some ml_dtypes
+        castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4" and not raw
+        if _dtypes.torch_name(target) != stored and not castable:
             raise LeafTypeError(
-                f"'{path}': stored dtype {stored} is raw bits (stored as {storage}), which have no value to cast "
-                f"to {target}. Use a {stored} or {storage} target"
+                f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
+                "or a numpy array as the target"
             )
+    elif raw and _dtypes.numpy_name(np.dtype(target)) not in (stored, storage):
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} is raw bits (stored as {storage}), which have no value to cast "
+            f"to {target}. Use a {storage} numpy array or a {stored} tensor as the target"
+        )
 
 
 def writable(arr: np.ndarray, path: str) -> np.ndarray:

@@ -313,6 +313,8 @@ def _leaf_records(
     for i, rec in enumerate(records):
         why = record_problem(rec, _dtypes.is_known)
         name = rec["path"] if isinstance(rec, dict) and isinstance(rec.get("path"), str) else "?"
+        if why is None and rec["kind"] == "torch" and not isinstance(getattr(torch, rec["dtype"], None), torch.dtype):
+            why = f"'kind' is 'torch' but torch has no dtype {rec['dtype']!r} (a numpy array's kind is 'numpy')"
         if why is None and name in arrays:
             why = "the leaf has two records"
             del arrays[name]
@@ -342,6 +344,10 @@ def _leaf_records(
     for path in listed:
         if path not in arrays and path not in values and path not in aliases and path not in bad:
             bad[path] = f"leaves ['{path}'] are listed but have no record"
+    named = set(listed)
+    for path in [*arrays, *values]:
+        if path not in named:  # read by verify, never by restore: the two would disagree
+            bad.setdefault(path, f"'{path}' has an entry in the root metadata but is not listed in 'leaves'")
     for path in bad:  # a bad leaf is neither read nor listed as good
         arrays.pop(path, None)
         values.pop(path, None)
