@@ -425,7 +425,7 @@ _counter = iter(range(10**9))
 
 
 @settings(
-    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "200")),
+    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "300")),
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
