@@ -58,6 +58,11 @@ class SaveInProgressError(TsckptError, RuntimeError):
     """An asynchronous save is still running and the caller asked not to wait for it."""
 
 
+class LossyCastError(TsckptError, ValueError):
+    """Values read would not survive the cast into the target's dtype (overflow, lost integer
+    bits) under a casting policy that checks them."""
+
+
 class StorageError(TsckptError, OSError):
     """The storage service refused or could not be reached: no such bucket, access denied,
     endpoint unreachable."""
@@ -72,6 +77,7 @@ __all__ = [
     "FormatVersionError",
     "LayoutError",
     "LeafTypeError",
+    "LossyCastError",
     "NotACheckpointError",
     "SaveInProgressError",
     "ShapeMismatchError",

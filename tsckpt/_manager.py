@@ -213,7 +213,10 @@ class CheckpointManager:
 
     # ---- restoring -----------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False) -> Any:
+    def restore(
+        self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False,
+        casting: str = "same_kind",
+    ) -> Any:
         """Restore step ``step`` (default: the latest complete one); see :func:`tsckpt.restore`."""
         from ._restore import restore
 
@@ -224,7 +227,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self._loc}: no complete checkpoint to restore yet")
-        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace}
+        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace, "casting": casting}
         if self._group is not None:
             kwargs["group"] = self._group
         if self._timeout is not None:

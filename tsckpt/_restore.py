@@ -18,6 +18,7 @@ import torch
 
 from . import _dtypes, _store
 from ._arrays import chunk_key, node_problem
+from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, decode_chunk
@@ -73,6 +74,20 @@ def _user_stacklevel() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(pkg):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_lost_values(checks: list[Any]) -> None:
+    """One warning per leaf that casting="unsafe" changed values of (see ``CastCheck``)."""
+    for check in checks:
+        message = None if check is None else check.warning()
+        if message is not None:
+            warnings.warn(message, RestoreWarning, stacklevel=_user_stacklevel())
+
+
+def _stored_offsets(dest: Dest, dsel: tuple[slice, ...]) -> list[int]:
+    """Where in the stored array the block written to ``dsel`` of the destination starts."""
+    item = dest.item
+    return [s.start - d + o for s, d, o in zip(dsel, item.dest_offsets, item.storage_offsets)]
 
 
 def _direct_view(dest: Dest, stored: str) -> np.ndarray | None:
@@ -189,6 +204,8 @@ def read_into(
             progress.update(nbytes, 1)
         if direct is not None:
             return nbytes
+        if dest.cast is not None:  # before any of the block is written
+            dest.cast.check(raw, _stored_offsets(dest, dsel))
         if isinstance(dest.tensor, np.ndarray):
             if stored == "complex32":  # float16 (re, im) pairs
                 raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
@@ -242,6 +259,7 @@ def restore(
     timeout: datetime.timedelta | None = None,
     progress: bool | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    casting: str = "same_kind",
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -261,13 +279,21 @@ def restore(
     terminal); each rank logs bytes, reads and throughput at the end.
     ``max_inflight_bytes`` bounds the chunk reads in flight, which bounds the
     memory a restore needs beyond its result (smaller: less memory, less overlap).
+
+    ``casting`` is numpy's rule for a target of another dtype than the stored one
+    ("no", "equiv", "safe", "same_kind", "unsafe"); a cast it refuses raises
+    :class:`LeafTypeError` before anything is read. With "same_kind" the values read
+    are checked: one that overflows the target or loses integer bits raises
+    :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
+    with "unsafe" such losses give a :class:`RestoreWarning`.
     """
+    check_casting(casting)
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
         ck = load(directory)
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
-            reader = _Reader(bar, max_inflight_bytes)
+            reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:
                 return _restore_saved(ck, as_saved, reader)
             return _restore_into(ck, target, strict, inplace, reader)
@@ -280,10 +306,12 @@ def restore(
 
 @dataclasses.dataclass(frozen=True)
 class _Reader:
-    """How a restore reads: its progress, and the bytes of reads kept in flight."""
+    """How a restore reads: its progress, the bytes of reads kept in flight, and the casting
+    allowed into targets of another dtype."""
 
     progress: Progress
     window: int
+    casting: str = "same_kind"
 
 
 def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, reader: _Reader) -> list[Any]:
@@ -301,7 +329,7 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
                 )
             out.append(ck.values[path])
         elif path in ck.arrays:
-            dest = destination(ck.arrays[path], path, leaf, inplace)
+            dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
             mem = (path, dest.item.storage_offsets, dest.item.lengths, memory(dest.tensor))
             if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
                 filled.add(mem)
@@ -310,6 +338,7 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
         else:
             out.append(leaf)
     read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
+    warn_lost_values([d.cast for _, d in dests])
     for i, dest in dests:
         if dest.finish is not None:
             out[i] = dest.restored()
