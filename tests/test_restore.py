@@ -206,7 +206,7 @@ def test_complex_to_real_cast_is_refused(saved, target, shown):
         tsckpt.restore(d, like(tree, c=target))
     assert str(ei.value) == (
         f"'c': stored dtype complex64 is complex but the target is {shown}; casting would drop the imaginary part. "
-        "Use a complex target"
+        'Use a complex target, or casting="unsafe" to drop it'
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -10,6 +11,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -82,6 +84,18 @@ def warn_lost_values(checks: list[Any]) -> None:
         message = None if check is None else check.warning()
         if message is not None:
             warnings.warn(message, RestoreWarning, stacklevel=_user_stacklevel())
+
+
+@contextlib.contextmanager
+def _cast_warnings_off(dest: Dest) -> Iterator[None]:
+    """Silences numpy's and torch's own warnings on a checked cast: its check reports the
+    values it changes, once per leaf."""
+    if dest.cast is None:
+        yield
+        return
+    with warnings.catch_warnings(), np.errstate(over="ignore", invalid="ignore"):
+        warnings.filterwarnings("ignore", "Casting complex values to real", UserWarning)
+        yield
 
 
 def _stored_offsets(dest: Dest, dsel: tuple[slice, ...]) -> list[int]:
@@ -206,15 +220,16 @@ def read_into(
             return nbytes
         if dest.cast is not None:  # before any of the block is written
             dest.cast.check(raw, _stored_offsets(dest, dsel))
-        if isinstance(dest.tensor, np.ndarray):
-            if stored == "complex32":  # float16 (re, im) pairs
-                raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
-            dest.tensor[dsel if dsel else ...] = raw
+        with _cast_warnings_off(dest):
+            if isinstance(dest.tensor, np.ndarray):
+                if stored == "complex32":  # float16 (re, im) pairs
+                    raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
+                dest.tensor[dsel if dsel else ...] = raw
+                return nbytes
+            src = _dtypes.numpy_to_tensor(raw, stored)
+            with torch.no_grad():  # targets may be parameters that require grad
+                (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
             return nbytes
-        src = _dtypes.numpy_to_tensor(raw, stored)
-        with torch.no_grad():  # targets may be parameters that require grad
-            (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
-        return nbytes
 
     for dest in dests:
         item = dest.item
