@@ -440,3 +440,30 @@ def test_dtensor_targets_follow_the_policy(ckdir):
     ))
     assert r0["error"][0] == "DistributedError" and "rank 1" in r0["error"][1]
     assert r0["warnings"] == [] and len(r1["warnings"]) == 1 and "index [6]" in r1["warnings"][0]
+
+
+# ---- convert --dtype --------------------------------------------------------------------
+
+
+def test_convert_dtype_checks_the_values(tmp_path, capsys):
+    from tsckpt._cli import main
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    saved(src, w=np.array([1.0, 1e6], np.float32), b=np.array([1.1], np.float32))
+    with pytest.raises(tsckpt.LossyCastError) as ei:
+        tsckpt.convert(src, dst, dtype="float16")
+    assert str(ei.value) == (
+        "'w': stored float32 values do not fit the float16 target: 1000000.0 at index [1] is beyond float16's largest "
+        "finite value 65504; 1 such value among the first 2 read. Pass casting=\"unsafe\" (--casting unsafe) to cast "
+        "anyway, or convert without a dtype"
+    )
+    assert not os.path.exists(dst)  # the partial output is removed
+    assert main(["convert", src, dst, "--dtype", "float16"]) == 1
+    assert "error: 'w': stored float32 values do not fit the float16 target" in capsys.readouterr().err
+    _, caught = lost_warnings(lambda: main(["convert", src, dst, "--dtype", "float16", "--casting", "unsafe"]))
+    assert caught == [
+        "'w': casting=\"unsafe\" changed 1 of the 2 stored float32 values read into the float16 target; the first, "
+        "1000000.0 at index [1], is beyond float16's largest finite value 65504"
+    ]
+    assert tsckpt.open(dst)["w"][...].tolist() == [1.0, float("inf")]
+    assert tsckpt.open(dst)["b"][...].tolist() == [float(np.float16(1.1))]

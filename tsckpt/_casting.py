@@ -304,6 +304,7 @@ class CastCheck:
         self.checked = 0  # elements checked
         self.lost = 0
         self.first: tuple[list[int], Any, str] | None = None  # index, value, why
+        self.fix = f'Pass casting="unsafe" to cast anyway, or restore into a target of the stored dtype {stored}'
 
     def check(self, raw: np.ndarray, offsets: Sequence[int]) -> None:
         """Check a block read in the storage dtype whose first element is at ``offsets``."""
@@ -331,7 +332,7 @@ class CastCheck:
         return (
             f"'{self.path}': stored {self.stored} values do not fit the {self.target} target: {value!r} at index "
             f"{index} {why}; {self.lost} such value{'s' if self.lost != 1 else ''} among the first {self.checked} "
-            f'read. Pass casting="unsafe" to cast anyway, or restore into a target of the stored dtype {self.stored}'
+            f"read. {self.fix}"
         )
 
     def warning(self) -> str | None:
