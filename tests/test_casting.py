@@ -379,6 +379,22 @@ def test_torch_restore_checks_the_live_dtypes(ckdir):
     assert live.weight[0, 1].isinf() and live.bias.tolist() == model.bias.half().tolist()
 
 
+def test_torch_restore_checks_resized_parameters(ckdir):
+    model = torch.nn.Embedding(4, 2).double()
+    with torch.no_grad():
+        model.weight[1, 0] = 1e6
+    tsckpt.torch.save(ckdir, model, rng=False)
+    live = torch.nn.Embedding(6, 2).half()
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'model/weight': casting=\"safe\" refuses stored float64"):
+        tsckpt.torch.restore(ckdir, live, rng=False, resize=["weight"], casting="safe")
+    with pytest.raises(tsckpt.LossyCastError, match=r"^'model/weight': stored float64 values do not fit the float16 "
+                       r"target: 1000000.0 at index \[1, 0\]"):
+        tsckpt.torch.restore(ckdir, live, rng=False, resize=["weight"])
+    _, caught = lost_warnings(lambda: tsckpt.torch.restore(ckdir, live, rng=False, resize=["weight"], casting="unsafe"))
+    assert len(caught) == 1 and caught[0].startswith("'model/weight': casting=\"unsafe\" changed 1 of the 8")
+    assert live.weight[1, 0].isinf()
+
+
 def test_set_state_dict_checks_casts(ckdir):
     model = torch.nn.Linear(2, 1)
     with torch.no_grad():

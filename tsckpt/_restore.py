@@ -87,10 +87,10 @@ def warn_lost_values(checks: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def _cast_warnings_off(dest: Dest) -> Iterator[None]:
-    """Silences numpy's and torch's own warnings on a checked cast: its check reports the
-    values it changes, once per leaf."""
-    if dest.cast is None:
+def cast_warnings_off(checked: bool) -> Iterator[None]:
+    """Silences numpy's and torch's own warnings on checked casts (only those can overflow
+    or drop an imaginary part): the checks report the values changed, once per leaf."""
+    if not checked:
         yield
         return
     with warnings.catch_warnings(), np.errstate(over="ignore", invalid="ignore"):
@@ -220,16 +220,15 @@ def read_into(
             return nbytes
         if dest.cast is not None:  # before any of the block is written
             dest.cast.check(raw, _stored_offsets(dest, dsel))
-        with _cast_warnings_off(dest):
-            if isinstance(dest.tensor, np.ndarray):
-                if stored == "complex32":  # float16 (re, im) pairs
-                    raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
-                dest.tensor[dsel if dsel else ...] = raw
-                return nbytes
-            src = _dtypes.numpy_to_tensor(raw, stored)
-            with torch.no_grad():  # targets may be parameters that require grad
-                (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
+        if isinstance(dest.tensor, np.ndarray):
+            if stored == "complex32":  # float16 (re, im) pairs
+                raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
+            dest.tensor[dsel if dsel else ...] = raw
             return nbytes
+        src = _dtypes.numpy_to_tensor(raw, stored)
+        with torch.no_grad():  # targets may be parameters that require grad
+            (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
+        return nbytes
 
     for dest in dests:
         item = dest.item
@@ -352,7 +351,8 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
             out.append(dest.result)
         else:
             out.append(leaf)
-    read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
+    with cast_warnings_off(any(d.cast is not None for _, d in dests)):
+        read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests])
     for i, dest in dests:
         if dest.finish is not None:

@@ -24,7 +24,7 @@ from ._dtensor import is_dtensor
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
 from ._kinds import check_cast
 from ._leaves import memory
-from ._restore import warn_lost_values
+from ._restore import cast_warnings_off, warn_lost_values
 
 MODEL = "model"
 OPTIM = "optim"
@@ -230,7 +230,7 @@ def checked_copy(dst: torch.Tensor, src: torch.Tensor, path: str, offsets: Seque
         check = check_cast(path, _dtypes.torch_name(src.dtype), dst.dtype, casting=casting)
     if check is not None:
         check.check(_dtypes.tensor_to_numpy(src.detach().cpu()), offsets)
-    with torch.no_grad():
+    with torch.no_grad(), cast_warnings_off(check is not None):
         dst.copy_(src)
     if check is not None:
         warn_lost_values([check])

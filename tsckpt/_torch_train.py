@@ -32,7 +32,7 @@ from ._errors import StructureMismatchError
 from ._format import LAYOUT_PLAIN
 from ._kinds import check_cast
 from ._reader import Checkpoint, LazyArray, load
-from ._restore import READ_WINDOW_BYTES, RestoreWarning, warn_lost_values
+from ._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
 from ._restore import restore as core_restore
 from ._save import save as core_save
 from ._store import Directory
@@ -348,7 +348,7 @@ def _read_overlap(ck: Checkpoint, path: str, dst: Any, casting: str) -> None:
     raw = arr.read_box(box)
     if check is not None:
         check.check(raw, [b.start for b in box])
-    with torch.no_grad():
+    with torch.no_grad(), cast_warnings_off(check is not None):
         local[tuple(slice(0, b.stop - b.start) for b in box)].copy_(_dtypes.numpy_to_tensor(raw, arr.dtype))
     warn_lost_values([check])
 
