@@ -37,6 +37,7 @@ BLOCK = 1 << 18  # elements checked at a time: the check's own memory stays a fe
 
 
 def check_casting(casting: str) -> str:
+    """``casting`` itself, or a ValueError naming the choices (checked before any work)."""
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {', '.join(map(repr, CASTINGS))}, not {casting!r}")
     return casting
