@@ -17,6 +17,7 @@ from ._errors import (
     SaveInProgressError,
     ShapeMismatchError,
     StorageError,
+    StorageFullError,
     StructureMismatchError,
     TsckptError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShardedArray",
     "StorageError",
+    "StorageFullError",
     "StructureMismatchError",
     "TsckptError",
     "VerifyReport",
