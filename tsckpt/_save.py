@@ -433,7 +433,7 @@ def _abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: boo
         _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
         return
     try:
-        with _store.storage_errors(loc):
+        with _store.storage_errors(loc, doing="writing"):
             if not _store.write_durable(loc, ROOT_KEY, None, if_equal=lease.generation):
                 _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
                 return
@@ -558,8 +558,8 @@ def _write(
 ) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
-    data = data_spec(loc, layout, writer=rank)
-    with _store.storage_errors(loc):
+    data = _write_spec(loc, layout, writer=rank)
+    with _store.storage_errors(loc, doing="writing"):
         keys = _write_regions(data, job.plan, job.local, received, job.window, compact=compact, progress=progress)
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact)
@@ -569,6 +569,13 @@ def _write(
             _store.sync_data(loc, keys)
 
 
+def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
+    """:func:`data_spec` for writing: a compact database through the cache pool that keeps
+    nothing between saves (see _store.CONTEXT)."""
+    spec = data_spec(loc, layout, writer=writer)
+    return {**spec, "cache_pool": _store.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
+
+
 def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
     """Rank 0, compact layout: link every writing rank's database into the root one.
 
@@ -576,10 +583,10 @@ def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
     ranks' data files, so readers open one database and outside TensorStore
     users see one zarr hierarchy.
     """
-    root = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
+    root = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
     txn = ts.Transaction(atomic=True)
     for rank in sorted({0, *writers}):
-        db = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
+        db = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
         db.experimental_copy_range_to(root.with_transaction(txn)).result()
     txn.commit_async().result()
     _store.sync_paths(loc, [MANIFEST, "d"])

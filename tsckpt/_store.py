@@ -43,12 +43,16 @@ os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 # Chunk files are written without a per-file fsync; sync_data() makes them
 # durable in bulk before the commit object is written (see _save.py).
 # The OCDBT cache pool keeps B-tree nodes of compact checkpoints in memory, so
-# opening thousands of arrays does not re-read the tree for each.
+# opening thousands of arrays does not re-read the tree for each. Writers keep
+# nothing cached once a save is done: a save that replaces a database at the same
+# location in this process would otherwise build on the replaced one's nodes.
+WRITE_CACHE_POOL = "cache_pool#ocdbt-write"
 CONTEXT = ts.Context(
     {
         "file_io_sync": False,
         "s3_request_retries": S3_REQUEST_RETRIES,
         "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        WRITE_CACHE_POOL: {"total_bytes_limit": 0},
     }
 )
 
@@ -193,13 +197,16 @@ def os_fault(
     return cls(message, errno=code, filename=filename, leaf=leaf)
 
 
-def storage_problem(loc: Location, err: BaseException, *, leaf: str | None = None) -> StorageError | None:
+def storage_problem(
+    loc: Location, err: BaseException, *, leaf: str | None = None, doing: str | None = None
+) -> StorageError | None:
     """The StorageError a failed request means, or None when ``err`` is not a storage fault
     (a missing key, damaged data, an error of tsckpt's own).
 
     An operating-system error (no space, permission denied, read-only file system, I/O
     error; any driver) carries its errno, the file and the leaf path (``leaf``, or read
-    off the file's path); an object store that refuses or cannot be reached is named
+    off the file's path); ``doing`` ("writing", "reading") is read off TensorStore's
+    message unless given. An object store that refuses or cannot be reached is named
     with what to check."""
     if isinstance(err, TsckptError):
         return None
@@ -207,13 +214,13 @@ def storage_problem(loc: Location, err: BaseException, *, leaf: str | None = Non
         if err.errno is None or err.errno in _MISSING:
             return None
         detail = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
-        return os_fault(loc, err.errno, detail, filename=err.filename, leaf=leaf)
+        return os_fault(loc, err.errno, detail, filename=err.filename, leaf=leaf, doing=doing or "accessing")
     msg = " ".join(str(err).split())
     detail = msg.split(" [tensorstore_spec")[0]
     code = _os_errno(msg, loc.local is not None)
     if code is not None and code not in _MISSING:
         low = msg.lower()
-        doing = (
+        doing = doing or (
             "writing" if re.search(r"writ|creat|renam|delet|lock|sync", low)
             else "reading" if re.search(r"read|open|list", low) else "accessing"
         )
@@ -257,13 +264,13 @@ def storage_problem(loc: Location, err: BaseException, *, leaf: str | None = Non
 
 
 @contextlib.contextmanager
-def storage_errors(loc: Location, *, leaf: str | None = None) -> Iterator[None]:
+def storage_errors(loc: Location, *, leaf: str | None = None, doing: str | None = None) -> Iterator[None]:
     """Turn a storage fault inside the block (TensorStore's ValueError, or an OSError of
     the operating system) into a StorageError; other errors pass unchanged."""
     try:
         yield
     except (ValueError, OSError) as e:  # TensorStore reports failed requests as ValueError
-        err = storage_problem(loc, e, leaf=leaf)
+        err = storage_problem(loc, e, leaf=leaf, doing=doing)
         if err is None:
             raise
         raise err from e
