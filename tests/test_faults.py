@@ -151,6 +151,15 @@ def test_disk_full_injected(ckdir, layout, monkeypatch):
     _check(tsckpt.restore(ckdir), 0)
 
 
+def test_compact_checkpoint_replaced_in_the_same_process(ckdir):
+    """The replaced database's B-tree, cached by the first save, is not built upon."""
+    tsckpt.save(ckdir, _tree(0), layout="compact")
+    _check(tsckpt.restore(ckdir), 0)
+    tsckpt.save(ckdir, _tree(1), layout="compact", overwrite=True)
+    _check(tsckpt.restore(ckdir), 1)
+    assert tsckpt.verify(ckdir).ok
+
+
 def _mount(*args: str) -> bool:
     try:
         return subprocess.run(["mount", *args], capture_output=True, timeout=30).returncode == 0
