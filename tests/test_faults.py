@@ -535,3 +535,18 @@ def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
     _kill(proc)
     tsckpt.CheckpointManager(run)  # its process is gone: step 3 is a crashed save
     assert sorted(os.listdir(run)) == ["00000004"]
+
+
+def test_convert_with_overwrite_leaves_a_save_still_running(tmp_path, monkeypatch):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    tsckpt.save(src, {"w": np.arange(4.0)})
+    t, release, outcome = _blocked_in_thread(monkeypatch, dst)
+    try:
+        with pytest.raises(tsckpt.SaveInProgressError, match="another save into this directory is still running"):
+            tsckpt.convert(src, dst, overwrite=True)
+        assert _root(dst)["state"] == "pending"
+    finally:
+        release.set()
+        t.join(60)
+    assert outcome == [None]
+    _check(tsckpt.restore(dst), 5)
