@@ -4,14 +4,14 @@ A save's pending root ``zarr.json`` records its *claim*: the host and process
 that claimed the directory, and a lease. Rank 0 of the save renews the lease
 (rewrites the pending root with the time of renewal, conditionally on the
 generation it last wrote) every ``RENEW_SECONDS`` from a daemon thread until the
-save commits or fails. Another process may remove a pending checkpoint
-(``overwrite=True``, a manager's cleanup) only when its save is clearly dead:
+save commits or fails. A pending checkpoint may be removed (``overwrite=True``,
+a manager's clean-up) only when its save is clearly dead:
 
+- it was started by this very process and no longer runs here; or
 - on the same machine (host name, boot and process namespace alike) its process
-  is gone (or is a different process with the same pid), or it is this very
-  process and the save is no longer running here;
-- elsewhere, its lease was last renewed more than ``lease_s`` seconds ago (hosts'
-  clocks must agree to well within that).
+  is gone (or is a different process with the same pid); or
+- its lease was last renewed more than ``lease_s`` seconds ago (hosts' clocks
+  must agree to well within that).
 
 A pending root without a claim (written by an older tsckpt) is a dead save. The
 commit is conditional on the generation of the last renewal, so a save whose

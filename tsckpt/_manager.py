@@ -7,8 +7,8 @@ never listed, restored or counted for retention, and are removed when the
 manager starts and after every commit.
 
 Several managers (or jobs) may save under one root, each its own steps. A
-pending step whose save is still running (its claim's lease is fresh, or its
-process is alive on this machine; see tsckpt/_lease.py) is never deleted by
+pending step whose save may still be running (its claim's lease is fresh and,
+on this machine, its process is alive; see tsckpt/_lease.py) is never deleted by
 clean-up or retention, and saving a step that another save is writing is
 refused, so one manager never destroys another's save in progress. Retention
 applies to all complete steps under the root, whichever manager wrote them.

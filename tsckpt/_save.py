@@ -598,11 +598,11 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
     c = job.commit
     if c is None:
         raise RuntimeError("only rank 0 commits a save")
-    if lease is not None:
-        lease.stop_renewals()
     if layout == LAYOUT_COMPACT:
         with _store.storage_errors(loc):
             _merge_databases(loc, c.writers)
+    if lease is not None:
+        lease.stop_renewals()
     meta = {
         "structure": c.structure,
         "leaves": c.leaves,
