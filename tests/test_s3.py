@@ -273,7 +273,8 @@ def test_overwrite_refuses_a_save_still_running(s3_server, prefix, monkeypatch):
     try:
         assert writing.wait(30)
         assert _root(s3_server, prefix)["claim"]["pid"] == os.getpid()
-        with pytest.raises(tsckpt.SaveInProgressError, match=f"^{url}/: another save into this directory is still running"):
+        running = f"^{url}/: another save into this directory is still running"
+        with pytest.raises(tsckpt.SaveInProgressError, match=running):
             tsckpt.save(url, _tree(2), overwrite=True)
     finally:
         release.set()

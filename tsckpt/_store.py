@@ -166,16 +166,25 @@ def _fix(code: int, doing: str, loc: Location, filename: str) -> str:
         return f"free space within your disk quota on the filesystem holding {where} (or save elsewhere), then {again}"
     if code in (errno.EACCES, errno.EPERM):
         if doing == "writing":
-            return f"give the user running this process write access to {where} and the directories above it, or save elsewhere"
+            return (
+                f"give the user running this process write access to {where} and the directories above it, "
+                "or save elsewhere"
+            )
         return f"give the user running this process read access to {filename} and the directories above it"
     if code == errno.EROFS:
-        return f"the filesystem holding {where} is mounted read-only: save to a writable location, or remount it read-write"
+        return (
+            f"the filesystem holding {where} is mounted read-only: save to a writable location, or remount it "
+            "read-write"
+        )
     if code == errno.EIO:
         return f"the storage device reported an I/O error: check the disk and the system log (dmesg), then {again}"
     if code in (errno.EMFILE, errno.ENFILE):
         return f"raise the limit on open files (ulimit -n), then {again}"
     if code == errno.EFBIG:
-        return "a file grew past the filesystem's size limit: pass a smaller max_inflight_bytes (no shard file is larger), or save elsewhere"
+        return (
+            "a file grew past the filesystem's size limit: pass a smaller max_inflight_bytes (no shard file is "
+            "larger), or save elsewhere"
+        )
     return f"check the storage, then {again}"
 
 
