@@ -18,6 +18,7 @@ from ._errors import (
     SaveInProgressError,
     ShapeMismatchError,
     StorageError,
+    StorageFullError,
     StructureMismatchError,
     TsckptError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShardedArray",
     "StorageError",
+    "StorageFullError",
     "StructureMismatchError",
     "TsckptError",
     "VerifyReport",

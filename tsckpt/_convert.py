@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes, _safetensors, _store
+from . import _dtypes, _lease, _safetensors, _store
 from ._casting import CastCheck, check_casting
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
 from ._kinds import check_cast
@@ -209,7 +209,10 @@ def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
     if existed and not overwrite:
         return
     loc = _store.resolve(dst)
-    state = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY].state
+    root = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY]
+    state = root.state
+    if state == STATE_PENDING and _lease.running((root.meta or {}).get("claim")):
+        return  # another save, still running: save() refused it
     if state == STATE_PENDING or (state is None and not existed):
         _store.delete_all(loc)
         if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):

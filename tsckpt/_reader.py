@@ -269,7 +269,7 @@ def describe_read_error(err: Exception) -> str:
 
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
-    unreachable = _store.storage_problem(ck.location, err)
+    unreachable = _store.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
     what, msg = _classify_read_error(err)
@@ -278,7 +278,7 @@ def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
 
 def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
-    unreachable = _store.storage_problem(ck.location, err)
+    unreachable = _store.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
     msg = str(err).split(" [tensorstore_spec=")[0]
