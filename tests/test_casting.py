@@ -471,7 +471,7 @@ def test_convert_dtype_checks_the_values(tmp_path, capsys):
     assert str(ei.value) == (
         "'w': stored float32 values do not fit the float16 target: 1000000.0 at index [1] is beyond float16's largest "
         "finite value 65504; 1 such value among the first 2 read. Pass casting=\"unsafe\" (--casting unsafe) to cast "
-        "anyway, or convert without a dtype"
+        "anyway, or convert without a dtype; the partial checkpoint was removed, so saving again needs no overwrite=True"
     )
     assert not os.path.exists(dst)  # the partial output is removed
     assert main(["convert", src, dst, "--dtype", "float16"]) == 1
