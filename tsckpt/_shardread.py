@@ -130,7 +130,8 @@ def read_sharded(
             rest.append(dest)
             continue
         item = dest.item
-        jobs += [_Job(dest, view, rec, off, ln) for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.layout)]
+        boxes = shard_boxes(item.storage_offsets, item.lengths, rec.layout)
+        jobs += [_Job(dest, view, rec, off, ln) for off, ln in boxes]
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
     return rest + [d for d in dests if id(d) in fell_back]
 
@@ -191,7 +192,9 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
 
 
 def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"'{job.rec.path}' in {ck.location}: {what}; restore from another checkpoint. ({detail})")
+    """The error of damaged shard data, worded as :func:`_reader.corrupt_error` words TensorStore's."""
+    where = f"'{job.rec.path}' in {ck.location}"
+    return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 
 
 def _read_shard(ck: Checkpoint, job: _Job, scratch: np.ndarray, cap: int) -> None:
@@ -217,6 +220,7 @@ def _read_shard(ck: Checkpoint, job: _Job, scratch: np.ndarray, cap: int) -> Non
 class _Chunk(NamedTuple):
     start: int  # offset in the file
     cell: tuple[int, ...]  # position in the shard's grid of inner chunks
+    first: tuple[int, ...]  # its first element in the array
     lo: tuple[int, ...]  # the part of the array wanted from it: [lo, hi)
     hi: tuple[int, ...]
     direct: np.ndarray | None  # its destination as flat bytes, when the whole chunk lands contiguously
@@ -262,7 +266,8 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, scratch: np.n
         lo = tuple(max(f, o) for f, o in zip(first, job.offsets))
         hi = tuple(min(f + c, e) for f, c, e in zip(first, chunk, ends))
         whole = all(b - a == c for a, b, c in zip(lo, hi, chunk))  # not when it overhangs the array's end
-        plan.append(_Chunk(start, cell, lo, hi, _contiguous(job.view[_dest_box(job, lo, hi)]) if whole else None))
+        direct = _contiguous(job.view[_dest_box(job, lo, hi)]) if whole else None
+        plan.append(_Chunk(start, cell, first, lo, hi, direct))
     plan.sort(key=lambda c: c.start)
 
     run: list[_Chunk] = []  # chunks adjacent in the file: one preadv
@@ -325,8 +330,6 @@ def _read_run(
             raise _damage(ck, job, _CHECKSUM, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
     for data, c in zip(datas, run):
         if c.direct is None:
-            first = tuple(k * n for k, n in zip(c.cell, chunk))
-            origin = tuple((o // s) * s for o, s in zip(job.offsets, job.rec.layout.shard_shape))
             block = data.view(job.view.dtype).reshape(chunk)
-            src = tuple(slice(a - g - f, b - g - f) for a, b, g, f in zip(c.lo, c.hi, origin, first))
+            src = tuple(slice(a - f, b - f) for a, b, f in zip(c.lo, c.hi, c.first))
             job.view[_dest_box(job, c.lo, c.hi)] = block[src]
