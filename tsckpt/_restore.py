@@ -31,6 +31,7 @@ from ._memory import release_free_memory
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, corrupt_error, load
+from ._shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
@@ -194,8 +195,9 @@ def read_into(
     """Execute read items shard by shard.
 
     Where the destination is CPU memory of the stored dtype, small arrays are
-    decoded here (:func:`_read_small`) and TensorStore writes the others'
-    decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
+    decoded here (:func:`_read_small`), sharded arrays of a local plain
+    checkpoint are read by :func:`read_sharded`, and TensorStore writes the
+    others' decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
     shard is read into a buffer and copied; a bounded window of such reads is
     in flight, which bounds the extra memory a restore needs; after each
     window's worth of reads the decode buffers' freed pages are given back.
@@ -205,6 +207,7 @@ def read_into(
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
     dests = _read_small(ck, dests, progress, window)
+    dests = read_sharded(ck, dests, progress, window, _direct_view)
     stores = _open_all(ck, [d.item.path for d in dests])
 
     def drain_one() -> int:
