@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _dtypes, _layout, _lease, _store
+from . import _dtypes, _layout, _lease, _shardwrite, _store
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
@@ -59,6 +61,12 @@ from .tree import flatten, structure_to_json
 # Bytes of source data handed to TensorStore but not yet written; bounds the
 # extra host memory a save needs beyond the state itself.
 WRITE_WINDOW_BYTES = 512 << 20
+# Files of a local plain checkpoint written at once by tsckpt's own writer
+# (_shardwrite); 0 leaves every file to TensorStore.
+WRITE_THREADS = 2
+# What a writer thread does with each file it has written ("start": start writing it
+# to disk, "fsync": fsync it, "": nothing; sync_data makes them durable in any case).
+EARLY_SYNC = ""
 
 
 def _version() -> str:
@@ -132,6 +140,31 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
     return encode_chunk(src) if inner is None and src.shape == shard else None
 
 
+def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> Callable[[str], None] | None:
+    """What writes the file of the shard at ``offsets`` from ``src`` (all of it that lies in
+    the array) with tsckpt's own writer, or None when TensorStore must."""
+    shard, inner, shape = _storage_layout(rec)
+    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, *(0 for _ in shard[len(offsets):])), shard, shape))
+    if (
+        not LITTLE_ENDIAN
+        or _dtypes.storage_dtype(rec.dtype) not in _shardwrite.DTYPES
+        or src.shape != full
+        or src.dtype.byteorder == ">"
+        or any(o % g for o, g in zip(offsets, shard))
+    ):
+        return None
+    if inner is None:
+        return functools.partial(_shardwrite.write_chunk, src=src, early=EARLY_SYNC) if src.shape == shard else None
+    return functools.partial(_shardwrite.write_shard, src=src, shard=shard, inner=inner, early=EARLY_SYNC)
+
+
+def _local_root(data: dict[str, Any], compact: bool) -> str | None:
+    """The directory of a plain checkpoint on a local disk (whose files tsckpt writes itself), else None."""
+    if WRITE_THREADS < 1 or compact or data.get("driver") != "file" or set(data) - {"driver", "path"}:
+        return None
+    return str(data["path"])
+
+
 def _write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
     *, compact: bool, progress: Progress,
@@ -146,6 +179,9 @@ def _write_regions(
     large files rather than a commit (and files) per write.
     """
     records = {a.path: a for a in plan.arrays}
+    root = _local_root(data, compact)
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    made: set[str] = set()
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
     written: list[str] = []
@@ -171,29 +207,43 @@ def _write_regions(
 
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
-    for item in writes:
-        rec = records[item.path]
-        lf = local[item.path]
-        for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
-            src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
-            key = chunk_key(rec, off)
-            fut: Any
-            encoded = _encode_file(rec, off, src)
-            if encoded is not None:
-                fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
-            else:
-                if item.path not in stores:
-                    stores[item.path] = open_array(data, rec, write=True)
-                store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
-                dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-                w = dst.write(src, can_reference_source_data_indefinitely=True)
-                fut = w.commit if txn is None else w.copy
-            pending.append((fut, src.nbytes))
-            in_flight += src.nbytes
-            written.append(key)
-            if in_flight > window:
-                settle(window)
-    settle(0)
+    try:
+        for item in writes:
+            rec = records[item.path]
+            lf = local[item.path]
+            for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
+                src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
+                key = chunk_key(rec, off)
+                fut: Any
+                writer = _file_writer(rec, off, src) if root is not None else None
+                encoded = _encode_file(rec, off, src) if writer is None else None
+                if writer is not None:
+                    path = os.path.join(root or "", key)
+                    parent = os.path.dirname(path)
+                    if parent not in made:
+                        os.makedirs(parent, exist_ok=True)
+                        made.add(parent)
+                    if pool is None:
+                        pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="tsckpt-write")
+                    fut = pool.submit(writer, path)
+                elif encoded is not None:
+                    fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
+                else:
+                    if item.path not in stores:
+                        stores[item.path] = open_array(data, rec, write=True)
+                    store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
+                    dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
+                    w = dst.write(src, can_reference_source_data_indefinitely=True)
+                    fut = w.commit if txn is None else w.copy
+                pending.append((fut, src.nbytes))
+                in_flight += src.nbytes
+                written.append(key)
+                if in_flight > window:
+                    settle(window)
+        settle(0)
+    finally:
+        if pool is not None:  # no file is being written once this returns or raises
+            pool.shutdown(wait=True, cancel_futures=True)
     return written
 
 
