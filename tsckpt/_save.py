@@ -64,9 +64,9 @@ WRITE_WINDOW_BYTES = 512 << 20
 # Files of a local plain checkpoint written at once by tsckpt's own writer
 # (_shardwrite); 0 leaves every file to TensorStore.
 WRITE_THREADS = 2
-# What a writer thread does with each file it has written ("start": start writing it
-# to disk, "fsync": fsync it, "": nothing; sync_data makes them durable in any case).
-EARLY_SYNC = ""
+# Start writing each such file to disk as soon as it is written (sync_data still makes
+# them durable): measured 1.9 s against 2.8 s for 1 GiB, both with 2 threads.
+START_WRITEBACK = True
 
 
 def _version() -> str:
@@ -154,8 +154,8 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
     ):
         return None
     if inner is None:
-        return functools.partial(_shardwrite.write_chunk, src=src, early=EARLY_SYNC) if src.shape == shard else None
-    return functools.partial(_shardwrite.write_shard, src=src, shard=shard, inner=inner, early=EARLY_SYNC)
+        return functools.partial(_shardwrite.write_chunk, src=src, writeback=START_WRITEBACK) if src.shape == shard else None
+    return functools.partial(_shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
 
 
 def _local_root(data: dict[str, Any], compact: bool) -> str | None:
