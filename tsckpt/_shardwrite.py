@@ -1,4 +1,4 @@
-"""Writing chunk and shard files of a local plain-layout checkpoint, byte for byte as
+"""Writing the shard files of a local plain-layout checkpoint, byte for byte as
 TensorStore writes them.
 
 Why not TensorStore: its 0.1.86 wheel computes crc32c with a portable table
@@ -8,7 +8,8 @@ is checksummed by google-crc32c's hardware crc32c and handed to ``pwritev``
 straight from the source memory; only chunks that are not (column pieces of a
 row-major array, padded edge chunks) are gathered, into a small reused buffer.
 TensorStore stays the writer for everything else (object stores, the compact
-layout, dtypes stored in less than a byte) and the reader of these files;
+layout, dtypes stored in less than a byte; single-chunk arrays are encoded by
+_encode.py) and the reader of these files;
 tests/test_encode.py checks every file against TensorStore's own.
 
 A shard file (codec ``sharding_indexed``, docs/format.md) holds its inner chunks
@@ -120,17 +121,6 @@ class _File:
                 _START_WRITEBACK(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(self.fd)
-
-
-def write_chunk(path: str, src: np.ndarray, *, writeback: bool = False) -> None:
-    """An unsharded chunk file: ``src`` (the whole chunk) in C order, then its crc32c."""
-    f = _File(path)
-    try:
-        flat = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
-        f.add(flat, flat.nbytes)
-        f.add(_crc(flat), 4)
-    finally:
-        f.close(writeback=writeback)
 
 
 def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequence[int], *, writeback: bool = False) -> None:
