@@ -86,6 +86,7 @@ class _File:
     """A file written front to back by batched ``pwritev`` calls."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.pos = 0  # bytes written
         self.end = 0  # bytes written or queued
@@ -103,7 +104,10 @@ class _File:
         """Write the queued buffers; after this their memory may be reused."""
         bufs, sizes = self.bufs, self.sizes
         while bufs:
-            done = os.pwritev(self.fd, bufs, self.pos)  # type: ignore[arg-type]
+            try:
+                done = os.pwritev(self.fd, bufs, self.pos)  # type: ignore[arg-type]
+            except OSError as e:  # name the file, as os.open's errors do (StorageError reports it)
+                raise OSError(e.errno, e.strerror, self.path) from e
             self.pos += done
             while bufs and done >= sizes[0]:  # a short write resumes in the first unwritten buffer
                 done -= sizes.pop(0)
