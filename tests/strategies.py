@@ -7,6 +7,8 @@ Array contents are drawn as raw bytes, so every bit pattern a dtype can hold
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import struct
 from typing import Any
@@ -255,3 +257,198 @@ def trees(leaf: st.SearchStrategy[Any] = leaves, max_leaves: int = 8) -> st.Sear
         )
 
     return st.recursive(leaf, extend, max_leaves=max_leaves)
+
+
+# ---- damaged JSON documents ----------------------------------------------------
+
+ODD_STRINGS = [
+    "", "float128x", "../x", "/abs", "a//b", ".", "%root", "zarr.json", "é", "\u0000", "\ud800", "x" * 300,
+    "float32", "bfloat16", "complex32", "int4", "uint64", "bool", "torch", "numpy", "numpy_scalar",
+    "committed", "pending", "compact", "plain", "dict", "list", "namedtuple", "none", "custom", "sharding_indexed",
+]
+HUGE_AND_NEGATIVE = [0, 1, 2, 3, -1, 10**15, 2**31, 2**62, 2**63, 2**64, -(2**63), 10**40]
+
+
+class Deep:
+    """A value nested ``levels`` deep in lists and list nodes; :func:`dumps` writes it
+    without recursion (json.dumps would exhaust the stack)."""
+
+    def __init__(self, levels: int, leaf: Any = None) -> None:
+        self.levels, self.leaf = levels, leaf
+
+    def __repr__(self) -> str:
+        return f"Deep({self.levels}, {self.leaf!r})"
+
+    def text(self) -> str:
+        opens = ['{"type": "list", "children": [' if i % 2 else "[" for i in range(self.levels)]
+        closes = ["]}" if i % 2 else "]" for i in reversed(range(self.levels))]
+        return "".join(opens) + dumps(self.leaf) + "".join(closes)
+
+
+def dumps(doc: Any) -> str:
+    """JSON text of ``doc``, which may hold :class:`Deep` values."""
+    found: list[Deep] = []
+
+    def hook(o: Any) -> Any:
+        if isinstance(o, Deep):
+            found.append(o)
+            return f"@@deep{len(found) - 1}@@"
+        raise TypeError(type(o).__name__)
+
+    text = json.dumps(doc, default=hook)
+    for i, d in enumerate(found):
+        text = text.replace(f'"@@deep{i}@@"', d.text(), 1)
+    return text
+
+
+def deep(levels: int, leaf: Any = None) -> Deep:
+    return Deep(levels, leaf)
+
+
+json_scalars: st.SearchStrategy[Any] = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(HUGE_AND_NEGATIVE),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(ODD_STRINGS),
+    st.text(max_size=6),
+)
+# Any JSON value, weighted towards the numbers, strings and short lists that fields hold.
+json_values: st.SearchStrategy[Any] = st.one_of(
+    json_scalars,
+    st.lists(st.sampled_from(HUGE_AND_NEGATIVE), max_size=4),
+    st.recursive(json_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                 max_leaves=6),
+    st.sampled_from([50, 201, 5000]).map(deep),
+)
+
+
+def json_locations(doc: Any, limit: int = 2000) -> list[tuple[Any, ...]]:
+    """Every location (the keys and indices leading to it) in a JSON document, breadth first."""
+    out: list[tuple[Any, ...]] = [()]
+    i = 0
+    while i < len(out) and len(out) < limit:
+        node = get_at(doc, out[i])
+        if isinstance(node, dict):
+            out.extend((*out[i], k) for k in node)
+        elif isinstance(node, list):
+            out.extend((*out[i], j) for j in range(len(node)))
+        i += 1
+    return out[:limit]
+
+
+def get_at(doc: Any, where: tuple[Any, ...]) -> Any:
+    for k in where:
+        doc = doc[k]
+    return doc
+
+
+MUTATIONS = ("delete", "replace", "extra", "number", "resize", "deep", "swap", "swap")
+
+
+@st.composite
+def json_mutations(draw: Any, doc: Any, under: tuple[Any, ...] = ()) -> tuple[str, tuple[Any, ...], Any]:
+    """(operation, location, value) for :func:`mutate`: a field deleted, replaced by any JSON
+    value, an extra key or element, a number nudged or made huge or negative, a list made
+    shorter or longer, a value nested deeply, two elements or values swapped. Locations are
+    drawn from below ``under``."""
+    locations = [w for w in json_locations(doc) if w[: len(under)] == under]
+    where = draw(st.sampled_from(locations))
+    op = draw(st.sampled_from(MUTATIONS))
+    if op == "number":
+        node = get_at(doc, where)
+        base = node if isinstance(node, int) and not isinstance(node, bool) else 1
+        value: Any = draw(st.sampled_from([base + 1, base - 1, base * 2, -base, *HUGE_AND_NEGATIVE]))
+    elif op == "resize":
+        value = draw(st.sampled_from(["drop", "repeat", "empty"]))
+    elif op == "extra":
+        value = (draw(st.text(max_size=5) | st.sampled_from(["order", "aliases", "layout", "bits", "must_understand"])),
+                 draw(json_values))
+    elif op == "deep":
+        value = draw(st.sampled_from([201, 1000, 100_000]))
+    elif op == "swap":  # two elements of a list, or the values of two keys
+        value = (draw(st.integers(0, 100)), draw(st.integers(0, 100)))
+    else:
+        value = draw(json_values)
+    return op, where, value
+
+
+def mutate(doc: Any, mutation: tuple[str, tuple[Any, ...], Any]) -> Any:
+    """A copy of ``doc`` with one :func:`json_mutations` mutation applied."""
+    op, where, value = mutation
+    doc = copy.deepcopy(doc)
+    parent, key = (get_at(doc, where[:-1]), where[-1]) if where else (None, None)
+    node = get_at(doc, where)
+
+    def put(new: Any) -> Any:
+        if parent is None:
+            return new
+        parent[key] = new
+        return doc
+
+    if op == "delete":
+        if parent is None:
+            return {}
+        del parent[key]
+        return doc
+    if op in ("replace", "number"):
+        return put(value)
+    if op == "extra":
+        if isinstance(node, dict):
+            node[value[0]] = value[1]
+        elif isinstance(node, list):
+            node.append(value[1])
+        else:
+            return put([node, value[1]])
+        return doc
+    if op == "resize":
+        if not isinstance(node, list):
+            return put([node] if value != "empty" else [])
+        if value == "drop":
+            return put(node[:-1])
+        return put(node + node[-1:] if value == "repeat" else [])
+    if op == "deep":
+        return put(deep(value, node))
+    if op == "swap":
+        keys = list(node) if isinstance(node, dict) else list(range(len(node))) if isinstance(node, list) else []
+        if len(keys) >= 2:
+            a, b = keys[value[0] % len(keys)], keys[value[1] % len(keys)]
+            node[a], node[b] = node[b], node[a]
+        return doc
+    raise ValueError(op)
+
+
+DIMS = [0, 1, 2, 3, 4, 5, 8, 16, 32, 64, 100, 2**20, 10**15, 2**40, 2**61]
+KNOWN_DTYPES = ["bool", "int8", "uint8", "int16", "float16", "bfloat16", "int32", "float32", "uint32", "int64",
+                "float64", "complex64", "complex128", "complex32", "float8_e4m3fn", "int4", "bits8", "bits16"]
+
+
+@st.composite
+def record_edits(draw: Any, record: dict[str, Any]) -> dict[str, Any]:
+    """An array record of the root metadata with plausible but wrong fields: dtypes this
+    tsckpt knows, shapes of the same or another rank, huge extents, shard and chunk shapes
+    that divide each other (so the record stays valid and the damage reaches the reads)."""
+    out = dict(record)
+    shape = record.get("shape") if isinstance(record.get("shape"), list) else []
+    ndim = len(shape) if draw(st.booleans()) else draw(st.integers(0, 3))
+    dims = st.sampled_from(DIMS)
+    fields = draw(st.sets(st.sampled_from(["shape", "shard_shape", "chunk_shape", "dtype", "kind"]), min_size=1))
+    if "dtype" in fields:
+        out["dtype"] = draw(st.sampled_from(KNOWN_DTYPES))
+    if "kind" in fields:
+        out["kind"] = draw(st.sampled_from(["torch", "numpy", "numpy_scalar"]))
+    if "shape" in fields or ndim != len(shape):
+        out["shape"] = draw(st.lists(dims, min_size=ndim, max_size=ndim))
+    ndim = len(out["shape"]) if isinstance(out.get("shape"), list) else ndim
+    shard = out.get("shard_shape")
+    if "shard_shape" in fields or not isinstance(shard, list) or len(shard) != ndim:
+        out["shard_shape"] = draw(st.lists(dims.filter(bool), min_size=ndim, max_size=ndim))
+    chunk = out.get("chunk_shape")
+    if "chunk_shape" in fields or (chunk is not None and (not isinstance(chunk, list) or len(chunk) != ndim)):
+        if draw(st.booleans()):
+            out["chunk_shape"] = None
+        else:  # a divisor of each shard extent
+            out["chunk_shape"] = [s // draw(st.sampled_from([d for d in (1, 2, 4, 16, s) if s % d == 0]))
+                                  for s in out["shard_shape"]]
+    return out

@@ -326,6 +326,58 @@ def test_verify_uncommitted(ck, capsys):
     assert "never committed" in err and err.count("\n") == 1
 
 
+def _damage_record(ck: str, leaf: str, **fields) -> None:
+    """Change fields of ``leaf``'s record and rewrite its array node to agree."""
+    from tsckpt._arrays import array_node
+    from tsckpt._format import ArrayRecord
+
+    root_path = os.path.join(ck, "zarr.json")
+    root = json.load(open(root_path))
+    rec = next(a for a in root["attributes"]["tsckpt"]["arrays"] if a["path"] == leaf)
+    rec.update(fields)
+    with open(root_path, "w") as f:
+        json.dump(root, f)
+    with open(os.path.join(ck, leaf, "zarr.json"), "w") as f:
+        json.dump(array_node(ArrayRecord.from_json(rec)), f)
+
+
+def test_verify_names_every_bad_leaf_of_the_root_metadata(ck, capsys):
+    """A bad record aborted verify with one error; now each bad leaf gets its FAIL line."""
+    root_path = os.path.join(ck, "zarr.json")
+    root = json.load(open(root_path))
+    meta = root["attributes"]["tsckpt"]
+    next(a for a in meta["arrays"] if a["path"] == "model/b")["dtype"] = "float128x"
+    meta["values"]["step"] = {"type": "int", "value": True}
+    with open(root_path, "w") as f:
+        json.dump(root, f)
+    code, out, err = run_main(capsys, "verify", ck)
+    assert code == 1
+    assert [line for line in out.splitlines() if line.startswith("FAIL")] == [
+        "FAIL  model/b: the record of array 'model/b' in the root metadata is invalid: 'dtype' 'float128x' is not a "
+        "dtype this tsckpt reads (written by a newer tsckpt?)",
+        "FAIL  step: the value of 'step' in the root metadata is invalid: 'value' must be an integer for type 'int', "
+        "found True",
+    ]
+    assert err == (
+        f"tsckpt verify: error: verification failed for {ck}: 1 of 6 arrays bad ('model/b'), 1 other leaf bad ('step')\n"
+    )
+    for command in (["ls", ck], ["show", ck, "model/w[0]"]):  # the other commands refuse it in one line
+        code, out, err = run_main(capsys, *command)
+        assert code == 1 and err.count("\n") == 1 and "the record of array 'model/b'" in err
+
+
+def test_an_unexpected_error_is_one_line_too(ck, capsys, monkeypatch):
+    import tsckpt._cli as cli
+
+    def broken(directory, *, keep_bad=False):
+        raise RuntimeError("something\nunforeseen")
+
+    monkeypatch.setattr(cli, "load", broken)
+    code, out, err = run_main(capsys, "ls", ck)
+    assert (code, out) == (1, "")
+    assert err == "tsckpt ls: error: unexpected RuntimeError: something unforeseen (this is a bug in tsckpt; please report it)\n"
+
+
 # ---- convert -------------------------------------------------------------------------
 
 
@@ -446,6 +498,18 @@ def test_subprocess_errors_have_no_traceback(ck, tmp_path):
 
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"tsckpt {tsckpt.__version__}"
+
+
+def test_subprocess_on_a_record_far_larger_than_its_files(ck):
+    """TensorStore aborted the process (std::bad_alloc) reading a chunk the record said held 4 PB."""
+    _damage_record(ck, "model/b", shape=[10**15], shard_shape=[10**15])
+    want = "model/b/c/0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000]"
+    r = run_cli("verify", ck)
+    assert r.returncode == 1 and f"FAIL  model/b: {want}" in r.stdout, r.stdout + r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "1 of 6 arrays bad ('model/b')" in r.stderr
+    r = run_cli("show", ck, "model/b[:4]")
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"tsckpt show: error: 'model/b' in {ck}: {want}")
 
 
 def test_main_help_and_usage(capsys):

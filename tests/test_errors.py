@@ -304,11 +304,13 @@ def _set_record_field(field, value):
 )
 def test_invalid_array_record_is_named_before_any_read(saved, field, value, why):
     edit_root(saved, _set_record_field(field, value))
-    want = f"{saved}: the record of array 'x' in the root metadata is invalid: {why}"
-    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata, tsckpt.verify):
+    want = f"the record of array 'x' in the root metadata is invalid: {why}"
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
         with pytest.raises(tsckpt.CorruptCheckpointError) as info:
             call(saved)
-        assert str(info.value).startswith(want), str(info.value)
+        assert str(info.value).startswith(f"{saved}: {want}"), str(info.value)
+    report = tsckpt.verify(saved)  # reports it, with every other bad leaf
+    assert not report.ok and list(report.bad) == ["x"] and report.bad["x"].startswith(want)
 
 
 @pytest.mark.parametrize("path", ["../outside", "/abs", "a//b", "a/./b", ""])
@@ -353,11 +355,13 @@ def _nested_lists(depth: int) -> dict:
 )
 def test_invalid_structure_is_named_by_every_entry_point(saved, edit, why):
     edit_root(saved, lambda meta: edit(meta["structure"]))
-    want = f"{saved}: the tree structure in the root metadata is invalid: {why}"
-    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata, tsckpt.verify):
+    want = f"the tree structure in the root metadata is invalid: {why}"
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
         with pytest.raises(tsckpt.CorruptCheckpointError) as info:
             call(saved)
-        assert str(info.value).startswith(want), str(info.value)
+        assert str(info.value).startswith(f"{saved}: {want}"), str(info.value)
+    report = tsckpt.verify(saved)
+    assert not report.ok and report.bad == {} and report.tree_problem == want
 
 
 def test_structure_nested_too_deep_to_parse(saved, capsys):

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorstore as ts
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tsckpt
+from tests.stored import array_store, read_key, write_key
+from tsckpt._arrays import array_node, stored_files, stored_size
+from tsckpt._format import ArrayRecord
 
 X = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)  # small_chunks: 2 shards of 4 rows, 1-row inner chunks
 
@@ -201,3 +208,248 @@ def test_metadata_reads_no_array_data(sharded):
     assert r["x"].metadata.nbytes == 8192 and r["x"].shape == (8, 256)
     with pytest.raises(tsckpt.CorruptCheckpointError):
         r["x"][0]
+
+
+# ---- records checked against the bytes stored, before anything is allocated -----------
+
+def damage_record(ck: str, leaf: str, **fields) -> None:
+    """Change fields of ``leaf``'s record and write its array node to agree, so that opening
+    the array succeeds and the damage reaches the reads."""
+    with open(os.path.join(ck, "zarr.json")) as f:
+        root = json.load(f)
+    rec = next(a for a in root["attributes"]["tsckpt"]["arrays"] if a["path"] == leaf)
+    rec.update(fields)
+    with open(os.path.join(ck, "zarr.json"), "w") as f:
+        json.dump(root, f)
+    write_key(ck, f"{leaf}/zarr.json", json.dumps(array_node(ArrayRecord.from_json(rec))).encode())
+
+
+def in_subprocess(code: str) -> str:
+    """Run ``code`` with this tsckpt in a fresh process (a crash there fails the test instead
+    of killing the test run); its stdout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tsckpt.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+_HUGE = 10**15
+_EVERY_READER = '''
+import sys, numpy as np, tsckpt
+d, leaf = sys.argv[1], sys.argv[2]
+def attempt(name, fn):
+    try:
+        fn()
+        print(name, "ok")
+    except tsckpt.TsckptError as e:
+        print(name, type(e).__name__, str(e).replace("\\n", " "))
+attempt("lazy", lambda: tsckpt.open(d)[leaf][:4])
+attempt("restore", lambda: tsckpt.restore(d))
+attempt("restore_into", lambda: tsckpt.restore(d, {"x": np.zeros((8, 256), np.float32), "small": np.zeros(3, np.float32)}))
+r = tsckpt.verify(d, progress=False)
+print("verify", r.ok, r.bad.get(leaf, "").replace("\\n", " "))
+'''
+
+
+def _every_reader(ck: str, leaf: str) -> dict[str, str]:
+    out = in_subprocess(f"import sys; sys.argv = ['', {ck!r}, {leaf!r}]\n" + _EVERY_READER)
+    return dict(line.split(" ", 1) for line in out.splitlines())
+
+
+@pytest.fixture
+def two(ckdir, small_chunks, layout):
+    tsckpt.save(ckdir, {"x": X, "small": np.array([1.5, 2.5, 3.5], np.float32)})
+    return ckdir
+
+
+@pytest.mark.parametrize(
+    "leaf, fields, want",
+    [
+        # a plain chunk said to hold 4 PB: TensorStore allocated the chunk before reading it
+        ("small", {"shape": [_HUGE], "shard_shape": [_HUGE]}, "small/c/0 holds fewer than the 4000000000000004 bytes"),
+        ("small", {"shard_shape": [_HUGE]}, "small/c/0 holds fewer than the 4000000000000004 bytes"),
+        # 3 * 10**14 shard files said to exist: the first missing one is named
+        ("small", {"shape": [_HUGE], "shard_shape": [3]}, "a chunk file is missing (small/c/1 does not exist;"),
+        # sharded: inner chunks and a shard index far larger than the files
+        ("x", {"shape": [8, _HUGE], "shard_shape": [4, _HUGE], "chunk_shape": [1, _HUGE]}, "x/c/0/0 holds fewer than"),
+        ("x", {"shard_shape": [4, 2**40], "chunk_shape": [1, 256]}, "x/c/0/0 holds fewer than"),
+        # a shard said to hold 2**62 bytes or more: no file can
+        ("x", {"dtype": "complex128", "shard_shape": [2**20, 2**38], "chunk_shape": [2**20, 2**38]},
+         "x/c/0/0 cannot hold the 4611686018427387928 bytes"),  # index 20 + chunk 2**62 + 4
+        # a million 1-byte inner chunks: TensorStore's bookkeeping alone took a gigabyte
+        ("small", {"dtype": "int8", "shape": [2**20], "shard_shape": [2**20], "chunk_shape": [1]}, "small/c/0 holds fewer than"),
+    ],
+)
+def test_a_record_larger_than_its_files_is_refused_before_any_allocation(two, leaf, fields, want):
+    damage_record(two, leaf, **fields)
+    got = _every_reader(two, leaf)
+    assert got["restore"].startswith(f"CorruptCheckpointError '{leaf}' in {two}: {want}"), got["restore"]
+    assert "'shape'" in got["restore"] and "'shard_shape'" in got["restore"], got["restore"]  # the fields it blames
+    # a read of 4 elements touches one or two files: beyond them, missing files do not matter
+    assert got["lazy"].startswith(f"CorruptCheckpointError '{leaf}' in {two}: "), got["lazy"]
+    assert want in got["lazy"] or "a chunk file is missing" in got["lazy"], got["lazy"]
+    assert got["verify"].startswith(f"False {want}"), got["verify"]
+    assert got["restore_into"].startswith(("ShapeMismatchError", f"CorruptCheckpointError '{leaf}' in {two}: {want}"))
+
+
+def test_an_empty_array_with_huge_extents_is_read_without_enumerating_them(two):
+    damage_record(two, "small", shape=[0, 2**40], shard_shape=[1, 1])
+    assert tsckpt.restore(two)["small"].shape == (0, 2**40)
+    assert tsckpt.open(two)["small"][...].shape == (0, 2**40)
+    assert tsckpt.verify(two, progress=False).ok
+
+
+@pytest.mark.parametrize("shape", [[0, 2**61], [2**30, 2**29], [2**59]])
+def test_extents_too_large_for_any_array_are_an_invalid_record(two, shape):
+    damage_record(two, "small", shape=shape, shard_shape=[1] * len(shape))
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.restore(two)
+    assert f"'shape' {shape} is not a list of non-negative integers with a product under 2**59" in str(info.value)
+
+
+def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, layout, monkeypatch):
+    """The sizes the check expects are exactly those TensorStore writes: full and edge shards,
+    inner chunks past the array's end, complex32's extra dimension, 0-d and bool arrays."""
+    import tsckpt._reader as reader
+
+    tree = {
+        "edge": np.arange(10 * 300, dtype=np.float32).reshape(10, 300),  # shards (3, 300) of (1, 150) chunks
+        "c32": torch.complex(torch.arange(700.0), torch.ones(700)).to(torch.complex32),
+        "scalar": np.float64(2.5),
+        "flags": np.arange(5000) % 3 == 0,
+        "empty": np.zeros((0, 7), np.int16),
+    }
+    tsckpt.save(ckdir, tree)
+    ck = tsckpt.open(ckdir).checkpoint
+    store = array_store(ckdir)
+    for path, rec in ck.arrays.items():
+        expected = dict(stored_files(rec))
+        listed = store.list(ts.KvStore.KeyRange(f"{path}/".encode(), f"{path}0".encode())).result()
+        assert sorted(expected) == sorted(k.decode() for k in listed if not k.endswith(b"/zarr.json")), path
+        sizes = {key: len(store.read(key).result().value) for key in expected}
+        assert sizes == expected, path
+        assert stored_size(rec).nbytes == sum(sizes.values()) and stored_size(rec).files == len(sizes)
+    monkeypatch.setattr(reader, "UNCHECKED_BYTES", 0)  # every read is checked
+    out = tsckpt.restore(ckdir)
+    np.testing.assert_array_equal(out["edge"], tree["edge"])
+    np.testing.assert_array_equal(tsckpt.open(ckdir)["flags"][4990:], tree["flags"][4990:])
+    assert tsckpt.verify(ckdir, progress=False).ok
+    write_key(ckdir, "edge/c/3/0", read_key(ckdir, "edge/c/3/0")[:-1])  # the edge shard, one byte short
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'edge' in .*: edge/c/3/0 holds fewer than the 1308 bytes"):
+        tsckpt.open(ckdir)["edge"][9]
+    np.testing.assert_array_equal(tsckpt.open(ckdir)["edge"][:9], tree["edge"][:9])  # the rest still reads
+
+
+def test_a_read_checks_only_the_files_it_touches(two, monkeypatch):
+    import tsckpt._reader as reader
+
+    monkeypatch.setattr(reader, "UNCHECKED_BYTES", 0)
+    write_key(two, "x/c/1/0", None)  # rows 4..7
+    arr = tsckpt.open(two)["x"]
+    np.testing.assert_array_equal(arr[:4], X[:4])
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"a chunk file is missing \(x/c/1/0 does not exist"):
+        arr[3:5]
+
+
+def test_an_array_node_nested_too_deeply_is_corrupt_not_a_crash(two):
+    """TensorStore crashed the process parsing such a node; restore raised RecursionError."""
+    for depth in (1000, 100_000):
+        write_key(two, "x/zarr.json", ("[" * depth + "]" * depth).encode())
+        write_key(two, "small/zarr.json", ("[" * depth + "]" * depth).encode())
+        out = in_subprocess(f"""
+import tsckpt
+for name, fn in [("restore", lambda: tsckpt.restore({two!r})), ("lazy", lambda: tsckpt.open({two!r})["x"][0])]:
+    try:
+        fn()
+    except tsckpt.CorruptCheckpointError as e:
+        print(name, e)
+r = tsckpt.verify({two!r}, progress=False)
+print("verify", sorted(r.bad.items()))
+""")
+        lines = out.splitlines()
+        assert lines[0].startswith("restore '") and "/zarr.json is not valid JSON" in lines[0], out
+        assert lines[1].startswith(f"lazy 'x' in {two}: x/zarr.json is not valid JSON"), out
+        assert "its zarr.json is not valid JSON" in lines[2] and "'small'" in lines[2] and "'x'" in lines[2], out
+
+
+# ---- the root metadata: every field checked before it is used -------------------------
+
+
+def edit_root(ck: str, fn) -> None:
+    with open(os.path.join(ck, "zarr.json")) as f:
+        root = json.load(f)
+    fn(root)
+    with open(os.path.join(ck, "zarr.json"), "w") as f:
+        json.dump(root, f)
+
+
+@pytest.fixture
+def tree_ck(ckdir):
+    tsckpt.save(ckdir, {"b": {"z": 1, "a": np.arange(2)}, "c": [2.5, "s"]})
+    return ckdir
+
+
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        # errors before the checks: AttributeError, TypeError (unhashable), struct.error
+        (lambda r: r.update(attributes=[1]), tsckpt.NotACheckpointError, "no 'tsckpt' attributes"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["b/z"].update(type=["int"]), tsckpt.CorruptCheckpointError,
+         "the value of 'b/z' in the root metadata is invalid: unknown value type ['int']"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["c/0"].update(bits="00"), tsckpt.CorruptCheckpointError,
+         "the value of 'c/0' in the root metadata is invalid: 'bits' of a float must be 16 hex digits, found '00'"),
+        (lambda r: r["attributes"]["tsckpt"]["values"]["c/1"].update(value=None), tsckpt.CorruptCheckpointError,
+         "the value of 'c/1' in the root metadata is invalid: 'value' must be a string for type 'str', found None"),
+        (lambda r: r["attributes"]["tsckpt"].update(leaves="b/ab/zc/0c/1"), tsckpt.CorruptCheckpointError,
+         "root metadata is malformed ('leaves' is a JSON string, expected a list of leaf paths)"),
+        (lambda r: r["attributes"]["tsckpt"].update(aliases=["b/a"]), tsckpt.CorruptCheckpointError,
+         "root metadata is malformed ('aliases' is not an object mapping leaf paths to paths)"),
+        (lambda r: r["attributes"]["tsckpt"].update(format_version=0), tsckpt.FormatVersionError,
+         "'format_version' is 0, which no tsckpt writes (versions start at 1)"),
+        (lambda r: r["attributes"]["tsckpt"].update(format_version=True), tsckpt.FormatVersionError,
+         "written with format version True by tsckpt"),
+        # a dict's keys: unhashable, repeated, or swapped against the leaves
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0]["keys"].__setitem__(0, ["a"]),
+         tsckpt.CorruptCheckpointError, "it has a dict node with the key ['a'] (a str or int expected)"),
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0]["keys"].__setitem__(0, "z"),
+         tsckpt.CorruptCheckpointError, "it has a dict node with a repeated key"),
+        (lambda r: r["attributes"]["tsckpt"]["structure"]["children"][0].update(order=[1, "0"]),
+         tsckpt.CorruptCheckpointError, "it has a dict node whose order is not a permutation of its children"),
+        # without a structure, the paths themselves must make a tree
+        (lambda r: r["attributes"]["tsckpt"].update(structure=None, leaves=["b", "b/a", "b/z", "c/0", "c/1"],
+                                                    values={**r["attributes"]["tsckpt"]["values"], "b": {"type": "int", "value": 1}}),
+         tsckpt.CorruptCheckpointError, "its leaf 'b' also has leaves below it"),
+        (lambda r: r["attributes"]["tsckpt"].update(structure=None, leaves=["b/a", "b/%7A", "c/0", "c/1"],
+                                                    values={**r["attributes"]["tsckpt"]["values"], "b/%7A": {"type": "int", "value": 1}}),
+         tsckpt.CorruptCheckpointError, "its leaf path 'b/%7A' is not a path tsckpt writes"),  # 'z' escaped needlessly
+    ],
+)
+def test_a_damaged_root_field_is_named(tree_ck, edit, error, message):
+    edit_root(tree_ck, edit)
+    for call in (tsckpt.restore, tsckpt.open, tsckpt.metadata):
+        with pytest.raises(error) as info:
+            call(tree_ck)
+        assert message in str(info.value), str(info.value)
+
+
+def test_a_null_order_is_no_order(tree_ck):
+    edit_root(tree_ck, lambda r: r["attributes"]["tsckpt"]["structure"].update(order=None))
+    out = tsckpt.restore(tree_ck)
+    assert out["b"]["z"] == 1 and out["c"] == [2.5, "s"]
+    assert tsckpt.verify(tree_ck, progress=False).ok
+
+
+def test_raw_bits_restore_only_into_their_own_dtype(ckdir):
+    """A record whose dtype says raw bits made a float target fail inside torch's copy."""
+    bits = torch.arange(6, dtype=torch.int16).view(torch.bits16)
+    tsckpt.save(ckdir, {"b": bits})
+    with pytest.raises(tsckpt.LeafTypeError) as info:
+        tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.bfloat16)})
+    assert str(info.value) == (
+        "'b': stored dtype bits16 is raw bits (stored as uint16), which have no value to cast to torch.bfloat16. "
+        "Use a bits16 or uint16 target"
+    )
+    out = tsckpt.restore(ckdir, {"b": np.zeros(6, np.uint16)})
+    assert out["b"].tolist() == list(range(6))
+    assert tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})["b"].view(torch.int16).tolist() == list(range(6))

@@ -94,3 +94,80 @@ def test_a_symlinked_chunk_file_is_reported(ck, tmp_path, capsys):
 
     assert main(["verify", ck]) == 1
     assert "FAIL  m/b: m/b/c/0 is a symbolic link" in capsys.readouterr().out
+
+
+def _edit_root(path, fn):
+    with open(os.path.join(path, "zarr.json")) as f:
+        root = json.load(f)
+    fn(root["attributes"]["tsckpt"])
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(root, f)
+
+
+def test_every_bad_leaf_of_the_root_metadata_is_reported(tmp_path):
+    """A bad record no longer aborts the whole check: each bad entry is named, the rest is read."""
+    path = str(tmp_path / "ck")
+    w = torch.ones(4)
+    tsckpt.save(path, {"a": torch.zeros(2), "b": np.arange(3), "w": w, "x": w, "lr": 0.5, "n": 3, "ok": np.ones(2)})
+
+    def damage(meta):
+        rec = {r["path"]: r for r in meta["arrays"]}
+        rec["a"]["dtype"] = "float128x"
+        rec["w"]["shape"] = [-4]
+        meta["values"]["lr"] = {"type": "float", "value": 0.5, "bits": "zz"}
+        meta["values"]["n"] = {"type": "int", "value": "3"}
+        meta["arrays"].remove(rec["b"])
+
+    _edit_root(path, damage)
+    r = tsckpt.verify(path, progress=False)
+    assert not r.ok and r.tree_problem is None
+    assert r.bad == {
+        "a": "the record of array 'a' in the root metadata is invalid: 'dtype' 'float128x' is not a dtype this "
+        "tsckpt reads (written by a newer tsckpt?)",
+        "b": "leaves ['b'] are listed but have no record",
+        "lr": "the value of 'lr' in the root metadata is invalid: 'bits' of a float must be 16 hex digits, found 'zz'",
+        "n": "the value of 'n' in the root metadata is invalid: 'value' must be an integer for type 'int', found '3'",
+        "w": "the record of array 'w' in the root metadata is invalid: 'shape' [-4] is not a list of non-negative "
+        "integers with a product under 2**59",
+        "x": "aliases ['x -> w'] name an array whose record is invalid",
+    }
+    assert r.n_arrays == 3 and r.files_read == 1  # records of a, w and ok; the intact one was read
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:  # restore refuses, naming the first and how many
+        tsckpt.restore(path)
+    assert str(info.value).startswith(f"{path}: the record of array 'a' in the root metadata is invalid: 'dtype'")
+    assert str(info.value).endswith("(also bad: 5 ('w', 'lr', 'n', 'x', 'b'))")
+
+
+def test_a_tree_that_does_not_give_the_listed_leaves_is_reported(ck):
+    """Swapped leaves gave each leaf the other's value; verify and restore now refuse them."""
+    _edit_root(ck, lambda meta: meta["leaves"].__setitem__(slice(0, 2), meta["leaves"][1::-1]))
+    r = tsckpt.verify(ck, progress=False)
+    assert not r.ok and r.bad == {}
+    assert r.tree_problem == (
+        "the tree structure in the root metadata is invalid: its leaf 'm/b' is listed in 'leaves' as 'm/w'"
+    )
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="its leaf 'm/b' is listed in 'leaves' as 'm/w'"):
+        tsckpt.restore(ck)
+
+
+def test_a_record_larger_than_its_files_is_reported_per_leaf(ck, monkeypatch):
+    import tsckpt._reader as reader
+
+    monkeypatch.setattr(reader, "UNCHECKED_BYTES", 0)
+
+    def damage(meta):
+        rec = next(r for r in meta["arrays"] if r["path"] == "m/b")
+        rec["shape"] = rec["shard_shape"] = [10**15]
+
+    _edit_root(ck, damage)
+    node = os.path.join(ck, "m/b/zarr.json")
+    meta = json.load(open(node))
+    meta["shape"] = [10**15]
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [10**15]
+    json.dump(meta, open(node, "w"))
+    r = tsckpt.verify(ck, progress=False)
+    assert list(r.bad) == ["m/b"] and r.bad["m/b"].startswith(
+        "m/b/c/0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000], "
+        "'shard_shape' [1000000000000000], 'chunk_shape' None and 'dtype' 'float32' give it"
+    )
+    assert r.files_read == 4 + 1  # the other arrays were read

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import tensorstore as ts
 
@@ -52,6 +55,85 @@ def chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
     return "/".join([rec.path, "c", *cell])
 
 
+# Bytes a stored file adds to its data: the crc32c of a chunk, and each entry of a shard index.
+CRC_BYTES = 4
+INDEX_ENTRY_BYTES = 16
+
+
+def _grid(rec: ArrayRecord, box: tuple[slice, ...] | None) -> list[tuple[int, int, int, int]] | None:
+    """Per dimension: (first, end) shard cell the box touches, inner chunks per shard, and
+    inner chunks of the array; None when the box is empty (no file is read)."""
+    layout = rec.layout
+    chunk = layout.chunk_shape or layout.shard_shape
+    dims = []
+    for d, (n, g, c) in enumerate(zip(rec.shape, layout.shard_shape, chunk)):
+        lo, hi = (0, n) if box is None else (box[d].start, box[d].stop)
+        if hi <= lo:
+            return None
+        dims.append((lo // g, -(-hi // g), g // c, -(-n // c)))
+    return dims
+
+
+class Stored(NamedTuple):
+    """What the shard files of (part of) an array hold when written as its record says."""
+
+    files: int
+    chunks: int  # chunks decoded to read them all: inner chunks, or the files when unsharded
+    nbytes: int
+
+
+def stored_size(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Stored:
+    """What the shard files touched by ``box`` (default: the whole array) hold when written
+    as the record says: every chunk inside the array at its decoded size plus its crc32c,
+    and each shard's index. Closed form: nothing is enumerated."""
+    dims = _grid(rec, box)
+    if dims is None:
+        return Stored(0, 0, 0)
+    files = math.prod(hi - lo for lo, hi, _, _ in dims)
+    itemsize = _dtypes.itemsize(rec.dtype)
+    if rec.layout.chunk_shape is None:
+        return Stored(files, files, files * (math.prod(rec.layout.shard_shape) * itemsize + CRC_BYTES))
+    index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
+    inner = math.prod(min(hi * per, total) - lo * per for lo, hi, per, total in dims)
+    return Stored(files, inner, files * index + inner * (math.prod(rec.layout.chunk_shape) * itemsize + CRC_BYTES))
+
+
+def _cells(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, ...]]:
+    """Grid cells in C order, generated one at a time (itertools.product would first
+    materialize each range, however long the record says it is)."""
+    cell = [lo for lo, _ in ranges]
+    while True:
+        yield tuple(cell)
+        d = len(cell) - 1
+        while d >= 0:
+            cell[d] += 1
+            if cell[d] < ranges[d][1]:
+                break
+            cell[d] = ranges[d][0]
+            d -= 1
+        if d < 0:
+            return
+
+
+def stored_files(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Iterator[tuple[str, int]]:
+    """(key, bytes) of each shard file ``box`` touches, in C order, generated lazily."""
+    dims = _grid(rec, box)
+    if dims is None:
+        return
+    itemsize = _dtypes.itemsize(rec.dtype)
+    extra = ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]
+    if rec.layout.chunk_shape is None:
+        size = math.prod(rec.layout.shard_shape) * itemsize + CRC_BYTES
+    else:
+        index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
+        chunk = math.prod(rec.layout.chunk_shape) * itemsize + CRC_BYTES
+    for cell in _cells([(lo, hi) for lo, hi, _, _ in dims]):
+        if rec.layout.chunk_shape is not None:
+            inner = math.prod(min(per, total - i * per) for i, (_, _, per, total) in zip(cell, dims))
+            size = index + inner * chunk
+        yield "/".join([rec.path, "c", *map(str, cell), *extra]), size
+
+
 def node_problem(node: Any, rec: ArrayRecord) -> str | None:
     """Why an array's parsed zarr.json disagrees with its record in the root metadata, or None."""
     expected = array_node(rec)
@@ -63,11 +145,31 @@ def node_problem(node: Any, rec: ArrayRecord) -> str | None:
     return None
 
 
+def parse_node(raw: bytes) -> Any:
+    """The JSON of a stored zarr.json; ValueError when it is not JSON, or is nested too
+    deeply to parse (TensorStore itself crashes on such a node, so it never sees one)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+
+
+def stored_node_problem(raw: bytes, rec: ArrayRecord) -> str | None:
+    """:func:`node_problem` of the stored bytes of an array's zarr.json."""
+    try:
+        node = parse_node(raw)
+    except ValueError as e:
+        return f"its zarr.json is not valid JSON ({' '.join(str(e).split())})"
+    return node_problem(node, rec)
+
+
 def open_array(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
     return open_array_future(data, rec, write=write).result()
 
 
-def open_array_future(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.Future:
+def open_array_future(
+    data: dict[str, Any], rec: ArrayRecord, *, write: bool = False, checked: bool = False
+) -> ts.Future:
     """Open ``rec`` in the kvstore ``data`` (see :func:`data_spec`), with missing
     chunks reported as errors rather than read as fill values.
 
@@ -75,7 +177,8 @@ def open_array_future(data: dict[str, Any], rec: ArrayRecord, *, write: bool = F
     rank 0 may write the node after other ranks start). Readers do: TensorStore
     then checks the stored zarr.json against the root metadata's record (shape,
     dtype, chunking, codecs), so metadata that disagrees with the data is an error
-    rather than a silent misreading.
+    rather than a silent misreading. ``checked``: the caller has read the node and
+    found it agrees with the record (:func:`stored_node_problem`), so it is not read again.
     """
     meta = array_node(rec)
     del meta["attributes"]
@@ -83,7 +186,7 @@ def open_array_future(data: dict[str, Any], rec: ArrayRecord, *, write: bool = F
         "driver": "zarr3",
         "kvstore": below(data, rec.path),
         "metadata": meta,
-        "assume_metadata": write,
+        "assume_metadata": write or checked,
         # Every chunk is written, even all-zero ones, so that a missing file is
         # always an error and never silently read back as zeros.
         "fill_missing_data_reads": False,

@@ -3,7 +3,8 @@
 Exit status: 0 success, 1 a problem with the data (a corrupt, incomplete or
 missing checkpoint, a failed verification, a dtype a format cannot hold), 2 a
 usage error (bad arguments, a path that is not a leaf, a malformed slice).
-Errors tsckpt raises on purpose print one line on stderr, never a traceback.
+Every error prints one line on stderr, never a traceback (one tsckpt did not expect
+says it is a bug in tsckpt).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def _shape_text(shape: Sequence[int]) -> str:
 def _short(value: Any, width: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _names(paths: list[str], limit: int = 10) -> str:
+    shown = ", ".join(f"'{p}'" for p in paths[:limit]) or "none"
+    return shown + (f", ... {len(paths) - limit} more" if len(paths) > limit else "")
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -242,12 +248,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL  {p}: {why}")
     for problem in report.group_problems:
         print(f"FAIL  {problem}")
+    if report.tree_problem is not None:
+        print(f"FAIL  {report.tree_problem}")
     if not report.ok:
-        names = ", ".join(f"'{p}'" for p in report.bad) or "none"
-        raise Problem(
-            f"verification failed for {report.location}: {len(report.bad)} of {report.n_arrays} arrays bad ({names})"
-            + (f", {len(report.group_problems)} group node(s) bad" if report.group_problems else "")
-        )
+        arrays = [p for p in report.bad if p in report.arrays]
+        others = [p for p in report.bad if p not in report.arrays]
+        parts = [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not others else []
+        if others:
+            parts.append(f"{_count(len(others), 'other leaf', 'other leaves')} bad ({_names(others)})")
+        if report.group_problems:
+            parts.append(f"{len(report.group_problems)} group node(s) bad")
+        if report.tree_problem is not None:
+            parts.append("the tree structure is invalid")
+        raise Problem(f"verification failed for {report.location}: " + ", ".join(parts))
     print(
         f"OK: {report.location}: committed, all {_count(len(report.leaves), 'leaf', 'leaves')} present; "
         f"{_count(report.n_arrays, 'array')} ({human_bytes(report.bytes_read)} read from "
@@ -386,6 +399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PROBLEM
     except OSError as e:  # unreadable or unwritable files, named by the message
         print(f"tsckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_PROBLEM
+    except Exception as e:  # noqa: BLE001 - a bug in tsckpt: still one line, never a traceback
+        print(
+            f"tsckpt {args.command}: error: unexpected {type(e).__name__}: {_one_line(e)} "
+            "(this is a bug in tsckpt; please report it)",
+            file=sys.stderr,
+        )
         return EXIT_PROBLEM
 
 

@@ -120,3 +120,9 @@ def count_and_list(items: list[str], limit: int = 5) -> str:
     """``3 ('a', 'b', 'c')``: how many, and the first few, for error messages."""
     shown = ", ".join(repr(x) for x in items[:limit])
     return f"{len(items)} ({shown}{', ...' if len(items) > limit else ''})"
+
+
+def short_repr(value: object, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters: values quoted from a damaged file can be huge."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 import math
 import struct
 from typing import Any
+
+from ._errors import short_repr
 
 # The newest version this tsckpt reads. Plain checkpoints are written as 1, so
 # older readers still read them; compact ones as 2 (older readers refuse them).
@@ -81,6 +84,9 @@ class ArrayRecord:
 
 KINDS = ("torch", "numpy", "numpy_scalar")
 MAX_NDIM = 64
+# numpy and TensorStore count bytes in signed 64-bit integers: an array, shard or chunk of
+# 16-byte elements whose extents (a zero counted as one) multiply to 2**59 is too big for them.
+MAX_ELEMENTS = 2**59
 
 
 def _dims(value: Any, *, positive: bool) -> bool:
@@ -89,6 +95,7 @@ def _dims(value: Any, *, positive: bool) -> bool:
         isinstance(value, list)
         and len(value) <= MAX_NDIM
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value)
+        and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS
     )
 
 
@@ -102,22 +109,27 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     if not isinstance(path, str) or not path or path.startswith("/") or any(
         part in ("", ".", "..") for part in path.split("/")
     ):
-        return f"'path' {path!r} is not a relative path inside the checkpoint"
+        return f"'path' {short_repr(path)} is not a relative path inside the checkpoint"
     if j.get("kind") not in KINDS:
-        return f"'kind' is {j.get('kind')!r}, expected one of {list(KINDS)}"
+        return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)}"
     if not known_dtype(j.get("dtype")):
-        return f"'dtype' {j.get('dtype')!r} is not a dtype this tsckpt reads (written by a newer tsckpt?)"
+        return f"'dtype' {short_repr(j.get('dtype'))} is not a dtype this tsckpt reads (written by a newer tsckpt?)"
     shape: Any = j.get("shape")
     shard: Any = j.get("shard_shape")
     chunk: Any = j.get("chunk_shape")
     if not _dims(shape, positive=False):
-        return f"'shape' {shape!r} is not a list of non-negative integers"
+        return f"'shape' {short_repr(shape)} is not a list of non-negative integers with a product under 2**59"
     if not _dims(shard, positive=True) or len(shard) != len(shape):
-        return f"'shard_shape' {shard!r} is not a list of {len(shape)} positive integers"
+        return (
+            f"'shard_shape' {short_repr(shard)} is not a list of {len(shape)} positive integers with a product "
+            "under 2**59"
+        )
     if chunk is not None and (
         not _dims(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
     ):
-        return f"'chunk_shape' {chunk!r} does not divide 'shard_shape' {shard!r}"
+        return f"'chunk_shape' {short_repr(chunk)} does not divide 'shard_shape' {short_repr(shard)}"
+    if j["kind"] == "numpy_scalar" and shape:
+        return f"'shape' {shape!r} is not [] although 'kind' is 'numpy_scalar'"
     return None
 
 
@@ -175,12 +187,31 @@ def encode_value(v: Any) -> dict[str, Any] | None:
     return None
 
 
-def decode_value(j: dict[str, Any]) -> Any:
-    t = j["type"]
+_VALUE_TYPES = {"bool": bool, "int": int, "str": str}
+_JSON_NAMES = {"bool": "true or false", "int": "an integer", "str": "a string"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def decode_value(j: Any) -> Any:
+    """The plain value of :func:`encode_value`'s JSON; ValueError naming what is wrong."""
+    if not isinstance(j, dict):
+        raise ValueError(f"expected an object with 'type' and 'value', found {type(j).__name__}")
+    t, v = j.get("type"), j.get("value")
     if t == "float":
-        return struct.unpack("<d", bytes.fromhex(j["bits"]))[0]
+        b = j.get("bits")
+        if not isinstance(b, str) or len(b) != 16 or not set(b) <= _HEX:
+            raise ValueError(f"'bits' of a float must be 16 hex digits, found {short_repr(b)}")
+        return struct.unpack("<d", bytes.fromhex(b))[0]
     if t == "bytes":
-        return base64.b64decode(j["value"])
-    if t in ("bool", "int", "str"):
-        return j["value"]
-    raise ValueError(f"unknown value type {t!r}")
+        if not isinstance(v, str):
+            raise ValueError(f"'value' of bytes must be a base64 string, found {short_repr(v)}")
+        try:
+            return base64.b64decode(v, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"'value' of bytes is not base64 ({e})") from None
+    if isinstance(t, str) and t in _VALUE_TYPES:
+        want = _VALUE_TYPES[t]
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ValueError(f"'value' must be {_JSON_NAMES[t]} for type {t!r}, found {short_repr(v)}")
+        return v
+    raise ValueError(f"unknown value type {short_repr(t)}")

@@ -720,6 +720,8 @@ def _plan_array(
 
 def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], layout: Layout) -> list[Box]:
     """Split a region into its pieces in each shard (file) it touches, in C order."""
+    if 0 in lengths:  # an empty region touches no shard, however long its other extents
+        return []
     ranges = []
     for o, n, g in zip(offsets, lengths, layout.shard_shape):
         edges = [o] + list(range((o // g + 1) * g, o + n, g)) + [o + n]

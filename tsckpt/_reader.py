@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -15,7 +16,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes, _orbax, _store
-from ._arrays import MANIFEST, data_spec, open_array_future
+from ._arrays import MANIFEST, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from ._errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -23,6 +24,8 @@ from ._errors import (
     FormatVersionError,
     NotACheckpointError,
     TsckptError,
+    count_and_list,
+    short_repr,
 )
 from ._format import (
     FORMAT_VERSION,
@@ -65,6 +68,17 @@ class Checkpoint:
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # alias path -> stored array path
     # arrays of a checkpoint written by another library (Orbax): path -> TensorStore spec
     specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # load(keep_bad=True): leaves left out because their entry in the root metadata is invalid
+    bad: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tree_problem: str | None = None  # and why the structure cannot rebuild the tree
+    # the data kvstore, and the arrays whose files were found to back their records
+    _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def kvstore(self) -> ts.KvStore:
+        """The kvstore of :meth:`data`, opened once."""
+        if "kv" not in self._cache:
+            self._cache["kv"] = ts.KvStore.open(self.data(), context=_store.CONTEXT).result()
+        return cast(ts.KvStore, self._cache["kv"])
 
     @property
     def format(self) -> str:
@@ -80,11 +94,9 @@ class Checkpoint:
         """kvstore spec holding the array nodes and chunks."""
         return data_spec(self.location, self.layout)
 
-    def open_array_future(self, path: str) -> ts.Future:
+    def open_array_future(self, path: str) -> Opening:
         """Open a stored array for reading; its zarr.json is checked against the root metadata."""
-        if path in self.specs:
-            return ts.open(self.specs[path], read=True, context=_store.CONTEXT)
-        return open_array_future(self.data(), self.arrays[path])
+        return Opening(self, path)
 
     def is_array(self, path: str) -> bool:
         return path in self.arrays or path in self.aliases
@@ -121,6 +133,35 @@ class Checkpoint:
         return self.values[stored] if stored in self.values else LazyArray(self, stored)[...]
 
 
+class Opening:
+    """A stored array being opened (``result()`` is the TensorStore). Its zarr.json is read
+    and parsed here first, as TensorStore crashes the process on JSON nested deeply enough;
+    a node that agrees with the record is then not read again, and any other is left to
+    TensorStore, which names what differs. Reads start at once, so arrays open concurrently."""
+
+    def __init__(self, ck: Checkpoint, path: str) -> None:
+        self._ck, self._path = ck, path
+        self._node = None if path in ck.specs else ck.kvstore().read(f"{path}/{ROOT_KEY}")
+
+    def result(self) -> ts.TensorStore:
+        ck, path = self._ck, self._path
+        if self._node is None:
+            return ts.open(ck.specs[path], read=True, context=_store.CONTEXT).result()
+        found = self._node.result()
+        rec = ck.arrays[path]
+        if found.state == "value":
+            try:
+                node = parse_node(found.value)
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); "
+                    "restore from another checkpoint"
+                ) from None
+            if node_problem(node, rec) is None:
+                return open_array_future(ck.data(), rec, checked=True).result()
+        return open_array_future(ck.data(), rec).result()  # missing or different: TensorStore says how
+
+
 @dataclasses.dataclass(frozen=True)
 class RootState:
     """What a root ``zarr.json`` says about the save that wrote it."""
@@ -139,7 +180,8 @@ def root_state(value: bytes | None) -> RootState:
         root = json.loads(value)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         return RootState("invalid", problem="json", detail=str(e))
-    meta = root.get("attributes", {}).get("tsckpt") if isinstance(root, dict) else None
+    attrs = root.get("attributes") if isinstance(root, dict) else None
+    meta = attrs.get("tsckpt") if isinstance(attrs, dict) else None
     if not isinstance(meta, dict):
         return RootState("invalid", problem="foreign")
     state = meta.get("state")
@@ -156,14 +198,18 @@ def read_root_states(kv: ts.KvStore, keys: list[str]) -> dict[str, RootState]:
     return out
 
 
-def load(directory: Directory | Location) -> Checkpoint:
-    """Parse and validate the root metadata; raise a precise error if not a committed checkpoint."""
+def load(directory: Directory | Location, *, keep_bad: bool = False) -> Checkpoint:
+    """Parse and validate the root metadata; raise a precise error if not a committed checkpoint.
+
+    Every leaf's entry and the tree structure are checked before anything is opened. A bad
+    one raises a CorruptCheckpointError naming it, unless ``keep_bad`` (verify): then the bad
+    leaves are left out of the checkpoint and listed in ``Checkpoint.bad``."""
     loc = directory if isinstance(directory, Location) else resolve(directory)
     with _store.storage_errors(loc):
-        return _load(loc)
+        return _load(loc, keep_bad)
 
 
-def _load(loc: Location) -> Checkpoint:
+def _load(loc: Location, keep_bad: bool) -> Checkpoint:
     if loc.local is not None and not os.path.isdir(loc.local):
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
@@ -185,54 +231,131 @@ def _load(loc: Location) -> Checkpoint:
         )
     meta = root.meta
     version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version < 1:
         raise FormatVersionError(
-            f"{loc}: written with format version {version} by {meta.get('library', 'an unknown library')}, "
+            f"{loc}: 'format_version' is {version}, which no tsckpt writes (versions start at 1); the root "
+            "metadata is damaged: restore from another checkpoint"
+        )
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        library = meta.get("library", "an unknown library")
+        raise FormatVersionError(
+            f"{loc}: written with format version {short_repr(version)} by "
+            f"{library if isinstance(library, str) and len(library) <= 80 else 'an unknown library'}, "
             f"but this tsckpt reads versions up to {FORMAT_VERSION}; upgrade tsckpt"
         )
     if root.state != STATE_COMMITTED:
         raise CheckpointIncompleteError(
-            f"{loc}: this checkpoint was never committed (state {meta.get('state')!r}): its save crashed or is "
-            "still running; use an earlier checkpoint, or save again with overwrite=True"
+            f"{loc}: this checkpoint was never committed (state {short_repr(meta.get('state'))}): its save crashed "
+            "or is still running; use an earlier checkpoint, or save again with overwrite=True"
         )
     if meta.get("layout", LAYOUT_PLAIN) not in LAYOUTS:
         raise CorruptCheckpointError(
-            f"{loc}: root metadata names an unknown layout {meta.get('layout')!r} (expected one of {list(LAYOUTS)})"
+            f"{loc}: root metadata names an unknown layout {short_repr(meta.get('layout'))} "
+            f"(expected one of {list(LAYOUTS)})"
         )
     if meta.get("layout") == LAYOUT_COMPACT and meta.get("arrays") and kv.read(MANIFEST).result().state != "value":
         raise CorruptCheckpointError(
             f"{loc}: the array database of this compact checkpoint is missing ({MANIFEST} does not exist); "
             "restore from another checkpoint"
         )
-    records: Any = meta.get("arrays")
-    for a in records if isinstance(records, list) else []:
-        why = record_problem(a, _dtypes.is_known)
+    leaves, arrays, values, aliases, bad = _leaf_records(loc, meta)
+    structure = meta.get("structure")
+    tree_problem = structure_problem(structure, leaves)
+    if tree_problem is not None:
+        tree_problem = f"the tree structure in the root metadata is invalid: {tree_problem}"
+    if not keep_bad:
+        _raise_first(loc, bad, tree_problem)
+    structure = None if tree_problem else structure
+    return Checkpoint(loc, leaves, arrays, values, structure, meta, aliases, bad=bad, tree_problem=tree_problem)
+
+
+def _root_field(loc: Location, meta: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    """A required field of the root metadata, of the JSON type ``kind``; else the root is malformed."""
+    if key not in meta:
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata is malformed (KeyError: '{key}'); restore from another checkpoint"
+        )
+    value = meta[key]
+    if not isinstance(value, kind):
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata is malformed ('{key}' is a JSON {_json_type(value)}, expected {what}); "
+            "restore from another checkpoint"
+        )
+    return value
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _leaf_records(
+    loc: Location, meta: Mapping[str, Any]
+) -> tuple[tuple[str, ...], dict[str, ArrayRecord], dict[str, Any], dict[str, str], dict[str, str]]:
+    """(leaves, array records, decoded values, aliases, bad) of a committed root. ``bad`` maps
+    each leaf whose entry is invalid to why, so that verify can report every one; a root
+    whose fields are not of their JSON types at all is refused here."""
+    records = _root_field(loc, meta, "arrays", list, "a list of array records")
+    encoded = _root_field(loc, meta, "values", dict, "an object mapping leaf paths to values")
+    listed = _root_field(loc, meta, "leaves", list, "a list of leaf paths")
+    if not all(isinstance(p, str) for p in listed):
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata is malformed ('leaves' holds a non-string); restore from another checkpoint"
+        )
+    tied = meta.get("aliases") or {}
+    if not isinstance(tied, dict) or not all(isinstance(s, str) for s in tied.values()):
+        raise CorruptCheckpointError(
+            f"{loc}: root metadata is malformed ('aliases' is not an object mapping leaf paths to paths); "
+            "restore from another checkpoint"
+        )
+    bad: dict[str, str] = {}
+    arrays: dict[str, ArrayRecord] = {}
+    for i, rec in enumerate(records):
+        why = record_problem(rec, _dtypes.is_known)
+        name = rec["path"] if isinstance(rec, dict) and isinstance(rec.get("path"), str) else "?"
+        if why is None and name in arrays:
+            why = "the leaf has two records"
+            del arrays[name]
         if why is not None:
-            name = a.get("path") if isinstance(a, dict) and isinstance(a.get("path"), str) else "?"
-            raise CorruptCheckpointError(
-                f"{loc}: the record of array '{name}' in the root metadata is invalid: {why}; "
-                "restore from another checkpoint"
-            )
-    try:
-        arrays = {a["path"]: ArrayRecord.from_json(a) for a in meta["arrays"]}
-        values = {p: decode_value(v) for p, v in meta["values"].items()}
-        leaves = tuple(meta["leaves"])
-        aliases = {str(a): str(s) for a, s in (meta.get("aliases") or {}).items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{loc}: root metadata is malformed ({type(e).__name__}: {e})") from e
-    dangling = [f"{a} -> {s}" for a, s in aliases.items() if s not in arrays]
-    if dangling:
-        raise CorruptCheckpointError(f"{loc}: aliases {dangling[:5]} name no stored array")
-    missing = [p for p in leaves if p not in arrays and p not in values and p not in aliases]
-    if missing:
-        raise CorruptCheckpointError(f"{loc}: leaves {missing[:5]} are listed but have no record")
-    if meta.get("structure") is not None:
-        why = structure_problem(meta["structure"], len(leaves))
-        if why is not None:
-            raise CorruptCheckpointError(
-                f"{loc}: the tree structure in the root metadata is invalid: {why}; restore from another checkpoint"
-            )
-    return Checkpoint(loc, leaves, arrays, values, meta.get("structure"), meta, aliases)
+            key = name if name != "?" else f"arrays[{i}]"
+            bad.setdefault(key, f"the record of array '{name}' in the root metadata is invalid: {why}")
+        elif name not in bad:
+            arrays[name] = ArrayRecord.from_json(rec)
+    values: dict[str, Any] = {}
+    for path, enc in encoded.items():
+        try:
+            values[path] = decode_value(enc)
+        except ValueError as e:
+            bad.setdefault(path, f"the value of '{path}' in the root metadata is invalid: {e}")
+        if path in arrays:
+            bad.setdefault(path, f"'{path}' has both an array record and a value in the root metadata")
+    aliases: dict[str, str] = {}
+    for alias, stored in tied.items():
+        if stored in bad:
+            bad.setdefault(alias, f"aliases ['{alias} -> {stored}'] name an array whose record is invalid")
+        elif stored not in arrays:
+            bad.setdefault(alias, f"aliases ['{alias} -> {stored}'] name no stored array")
+        elif alias in arrays or alias in encoded:
+            bad.setdefault(alias, f"alias '{alias}' also has its own record in the root metadata")
+        else:
+            aliases[alias] = stored
+    for path in listed:
+        if path not in arrays and path not in values and path not in aliases and path not in bad:
+            bad[path] = f"leaves ['{path}'] are listed but have no record"
+    for path in bad:  # a bad leaf is neither read nor listed as good
+        arrays.pop(path, None)
+        values.pop(path, None)
+    return tuple(listed), arrays, values, aliases, bad
+
+
+def _raise_first(loc: Location, bad: Mapping[str, str], tree_problem: str | None) -> None:
+    """Refuse a root with bad leaves (naming the first and how many) or an invalid tree."""
+    if bad:
+        first = next(iter(bad.values()))
+        more = f" (also bad: {count_and_list(list(bad)[1:])})" if len(bad) > 1 else ""
+        raise CorruptCheckpointError(f"{loc}: {first}; restore from another checkpoint{more}")
+    if tree_problem is not None:
+        raise CorruptCheckpointError(f"{loc}: {tree_problem}; restore from another checkpoint")
 
 
 def _from_orbax(loc: Location, fc: _orbax.ForeignCheckpoint) -> Checkpoint:
@@ -290,11 +413,82 @@ def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
         )
     elif "does not exist" in msg or "not found" in low:
         what = f"the array is missing ({path}/zarr.json does not exist)"
+    elif "Cannot create using specified" in msg:
+        what = "TensorStore cannot open the array its record describes ('shard_shape' or 'chunk_shape' beyond its limits)"
     elif "Expected" in msg or "Mismatch" in msg or "Incompatible" in msg:
         what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"
     else:
         what = f"{path}/zarr.json cannot be read"
     return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
+
+
+# A read whose files the record says hold at most this many bytes, counting TensorStore's
+# bookkeeping of about CHUNK_OVERHEAD bytes for each chunk it decodes, is not checked first:
+# whatever a damaged record claims, a read allocates at most this much more than the
+# checkpoint stores (docs/format.md, "Validation").
+UNCHECKED_BYTES = 64 << 20
+CHUNK_OVERHEAD = 1 << 10
+_PROBES_IN_FLIGHT = 64
+_MAX_FILE_BYTES = 2**62
+
+
+def backing_problem(ck: Checkpoint, path: str, box: tuple[slice, ...] | None = None) -> str | None:
+    """Why the shard files of array ``path`` that ``box`` touches (default: all of them) do
+    not hold the bytes its record says they do, or None. Checked before anything is
+    allocated or decoded for them: TensorStore allocates a chunk at the size the record
+    gives it before it reads the file. One 1-byte read at each file's expected end (which
+    fails when the file is shorter) proves the file holds its chunks, its index and
+    checksums; files are probed in order and the first missing or short one stops it."""
+    if ck.specs or (box is None and path in ck._cache.get("backed", ())):
+        return None
+    rec = ck.arrays[path]
+    files, chunks, nbytes = stored_size(rec, box)
+    if nbytes + chunks * CHUNK_OVERHEAD <= UNCHECKED_BYTES:
+        return None
+    kv = ck.kvstore()
+    layout = rec.layout
+    fields = (
+        f"its record's 'shape' {short_repr(list(rec.shape))}, 'shard_shape' {short_repr(list(layout.shard_shape))}, "
+        f"'chunk_shape' {short_repr(None if layout.chunk_shape is None else list(layout.chunk_shape))} and "
+        f"'dtype' {rec.dtype!r}"
+    )
+    pending: collections.deque[tuple[str, int, ts.Future]] = collections.deque()
+
+    def settle() -> str | None:
+        key, size, fut = pending.popleft()
+        try:
+            found = fut.result()
+        except ValueError as e:
+            unreachable = _store.storage_problem(ck.location, e)
+            if unreachable is not None:
+                raise unreachable from e
+            msg = " ".join(str(e).split())
+            if "OUT_OF_RANGE" in msg:
+                return f"{key} holds fewer than the {size} bytes that {fields} give it ({msg})"
+            return f"{key} cannot be read ({msg})"
+        if found.state != "value":
+            return f"a chunk file is missing ({key} does not exist; {fields} give the array {files} such files)"
+        return None
+
+    for key, size in stored_files(rec, box):
+        if size > _MAX_FILE_BYTES:
+            return f"{key} cannot hold the {size} bytes that {fields} give it (no file holds 2**62 bytes)"
+        pending.append((key, size, kv.read(key, byte_range=slice(size - 1, size))))
+        if len(pending) >= _PROBES_IN_FLIGHT and (why := settle()) is not None:
+            return why
+    while pending:
+        if (why := settle()) is not None:
+            return why
+    if box is None:
+        ck._cache.setdefault("backed", set()).add(path)
+    return None
+
+
+def check_backed(ck: Checkpoint, path: str, box: tuple[slice, ...] | None = None) -> None:
+    """Raise :func:`backing_problem` as a CorruptCheckpointError naming the leaf."""
+    why = backing_problem(ck, path, box)
+    if why is not None:
+        raise CorruptCheckpointError(f"'{path}' in {ck.location}: {why}; restore from another checkpoint")
 
 
 def _normalize(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
@@ -351,10 +545,10 @@ class LazyArray:
     def __repr__(self) -> str:
         return f"LazyArray('{self.path}', shape={list(self.shape)}, dtype={self.dtype})"
 
-    def open_future(self) -> ts.Future:
+    def open_future(self) -> Opening:
         return self._ck.open_array_future(self.path)
 
-    def set_store(self, future: ts.Future) -> None:
+    def set_store(self, future: Opening) -> None:
         try:
             self._store = future.result()
         except ValueError as e:
@@ -367,6 +561,8 @@ class LazyArray:
 
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
         """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
+        bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
+        check_backed(self._ck, self.path, bounds + tuple(slice(0, n) for n in self.shape[len(bounds):]))
         store = self._tensorstore()
         try:
             return store[box].read().result() if box else store.read().result()

@@ -6,7 +6,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import sys
@@ -19,7 +18,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes, _store
-from ._arrays import chunk_key, node_problem
+from ._arrays import chunk_key, stored_node_problem
 from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
@@ -30,7 +29,7 @@ from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
 from ._plan import shard_boxes
 from ._progress import Progress
-from ._reader import Checkpoint, LazyArray, corrupt_error, load
+from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
 from ._shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
@@ -158,7 +157,7 @@ def _read_small(ck: Checkpoint, dests: list[Dest], progress: Progress | None, wi
         rec = ck.arrays[dest.item.path]
         try:
             node, chunk = node_read.result(), chunk_read.result()
-            ok = node.state == "value" and chunk.state == "value" and node_problem(json.loads(node.value), rec) is None
+            ok = node.state == "value" and chunk.state == "value" and stored_node_problem(node.value, rec) is None
         except ValueError:  # unreadable or not JSON: the general path says which
             ok = False
         data = decode_chunk(chunk.value, view.dtype, rec.shape) if ok else None
@@ -336,6 +335,8 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
+    for stored in sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()):
+        check_backed(ck, stored)  # before any destination is allocated for it
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.values:

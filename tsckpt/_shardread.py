@@ -23,7 +23,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-import json
 import math
 import os
 import threading
@@ -35,7 +34,7 @@ import google_crc32c
 import numpy as np
 from google_crc32c import cext
 
-from ._arrays import chunk_key, node_problem
+from ._arrays import chunk_key, stored_node_problem
 from ._encode import LITTLE_ENDIAN
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
@@ -140,10 +139,10 @@ def _node_ok(ck: Checkpoint, rec: ArrayRecord) -> bool:
     """The array's zarr.json exists and agrees with its root record (as TensorStore's open checks)."""
     try:
         with open(os.path.join(str(ck.location.local), rec.path, ROOT_KEY), "rb") as f:
-            node = json.loads(f.read())
-    except (OSError, ValueError):
+            raw = f.read()
+    except OSError:
         return False
-    return node_problem(node, rec) is None
+    return stored_node_problem(raw, rec) is None
 
 
 def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: int, threads: int) -> set[int]:

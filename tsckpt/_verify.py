@@ -13,11 +13,11 @@ from typing import Any
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._arrays import node_problem
+from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._progress import Progress
-from ._reader import Checkpoint, describe_read_error, load
+from ._reader import Checkpoint, backing_problem, describe_read_error, load
 from ._store import Directory, storage_errors, storage_problem
 
 # Bytes of reads kept in flight.
@@ -26,7 +26,8 @@ VERIFY_WINDOW_BYTES = 256 << 20
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What :func:`verify` found. ``bad`` maps each damaged array leaf to why."""
+    """What :func:`verify` found. ``bad`` maps each bad leaf to why: its entry in the root
+    metadata, its array node, or its stored bytes."""
 
     location: str
     leaves: tuple[str, ...]
@@ -36,10 +37,12 @@ class VerifyReport:
     group_problems: tuple[str, ...]
     bytes_read: int
     files_read: int
+    tree_problem: str | None = None  # the structure in the root metadata cannot rebuild the tree
+    arrays: tuple[str, ...] = ()  # paths of the array records, valid or not
 
     @property
     def ok(self) -> bool:
-        return not self.bad and not self.group_problems
+        return not self.bad and not self.group_problems and self.tree_problem is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +74,7 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
         if r.state != "value":
             bad[p] = "its zarr.json is missing (zarr readers cannot open this array)"
             continue
-        try:
-            node = json.loads(r.value)
-        except ValueError as e:
-            bad[p] = f"its zarr.json is not valid JSON ({e})"
-            continue
-        why = node_problem(node, ck.arrays[p])
+        why = stored_node_problem(r.value, ck.arrays[p])
         if why:
             bad[p] = why
     problems = []
@@ -84,7 +82,7 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
         try:
             r = fut.result()
             ok = r.state == "value" and json.loads(r.value).get("node_type") == "group"
-        except (ValueError, AttributeError):  # TensorStore's read errors are ValueErrors too
+        except (ValueError, AttributeError, RecursionError):  # TensorStore's read errors are ValueErrors too
             ok = False
         if not ok:
             problems.append(f"group '{g}': zarr.json is missing or not a zarr group node")
@@ -112,6 +110,10 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
 
     for path, rec in ck.arrays.items():
         if path in skip:  # its zarr.json is missing or wrong: no reader can open it
+            continue
+        why = backing_problem(ck, path)  # the shards' sizes, before TensorStore decodes any
+        if why is not None:
+            bad[path] = why
             continue
         try:
             store = ck.open_array_future(path).result()
@@ -160,26 +162,38 @@ def _links(ck: Checkpoint) -> dict[str, str]:
 def verify(directory: Directory, *, progress: bool | None = None) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
     metadata, every chunk read back with its checksum, and (on a local disk) no file a
-    symbolic link. Damage is reported per leaf in
-    the returned report, never raised; a root that is not a committed checkpoint raises.
+    symbolic link. Damage is reported per leaf in the returned report, never raised; a
+    root that is not a committed checkpoint, or whose fields are not even of their JSON
+    types, raises.
     ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
-    bytes, files and throughput are logged at the end."""
-    ck = load(directory)
+    bytes, files and throughput are logged at the end.
+
+    The root metadata is checked as restore checks it, every bad leaf reported rather than
+    the first raised, so a checkpoint that verifies restores."""
+    ck = load(directory, keep_bad=True)
     with storage_errors(ck.location):
         nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
     with Progress("verify", ck.location, show=progress) as bar:
         bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
         reads = _read_all(ck, nodes.bad, bar)
-    bad = dict(nodes.bad)
+    bad = {**ck.bad, **nodes.bad}
     for path, why in [*reads.bad.items(), *_links(ck).items()]:
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
+    for alias, stored in ck.aliases.items():
+        if stored in bad:
+            bad[alias] = f"tied to '{stored}', which is bad"
+    records: Any = ck.raw.get("arrays")
+    records = records if isinstance(records, list) else []
+    arrays = {r["path"] for r in records if isinstance(r, dict) and isinstance(r.get("path"), str)} | set(ck.arrays)
     return VerifyReport(
         location=str(ck.location),
         leaves=ck.leaves,
-        n_arrays=len(ck.arrays),
+        n_arrays=len(arrays),
         n_values=len(ck.values),
         bad=dict(sorted(bad.items())),
         group_problems=nodes.group_problems,
         bytes_read=reads.bytes_read,
         files_read=reads.files_read,
+        tree_problem=ck.tree_problem,
+        arrays=tuple(sorted(arrays)),
     )

@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, cast
 import optree
 from optree import PyTreeKind
 
-from ._errors import LeafTypeError
+from ._errors import LeafTypeError, short_repr
 from ._types import ArraySpec, LazySource, ShardedArray
 
 NAMESPACE = "tsckpt"
@@ -224,7 +224,7 @@ def _build(node: Any, cur: _Cursor) -> Any:
     if kind == "namedtuple":
         return _namedtuple(node["name"], node["keys"])(*children)
     pairs = list(zip(node["keys"], children))
-    if "order" in node:
+    if node.get("order") is not None:  # checked by structure_problem: a permutation
         pairs = [pairs[i] for i in node["order"]]
     if kind == "ordereddict":
         return collections.OrderedDict(pairs)
@@ -235,6 +235,17 @@ def _build(node: Any, cur: _Cursor) -> Any:
 MAX_STRUCTURE_DEPTH = 200
 _KEYED = ("dict", "ordereddict", "namedtuple", "custom")
 _NODE_TYPES = ("none", "list", "tuple", "deque", *_KEYED)
+
+
+def _key_problem(kind: str, keys: list[Any]) -> str | None:
+    ok = (str,) if kind == "namedtuple" else (str, int)
+    for k in keys:
+        if isinstance(k, bool) or not isinstance(k, ok) or _path_component(k) is None:
+            expected = "a str" if kind == "namedtuple" else "a str or int"
+            return f"a {kind} node with the key {short_repr(k)} ({expected} expected)"
+    if len(set(keys)) != len(keys):
+        return f"a {kind} node with a repeated key"
+    return None
 
 
 def _node_problem(node: Any) -> str | None:
@@ -250,8 +261,15 @@ def _node_problem(node: Any) -> str | None:
         keys = node.get("keys")
         if not isinstance(keys, list) or len(keys) != len(children):
             return f"a {node['type']} node whose keys do not match its {len(children)} children"
+        why = _key_problem(node["type"], keys)
+        if why is not None:
+            return why
         order = node.get("order")
-        if order is not None and (not isinstance(order, list) or sorted(order) != list(range(len(children)))):
+        if order is not None and (
+            not isinstance(order, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
+            or sorted(order) != list(range(len(children)))
+        ):
             return f"a {node['type']} node whose order is not a permutation of its children"
     if node["type"] == "namedtuple":
         name = node.get("name")
@@ -260,24 +278,66 @@ def _node_problem(node: Any) -> str | None:
     return None
 
 
-def structure_problem(structure: Any, n_leaves: int) -> str | None:
-    """Why ``structure`` (from the root metadata) cannot hold ``n_leaves`` leaves, or None.
-    Iterative, so a hostile structure cannot exhaust the stack."""
-    seen = 0
-    stack: list[tuple[Any, int]] = [(structure, 1)]
+def _path_component(key: str | int) -> str | None:
+    """The path component of a dict key or index, None for a str UTF-8 cannot encode."""
+    try:
+        return str(key) if isinstance(key, int) else escape(key)
+    except (UnicodeEncodeError, ValueError):  # a lone surrogate; an int too long to print
+        return None
+
+
+def structure_problem(structure: Any, leaves: list[str] | tuple[str, ...]) -> str | None:
+    """Why ``structure`` (from the root metadata) does not hold exactly the leaf paths
+    ``leaves`` in order, or None. Iterative, so a hostile structure cannot exhaust the stack;
+    siblings share their parent's path, so memory stays linear in the structure's size."""
+    if structure is None:
+        return paths_problem(leaves)
+    found = 0
+    # (node, its parent's path, its own component, depth); the root has no component
+    stack: list[tuple[Any, str, str | None, int]] = [(structure, "", None, 1)]
     while stack:
-        node, depth = stack.pop()
+        node, parent, component, depth = stack.pop()
         if depth > MAX_STRUCTURE_DEPTH:
             return f"it is nested more than {MAX_STRUCTURE_DEPTH} levels deep"
+        path = parent if component is None else f"{parent}/{component}" if parent else component
         if node is None:
-            seen += 1
+            if found < len(leaves) and path != leaves[found]:
+                return f"its leaf '{path}' is listed in 'leaves' as {short_repr(leaves[found])}"
+            found += 1
             continue
         why = _node_problem(node)
         if why is not None:
             return f"it has {why}"
-        stack.extend((c, depth + 1) for c in node.get("children", ()))
-    if seen != n_leaves:
-        return f"it has {seen} leaves but the checkpoint lists {n_leaves}"
+        children = node.get("children", ())
+        keys = node.get("keys") if node["type"] in _KEYED else range(len(children))
+        stack.extend((c, path, str(_path_component(k)), depth + 1) for k, c in reversed(list(zip(keys, children))))
+    if found != len(leaves):
+        return f"it has {found} leaves but the checkpoint lists {len(leaves)}"
+    return None
+
+
+def paths_problem(leaves: list[str] | tuple[str, ...]) -> str | None:
+    """Why ``leaves`` are not the paths of one tree of nested dicts (see :func:`from_paths`):
+    a path written other than as tsckpt escapes it, listed twice, or both a leaf and a
+    container. None if they are."""
+    if list(leaves) == [ROOT_LEAF_PATH]:
+        return None
+    seen: set[tuple[str | int, ...]] = set()
+    containers: set[tuple[str | int, ...]] = set()
+    for path in leaves:
+        try:
+            keys = tuple(unescape(c) for c in path.split("/"))
+        except ValueError:  # not UTF-8 once unescaped; an int too long to parse
+            keys = ()
+        if not keys or "/".join(str(_path_component(k)) for k in keys) != path:
+            return f"its leaf path {short_repr(path)} is not a path tsckpt writes"
+        if keys in seen:
+            return f"it lists the leaf '{path}' twice"
+        seen.add(keys)
+        containers.update(keys[:i] for i in range(1, len(keys)))
+    clash = next((k for k in seen if k in containers), None)
+    if clash is not None:
+        return f"its leaf '{'/'.join(str(_path_component(k)) for k in clash)}' also has leaves below it"
     return None
 
 
