@@ -64,12 +64,9 @@ def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastChec
     if needed is not None and _casting.CASTINGS.index(casting) >= _casting.CASTINGS.index(needed):
         return _casting.CastCheck(path, stored, name, casting) if _casting.can_lose(stored, name) else None
     if needed is None:
-        storage = _dtypes.storage_dtype(stored)
-        if name == storage:  # raw bits into the dtype that stores them: the same bytes
-            return None
         raise LeafTypeError(
             f"'{path}': stored dtype {stored} cannot be restored into the {shown} target: raw bits cast to no "
-            f"other dtype; use a {stored} or {storage} target"
+            "other dtype; use a target of the stored dtype"
         )
     if _casting.info(stored).kind == "c" and _casting.info(name).kind != "c":
         raise LeafTypeError(
