@@ -308,6 +308,7 @@ def restore(
 
     def run() -> Any:
         ck = load(directory)
+        ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:
