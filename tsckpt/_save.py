@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -55,6 +54,7 @@ from ._plan import (
     without,
 )
 from ._progress import Progress
+from ._threads import Workers
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
@@ -181,7 +181,7 @@ def _write_regions(
     """
     records = {a.path: a for a in plan.arrays}
     root = _local_root(data, compact)
-    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    pool = Workers(WRITE_THREADS, "tsckpt-write")
     made: set[str] = set()
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
@@ -224,8 +224,6 @@ def _write_regions(
                     if parent not in made:
                         os.makedirs(parent, exist_ok=True)
                         made.add(parent)
-                    if pool is None:
-                        pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="tsckpt-write")
                     fut = pool.submit(writer, path)
                 elif encoded is not None:
                     fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
@@ -243,8 +241,7 @@ def _write_regions(
                     settle(window)
         settle(0)
     finally:
-        if pool is not None:  # no file is being written once this returns or raises
-            pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown()  # no file is being written once this returns or raises
     return written
 
 

@@ -39,6 +39,7 @@ from ._encode import LITTLE_ENDIAN
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 from ._plan import shard_boxes
+from ._threads import Workers
 from ._progress import Progress
 from ._reader import Checkpoint
 from ._types import Dest
@@ -175,7 +176,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
             settle(job, work(job))
         return fell_back
     pending: collections.deque[tuple[_Job, concurrent.futures.Future[bool]]] = collections.deque()
-    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tsckpt-read")
+    pool = Workers(threads, "tsckpt-read")
     try:
         for job in jobs:
             pending.append((job, pool.submit(work, job)))
@@ -186,7 +187,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
             job, fut = pending.popleft()
             settle(job, fut.result())
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown()
     return fell_back
 
 
