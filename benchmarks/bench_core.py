@@ -23,6 +23,8 @@ Usage
   python benchmarks/bench_core.py --quick          # small smoke run (~1-2 min)
   python benchmarks/bench_core.py --write-results  # also update benchmarks/RESULTS.md
   python benchmarks/bench_core.py --json out.json  # raw measurements
+  python benchmarks/bench_core.py --only large --ab  # also tsckpt with TensorStore writing
+                                                     # every file, and with whole-row chunks
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ SAVERS = {
     "safetensors": (False, "safetensors.torch.save_file"),
     "safetensors+fsync": (True, "save_file then fsync(file) and fsync(dir)"),
     "dcp": (True, "dcp.save, FileSystemWriter defaults (sync_files=True), no process group"),
+}
+# --ab: tsckpt variants, saved in rotation with the others (not peers; nothing restores them)
+VARIANTS = {
+    "tsckpt (TensorStore writer)": (True, "tsckpt.save with every file encoded and written by TensorStore"),
+    "tsckpt (whole-row chunks)": (True, "tsckpt.save with inner chunks of whole rows (the last dim not cut in 4)"),
 }
 FLOOR = "read(), 1 thread (reference)"
 # restore name -> (saver whose output it reads, description)
@@ -178,9 +185,15 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["drop"]:
         drop_caches()
     c0, t0 = cpu_s(), time.perf_counter()
-    if lib == "tsckpt":
+    if lib.startswith("tsckpt"):
         import tsckpt
+        import tsckpt._layout
+        import tsckpt._save
 
+        if lib == "tsckpt (TensorStore writer)":
+            tsckpt._save.WRITE_THREADS = 0
+        elif lib == "tsckpt (whole-row chunks)":
+            tsckpt._layout.TRAILING_PIECES = 1
         tsckpt.save(path, tree)
     elif lib.startswith("torch.save"):
         os.makedirs(path)
@@ -359,8 +372,11 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace, can_drop: bool)
     out: dict[str, Any] = {"nbytes": nbytes_of(wl, args.quick), "n": len(shapes(wl, args.quick)), "save": {}, "restore": {}}
     root = os.path.join(base, wl)
     checksum = None
+    savers = [*SAVERS, *(VARIANTS if args.ab else ())]
+    if args.savers:
+        savers = [s for s in savers if s in args.savers.split(",")]
     for rep in range(args.repeats):
-        for lib in SAVERS:
+        for lib in savers:
             path = os.path.join(root, lib)
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
@@ -372,6 +388,8 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace, can_drop: bool)
             log(f"[{wl}] save    {lib:22s} rep {rep}: {r['time']:.3f} s, {r['files']} files")
     for rep in range(args.repeats):
         for lib, (src, _) in LOADERS.items():
+            if src not in savers:
+                continue
             spec = {"op": "restore", "lib": lib, "path": os.path.join(root, src), "workload": wl, "quick": args.quick}
             r = run_child({**spec, "drop": can_drop}, args.timeout)
             r["ok"] = lib == FLOOR or math.isclose(r["checksum"], checksum, rel_tol=1e-9, abs_tol=1e-6)
@@ -451,7 +469,7 @@ def fmt_ratio(x: float) -> str:
 
 def save_table(res: dict[str, Any]) -> list[str]:
     nb = res["nbytes"]
-    peers = {k: best(v) for k, v in res["save"].items() if k != "tsckpt"}
+    peers = {k: best(v) for k, v in res["save"].items() if not k.startswith("tsckpt")}
     best_peer = min(peers.values())
     best_sync = min(v for k, v in peers.items() if SAVERS[k][0])
     lines = [
@@ -462,7 +480,7 @@ def save_table(res: dict[str, Any]) -> list[str]:
         t = best(runs)
         r = min(runs, key=lambda r: r["time"])
         lines.append(
-            f"| {lib} | {'yes' if SAVERS[lib][0] else 'no'} | {t:.3f} | {nb / t / 1e9:.2f} | {fmt_ratio(t / best_peer)} | "
+            f"| {lib} | {'yes' if {**SAVERS, **VARIANTS}[lib][0] else 'no'} | {t:.3f} | {nb / t / 1e9:.2f} | {fmt_ratio(t / best_peer)} | "
             f"{fmt_ratio(t / best_sync)} | {min(x['cpu'] for x in runs):.2f} | {r['files']:,} | {fmt_mib(max(x['peak_rss'] for x in runs))} | "
             f"{fmt_mib(max(x['peak_rss'] - x['rss_before'] for x in runs))} | {spread(runs)} |"
         )
@@ -496,7 +514,7 @@ def targets(results: dict[str, Any]) -> list[str]:
     out = []
     L, S, R = results["large"], results["small"], results["row"]
     ts_save = best(L["save"]["tsckpt"])
-    sync_peers = {k: best(v) for k, v in L["save"].items() if k != "tsckpt" and SAVERS[k][0]}
+    sync_peers = {k: best(v) for k, v in L["save"].items() if not k.startswith("tsckpt") and SAVERS[k][0]}
     fastest_sync = min(sync_peers, key=sync_peers.get)
     ratio = ts_save / sync_peers[fastest_sync]
     out.append(
@@ -602,6 +620,8 @@ def main() -> None:
     ap.add_argument("--write-results", action="store_true", help=f"replace the '{SECTION}' section of RESULTS.md")
     ap.add_argument("--only", choices=["large", "small", "row"], action="append", help="run only these parts")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
+    ap.add_argument("--ab", action="store_true", help="also save with tsckpt variants: " + ", ".join(VARIANTS))
+    ap.add_argument("--savers", default=None, help="comma-separated savers to run (default: all); restores only read what ran")
     ap.add_argument("--from-json", default=None, help="measure nothing: report (and --write-results) from a --json file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

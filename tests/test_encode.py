@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 
+import ml_dtypes
+import numpy as np
 import pytest
 import tensorstore as ts
 import torch
+import zarr
 
 import tsckpt
-from tsckpt._arrays import array_node
+from tsckpt import _layout, _shardwrite
+from tsckpt._arrays import array_node, chunk_key
+from tsckpt._format import ArrayRecord, Layout
+from tsckpt._leaves import describe
+from tsckpt._plan import gather_descs, pack_descs, plan_save, split_plan
+from tsckpt._progress import Progress
 from tsckpt._reader import load
+from tsckpt._save import _file_writer, _write_regions
 
 
 def _files(root: str) -> dict[str, bytes]:
@@ -28,7 +39,9 @@ def _same_as_tensorstore(tmp_path, t: torch.Tensor) -> tsckpt.ArrayMetadata:
     tsckpt.save(d, {"x": t})
     rec = load(d).arrays["x"]
     ref_dir = str(tmp_path / "ref")
-    ref = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": ref_dir}, "metadata": array_node(rec), "create": True}).result()
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": ref_dir}, "metadata": array_node(rec), "create": True,
+            "store_data_equal_to_fill_value": True}
+    ref = ts.open(spec).result()
     ref.write(tsckpt._dtypes.tensor_to_numpy(t)).result()
     mine, theirs = _files(os.path.join(d, "x")), _files(ref_dir)
     assert mine.keys() == theirs.keys()
@@ -61,3 +74,157 @@ def test_sharded_files_including_edges(tmp_path, small_chunks, shape, dtype):
     assert md.shard_shape != md.chunk_shape  # really sharded
     out = tsckpt.restore(str(tmp_path / "ck"), {"x": torch.empty(shape, dtype=dtype)})["x"]
     assert torch.equal(out, t)
+
+
+# ---- shard files written by tsckpt's own writer (tsckpt/_shardwrite.py) ----------------------
+
+NP_DTYPES = {
+    "float32": np.float32, "float64": np.float64, "float16": np.float16, "int8": np.int8, "uint64": np.uint64,
+    "bool": np.bool_, "complex64": np.complex64, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+}
+
+
+def _data(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 50
+    if dtype == "complex64":
+        return (x + 1j * rng.standard_normal(shape)).astype(np.complex64)
+    return (x > 0) if dtype == "bool" else x.astype(NP_DTYPES[dtype])
+
+
+def _tensorstore_files(root: str, rec: ArrayRecord, full: np.ndarray) -> dict[str, bytes]:
+    """The chunk files TensorStore writes for ``full`` under the array node of ``rec``."""
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": root}, "metadata": array_node(rec), "create": True,
+            "store_data_equal_to_fill_value": True}
+    ts.open(spec).result().write(full).result()
+    return _files(root)
+
+
+def _shard_cells(shape: tuple[int, ...], shard: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(0, n, s) for n, s in zip(shape, shard))))
+
+
+LAYOUTS = [
+    # (array shape, shard shape, inner chunk shape, storage dtype)
+    ((1000,), (256,), (64,), "float32"),  # 1-D; the last shard is short: chunks padded and chunks left out
+    ((64, 96), (16, 96), (8, 24), "float32"),  # column pieces: inner chunks not contiguous in the source
+    ((64, 96), (16, 96), (4, 96), "float32"),  # whole rows: inner chunks are views of the source
+    ((6, 10, 12), (4, 8, 12), (2, 4, 6), "int8"),  # 3-D, edges in two dims
+    ((67, 45), (16, 48), (4, 12), "float32"),  # neither a multiple of the shard nor of the inner chunk
+    ((17, 8), (16, 8), (4, 8), "float64"),  # the edge shard holds one (padded) inner chunk
+    ((16, 8), (8, 8), (8, 8), "bfloat16"),  # a shard that is a single inner chunk
+    ((40, 30), (8, 32), (2, 8), "bool"),
+    ((33, 20), (16, 20), (4, 10), "bfloat16"),
+    ((9, 7), (4, 8), (2, 4), "complex64"),
+    ((30, 16), (8, 16), (4, 8), "uint64"),
+    ((30, 16), (8, 16), (4, 8), "float8_e4m3fn"),
+    ((300, 40), (128, 40), (64, 40), "float16"),
+]
+
+
+@pytest.mark.parametrize("shape, shard, inner, dtype", LAYOUTS)
+def test_shard_files_are_tensorstores(tmp_path, shape, shard, inner, dtype):
+    full = _data(shape, dtype)
+    rec = ArrayRecord("x", shape, dtype, "numpy", Layout(shard, inner))
+    theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
+    mine_root = str(tmp_path / "mine")
+    for off in _shard_cells(shape, shard):
+        src = full[tuple(slice(o, o + s) for o, s in zip(off, shard))]
+        writer = _file_writer(rec, off, src)
+        assert writer is not None
+        path = os.path.join(mine_root, chunk_key(rec, off))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        writer(path)
+    mine = {k.removeprefix("x" + os.sep): v for k, v in _files(mine_root).items()}
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert mine[key] == theirs[key], key
+    # TensorStore reads the files back (with their crc32c checked)
+    with open(os.path.join(mine_root, "x", "zarr.json"), "w") as f:
+        json.dump(array_node(rec), f)
+    got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(mine_root, "x")}}).result().read().result()
+    np.testing.assert_array_equal(got, full)
+
+
+def test_source_that_is_a_column_slice(tmp_path):
+    """A region that is a non-contiguous view of a larger tensor (a rank's column shard)."""
+    big = _data((32, 64), "float32")
+    src = big[:, 16:48]
+    rec = ArrayRecord("x", (32, 32), "float32", "numpy", Layout((16, 32), (4, 32)))
+    theirs = _tensorstore_files(str(tmp_path / "ref"), rec, np.ascontiguousarray(src))
+    for off in _shard_cells((32, 32), (16, 32)):
+        writer = _file_writer(rec, off, src[off[0] : off[0] + 16])
+        assert writer is not None
+        path = str(tmp_path / "mine" / chunk_key(rec, off))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        writer(path)
+    assert {k.removeprefix("x" + os.sep): v for k, v in _files(str(tmp_path / "mine")).items()} == theirs
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, regions",
+    [
+        ((96, 64), "float32", "rows"),  # Shard(0) over 3 writers
+        ((48, 128), "bfloat16", "cols"),  # Shard(1) over 2 writers: their locals are whole tensors
+        ((50, 40), "float64", "grid"),  # 2 x 2 writers, edges in both dims
+        ((36, 20, 12), "int8", "rows"),
+        ((64, 32), "bool", "cols"),
+    ],
+)
+def test_files_of_several_writers_are_tensorstores(tmp_path, monkeypatch, shape, dtype, regions):
+    """Regions as DTensor shards give them, planned and written by save's own functions
+    (one rank after the other, in one process); every file equals TensorStore's."""
+    monkeypatch.setattr(_layout, "INNER_CHUNK_BYTES", 512)
+    monkeypatch.setattr(_layout, "SHARD_BYTES", 2048)
+    full = _data(shape, dtype, seed=3)
+    n = {"rows": (3, 1), "cols": (1, 2), "grid": (2, 2)}[regions]
+    starts = [[-(-shape[0] * i // n[0]) for i in range(n[0])], [-(-shape[1] * j // n[1]) for j in range(n[1])]]
+    locals_ = []
+    for i, j in itertools.product(range(n[0]), range(n[1])):
+        stops = [starts[0][i + 1] if i + 1 < n[0] else shape[0], starts[1][j + 1] if j + 1 < n[1] else shape[1]]
+        off = (starts[0][i], starts[1][j], *([0] * (len(shape) - 2)))
+        local = torch.from_numpy(full[starts[0][i] : stops[0], starts[1][j] : stops[1]].copy()) if dtype != "bfloat16" else None
+        if local is None:  # torch has no numpy bfloat16: build the tensor from its bits
+            bits = full[starts[0][i] : stops[0], starts[1][j] : stops[1]].view(np.int16).copy()
+            local = torch.from_numpy(bits).view(torch.bfloat16)
+        locals_.append(tsckpt.ShardedArray(local, shape, off))
+    described = [describe("x", a) for a in locals_]
+    plan = plan_save(gather_descs([pack_descs([d.desc]) for d in described]))
+    assert not plan.transfers
+    (rec,) = plan.arrays
+    assert rec.layout.chunk_shape is not None
+    mine_root = str(tmp_path / "mine")
+    calls = []
+    real = _shardwrite.write_shard
+    monkeypatch.setattr(_shardwrite, "write_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for rank, part in enumerate(split_plan(plan)):
+        progress = Progress("save", mine_root, show=False, rank=rank)
+        _write_regions({"driver": "file", "path": mine_root + "/"}, part, {"x": described[rank]}, {}, 1 << 20,
+                       compact=False, progress=progress)
+    theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
+    mine = {k.removeprefix("x" + os.sep): v for k, v in _files(mine_root).items()}
+    assert len(calls) == len(mine) >= len(locals_)  # every file by the own writer
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert mine[key] == theirs[key], key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.complex32])
+def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunks, monkeypatch, dtype):
+    """tsckpt.save writes sharded arrays with its own writer (TensorStore opens no array
+    for writing), the files equal TensorStore's, and zarr-python reads them."""
+    import tsckpt._save as save_mod
+
+    def no_tensorstore(*args, **kwargs):
+        raise AssertionError("TensorStore was asked to write")
+
+    monkeypatch.setattr(save_mod, "open_array", no_tensorstore)
+    t = (torch.randn(67, 45) * 100).to(dtype) if dtype != torch.complex32 else torch.randn(67, 45, dtype=torch.complex32)
+    md = _same_as_tensorstore(tmp_path, t)
+    assert md.shard_shape != md.chunk_shape
+    want = tsckpt._dtypes.tensor_to_numpy(t)
+    out = tsckpt.restore(str(tmp_path / "ck"), {"x": torch.zeros_like(t)})["x"]
+    assert tsckpt._dtypes.tensor_to_numpy(out).tobytes() == want.tobytes()
+    if dtype != torch.bfloat16:  # zarr-python has no bfloat16
+        z = zarr.open_array(str(tmp_path / "ck" / "x"), mode="r")[...]
+        assert z.tobytes() == want.tobytes() and z.shape == want.shape

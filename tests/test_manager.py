@@ -238,3 +238,95 @@ def test_manager_save_waits_for_its_async_save(tmp_path):
     with tsckpt.CheckpointManager(tmp_path / "run") as m2:
         m2.save_async(3, {"w": w})
     assert m2.latest_step() == 3  # leaving the block waited for the commit
+
+
+# ---- two managers on one root ------------------------------------------------------
+
+
+def _hold_step(monkeypatch, m: tsckpt.CheckpointManager, step: int, tree: dict):
+    """``m`` saves ``step`` asynchronously and is held in its write step until released."""
+    import threading
+
+    import tsckpt._save as save_module
+
+    writing, release = threading.Event(), threading.Event()
+    real = save_module._write
+    held = str(tsckpt._store.resolve(m.directory(step)))
+
+    def slow_write(loc, *args, **kwargs):
+        if str(loc) == held:
+            writing.set()
+            release.wait(60)
+        return real(loc, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write", slow_write)
+    handle = m.save_async(step, tree)
+    assert writing.wait(60)
+    return handle, release
+
+
+def test_two_managers_never_remove_each_others_saves_in_progress(root, monkeypatch):
+    a = tsckpt.CheckpointManager(root)
+    b = tsckpt.CheckpointManager(root, keep_last=1)
+    handle, release = _hold_step(monkeypatch, a, 5, _state(5))
+    try:
+        b.save(6, _state(6))
+        b.save(7, _state(7))  # retention and clean-up after the commit: 6 goes, 5 is running
+        tsckpt.CheckpointManager(root)  # so is the clean-up of a manager starting
+        assert b.all_steps() == [7]
+        with pytest.raises(tsckpt.CheckpointIncompleteError):
+            b.restore(5)  # still there, still pending
+        with pytest.raises(tsckpt.SaveInProgressError) as e:
+            b.save(5, _state(50))
+        assert str(e.value).startswith(f"{tsckpt._store.resolve(root)}: step 5 is being saved by another save that "
+                                       f"is still running (pid {os.getpid()} on host ")
+        assert "wait for it, or save another step" in str(e.value)
+        with pytest.raises(tsckpt.SaveInProgressError, match="step 5 is being saved"):
+            b.save(5, _state(50), overwrite=True)
+    finally:
+        release.set()
+    handle.result(timeout=60)
+    assert a.all_steps() == [5, 7]  # a keeps everything; b's retention counts a's steps too
+    _check(a.restore(5), 5)
+    b.save(8, _state(8))
+    assert b.all_steps() == [8]
+    a.close()
+    b.close()
+
+
+def test_two_managers_racing_for_one_step_one_wins(root, monkeypatch):
+    """Both find step 3 free; the conditional claim lets exactly one save it."""
+    import threading
+
+    import tsckpt._save as save_module
+
+    both_checked = threading.Barrier(2, timeout=30)
+    real = save_module._store.has_any_key
+
+    def has_any_key(loc):
+        found = real(loc)
+        both_checked.wait()
+        return found
+
+    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
+    managers = [tsckpt.CheckpointManager(root) for _ in range(2)]
+    outcome: dict[int, BaseException | None] = {}
+
+    def saver(i: int) -> None:
+        try:
+            managers[i].save(3, _state(10 + i))
+            outcome[i] = None
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcome[i] = e
+
+    threads = [threading.Thread(target=saver, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [i for i, e in outcome.items() if e is None]
+    losers = [e for e in outcome.values() if e is not None]
+    assert len(winners) == 1 and len(losers) == 1, outcome
+    assert isinstance(losers[0], tsckpt.CheckpointExistsError)
+    assert "another save into this directory started at the same time and claimed it first" in str(losers[0])
+    _check(managers[0].restore(3), 10 + winners[0])

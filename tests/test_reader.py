@@ -440,27 +440,36 @@ def test_a_null_order_is_no_order(tree_ck):
     assert tsckpt.verify(tree_ck, progress=False).ok
 
 
+def test_raw_bits_restore_only_into_their_own_dtype(ckdir):
+    """A record whose dtype says raw bits made a float target fail inside torch's copy."""
+    bits = torch.arange(6, dtype=torch.int16).view(torch.bits16)
+    tsckpt.save(ckdir, {"b": bits})
+    for target, shown in ((torch.zeros(6, dtype=torch.bfloat16), "torch.bfloat16"), (np.zeros(6, np.uint16), "uint16")):
+        with pytest.raises(tsckpt.LeafTypeError) as info:
+            tsckpt.restore(ckdir, {"b": target})
+        assert str(info.value) == (
+            f"'b': stored dtype bits16 cannot be restored into the {shown} target: raw bits cast to no other dtype; "
+            "use a target of the stored dtype"
+        )
+    assert tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})["b"].view(torch.int16).tolist() == list(range(6))
+    assert tsckpt.restore(ckdir, {"b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})["b"].view(torch.int16).tolist() == list(range(6))
+
+
 def test_dtypes_torch_cannot_cast_are_refused_for_tensor_targets(ckdir):
-    """A record whose dtype says raw bits or int4 made a float tensor target fail inside
-    torch's copy (NotImplementedError); one torch has no dtype for, with a KeyError."""
-    tsckpt.save(ckdir, {"b": torch.arange(6, dtype=torch.int16).view(torch.bits16),
-                        "i4": np.arange(-3, 3).astype(ml_dtypes.int4), "e3": np.ones(2, ml_dtypes.float8_e3m4)})
-    target = {"b": torch.zeros(6, dtype=torch.bfloat16), "i4": np.zeros(6, np.int8), "e3": np.zeros(2, np.float32)}
-    with pytest.raises(tsckpt.LeafTypeError) as info:
-        tsckpt.restore(ckdir, target)
-    assert str(info.value) == (
-        "'b': stored dtype bits16 cannot be cast to torch.bfloat16 by torch; use a bits16 tensor or a numpy array "
-        "as the target"
-    )
-    for leaf, tensor in (("i4", torch.zeros(6)), ("e3", torch.zeros(2))):
-        with pytest.raises(tsckpt.LeafTypeError, match=f"^'{leaf}': stored dtype .* cannot be cast to torch.float32"):
-            tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.uint16), leaf: tensor})
-    with pytest.raises(tsckpt.LeafTypeError, match="'b': stored dtype bits16 is raw bits .* no value to cast to float32"):
-        tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.float32)})
-    out = tsckpt.restore(ckdir, {**target, "b": np.zeros(6, np.uint16)})
-    assert out["b"].tolist() == list(range(6)) and out["i4"].tolist() == list(range(-3, 3))
-    same = tsckpt.restore(ckdir, {**target, "b": torch.zeros(6, dtype=torch.int16).view(torch.bits16)})
-    assert same["b"].view(torch.int16).tolist() == list(range(6))
+    """A record whose dtype says int4 made a tensor target fail inside torch's copy
+    (NotImplementedError); one torch has no dtype for, with a KeyError. numpy casts them."""
+    tsckpt.save(ckdir, {"i4": np.arange(-3, 3).astype(ml_dtypes.int4), "e3": np.ones(2, ml_dtypes.float8_e3m4)})
+    target = {"i4": np.zeros(6, np.int8), "e3": np.zeros(2, np.float32)}
+    for leaf, tensor in (("i4", torch.zeros(6, dtype=torch.int8)), ("e3", torch.zeros(2))):
+        with pytest.raises(tsckpt.LeafTypeError) as info:
+            tsckpt.restore(ckdir, {**target, leaf: tensor})
+        stored = "int4" if leaf == "i4" else "float8_e3m4"
+        assert str(info.value) == (
+            f"'{leaf}': stored dtype {stored} cannot be cast to the {tensor.dtype} target by torch; restore into a "
+            "numpy array (numpy casts it) or a target of the stored dtype"
+        )
+    out = tsckpt.restore(ckdir, target)
+    assert out["i4"].tolist() == list(range(-3, 3)) and out["e3"].tolist() == [1.0, 1.0]
 
 
 def test_a_torch_kind_needs_a_torch_dtype(ckdir):

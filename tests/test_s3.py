@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -207,10 +209,12 @@ def test_4_ranks_save_2_ranks_restore(s3_env, prefix):
 
 
 def _crash_before_commit(monkeypatch):
+    """The save dies before its commit, as a killed process would: no clean-up runs."""
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash before the commit")
 
     monkeypatch.setattr(save_module, "_commit", crash)
+    monkeypatch.setattr(save_module, "_abandon", lambda *args, **kwargs: None)
 
 
 def test_interrupted_save_never_looks_complete(s3_server, prefix, monkeypatch):
@@ -229,6 +233,62 @@ def test_interrupted_save_never_looks_complete(s3_server, prefix, monkeypatch):
         tsckpt.save(url, _tree(1))
     tsckpt.save(url, _tree(1), overwrite=True)
     _assert_tree(tsckpt.restore(url), 1)
+
+
+def test_failed_save_is_removed_and_saving_again_needs_no_overwrite(s3_server, prefix, monkeypatch):
+    url = f"s3://{BUCKET}/{prefix}"
+    real = save_module._write_regions
+
+    def refused(*args, **kwargs):
+        real(*args, **kwargs)  # the data is written, then a request is refused, as TensorStore reports it
+        raise ValueError(f"PERMISSION_DENIED: Error writing \"{prefix}/w/c/0\" [http_response_code='403']")
+
+    with monkeypatch.context() as m:
+        m.setattr(save_module, "_write_regions", refused)
+        with pytest.raises(tsckpt.StorageError) as e:
+            tsckpt.save(url, _tree())
+    assert e.value.errno == errno.EACCES and isinstance(e.value, OSError)
+    assert str(e.value).startswith(f"{url}/: access denied by {s3_server}")
+    assert str(e.value).endswith("the partial checkpoint was removed, so saving again needs no overwrite=True")
+    assert _keys(s3_server, prefix + "/") == []
+    tsckpt.save(url, _tree(1))
+    _assert_tree(tsckpt.restore(url), 1)
+
+
+def test_overwrite_refuses_a_save_still_running(s3_server, prefix, monkeypatch):
+    """The running save's claim is in its pending root; overwrite=True leaves it alone."""
+    url = f"s3://{BUCKET}/{prefix}"
+    writing, release = threading.Event(), threading.Event()
+    real = save_module._write
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write", slow_write)
+    outcome: list[BaseException | None] = []
+    t = threading.Thread(target=lambda: outcome.append(_outcome(lambda: tsckpt.save(url, _tree(1)))))
+    t.start()
+    try:
+        assert writing.wait(30)
+        assert _root(s3_server, prefix)["claim"]["pid"] == os.getpid()
+        running = f"^{url}/: another save into this directory is still running"
+        with pytest.raises(tsckpt.SaveInProgressError, match=running):
+            tsckpt.save(url, _tree(2), overwrite=True)
+    finally:
+        release.set()
+        t.join(60)
+    assert outcome == [None]
+    _assert_tree(tsckpt.restore(url), 1)
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - inspected by the caller
+        return e
+    return None
 
 
 def test_concurrent_savers_exactly_one_wins(s3_server, prefix, monkeypatch):

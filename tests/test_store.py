@@ -22,9 +22,9 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
     committed_after: list[int] = []
     real_durable = store.write_durable
 
-    def durable(loc, key, data):
+    def durable(loc, key, data, **kwargs):
         committed_after.append(len(synced))
-        real_durable(loc, key, data)
+        return real_durable(loc, key, data, **kwargs)
 
     monkeypatch.setattr(store, "write_durable", durable)
     d = str(tmp_path / "ck")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import __version__, _dtypes
+from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
 from ._convert import TARGETS
 from ._format import LAYOUT_PLAIN, LAYOUTS
@@ -278,7 +279,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
-            dtype=args.dtype, overwrite=args.overwrite, layout=args.layout,
+            dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
     p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point arrays, e.g. bfloat16 or float16")
+    p.add_argument("--casting", choices=CASTINGS, default="same_kind",
+                   help="what --dtype may do: same_kind fails on a value beyond the new dtype's range, unsafe "
+                   "casts it anyway with a warning (default: same_kind)")
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUT_PLAIN,
                    help="tsckpt destination layout: plain (a file per shard, readable by any zarr v3 tool) or "
                    "compact (a few files per rank, readable by TensorStore) (default: plain)")

@@ -21,10 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes, _safetensors, _store
+from . import _dtypes, _lease, _safetensors, _store
+from ._casting import CastCheck, check_casting
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
+from ._kinds import check_cast
 from ._leaves import describe, memory
 from ._reader import read_root_states
+from ._restore import warn_lost_values
 from ._save import save
 from ._progress import Progress
 from ._sources import open_source
@@ -110,13 +113,20 @@ def select(tree: Any, subtree: str | None, strip_prefix: str | None, add_prefix:
     return Selected(names, flat.leaves, None if renamed else structure_to_json(flat.spec))
 
 
-def _reader(local: Local, cast: torch.dtype | None, count: Callable[[int], None]) -> tuple[LazySource, str]:
-    """A lazy source over one stored array that casts floating-point data to ``cast`` and
-    counts what it reads; returns it with its (output) logical dtype."""
+def _reader(
+    local: Local, cast: torch.dtype | None, casting: str, count: Callable[[int], None]
+) -> tuple[LazySource, str, CastCheck | None]:
+    """A lazy source over one stored array that casts floating-point data to ``cast`` (its
+    values checked as ``casting`` says) and counts what it reads; returns it with its
+    (output) logical dtype and the check."""
     stored = local.desc.dtype
     out = stored
+    check = None
     if cast is not None and _dtypes.torch_dtype(stored).is_floating_point:
         out = _dtypes.torch_name(cast)
+        check = check_cast(local.desc.path, stored, cast, casting=casting)
+        if check is not None:
+            check.fix = 'Pass casting="unsafe" (--casting unsafe) to cast anyway, or convert without a dtype'
     data = local.data
 
     def read(box: tuple[slice, ...]) -> np.ndarray:
@@ -127,13 +137,15 @@ def _reader(local: Local, cast: torch.dtype | None, count: Callable[[int], None]
         else:
             arr = np.asarray(block)
         count(arr.nbytes)
+        if check is not None:
+            check.check(arr, [b.start for b in box])
         if out != stored:
             arr = _dtypes.tensor_to_numpy(_dtypes.numpy_to_tensor(np.ascontiguousarray(arr), stored).to(cast))
         return arr
 
     kind = local.desc.kind
     dtype: Any = _dtypes.torch_dtype(out) if kind == "torch" else _dtypes.numpy_dtype(out)
-    return LazySource(local.desc.global_shape, dtype, read, kind=kind), out
+    return LazySource(local.desc.global_shape, dtype, read, kind=kind), out, check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +156,15 @@ class _Prepared:
     dtypes: dict[str, str]  # stored name -> output logical dtype
     aliases: dict[str, str]  # tied name -> stored name
     nbytes_in: int
+    checks: list[CastCheck]  # of the casts that may lose values
 
 
-def _prepare(sel: Selected, cast: torch.dtype | None, count: Callable[[int], None]) -> _Prepared:
+def _prepare(sel: Selected, cast: torch.dtype | None, casting: str, count: Callable[[int], None]) -> _Prepared:
     first: dict[Any, tuple[str, LazySource]] = {}
     leaves: list[Any] = []
     dtypes: dict[str, str] = {}
     aliases: dict[str, str] = {}
+    checks: list[CastCheck] = []
     nbytes = 0
     for name, leaf in zip(sel.names, sel.leaves):
         local = describe(name, leaf)
@@ -163,12 +177,14 @@ def _prepare(sel: Selected, cast: torch.dtype | None, count: Callable[[int], Non
             aliases[name] = first[key][0]
             leaves.append(first[key][1])
             continue
-        src, out = _reader(local, cast, count)
+        src, out, check = _reader(local, cast, casting, count)
+        if check is not None:
+            checks.append(check)
         first[key] = (name, src)
         dtypes[name] = out
         nbytes += math.prod(src.shape) * _dtypes.itemsize(local.desc.dtype)
         leaves.append(src)
-    return _Prepared(leaves, dtypes, aliases, nbytes)
+    return _Prepared(leaves, dtypes, aliases, nbytes, checks)
 
 
 def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: bool, layout: str) -> None:
@@ -193,7 +209,10 @@ def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
     if existed and not overwrite:
         return
     loc = _store.resolve(dst)
-    state = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY].state
+    root = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY]
+    state = root.state
+    if state == STATE_PENDING and _lease.running((root.meta or {}).get("claim")):
+        return  # another save, still running: save() refused it
     if state == STATE_PENDING or (state is None and not existed):
         _store.delete_all(loc)
         if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
@@ -239,6 +258,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     layout: str = LAYOUT_PLAIN,
+    casting: str = "same_kind",
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
 
@@ -250,7 +270,8 @@ def convert(
     ``dst`` is a tsckpt checkpoint, or safetensors (``to_format="safetensors"``, or a
     path ending in ``.safetensors``): one file, or a Hugging Face directory sharded at
     ``max_shard_size`` (e.g. ``"5GB"``). ``subtree`` picks the leaves below a path;
-    ``strip_prefix``/``add_prefix`` rename them; ``dtype`` casts floating-point arrays.
+    ``strip_prefix``/``add_prefix`` rename them; ``dtype`` casts floating-point arrays,
+    with their values checked as ``casting`` says (see :func:`tsckpt.restore`).
     Tied leaves stay tied. ``progress`` shows a bar (default: when stderr is a terminal).
     ``layout`` is the tsckpt destination's layout (see :func:`tsckpt.save`).
     """
@@ -267,16 +288,18 @@ def convert(
     if shard_limit is not None and (to != "safetensors" or dst_s.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
+    check_casting(casting)
     fmt, tree = open_source(src_s, from_format)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_s, show=progress) as counter:
-        prep = _prepare(sel, cast, counter.update)
+        prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst_s, sel, prep, overwrite, layout)
         else:
             files = _write_safetensors(dst_s, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
+    warn_lost_values(list(prep.checks))
     n_values = sum(not isinstance(x, LazySource) for x in prep.leaves)
     nbytes = sum(
         math.prod(x.shape) * _dtypes.itemsize(prep.dtypes[n])

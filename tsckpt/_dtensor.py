@@ -59,22 +59,22 @@ class DTensorKind(LeafKind):
         offsets, _ = region(path, leaf)
         return region_leaf(path, leaf.to_local(), tuple(leaf.shape), offsets, "torch")
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         """Read this rank's region straight into (a copy of) the DTensor's local shard."""
         from torch.distributed.tensor import DTensor
 
         check_shape(path, tuple(leaf.shape), rec.shape)
         local = leaf.to_local()
-        check_cast(path, rec.dtype, local.dtype)
+        cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         offsets, lengths = region(path, leaf)
         item = ReadItem(path, offsets, lengths, (0,) * len(offsets))
         if inplace:
-            return Dest(item, local, leaf)
+            return Dest(item, local, leaf, cast=cast)
         fresh = torch.empty_like(local)
         result = DTensor.from_local(
             fresh, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
         )
-        return Dest(item, fresh, result)
+        return Dest(item, fresh, result, cast=cast)
 
     def memory(self, leaf: Any) -> Memory:
         return TorchKind().memory(leaf.to_local())

@@ -4,9 +4,10 @@ Small arrays are written as one kvstore write of their encoded chunk, without
 TensorStore's per-array open and write machinery, which dominated saves of
 thousands of small leaves. The codec chain is [bytes (little endian), crc32c]
 (docs/format.md); tests/test_encode.py checks the files against TensorStore's
-own. Sharded arrays are encoded by TensorStore: doing it here was measured
-slower (Python-side copies outweighed the faster crc32c). Restores decode such
-chunks here too (one kvstore read each, no TensorStore array per small leaf).
+own. Shard files of a local checkpoint are written by _shardwrite.py (without
+the copies that made encoding them here into bytes slower than TensorStore);
+elsewhere TensorStore encodes them. Restores decode single chunks here too (one
+kvstore read each, no TensorStore array per small leaf).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class TsckptError(Exception):
     """Base class of every error tsckpt raises on purpose."""
@@ -55,12 +57,43 @@ class DistributedError(TsckptError, RuntimeError):
 
 
 class SaveInProgressError(TsckptError, RuntimeError):
-    """An asynchronous save is still running and the caller asked not to wait for it."""
+    """A save is still running: an asynchronous save the caller asked not to wait for, or
+    another process's save into the directory being overwritten or cleaned up."""
+
+
+class LossyCastError(TsckptError, ValueError):
+    """Values read would not survive the cast into the target's dtype (overflow, lost integer
+    bits) under a casting policy that checks them."""
 
 
 class StorageError(TsckptError, OSError):
-    """The storage service refused or could not be reached: no such bucket, access denied,
-    endpoint unreachable."""
+    """The storage failed a request: an object store refused or could not be reached (no
+    such bucket, access denied, endpoint unreachable), or the operating system reported an
+    error (no space left, permission denied, read-only file system, I/O error).
+
+    ``errno`` is set when the cause has one, ``filename`` names the file (or the
+    checkpoint), and ``leaf`` is the leaf path being read or written, when known.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None,
+                 leaf: str | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.strerror = os.strerror(errno) if errno else None
+        self.filename = filename
+        self.leaf = leaf
+
+    def __str__(self) -> str:  # OSError would format errno and filename instead of the message
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple:  # type: ignore[type-arg]
+        state = {"errno": self.errno, "strerror": self.strerror, "filename": self.filename, "leaf": self.leaf}
+        return (type(self), (str(self),), state)
+
+
+class StorageFullError(StorageError):
+    """No space is left on the device, or the disk quota is used up (``errno`` ENOSPC or
+    EDQUOT): free space, then save again."""
 
 
 __all__ = [
@@ -72,10 +105,12 @@ __all__ = [
     "FormatVersionError",
     "LayoutError",
     "LeafTypeError",
+    "LossyCastError",
     "NotACheckpointError",
     "SaveInProgressError",
     "ShapeMismatchError",
     "StorageError",
+    "StorageFullError",
     "StructureMismatchError",
     "TsckptError",
 ]

@@ -38,11 +38,11 @@ class JaxKind(LeafKind):
         data = np.asarray(leaf)
         return region_leaf(path, data, data.shape, (0,) * data.ndim, "numpy")
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         import jax
 
         check_shape(path, tuple(leaf.shape), rec.shape)
-        check_cast(path, rec.dtype, leaf.dtype)
+        cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
         buf = host_empty(rec.shape, leaf.dtype)
         sharding = leaf.sharding
-        return Dest(whole(rec, path), buf, None, finish=lambda a: jax.device_put(a, sharding))
+        return Dest(whole(rec, path), buf, None, finish=lambda a: jax.device_put(a, sharding), cast=cast)

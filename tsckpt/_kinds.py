@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes
+from . import _casting, _dtypes
+from ._casting import CastCheck
 from ._errors import LeafTypeError, ShapeMismatchError
 from ._format import ArrayRecord
 from ._plan import LeafDesc, ReadItem, plan_read
@@ -41,29 +42,56 @@ def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> No
         )
 
 
-def check_cast(path: str, stored: str, target: Any) -> None:
-    """``target``: a torch or numpy dtype."""
-    is_complex = target.is_complex if isinstance(target, torch.dtype) else np.dtype(target).kind == "c"
-    if stored.startswith("complex") and not is_complex:
-        raise LeafTypeError(
-            f"'{path}': stored dtype {stored} is complex but the target is {target}; casting would drop the "
-            "imaginary part. Use a complex target"
-        )
-    storage = _dtypes.storage_dtype(stored)
-    raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
+def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastCheck | None:
+    """Whether ``casting`` lets a restore cast the stored dtype into ``target`` (a torch or
+    numpy dtype): raises :class:`LeafTypeError` before anything is read when it does not.
+    Returns the check to run on the values read when the cast may lose some, None when it
+    cannot (same dtype, or a cast that keeps every value up to a float's rounding)."""
     if isinstance(target, torch.dtype):
-        # torch has no copy kernels for int4 and raw bits, and no dtype at all for some ml_dtypes
-        castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4" and not raw
-        if _dtypes.torch_name(target) != stored and not castable:
-            raise LeafTypeError(
-                f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
-                "or a numpy array as the target"
-            )
-    elif raw and _dtypes.numpy_name(np.dtype(target)) not in (stored, storage):
+        name = _dtypes.torch_name(target) if _dtypes.is_supported_torch(target) else None
+        shown, swapped = str(target), False
+    else:
+        dt = np.dtype(target)
+        name, shown, swapped = _dtypes.numpy_name(dt.newbyteorder("=")), str(dt), not dt.isnative
+    if name is None:
         raise LeafTypeError(
-            f"'{path}': stored dtype {stored} is raw bits (stored as {storage}), which have no value to cast "
-            f"to {target}. Use a {storage} numpy array or a {stored} tensor as the target"
+            f"'{path}': the target dtype {shown} is not one tsckpt restores into; use a target of the "
+            f"stored dtype {stored} or another dtype tsckpt stores"
         )
+    # torch has no copy kernels from int4, and no dtype at all for some ml_dtypes: a tensor target
+    # of another dtype failed inside the copy (NotImplementedError, KeyError)
+    torch_casts = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
+    if isinstance(target, torch.dtype) and name != stored and not torch_casts and _casting.level(stored, name):
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} cannot be cast to the {shown} target by torch; restore into a "
+            f"numpy array (numpy casts it) or a target of the stored dtype"
+        )
+    needed = _casting.level(stored, name)
+    if needed == "no" and swapped:
+        needed = "equiv"
+    if needed is not None and _casting.CASTINGS.index(casting) >= _casting.CASTINGS.index(needed):
+        return _casting.CastCheck(path, stored, name, casting) if _casting.can_lose(stored, name) else None
+    if needed is None:
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} cannot be restored into the {shown} target: raw bits cast to no "
+            "other dtype; use a target of the stored dtype"
+        )
+    if _casting.info(stored).kind == "c" and _casting.info(name).kind != "c":
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} is complex but the target is {shown}; casting would drop the "
+            'imaginary part. Use a complex target, or casting="unsafe" to drop it'
+        )
+    why = {
+        "equiv": "the byte order differs",
+        "safe": "the dtypes differ",
+        "same_kind": "not every stored value is exactly a target value",
+        "unsafe": f"{_casting.kind_name(stored)} to {_casting.kind_name(name)}",
+    }[needed]
+    fix = f'"{needed}"' + (" to cast and check the values read" if needed == "same_kind" else "")
+    raise LeafTypeError(
+        f"'{path}': casting=\"{casting}\" refuses stored {stored} into the {shown} target ({why}); restore into "
+        f"a target of the stored dtype {stored}, or pass casting={fix}"
+    )
 
 
 def writable(arr: np.ndarray, path: str) -> np.ndarray:
@@ -178,8 +206,9 @@ class LeafKind:
         """The leaf's descriptor for the save plan, and its local data."""
         raise LeafTypeError(f"'{path}': a {type(leaf).__name__} is a restore target only; it cannot be saved")
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
-        """Where a restore writes this target leaf's data, and what it returns for the leaf."""
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
+        """Where a restore writes this target leaf's data, and what it returns for the leaf
+        (``casting``: see :func:`check_cast`)."""
         raise LeafTypeError(
             f"'{path}': a {type(leaf).__name__} cannot be a restore target; use a tensor, numpy array, "
             "tsckpt.ArraySpec or ShardedArray"
@@ -197,11 +226,11 @@ class TorchKind(LeafKind):
     def describe(self, path: str, leaf: torch.Tensor) -> Local:
         return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: torch.Tensor, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: torch.Tensor, inplace: bool, casting: str) -> Dest:
         check_shape(path, tuple(leaf.shape), rec.shape)
-        check_cast(path, rec.dtype, leaf.dtype)
+        cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
         t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
-        return Dest(whole(rec, path), t, t)
+        return Dest(whole(rec, path), t, t, cast=cast)
 
     def memory(self, leaf: torch.Tensor) -> Memory:
         return (str(leaf.device), leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape),
@@ -219,13 +248,13 @@ class NumpyKind(LeafKind):
             leaf = leaf.astype(leaf.dtype.newbyteorder("="))
         return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         check_shape(path, np.shape(leaf), rec.shape)
-        check_cast(path, rec.dtype, leaf.dtype)
+        cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
         if isinstance(leaf, np.generic):  # immutable: a 0-d buffer, made a scalar after the read
-            return Dest(whole(rec, path), np.empty((), dtype=leaf.dtype), None, finish=lambda a: a[()])
+            return Dest(whole(rec, path), np.empty((), dtype=leaf.dtype), None, finish=lambda a: a[()], cast=cast)
         a = leaf if inplace else host_empty(rec.shape, leaf.dtype)
-        return Dest(whole(rec, path), writable(a, path), a)
+        return Dest(whole(rec, path), writable(a, path), a, cast=cast)
 
     def memory(self, leaf: Any) -> Memory | None:
         if not isinstance(leaf, np.ndarray):
@@ -246,17 +275,17 @@ class ShardedKind(LeafKind):
         kind = "torch" if isinstance(leaf.local, torch.Tensor) else "numpy"
         return region_leaf(path, leaf.local, leaf.global_shape, leaf.offsets, kind)
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool, casting: str) -> Dest:
         local = leaf.local
         check_shape(path, leaf.global_shape, rec.shape)
-        check_cast(path, rec.dtype, local.dtype)
+        cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
         t: Any
         if isinstance(local, torch.Tensor):
             t = local if inplace else torch.empty_like(local)
         else:
             t = writable(local if inplace else host_empty(local.shape, local.dtype), path)
-        return Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets))
+        return Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets), cast=cast)
 
     def memory(self, leaf: ShardedArray) -> Memory | None:
         return next((k.memory(leaf.local) for k in self._local_kinds if k.owns(leaf.local)), None)
@@ -268,17 +297,20 @@ class SpecKind(LeafKind):
     def owns(self, leaf: Any) -> bool:
         return isinstance(leaf, ArraySpec)
 
-    def destination(self, rec: ArrayRecord, path: str, leaf: ArraySpec, inplace: bool) -> Dest:
+    def destination(self, rec: ArrayRecord, path: str, leaf: ArraySpec, inplace: bool, casting: str) -> Dest:
         if leaf.shape is not None:
             check_shape(path, tuple(leaf.shape), rec.shape)
         if isinstance(leaf.dtype, torch.dtype):
-            check_cast(path, rec.dtype, leaf.dtype)
+            cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
             t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
-            return Dest(whole(rec, path), t, t)
-        dtype = np.dtype(leaf.dtype) if leaf.dtype is not None else _dtypes.numpy_dtype(rec.dtype)
-        check_cast(path, rec.dtype, dtype)
+            return Dest(whole(rec, path), t, t, cast=cast)
+        if leaf.dtype is None:  # the stored dtype (complex32, which numpy lacks, is a torch dtype above)
+            a = host_empty(rec.shape, _dtypes.numpy_dtype(rec.dtype))
+            return Dest(whole(rec, path), a, a)
+        dtype = np.dtype(leaf.dtype)
+        cast = check_cast(path, rec.dtype, dtype, casting=casting)
         a = host_empty(rec.shape, dtype)
-        return Dest(whole(rec, path), a, a)
+        return Dest(whole(rec, path), a, a, cast=cast)
 
 
 class LazyKind(LeafKind):

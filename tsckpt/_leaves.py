@@ -45,15 +45,16 @@ def describe(path: str, leaf: Any) -> Local:
     return Local(LeafDesc(path=path, kind="value", value=value))
 
 
-def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool) -> Dest:
-    """Where restore puts the stored array ``rec`` for the target leaf ``leaf``."""
+def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool, *, casting: str = "same_kind") -> Dest:
+    """Where restore puts the stored array ``rec`` for the target leaf ``leaf``, cast as
+    ``casting`` allows (see :func:`tsckpt._kinds.check_cast`)."""
     kind = kind_of(leaf)
     if kind is None:
         raise LeafTypeError(
             f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
             f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
         )
-    return kind.destination(rec, path, leaf, inplace)
+    return kind.destination(rec, path, leaf, inplace, casting)
 
 
 def memory(x: Any) -> Memory | None:

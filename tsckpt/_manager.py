@@ -6,6 +6,13 @@ flight, one that crashed, or a deletion that was cut short. Incomplete steps are
 never listed, restored or counted for retention, and are removed when the
 manager starts and after every commit.
 
+Several managers (or jobs) may save under one root, each its own steps. A
+pending step whose save may still be running (its claim's lease is fresh and,
+on this machine, its process is alive; see tsckpt/_lease.py) is never deleted by
+clean-up or retention, and saving a step that another save is writing is
+refused, so one manager never destroys another's save in progress. Retention
+applies to all complete steps under the root, whichever manager wrote them.
+
 Deleting a step first makes it incomplete (on a local disk the directory is
 renamed away in one atomic step; elsewhere the root ``zarr.json`` goes first),
 so a crash in the middle of a deletion never leaves a damaged step that looks
@@ -34,11 +41,11 @@ from typing import Any
 
 import tensorstore as ts
 
-from . import _dist, _store
+from . import _dist, _lease, _store
 from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
-from ._errors import CheckpointExistsError, CheckpointNotFoundError
-from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
-from ._reader import read_root_states
+from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
+from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING
+from ._reader import RootState, read_root_states
 from ._store import Directory, fsync_path, resolve, storage_errors
 
 _STEP = re.compile(r"[0-9]+")
@@ -53,8 +60,10 @@ class CheckpointManager:
     additionally keeps every step divisible by K; the latest complete step is
     never deleted. With neither, nothing is deleted. ``root`` is anything
     :func:`tsckpt.save` accepts (a local path, ``memory://...``, ``s3://...``, a
-    kvstore spec). Several managers (or jobs) must not save under one root at
-    the same time. ``layout`` is passed to every save (see :func:`tsckpt.save`).
+    kvstore spec). Several managers may share a root: a step another save is
+    still writing is neither deleted nor saved over (SaveInProgressError), and
+    retention counts every complete step under the root. ``layout`` is passed to
+    every save (see :func:`tsckpt.save`).
     """
 
     def __init__(
@@ -124,19 +133,19 @@ class CheckpointManager:
             keys = self._loc.kvstore().list(markers, strip_prefix_length=len(_INDEX)).result()
         return sorted(k.decode("utf-8", "replace") for k in keys)
 
-    def _states(self, names: Iterable[str]) -> dict[str, str | None]:
-        """Root state of each step directory: "committed", "pending", None (no root) or "invalid"."""
+    def _roots(self, names: Iterable[str]) -> dict[str, RootState]:
+        """Root of each step directory: its state is "committed", "pending", None (no root) or "invalid"."""
         with storage_errors(self._loc):
             roots = read_root_states(self._loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
-        return {key[: -len(ROOT_KEY) - 1]: root.state for key, root in roots.items()}
+        return {key[: -len(ROOT_KEY) - 1]: root for key, root in roots.items()}
 
-    def _step_states(self) -> dict[int, tuple[str, str | None]]:
+    def _step_states(self) -> dict[int, tuple[str, RootState]]:
         names = [n for n in self._names() if _STEP.fullmatch(n)]
-        return {int(n): (n, s) for n, s in self._states(names).items()}
+        return {int(n): (n, root) for n, root in self._roots(names).items()}
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint, ascending."""
-        return sorted(step for step, (_, state) in self._step_states().items() if state == STATE_COMMITTED)
+        return sorted(step for step, (_, root) in self._step_states().items() if root.state == STATE_COMMITTED)
 
     def latest_step(self) -> int | None:
         """The most recent complete step, or None if there is none yet."""
@@ -145,15 +154,23 @@ class CheckpointManager:
 
     # ---- saving --------------------------------------------------------------
 
-    def _check_free(self, step: int, overwrite: bool) -> bool:
-        """Raise if ``step`` is complete and may not be replaced; True if its directory must be cleared."""
+    def _check_free(self, step: int, overwrite: bool, *, judge_running: bool = True) -> bool:
+        """Raise if ``step`` is complete and may not be replaced, or (``judge_running``) is
+        being saved by a running save; True if its directory must be cleared."""
         name = self._name(step)
-        state = self._states([name])[name]
-        if state == STATE_COMMITTED and not overwrite:
+        root = self._roots([name])[name]
+        if root.state == STATE_COMMITTED and not overwrite:
             raise CheckpointExistsError(
                 f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
             )
-        if state is not None:
+        if judge_running and _running(root):
+            claim = root.meta.get("claim") if root.meta is not None else None
+            raise SaveInProgressError(
+                f"{self._loc}: step {step} is being saved by another save that is still running "
+                f"({_lease.describe(claim)}); wait for it, or save another step. If its process is gone, the step "
+                "is removed once its lease has expired"
+            )
+        if root.state is not None:
             return True
         if self._loc.local is not None:
             return os.path.exists(os.path.join(self._loc.local, name))
@@ -166,9 +183,11 @@ class CheckpointManager:
 
         def job(tree: Any) -> None:
             if self._rank == 0:
-                if clear:
-                    self._delete(self._name(step))
-                self._mark(self._name(step))
+                name = self._name(step)
+                # a running save found meanwhile is left alone: save() then refuses on every rank
+                if clear and not _running(self._roots([name])[name]):
+                    self._delete(name)
+                self._mark(name)
             save(self.directory(step), tree, **kwargs)
             if self._rank == 0:
                 self._after_commit()
@@ -179,9 +198,11 @@ class CheckpointManager:
         """Save ``tree`` as step ``step`` and apply retention; returns once committed.
 
         An incomplete directory for ``step`` (a crashed save) is replaced; a
-        complete one only with ``overwrite=True``. An asynchronous save still in
+        complete one only with ``overwrite=True``; one another save is still
+        writing never (SaveInProgressError). An asynchronous save still in
         flight is waited for first (or, with ``if_busy="error"``, refused)."""
-        self._saver.run(lambda: self._job(step, self._check_free(step, overwrite))(tree), if_busy=self._if_busy)
+        self._saver.run(lambda: self._job(step, self._check_free(step, overwrite, judge_running=self._solo()))(tree),
+                        if_busy=self._if_busy)
 
     def save_async(self, step: int, tree: Any, *, overwrite: bool = False) -> AsyncSave:
         """Like :meth:`save`, but returns once ``tree`` is copied to host memory;
@@ -189,7 +210,7 @@ class CheckpointManager:
         clear: list[bool] = []
 
         def prepare() -> None:
-            clear.append(self._check_free(step, overwrite))
+            clear.append(self._check_free(step, overwrite, judge_running=self._solo()))
             prepare_group(self._group, self._timeout)
 
         def job(staged: Any) -> None:
@@ -197,6 +218,12 @@ class CheckpointManager:
 
         label = str(resolve(self.directory(step)))
         return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare)
+
+    def _solo(self) -> bool:
+        """Whether this rank may refuse on its own: ranks can judge a save's liveness
+        differently (each sees its own machine's processes), so under torch.distributed
+        only save() refuses, on rank 0's judgement, for every rank."""
+        return not _dist.is_distributed()
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any; re-raise its failure."""
@@ -213,7 +240,10 @@ class CheckpointManager:
 
     # ---- restoring -----------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False) -> Any:
+    def restore(
+        self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False,
+        casting: str = "same_kind",
+    ) -> Any:
         """Restore step ``step`` (default: the latest complete one); see :func:`tsckpt.restore`."""
         from ._restore import restore
 
@@ -224,7 +254,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self._loc}: no complete checkpoint to restore yet")
-        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace}
+        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace, "casting": casting}
         if self._group is not None:
             kwargs["group"] = self._group
         if self._timeout is not None:
@@ -235,7 +265,7 @@ class CheckpointManager:
 
     def _after_commit(self) -> None:
         steps = self._step_states()
-        complete = sorted(s for s, (_, state) in steps.items() if state == STATE_COMMITTED)
+        complete = sorted(s for s, (_, root) in steps.items() if root.state == STATE_COMMITTED)
         doomed = [steps[s][0] for s in self._expired(complete)]
         for name in doomed:
             self._delete(name)
@@ -251,12 +281,14 @@ class CheckpointManager:
             keep.update(s for s in complete if s % self.keep_every == 0)
         return [s for s in complete if s not in keep]
 
-    def _clean(self, steps: dict[int, tuple[str, str | None]] | None = None) -> None:
-        """Remove incomplete step directories and leftovers of interrupted deletions."""
+    def _clean(self, steps: dict[int, tuple[str, RootState]] | None = None) -> None:
+        """Remove incomplete step directories (never one whose save is still running) and
+        leftovers of interrupted deletions."""
         if steps is None:
             steps = self._step_states()
-        for name, state in steps.values():
-            if state in (None, "pending"):  # "invalid" roots are left for a person to look at
+        for name, root in steps.values():
+            # "invalid" roots are left for a person to look at
+            if root.state is None or (root.state == STATE_PENDING and not _running(root)):
                 self._delete(name)
         if self._loc.local is not None:
             for name in self._names():
@@ -286,6 +318,11 @@ class CheckpointManager:
             kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
             kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
             kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
+
+
+def _running(root: RootState) -> bool:
+    """A pending step whose save may still be running (in this process or another)."""
+    return root.state == STATE_PENDING and root.meta is not None and _lease.running(root.meta.get("claim"))
 
 
 __all__ = ["CheckpointManager"]

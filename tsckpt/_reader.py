@@ -17,6 +17,7 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes, _orbax, _store
+from ._links import refuse_links
 from ._arrays import MANIFEST, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from ._errors import (
     CheckpointIncompleteError,
@@ -98,6 +99,12 @@ class Checkpoint:
     def open_array_future(self, path: str) -> Opening:
         """Open a stored array for reading; its zarr.json is checked against the root metadata."""
         return Opening(self, path)
+
+    def check_links(self) -> None:
+        """Refuse a local checkpoint that holds a symbolic link before reading its data
+        (docs/security.md); another library's checkpoint (Orbax) is left to that library."""
+        if not self.specs:
+            refuse_links(self.location.local, str(self.location), tuple(self.arrays))
 
     def is_array(self, path: str) -> bool:
         return path in self.arrays or path in self.aliases
@@ -379,7 +386,7 @@ def _from_orbax(loc: Location, fc: _orbax.ForeignCheckpoint) -> Checkpoint:
 
 def metadata(directory: Directory) -> Any:
     """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data."""
-    return open(directory).metadata()
+    return Reader(load(directory)).metadata()
 
 
 def _classify_read_error(err: Exception) -> tuple[str, str]:
@@ -399,7 +406,7 @@ def describe_read_error(err: Exception) -> str:
 
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
-    unreachable = _store.storage_problem(ck.location, err)
+    unreachable = _store.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
     what, msg = _classify_read_error(err)
@@ -408,7 +415,7 @@ def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
 
 def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
-    unreachable = _store.storage_problem(ck.location, err)
+    unreachable = _store.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
     msg = str(err).split(" [tensorstore_spec=")[0]
@@ -653,4 +660,6 @@ class Reader(Mapping[str, Any]):
 
 def open(directory: Directory) -> Reader:  # noqa: A001 - mirrors tsckpt.open
     """A lazy, read-only view of a committed checkpoint; no process group needed."""
-    return Reader(load(directory))
+    ck = load(directory)
+    ck.check_links()
+    return Reader(ck)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 
 from . import _dtypes, _store
 from ._arrays import chunk_key, stored_node_problem
+from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, decode_chunk
@@ -27,6 +30,7 @@ from ._memory import release_free_memory
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
+from ._shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
@@ -72,6 +76,32 @@ def _user_stacklevel() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(pkg):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_lost_values(checks: list[Any]) -> None:
+    """One warning per leaf that casting="unsafe" changed values of (see ``CastCheck``)."""
+    for check in checks:
+        message = None if check is None else check.warning()
+        if message is not None:
+            warnings.warn(message, RestoreWarning, stacklevel=_user_stacklevel())
+
+
+@contextlib.contextmanager
+def cast_warnings_off(checked: bool) -> Iterator[None]:
+    """Silences numpy's and torch's own warnings on checked casts (only those can overflow
+    or drop an imaginary part): the checks report the values changed, once per leaf."""
+    if not checked:
+        yield
+        return
+    with warnings.catch_warnings(), np.errstate(over="ignore", invalid="ignore"):
+        warnings.filterwarnings("ignore", "Casting complex values to real", UserWarning)
+        yield
+
+
+def _stored_offsets(dest: Dest, dsel: tuple[slice, ...]) -> list[int]:
+    """Where in the stored array the block written to ``dsel`` of the destination starts."""
+    item = dest.item
+    return [s.start - d + o for s, d, o in zip(dsel, item.dest_offsets, item.storage_offsets)]
 
 
 def _direct_view(dest: Dest, stored: str) -> np.ndarray | None:
@@ -164,8 +194,9 @@ def read_into(
     """Execute read items shard by shard.
 
     Where the destination is CPU memory of the stored dtype, small arrays are
-    decoded here (:func:`_read_small`) and TensorStore writes the others'
-    decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
+    decoded here (:func:`_read_small`), sharded arrays of a local plain
+    checkpoint are read by :func:`read_sharded`, and TensorStore writes the
+    others' decoded chunks into it directly. Otherwise (a cast, a GPU tensor) each
     shard is read into a buffer and copied; a bounded window of such reads is
     in flight, which bounds the extra memory a restore needs; after each
     window's worth of reads the decode buffers' freed pages are given back.
@@ -175,6 +206,7 @@ def read_into(
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
     dests = _read_small(ck, dests, progress, window)
+    dests = read_sharded(ck, dests, progress, window, _direct_view)
     stores = _open_all(ck, [d.item.path for d in dests])
 
     def drain_one() -> int:
@@ -188,6 +220,8 @@ def read_into(
             progress.update(nbytes, 1)
         if direct is not None:
             return nbytes
+        if dest.cast is not None:  # before any of the block is written
+            dest.cast.check(raw, _stored_offsets(dest, dsel))
         if isinstance(dest.tensor, np.ndarray):
             if stored == "complex32":  # float16 (re, im) pairs
                 raw = raw[..., 0].astype(np.complex64) + 1j * raw[..., 1].astype(np.complex64)
@@ -241,6 +275,7 @@ def restore(
     timeout: datetime.timedelta | None = None,
     progress: bool | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    casting: str = "same_kind",
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -260,13 +295,22 @@ def restore(
     terminal); each rank logs bytes, reads and throughput at the end.
     ``max_inflight_bytes`` bounds the chunk reads in flight, which bounds the
     memory a restore needs beyond its result (smaller: less memory, less overlap).
+
+    ``casting`` is numpy's rule for a target of another dtype than the stored one
+    ("no", "equiv", "safe", "same_kind", "unsafe"); a cast it refuses raises
+    :class:`LeafTypeError` before anything is read. With "same_kind" the values read
+    are checked: one that overflows the target or loses integer bits raises
+    :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
+    with "unsafe" such losses give a :class:`RestoreWarning`.
     """
+    check_casting(casting)
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
         ck = load(directory)
+        ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
-            reader = _Reader(bar, max_inflight_bytes)
+            reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:
                 return _restore_saved(ck, as_saved, reader)
             return _restore_into(ck, target, strict, inplace, reader)
@@ -279,10 +323,12 @@ def restore(
 
 @dataclasses.dataclass(frozen=True)
 class _Reader:
-    """How a restore reads: its progress, and the bytes of reads kept in flight."""
+    """How a restore reads: its progress, the bytes of reads kept in flight, and the casting
+    allowed into targets of another dtype."""
 
     progress: Progress
     window: int
+    casting: str = "same_kind"
 
 
 def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, reader: _Reader) -> list[Any]:
@@ -301,7 +347,7 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
                 )
             out.append(ck.values[path])
         elif path in ck.arrays:
-            dest = destination(ck.arrays[path], path, leaf, inplace)
+            dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
             mem = (path, dest.item.storage_offsets, dest.item.lengths, memory(dest.tensor))
             if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
                 filled.add(mem)
@@ -309,7 +355,9 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
             out.append(dest.result)
         else:
             out.append(leaf)
-    read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
+    with cast_warnings_off(any(d.cast is not None for _, d in dests)):
+        read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
+    warn_lost_values([d.cast for _, d in dests])
     for i, dest in dests:
         if dest.finish is not None:
             out[i] = dest.restored()

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from . import _dtypes, _layout, _store
+from . import _dtypes, _layout, _lease, _shardwrite, _store
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
 from ._encode import LITTLE_ENDIAN, encode_chunk
-from ._errors import CheckpointExistsError, LeafTypeError
+from ._errors import CheckpointExistsError, DistributedError, LeafTypeError, SaveInProgressError, TsckptError
 from ._format import (
     LAYOUT_COMPACT,
     LAYOUT_PLAIN,
@@ -51,12 +54,20 @@ from ._plan import (
     without,
 )
 from ._progress import Progress
+from ._threads import Workers
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
-# Bytes of source data handed to TensorStore but not yet written; bounds the
+# Bytes of source data handed to storage but not yet written; bounds the
 # extra host memory a save needs beyond the state itself.
 WRITE_WINDOW_BYTES = 512 << 20
+# Shard files of a local plain checkpoint written at once by tsckpt's own writer
+# (_shardwrite; pwritev and large copies release the GIL); 0 leaves every file to
+# TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
+WRITE_THREADS = 2
+# Start writing each such file to disk as soon as it is written (sync_data still makes
+# them durable): 1.9 s against 2.8 s for 1 GiB with 2 threads (medians of 5).
+START_WRITEBACK = True
 
 
 def _version() -> str:
@@ -130,6 +141,31 @@ def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
     return encode_chunk(src) if inner is None and src.shape == shard else None
 
 
+def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> Callable[[str], None] | None:
+    """What writes the shard file at ``offsets`` from ``src`` (all of the shard that lies in
+    the array) with tsckpt's own writer (_shardwrite), or None when it does not apply."""
+    shard, inner, shape = _storage_layout(rec)
+    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, *(0 for _ in shard[len(offsets):])), shard, shape))
+    if (
+        not LITTLE_ENDIAN
+        or _dtypes.storage_dtype(rec.dtype) not in _shardwrite.DTYPES
+        or src.shape != full
+        or src.dtype.byteorder == ">"
+        or any(o % g for o, g in zip(offsets, shard))
+    ):
+        return None
+    if inner is None:  # one small chunk: _encode_file's single kvstore write (measured faster for 10k files)
+        return None
+    return functools.partial(_shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
+
+
+def _local_root(data: dict[str, Any], compact: bool) -> str | None:
+    """The directory of a plain checkpoint on a local disk (whose files tsckpt writes itself), else None."""
+    if WRITE_THREADS < 1 or compact or data.get("driver") != "file" or set(data) - {"driver", "path"}:
+        return None
+    return str(data["path"])
+
+
 def _write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
     *, compact: bool, progress: Progress,
@@ -144,6 +180,9 @@ def _write_regions(
     large files rather than a commit (and files) per write.
     """
     records = {a.path: a for a in plan.arrays}
+    root = _local_root(data, compact)
+    pool = Workers(WRITE_THREADS, "tsckpt-write")
+    made: set[str] = set()
     pending: collections.deque[tuple[Any, int]] = collections.deque()
     in_flight = 0
     written: list[str] = []
@@ -169,29 +208,40 @@ def _write_regions(
 
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
-    for item in writes:
-        rec = records[item.path]
-        lf = local[item.path]
-        for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
-            src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
-            key = chunk_key(rec, off)
-            fut: Any
-            encoded = _encode_file(rec, off, src)
-            if encoded is not None:
-                fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
-            else:
-                if item.path not in stores:
-                    stores[item.path] = open_array(data, rec, write=True)
-                store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
-                dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-                w = dst.write(src, can_reference_source_data_indefinitely=True)
-                fut = w.commit if txn is None else w.copy
-            pending.append((fut, src.nbytes))
-            in_flight += src.nbytes
-            written.append(key)
-            if in_flight > window:
-                settle(window)
-    settle(0)
+    try:
+        for item in writes:
+            rec = records[item.path]
+            lf = local[item.path]
+            for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
+                src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
+                key = chunk_key(rec, off)
+                fut: Any
+                writer = _file_writer(rec, off, src) if root is not None else None
+                encoded = _encode_file(rec, off, src) if writer is None else None
+                if writer is not None:
+                    path = os.path.join(root or "", key)
+                    parent = os.path.dirname(path)
+                    if parent not in made:
+                        os.makedirs(parent, exist_ok=True)
+                        made.add(parent)
+                    fut = pool.submit(writer, path)
+                elif encoded is not None:
+                    fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
+                else:
+                    if item.path not in stores:
+                        stores[item.path] = open_array(data, rec, write=True)
+                    store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
+                    dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
+                    w = dst.write(src, can_reference_source_data_indefinitely=True)
+                    fut = w.commit if txn is None else w.copy
+                pending.append((fut, src.nbytes))
+                in_flight += src.nbytes
+                written.append(key)
+                if in_flight > window:
+                    settle(window)
+        settle(0)
+    finally:
+        pool.shutdown()  # no file is being written once this returns or raises
     return written
 
 
@@ -231,31 +281,48 @@ def _root(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYO
 _NO_KEY = b"\x02"
 
 
-def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN) -> None:
+def _pending_root(layout: str) -> Callable[[dict[str, Any]], bytes]:
+    return lambda claim: _root(STATE_PENDING, {"claim": claim}, layout=layout)
+
+
+def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _lease.Lease | None = None) -> None:
     """Refuse or clear an existing checkpoint, then claim the directory.
 
     The pending root is created with a conditional write that succeeds only if
     no root exists, so of several savers racing for one directory exactly one
     proceeds; the others raise CheckpointExistsError and touch nothing. A failed
     condition is reported by TensorStore as an empty generation, not an error.
-    On object stores the create is a PUT with ``If-None-Match: *``.
+    On object stores the create is a PUT with ``If-None-Match: *``. The pending
+    root records ``lease``'s claim, which is renewed from then on; without a
+    lease (tests) the claim is one of no running save.
     """
     with _store.storage_errors(loc):
-        _claim(loc, overwrite, layout)
+        _claim(loc, overwrite, layout, lease)
 
 
-def _claim(loc: Location, overwrite: bool, layout: str) -> None:
+def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | None) -> None:
     kv = loc.kvstore()
     current = kv.read(ROOT_KEY).result()
     if current.state == "value" or _store.has_any_key(loc):
-        if not overwrite:
-            pending = root_state(current.value if current.state == "value" else None).state == STATE_PENDING
-            what = (
-                "another save into this directory is running, or one crashed (its root zarr.json says "
-                "'pending')"
-                if pending
-                else "a checkpoint (or other data) already exists here"
+        root = root_state(current.value if current.state == "value" else None)
+        claim = root.meta.get("claim") if root.state == STATE_PENDING and root.meta is not None else None
+        alive = root.state == STATE_PENDING and _lease.running(claim)
+        if alive and overwrite:
+            raise SaveInProgressError(
+                f"{loc}: another save into this directory is still running ({_lease.describe(claim)}); "
+                "overwrite=True never removes a running save. Wait for it to finish, or save elsewhere; if its "
+                f"process is gone, save again once its lease has expired ({_lease_s(claim)} s after its last renewal)"
             )
+        if not overwrite:
+            if alive:
+                what = f"another save into this directory is still running ({_lease.describe(claim)})"
+            elif root.state == STATE_PENDING:
+                what = (
+                    "another save into this directory is running, or one crashed (its root zarr.json says "
+                    f"'pending'; written by {_lease.describe(claim)})"
+                )
+            else:
+                what = "a checkpoint (or other data) already exists here"
             raise CheckpointExistsError(
                 f"{loc}: {what}; pass overwrite=True to replace it, or save to a new directory"
             )
@@ -265,16 +332,20 @@ def _claim(loc: Location, overwrite: bool, layout: str) -> None:
             if not kv.write(ROOT_KEY, None, if_equal=current.stamp.generation).result().generation:
                 raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
         _store.delete_all(loc)
-    spec = dict(loc.spec)
-    if spec.get("driver") == "file":
-        spec["file_io_sync"] = True  # as _store.write_durable: temp file, fsync, rename
-    durable = ts.KvStore.open(spec, context=_store.CONTEXT).result()
-    claimed = durable.write(ROOT_KEY, _root(STATE_PENDING, layout=layout), if_equal=_NO_KEY).result()
+    body = lease.root() if lease is not None else _pending_root(layout)(_lease.new_claim())
+    claimed = _store.durable_kvstore(loc).write(ROOT_KEY, body, if_equal=_NO_KEY).result()
     if not claimed.generation:
         raise CheckpointExistsError(
             f"{loc}: another save into this directory started at the same time and claimed it first; "
             "nothing was written. Save each checkpoint from one job, or use distinct directories"
         )
+    if lease is not None:
+        lease.start(bytes(claimed.generation))
+
+
+def _lease_s(claim: Any) -> Any:
+    lease_s = claim.get("lease_s") if isinstance(claim, dict) else None
+    return f"{lease_s:g}" if isinstance(lease_s, (int, float)) else "?"
 
 
 def _links(local: list[Local]) -> dict[str, str]:
@@ -329,10 +400,12 @@ def save(
        regions and sends the checksums to rank 0.
     4. Rank 0 validates and plans the whole save (errors such as overlapping
        regions or differing replicas are sent to every rank, which raises the
-       same error), refuses or clears an existing checkpoint and writes the
-       root ``zarr.json`` with state "pending". It then sends each rank only
-       its part of the plan: its writes, the records of the arrays it writes
-       and the transfers it sends or receives.
+       same error), refuses or clears an existing checkpoint (never one whose
+       save is still running) and writes the root ``zarr.json`` with state
+       "pending" and its claim, whose lease a thread of rank 0 renews until
+       the save ends (tsckpt/_lease.py). It then sends each rank only its
+       part of the plan: its writes, the records of the arrays it writes and
+       the transfers it sends or receives.
     5. Exchange (ranks with transfers; skipped by all when there are none):
        pieces of shards that straddle irregular regions go to their writer.
     6. Write (all ranks): every rank writes its planned regions; rank 0 also
@@ -341,23 +414,87 @@ def save(
     7. Commit (rank 0): once all ranks report success, rank 0 (compact
        layout: after merging the ranks' databases into the root one) rewrites
        the root ``zarr.json`` with state "committed" and the tree metadata: a
-       single atomic object write, so readers see either no checkpoint or a
-       complete one.
+       single atomic object write, conditional on the pending root being still
+       this save's, so readers see either no checkpoint or a complete one.
+    8. Clean-up (rank 0, only after a failure once every rank knows of it):
+       the partial checkpoint is removed (the pending root first, if still
+       this save's), so saving again needs no ``overwrite=True``.
 
     Every step ends with every rank knowing the outcome (steps 1-4 through the
     replies of rank 0, the others by exchanging a status), so a failure on one
-    rank makes every rank raise and nothing is committed.
+    rank makes every rank raise and nothing is committed. Storage faults raise
+    StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
     check_layout(layout)
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
-    job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout)
-    received: dict[int, np.ndarray] = {}
-    if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
-        received = phase(coord, "save (exchange)", lambda: _exchange(coord, job.plan, job.local)) or {}
-    with Progress("save", loc, show=progress, rank=coord.rank) as bar:
-        phase(coord, "save (write)", lambda: _write(loc, coord.rank, job, received, layout, bar))
-        phase(coord, "save (commit)", lambda: _commit(loc, coord.world_size, job, layout), ranks={0})
+    lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
+    own: list[BaseException] = []  # this rank's own failures, re-raised by phase() once every rank knows
+
+    def mine(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            try:
+                return fn()
+            except BaseException as e:
+                own.append(e)
+                raise
+
+        return run
+
+    try:
+        job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
+        received: dict[int, np.ndarray] = {}
+        if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
+            received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
+        with Progress("save", loc, show=progress, rank=coord.rank) as bar:
+            phase(coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar)))
+            phase(coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease)), ranks={0})
+    except BaseException as e:
+        if lease is not None and lease.generation is not None:
+            agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
+            _abandon(loc, lease, e, agreed)
+        raise
+    finally:
+        if lease is not None:
+            lease.end()
+
+
+def _amend(err: BaseException, text: str) -> None:
+    """Add ``text`` to the message of ``err`` (a note where the message cannot be changed)."""
+    if isinstance(err, TsckptError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}; {text}",)
+    elif hasattr(err, "add_note"):  # Python 3.11+
+        err.add_note(text)
+
+
+def _abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool) -> None:
+    """Step 8, rank 0 after a failed save that claimed ``loc``: remove the partial
+    checkpoint (best effort) and say in ``err`` whether saving again needs overwrite=True."""
+    lease.end()
+    if not agreed:
+        _amend(err, (
+            f"the partial checkpoint at {loc} was left in place, as other ranks may still be writing to it; "
+            "once the job has stopped, save again with overwrite=True"
+        ))
+        return
+    if lease.lost:
+        _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+        return
+    try:
+        with _store.storage_errors(loc, doing="writing"):
+            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=lease.generation):
+                _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+                return
+            _store.delete_all(loc)
+        if loc.local is not None:
+            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
+                os.rmdir(loc.local)
+    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
+        _amend(err, (
+            f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again"
+        ))
+        return
+    _amend(err, "the partial checkpoint was removed, so saving again needs no overwrite=True")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +553,8 @@ def _payload(
 
 
 def _plan_job(
-    coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str
+    coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
+    lease: _lease.Lease | None = None,
 ) -> _Job:
     """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
     state: dict[str, Any] = {}  # rank 0, between the two round trips
@@ -449,7 +587,7 @@ def _plan_job(
             plan.arrays, plan.values, list(paths) if same_tree else sorted({q for p in payloads for q in p[1]}),
             structure, state["aliases"], tuple(r for r, part in enumerate(parts) if part.writes_anything),
         )
-        _begin(loc, overwrite, layout)
+        _begin(loc, overwrite, layout, lease)
         return [_Part(part, least, commit if r == 0 else None) for r, part in enumerate(parts)]
 
     local, reply = ask_root(coord, "save (describe)", lambda: _describe(tree, window, layout), first)
@@ -468,15 +606,22 @@ def _write(
 ) -> None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
-    data = data_spec(loc, layout, writer=rank)
-    with _store.storage_errors(loc):
+    data = _write_spec(loc, layout, writer=rank)
+    with _store.storage_errors(loc, doing="writing"):
         keys = _write_regions(data, job.plan, job.local, received, job.window, compact=compact, progress=progress)
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact)
-    if compact:
-        _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
-    else:
-        _store.sync_data(loc, keys)
+        if compact:
+            _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
+        else:
+            _store.sync_data(loc, keys)
+
+
+def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
+    """:func:`data_spec` for writing: a compact database through the cache pool that keeps
+    nothing between saves (see _store.CONTEXT)."""
+    spec = data_spec(loc, layout, writer=writer)
+    return {**spec, "cache_pool": _store.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
 def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
@@ -486,23 +631,26 @@ def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
     ranks' data files, so readers open one database and outside TensorStore
     users see one zarr hierarchy.
     """
-    root = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
+    root = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
     txn = ts.Transaction(atomic=True)
     for rank in sorted({0, *writers}):
-        db = ts.KvStore.open(data_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
+        db = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
         db.experimental_copy_range_to(root.with_transaction(txn)).result()
     txn.commit_async().result()
     _store.sync_paths(loc, [MANIFEST, "d"])
 
 
-def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
-    """Rank 0: the one atomic write that makes the checkpoint visible."""
+def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
+    """Rank 0: the one atomic write that makes the checkpoint visible, if the pending root
+    is still this save's (``lease``: its renewals stop first)."""
     c = job.commit
     if c is None:
         raise RuntimeError("only rank 0 commits a save")
     if layout == LAYOUT_COMPACT:
         with _store.storage_errors(loc):
             _merge_databases(loc, c.writers)
+    if lease is not None:
+        lease.stop_renewals()
     meta = {
         "structure": c.structure,
         "leaves": c.leaves,
@@ -512,5 +660,14 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str) -> None:
         "world_size": world_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    body = _root(STATE_COMMITTED, meta, layout=layout)
     with _store.storage_errors(loc):
-        _store.write_durable(loc, ROOT_KEY, _root(STATE_COMMITTED, meta, layout=layout))
+        if lease is None:
+            _store.write_durable(loc, ROOT_KEY, body)
+        elif lease.lost or not _store.write_durable(loc, ROOT_KEY, body, if_equal=lease.generation):
+            lease.lost = True
+            raise CheckpointExistsError(
+                f"{loc}: the pending root of this save was replaced or removed by another process while it ran "
+                "(a save with overwrite=True, or a manager's clean-up, that judged this save dead); nothing was "
+                "committed. Save again, to a directory no other job uses"
+            )

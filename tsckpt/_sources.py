@@ -79,6 +79,7 @@ def open_source(src: str, fmt: str | None = None) -> tuple[str, Any]:
         ck = load(src)
         if ck.format != fmt:
             raise NotACheckpointError(f"{src}: a {ck.format} checkpoint, not {fmt}; pass --from {ck.format}")
+        ck.check_links()
         return fmt, checkpoint_tree(ck)
     if fmt == "safetensors":
         from . import _safetensors

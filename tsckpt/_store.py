@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any, Union
 
 import tensorstore as ts
 
-from ._errors import StorageError, TsckptError
+from ._errors import StorageError, StorageFullError, TsckptError
 
 Directory = Union[str, "os.PathLike[str]", dict]
 
@@ -42,12 +43,16 @@ os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 # Chunk files are written without a per-file fsync; sync_data() makes them
 # durable in bulk before the commit object is written (see _save.py).
 # The OCDBT cache pool keeps B-tree nodes of compact checkpoints in memory, so
-# opening thousands of arrays does not re-read the tree for each.
+# opening thousands of arrays does not re-read the tree for each. Writers keep
+# nothing cached once a save is done: a save that replaces a database at the same
+# location in this process would otherwise build on the replaced one's nodes.
+WRITE_CACHE_POOL = "cache_pool#ocdbt-write"
 CONTEXT = ts.Context(
     {
         "file_io_sync": False,
         "s3_request_retries": S3_REQUEST_RETRIES,
         "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        WRITE_CACHE_POOL: {"total_bytes_limit": 0},
     }
 )
 
@@ -103,12 +108,134 @@ def _fill_from_environment(spec: dict[str, Any]) -> None:
         spec["aws_region"] = region
 
 
-def storage_problem(loc: Location, err: BaseException) -> StorageError | None:
-    """The StorageError a failed request to an object store means, or None when ``err``
-    is not about reaching the store (a missing key, damaged data, a local disk)."""
-    if loc.local is not None or loc.spec.get("driver") in ("memory", None) or isinstance(err, TsckptError):
+# errno values that mean the data is missing rather than that the storage failed: a read
+# reports them as a damaged checkpoint (a missing chunk file), never as a storage fault.
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+# Text of TensorStore messages that carry no os_error_code, by errno.
+_ERRNO_TEXT = (
+    ("no space left on device", errno.ENOSPC),
+    ("disk quota exceeded", errno.EDQUOT),
+    ("read-only file system", errno.EROFS),
+    ("permission denied", errno.EACCES),
+    ("operation not permitted", errno.EPERM),
+    ("input/output error", errno.EIO),
+    ("too many open files", errno.EMFILE),
+    ("file too large", errno.EFBIG),
+)
+
+
+def _os_errno(msg: str, local: bool) -> int | None:
+    """The errno a TensorStore message reports (``[os_error_code='28']``, or its text)."""
+    m = re.search(r"os_error_code='?(\d+)", msg)
+    if m:
+        return int(m.group(1))
+    low = msg.lower()
+    for text, code in _ERRNO_TEXT:
+        if text in low:
+            return code
+    if local and msg.startswith("RESOURCE_EXHAUSTED"):
+        return errno.ENOSPC
+    return None
+
+
+def _file_of(msg: str) -> str | None:
+    """The first absolute file path a TensorStore message quotes (its temporary-file
+    suffix dropped; a NUL between a directory and a key written as '/')."""
+    m = re.search(r'"(/[^"]+)"', msg)
+    if not m:
         return None
+    path = m.group(1).replace("\\x00", "/").replace("\x00", "/")
+    return path[: -len(".__lock")] if path.endswith(".__lock") else path
+
+
+def leaf_of_key(key: str) -> str | None:
+    """The leaf path a key below a checkpoint belongs to (``w/c/0/1`` and ``w/zarr.json``
+    give ``w``); None for the root and the compact layout's database files."""
+    m = re.fullmatch(r"(.+)/c(?:/[0-9]+)*", key) or re.fullmatch(r"(.+)/zarr\.json", key)
+    return m.group(1) if m else None
+
+
+def _fix(code: int, doing: str, loc: Location, filename: str) -> str:
+    """What to do about an operating-system error, by errno."""
+    again = "save again" if doing == "writing" else "try again"
+    where = loc.local or str(loc)
+    if code == errno.ENOSPC:
+        return f"free space on the filesystem holding {where} (or save elsewhere), then {again}"
+    if code == errno.EDQUOT:
+        return f"free space within your disk quota on the filesystem holding {where} (or save elsewhere), then {again}"
+    if code in (errno.EACCES, errno.EPERM):
+        if doing == "writing":
+            return (
+                f"give the user running this process write access to {where} and the directories above it, "
+                "or save elsewhere"
+            )
+        return f"give the user running this process read access to {filename} and the directories above it"
+    if code == errno.EROFS:
+        return (
+            f"the filesystem holding {where} is mounted read-only: save to a writable location, or remount it "
+            "read-write"
+        )
+    if code == errno.EIO:
+        return f"the storage device reported an I/O error: check the disk and the system log (dmesg), then {again}"
+    if code in (errno.EMFILE, errno.ENFILE):
+        return f"raise the limit on open files (ulimit -n), then {again}"
+    if code == errno.EFBIG:
+        return (
+            "a file grew past the filesystem's size limit: pass a smaller max_inflight_bytes (no shard file is "
+            "larger), or save elsewhere"
+        )
+    return f"check the storage, then {again}"
+
+
+def os_fault(
+    loc: Location, code: int, detail: str, *, filename: str | None = None, leaf: str | None = None,
+    doing: str = "accessing",
+) -> StorageError:
+    """The StorageError (StorageFullError for ENOSPC and EDQUOT) of an operating-system error
+    ``code`` while ``doing`` ("writing", "reading") ``filename`` below ``loc``."""
+    filename = filename or str(loc)
+    if leaf is None and loc.local is not None and filename.startswith(loc.local.rstrip("/") + "/"):
+        leaf = leaf_of_key(filename[len(loc.local.rstrip("/")) + 1 :])
+    what = os.strerror(code)
+    what = what[:1].lower() + what[1:]
+    name = errno.errorcode.get(code, str(code))
+    about = f" leaf '{leaf}'" if leaf else ""
+    message = f"{loc}: {what} ({name}) while {doing}{about} ({detail}); {_fix(code, doing, loc, filename)}"
+    cls = StorageFullError if code in (errno.ENOSPC, errno.EDQUOT) else StorageError
+    return cls(message, errno=code, filename=filename, leaf=leaf)
+
+
+def storage_problem(
+    loc: Location, err: BaseException, *, leaf: str | None = None, doing: str | None = None
+) -> StorageError | None:
+    """The StorageError a failed request means, or None when ``err`` is not a storage fault
+    (a missing key, damaged data, an error of tsckpt's own).
+
+    An operating-system error (no space, permission denied, read-only file system, I/O
+    error; any driver) carries its errno, the file and the leaf path (``leaf``, or read
+    off the file's path); ``doing`` ("writing", "reading") is read off TensorStore's
+    message unless given. An object store that refuses or cannot be reached is named
+    with what to check."""
+    if isinstance(err, TsckptError):
+        return None
+    if isinstance(err, OSError):
+        if err.errno is None or err.errno in _MISSING:
+            return None
+        detail = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        return os_fault(loc, err.errno, detail, filename=err.filename, leaf=leaf, doing=doing or "accessing")
     msg = " ".join(str(err).split())
+    detail = msg.split(" [tensorstore_spec")[0]
+    code = _os_errno(msg, loc.local is not None)
+    if code is not None and code not in _MISSING:
+        low = msg.lower()
+        doing = doing or (
+            "writing" if re.search(r"writ|creat|renam|delet|lock|sync", low)
+            else "reading" if re.search(r"read|open|list", low) else "accessing"
+        )
+        return os_fault(loc, code, detail, filename=_file_of(msg), leaf=leaf, doing=doing)
+    if loc.local is not None or loc.spec.get("driver") in ("memory", None):
+        return None
     detail = msg.split(" [")[0]
     driver = loc.spec.get("driver")
     where = loc.spec.get("endpoint") or f"the default {driver} endpoint"
@@ -117,33 +244,42 @@ def storage_problem(loc: Location, err: BaseException) -> StorageError | None:
         fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
         return StorageError(
             f"{loc}: bucket {loc.spec.get('bucket')!r} does not exist at {where}; create it, or check the "
-            f"bucket name and {fix}"
+            f"bucket name and {fix}",
+            errno=errno.ENOENT, filename=str(loc),
         )
     if "PERMISSION_DENIED" in msg or "UNAUTHENTICATED" in msg or re.search(r"http_response_code='40[13]'", msg):
         fix = (
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or the spec's context "
             "'aws_credentials'" if aws else "the credentials"
         )
-        return StorageError(f"{loc}: access denied by {where} ({detail}); check {fix} and the bucket's permissions")
+        return StorageError(
+            f"{loc}: access denied by {where} ({detail}); check {fix} and the bucket's permissions",
+            errno=errno.EACCES, filename=str(loc),
+        )
     if "credentials" in msg.lower() and ("provider" in msg.lower() or "spec" in msg.lower()):
         fix = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the context 'aws_credentials'"
-        return StorageError(f"{loc}: no usable credentials ({detail}); check {fix if aws else 'the credentials'}")
+        return StorageError(
+            f"{loc}: no usable credentials ({detail}); check {fix if aws else 'the credentials'}",
+            errno=errno.EACCES, filename=str(loc),
+        )
     if "CURL error" in msg or "retry attempts failed" in msg:
         fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
         return StorageError(
             f"{loc}: cannot reach {where} ({detail}); check {fix} and the network. Retries are bounded by "
-            "the context resource 's3_request_retries'"
+            "the context resource 's3_request_retries'",
+            filename=str(loc),
         )
     return None
 
 
 @contextlib.contextmanager
-def storage_errors(loc: Location) -> Iterator[None]:
-    """Turn TensorStore's errors for an unreachable or refusing object store into StorageError."""
+def storage_errors(loc: Location, *, leaf: str | None = None, doing: str | None = None) -> Iterator[None]:
+    """Turn a storage fault inside the block (TensorStore's ValueError, or an OSError of
+    the operating system) into a StorageError; other errors pass unchanged."""
     try:
         yield
-    except ValueError as e:  # TensorStore reports failed requests as ValueError
-        err = storage_problem(loc, e)
+    except (ValueError, OSError) as e:  # TensorStore reports failed requests as ValueError
+        err = storage_problem(loc, e, leaf=leaf, doing=doing)
         if err is None:
             raise
         raise err from e
@@ -153,13 +289,22 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def write_durable(loc: Location, key: str, data: bytes) -> None:
-    """Write one object atomically and durably (file: temp + fsync + rename + dir fsync;
-    object stores: a single PUT)."""
+def durable_kvstore(loc: Location) -> ts.KvStore:
+    """The kvstore of ``loc`` whose writes are atomic and durable (file: temp + fsync +
+    rename + dir fsync; object stores: a single PUT)."""
     spec = dict(loc.spec)
     if spec.get("driver") == "file":
         spec["file_io_sync"] = True
-    ts.KvStore.open(spec, context=CONTEXT).result().write(key, data).result()
+    return ts.KvStore.open(spec, context=CONTEXT).result()
+
+
+def write_durable(loc: Location, key: str, data: bytes | None, *, if_equal: bytes | None = None) -> bytes:
+    """Write (None: delete) one object atomically and durably; with ``if_equal``, only if
+    its generation is still that one. Returns the new generation, empty when the
+    condition failed and nothing was written."""
+    kv = durable_kvstore(loc)
+    done = kv.write(key, data).result() if if_equal is None else kv.write(key, data, if_equal=if_equal).result()
+    return bytes(done.generation)
 
 
 # Up to this many files are fsynced one by one; more are flushed with syncfs().
@@ -171,6 +316,8 @@ def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # name the file: fsync's own error does not
+        raise OSError(e.errno, e.strerror, path) from e
     finally:
         os.close(fd)
 
@@ -192,7 +339,7 @@ def sync_data(loc: Location, keys: list[str]) -> None:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.syncfs(fd) != 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"syncfs failed for {loc.local}: {os.strerror(err)}")
+                raise OSError(err, f"syncfs failed: {os.strerror(err)}", loc.local)
         finally:
             os.close(fd)
         return

@@ -19,9 +19,12 @@ import numpy as np
 import torch
 
 from . import _dtypes
+from ._casting import check_casting
 from ._dtensor import is_dtensor
 from ._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
+from ._kinds import check_cast
 from ._leaves import memory
+from ._restore import cast_warnings_off, warn_lost_values
 
 MODEL = "model"
 OPTIM = "optim"
@@ -189,17 +192,22 @@ def shape_error(
 
 
 @torch.no_grad()
-def copy_into(dst: Any, src: Any, path: str, *, name: str, resize: bool = False) -> None:
+def copy_into(
+    dst: Any, src: Any, path: str, *, name: str, resize: bool = False, casting: str = "same_kind"
+) -> None:
     """Copy ``src`` (whole global value, or a DTensor) into the live tensor ``dst``, keeping dst's dtype.
 
     A DTensor ``dst`` takes only its own region. With ``resize``, shapes may
-    differ: the overlapping leading region is copied.
+    differ: the overlapping leading region is copied. A cast to dst's dtype is
+    allowed and its values checked as ``casting`` says (see :func:`tsckpt.restore`).
     """
     if same_memory(dst, src):
         return
     if is_dtensor(dst) and is_dtensor(src) and src.placements == dst.placements and src.shape == dst.shape:
         if src.device_mesh == dst.device_mesh:
-            dst.to_local().copy_(src.to_local())
+            local = src.to_local()
+            offsets, _ = region_of(dst, path)
+            checked_copy(dst.to_local(), local, path, offsets, casting)
             return
     full = as_tensor(src, path)
     want = tuple(dst.shape)
@@ -211,7 +219,21 @@ def copy_into(dst: Any, src: Any, path: str, *, name: str, resize: bool = False)
     part = full[box] if box else full
     local = local_of(dst)
     dsel = tuple(slice(0, b.stop - b.start) if b.stop > b.start else slice(0, 0) for b in box)
-    (local[dsel] if dsel else local).copy_(part)
+    checked_copy(local[dsel] if dsel else local, part, path, [b.start for b in box], casting)
+
+
+def checked_copy(dst: torch.Tensor, src: torch.Tensor, path: str, offsets: Sequence[int], casting: str) -> None:
+    """``dst.copy_(src)``, where ``src`` is the part of the value at ``path`` starting at
+    ``offsets``; a cast is allowed, and its values checked, as ``casting`` says."""
+    check = None
+    if src.dtype != dst.dtype and _dtypes.is_supported_torch(src.dtype):
+        check = check_cast(path, _dtypes.torch_name(src.dtype), dst.dtype, casting=casting)
+    if check is not None:
+        check.check(_dtypes.tensor_to_numpy(src.detach().cpu()), offsets)
+    with torch.no_grad(), cast_warnings_off(check is not None):
+        dst.copy_(src)
+    if check is not None:
+        warn_lost_values([check])
 
 
 def _stored_value(value: Any) -> Any:
@@ -316,14 +338,14 @@ def match_groups(
     return pairs
 
 
-def apply_group(live: dict[str, Any], stored: Mapping[str, Any], path: str) -> None:
+def apply_group(live: dict[str, Any], stored: Mapping[str, Any], path: str, casting: str = "same_kind") -> None:
     """Hyperparameters of one param group (lr, betas, weight_decay, initial_lr, ...), live types kept."""
     for key, value in stored.items():
         if key == PARAMS:
             continue
         cur = live.get(key)
         if isinstance(cur, torch.Tensor):
-            copy_into(cur, value, f"{path}/{key}", name=key)
+            copy_into(cur, value, f"{path}/{key}", name=key, casting=casting)
         elif isinstance(cur, tuple) or (cur is None and isinstance(value, Mapping)):
             live[key] = tuple(_stored_value(v) for v in as_list(value))
         elif isinstance(value, (list, Mapping)) and not isinstance(cur, list):
@@ -339,6 +361,7 @@ def apply_optimizer(
     *,
     strict: bool,
     resize: frozenset[str] = frozenset(),
+    casting: str = "same_kind",
 ) -> None:
     """Load stored optimizer state (any tree: tensors, numpy, DTensors, values) into live optimizers."""
     check_optimizer_types(stored.get(TYPES), optims)
@@ -347,7 +370,7 @@ def apply_optimizer(
     pairs = match_groups(model, optims, stored_groups, strict=strict)
     for i, (g, sg) in enumerate(pairs):
         if sg is not None:
-            apply_group(g, sg, f"{OPTIM}/{GROUPS}/{i}")
+            apply_group(g, sg, f"{OPTIM}/{GROUPS}/{i}", casting)
     names = param_names(model)
     in_groups = {str(n) for sg in stored_groups for n in as_list(sg.get(PARAMS, []))}
     for optim in optims:
@@ -366,7 +389,8 @@ def apply_optimizer(
                     cur = ls.get(k)
                     path = f"{OPTIM}/{STATE}/{key}/{k}"
                     if isinstance(cur, torch.Tensor):
-                        copy_into(cur, v, path, name=key, resize=key in resize or any(n in resize for n in pn))
+                        resized = key in resize or any(n in resize for n in pn)
+                        copy_into(cur, v, path, name=key, resize=resized, casting=casting)
                     elif v is None or not isinstance(v, (torch.Tensor, np.ndarray)):
                         ls[k] = _stored_value(v)
                     else:
@@ -390,6 +414,7 @@ def set_state_dict(
     *,
     strict: bool = True,
     resize: Iterable[str] = (),
+    casting: str = "same_kind",
 ) -> None:
     """Load ``state`` (as made by :func:`get_state_dict`) into a live model and optimizers.
 
@@ -398,8 +423,10 @@ def set_state_dict(
     the live tensor's dtype; a sharded model takes just its shards. Tied
     parameters load from any of their names. ``strict`` reports names missing on
     either side; ``resize`` names parameters (e.g. a padded embedding) whose
-    overlapping region is copied when shapes differ.
+    overlapping region is copied when shapes differ. ``casting`` governs values of
+    another dtype than the live tensor's, as for :func:`tsckpt.restore`.
     """
+    check_casting(casting)
     optims = optimizer_tuple(optimizers)
     resized = frozenset(n for ns in param_names(model).values() if set(ns) & set(resize) for n in ns) | set(resize)
     live = live_state(model, optims)
@@ -411,7 +438,7 @@ def set_state_dict(
     check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT)
     for name, dst in live[MODEL].items():
         if name in stored_model:
-            copy_into(dst, stored_model[name], f"{MODEL}/{name}", name=name, resize=name in resized)
+            copy_into(dst, stored_model[name], f"{MODEL}/{name}", name=name, resize=name in resized, casting=casting)
     if optims:
         stored_optim = state.get(OPTIM)
         if not isinstance(stored_optim, Mapping):
@@ -419,7 +446,7 @@ def set_state_dict(
                 f"state has no '{OPTIM}' entry but optimizers were given; save with get_state_dict(model, "
                 "optimizers), or pass optimizers=None to load only the model"
             )
-        apply_optimizer(model, optims, stored_optim, strict=strict, resize=resized)
+        apply_optimizer(model, optims, stored_optim, strict=strict, resize=resized, casting=casting)
 
 
 __all__ = ["get_state_dict", "set_state_dict"]

@@ -24,12 +24,15 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from . import _dtypes
+from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._errors import StructureMismatchError
 from ._format import LAYOUT_PLAIN
+from ._kinds import check_cast
 from ._reader import Checkpoint, LazyArray, load
-from ._restore import READ_WINDOW_BYTES, RestoreWarning
+from ._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
 from ._restore import restore as core_restore
 from ._save import save as core_save
 from ._store import Directory
@@ -333,19 +336,21 @@ def _plan(
     return _Plan(target, shapes.resized, optim.groups, optim.types, optim.state, target_extra, target_mine)
 
 
-def _read_overlap(ck: Checkpoint, path: str, dst: Any) -> None:
+def _read_overlap(ck: Checkpoint, path: str, dst: Any, casting: str) -> None:
     """Copy the overlap of the stored array and this rank's part of ``dst`` (a resized parameter)."""
     arr = LazyArray(ck, ck.aliases.get(path, path))
     offsets, lengths = region_of(dst, path)
     box = tuple(slice(min(o, s), min(o + n, s)) for o, n, s in zip(offsets, lengths, arr.shape))
     if any(b.stop <= b.start for b in box):
         return
-    from . import _dtypes
-
-    part = _dtypes.numpy_to_tensor(arr.read_box(box), arr.dtype)
     local = local_of(dst)
-    with torch.no_grad():
-        local[tuple(slice(0, b.stop - b.start) for b in box)].copy_(part)
+    check = check_cast(path, arr.dtype, local.dtype, casting=casting)
+    raw = arr.read_box(box)
+    if check is not None:
+        check.check(raw, [b.start for b in box])
+    with torch.no_grad(), cast_warnings_off(check is not None):
+        local[tuple(slice(0, b.stop - b.start) for b in box)].copy_(_dtypes.numpy_to_tensor(raw, arr.dtype))
+    warn_lost_values([check])
 
 
 def restore(
@@ -361,6 +366,7 @@ def restore(
     group: Any = None,
     timeout: datetime.timedelta | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    casting: str = "same_kind",
 ) -> dict[str, Any]:
     """Restore a :func:`save` checkpoint in place into a live model and optimizers; every rank calls it.
 
@@ -375,8 +381,10 @@ def restore(
     either side (another architecture, another optimizer type); ``resize`` names
     parameters whose shape changed (a padded vocabulary): their overlapping
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
-    is that read buffer's bound (see :func:`tsckpt.restore`).
+    is that read buffer's bound, and ``casting`` governs tensors whose live dtype
+    differs from the stored one (see :func:`tsckpt.restore`).
     """
+    check_casting(casting)
     coord = coordinator_for(group, timeout)
     optims = optimizer_tuple(optimizers)
     extras = _check_keys("extra", extra)
@@ -389,23 +397,27 @@ def restore(
     def check() -> tuple[Checkpoint, _Plan]:
         ck = load(directory)
         live = live_state(model, optims)  # creates never-stepped optimizers' state to read into
-        return ck, _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
+        plan = _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
+        for path, dst in plan.resized:  # refused casts raise before anything is read
+            check_cast(path, ck.array_metadata(path).dtype, local_of(dst).dtype, casting=casting)
+        return ck, plan
 
     ck, plan = cast("tuple[Checkpoint, _Plan]", phase(coord, "restore (check)", check))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RestoreWarning)  # differences were checked above, with better messages
+        # differences were checked above, with better messages (values lost to casting="unsafe" still warn)
+        warnings.filterwarnings("ignore", ".*target tree and checkpoint differ", RestoreWarning)
         restored = core_restore(
             directory, plan.target, strict=False, inplace=True, group=group, timeout=timeout,
-            max_inflight_bytes=max_inflight_bytes,
+            max_inflight_bytes=max_inflight_bytes, casting=casting,
         )
 
     def finish() -> None:
         for path, dst in plan.resized:
-            _read_overlap(ck, path, dst)
+            _read_overlap(ck, path, dst, casting)
         if optims:
             state = {k: {**plan.optim_state[k], **v} for k, v in restored[OPTIM][STATE].items()}
             stored = {STATE: state, GROUPS: plan.groups, TYPES: plan.types}
-            apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize))
+            apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize), casting=casting)
 
     phase(coord, "restore (apply)", finish)
     out: dict[str, Any] = {}

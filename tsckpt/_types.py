@@ -65,6 +65,7 @@ class Dest:
     tensor: Any  # torch.Tensor or np.ndarray: the destination memory, in the target's dtype
     result: Any
     finish: Any = None  # called with ``tensor`` after the read, returns the result (jax arrays, numpy scalars)
+    cast: Any = None  # a CastCheck of the values read, when casting into ``tensor`` may lose some
 
     def restored(self) -> Any:
         return self.result if self.finish is None else self.finish(self.tensor)

@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._progress import Progress
+from ._links import owner, symlinks
 from ._reader import Checkpoint, backing_problems, describe_read_error, load
 from ._store import Directory, storage_errors, storage_problem
 
@@ -136,24 +136,17 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
 
 
 def _links(ck: Checkpoint) -> dict[str, str]:
-    """Local checkpoints: array path -> why one of its files is a symbolic link. Readers
-    follow links, so a link could make a checkpoint read data from outside itself."""
+    """Local checkpoints: array path -> why one of its files is a symbolic link (readers
+    refuse such a checkpoint; verify lists every link)."""
     if ck.location.local is None or ck.specs:
         return {}
-    root = ck.location.local
     found: dict[str, str] = {}
-    for top, dirs, files in os.walk(root):
-        for name in dirs + files:
-            full = os.path.join(top, name)
-            if not os.path.islink(full):
-                continue
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            owner = max((p for p in ck.arrays if rel == p or rel.startswith(f"{p}/")), key=len, default=None)
-            why = (
-                f"{rel} is a symbolic link (to {os.readlink(full)}); a checkpoint holds its own files: "
-                "replace the link with a copy of the file"
-            )
-            found.setdefault(owner or rel, why)
+    for rel, target in symlinks(ck.location.local).items():
+        why = (
+            f"{rel} is a symbolic link (to {target}); a checkpoint holds its own files: "
+            "replace the link with a copy of the file"
+        )
+        found.setdefault(owner(rel, tuple(ck.arrays)) or rel, why)
     return found
 
 

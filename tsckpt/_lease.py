@@ -1,0 +1,181 @@
+"""Who is saving into a directory, and whether that save is still running.
+
+A save's pending root ``zarr.json`` records its *claim*: the host and process
+that claimed the directory, and a lease. Rank 0 of the save renews the lease
+(rewrites the pending root with the time of renewal, conditionally on the
+generation it last wrote) every ``RENEW_SECONDS`` from a daemon thread until the
+save commits or fails. A pending checkpoint may be removed (``overwrite=True``,
+a manager's clean-up) only when its save is clearly dead:
+
+- it was started by this very process and no longer runs here; or
+- on the same machine (host name, boot and process namespace alike) its process
+  is gone (or is a different process with the same pid); or
+- its lease was last renewed more than ``lease_s`` seconds ago (hosts' clocks
+  must agree to well within that).
+
+A pending root without a claim (written by an older tsckpt) is a dead save. The
+commit is conditional on the generation of the last renewal, so a save whose
+directory was taken over meanwhile fails instead of committing into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import _store
+from ._format import ROOT_KEY
+from ._store import Location
+
+log = logging.getLogger("tsckpt")
+
+# A claim whose lease was not renewed for this long belongs to a dead save.
+LEASE_SECONDS = 60.0
+# How often rank 0 of a running save renews its lease.
+RENEW_SECONDS = 5.0
+
+_running: set[str] = set()  # ids of the claims whose save runs in this process
+_running_lock = threading.Lock()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _machine() -> str:
+    """This machine and process namespace: where a pid means the same process."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{_read('/proc/sys/kernel/random/boot_id')}/{ns}"
+
+
+def _pid_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None where unknown or a zombie."""
+    stat = _read(f"/proc/{pid}/stat")
+    fields = stat[stat.rfind(")") + 2 :].split() if stat else []
+    if len(fields) < 20 or fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def _pid_alive(pid: int, start: Any) -> bool:
+    """Process ``pid`` of this machine exists and, where known, started at ``start``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    if os.path.isdir("/proc/self"):
+        now = _pid_start(pid)
+        return now is not None and (not isinstance(start, int) or now == start)
+    return True
+
+
+def new_claim() -> dict[str, Any]:
+    """The claim of a save started now by this process."""
+    now = time.time()
+    return {
+        "id": uuid.uuid4().hex,
+        "host": socket.gethostname(),
+        "machine": _machine(),
+        "pid": os.getpid(),
+        "pid_start": _pid_start(os.getpid()),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "renewed": now,
+        "lease_s": LEASE_SECONDS,
+    }
+
+
+def describe(claim: Any) -> str:
+    """'pid 12 on host h, started 2025-01-31T12:00:00Z, lease renewed 3 s ago' (for messages)."""
+    if not isinstance(claim, Mapping):
+        return "an unknown process (the pending root records no claim)"
+    text = f"pid {claim.get('pid')} on host {claim.get('host')!r}, started {claim.get('started')}"
+    renewed = claim.get("renewed")
+    if isinstance(renewed, (int, float)):
+        text += f", lease renewed {max(0.0, time.time() - renewed):.0f} s ago"
+    return text
+
+
+def running(claim: Any, now: float | None = None) -> bool:
+    """Whether the save that wrote ``claim`` (a pending root's ``claim``) may still be running."""
+    if not isinstance(claim, Mapping):
+        return False
+    with _running_lock:
+        if claim.get("id") in _running:
+            return True
+    pid, host, machine = claim.get("pid"), claim.get("host"), claim.get("machine")
+    if isinstance(pid, int) and host == socket.gethostname() and machine == _machine():
+        if pid == os.getpid() and claim.get("pid_start") == _pid_start(pid):
+            return False  # this process, and not among its running saves
+        if not _pid_alive(pid, claim.get("pid_start")):
+            return False
+    renewed, lease = claim.get("renewed"), claim.get("lease_s")
+    if not isinstance(renewed, (int, float)) or not isinstance(lease, (int, float)):
+        return False
+    return (time.time() if now is None else now) - renewed < lease
+
+
+class Lease:
+    """Rank 0 of a save: its claim, counted as running in this process from creation
+    until :meth:`end`, and renewed in the pending root once :meth:`start` is called."""
+
+    def __init__(self, loc: Location, pending_root: Callable[[dict[str, Any]], bytes]) -> None:
+        self.loc = loc
+        self.claim = new_claim()
+        self.generation: bytes | None = None  # of the pending root last written; None before the claim
+        self.lost = False  # the pending root was replaced or removed by someone else
+        self._root = pending_root
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        with _running_lock:
+            _running.add(self.claim["id"])
+
+    def root(self) -> bytes:
+        return self._root(self.claim)
+
+    def start(self, generation: bytes) -> None:
+        """The pending root was written with ``generation``: renew it from now on."""
+        self.generation = generation
+        self._thread = threading.Thread(target=self._renew_loop, name="tsckpt-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        kv = _store.durable_kvstore(self.loc)
+        while not self._stop.wait(RENEW_SECONDS):
+            claim = {**self.claim, "renewed": time.time()}
+            try:
+                done = kv.write(ROOT_KEY, self._root(claim), if_equal=self.generation).result()
+            except Exception as e:  # noqa: BLE001 - a missed renewal is retried; the save reports its own faults
+                log.debug("%s: renewing the save's lease failed: %s", self.loc, e)
+                continue
+            if not done.generation:
+                self.lost = True
+                log.warning("%s: the pending root of this save was replaced or removed by another process", self.loc)
+                return
+            self.claim, self.generation = claim, bytes(done.generation)
+
+    def stop_renewals(self) -> None:
+        """Stop renewing, waiting for a renewal in flight (before the commit)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def end(self) -> None:
+        """The save no longer runs: stop renewing, and stop counting it as running here."""
+        self.stop_renewals()
+        with _running_lock:
+            _running.discard(self.claim["id"])

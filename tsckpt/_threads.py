@@ -1,0 +1,40 @@
+"""Worker threads for file I/O that keep working while the interpreter exits.
+
+concurrent.futures refuses new work once the interpreter has begun to exit, but
+a save still in flight then (``save_async`` finishes pending saves at exit) must
+write its files all the same: such work runs in the calling thread instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+
+class Workers:
+    """A thread pool made on first use; ``submit`` runs inline once the pool is refused."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads, self._name = threads, name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inline = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        if not self._inline:
+            try:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
+                return self._pool.submit(fn, *args)
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+                self._inline = True
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future, as the pool would
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self) -> None:
+        """Wait for the work in flight; drop what has not started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
