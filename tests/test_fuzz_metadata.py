@@ -185,7 +185,7 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
     ok, into = call("restore into a target", lambda: tsckpt.restore(path, target_tree(), progress=False))
     if ok:
         expect("restore into a target", lambda: _compare(into, original, {**job, "nothing_changed": False}))
-    call("restore as saved", lambda: tsckpt.restore(path, as_saved=True, progress=False))
+    saved_ok, as_saved = call("restore as saved", lambda: tsckpt.restore(path, as_saved=True, progress=False))
     call("metadata", lambda: tsckpt.metadata(path))
     ok, reader = call("open", lambda: tsckpt.open(path))
     want = _leaves(original)
@@ -194,8 +194,9 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
         if ok and leaf in job["unchanged"]:
             expect(f"lazy read of '{leaf}'", lambda: _same_leaf(got, want[leaf]))
     verified, report = call("verify", lambda: tsckpt.verify(path, progress=False))
-    if verified and report.ok and not restored_ok:
-        failures.append(f"verify passed but restore raised {type(restored).__name__}: {restored}")
+    for ok, error in ((restored_ok, restored), (saved_ok, as_saved)):
+        if verified and report.ok and not ok:
+            failures.append(f"verify passed but restore raised {type(error).__name__}: {error}")
     for argv in (["ls", "-l", path], ["verify", path], ["show", path, "model/w[:1, :3]"], ["show", path, "step"]):
         ok, answer = call(f"tsckpt {' '.join(argv)}", lambda: _cli(argv))
         if not ok:
@@ -394,8 +395,9 @@ def damage(data: Any, base: str, path: str) -> dict[str, Any]:
             else:
                 root = docs["zarr.json"] = mutate(root, data.draw(json_mutations(root, under), label="mutation"))
             rec = _get(root, under)
-            if record_problem(rec, is_known) is None:  # the node agrees with the damaged record
-                docs[f"{rec['path']}/zarr.json"] = array_node(ArrayRecord.from_json(rec))
+            path0 = meta0["arrays"][i]["path"]
+            if record_problem(rec, is_known) is None and rec["path"] == path0:  # the node agrees with the record
+                docs[f"{path0}/zarr.json"] = array_node(ArrayRecord.from_json(rec))
         else:
             if target == "array node":
                 leaf = data.draw(st.sampled_from([r["path"] for r in meta0["arrays"]]), label="array")
@@ -423,7 +425,7 @@ _counter = iter(range(10**9))
 
 
 @settings(
-    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "200")),
+    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "300")),
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -171,3 +171,21 @@ def test_a_record_larger_than_its_files_is_reported_per_leaf(ck, monkeypatch):
         "'shard_shape' [1000000000000000], 'chunk_shape' None and 'dtype' 'float32' give it"
     )
     assert r.files_read == 4 + 1  # the other arrays were read
+
+
+def test_an_entry_for_no_listed_leaf_is_bad(ck):
+    """verify read such a record while restore ignored it: the two must agree."""
+
+    def damage(meta):
+        extra = dict(next(r for r in meta["arrays"] if r["path"] == "m/b"), path="m/extra")
+        meta["arrays"].append(extra)
+        meta["values"]["ghost"] = {"type": "int", "value": 1}
+
+    _edit_root(ck, damage)
+    r = tsckpt.verify(ck, progress=False)
+    assert r.bad == {
+        "ghost": "'ghost' has an entry in the root metadata but is not listed in 'leaves'",
+        "m/extra": "'m/extra' has an entry in the root metadata but is not listed in 'leaves'",
+    }
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="'m/extra' has an entry in the root metadata but is not listed"):
+        tsckpt.restore(ck)

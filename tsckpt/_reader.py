@@ -7,7 +7,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -320,6 +321,8 @@ def _leaf_records(
     for i, rec in enumerate(records):
         why = record_problem(rec, _dtypes.is_known)
         name = rec["path"] if isinstance(rec, dict) and isinstance(rec.get("path"), str) else "?"
+        if why is None and rec["kind"] == "torch" and not isinstance(getattr(torch, rec["dtype"], None), torch.dtype):
+            why = f"'kind' is 'torch' but torch has no dtype {rec['dtype']!r} (a numpy array's kind is 'numpy')"
         if why is None and name in arrays:
             why = "the leaf has two records"
             del arrays[name]
@@ -349,6 +352,10 @@ def _leaf_records(
     for path in listed:
         if path not in arrays and path not in values and path not in aliases and path not in bad:
             bad[path] = f"leaves ['{path}'] are listed but have no record"
+    named = set(listed)
+    for path in [*arrays, *values]:
+        if path not in named:  # read by verify, never by restore: the two would disagree
+            bad.setdefault(path, f"'{path}' has an entry in the root metadata but is not listed in 'leaves'")
     for path in bad:  # a bad leaf is neither read nor listed as good
         arrays.pop(path, None)
         values.pop(path, None)
@@ -439,63 +446,79 @@ _PROBES_IN_FLIGHT = 64
 _MAX_FILE_BYTES = 2**62
 
 
-def backing_problem(ck: Checkpoint, path: str, box: tuple[slice, ...] | None = None) -> str | None:
-    """Why the shard files of array ``path`` that ``box`` touches (default: all of them) do
-    not hold the bytes its record says they do, or None. Checked before anything is
-    allocated or decoded for them: TensorStore allocates a chunk at the size the record
-    gives it before it reads the file. One 1-byte read at each file's expected end (which
-    fails when the file is shorter) proves the file holds its chunks, its index and
-    checksums; files are probed in order and the first missing or short one stops it."""
-    if ck.specs or (box is None and path in ck._cache.get("backed", ())):
-        return None
-    rec = ck.arrays[path]
-    files, chunks, nbytes = stored_size(rec, box)
-    if nbytes + chunks * CHUNK_OVERHEAD <= UNCHECKED_BYTES:
-        return None
-    kv = ck.kvstore()
-    layout = rec.layout
-    fields = (
-        f"its record's 'shape' {short_repr(list(rec.shape))}, 'shard_shape' {short_repr(list(layout.shard_shape))}, "
-        f"'chunk_shape' {short_repr(None if layout.chunk_shape is None else list(layout.chunk_shape))} and "
-        f"'dtype' {rec.dtype!r}"
-    )
-    pending: collections.deque[tuple[str, int, ts.Future]] = collections.deque()
+Box = tuple[slice, ...]
 
-    def settle() -> str | None:
-        key, size, fut = pending.popleft()
+
+def backing_problems(ck: Checkpoint, reads: Iterable[tuple[str, Box | None]]) -> dict[str, str]:
+    """Array path -> why the shard files a read (path, box; None: the whole array) touches do
+    not hold the bytes its record says they do, for each read that fails. Checked before
+    anything is allocated or decoded for them: TensorStore allocates a chunk at the size the
+    record gives it before it reads the file. One 1-byte read at each file's expected end
+    (which fails when the file is shorter) proves the file holds its chunks, index and
+    checksums. The reads of all arrays are in flight together; files are probed in order and
+    an array's first missing or short one ends its probes, however many files its record claims."""
+    found: dict[str, str] = {}
+    whole: list[str] = []
+    pending: collections.deque[tuple[str, str, int, str, int, bool, ts.Future]] = collections.deque()
+
+    def settle() -> None:
+        path, key, size, fields, files, whole_array, fut = pending.popleft()
         try:
-            found = fut.result()
+            got = fut.result()
         except ValueError as e:
             unreachable = _store.storage_problem(ck.location, e)
             if unreachable is not None:
                 raise unreachable from e
-            msg = " ".join(str(e).split())
+            msg = re.sub(r" \[\w+='.*$", "", " ".join(str(e).split()))  # without a store's response details
             if "OUT_OF_RANGE" in msg:
-                return f"{key} holds fewer than the {size} bytes that {fields} give it ({msg})"
-            return f"{key} cannot be read ({msg})"
-        if found.state != "value":
-            return f"a chunk file is missing ({key} does not exist; {fields} give the array {files} such files)"
-        return None
+                found.setdefault(path, f"{key} holds fewer than the {size} bytes that {fields} give it ({msg})")
+            else:
+                found.setdefault(path, f"{key} cannot be read ({msg})")
+            return
+        if got.state != "value":
+            part = "the array" if whole_array else "the part read"
+            why = f"a chunk file is missing ({key} does not exist; {fields} give {part} {files} such files)"
+            found.setdefault(path, why)
 
-    for key, size in stored_files(rec, box):
-        if size > _MAX_FILE_BYTES:
-            return f"{key} cannot hold the {size} bytes that {fields} give it (no file holds 2**62 bytes)"
-        pending.append((key, size, kv.read(key, byte_range=slice(size - 1, size))))
-        if len(pending) >= _PROBES_IN_FLIGHT and (why := settle()) is not None:
-            return why
+    for path, box in reads:
+        if ck.specs or (box is None and path in ck._cache.get("backed", ())):
+            continue
+        rec = ck.arrays[path]
+        files, chunks, nbytes = stored_size(rec, box)
+        if nbytes + chunks * CHUNK_OVERHEAD <= UNCHECKED_BYTES:
+            continue
+        layout = rec.layout
+        chunk = None if layout.chunk_shape is None else list(layout.chunk_shape)
+        fields = (
+            f"its record's 'shape' {short_repr(list(rec.shape))}, 'shard_shape' "
+            f"{short_repr(list(layout.shard_shape))}, 'chunk_shape' {short_repr(chunk)} and 'dtype' {rec.dtype!r}"
+        )
+        for key, size in stored_files(rec, box):
+            if path in found:
+                break
+            if size > _MAX_FILE_BYTES:
+                found[path] = f"{key} cannot hold the {size} bytes that {fields} give it (no file holds 2**62 bytes)"
+                break
+            probe = ck.kvstore().read(key, byte_range=slice(size - 1, size))
+            pending.append((path, key, size, fields, files, box is None, probe))
+            while len(pending) >= _PROBES_IN_FLIGHT:
+                settle()
+        if box is None:
+            whole.append(path)
     while pending:
-        if (why := settle()) is not None:
-            return why
-    if box is None:
-        ck._cache.setdefault("backed", set()).add(path)
-    return None
+        settle()
+    ck._cache.setdefault("backed", set()).update(p for p in whole if p not in found)
+    return found
 
 
-def check_backed(ck: Checkpoint, path: str, box: tuple[slice, ...] | None = None) -> None:
-    """Raise :func:`backing_problem` as a CorruptCheckpointError naming the leaf."""
-    why = backing_problem(ck, path, box)
-    if why is not None:
-        raise CorruptCheckpointError(f"'{path}' in {ck.location}: {why}; restore from another checkpoint")
+def check_backed(ck: Checkpoint, paths: Iterable[str], box: Box | None = None) -> None:
+    """Raise the first of :func:`backing_problems` for reads of ``box`` (default: all) of
+    each array of ``paths``, as a CorruptCheckpointError naming the leaf."""
+    paths = list(paths)
+    found = backing_problems(ck, [(p, box) for p in paths])
+    for path in paths:
+        if path in found:
+            raise CorruptCheckpointError(f"'{path}' in {ck.location}: {found[path]}; restore from another checkpoint")
 
 
 def _normalize(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
@@ -569,7 +592,7 @@ class LazyArray:
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
         """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
-        check_backed(self._ck, self.path, bounds + tuple(slice(0, n) for n in self.shape[len(bounds):]))
+        check_backed(self._ck, [self.path], bounds + tuple(slice(0, n) for n in self.shape[len(bounds):]))
         store = self._tensorstore()
         try:
             return store[box].read().result() if box else store.read().result()

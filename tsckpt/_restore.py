@@ -336,8 +336,7 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
-    for stored in sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()):
-        check_backed(ck, stored)  # before any destination is allocated for it
+    check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))  # before allocating any
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.values:

@@ -17,7 +17,7 @@ from ._format import ROOT_KEY
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._links import owner, symlinks
-from ._reader import Checkpoint, backing_problem, describe_read_error, load
+from ._reader import Checkpoint, backing_problems, describe_read_error, load
 from ._store import Directory, storage_errors, storage_problem
 
 # Bytes of reads kept in flight.
@@ -108,12 +108,10 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 raise unreachable from e
             bad.setdefault(path, describe_read_error(e))
 
+    # the shards' sizes, before TensorStore decodes any
+    bad.update(backing_problems(ck, [(p, None) for p in ck.arrays if p not in skip]))
     for path, rec in ck.arrays.items():
-        if path in skip:  # its zarr.json is missing or wrong: no reader can open it
-            continue
-        why = backing_problem(ck, path)  # the shards' sizes, before TensorStore decodes any
-        if why is not None:
-            bad[path] = why
+        if path in skip or path in bad:  # its zarr.json is missing or wrong: no reader can open it
             continue
         try:
             store = ck.open_array_future(path).result()
