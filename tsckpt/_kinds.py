@@ -58,13 +58,14 @@ def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastChec
             f"'{path}': the target dtype {shown} is not one tsckpt restores into; use a target of the "
             f"stored dtype {stored} or another dtype tsckpt stores"
         )
-    # torch has no copy kernels from int4, and no dtype at all for some ml_dtypes: a tensor target
-    # of another dtype failed inside the copy (NotImplementedError, KeyError)
-    torch_casts = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
-    if isinstance(target, torch.dtype) and name != stored and not torch_casts and _casting.level(stored, name):
+    storage = _dtypes.storage_dtype(stored)
+    raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
+    # torch has no copy kernels for int4, and no dtype at all for some ml_dtypes
+    castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
+    if isinstance(target, torch.dtype) and name != stored and not raw and not castable:
         raise LeafTypeError(
-            f"'{path}': stored dtype {stored} cannot be cast to the {shown} target by torch; restore into a "
-            f"numpy array (numpy casts it) or a target of the stored dtype"
+            f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
+            "or a numpy array as the target"
         )
     needed = _casting.level(stored, name)
     if needed == "no" and swapped:
