@@ -64,3 +64,4 @@ def dirty_empty(monkeypatch):
 
     monkeypatch.setattr(np, "empty", dirty_np)
     monkeypatch.setattr(torch, "empty", dirty_torch)
+

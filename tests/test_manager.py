@@ -12,6 +12,7 @@ import torch
 
 import tsckpt
 import tsckpt._manager as manager_module
+from tests.races import race_two_saves
 from tsckpt._format import ROOT_KEY
 
 
@@ -296,37 +297,8 @@ def test_two_managers_never_remove_each_others_saves_in_progress(root, monkeypat
 
 def test_two_managers_racing_for_one_step_one_wins(root, monkeypatch):
     """Both find step 3 free; the conditional claim lets exactly one save it."""
-    import threading
-
-    import tsckpt._save as save_module
-
-    both_checked = threading.Barrier(2, timeout=30)
-    real = save_module._store.has_any_key
-
-    def has_any_key(loc):
-        found = real(loc)
-        both_checked.wait()
-        return found
-
-    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
     managers = [tsckpt.CheckpointManager(root) for _ in range(2)]
-    outcome: dict[int, BaseException | None] = {}
-
-    def saver(i: int) -> None:
-        try:
-            managers[i].save(3, _state(10 + i))
-            outcome[i] = None
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            outcome[i] = e
-
-    threads = [threading.Thread(target=saver, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    winners = [i for i, e in outcome.items() if e is None]
-    losers = [e for e in outcome.values() if e is not None]
-    assert len(winners) == 1 and len(losers) == 1, outcome
-    assert isinstance(losers[0], tsckpt.CheckpointExistsError)
-    assert "another save into this directory started at the same time and claimed it first" in str(losers[0])
-    _check(managers[0].restore(3), 10 + winners[0])
+    winner, loser = race_two_saves(monkeypatch, lambda i: managers[i].save(3, _state(10 + i)))
+    assert isinstance(loser, tsckpt.CheckpointExistsError)
+    assert "another save into this directory started at the same time and claimed it first" in str(loser)
+    _check(managers[0].restore(3), 10 + winner)

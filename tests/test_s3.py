@@ -17,6 +17,7 @@ import torch
 import tsckpt
 import tsckpt._save as save_module
 from tests import dist_scenarios as sc
+from tests.races import race_two_saves
 from tests.dist_helpers import free_port, run_ranks
 
 BUCKET = "tsckpt-test"
@@ -294,35 +295,10 @@ def _outcome(fn):
 def test_concurrent_savers_exactly_one_wins(s3_server, prefix, monkeypatch):
     """Both savers find the location empty; the conditional create (If-None-Match) lets one through."""
     url = f"s3://{BUCKET}/{prefix}"
-    both_checked = threading.Barrier(2, timeout=30)
-    real = save_module._store.has_any_key
-
-    def has_any_key(loc):
-        found = real(loc)
-        both_checked.wait()
-        return found
-
-    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
-    outcome: dict[int, BaseException | None] = {}
-
-    def saver(i: int) -> None:
-        try:
-            tsckpt.save(url, _tree(i))
-            outcome[i] = None
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            outcome[i] = e
-
-    threads = [threading.Thread(target=saver, args=(i,)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    winners = [i for i, e in outcome.items() if e is None]
-    losers = [e for e in outcome.values() if e is not None]
-    assert len(winners) == 1 and len(losers) == 1, outcome
-    assert isinstance(losers[0], tsckpt.CheckpointExistsError)
-    assert "claimed it first; nothing was written" in str(losers[0])
-    _assert_tree(tsckpt.restore(url), winners[0])
+    winner, loser = race_two_saves(monkeypatch, lambda i: tsckpt.save(url, _tree(i + 1)))
+    assert isinstance(loser, tsckpt.CheckpointExistsError)
+    assert "claimed it first; nothing was written" in str(loser)
+    _assert_tree(tsckpt.restore(url), winner + 1)
 
 
 # ---- manager ----------------------------------------------------------------------

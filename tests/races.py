@@ -1,0 +1,39 @@
+"""Two saves racing for one location (used by the manager and object-store tests)."""
+
+from __future__ import annotations
+
+
+def race_two_saves(monkeypatch, save_one) -> tuple[int, BaseException]:
+    """Run ``save_one(0)`` and ``save_one(1)`` in two threads that both find the location
+    free before either claims it; returns (the winner, the loser's error)."""
+    import threading
+
+    import tsckpt._save as save_module
+
+    both_checked = threading.Barrier(2, timeout=30)
+    real = save_module._store.has_any_key
+
+    def has_any_key(loc):
+        found = real(loc)
+        both_checked.wait()
+        return found
+
+    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
+    outcome: dict[int, BaseException | None] = {}
+
+    def run(i: int) -> None:
+        try:
+            save_one(i)
+            outcome[i] = None
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            outcome[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [i for i, e in outcome.items() if e is None]
+    losers = [e for e in outcome.values() if e is not None]
+    assert len(winners) == 1 and len(losers) == 1, outcome
+    return winners[0], losers[0]
