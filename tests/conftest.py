@@ -64,4 +64,3 @@ def dirty_empty(monkeypatch):
 
     monkeypatch.setattr(np, "empty", dirty_np)
     monkeypatch.setattr(torch, "empty", dirty_torch)
-
