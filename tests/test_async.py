@@ -287,3 +287,21 @@ def test_async_save_is_a_future(tmp_path):
     assert isinstance(h, concurrent.futures.Future)
     done, _ = concurrent.futures.wait([h], timeout=60)
     assert h in done and h.result() is None
+
+
+def test_a_failure_nobody_checked_is_reported_at_exit(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")
+    code = (
+        "import numpy as np, tsckpt\n"
+        f"tsckpt.save_async({str(blocker / 'ck')!r}, {{'x': np.arange(10)}})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith(
+        f"tsckpt: the asynchronous save to {blocker / 'ck'} failed and its result() was never checked: "
+        f"StorageError: {blocker / 'ck'}: not a directory (ENOTDIR) while writing"
+    ), proc.stderr
+    checked = code.replace("tsckpt.save_async(", "h = tsckpt.save_async(") + "try:\n    h.result()\nexcept OSError:\n    pass\n"
+    proc = subprocess.run([sys.executable, "-c", checked], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

@@ -553,3 +553,13 @@ def test_convert_with_overwrite_leaves_a_save_still_running(tmp_path, monkeypatc
         t.join(60)
     assert outcome == [None]
     _check(tsckpt.restore(dst), 5)
+
+
+def test_a_file_in_the_way_is_a_storage_fault_not_damage(tmp_path):
+    """ENOTDIR while reading means a missing chunk; while saving, a path that cannot be made."""
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")
+    with pytest.raises(tsckpt.StorageError) as info:
+        tsckpt.save(str(blocker / "ck"), {"x": np.arange(10)})
+    assert info.value.errno == errno.ENOTDIR
+    assert str(info.value).startswith(f"{blocker / 'ck'}: not a directory (ENOTDIR) while writing")

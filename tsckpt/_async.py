@@ -16,11 +16,14 @@ asynchronously and awaited once.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
+import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -35,6 +38,21 @@ from ._store import Directory, resolve
 from .tree import flatten, unflatten
 
 IfBusy = Literal["wait", "error"]
+
+# Failed saves whose outcome nobody has asked for yet.
+_failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
+
+
+@atexit.register
+def _report_unchecked_failures() -> None:
+    """At exit (after pending saves finished), say which failed unseen: no one else will."""
+    for handle in list(_failed):
+        if not handle.retrieved:
+            err = concurrent.futures.Future.exception(handle)
+            sys.stderr.write(
+                f"tsckpt: the asynchronous save to {handle.directory} failed and its result() was never "
+                f"checked: {type(err).__name__}: {err}\n"
+            )
 
 
 class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
@@ -84,6 +102,7 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
             job(tree)
         except BaseException as e:  # noqa: BLE001 - delivered through result()
             self.set_exception(e)
+            _failed.add(self)
         else:
             self.set_result(None)
 

@@ -296,7 +296,7 @@ def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _l
     root records ``lease``'s claim, which is renewed from then on; without a
     lease (tests) the claim is one of no running save.
     """
-    with _store.storage_errors(loc):
+    with _store.storage_errors(loc, doing="writing"):
         _claim(loc, overwrite, layout, lease)
 
 

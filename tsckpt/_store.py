@@ -109,7 +109,8 @@ def _fill_from_environment(spec: dict[str, Any]) -> None:
 
 
 # errno values that mean the data is missing rather than that the storage failed: a read
-# reports them as a damaged checkpoint (a missing chunk file), never as a storage fault.
+# reports them as a damaged checkpoint (a missing chunk file), never as a storage fault;
+# a write (a directory that cannot be made: a file in the way) reports them as faults.
 _MISSING = (errno.ENOENT, errno.ENOTDIR)
 
 # Text of TensorStore messages that carry no os_error_code, by errno.
@@ -220,14 +221,14 @@ def storage_problem(
     if isinstance(err, TsckptError):
         return None
     if isinstance(err, OSError):
-        if err.errno is None or err.errno in _MISSING:
+        if err.errno is None or (err.errno in _MISSING and doing != "writing"):
             return None
         detail = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
         return os_fault(loc, err.errno, detail, filename=err.filename, leaf=leaf, doing=doing or "accessing")
     msg = " ".join(str(err).split())
     detail = msg.split(" [tensorstore_spec")[0]
     code = _os_errno(msg, loc.local is not None)
-    if code is not None and code not in _MISSING:
+    if code is not None and (code not in _MISSING or doing == "writing"):
         low = msg.lower()
         doing = doing or (
             "writing" if re.search(r"writ|creat|renam|delet|lock|sync", low)
