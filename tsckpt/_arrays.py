@@ -58,6 +58,7 @@ def chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
 # Bytes a stored file adds to its data: the crc32c of a chunk, and each entry of a shard index.
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
+MISSING_CHUNK = 2**64 - 1  # offset and length of an inner chunk a shard does not store
 
 
 def _grid(rec: ArrayRecord, box: tuple[slice, ...] | None) -> list[tuple[int, int, int, int]] | None:

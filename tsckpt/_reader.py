@@ -389,15 +389,21 @@ def metadata(directory: Directory) -> Any:
     return Reader(load(directory)).metadata()
 
 
+# What a failed chunk read means, in the words every read path uses.
+CHECKSUM_MISMATCH = "checksum mismatch: stored bytes were altered"
+CHUNK_MISSING = "a chunk file is missing"
+UNDECODABLE = "stored data could not be decoded (truncated or damaged file)"
+
+
 def _classify_read_error(err: Exception) -> tuple[str, str]:
     """(what a failed chunk read means, TensorStore's message): the one place that reads it."""
     msg = " ".join(str(err).split())
     low = msg.lower()
     if "digest mismatch" in low or "crc32c" in low or "checksum" in low:
-        return "checksum mismatch: stored bytes were altered", msg
+        return CHECKSUM_MISMATCH, msg
     if "not_found" in low or "missing" in low or "not found" in low:
-        return "a chunk file is missing", msg
-    return "stored data could not be decoded (truncated or damaged file)", msg
+        return CHUNK_MISSING, msg
+    return UNDECODABLE, msg
 
 
 def describe_read_error(err: Exception) -> str:

@@ -34,14 +34,14 @@ import google_crc32c
 import numpy as np
 from google_crc32c import cext
 
-from ._arrays import chunk_key, stored_node_problem
+from ._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, chunk_key, stored_node_problem
 from ._encode import LITTLE_ENDIAN
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 from ._plan import shard_boxes
 from ._threads import Workers
 from ._progress import Progress
-from ._reader import Checkpoint
+from ._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
 from ._types import Dest
 
 # Threads reading shard files. On 2 CPUs (1 GiB in 64 shard files), 1, 2 and 4 used the
@@ -49,14 +49,8 @@ from ._types import Dest
 READ_THREADS = 4
 RUN_BYTES = 4 << 20  # most bytes one preadv reads (measured: 16 MiB used ~10% more CPU than 1-4 MiB)
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX); two per chunk
-_MISSING = 2**64 - 1
 _ENTRY = np.dtype("<u8")
 _CRC = np.dtype("<u4")
-
-# The phrases of _reader._classify_read_error, so both read paths say the same.
-_CHECKSUM = "checksum mismatch: stored bytes were altered"
-_MISSING_FILE = "a chunk file is missing"
-_UNDECODABLE = "stored data could not be decoded (truncated or damaged file)"
 
 
 def applies(ck: Checkpoint) -> bool:
@@ -204,7 +198,7 @@ def _read_shard(ck: Checkpoint, job: _Job, scratch: np.ndarray, cap: int) -> Non
     try:
         fd = os.open(os.path.join(str(ck.location.local), key), os.O_RDONLY)
     except FileNotFoundError:
-        raise _damage(ck, job, _MISSING_FILE, f"{key} does not exist") from None
+        raise _damage(ck, job, CHUNK_MISSING, f"{key} does not exist") from None
     except OSError as e:
         raise _Fallback(str(e)) from e
     try:
@@ -236,14 +230,14 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, scratch: np.n
     if not S_ISREG(stat.st_mode):
         raise _Fallback(f"{key} is not a regular file")
     size = stat.st_size
-    index_bytes = math.prod(per) * 16 + 4
+    index_bytes = math.prod(per) * INDEX_ENTRY_BYTES + CRC_BYTES
     if size < index_bytes:
-        raise _damage(ck, job, _UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
+        raise _damage(ck, job, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
     tail = os.pread(fd, index_bytes, size - index_bytes)
     if len(tail) != index_bytes:
-        raise _damage(ck, job, _UNDECODABLE, f"{key} shrank while being read")
+        raise _damage(ck, job, UNDECODABLE, f"{key} shrank while being read")
     if google_crc32c.value(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
-        raise _damage(ck, job, _CHECKSUM, f"{key}: the shard index fails its crc32c")
+        raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
     index = np.frombuffer(tail, _ENTRY, count=2 * math.prod(per)).reshape(*per, 2)
 
     origin = tuple((o // s) * s for o, s in zip(job.offsets, shard))
@@ -252,13 +246,13 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, scratch: np.n
     plan: list[_Chunk] = []
     for cell in itertools.product(*ranges):
         start, nbytes = (int(v) for v in index[cell])
-        if start == _MISSING and nbytes == _MISSING:
-            raise _damage(ck, job, _MISSING_FILE, f"{key}: inner chunk {list(cell)} is missing from the shard index")
+        if start == MISSING_CHUNK and nbytes == MISSING_CHUNK:
+            raise _damage(ck, job, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
         if nbytes != data_bytes + 4 or start > size or nbytes > size - start:
             raise _damage(
                 ck,
                 job,
-                _UNDECODABLE,
+                UNDECODABLE,
                 f"{key}: the shard index gives inner chunk {list(cell)} bytes [{start}, {start + nbytes}) "
                 f"of a {size}-byte file; expected {data_bytes + 4} bytes inside the file",
             )
@@ -324,10 +318,10 @@ def _read_run(
     total = len(run) * (data_bytes + 4)
     got = os.preadv(fd, buffers, run[0].start)
     if got != total:
-        raise _damage(ck, job, _UNDECODABLE, f"{key} ended {total - got} bytes early while being read")
+        raise _damage(ck, job, UNDECODABLE, f"{key} ended {total - got} bytes early while being read")
     for data, c, crc in zip(datas, run, crcs.tolist()):
         if cext.value(data) != crc:
-            raise _damage(ck, job, _CHECKSUM, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
+            raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
     for data, c in zip(datas, run):
         if c.direct is None:
             block = data.view(job.view.dtype).reshape(chunk)

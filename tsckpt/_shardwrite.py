@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from google_crc32c import cext
 
+from ._arrays import MISSING_CHUNK
+
 # Storage dtypes written here: every fixed-size type of whole bytes that tsckpt
 # stores (int4 and float4 are packed by TensorStore, so they stay with it).
 DTYPES = frozenset(
@@ -42,7 +44,6 @@ DTYPES = frozenset(
      "float8_e5m2fnuz", "float8_e8m0fnu", "float8_e3m4", "float8_e4m3b11fnuz"}
 )
 
-MISSING = 2**64 - 1
 # Bytes of gathered (non-contiguous or padded) chunks staged before a pwritev; small, so
 # the kernel copies them out of the CPU cache (measured faster than 8 MiB).
 STAGE_BYTES = 2 << 20
@@ -133,7 +134,7 @@ def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequenc
     inner = tuple(inner)
     grid = tuple(s // i for s, i in zip(shard, inner))
     chunk_bytes = math.prod(inner) * src.dtype.itemsize
-    index = np.full((math.prod(grid), 2), MISSING, dtype="<u8")
+    index = np.full((math.prod(grid), 2), MISSING_CHUNK, dtype="<u8")
     stage = _stage(chunk_bytes)
     used = 0  # bytes of the staging buffer queued in f
     f = _File(path)
