@@ -3,28 +3,47 @@
 torch.distributed.checkpoint (single process).
 
 Workloads
-  large  1 GiB in 64 float32 tensors of 4096 x 1024 (16 MiB each)
+  large  1 GiB in 64 float32 tensors of 4096 x 1024 (16 MiB each); --large-mib
+         sets the total (a multiple of 16 MiB: 512 -> 32 tensors)
   small  10,000 float32 tensors of 1-64 KiB each (random sizes, fixed seed)
-  row    one row of a 16384 x 16384 float32 tensor (1 GiB) read with tsckpt.open
+  row    one row of a 16384 x 16384 float32 tensor (1 GiB) read with tsckpt.open,
+         always with a cold page cache (it counts the bytes read)
 
 Every measurement runs in a fresh subprocess, so peak RSS (ru_maxrss) is per
 case and no library benefits from another's warm state. Every library is
-imported, and the data or target built, before the timer starts. Right before
-each timed call, dirty pages are synced and, when the process may write
-/proc/sys/vm/drop_caches (root), the page cache is dropped, so restores read
-from storage; otherwise restores are reported as warm-cache.
+imported, and the data or target built, before the timer starts. Dirty pages
+are synced (and, as root, the page cache dropped) right before every save.
+Restores are timed with a cold and/or a warm page cache (--cache):
+  cold  right before the timed call the child drops the whole page cache
+        (/proc/sys/vm/drop_caches, needs root); without root it can only evict
+        the checkpoint's own files (posix_fadvise), and the report says so
+  warm  nothing is dropped; right before starting the child, the parent reads
+        every file the restore will read into a reused buffer, so they are resident
 Restores "touch the data": every restored tensor is summed, and the sum is
 checked against the one computed at save time, so mmap-based loaders pay for
-the bytes they hand out. Each case runs ``--repeats`` times; tables show the
-best time and the spread (slowest / best - 1) as a noise indicator.
+the bytes they hand out.
+
+Rounds: each case runs once per round (--repeats rounds). Saves run first,
+round after round, then restores; within a round the case order is rotated by
+the round number, so no library always goes first, and with --cache both a
+round runs every restore cold, then every restore warm. Tables show median and
+best wall and CPU seconds; a ratio to a peer is the median over the rounds of
+(tsckpt / peer in the same round), with the ratio of the medians beside it.
+Targets judge the median of the per-round ratios.
 
 Usage
-  python benchmarks/bench_core.py                  # full run (~10-15 min)
-  python benchmarks/bench_core.py --quick          # small smoke run (~1-2 min)
-  python benchmarks/bench_core.py --write-results  # also update benchmarks/RESULTS.md
-  python benchmarks/bench_core.py --json out.json  # raw measurements
-  python benchmarks/bench_core.py --only large --ab  # also tsckpt with TensorStore writing
-                                                     # every file, and with whole-row chunks
+  python benchmarks/bench_core.py                          # full run: 5 rounds, cold and warm
+  python benchmarks/bench_core.py --quick                  # small smoke run, 1 round
+  python benchmarks/bench_core.py --only large --cache both --repeats 5
+                                                           # the large-workload targets only
+  python benchmarks/bench_core.py --only large --large-mib 512   # a 512 MiB large workload
+  python benchmarks/bench_core.py --cache warm             # warm page cache only (or: cold)
+  python benchmarks/bench_core.py --write-results          # also update benchmarks/RESULTS.md
+  python benchmarks/bench_core.py --json out.json          # raw measurements (every run)
+  python benchmarks/bench_core.py --from-json out.json     # report again from raw measurements
+  python benchmarks/bench_core.py --only large --ab        # also tsckpt with TensorStore writing
+                                                           # every file, and with whole-row chunks
+  python benchmarks/bench_core.py --savers tsckpt,dcp      # only these savers (and their restores)
 """
 
 from __future__ import annotations
@@ -34,13 +53,14 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
-from _common import dir_stats, machine_info, proc_io, write_section
+from _common import dir_stats, drop_caches, evict, finish, machine_info, proc_io
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Core save/restore"
@@ -48,6 +68,8 @@ SECTION = "## Core save/restore"
 SEED = 1234
 GiB = 1 << 30
 MiB = 1 << 20
+LARGE_ROWS, LARGE_COLS = 4096, 1024  # one large-workload tensor: 16 MiB of float32
+QUICK_ROWS = 256  # with --quick: 1 MiB each
 
 # name -> (writes with fsync/syncfs?, what it does)
 SAVERS = {
@@ -74,17 +96,21 @@ LOADERS = {
     # a reference, not a peer: one thread reading the safetensors file into one reused buffer
     FLOOR: ("safetensors", "read() the safetensors file in 64 MiB pieces into one reused buffer, no decoding"),
 }
-PEER_LOADERS = [s for s in LOADERS if not s.startswith("tsckpt") and s != FLOOR]
+TS_LOADERS = ("tsckpt (inplace)", "tsckpt (target=None)")
+MODES = ("warm", "cold")  # the order of the report; a round runs cold first (run_modes)
+DCP_LIMIT = {"warm": 0.8, "cold": 0.6}  # large restore targets: tsckpt / dcp at most this
 
 
 # --------------------------------------------------------------------------
 # workloads (shared by parent and children; torch imported lazily)
 
 
-def shapes(workload: str, quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+def shapes(workload: str, quick: bool, large_mib: int = 1024) -> list[tuple[str, tuple[int, ...]]]:
     if workload == "large":
-        rows = 256 if quick else 4096
-        return [(f"t{i:02d}", (rows, 1024)) for i in range(64)]
+        n = large_mib * MiB // (LARGE_ROWS * LARGE_COLS * 4)
+        rows = QUICK_ROWS if quick else LARGE_ROWS
+        width = max(2, len(str(n - 1)))
+        return [(f"t{i:0{width}d}", (rows, LARGE_COLS)) for i in range(n)]
     if workload == "small":
         import numpy as np
 
@@ -94,25 +120,26 @@ def shapes(workload: str, quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     raise ValueError(workload)
 
 
+def spec_shapes(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The shapes of a child's (or a results entry's) workload."""
+    return shapes(spec["workload"], spec["quick"], spec.get("large_mib", 1024))
+
+
 def row_shape(quick: bool) -> tuple[int, int]:
     return (4096, 4096) if quick else (16384, 16384)
 
 
-def nbytes_of(workload: str, quick: bool) -> int:
-    return sum(4 * math.prod(s) for _, s in shapes(workload, quick))
-
-
-def make_tree(workload: str, quick: bool) -> dict[str, Any]:
+def make_tree(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(SEED)
-    return {k: torch.empty(s, dtype=torch.float32).uniform_(-1, 1, generator=g) for k, s in shapes(workload, quick)}
+    return {k: torch.empty(s, dtype=torch.float32).uniform_(-1, 1, generator=g) for k, s in spec_shapes(spec)}
 
 
-def zeros_tree(workload: str, quick: bool) -> dict[str, Any]:
+def zeros_tree(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    return {k: torch.zeros(s, dtype=torch.float32) for k, s in shapes(workload, quick)}
+    return {k: torch.zeros(s, dtype=torch.float32) for k, s in spec_shapes(spec)}
 
 
 def touch(values: Any) -> float:
@@ -163,6 +190,15 @@ def preimport() -> dict[str, float]:
     return out
 
 
+def go_cold(path: str) -> str:
+    """Empty the page cache before a timed read: all of it when allowed (root), else the
+    pages of the files under ``path``. Returns which of the two it did."""
+    if drop_caches():
+        return "drop_caches"
+    evict(path)
+    return "evict"
+
+
 def fsync_path(path: str) -> None:
     for p in (path, os.path.dirname(path)):
         fd = os.open(p, os.O_RDONLY)
@@ -175,15 +211,14 @@ def fsync_path(path: str) -> None:
 def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    lib, path, quick = spec["lib"], spec["path"], spec["quick"]
+    lib, path = spec["lib"], spec["path"]
     import_s = preimport()
-    tree = make_tree(spec["workload"], quick)
+    tree = make_tree(spec)
     t = time.perf_counter()
     checksum = touch(tree.values())
     touch_s = time.perf_counter() - t
     rss0 = rss_now()
-    if spec["drop"]:
-        drop_caches()
+    drop_caches()  # syncs earlier cases' dirty pages; drops the page cache when allowed
     c0, t0 = cpu_s(), time.perf_counter()
     if lib.startswith("tsckpt"):
         import tsckpt
@@ -230,14 +265,13 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
 def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    lib, path, quick, wl = spec["lib"], spec["path"], spec["quick"], spec["workload"]
+    lib, path = spec["lib"], spec["path"]
     preimport()
-    target = zeros_tree(wl, quick) if lib in ("tsckpt (inplace)", "dcp") else None
-    names = [k for k, _ in shapes(wl, quick)]
+    target = zeros_tree(spec) if lib in ("tsckpt (inplace)", "dcp") else None
+    names = [k for k, _ in spec_shapes(spec)]
     rss0 = rss_now()
-    if spec["drop"]:
-        drop_caches()
-    c0, t0 = cpu_s(), time.perf_counter()
+    emptied = go_cold(path) if spec["cache"] == "cold" else None
+    io0, c0, t0 = proc_io(), cpu_s(), time.perf_counter()
     if lib == "tsckpt (target=None)":
         import tsckpt
 
@@ -267,15 +301,17 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(lib)
     t1 = time.perf_counter()
     checksum = touch(out[k] for k in names) if out is not None else float("nan")
-    t2, cpu = time.perf_counter(), cpu_s() - c0
+    t2, cpu, io1 = time.perf_counter(), cpu_s() - c0, proc_io()
     return {
         "time": t2 - t0,
         "cpu": cpu,
         "load_s": t1 - t0,
         "touch_s": t2 - t1,
+        "read_bytes": io1["read_bytes"] - io0["read_bytes"],  # fetched from storage (0: all from the page cache)
         "rss_before": rss0,
         "peak_rss": peak_rss(),
         "checksum": checksum,
+        "emptied": emptied,
     }
 
 
@@ -299,8 +335,7 @@ def child_row_read(spec: dict[str, Any]) -> dict[str, Any]:
     import tsckpt
 
     r1, r2 = spec["rows"]
-    if spec["drop"]:
-        drop_caches()
+    emptied = go_cold(spec["path"])
     io0 = proc_io()
     t0 = time.perf_counter()
     reader = tsckpt.open(spec["path"])
@@ -325,6 +360,7 @@ def child_row_read(spec: dict[str, Any]) -> dict[str, Any]:
         "shard_shape": list(md.shard_shape),
         "sums": {str(r1): float(torch.from_numpy(x).sum()), str(r2): float(torch.from_numpy(y).sum())},
         "peak_rss": peak_rss(),
+        "emptied": emptied,
     }
 
 
@@ -338,17 +374,7 @@ def child_main(spec: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------
-# parent side: orchestration, tables, RESULTS.md
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+# parent side: orchestration
 
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -368,40 +394,91 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_workload(wl: str, base: str, args: argparse.Namespace, can_drop: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"nbytes": nbytes_of(wl, args.quick), "n": len(shapes(wl, args.quick)), "save": {}, "restore": {}}
-    root = os.path.join(base, wl)
-    checksum = None
+def rotated(items: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order of ``items``: starting at index rnd (mod their number)."""
+    k = rnd % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def run_modes(cache: str) -> list[str]:
+    """The cache modes every round runs its restores in, in order."""
+    return ["cold", "warm"] if cache == "both" else [cache]
+
+
+def make_resident(path: str, buf: bytearray) -> int:
+    """Read every file under ``path`` into ``buf`` (overwritten, nothing kept), so that their
+    pages are in the page cache; returns the bytes read."""
+    n = 0
+    for root, _, names in os.walk(path):
+        for name in sorted(names):
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while k := f.readinto(buf):
+                    n += k
+    return n
+
+
+def workload_spec(wl: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a child needs to rebuild workload ``wl`` (also kept in the results)."""
+    return {"workload": wl, "quick": args.quick, "large_mib": args.large_mib}
+
+
+def savers_to_run(args: argparse.Namespace) -> list[str]:
     savers = [*SAVERS, *(VARIANTS if args.ab else ())]
-    if args.savers:
-        savers = [s for s in savers if s in args.savers.split(",")]
-    for rep in range(args.repeats):
-        for lib in savers:
-            path = os.path.join(root, lib)
-            shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(root, exist_ok=True)
-            spec = {"op": "save", "lib": lib, "path": path, "workload": wl, "quick": args.quick, "drop": can_drop}
-            r = run_child(spec, args.timeout)
-            r["files"], r["bytes"] = dir_stats(path)
+    return [s for s in savers if s in args.savers.split(",")] if args.savers else savers
+
+
+def save_case(ws: dict[str, Any], lib: str, root: str, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
+    path = os.path.join(root, lib)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    r = run_child({"op": "save", "lib": lib, "path": path, **ws}, args.timeout)
+    r["files"], r["bytes"] = dir_stats(path)
+    r["round"] = rnd
+    log(f"[{ws['workload']}] save          {lib:28s} round {rnd}: {r['time']:.3f} s, cpu {r['cpu']:.2f} s, {r['files']} files")
+    return r
+
+
+def restore_case(ws: dict[str, Any], lib: str, root: str, mode: str, rnd: int, args: argparse.Namespace,
+                 checksum: float, buf: bytearray) -> dict[str, Any]:
+    path = os.path.join(root, LOADERS[lib][0])
+    if mode == "warm":
+        make_resident(path, buf)
+    r = run_child({"op": "restore", "lib": lib, "path": path, "cache": mode, **ws}, args.timeout)
+    r.update(round=rnd, cache=mode)
+    r["ok"] = lib == FLOOR or math.isclose(r["checksum"], checksum, rel_tol=1e-9, abs_tol=1e-6)
+    if not r["ok"]:
+        raise RuntimeError(f"[{ws['workload']}] {lib}: restored data checksum {r['checksum']} != saved {checksum}")
+    log(f"[{ws['workload']}] restore {mode:5s} {lib:28s} round {rnd}: {r['time']:.3f} s "
+        f"(load {r['load_s']:.3f} + touch {r['touch_s']:.3f}), cpu {r['cpu']:.2f} s")
+    return r
+
+
+def bench_workload(wl: str, base: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every saver once per round, then every restore once per round and cache mode."""
+    ws = workload_spec(wl, args)
+    shp = spec_shapes(ws)
+    out: dict[str, Any] = {**ws, "nbytes": sum(4 * math.prod(s) for _, s in shp), "n": len(shp), "save": {},
+                           "restore": {mode: {} for mode in run_modes(args.cache)}}
+    root = os.path.join(base, wl)
+    savers = savers_to_run(args)
+    loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers]
+    checksum = float("nan")
+    for rnd in range(args.repeats):
+        for lib in rotated(savers, rnd):
+            r = save_case(ws, lib, root, rnd, args)
             checksum = r["checksum"]
             out["save"].setdefault(lib, []).append(r)
-            log(f"[{wl}] save    {lib:22s} rep {rep}: {r['time']:.3f} s, {r['files']} files")
-    for rep in range(args.repeats):
-        for lib, (src, _) in LOADERS.items():
-            if src not in savers:
-                continue
-            spec = {"op": "restore", "lib": lib, "path": os.path.join(root, src), "workload": wl, "quick": args.quick}
-            r = run_child({**spec, "drop": can_drop}, args.timeout)
-            r["ok"] = lib == FLOOR or math.isclose(r["checksum"], checksum, rel_tol=1e-9, abs_tol=1e-6)
-            if not r["ok"]:
-                raise RuntimeError(f"[{wl}] {lib}: restored data checksum {r['checksum']} != saved {checksum}")
-            out["restore"].setdefault(lib, []).append(r)
-            log(f"[{wl}] restore {lib:22s} rep {rep}: {r['time']:.3f} s (load {r['load_s']:.3f} + touch {r['touch_s']:.3f})")
+    buf = bytearray(64 * MiB)
+    for rnd in range(args.repeats):
+        for mode in run_modes(args.cache):
+            for lib in rotated(loaders, rnd):
+                r = restore_case(ws, lib, root, mode, rnd, args, checksum, buf)
+                out["restore"][mode].setdefault(lib, []).append(r)
     shutil.rmtree(root, ignore_errors=True)
     return out
 
 
-def bench_row(base: str, args: argparse.Namespace, can_drop: bool) -> dict[str, Any]:
+def bench_row(base: str, args: argparse.Namespace) -> dict[str, Any]:
     path = os.path.join(base, "row")
     shape = row_shape(args.quick)
     rows = [shape[0] // 2 + 3, shape[0] - 1]  # two different shards
@@ -409,7 +486,7 @@ def bench_row(base: str, args: argparse.Namespace, can_drop: bool) -> dict[str, 
     s = run_child({"op": "row_save", "path": path, "quick": args.quick, "rows": rows}, args.timeout)
     runs = []
     for rep in range(args.repeats):
-        r = run_child({"op": "row_read", "path": path, "quick": args.quick, "rows": rows, "drop": can_drop}, args.timeout)
+        r = run_child({"op": "row_read", "path": path, "quick": args.quick, "rows": rows}, args.timeout)
         if r["sums"] != s["sums"]:
             raise RuntimeError(f"row read returned wrong data: {r['sums']} != {s['sums']}")
         runs.append(r)
@@ -445,13 +522,90 @@ def bench_row(base: str, args: argparse.Namespace, can_drop: bool) -> dict[str, 
     }
 
 
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    parts = args.only or ["large", "small", "row"]
+    base = tempfile.mkdtemp(prefix="tsckpt-bench-", dir=args.dir)
+    t0 = time.time()
+    try:
+        can_drop = drop_caches()
+        if not can_drop:
+            log("cannot drop the page cache (not root?): cold restores only evict the checkpoint's files")
+        results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "repeats": args.repeats,
+                                   "cache": args.cache, "can_drop": can_drop, "large_mib": args.large_mib}
+        for part in parts:
+            t = time.time()
+            results[part] = bench_row(base, args) if part == "row" else bench_workload(part, base, args)
+            log(f"[{part}] {time.time() - t:.0f} s")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    results["wall_s"] = time.time() - t0
+    log(f"total {results['wall_s']:.0f} s")
+    return results
+
+
+# ---- statistics ------------------------------------------------------------
+
+
+class Ratio(NamedTuple):
+    per_round: float  # median over the rounds of a / b measured in the same round
+    of_medians: float  # median of a / median of b
+    rounds: int  # rounds with both measured
+
+
+def best(runs: list[dict[str, Any]], key: str = "time") -> float:
+    return min(r[key] for r in runs)
+
+
+def med(runs: list[dict[str, Any]], key: str = "time") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def by_round(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r.get("round", i): r for i, r in enumerate(runs)}
+
+
+def compare(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None, key: str = "time") -> Ratio | None:
+    """How case ``a`` compares with case ``b`` on ``key``; None if either was not measured."""
+    if not a or not b:
+        return None
+    ra, rb = by_round(a), by_round(b)
+    ratios = [ra[k][key] / rb[k][key] for k in ra if k in rb]
+    if not ratios:
+        return None
+    return Ratio(statistics.median(ratios), med(a, key) / med(b, key), len(ratios))
+
+
+def per_gb(runs: list[dict[str, Any]], key: str, nbytes: int) -> float:
+    """Median ``key`` seconds per 1e9 bytes of tensor data."""
+    return med(runs, key) / (nbytes / 1e9)
 
 
 # ---- formatting ------------------------------------------------------------
 
 
-def best(runs: list[dict[str, Any]], key: str = "time") -> float:
-    return min(r[key] for r in runs)
+def fmt_mib(n: float) -> str:
+    return f"{n / MiB:,.0f}"
+
+
+def fmt_cmp(c: Ratio | None) -> str:
+    return "-" if c is None else f"{c.per_round:.2f}x ({c.of_medians:.2f}x)"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // GiB} GiB" if nbytes % GiB == 0 else f"{nbytes / MiB:,.0f} MiB"
+
+
+def md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def md_head(names: list[str], left: int) -> list[str]:
+    """A table header: the first ``left`` columns left-aligned, the rest right-aligned."""
+    return [md_row(names), "|" + "|".join("---" if i < left else "---:" for i in range(len(names))) + "|"]
 
 
 def spread(runs: list[dict[str, Any]]) -> str:
@@ -459,128 +613,88 @@ def spread(runs: list[dict[str, Any]]) -> str:
     return f"{(max(ts) / min(ts) - 1) * 100:.0f}%" if len(ts) > 1 else "-"
 
 
-def fmt_mib(n: float) -> str:
-    return f"{n / MiB:,.0f}"
+def time_cells(runs: list[dict[str, Any]], nb: int) -> list[str]:
+    return [f"{med(runs):.3f}", f"{best(runs):.3f}", f"{nb / med(runs) / 1e9:.2f}"]
 
 
-def fmt_ratio(x: float) -> str:
-    return f"{x:.2f}x"
+def cpu_cells(runs: list[dict[str, Any]], nb: int) -> list[str]:
+    return [f"{med(runs, 'cpu'):.2f} / {best(runs, 'cpu'):.2f}", f"{per_gb(runs, 'cpu', nb):.2f}"]
+
+
+def mem_cells(runs: list[dict[str, Any]]) -> list[str]:
+    return [fmt_mib(max(x["peak_rss"] for x in runs)), fmt_mib(max(x["peak_rss"] - x["rss_before"] for x in runs)),
+            spread(runs)]
+
+
+def storage_cell(runs: list[dict[str, Any]]) -> str:
+    return fmt_mib(med(runs, "read_bytes")) if all("read_bytes" in r for r in runs) else "-"
+
+
+def ordered(cases: dict[str, Any], names: Any) -> list[tuple[str, Any]]:
+    return [(k, cases[k]) for k in names if k in cases]
+
+
+TIME_HEAD = ["median (s)", "best (s)", "GB/s"]
+CPU_HEAD = ["CPU median / best (s)", "CPU s/GB"]
+MEM_HEAD = ["peak RSS (MiB)", "over baseline (MiB)", "spread"]
 
 
 def save_table(res: dict[str, Any]) -> list[str]:
-    nb = res["nbytes"]
-    peers = {k: best(v) for k, v in res["save"].items() if not k.startswith("tsckpt")}
-    best_peer = min(peers.values())
-    best_sync = min(v for k, v in peers.items() if SAVERS[k][0])
-    lines = [
-        "| save | fsync | time (s) | GB/s | vs fastest peer | vs fastest syncing peer | CPU (s) | files | peak RSS (MiB) | RSS over baseline (MiB) | spread |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for lib, runs in res["save"].items():
-        t = best(runs)
-        r = min(runs, key=lambda r: r["time"])
-        lines.append(
-            f"| {lib} | {'yes' if {**SAVERS, **VARIANTS}[lib][0] else 'no'} | {t:.3f} | {nb / t / 1e9:.2f} | {fmt_ratio(t / best_peer)} | "
-            f"{fmt_ratio(t / best_sync)} | {min(x['cpu'] for x in runs):.2f} | {r['files']:,} | {fmt_mib(max(x['peak_rss'] for x in runs))} | "
-            f"{fmt_mib(max(x['peak_rss'] - x['rss_before'] for x in runs))} | {spread(runs)} |"
-        )
+    nb, cases = res["nbytes"], res["save"]
+    refs = ("safetensors+fsync", "dcp")
+    lines = md_head(["save", "fsync", *TIME_HEAD, *(f"vs {r}" for r in refs), *CPU_HEAD, "files", *MEM_HEAD], 2)
+    for lib, runs in ordered(cases, [*SAVERS, *VARIANTS]):
+        fsync = "yes" if {**SAVERS, **VARIANTS}[lib][0] else "no"
+        lines.append(md_row([lib, fsync, *time_cells(runs, nb), *(fmt_cmp(compare(runs, cases.get(r))) for r in refs),
+                             *cpu_cells(runs, nb), f"{runs[0]['files']:,}", *mem_cells(runs)]))
     return lines
 
 
-def restore_table(res: dict[str, Any]) -> list[str]:
-    nb = res["nbytes"]
-    best_peer = min(best(v) for k, v in res["restore"].items() if k in PEER_LOADERS)
-    lines = [
-        "| restore (data touched) | time (s) | GB/s | vs fastest peer | vs safetensors | vs dcp | load / touch (s) | CPU (s) | peak RSS (MiB) | RSS over baseline (MiB) | spread |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    st, dc = best(res["restore"]["safetensors"]), best(res["restore"]["dcp"])
-    for lib, runs in res["restore"].items():
-        t = best(runs)
-        r = min(runs, key=lambda r: r["time"])
-        lines.append(
-            f"| {lib} | {t:.3f} | {nb / t / 1e9:.2f} | {fmt_ratio(t / best_peer)} | {fmt_ratio(t / st)} | {fmt_ratio(t / dc)} | "
-            f"{r['load_s']:.3f} / {r['touch_s']:.3f} | {min(x['cpu'] for x in runs):.2f} | {fmt_mib(max(x['peak_rss'] for x in runs))} | "
-            f"{fmt_mib(max(x['peak_rss'] - x['rss_before'] for x in runs))} | {spread(runs)} |"
-        )
+def restore_table(res: dict[str, Any], mode: str) -> list[str]:
+    nb, cases = res["nbytes"], res["restore"][mode]
+    refs = ("safetensors", "dcp")
+    lines = md_head(["restore (data touched)", *TIME_HEAD, *(f"vs {r}" for r in refs), "load / touch (s)",
+                     "from storage (MiB)", *CPU_HEAD, *MEM_HEAD], 1)
+    for lib, runs in ordered(cases, LOADERS):
+        lines.append(md_row([lib, *time_cells(runs, nb), *(fmt_cmp(compare(runs, cases.get(r))) for r in refs),
+                             f"{med(runs, 'load_s'):.3f} / {med(runs, 'touch_s'):.3f}",
+                             storage_cell(runs), *cpu_cells(runs, nb), *mem_cells(runs)]))
     return lines
 
 
-def verdict(ok: bool) -> str:
-    return "**pass**" if ok else "**miss**"
+def modes_of(res: dict[str, Any]) -> list[str]:
+    return [m for m in MODES if res["restore"].get(m)]
 
 
-def targets(results: dict[str, Any]) -> list[str]:
-    out = []
-    L, S, R = results["large"], results["small"], results["row"]
-    ts_save = best(L["save"]["tsckpt"])
-    sync_peers = {k: best(v) for k, v in L["save"].items() if not k.startswith("tsckpt") and SAVERS[k][0]}
-    fastest_sync = min(sync_peers, key=sync_peers.get)
-    ratio = ts_save / sync_peers[fastest_sync]
-    out.append(
-        f"| 1 GiB save <= 1.1x fastest syncing peer | {verdict(ratio <= 1.1)} | {ts_save:.3f} s vs {fastest_sync} "
-        f"{sync_peers[fastest_sync]:.3f} s = {ratio:.2f}x |"
-    )
-    st, dc = best(L["restore"]["safetensors"]), best(L["restore"]["dcp"])
-    for lib in ("tsckpt (target=None)", "tsckpt (inplace)"):
-        t = best(L["restore"][lib])
-        out.append(f"| 1 GiB restore, {lib}, <= 1.2x safetensors | {verdict(t / st <= 1.2)} | {t:.3f} s vs {st:.3f} s = {t / st:.2f}x |")
-        out.append(f"| 1 GiB restore, {lib}, <= 0.5x dcp | {verdict(t / dc <= 0.5)} | {t:.3f} s vs {dc:.3f} s = {t / dc:.2f}x |")
-    rchar = max(r["rchar_first"] for r in R["runs"])
-    out.append(
-        f"| one-row read touches <= 4 MiB | {verdict(rchar <= 4 * MiB)} | {rchar / MiB:.2f} MiB read (rchar), "
-        f"{R['expected_bytes'] / MiB:.2f} MiB expected from the layout |"
-    )
-    a, b = best(S["save"]["tsckpt"]), best(S["save"]["dcp"])
-    out.append(f"| 10k small: save no slower than dcp | {verdict(a <= b)} | {a:.3f} s vs {b:.3f} s = {a / b:.2f}x |")
-    for lib in ("tsckpt (target=None)", "tsckpt (inplace)"):
-        a, b = best(S["restore"][lib]), best(S["restore"]["dcp"])
-        out.append(f"| 10k small: restore ({lib}) no slower than dcp | {verdict(a <= b)} | {a:.3f} s vs {b:.3f} s = {a / b:.2f}x |")
-    return out
+def cache_note(mode: str, can_drop: bool) -> str:
+    if mode == "warm":
+        return ("warm: nothing dropped; right before starting the child, the parent read every file the restore "
+                "reads into a reused 64 MiB buffer, so they are in the page cache")
+    if can_drop:
+        return ("cold: right before the timed call the child synced and dropped the whole page cache, so the data "
+                "(and library code not run before) came from storage")
+    return ("cold for the checkpoint only: the page cache could not be dropped (not root), so right before the "
+            "timed call the child evicted the checkpoint's files (fdatasync + posix_fadvise DONTNEED)")
 
 
-def dtensor_import_s(results: dict[str, Any]) -> float:
-    ts = sorted(r["import_s"]["torch.distributed.tensor"] for runs in results["large"]["save"].values() for r in runs)
-    return ts[len(ts) // 2]
+def workload_section(res: dict[str, Any], title: str) -> list[str]:
+    lines = [title, "", *save_table(res), ""]
+    for mode in modes_of(res):
+        lines += [f"#### Restore, {mode} cache", "", *restore_table(res, mode), ""]
+    return lines
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> str:
-    m = results["machine"]
-    L, S, R = results["large"], results["small"], results["row"]
+def large_title(res: dict[str, Any]) -> str:
+    _, (rows, cols) = spec_shapes(res)[0]
+    size = size_label(res["nbytes"])
+    mib = f" ({res['nbytes'] / MiB:,.0f} MiB)" if size.endswith("GiB") else ""
+    return f"### {size} in {res['n']} float32 tensors of {rows} x {cols}{mib} (--large-mib {res['large_mib']})"
+
+
+def row_section(R: dict[str, Any], can_drop: bool) -> list[str]:
     E = R["expected_parts"]
-    cache = "cold (dirty pages synced and page cache dropped right before every timed call)" if results["cold_cache"] else "WARM (page cache could not be dropped)"
+    emptied = "page cache was dropped" if can_drop else "checkpoint files were evicted from the page cache"
     lines = [
-        SECTION,
-        "",
-        f"Run {m['date']}{' (--quick smoke run: sizes reduced, not comparable)' if args.quick else ''}; "
-        f"{args.repeats} runs per case, best shown, spread = slowest/best - 1. "
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']:.1f} GiB RAM, Linux {m['kernel']}, Python {m['python']}; "
-        f"torch {m['torch']}, tensorstore {m['tensorstore']}, safetensors {m['safetensors']}, "
-        f"tsckpt {m['tsckpt']} ({m['tsckpt_rev']}). Load average at start: "
-        f"{', '.join(f'{x:.1f}' for x in m['load_avg'])} (the machine is shared, so timings are noisy). "
-        f"Restores: {cache}. Every case runs in a fresh process; GB/s = 1e9 bytes/s of tensor data; "
-        "peak RSS is the child's ru_maxrss (includes the tree or target); 'over baseline' subtracts the RSS "
-        "just before the timed call; CPU = user + system seconds of all the child's threads during the call "
-        "(less sensitive to other load than wall time). Libraries are imported before the timer; "
-        f"torch.distributed.tensor too (dcp imports it; tsckpt imports it lazily on its first save/restore, which "
-        f"costs a fresh process about {dtensor_import_s(results):.2f} s, warm cache, not included below). "
-        "Restore times include summing every tensor (the 'touch'); 'load / touch' splits them. "
-        f"'{FLOOR}' is a reference, not a peer: one thread read()s the safetensors file cold into a reused "
-        "64 MiB buffer, no decoding and no allocation: what plain sequential reading costs on this storage "
-        "(loaders that read with several threads, or fault pages in with readahead, can beat it).",
-        "",
-        f"### 1 GiB in 64 float32 tensors ({L['nbytes'] / MiB:,.0f} MiB)",
-        "",
-        *save_table(L),
-        "",
-        *restore_table(L),
-        "",
-        f"### {S['n']:,} small float32 tensors, 1-64 KiB ({S['nbytes'] / MiB:,.0f} MiB)",
-        "",
-        *save_table(S),
-        "",
-        *restore_table(S),
-        "",
         f"### One row of a {R['shape'][0]} x {R['shape'][1]} float32 tensor with tsckpt.open",
         "",
         f"Layout: shard {R['shard_shape']} ({R['files']} files), inner chunk {R['chunk_shape']}. "
@@ -588,33 +702,148 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"{E['shard_index']:,} + array zarr.json {E['array_zarr_json']:,} + root zarr.json {E['root_zarr_json']:,} "
         f"= {R['expected_bytes']:,} bytes ({R['expected_bytes'] / MiB:.2f} MiB). rchar = bytes returned by read "
         "syscalls, read_bytes = bytes fetched from the block device (includes readahead, and for the first read "
-        "also the library code paged in on first use), both /proc/self/io deltas in a fresh process whose page "
-        "cache was dropped after its imports.",
+        "also the library code paged in on first use), both /proc/self/io deltas in a fresh process whose "
+        f"{emptied} after its imports (whatever --cache says).",
         "",
-        "| run | open (ms) | first row, cold (ms) | rchar | read_bytes | second row, other shard (ms) | rchar | read_bytes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *md_head(["run", "open (ms)", "first row, cold (ms)", "rchar", "read_bytes", "second row, other shard (ms)",
+                  "rchar", "read_bytes"], 1),
     ]
     for i, r in enumerate(R["runs"]):
-        lines.append(
-            f"| {i + 1} | {r['open_s'] * 1e3:.1f} | {r['first_row_s'] * 1e3:.1f} | {r['rchar_first']:,} | {r['read_bytes_first']:,} | "
-            f"{r['second_row_s'] * 1e3:.1f} | {r['rchar_second']:,} | {r['read_bytes_second']:,} |"
-        )
-    lines += [
-        "",
-        "### Targets",
-        "",
-        "| target | result | figures |",
-        "|---|---|---|",
-        *targets(results),
-        "",
-    ]
+        lines.append(md_row([str(i + 1), f"{r['open_s'] * 1e3:.1f}", f"{r['first_row_s'] * 1e3:.1f}",
+                             f"{r['rchar_first']:,}", f"{r['read_bytes_first']:,}", f"{r['second_row_s'] * 1e3:.1f}",
+                             f"{r['rchar_second']:,}", f"{r['read_bytes_second']:,}"]))
+    return [*lines, ""]
+
+
+# ---- targets ---------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def ratio_row(label: str, a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None, limit: float,
+              key: str = "time", nbytes: int = 0) -> str:
+    """A target row: ``a`` / ``b`` at most ``limit`` (for CPU seconds, below ``limit``), judged on the
+    median of the per-round ratios."""
+    c = compare(a, b, key)
+    if c is None or a is None or b is None:
+        return md_row([label, "not measured", "-"])
+    if key == "cpu":
+        ok = c.per_round < limit
+        figures = f"medians {per_gb(a, 'cpu', nbytes):.2f} vs {per_gb(b, 'cpu', nbytes):.2f} CPU s/GB"
+    else:
+        ok = c.per_round <= limit
+        figures = f"medians {med(a):.3f} s vs {med(b):.3f} s"
+    return md_row([label, verdict(ok), f"{figures}; per-round ratio median {c.per_round:.2f}x, ratio of medians "
+                                       f"{c.of_medians:.2f}x ({plural(c.rounds, 'round')})"])
+
+
+def large_targets(L: dict[str, Any]) -> list[str]:
+    nb, size, save, rest = L["nbytes"], size_label(L["nbytes"]), L["save"], L["restore"]
+    out = [ratio_row(f"{size} save: tsckpt <= 1.1x safetensors+fsync", save.get("tsckpt"),
+                     save.get("safetensors+fsync"), 1.1)]
+    for mode in modes_of(L):
+        cases, lim = rest[mode], DCP_LIMIT[mode]
+        out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= {lim}x dcp", cases.get(lib), cases.get("dcp"), lim)
+                for lib in TS_LOADERS]
+        out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= 1.0x safetensors load_file", cases.get(lib),
+                          cases.get("safetensors"), 1.0) for lib in TS_LOADERS]
+    out.append(ratio_row(f"{size} save: tsckpt CPU s/GB below dcp's", save.get("tsckpt"), save.get("dcp"), 1.0,
+                         "cpu", nb))
+    for mode in modes_of(L):
+        cases = rest[mode]
+        out += [ratio_row(f"{size} restore, {mode} cache: {lib} CPU s/GB below dcp's", cases.get(lib),
+                          cases.get("dcp"), 1.0, "cpu", nb) for lib in TS_LOADERS]
+    return out
+
+
+def small_targets(S: dict[str, Any]) -> list[str]:
+    n = f"{S['n']:,} small"
+    out = [ratio_row(f"{n}: save no slower than dcp", S["save"].get("tsckpt"), S["save"].get("dcp"), 1.0)]
+    for mode in modes_of(S):
+        cases = S["restore"][mode]
+        out += [ratio_row(f"{n}: restore, {mode} cache, {lib} no slower than dcp", cases.get(lib), cases.get("dcp"),
+                          1.0) for lib in TS_LOADERS]
+    return out
+
+
+def row_target(R: dict[str, Any]) -> list[str]:
+    rchar = max(r["rchar_first"] for r in R["runs"])
+    return [md_row(["one-row read touches <= 4 MiB", verdict(rchar <= 4 * MiB),
+                    f"{rchar / MiB:.2f} MiB read (rchar), {R['expected_bytes'] / MiB:.2f} MiB expected from the layout"])]
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    out = []
+    for part, fn in (("large", large_targets), ("small", small_targets), ("row", row_target)):
+        if part in results:
+            out += fn(results[part])
+    return out
+
+
+# ---- the report ------------------------------------------------------------
+
+
+def dtensor_import_s(results: dict[str, Any]) -> float | None:
+    ts = [r["import_s"]["torch.distributed.tensor"] for part in ("large", "small") if part in results
+          for runs in results[part]["save"].values() for r in runs]
+    return statistics.median(ts) if ts else None
+
+
+def intro(results: dict[str, Any]) -> str:
+    m, can_drop = results["machine"], results["can_drop"]
+    modes = [m_ for m_ in MODES if m_ in run_modes(results["cache"])]
+    imp = dtensor_import_s(results)
+    imp_note = f", which costs a fresh process about {imp:.2f} s, warm cache, not included below" if imp else ""
+    return (
+        f"Run {m['date']}{' (--quick smoke run: sizes reduced, not comparable)' if results['quick'] else ''}; "
+        f"{plural(results['repeats'], 'round')}, every case once per round in a fresh process, the order of the "
+        "cases rotated by the round (saves first, then restores); tables show the median and the best of the rounds, spread = "
+        "slowest/best - 1. 'vs X' = median over the rounds of (case / X in the same round), with the ratio of the "
+        "medians in parentheses; the targets are judged on the median of the per-round ratios. "
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']:.1f} GiB RAM, Linux {m['kernel']}, Python {m['python']}; "
+        f"torch {m['torch']}, tensorstore {m['tensorstore']}, safetensors {m['safetensors']}, "
+        f"tsckpt {m['tsckpt']} ({m['tsckpt_rev']}). Load average at start: "
+        f"{', '.join(f'{x:.1f}' for x in m['load_avg'])} (the machine is shared, so timings are noisy). "
+        f"Saves: dirty pages synced{' and the page cache dropped' if can_drop else ''} right before each. "
+        f"Restores ({' and '.join(modes)}{', each round all cold, then all warm' if len(modes) > 1 else ''}): "
+        f"{'; '.join(cache_note(mode, can_drop) for mode in modes)}. "
+        "GB/s = 1e9 bytes/s of tensor data at the median time; CPU = user + system seconds of all the child's "
+        "threads during the call (less sensitive to other load than wall time); CPU s/GB = median CPU seconds per "
+        "1e9 bytes of tensor data. Peak RSS is the child's ru_maxrss (includes the tree or target); "
+        "'over baseline' subtracts the RSS just before the timed call. Libraries are imported before the timer; "
+        f"torch.distributed.tensor too (dcp imports it; tsckpt imports it lazily on its first save/restore{imp_note}). "
+        "Restore times include summing every tensor (the 'touch'); 'load / touch' splits the medians; 'from storage' "
+        "is the median of the bytes the child read from the block device during the call (/proc/self/io read_bytes; "
+        "about 0 when warm; when cold it includes library code paged in again after the drop). "
+        f"'{FLOOR}' is a reference, not a peer: one thread read()s the safetensors file into a reused 64 MiB buffer, "
+        "no decoding and no allocation: what plain sequential reading costs (loaders that read with several threads, "
+        "or fault pages in with readahead, can beat it)."
+    )
+
+
+def report(results: dict[str, Any], args: argparse.Namespace | None = None) -> str:
+    lines = [SECTION, "", intro(results), ""]
+    if "large" in results:
+        lines += workload_section(results["large"], large_title(results["large"]))
+    if "small" in results:
+        S = results["small"]
+        lines += workload_section(S, f"### {S['n']:,} small float32 tensors, 1-64 KiB ({S['nbytes'] / MiB:,.0f} MiB)")
+    if "row" in results:
+        lines += row_section(results["row"], results["can_drop"])
+    lines += ["### Targets", "", *md_head(["target", "result", "figures"], 3), *targets(results), ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes, 1 run per case: a smoke test")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per case (default 3, 1 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 1 round: a smoke test")
+    ap.add_argument("--repeats", "--rounds", type=int, default=None, help="rounds (default 5, 1 with --quick)")
+    ap.add_argument("--cache", choices=["cold", "warm", "both"], default="both",
+                    help="page cache for restores: dropped, resident, or both in every round (default)")
+    ap.add_argument("--large-mib", type=int, default=1024,
+                    help="size of the large workload in MiB, a multiple of 16 (default 1024: 64 tensors)")
     ap.add_argument("--dir", default=None, help="where to write checkpoints (default: a new temporary directory)")
     ap.add_argument("--json", default=None, help="write raw measurements here")
     ap.add_argument("--write-results", action="store_true", help=f"replace the '{SECTION}' section of RESULTS.md")
@@ -631,38 +860,16 @@ def main() -> None:
     if args.from_json:
         with open(args.from_json) as f:
             results = json.load(f)
-        args.quick, args.repeats = results["quick"], results["repeats"]
-        section = report(results, args)
-        print(section)
-        if args.write_results:
-            write_section(SECTION, section)
-        return
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
-    parts = args.only or ["large", "small", "row"]
-    base = tempfile.mkdtemp(prefix="tsckpt-bench-", dir=args.dir)
-    t0 = time.time()
-    try:
-        can_drop = drop_caches()
-        if not can_drop:
-            log("cannot drop the page cache (not root?): restores are warm-cache")
-        results: dict[str, Any] = {"machine": machine_info(), "cold_cache": can_drop, "quick": args.quick, "repeats": args.repeats}
-        for part in parts:
-            results[part] = bench_row(base, args, can_drop) if part == "row" else bench_workload(part, base, args, can_drop)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    results["wall_s"] = time.time() - t0
-    log(f"total {results['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if set(parts) == {"large", "small", "row"}:
-        section = report(results, args)
-        print(section)
-        if args.write_results:
-            write_section(SECTION, section)
+        if "cache" not in results:
+            ap.error(f"{args.from_json} was written before --cache existed; measure again")
+        args.json = None
     else:
-        print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1)[:20000])
+        if args.large_mib < 16 or args.large_mib % 16:
+            ap.error("--large-mib: a multiple of 16 (one tensor is 16 MiB)")
+        if args.repeats is None:
+            args.repeats = 1 if args.quick else 5
+        results = measure(args)
+    finish(results, args, report, SECTION)
 
 
 if __name__ == "__main__":
