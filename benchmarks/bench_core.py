@@ -84,12 +84,16 @@ SAVERS = {
 VARIANTS = {
     "tsckpt (TensorStore writer)": (True, "tsckpt.save with every file encoded and written by TensorStore"),
     "tsckpt (whole-row chunks)": (True, "tsckpt.save with inner chunks of whole rows (the last dim not cut in 4)"),
+    "tsckpt (page-cache writer)": (True, "tsckpt.save with shard files written through the page cache (no direct I/O)"),
 }
 FLOOR = "read(), 1 thread (reference)"
+AB_LOADER = "tsckpt (inplace, page-cache reads)"
 # restore name -> (saver whose output it reads, description)
 LOADERS = {
     "tsckpt (target=None)": ("tsckpt", "tsckpt.restore(dir) -> numpy arrays"),
     "tsckpt (inplace)": ("tsckpt", "tsckpt.restore(dir, target, inplace=True), target preallocated"),
+    # --ab only: the same restore with every shard file read through the page cache (no direct I/O)
+    AB_LOADER: ("tsckpt", "tsckpt (inplace) with shard files read through the page cache, cached or not"),
     "torch.load(mmap)": ("torch.save", "torch.load(file, mmap=True, weights_only=True)"),
     "safetensors": ("safetensors", "safetensors.torch.load_file"),
     "dcp": ("dcp", "dcp.load(target), target preallocated, no process group"),
@@ -224,11 +228,14 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
         import tsckpt
         import tsckpt._layout
         import tsckpt._save
+        import tsckpt._shardwrite
 
         if lib == "tsckpt (TensorStore writer)":
             tsckpt._save.WRITE_THREADS = 0
         elif lib == "tsckpt (whole-row chunks)":
             tsckpt._layout.TRAILING_PIECES = 1
+        elif lib == "tsckpt (page-cache writer)":
+            tsckpt._shardwrite.DIRECT = False
         tsckpt.save(path, tree)
     elif lib.startswith("torch.save"):
         os.makedirs(path)
@@ -267,7 +274,7 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
 
     lib, path = spec["lib"], spec["path"]
     preimport()
-    target = zeros_tree(spec) if lib in ("tsckpt (inplace)", "dcp") else None
+    target = zeros_tree(spec) if lib in ("tsckpt (inplace)", AB_LOADER, "dcp") else None
     names = [k for k, _ in spec_shapes(spec)]
     rss0 = rss_now()
     emptied = go_cold(path) if spec["cache"] == "cold" else None
@@ -276,9 +283,12 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         import tsckpt
 
         out = tsckpt.restore(path)
-    elif lib == "tsckpt (inplace)":
+    elif lib in ("tsckpt (inplace)", AB_LOADER):
         import tsckpt
+        import tsckpt._shardread
 
+        if lib == AB_LOADER:
+            tsckpt._shardread.DIRECT_BELOW = 0.0
         out = tsckpt.restore(path, target, inplace=True)
     elif lib == "torch.load(mmap)":
         out = torch.load(os.path.join(path, "ckpt.pt"), mmap=True, weights_only=True)
@@ -461,7 +471,7 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace) -> dict[str, An
                            "restore": {mode: {} for mode in run_modes(args.cache)}}
     root = os.path.join(base, wl)
     savers = savers_to_run(args)
-    loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers]
+    loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers and (args.ab or lib != AB_LOADER)]
     checksum = float("nan")
     for rnd in range(args.repeats):
         for lib in rotated(savers, rnd):
@@ -849,7 +859,8 @@ def main() -> None:
     ap.add_argument("--write-results", action="store_true", help=f"replace the '{SECTION}' section of RESULTS.md")
     ap.add_argument("--only", choices=["large", "small", "row"], action="append", help="run only these parts")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
-    ap.add_argument("--ab", action="store_true", help="also save with tsckpt variants: " + ", ".join(VARIANTS))
+    ap.add_argument("--ab", action="store_true",
+                    help="also save with tsckpt variants (" + ", ".join(VARIANTS) + ") and restore as " + AB_LOADER)
     ap.add_argument("--savers", default=None, help="comma-separated savers to run (default: all); restores only read what ran")
     ap.add_argument("--from-json", default=None, help="measure nothing: report (and --write-results) from a --json file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
 import json
 import os
@@ -119,11 +121,38 @@ LAYOUTS = [
     ((30, 16), (8, 16), (4, 8), "uint64"),
     ((30, 16), (8, 16), (4, 8), "float8_e4m3fn"),
     ((300, 40), (128, 40), (64, 40), "float16"),
+    ((520, 96), (256, 96), (32, 24), "float32"),  # 96 KiB files: many direct writes of 8 KiB
 ]
 
 
+@pytest.fixture(params=["buffered", "direct"])
+def writer_io(request, monkeypatch):
+    """Shard files written through the page cache, or with direct I/O in 8 KiB writes (where
+    the file system has it): both must give TensorStore's bytes. Yields the files opened directly."""
+    monkeypatch.setattr(_shardwrite, "DIRECT", request.param == "direct")
+    monkeypatch.setattr(_shardwrite, "DIRECT_BYTES", 8192)
+    monkeypatch.setattr(_shardwrite, "_local", __import__("threading").local())  # no larger buffer from before
+    direct: list[str] = []
+    real = _shardwrite._DirectFile.__init__
+
+    def counting(self, fd, path, chunk_bytes):
+        direct.append(path)
+        real(self, fd, path, chunk_bytes)
+
+    monkeypatch.setattr(_shardwrite._DirectFile, "__init__", counting)
+    return direct
+
+
+def _direct_io_works(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("shape, shard, inner, dtype", LAYOUTS)
-def test_shard_files_are_tensorstores(tmp_path, shape, shard, inner, dtype):
+def test_shard_files_are_tensorstores(tmp_path, writer_io, shape, shard, inner, dtype):
     full = _data(shape, dtype)
     rec = ArrayRecord("x", shape, dtype, "numpy", Layout(shard, inner))
     theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
@@ -139,11 +168,50 @@ def test_shard_files_are_tensorstores(tmp_path, shape, shard, inner, dtype):
     assert mine.keys() == theirs.keys()
     for key in mine:
         assert mine[key] == theirs[key], key
+    direct = _shardwrite.DIRECT and _direct_io_works(str(tmp_path / "probe"))
+    assert len(writer_io) == (len(mine) if direct else 0)
     # TensorStore reads the files back (with their crc32c checked)
     with open(os.path.join(mine_root, "x", "zarr.json"), "w") as f:
         json.dump(array_node(rec), f)
     got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(mine_root, "x")}}).result().read().result()
     np.testing.assert_array_equal(got, full)
+
+
+def test_direct_writes_refused_at_write_time(tmp_path, writer_io, monkeypatch):
+    """A file system that takes O_DIRECT at open but fails its writes with EINVAL gets the
+    same file through the page cache."""
+    if not (_shardwrite.DIRECT and _direct_io_works(str(tmp_path / "probe"))):
+        return  # nothing is written directly here (checked by the test above)
+    pwritev = os.pwritev
+
+    def no_direct(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(_shardwrite.os, "pwritev", no_direct)
+    shape, shard, inner = (520, 96), (256, 96), (32, 24)
+    full = _data(shape, "float32")
+    rec = ArrayRecord("x", shape, "float32", "numpy", Layout(shard, inner))
+    theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
+    path = str(tmp_path / "mine" / chunk_key(rec, (256, 0)))
+    os.makedirs(os.path.dirname(path))
+    _file_writer(rec, (256, 0), full[256:512])(path)
+    assert writer_io == [path]
+    with open(path, "rb") as f:
+        assert f.read() == theirs[os.path.join("c", "1", "0")]
+
+
+def test_a_direct_write_error_names_the_file(tmp_path, writer_io, monkeypatch):
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_shardwrite.os, "pwritev", full)
+    rec = ArrayRecord("x", (520, 96), "float32", "numpy", Layout((256, 96), (32, 24)))
+    path = str(tmp_path / "x.bin")
+    with pytest.raises(OSError) as info:
+        _file_writer(rec, (0, 0), _data((256, 96), "float32"))(path)
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, path)
 
 
 def test_source_that_is_a_column_slice(tmp_path):
@@ -171,7 +239,7 @@ def test_source_that_is_a_column_slice(tmp_path):
         ((64, 32), "bool", "cols"),
     ],
 )
-def test_files_of_several_writers_are_tensorstores(tmp_path, monkeypatch, shape, dtype, regions):
+def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypatch, shape, dtype, regions):
     """Regions as DTensor shards give them, planned and written by save's own functions
     (one rank after the other, in one process); every file equals TensorStore's."""
     monkeypatch.setattr(_layout, "INNER_CHUNK_BYTES", 512)

@@ -1,8 +1,12 @@
 """The fast read path of sharded arrays (tsckpt/_shardread.py): values for many layouts,
-dtypes and boxes; damage raises CorruptCheckpointError naming the leaf; which path reads what."""
+dtypes and boxes; damage raises CorruptCheckpointError naming the leaf; which path reads what.
+Every test runs twice: reading through the page cache, and with direct I/O wherever the file
+system allows it (the path of files the cache does not hold)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import torch
 
 import tsckpt
 import tsckpt._plan as plan
-from tsckpt import _restore, _shardread
+from tsckpt import _pagecache, _restore, _shardread
 from tsckpt._format import Layout
 
 LAYOUTS = {
@@ -32,6 +36,29 @@ def values(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape) * 50
     return (x > 0) if dtype == np.bool_ else x.astype(dtype)
+
+
+@pytest.fixture(autouse=True, params=["buffered", "direct"])
+def io_mode(request, monkeypatch):
+    """Read every file through the page cache, or with direct I/O where the file system has it."""
+    monkeypatch.setattr(_shardread, "DIRECT_BELOW", 0.0 if request.param == "buffered" else 2.0)
+    return request.param
+
+
+def direct_io_works(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _pagecache.resident_fraction(fd, 0, 1) is not None and _pagecache.set_direct(fd)
+    finally:
+        os.close(fd)
+
+
+def cached(path) -> float | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _pagecache.resident_fraction(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
@@ -205,7 +232,7 @@ def test_tensorstore_reads_casts_compact_and_memory(tmp_path, layout_of, calls):
     calls["tensorstore"].clear()
     tsckpt.save(tmp_path / "compact", {"w": x}, layout="compact")
     same(tsckpt.restore(tmp_path / "compact")["w"], x)
-    loc = "memory://shardread/ck"
+    loc = f"memory://shardread/{tmp_path.name}/ck"
     tsckpt.save(loc, {"w": x})
     same(tsckpt.restore(loc)["w"], x)
     assert calls["fast"] == [] and calls["tensorstore"] == ["w", "w"]
@@ -354,3 +381,92 @@ def test_unreadable_file_is_left_to_tensorstore(damaged, calls):
     with pytest.raises(tsckpt.CorruptCheckpointError, match=f"^'w' in {ck}: "):
         tsckpt.restore(ck)
     assert calls["tensorstore"] == ["w"]
+
+
+# ---- choosing between the page cache and direct I/O --------------------------------------------
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Runs read with direct I/O and through the page cache."""
+    seen = {"direct": 0, "buffered": 0}
+    direct, buffered = _shardread._preadv_direct, _shardread._preadv_buffered
+
+    def counting_direct(*args):
+        seen["direct"] += 1
+        return direct(*args)
+
+    def counting_buffered(*args):
+        seen["buffered"] += 1
+        return buffered(*args)
+
+    monkeypatch.setattr(_shardread, "_preadv_direct", counting_direct)
+    monkeypatch.setattr(_shardread, "_preadv_buffered", counting_buffered)
+    return seen
+
+
+def evict(ck: Path) -> None:
+    """Drop the checkpoint's files from the page cache (written back first)."""
+    for f in ck.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def test_resident_fraction(tmp_path):
+    f = tmp_path / "data"
+    f.write_bytes(os.urandom(1 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.read(fd, 1 << 20)
+        assert _pagecache.resident_fraction(fd, 0, 1 << 20) == 1.0
+        assert _pagecache.resident_fraction(fd, 5000, 5001) == 1.0  # one page, not page aligned
+        assert _pagecache.resident_fraction(fd, 10, 10) is None
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        after = _pagecache.resident_fraction(fd, 0, 1 << 20)
+    finally:
+        os.close(fd)
+    with open("/proc/self/mountinfo") as m:  # memory-backed file systems keep their pages
+        memory_fs = any(line.split(" - ")[1].split()[0] in ("tmpfs", "ramfs") for line in m if f" {tmp_path.anchor} " in line)
+    assert after is not None and (after < 0.5 or memory_fs), after
+
+
+def test_cold_files_read_with_direct_io(tmp_path, layout_of, reads, monkeypatch, io_mode):
+    """With the default threshold, files out of the cache are read directly, cached ones through it."""
+    monkeypatch.setattr(_shardread, "DIRECT_BELOW", 0.5)
+    ck, x = saved(tmp_path, layout_of, "columns", np.float32)
+    for f in ck.rglob("*"):
+        if f.is_file():
+            f.read_bytes()
+    same(tsckpt.restore(ck)["w"], x)
+    assert reads == {"direct": 0, "buffered": 4}  # every page cached
+    evict(ck)
+    if not direct_io_works(ck / "w/c/0/0") or cached(ck / "w/c/0/0") == 1.0:
+        return  # a file system without direct I/O, or one that keeps its pages: reads stay buffered (checked above)
+    target = np.zeros_like(x)
+    tsckpt.restore(ck, {"w": target}, inplace=True)
+    same(target, x)
+    assert reads == {"direct": 4, "buffered": 4}
+
+
+def test_direct_io_refused_at_read_time_falls_back(tmp_path, layout_of, reads, monkeypatch, io_mode):
+    """A file system that takes O_DIRECT but fails its reads with EINVAL is read through the cache."""
+    ck, x = saved(tmp_path, layout_of, "rows", np.float32)
+    if io_mode == "buffered" or not direct_io_works(ck / "w/c/0/0"):
+        return
+    preadv = os.preadv
+
+    def no_direct(fd, buffers, offset, *args):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(_shardread.os, "preadv", no_direct)
+    monkeypatch.setattr(_shardread, "RUN_BYTES", 3 * 644)  # several runs per file: later ones stay buffered
+    same(tsckpt.restore(ck)["w"], x)
+    assert reads["direct"] == 4 and reads["buffered"] > 4, reads

@@ -11,6 +11,11 @@ buffer from which numpy copies the needed block. google-crc32c verifies each
 chunk (about 13 GB/s); the destination holds unverified bytes only until its
 check, and a mismatch fails the restore.
 
+A shard file that is mostly not in the page cache is read with direct I/O
+(``O_DIRECT``: storage straight into an aligned buffer, then verified and copied
+in): cold, that took a quarter less time and a fraction of the kernel CPU of
+buffered reads. Cached files are read through the cache as above.
+
 A shard file (docs/format.md): the inner chunks, each its C-order bytes then
 their crc32c (4 bytes, little endian), then the index: per inner chunk in C
 order uint64 offset and length (little endian; 2**64-1 twice for a missing
@@ -22,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import itertools
 import math
 import os
@@ -38,6 +44,7 @@ from ._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, chunk_key, sto
 from ._encode import LITTLE_ENDIAN
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
+from ._pagecache import ALIGN, resident_fraction, set_direct
 from ._plan import shard_boxes
 from ._threads import Workers
 from ._progress import Progress
@@ -49,6 +56,7 @@ from ._types import Dest
 READ_THREADS = 4
 RUN_BYTES = 4 << 20  # most bytes one preadv reads (measured: 16 MiB used ~10% more CPU than 1-4 MiB)
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX); two per chunk
+DIRECT_BELOW = 0.5  # a file whose wanted bytes are less cached than this is read with direct I/O
 _ENTRY = np.dtype("<u8")
 _CRC = np.dtype("<u4")
 
@@ -152,7 +160,9 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
         cap = max(chunk_bytes, min(RUN_BYTES, window // threads))  # scratch held per thread
         scratch = getattr(local, "scratch", None)
         if scratch is None or scratch.nbytes < cap:
-            scratch = local.scratch = np.empty(cap, np.uint8)
+            raw = np.empty(cap + 3 * ALIGN, np.uint8)  # room for a direct read's aligned ends
+            start = -raw.ctypes.data % ALIGN
+            scratch = local.scratch = raw[start : start + cap + 2 * ALIGN]
         try:
             _read_shard(ck, job, scratch, cap)
         except _Fallback:
@@ -233,6 +243,7 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, scratch: np.n
     index_bytes = math.prod(per) * INDEX_ENTRY_BYTES + CRC_BYTES
     if size < index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
+    cached = resident_fraction(fd, 0, size - index_bytes)  # before reading the index brings its pages in
     tail = os.pread(fd, index_bytes, size - index_bytes)
     if len(tail) != index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} shrank while being read")
@@ -263,23 +274,24 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, scratch: np.n
         direct = _contiguous(job.view[_dest_box(job, lo, hi)]) if whole else None
         plan.append(_Chunk(start, cell, first, lo, hi, direct))
     plan.sort(key=lambda c: c.start)
+    direct_io = cached is not None and cached < DIRECT_BELOW and set_direct(fd)
 
     run: list[_Chunk] = []  # chunks adjacent in the file: one preadv
     scratch_used = 0
     for c in plan:
-        need = 0 if c.direct is not None else data_bytes
+        need = data_bytes + 4 if direct_io else 0 if c.direct is not None else data_bytes
         if run and (
             c.start != run[-1].start + data_bytes + 4
             or (len(run) + 1) * (data_bytes + 4) > max(cap, RUN_BYTES)
             or scratch_used + need > cap
             or 2 * len(run) + 2 > _IOV_MAX
         ):
-            _read_run(ck, job, fd, key, run, scratch, chunk, data_bytes)
+            direct_io = _read_run(ck, job, fd, key, run, scratch, chunk, data_bytes, direct_io)
             run, scratch_used = [], 0
         run.append(c)
         scratch_used += need
     if run:
-        _read_run(ck, job, fd, key, run, scratch, chunk, data_bytes)
+        _read_run(ck, job, fd, key, run, scratch, chunk, data_bytes, direct_io)
 
 
 def _dest_box(job: _Job, lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
@@ -302,8 +314,40 @@ def _read_run(
     scratch: np.ndarray,
     chunk: tuple[int, ...],
     data_bytes: int,
-) -> None:
-    """One preadv of chunks adjacent in the file; verify each, then copy the partial ones in."""
+    direct_io: bool,
+) -> bool:
+    """Read chunks adjacent in the file with one read; verify each, then copy in what is not in place.
+
+    Returns whether later runs of this file may use direct I/O (False once the
+    file system refused it at read time).
+    """
+    datas: list[np.ndarray] | None = None
+    if direct_io:
+        try:
+            datas, crcs = _preadv_direct(ck, job, fd, key, run, scratch, data_bytes)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            direct_io = not set_direct(fd, on=False)
+    if datas is None:
+        datas, crcs = _preadv_buffered(ck, job, fd, key, run, scratch, data_bytes)
+    for data, c, crc in zip(datas, run, crcs):
+        if cext.value(data) != crc:
+            raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
+    for data, c in zip(datas, run):
+        if c.direct is None:
+            block = data.view(job.view.dtype).reshape(chunk)
+            src = tuple(slice(a - f, b - f) for a, b, f in zip(c.lo, c.hi, c.first))
+            job.view[_dest_box(job, c.lo, c.hi)] = block[src]
+        elif data is not c.direct:
+            c.direct[:] = data
+    return direct_io
+
+
+def _preadv_buffered(
+    ck: Checkpoint, job: _Job, fd: int, key: str, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
+) -> tuple[list[np.ndarray], list[int]]:
+    """One preadv through the page cache: chunks whose place is contiguous land there, others in ``scratch``."""
     crcs = np.empty(len(run), _CRC)
     buffers: list[Any] = []  # numpy arrays: writable buffers (not typed as such before Python 3.12)
     datas: list[np.ndarray] = []
@@ -319,11 +363,21 @@ def _read_run(
     got = os.preadv(fd, buffers, run[0].start)
     if got != total:
         raise _damage(ck, job, UNDECODABLE, f"{key} ended {total - got} bytes early while being read")
-    for data, c, crc in zip(datas, run, crcs.tolist()):
-        if cext.value(data) != crc:
-            raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
-    for data, c in zip(datas, run):
-        if c.direct is None:
-            block = data.view(job.view.dtype).reshape(chunk)
-            src = tuple(slice(a - f, b - f) for a, b, f in zip(c.lo, c.hi, c.first))
-            job.view[_dest_box(job, c.lo, c.hi)] = block[src]
+    return datas, crcs.tolist()
+
+
+def _preadv_direct(
+    ck: Checkpoint, job: _Job, fd: int, key: str, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
+) -> tuple[list[np.ndarray], list[int]]:
+    """One direct read of the run's bytes, widened to ``ALIGN``, into the aligned ``scratch``."""
+    start = run[0].start
+    end = start + len(run) * (data_bytes + 4)
+    first = start - start % ALIGN
+    buf = scratch[: -(-(end - first) // ALIGN) * ALIGN]
+    buffers: list[Any] = [buf]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
+    got = os.preadv(fd, buffers, first)
+    if got < end - first:
+        raise _damage(ck, job, UNDECODABLE, f"{key} ended {end - first - got} bytes early while being read")
+    at = [start - first + i * (data_bytes + 4) for i in range(len(run))]
+    crcs = [int.from_bytes(buf[a + data_bytes : a + data_bytes + 4].tobytes(), "little") for a in at]
+    return [buf[a : a + data_bytes] for a in at], crcs
