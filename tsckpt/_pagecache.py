@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 
@@ -64,8 +65,6 @@ def resident_fraction(fd: int, start: int, stop: int) -> float | None:
 
 def set_direct(fd: int, *, on: bool = True) -> bool:
     """Switch direct I/O of ``fd`` on or off; False where that fails (file systems without it)."""
-    import fcntl
-
     try:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
