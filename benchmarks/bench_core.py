@@ -60,7 +60,7 @@ import tempfile
 import time
 from typing import Any, NamedTuple
 
-from _common import dir_stats, drop_caches, evict, finish, machine_info, proc_io
+from _common import dir_stats, drop_caches, evict, finish, machine_info, make_resident, proc_io
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Core save/restore"
@@ -413,18 +413,6 @@ def rotated(items: list[str], rnd: int) -> list[str]:
 def run_modes(cache: str) -> list[str]:
     """The cache modes every round runs its restores in, in order."""
     return ["cold", "warm"] if cache == "both" else [cache]
-
-
-def make_resident(path: str, buf: bytearray) -> int:
-    """Read every file under ``path`` into ``buf`` (overwritten, nothing kept), so that their
-    pages are in the page cache; returns the bytes read."""
-    n = 0
-    for root, _, names in os.walk(path):
-        for name in sorted(names):
-            with open(os.path.join(root, name), "rb", buffering=0) as f:
-                while k := f.readinto(buf):
-                    n += k
-    return n
 
 
 def workload_spec(wl: str, args: argparse.Namespace) -> dict[str, Any]:
