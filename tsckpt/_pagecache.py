@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import fcntl
 import mmap
 import os
 
@@ -65,6 +64,10 @@ def resident_fraction(fd: int, start: int, stop: int) -> float | None:
 
 def set_direct(fd: int, *, on: bool = True) -> bool:
     """Switch direct I/O of ``fd`` on or off; False where that fails (file systems without it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    import fcntl  # POSIX only, like O_DIRECT
+
     try:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
