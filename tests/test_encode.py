@@ -7,6 +7,7 @@ import fcntl
 import itertools
 import json
 import os
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -128,10 +129,10 @@ LAYOUTS = [
 @pytest.fixture(params=["buffered", "direct"])
 def writer_io(request, monkeypatch):
     """Shard files written through the page cache, or with direct I/O in 8 KiB writes (where
-    the file system has it): both must give TensorStore's bytes. Yields the files opened directly."""
+    the file system has it): both must give TensorStore's bytes. Returns the paths opened directly."""
     monkeypatch.setattr(_shardwrite, "DIRECT", request.param == "direct")
     monkeypatch.setattr(_shardwrite, "DIRECT_BYTES", 8192)
-    monkeypatch.setattr(_shardwrite, "_local", __import__("threading").local())  # no larger buffer from before
+    monkeypatch.setattr(_shardwrite, "_local", threading.local())  # no larger buffer from before
     direct: list[str] = []
     real = _shardwrite._DirectFile.__init__
 
