@@ -42,7 +42,9 @@ Usage
   python benchmarks/bench_core.py --json out.json          # raw measurements (every run)
   python benchmarks/bench_core.py --from-json out.json     # report again from raw measurements
   python benchmarks/bench_core.py --only large --ab        # also tsckpt with TensorStore writing
-                                                           # every file, and with whole-row chunks
+                                                           # every file, with whole-row chunks and
+                                                           # through the page cache (no direct I/O),
+                                                           # and an in-place restore through the cache
   python benchmarks/bench_core.py --savers tsckpt,dcp      # only these savers (and their restores)
 """
 

@@ -3,10 +3,13 @@ TensorStore writes them.
 
 Why not TensorStore: its 0.1.86 wheel computes crc32c with a portable table
 (about 1 GB/s) and gathers every inner chunk out of the source into a new
-buffer before writing it. Here an inner chunk that is contiguous in the source
-is checksummed by google-crc32c's hardware crc32c and handed to ``pwritev``
-straight from the source memory; only chunks that are not (column pieces of a
-row-major array, padded edge chunks) are gathered, into a small reused buffer.
+buffer before writing it. Here every inner chunk is checksummed by
+google-crc32c's hardware crc32c. Where the file system allows direct I/O the
+file is packed into an aligned buffer (column pieces of a row-major array and
+padded edge chunks are gathered straight into it) whose whole blocks go to
+storage with ``O_DIRECT``; elsewhere chunks contiguous in the source are handed
+to ``pwritev`` from the source memory and only the others are gathered, into a
+small reused buffer.
 TensorStore stays the writer for everything else (object stores, the compact
 layout, dtypes stored in less than a byte; single-chunk arrays are encoded by
 _encode.py) and the reader of these files;
