@@ -228,16 +228,16 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     c0, t0 = cpu_s(), time.perf_counter()
     if lib.startswith("tsckpt"):
         import tsckpt
-        import tsckpt._layout
+        import tsckpt._chunking
         import tsckpt._save
-        import tsckpt._shardwrite
+        import tsckpt._codec.shardwrite
 
         if lib == "tsckpt (TensorStore writer)":
             tsckpt._save.WRITE_THREADS = 0
         elif lib == "tsckpt (whole-row chunks)":
-            tsckpt._layout.TRAILING_PIECES = 1
+            tsckpt._chunking.TRAILING_PIECES = 1
         elif lib == "tsckpt (page-cache writer)":
-            tsckpt._shardwrite.DIRECT = False
+            tsckpt._codec.shardwrite.DIRECT = False
         tsckpt.save(path, tree)
     elif lib.startswith("torch.save"):
         os.makedirs(path)
@@ -287,10 +287,10 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         out = tsckpt.restore(path)
     elif lib in ("tsckpt (inplace)", AB_LOADER):
         import tsckpt
-        import tsckpt._shardread
+        import tsckpt._codec.shardread
 
         if lib == AB_LOADER:
-            tsckpt._shardread.DIRECT_BELOW = 0.0
+            tsckpt._codec.shardread.DIRECT_BELOW = 0.0
         out = tsckpt.restore(path, target, inplace=True)
     elif lib == "torch.load(mmap)":
         out = torch.load(os.path.join(path, "ckpt.pt"), mmap=True, weights_only=True)
@@ -697,7 +697,7 @@ def row_section(R: dict[str, Any], can_drop: bool) -> list[str]:
     lines = [
         f"### One row of a {R['shape'][0]} x {R['shape'][1]} float32 tensor with tsckpt.open",
         "",
-        f"Layout: shard {R['shard_shape']} ({R['files']} files), inner chunk {R['chunk_shape']}. "
+        f"Chunking: shard {R['shard_shape']} ({R['files']} files), inner chunk {R['chunk_shape']}. "
         f"Expected bytes for one row: {E['n_chunks']} inner chunks {E['chunks']:,} + {E['n_shards']} shard index "
         f"{E['shard_index']:,} + array zarr.json {E['array_zarr_json']:,} + root zarr.json {E['root_zarr_json']:,} "
         f"= {R['expected_bytes']:,} bytes ({R['expected_bytes'] / MiB:.2f} MiB). rchar = bytes returned by read "

@@ -360,7 +360,7 @@ def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
         "root_encode_s": encode_s,
         "array_json_each": node,
         "writes": len(plan.writes),
-        "layout": [list(plan.arrays[0].layout.shard_shape), list(plan.arrays[0].layout.chunk_shape or [])],
+        "layout": [list(plan.arrays[0].chunking.shard_shape), list(plan.arrays[0].chunking.chunk_shape or [])],
     }
 
 

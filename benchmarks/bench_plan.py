@@ -36,7 +36,7 @@ from typing import Any
 
 from _common import bench_parser, machine_info, write_section
 
-from tsckpt._layout import SHARD_BYTES
+from tsckpt._chunking import SHARD_BYTES
 from tsckpt._plan import (
     LeafDesc,
     gather_descs,

@@ -37,7 +37,7 @@ def ckdir(tmp_path):
 def small_chunks(monkeypatch):
     """Tiny chunk and shard targets (1 KiB inner chunks, 4 KiB shards), so small
     arrays get several shard files, each with several inner chunks."""
-    import tsckpt._layout as layout
+    import tsckpt._chunking as layout
 
     monkeypatch.setattr(layout, "INNER_CHUNK_BYTES", 1024)
     monkeypatch.setattr(layout, "SHARD_BYTES", 4096)

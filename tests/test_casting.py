@@ -342,7 +342,7 @@ def test_check_runs_block_by_block_with_global_indices(ckdir, small_chunks, monk
     w = np.zeros((64, 40), np.float32)
     w[50, 33] = w[50, 35] = w[63, 0] = 7e4
     tsckpt.save(ckdir, {"w": w})
-    assert len(tsckpt.open(ckdir).checkpoint.arrays["w"].layout.shard_shape) == 2
+    assert len(tsckpt.open(ckdir).checkpoint.arrays["w"].chunking.shard_shape) == 2
     with pytest.raises(tsckpt.LossyCastError, match=r"70000.0 at index \[50, 33\]"):
         restore_one(ckdir, "w", torch.zeros(64, 40, dtype=torch.float16))
     out, caught = lost_warnings(lambda: restore_one(ckdir, "w", torch.zeros(64, 40, dtype=torch.float16), casting="unsafe"))

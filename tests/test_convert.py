@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import tsckpt
 from tsckpt import CheckpointNotFoundError, NotACheckpointError
 from tsckpt._cli import main
-from tsckpt._sources import detect
+from tsckpt._formats.sources import detect
 
 from .dist_helpers import run_ranks
 

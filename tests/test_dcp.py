@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint directories read as a tsckpt source tree (tsckpt._dcp)."""
+"""torch.distributed.checkpoint directories read as a tsckpt source tree (tsckpt._formats.dcp)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 import tsckpt
-import tsckpt._dcp as dcp_mod
-from tsckpt._dcp import PICKLE_WARNING, read_dcp
+import tsckpt._formats.dcp as dcp_mod
+from tsckpt._formats.dcp import PICKLE_WARNING, read_dcp
 from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from tsckpt._types import LazySource
 from tests.strategies import assert_same
@@ -117,7 +117,7 @@ def test_successive_boxes_of_one_tensor_load_it_once(tmp_path, state, small_chun
     assert loads == ["values"]
     d = str(tmp_path / "ck")
     tsckpt.save(d, tree, max_inflight_bytes=1 << 10)
-    shard = tsckpt.open(d).checkpoint.arrays["model/big"].layout.shard_shape
+    shard = tsckpt.open(d).checkpoint.arrays["model/big"].chunking.shard_shape
     assert shard != (64, 64)  # written in several boxes
     assert sorted(loads[1:]) == sorted(set(loads[1:]))  # each tensor loaded once
     assert len(loads) == 1 + 7

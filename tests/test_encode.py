@@ -17,9 +17,10 @@ import torch
 import zarr
 
 import tsckpt
-from tsckpt import _layout, _shardwrite
+from tsckpt import _chunking as _layout
+from tsckpt._codec import shardwrite as _shardwrite
 from tsckpt._arrays import array_node, chunk_key
-from tsckpt._format import ArrayRecord, Layout
+from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._leaves import describe
 from tsckpt._plan import gather_descs, pack_descs, plan_save, split_plan
 from tsckpt._progress import Progress
@@ -155,7 +156,7 @@ def _direct_io_works(path: str) -> bool:
 @pytest.mark.parametrize("shape, shard, inner, dtype", LAYOUTS)
 def test_shard_files_are_tensorstores(tmp_path, writer_io, shape, shard, inner, dtype):
     full = _data(shape, dtype)
-    rec = ArrayRecord("x", shape, dtype, "numpy", Layout(shard, inner))
+    rec = ArrayRecord("x", shape, dtype, "numpy", Chunking(shard, inner))
     theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
     mine_root = str(tmp_path / "mine")
     for off in _shard_cells(shape, shard):
@@ -193,7 +194,7 @@ def test_direct_writes_refused_at_write_time(tmp_path, writer_io, monkeypatch):
     monkeypatch.setattr(_shardwrite.os, "pwritev", no_direct)
     shape, shard, inner = (520, 96), (256, 96), (32, 24)
     full = _data(shape, "float32")
-    rec = ArrayRecord("x", shape, "float32", "numpy", Layout(shard, inner))
+    rec = ArrayRecord("x", shape, "float32", "numpy", Chunking(shard, inner))
     theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
     path = str(tmp_path / "mine" / chunk_key(rec, (256, 0)))
     os.makedirs(os.path.dirname(path))
@@ -208,7 +209,7 @@ def test_a_direct_write_error_names_the_file(tmp_path, writer_io, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_shardwrite.os, "pwritev", full)
-    rec = ArrayRecord("x", (520, 96), "float32", "numpy", Layout((256, 96), (32, 24)))
+    rec = ArrayRecord("x", (520, 96), "float32", "numpy", Chunking((256, 96), (32, 24)))
     path = str(tmp_path / "x.bin")
     with pytest.raises(OSError) as info:
         _file_writer(rec, (0, 0), _data((256, 96), "float32"))(path)
@@ -219,7 +220,7 @@ def test_source_that_is_a_column_slice(tmp_path):
     """A region that is a non-contiguous view of a larger tensor (a rank's column shard)."""
     big = _data((32, 64), "float32")
     src = big[:, 16:48]
-    rec = ArrayRecord("x", (32, 32), "float32", "numpy", Layout((16, 32), (4, 32)))
+    rec = ArrayRecord("x", (32, 32), "float32", "numpy", Chunking((16, 32), (4, 32)))
     theirs = _tensorstore_files(str(tmp_path / "ref"), rec, np.ascontiguousarray(src))
     for off in _shard_cells((32, 32), (16, 32)):
         writer = _file_writer(rec, off, src[off[0] : off[0] + 16])
@@ -261,7 +262,7 @@ def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypa
     plan = plan_save(gather_descs([pack_descs([d.desc]) for d in described]))
     assert not plan.transfers
     (rec,) = plan.arrays
-    assert rec.layout.chunk_shape is not None
+    assert rec.chunking.chunk_shape is not None
     mine_root = str(tmp_path / "mine")
     calls = []
     real = _shardwrite.write_shard

@@ -91,7 +91,7 @@ def target_tree() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, str]:
     """The checkpoint of :func:`original_tree` in each layout."""
-    import tsckpt._layout as chunking
+    import tsckpt._chunking as chunking
 
     out = {}
     for layout in ("plain", "compact"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._layout as chunking
+import tsckpt._chunking as chunking
 from tsckpt._format import ROOT_KEY
 from tests.stored import chunk_keys, delete_prefix, read_key, write_key
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt._format import ArrayRecord, Layout
+from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._kinds import LazyKind, NumpyKind, ShardedKind, SpecKind, TorchKind
 from tsckpt._leaves import describe, destination, kind_of, memory
 from tsckpt._types import LazySource
 
 
 def rec(shape, dtype="float32", kind="torch"):
-    return ArrayRecord("w", tuple(shape), dtype, kind, Layout(tuple(shape) or (1,), None))
+    return ArrayRecord("w", tuple(shape), dtype, kind, Chunking(tuple(shape) or (1,), None))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsckpt import LayoutError
-from tsckpt._format import Layout
+from tsckpt._format import Chunking
 from tsckpt._plan import LeafDesc, ReadItem, WriteItem, plan_read, plan_save, shard_boxes
 
 
@@ -35,7 +35,7 @@ def test_single_rank_whole_arrays_and_values():
     plan = plan_save([[region("w", (0, 0), (8, 4)), value("step", 3), region("b", (0,), (5,), (5,))]])
     assert [a.path for a in plan.arrays] == ["b", "w"]  # sorted by path
     w = plan.arrays[1]
-    assert (w.shape, w.dtype, w.kind, w.layout) == ((8, 4), "float32", "torch", Layout((8, 4), None))
+    assert (w.shape, w.dtype, w.kind, w.chunking) == ((8, 4), "float32", "torch", Chunking((8, 4), None))
     assert plan.values == (("step", {"type": "int", "value": 3}),)
     assert plan.writes == (
         WriteItem(0, "b", (0,), (5,), (0,)),
@@ -47,7 +47,7 @@ def test_row_sharded_array_one_write_per_rank_and_shards_follow_regions():
     per_rank = [[region("w", (0, 0), (4, 4)), value("step", 3)], [region("w", (4, 0), (4, 4)), value("step", 3)]]
     plan = plan_save(per_rank)
     (w,) = plan.arrays
-    assert w.layout.shard_shape == (4, 4)  # no shard crosses the rank boundary at row 4
+    assert w.chunking.shard_shape == (4, 4)  # no shard crosses the rank boundary at row 4
     assert plan.writes_for(0) == [WriteItem(0, "w", (0, 0), (4, 4), (0, 0))]
     assert plan.writes_for(1) == [WriteItem(1, "w", (4, 0), (4, 4), (0, 0))]
     assert plan.values == (("step", {"type": "int", "value": 3}),)
@@ -119,15 +119,15 @@ def test_ranks_disagreeing_on_a_value():
 
 
 def test_shard_boxes_split_at_shard_boundaries():
-    assert shard_boxes((1, 0), (6, 4), Layout((4, 4), None)) == [((1, 0), (3, 4)), ((4, 0), (3, 4))]
-    assert shard_boxes((), (), Layout((), None)) == [((), ())]
-    assert shard_boxes((0, 0), (4, 4), Layout((2, 3), (1, 1))) == [
+    assert shard_boxes((1, 0), (6, 4), Chunking((4, 4), None)) == [((1, 0), (3, 4)), ((4, 0), (3, 4))]
+    assert shard_boxes((), (), Chunking((), None)) == [((), ())]
+    assert shard_boxes((0, 0), (4, 4), Chunking((2, 3), (1, 1))) == [
         ((0, 0), (2, 3)),
         ((0, 3), (2, 1)),
         ((2, 0), (2, 3)),
         ((2, 3), (2, 1)),
     ]
-    assert shard_boxes((3,), (0,), Layout((2,), None)) == []
+    assert shard_boxes((3,), (0,), Chunking((2,), None)) == []
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,7 +137,7 @@ def test_shard_boxes_tile_the_region_within_single_shards(data):
     shard = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
     offsets = tuple(data.draw(st.integers(0, 12)) for _ in range(ndim))
     lengths = tuple(data.draw(st.integers(0, 12)) for _ in range(ndim))
-    boxes = shard_boxes(offsets, lengths, Layout(shard, None))
+    boxes = shard_boxes(offsets, lengths, Chunking(shard, None))
     cells = set()
     for off, ln in boxes:
         assert all(n > 0 for n in ln)
@@ -160,17 +160,17 @@ def test_many_ranks_row_sharded_tiles_exactly(world, rows_per_rank):
     plan = plan_save(per_rank)
     assert len(plan.writes) == world
     assert {w.rank for w in plan.writes} == set(range(world))
-    shard_rows = plan.arrays[0].layout.shard_shape[0]
+    shard_rows = plan.arrays[0].chunking.shard_shape[0]
     assert rows_per_rank % shard_rows == 0
 
 
 def test_shard_bytes_caps_every_shard():
     big = region("w", (0, 0), (4096, 1024), (4096, 1024))  # 16 MiB of float32
     (rec,) = plan_save([[big]]).arrays
-    assert math.prod(rec.layout.shard_shape) * 4 == 16 << 20
+    assert math.prod(rec.chunking.shard_shape) * 4 == 16 << 20
     (rec,) = plan_save([[big]], shard_bytes=2 << 20).arrays
-    assert math.prod(rec.layout.shard_shape) * 4 <= 2 << 20
-    assert math.prod(rec.layout.chunk_shape) * 4 == 512 << 10  # inner chunks unchanged
+    assert math.prod(rec.chunking.shard_shape) * 4 <= 2 << 20
+    assert math.prod(rec.chunking.chunk_shape) * 4 == 512 << 10  # inner chunks unchanged
 
 
 def test_save_window_caps_shard_files(tmp_path):

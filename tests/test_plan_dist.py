@@ -67,15 +67,15 @@ def test_every_file_has_exactly_one_writer_and_every_element_is_written_once(cas
     covered = 0
     for w in plan.writes:
         covered += math.prod(w.lengths)
-        for cell in shard_boxes(w.offsets, w.lengths, rec.layout):
-            key = tuple(o // g for o, g in zip(cell[0], rec.layout.shard_shape))
+        for cell in shard_boxes(w.offsets, w.lengths, rec.chunking):
+            key = tuple(o // g for o, g in zip(cell[0], rec.chunking.shard_shape))
             writers.setdefault(key, set()).add(w.rank)
         if not w.assembled:  # a plain write only covers the writer's own region
             (mine,) = per_rank[w.rank]
             assert all(m <= o and o + n <= m + k for o, n, m, k in zip(w.offsets, w.lengths, mine.offsets, mine.lengths))
     assert covered == math.prod(shape)
     assert all(len(ranks) == 1 for ranks in writers.values())
-    assert len(writers) == len(cells(shape, rec.layout))
+    assert len(writers) == len(cells(shape, rec.chunking))
     # the pieces sent to a writer come from the rank that owns them
     for t in plan.transfers:
         (src,) = per_rank[t.src]
@@ -83,7 +83,7 @@ def test_every_file_has_exactly_one_writer_and_every_element_is_written_once(cas
     # the number of files stays proportional to the regions, never one per row
     regions = {(d.offsets, d.lengths) for (d,) in per_rank}
     natural = math.prod(-(-s // max(1, min(ln[i] for _, ln in regions))) for i, s in enumerate(shape))
-    assert len(cells(shape, rec.layout)) <= 2 * natural + len(regions)
+    assert len(cells(shape, rec.chunking)) <= 2 * natural + len(regions)
 
 
 def test_irregular_rows_use_region_sized_shards_with_boundary_transfers():
@@ -92,7 +92,7 @@ def test_irregular_rows_use_region_sized_shards_with_boundary_transfers():
     starts = [0, 12565, 25129, 37693]
     plan = plan_save([[desc("wte", (n, cols), (s, 0), (k, cols))] for s, k in zip(starts, sizes)])
     (rec,) = plan.arrays
-    assert rec.layout.shard_shape == (12564, 768)
+    assert rec.chunking.shard_shape == (12564, 768)
     assert [(t.src, t.dst, t.offsets, t.lengths) for t in plan.transfers] == [
         (0, 1, (12564, 0), (1, 768)),
         (1, 2, (25128, 0), (1, 768)),
@@ -103,7 +103,7 @@ def test_irregular_rows_use_region_sized_shards_with_boundary_transfers():
 def test_torch_chunk_splits_align_without_transfers():
     plan = plan_save([[desc("w", (10, 4), (o, 0), (n, 4))] for o, n in [(0, 4), (4, 4), (8, 2)]])
     assert plan.transfers == ()
-    assert plan.arrays[0].layout.shard_shape[0] == 4
+    assert plan.arrays[0].chunking.shard_shape[0] == 4
 
 
 def test_replicas_are_balanced_across_ranks():

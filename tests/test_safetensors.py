@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
 from tsckpt import NotACheckpointError
-from tsckpt import _dtypes, _safetensors
-from tsckpt._safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
+from tsckpt import _dtypes
+from tsckpt._formats import safetensors as _safetensors
+from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
 from tsckpt._types import LazySource
 
 

@@ -18,8 +18,10 @@ import torch
 
 import tsckpt
 import tsckpt._plan as plan
-from tsckpt import _pagecache, _restore, _shardread
-from tsckpt._format import Layout
+from tsckpt import _restore
+from tsckpt._codec import pagecache as _pagecache
+from tsckpt._codec import shardread as _shardread
+from tsckpt._format import Chunking
 
 LAYOUTS = {
     # name: (shape, shard_shape, chunk_shape); edges are not multiples of either
@@ -64,15 +66,15 @@ def cached(path) -> float | None:
 @pytest.fixture
 def layout_of(monkeypatch):
     """Save arrays with the (shard, chunk) shapes given per array shape."""
-    chosen: dict[tuple[int, ...], Layout] = {}
+    chosen: dict[tuple[int, ...], Chunking] = {}
 
     def choose(shape, itemsize, cuts=(), **_):
         return chosen[tuple(shape)]
 
-    monkeypatch.setattr(plan, "choose_layout", choose)
+    monkeypatch.setattr(plan, "choose_chunking", choose)
 
     def set_layout(shape, shard, chunk):
-        chosen[tuple(shape)] = Layout(tuple(shard), tuple(chunk))
+        chosen[tuple(shape)] = Chunking(tuple(shard), tuple(chunk))
 
     return set_layout
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tsckpt._threads import Workers
+from tsckpt._codec.threads import Workers
 
 
 def test_work_runs_on_the_pool_threads():

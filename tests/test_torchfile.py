@@ -1,4 +1,4 @@
-"""torch.save files read as a tsckpt source tree (tsckpt._torchfile)."""
+"""torch.save files read as a tsckpt source tree (tsckpt._formats.torchfile)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import tsckpt
 from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from tsckpt._torchfile import read_torch_file
+from tsckpt._formats.torchfile import read_torch_file
 from tests.strategies import assert_same
 
 

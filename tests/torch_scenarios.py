@@ -158,7 +158,7 @@ def full_params(model: nn.Module) -> dict[str, np.ndarray]:
 
 def full_optim(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, np.ndarray]:
     from tsckpt._dtensor import is_dtensor
-    from tsckpt._torch_state import param_names
+    from tsckpt.torch._state import param_names
 
     names = param_names(model)
     out = {}

@@ -23,7 +23,7 @@ from ._errors import (
     TsckptError,
 )
 from ._async import AsyncSave, save_async
-from ._convert import ConvertReport, convert
+from ._formats.convert import ConvertReport, convert
 from ._manager import CheckpointManager
 from ._reader import ArrayMetadata, LazyArray, Reader, metadata, open
 from ._restore import RestoreWarning, restore

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._format import LAYOUT_PLAIN, ArrayRecord, Layout, array_metadata
+from ._format import LAYOUT_PLAIN, ArrayRecord, Chunking, array_metadata
 from ._store import Location
 
 # The compact layout's per-rank databases: ``ocdbt.r<rank>/`` below the root.
@@ -37,20 +37,20 @@ def below(spec: dict[str, Any], path: str) -> dict[str, Any]:
 
 def array_node(rec: ArrayRecord) -> dict[str, Any]:
     """The array's zarr.json; complex32 is stored as float16 with a trailing (re, im) dim."""
-    layout = rec.layout
+    chunking = rec.chunking
     if rec.dtype == "complex32":
-        layout = Layout((*layout.shard_shape, 2), None if layout.chunk_shape is None else (*layout.chunk_shape, 2))
+        chunking = Chunking((*chunking.shard_shape, 2), None if chunking.chunk_shape is None else (*chunking.chunk_shape, 2))
     return array_metadata(
         _dtypes.storage_shape(rec.dtype, rec.shape),
         _dtypes.storage_dtype(rec.dtype),
-        layout,
+        chunking,
         {"tsckpt": {"dtype": rec.dtype, "kind": rec.kind}},
     )
 
 
 def chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
     """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
-    cell = [str(o // g) for o, g in zip(offsets, rec.layout.shard_shape)]
+    cell = [str(o // g) for o, g in zip(offsets, rec.chunking.shard_shape)]
     cell += ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]  # complex32's (re, im) dim
     return "/".join([rec.path, "c", *cell])
 
@@ -64,10 +64,10 @@ MISSING_CHUNK = 2**64 - 1  # offset and length of an inner chunk a shard does no
 def _grid(rec: ArrayRecord, box: tuple[slice, ...] | None) -> list[tuple[int, int, int, int]] | None:
     """Per dimension: (first, end) shard cell the box touches, inner chunks per shard, and
     inner chunks of the array; None when the box is empty (no file is read)."""
-    layout = rec.layout
-    chunk = layout.chunk_shape or layout.shard_shape
+    chunking = rec.chunking
+    chunk = chunking.chunk_shape or chunking.shard_shape
     dims = []
-    for d, (n, g, c) in enumerate(zip(rec.shape, layout.shard_shape, chunk)):
+    for d, (n, g, c) in enumerate(zip(rec.shape, chunking.shard_shape, chunk)):
         lo, hi = (0, n) if box is None else (box[d].start, box[d].stop)
         if hi <= lo:
             return None
@@ -92,11 +92,11 @@ def stored_size(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Store
         return Stored(0, 0, 0)
     files = math.prod(hi - lo for lo, hi, _, _ in dims)
     itemsize = _dtypes.itemsize(rec.dtype)
-    if rec.layout.chunk_shape is None:
-        return Stored(files, files, files * (math.prod(rec.layout.shard_shape) * itemsize + CRC_BYTES))
+    if rec.chunking.chunk_shape is None:
+        return Stored(files, files, files * (math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES))
     index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
     inner = math.prod(min(hi * per, total) - lo * per for lo, hi, per, total in dims)
-    return Stored(files, inner, files * index + inner * (math.prod(rec.layout.chunk_shape) * itemsize + CRC_BYTES))
+    return Stored(files, inner, files * index + inner * (math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES))
 
 
 def _cells(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, ...]]:
@@ -123,13 +123,13 @@ def stored_files(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Iter
         return
     itemsize = _dtypes.itemsize(rec.dtype)
     extra = ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]
-    if rec.layout.chunk_shape is None:
-        size = math.prod(rec.layout.shard_shape) * itemsize + CRC_BYTES
+    if rec.chunking.chunk_shape is None:
+        size = math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES
     else:
         index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
-        chunk = math.prod(rec.layout.chunk_shape) * itemsize + CRC_BYTES
+        chunk = math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES
     for cell in _cells([(lo, hi) for lo, hi, _, _ in dims]):
-        if rec.layout.chunk_shape is not None:
+        if rec.chunking.chunk_shape is not None:
             inner = math.prod(min(per, total - i * per) for i, (_, _, per, total) in zip(cell, dims))
             size = index + inner * chunk
         yield "/".join([rec.path, "c", *map(str, cell), *extra]), size

@@ -24,12 +24,12 @@ import torch
 from . import __version__, _dtypes
 from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
-from ._convert import TARGETS
+from ._formats.convert import TARGETS
 from ._format import LAYOUT_PLAIN, LAYOUTS
-from ._dcp import PICKLE_WARNING
+from ._formats.dcp import PICKLE_WARNING
 from ._reader import LazyArray, load
 from ._progress import human_bytes
-from ._sources import FORMATS
+from ._formats.sources import FORMATS
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -273,7 +273,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ._convert import convert
+    from ._formats.convert import convert
 
     try:
         report = convert(

@@ -37,7 +37,7 @@ def format_version(layout: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Chunking:
     """How one global array is cut into files.
 
     ``shard_shape`` is the zarr chunk grid: one file per grid cell, written by
@@ -58,7 +58,7 @@ class ArrayRecord:
     shape: tuple[int, ...]  # logical shape (complex32 adds a trailing 2 in storage)
     dtype: str  # logical dtype name
     kind: str  # "torch" | "numpy" | "numpy_scalar": what restore(target=None) returns
-    layout: Layout
+    chunking: Chunking
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,8 +66,8 @@ class ArrayRecord:
             "kind": self.kind,
             "shape": list(self.shape),
             "dtype": self.dtype,
-            "shard_shape": list(self.layout.shard_shape),
-            "chunk_shape": None if self.layout.chunk_shape is None else list(self.layout.chunk_shape),
+            "shard_shape": list(self.chunking.shard_shape),
+            "chunk_shape": None if self.chunking.chunk_shape is None else list(self.chunking.chunk_shape),
         }
 
     @staticmethod
@@ -78,7 +78,7 @@ class ArrayRecord:
             shape=tuple(j["shape"]),
             dtype=j["dtype"],
             kind=j["kind"],
-            layout=Layout(tuple(j["shard_shape"]), None if chunk is None else tuple(chunk)),
+            chunking=Chunking(tuple(j["shard_shape"]), None if chunk is None else tuple(chunk)),
         )
 
 
@@ -133,17 +133,17 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     return None
 
 
-def array_metadata(storage_shape: tuple[int, ...], data_type: str, layout: Layout, attrs: dict[str, Any]) -> dict[str, Any]:
+def array_metadata(storage_shape: tuple[int, ...], data_type: str, chunking: Chunking, attrs: dict[str, Any]) -> dict[str, Any]:
     """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index."""
     checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-    if layout.chunk_shape is None:
+    if chunking.chunk_shape is None:
         codecs: list[Any] = checked
     else:
         codecs = [
             {
                 "name": "sharding_indexed",
                 "configuration": {
-                    "chunk_shape": list(layout.chunk_shape),
+                    "chunk_shape": list(chunking.chunk_shape),
                     "codecs": checked,
                     "index_codecs": checked,
                     "index_location": "end",
@@ -156,7 +156,7 @@ def array_metadata(storage_shape: tuple[int, ...], data_type: str, layout: Layou
         "node_type": "array",
         "shape": list(storage_shape),
         "data_type": data_type,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunking.shard_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
         "codecs": codecs,

@@ -16,8 +16,8 @@ from typing import Any, Final, NamedTuple, overload
 import numpy as np
 
 from ._errors import LayoutError
-from ._format import ArrayRecord, Layout
-from ._layout import choose_layout
+from ._format import ArrayRecord, Chunking
+from ._chunking import choose_chunking
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
@@ -165,7 +165,7 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class ArrayGroup:
     """Arrays stored and written alike: each of ``paths`` has this shape, dtype, kind
-    and layout, and gets the same ``writes`` (rank, offsets, lengths, source_offsets,
+    and chunking, and gets the same ``writes`` (rank, offsets, lengths, source_offsets,
     assembled; ordered by rank and offsets). A plan holds one per such set of arrays
     (e.g. every layer's weight of one shape, sharded the same way), not one row per write."""
 
@@ -173,11 +173,11 @@ class ArrayGroup:
     shape: tuple[int, ...]
     dtype: str
     kind: str
-    layout: Layout
+    chunking: Chunking
     writes: tuple[GroupWrite, ...]
 
     def records(self) -> list[ArrayRecord]:
-        return [ArrayRecord(p, self.shape, self.dtype, self.kind, self.layout) for p in self.paths]
+        return [ArrayRecord(p, self.shape, self.dtype, self.kind, self.chunking) for p in self.paths]
 
 
 def _rows(groups: Sequence[ArrayGroup], rank: int) -> list[WriteRow]:
@@ -453,22 +453,22 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes:
     placed first, after the regions only one rank holds). Distinct regions must
     exactly tile the global array. Every shard (file) has exactly one writer
     (see :func:`_plan_array`). ``shard_bytes`` caps the size of a shard
-    (default: the layout's ``SHARD_BYTES``).
+    (default: ``_chunking.SHARD_BYTES``).
 
     Arrays sharded the same way (same shape, itemsize and regions) are validated
     and laid out once; beyond that the work is a few passes over the descriptors.
     """
     g = per_rank if isinstance(per_rank, Gathered) else gather_descs(per_rank)
     values: list[tuple[str, Any]] = []
-    # (path, first holder, key of its layout (None: replicated), owned regions or replica groups)
+    # (path, first holder, key of its chunking (None: replicated), owned regions or replica groups)
     entries: list[tuple[str, LeafDesc, Any, Any]] = []
     # what every holder gives (kind, dtype, itemsize, shape, region), already checked -> the
     # indexes of its non-empty regions (None: all), or None itself when a region has several
     # holders (then their boxes, checked)
     seen: dict[int, tuple[list[int] | None] | None] = {}
     covered: set[int] = set()  # what holders give, for replicated regions whose cover was checked
-    single: Counter[tuple[Any, ...]] = Counter()  # layout key of each single-holder array -> arrays
-    owners: dict[tuple[Any, ...], tuple[tuple[Box, int], ...]] = {}  # layout key -> (region, writer)
+    single: Counter[tuple[Any, ...]] = Counter()  # chunking key of each single-holder array -> arrays
+    owners: dict[tuple[Any, ...], tuple[tuple[Box, int], ...]] = {}  # chunking key -> (region, writer)
     for path in sorted(g.by_path):
         ranks, descs, given = g.by_path[path]
         first = descs[0]
@@ -507,18 +507,18 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes:
     writer = _assign_writers(entries, {owners[key]: (itemsize[key], n) for key, n in single.items()})
     arrays: list[ArrayRecord] = []
     transfers: list[Transfer] = []
-    laid_out: dict[Any, tuple[Layout, tuple[GroupWrite, ...], list[tuple[int, int, Box]]]] = {}
-    # (layout key, shape, dtype, kind) -> paths
+    laid_out: dict[Any, tuple[Chunking, tuple[GroupWrite, ...], list[tuple[int, int, Box]]]] = {}
+    # (chunking key, shape, dtype, kind) -> paths
     members: dict[tuple[Any, tuple[int, ...], str, str], list[str]] = defaultdict(list)
     for path, first, key, owned in entries:
         if key is None:
             owned = tuple((box, writer[(path, box)]) for box in owned if math.prod(box[1]) > 0)
             key = (first[_SHAPE], first[_ITEMSIZE], owned)  # type: ignore[assignment]
         if key not in laid_out:
-            layout, items, moves = _plan_array(first[_SHAPE], first[_ITEMSIZE], owned, shard_bytes)
-            laid_out[key] = (layout, tuple((rank, *rest) for rank, rest in items), moves)  # type: ignore[misc]
-        layout, _, moves = laid_out[key]
-        arrays.append(ArrayRecord(path, first[_SHAPE], first[_DTYPE], first[_KIND], layout))
+            chunking, items, moves = _plan_array(first[_SHAPE], first[_ITEMSIZE], owned, shard_bytes)
+            laid_out[key] = (chunking, tuple((rank, *rest) for rank, rest in items), moves)  # type: ignore[misc]
+        chunking, _, moves = laid_out[key]
+        arrays.append(ArrayRecord(path, first[_SHAPE], first[_DTYPE], first[_KIND], chunking))
         members[(key, first[_SHAPE], first[_DTYPE], first[_KIND])].append(path)
         transfers += [Transfer(path, src, dst, box[0], box[1]) for src, dst, box in moves]
     groups = tuple(
@@ -674,8 +674,8 @@ def split_plan(plan: SavePlan) -> list[RankPlan]:
     return [RankPlan(r, tuple(groups), tuple(moves[r]), exchange) for r, groups in enumerate(parts)]
 
 
-def _n_shards(shape: Sequence[int], layout: Layout) -> int:
-    return math.prod(-(-max(1, n) // g) for n, g in zip(shape, layout.shard_shape))
+def _n_shards(shape: Sequence[int], chunking: Chunking) -> int:
+    return math.prod(-(-max(1, n) // g) for n, g in zip(shape, chunking.shard_shape))
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -688,8 +688,8 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 def _plan_array(
     shape: tuple[int, ...], itemsize: int, owned: tuple[tuple[Box, int], ...], shard_bytes: int | None = None
-) -> tuple[Layout, list[tuple[int, tuple[Any, ...]]], list[tuple[int, int, Box]]]:
-    """Layout, writes (rank, WriteRow without its path) and transfers (src, dst, box) of
+) -> tuple[Chunking, list[tuple[int, tuple[Any, ...]]], list[tuple[int, int, Box]]]:
+    """Chunking, writes (rank, WriteRow without its path) and transfers (src, dst, box) of
     one array whose non-empty regions ``owned`` are written by the given ranks.
 
     Shards follow the region starts when that keeps them reasonably large. An
@@ -700,10 +700,10 @@ def _plan_array(
     Rows come sorted by rank and offsets.
     """
     cuts = [sorted({box[0][d] for box, _ in owned}) for d in range(len(shape))]
-    aligned = choose_layout(shape, itemsize, cuts, shard_bytes=shard_bytes)
+    aligned = choose_chunking(shape, itemsize, cuts, shard_bytes=shard_bytes)
     # shards no longer than the shortest region, so most lie inside one region
     shortest = [[min(box[1][d] for box, _ in owned)] if len(cuts[d]) > 1 else [] for d in range(len(shape))]
-    natural = choose_layout(shape, itemsize, shortest, shard_bytes=shard_bytes)
+    natural = choose_chunking(shape, itemsize, shortest, shard_bytes=shard_bytes)
     if _n_shards(shape, aligned) <= 2 * _n_shards(shape, natural):
         items = [(rank, (box[0], box[1], (0,) * len(shape), False)) for box, rank in owned]
         items.sort(key=lambda x: (x[0], x[1][0]))
@@ -718,12 +718,12 @@ def _plan_array(
     return natural, items, moves
 
 
-def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], layout: Layout) -> list[Box]:
+def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunking) -> list[Box]:
     """Split a region into its pieces in each shard (file) it touches, in C order."""
     if 0 in lengths:  # an empty region touches no shard, however long its other extents
         return []
     ranges = []
-    for o, n, g in zip(offsets, lengths, layout.shard_shape):
+    for o, n, g in zip(offsets, lengths, chunking.shard_shape):
         edges = [o] + list(range((o // g + 1) * g, o + n, g)) + [o + n]
         ranges.append([(a, b - a) for a, b in zip(edges, edges[1:]) if b > a])
     out: list[Box] = [((), ())]

@@ -16,7 +16,8 @@ import optree
 import tensorstore as ts
 import torch
 
-from . import _dtypes, _orbax, _store
+from . import _dtypes, _store
+from ._formats import orbax
 from ._links import refuse_links
 from ._arrays import MANIFEST, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from ._errors import (
@@ -37,7 +38,7 @@ from ._format import (
     ROOT_KEY,
     STATE_COMMITTED,
     ArrayRecord,
-    Layout,
+    Chunking,
     decode_value,
     record_problem,
 )
@@ -115,8 +116,8 @@ class Checkpoint:
             path=path,
             shape=rec.shape,
             dtype=rec.dtype,
-            chunk_shape=rec.layout.chunk_shape or rec.layout.shard_shape,
-            shard_shape=rec.layout.shard_shape,
+            chunk_shape=rec.chunking.chunk_shape or rec.chunking.shard_shape,
+            shard_shape=rec.chunking.shard_shape,
             nbytes=math.prod(rec.shape) * _dtypes.itemsize(rec.dtype),
         )
 
@@ -222,8 +223,8 @@ def _load(loc: Location, keep_bad: bool) -> Checkpoint:
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
     root = read_root_states(kv, [ROOT_KEY])[ROOT_KEY]
-    if root.state is None and loc.local is not None and _orbax.detect(loc.local):
-        return _from_orbax(loc, _orbax.load(loc.local))
+    if root.state is None and loc.local is not None and orbax.detect(loc.local):
+        return _from_orbax(loc, orbax.load(loc.local))
     if root.state is None:
         if loc.local is None and not kv.list().result():
             raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
@@ -372,10 +373,10 @@ def _raise_first(loc: Location, bad: Mapping[str, str], tree_problem: str | None
         raise CorruptCheckpointError(f"{loc}: {tree_problem}; restore from another checkpoint")
 
 
-def _from_orbax(loc: Location, fc: _orbax.ForeignCheckpoint) -> Checkpoint:
+def _from_orbax(loc: Location, fc: orbax.ForeignCheckpoint) -> Checkpoint:
     """An Orbax checkpoint as a :class:`Checkpoint` whose arrays open through their own specs."""
     arrays = {
-        p: ArrayRecord(p, a.shape, a.dtype, "numpy", Layout(a.chunk_shape or (1,) * len(a.shape), None))
+        p: ArrayRecord(p, a.shape, a.dtype, "numpy", Chunking(a.chunk_shape or (1,) * len(a.shape), None))
         for p, a in fc.arrays.items()
     }
     specs = {p: a.spec for p, a in fc.arrays.items()}
@@ -493,11 +494,11 @@ def backing_problems(ck: Checkpoint, reads: Iterable[tuple[str, Box | None]]) ->
         files, chunks, nbytes = stored_size(rec, box)
         if nbytes + chunks * CHUNK_OVERHEAD <= UNCHECKED_BYTES:
             continue
-        layout = rec.layout
-        chunk = None if layout.chunk_shape is None else list(layout.chunk_shape)
+        chunking = rec.chunking
+        chunk = None if chunking.chunk_shape is None else list(chunking.chunk_shape)
         fields = (
             f"its record's 'shape' {short_repr(list(rec.shape))}, 'shard_shape' "
-            f"{short_repr(list(layout.shard_shape))}, 'chunk_shape' {short_repr(chunk)} and 'dtype' {rec.dtype!r}"
+            f"{short_repr(list(chunking.shard_shape))}, 'chunk_shape' {short_repr(chunk)} and 'dtype' {rec.dtype!r}"
         )
         for key, size in stored_files(rec, box):
             if path in found:

@@ -22,7 +22,7 @@ from ._arrays import chunk_key, stored_node_problem
 from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
-from ._encode import LITTLE_ENDIAN, decode_chunk
+from ._codec.encode import LITTLE_ENDIAN, decode_chunk
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
@@ -30,7 +30,7 @@ from ._memory import release_free_memory
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
-from ._shardread import read_sharded
+from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
@@ -130,10 +130,10 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
 def _single_chunk(rec: ArrayRecord) -> bool:
     """Stored as one plain chunk (no sharding codec): what save encodes itself."""
     return (
-        rec.layout.chunk_shape is None
+        rec.chunking.chunk_shape is None
         and rec.dtype != "complex32"
         and math.prod(rec.shape) > 0
-        and all(g >= n for g, n in zip(rec.layout.shard_shape, rec.shape))
+        and all(g >= n for g, n in zip(rec.chunking.shard_shape, rec.shape))
     )
 
 
@@ -240,7 +240,7 @@ def read_into(
         view = _direct_view(dest, rec.dtype)
         target = ts.array(view, copy=False) if view is not None else None
         itemsize = _dtypes.itemsize(rec.dtype)
-        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.layout):
+        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
             box = tuple(slice(o, o + n) for o, n in zip(off, ln))
             src = store[box] if box else store
             dsel = tuple(

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from . import _dtypes, _layout, _lease, _shardwrite, _store
+from . import _dtypes, _chunking, _lease, _store
+from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
-from ._encode import LITTLE_ENDIAN, encode_chunk
+from ._codec.encode import LITTLE_ENDIAN, encode_chunk
 from ._errors import CheckpointExistsError, DistributedError, LeafTypeError, SaveInProgressError, TsckptError
 from ._format import (
     LAYOUT_COMPACT,
@@ -54,7 +55,7 @@ from ._plan import (
     without,
 )
 from ._progress import Progress
-from ._threads import Workers
+from ._codec.threads import Workers
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
@@ -127,8 +128,8 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
 def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
     """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
     extra = _dtypes.storage_extra_dims(rec.dtype)
-    inner = rec.layout.chunk_shape
-    return (*rec.layout.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
+    inner = rec.chunking.chunk_shape
+    return (*rec.chunking.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
 
 
 def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> bytes | None:
@@ -148,7 +149,7 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
     full = tuple(min(g, n - o) for o, g, n in zip((*offsets, *(0 for _ in shard[len(offsets):])), shard, shape))
     if (
         not LITTLE_ENDIAN
-        or _dtypes.storage_dtype(rec.dtype) not in _shardwrite.DTYPES
+        or _dtypes.storage_dtype(rec.dtype) not in shardwrite.DTYPES
         or src.shape != full
         or src.dtype.byteorder == ">"
         or any(o % g for o, g in zip(offsets, shard))
@@ -156,7 +157,7 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) ->
         return None
     if inner is None:  # one small chunk: _encode_file's single kvstore write (measured faster for 10k files)
         return None
-    return functools.partial(_shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
+    return functools.partial(shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
 
 
 def _local_root(data: dict[str, Any], compact: bool) -> str | None:
@@ -212,7 +213,7 @@ def _write_regions(
         for item in writes:
             rec = records[item.path]
             lf = local[item.path]
-            for off, ln in shard_boxes(item.offsets, item.lengths, rec.layout):
+            for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
                 src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
                 key = chunk_key(rec, off)
                 fut: Any
@@ -578,7 +579,7 @@ def _plan_job(
     def finish(g: Gathered) -> list[_Part]:
         payloads = state["payloads"]
         least = min(p[4] for p in payloads)
-        plan = plan_save(g, shard_bytes=min(_layout.SHARD_BYTES, least))
+        plan = plan_save(g, shard_bytes=min(_chunking.SHARD_BYTES, least))
         paths, structure = payloads[0][1], payloads[0][2]
         same_tree = all(p[1] == paths and p[2] == structure for p in payloads)
         structure = json.loads(structure) if same_tree else None

@@ -121,7 +121,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 raise unreachable from e
             bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
             continue
-        for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.layout):
+        for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
             if path in bad:
                 break
             view = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store

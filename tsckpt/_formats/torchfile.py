@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from .tree import ROOT_LEAF_PATH, flatten, unflatten
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTO = 0x80  # a legacy file is a pickle stream, which starts with the PROTO opcode

@@ -40,10 +40,10 @@ from typing import Any
 
 import tensorstore as ts
 
-from . import _dtypes
-from ._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
-from ._errors import LeafTypeError, NotACheckpointError
-from .tree import ROOT_LEAF_PATH, escape
+from .. import _dtypes
+from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import LeafTypeError, NotACheckpointError
+from ..tree import ROOT_LEAF_PATH, escape
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"

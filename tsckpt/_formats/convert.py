@@ -21,19 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _dtypes, _lease, _safetensors, _store
-from ._casting import CastCheck, check_casting
-from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
-from ._kinds import check_cast
-from ._leaves import describe, memory
-from ._reader import read_root_states
-from ._restore import warn_lost_values
-from ._save import save
-from ._progress import Progress
-from ._sources import open_source
-from ._store import Directory
-from ._types import LazySource, Local
-from .tree import child, flatten, from_paths, structure_from_json, structure_to_json
+from .. import _dtypes, _lease, _store
+from . import safetensors
+from .._casting import CastCheck, check_casting
+from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
+from .._kinds import check_cast
+from .._leaves import describe, memory
+from .._reader import read_root_states
+from .._restore import warn_lost_values
+from .._save import save
+from .._progress import Progress
+from .sources import open_source
+from .._store import Directory
+from .._types import LazySource, Local
+from ..tree import child, flatten, from_paths, structure_from_json, structure_to_json
 
 TARGETS = ("tsckpt", "safetensors")
 # Source bytes in flight while writing a tsckpt checkpoint (beyond the shard being read).
@@ -229,7 +230,7 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
         kinds[name] = leaf.kind
         if name in prep.aliases:
             continue
-        tensors.append(_safetensors.OutTensor(name, prep.dtypes[name], leaf.shape, leaf.__getitem__))
+        tensors.append(safetensors.OutTensor(name, prep.dtypes[name], leaf.shape, leaf.__getitem__))
     info = {
         "format_version": 1,
         "structure": sel.structure,
@@ -239,7 +240,7 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
         **({"aliases": prep.aliases} if prep.aliases else {}),
     }
     directory = not dst.endswith(".safetensors")
-    return _safetensors.write(
+    return safetensors.write(
         dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite
     )
 

@@ -40,16 +40,16 @@ import google_crc32c
 import numpy as np
 from google_crc32c import cext
 
-from ._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, chunk_key, stored_node_problem
-from ._encode import LITTLE_ENDIAN
-from ._errors import CorruptCheckpointError
-from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
-from ._pagecache import ALIGN, resident_fraction, set_direct
-from ._plan import shard_boxes
-from ._threads import Workers
-from ._progress import Progress
-from ._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
-from ._types import Dest
+from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, chunk_key, stored_node_problem
+from .encode import LITTLE_ENDIAN
+from .._errors import CorruptCheckpointError
+from .._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
+from .pagecache import ALIGN, resident_fraction, set_direct
+from .._plan import shard_boxes
+from .threads import Workers
+from .._progress import Progress
+from .._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
+from .._types import Dest
 
 # Threads reading shard files, and how many of them may copy or check bytes at once (a
 # buffered read is a copy too). On 2 CPUs, 1 GiB in 64 shard files: warm, 1, 2 and 4 busy
@@ -77,12 +77,12 @@ def applies(ck: Checkpoint) -> bool:
 
 
 def _sharded(rec: ArrayRecord) -> bool:
-    chunk = rec.layout.chunk_shape
+    chunk = rec.chunking.chunk_shape
     return (
         chunk is not None
         and rec.dtype != "complex32"
         and math.prod(rec.shape) > 0
-        and all(c > 0 and s % c == 0 for s, c in zip(rec.layout.shard_shape, chunk))
+        and all(c > 0 and s % c == 0 for s, c in zip(rec.chunking.shard_shape, chunk))
     )
 
 
@@ -135,7 +135,7 @@ def read_sharded(
             rest.append(dest)
             continue
         item = dest.item
-        boxes = shard_boxes(item.storage_offsets, item.lengths, rec.layout)
+        boxes = shard_boxes(item.storage_offsets, item.lengths, rec.chunking)
         jobs += [_Job(dest, view, rec, off, ln) for off, ln in boxes]
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
     return rest + [d for d in dests if id(d) in fell_back]
@@ -169,7 +169,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
     def work(job: _Job) -> bool:
         """Read one job; False when TensorStore is to read its destination instead."""
         itemsize = job.view.dtype.itemsize
-        chunk_bytes = math.prod(job.rec.layout.chunk_shape or ()) * itemsize + 4
+        chunk_bytes = math.prod(job.rec.chunking.chunk_shape or ()) * itemsize + 4
         cap = max(chunk_bytes, min(RUN_BYTES, window // threads))  # scratch held per thread
         room: _Room | None = getattr(local, "room", None)
         if room is None or room.cap < cap:
@@ -245,8 +245,8 @@ class _Chunk(NamedTuple):
 
 def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, room: _Room) -> None:
     rec = job.rec
-    chunk = tuple(rec.layout.chunk_shape or ())
-    shard = rec.layout.shard_shape
+    chunk = tuple(rec.chunking.chunk_shape or ())
+    shard = rec.chunking.shard_shape
     per = tuple(s // c for s, c in zip(shard, chunk))
     data_bytes = math.prod(chunk) * job.view.dtype.itemsize
     stat = os.fstat(fd)

@@ -1,4 +1,4 @@
-"""Chunk and shard shapes (tsckpt._layout): pure functions, plus what save writes."""
+"""Chunk and shard shapes (tsckpt._chunking): pure functions, plus what save writes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tsckpt
-from tsckpt._format import Layout
-from tsckpt._layout import choose_layout, largest_divisor_at_most, steps_from_cuts
+from tsckpt._format import Chunking
+from tsckpt._chunking import choose_chunking, largest_divisor_at_most, steps_from_cuts
 
 
 @pytest.mark.parametrize(
@@ -32,47 +32,47 @@ def test_steps_from_cuts():
 
 
 def test_scalar_and_small_arrays_are_one_plain_chunk():
-    assert choose_layout((), 4) == Layout((), None)
-    assert choose_layout((10,), 4) == Layout((10,), None)
-    assert choose_layout((3, 4, 5), 8) == Layout((3, 4, 5), None)
-    assert choose_layout((0, 3), 4) == Layout((1, 3), None)  # chunk dims are never 0
+    assert choose_chunking((), 4) == Chunking((), None)
+    assert choose_chunking((10,), 4) == Chunking((10,), None)
+    assert choose_chunking((3, 4, 5), 8) == Chunking((3, 4, 5), None)
+    assert choose_chunking((0, 3), 4) == Chunking((1, 3), None)  # chunk dims are never 0
 
 
 def test_default_targets_half_mib_inner_chunks_in_one_shard():
     # 4 MiB of float32: the last dim in 4 pieces of 256, 512 rows per 512 KiB inner chunk, one shard
-    assert choose_layout((1024, 1024), 4) == Layout((1024, 1024), (512, 256))
+    assert choose_chunking((1024, 1024), 4) == Chunking((1024, 1024), (512, 256))
 
 
 def test_trailing_dim_pieces_serve_column_slices_and_rows():
     # 1 GiB float32: one row touches 4 chunks of 512 KiB (2 MiB); halves and quarters of columns align
-    layout = choose_layout((16384, 16384), 4)
+    layout = choose_chunking((16384, 16384), 4)
     assert layout.chunk_shape == (32, 4096)
     assert layout.shard_shape == (4096, 16384)
     # too narrow for 4 pieces of >= 256 elements: 2 pieces
-    assert choose_layout((50257, 768), 2).chunk_shape == (680, 384)
+    assert choose_chunking((50257, 768), 2).chunk_shape == (680, 384)
     # 1-D arrays are never cut that way
-    assert choose_layout((1 << 20,), 4).chunk_shape == (131072,)
+    assert choose_chunking((1 << 20,), 4).chunk_shape == (131072,)
     # a dim writers already cut is left to their regions
-    assert choose_layout((8192, 1024), 4, [[], [0, 512]]) == Layout((8192, 512), (256, 512))
+    assert choose_chunking((8192, 1024), 4, [[], [0, 512]]) == Chunking((8192, 512), (256, 512))
 
 
 def test_inner_chunks_fill_trailing_dims_first():
-    assert choose_layout((8, 256), 4, inner_bytes=1024, shard_bytes=4096) == Layout((4, 256), (1, 256))
+    assert choose_chunking((8, 256), 4, inner_bytes=1024, shard_bytes=4096) == Chunking((4, 256), (1, 256))
     # a trailing dim larger than the inner budget is itself cut, into even pieces (150 + 150, not 256 + 44)
-    assert choose_layout((4, 300), 4, inner_bytes=1024, shard_bytes=4096) == Layout((2, 300), (1, 150))
+    assert choose_chunking((4, 300), 4, inner_bytes=1024, shard_bytes=4096) == Chunking((2, 300), (1, 150))
 
 
 def test_writer_boundaries_constrain_shards():
     # writers start at rows 0 and 4: no shard may cross row 4
-    assert choose_layout((8, 256), 4, [[0, 4]], inner_bytes=1024, shard_bytes=1 << 20) == Layout((4, 256), (1, 256))
+    assert choose_chunking((8, 256), 4, [[0, 4]], inner_bytes=1024, shard_bytes=1 << 20) == Chunking((4, 256), (1, 256))
     # writers every 2 rows: shards of 2 rows, small enough for one plain chunk each
-    assert choose_layout((8, 256), 4, [[0, 2, 4, 6]], inner_bytes=4096, shard_bytes=1 << 20) == Layout((2, 256), None)
+    assert choose_chunking((8, 256), 4, [[0, 2, 4, 6]], inner_bytes=4096, shard_bytes=1 << 20) == Chunking((2, 256), None)
     # a 2x2 grid of writers on a 6x10 array
-    assert choose_layout((6, 10), 4, [[0, 3], [0, 5]], inner_bytes=16, shard_bytes=1 << 20) == Layout((3, 5), (1, 1))
+    assert choose_chunking((6, 10), 4, [[0, 3], [0, 5]], inner_bytes=16, shard_bytes=1 << 20) == Chunking((3, 5), (1, 1))
 
 
 def test_module_targets_are_read_at_call_time(small_chunks):
-    assert choose_layout((8, 256), 4) == Layout((4, 256), (1, 256))
+    assert choose_chunking((8, 256), 4) == Chunking((4, 256), (1, 256))
 
 
 @st.composite
@@ -92,7 +92,7 @@ def shapes_and_cuts(draw):
 @given(shapes_and_cuts())
 def test_layout_invariants(args):
     shape, cuts, itemsize, inner_bytes, shard_bytes = args
-    layout = choose_layout(shape, itemsize, cuts, inner_bytes=inner_bytes, shard_bytes=shard_bytes)
+    layout = choose_chunking(shape, itemsize, cuts, inner_bytes=inner_bytes, shard_bytes=shard_bytes)
     shard = layout.shard_shape
     inner = layout.chunk_shape or shard
     assert len(shard) == len(inner) == len(shape)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ._format import Layout
+from ._format import Chunking
 
 INNER_CHUNK_BYTES = 512 << 10
 SHARD_BYTES = 256 << 20
@@ -79,14 +79,14 @@ def steps_from_cuts(shape: Sequence[int], cuts: Sequence[Sequence[int]]) -> tupl
     return steps, constrained
 
 
-def choose_layout(
+def choose_chunking(
     shape: Sequence[int],
     itemsize: int,
     cuts: Sequence[Sequence[int]] = (),
     *,
     inner_bytes: int | None = None,
     shard_bytes: int | None = None,
-) -> Layout:
+) -> Chunking:
     """Shard and inner chunk shapes for an array of ``shape``.
 
     ``cuts[d]`` lists the offsets along dim ``d`` where writers' regions begin.
@@ -97,10 +97,10 @@ def choose_layout(
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
     shape = [int(s) for s in shape]
     if not shape:
-        return Layout((), None)
+        return Chunking((), None)
     steps, constrained = steps_from_cuts(shape, cuts)
     if math.prod(steps) * itemsize <= inner_bytes:
-        return Layout(tuple(steps), None)
+        return Chunking(tuple(steps), None)
     limits = list(steps)
     if len(shape) >= 2 and not constrained[-1]:
         pieces = next((p for p in (TRAILING_PIECES, 2) if limits[-1] // p >= MIN_PIECE), 1)
@@ -111,5 +111,5 @@ def choose_layout(
     k = _fill(k_limits, constrained, math.prod(inner) * itemsize, shard_bytes)
     shard = tuple(i * m for i, m in zip(inner, k))
     if shard == tuple(inner):
-        return Layout(shard, None)
-    return Layout(shard, tuple(inner))
+        return Chunking(shard, None)
+    return Chunking(shard, tuple(inner))

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _dtypes, _orbax
-from ._errors import CheckpointNotFoundError, NotACheckpointError
-from ._reader import Checkpoint, LazyArray, load
-from ._types import LazySource
+from .. import _dtypes
+from . import orbax
+from .._errors import CheckpointNotFoundError, NotACheckpointError
+from .._reader import Checkpoint, LazyArray, load
+from .._types import LazySource
 
 FORMATS = ("tsckpt", "safetensors", "torch", "dcp", "orbax")
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -23,18 +24,18 @@ _PICKLE_PROTO2 = b"\x80\x02"  # torch.save's legacy (non-zip) format starts with
 
 def detect(src: str) -> str:
     """The format of ``src``, from its own marker files or leading bytes."""
-    from . import _safetensors
+    from . import safetensors
 
     if "://" in src:
         return "tsckpt"
     if os.path.isdir(src):
         if os.path.isfile(os.path.join(src, "zarr.json")):
             return "tsckpt"
-        if _orbax.detect(src):
+        if orbax.detect(src):
             return "orbax"
         if os.path.isfile(os.path.join(src, ".metadata")):
             return "dcp"
-        if _safetensors.is_hf_dir(src):
+        if safetensors.is_hf_dir(src):
             return "safetensors"
         raise NotACheckpointError(
             f"{src}: cannot tell what this directory holds (no zarr.json, Orbax metadata, DCP .metadata or "
@@ -82,15 +83,15 @@ def open_source(src: str, fmt: str | None = None) -> tuple[str, Any]:
         ck.check_links()
         return fmt, checkpoint_tree(ck)
     if fmt == "safetensors":
-        from . import _safetensors
+        from . import safetensors
 
         if os.path.isdir(src):
-            return fmt, _safetensors.read_dir(src)
-        return fmt, _safetensors.read_file(src)
+            return fmt, safetensors.read_dir(src)
+        return fmt, safetensors.read_file(src)
     if fmt == "torch":
-        from ._torchfile import read_torch_file
+        from .torchfile import read_torch_file
 
         return fmt, read_torch_file(src)
-    from ._dcp import read_dcp
+    from .dcp import read_dcp
 
     return fmt, read_dcp(src)

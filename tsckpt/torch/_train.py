@@ -24,19 +24,19 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import _dtypes
-from ._casting import check_casting
-from ._coord import phase
-from ._dist import coordinator_for
-from ._errors import StructureMismatchError
-from ._format import LAYOUT_PLAIN
-from ._kinds import check_cast
-from ._reader import Checkpoint, LazyArray, load
-from ._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
-from ._restore import restore as core_restore
-from ._save import save as core_save
-from ._store import Directory
-from ._torch_state import (
+from .. import _dtypes
+from .._casting import check_casting
+from .._coord import phase
+from .._dist import coordinator_for
+from .._errors import StructureMismatchError
+from .._format import LAYOUT_PLAIN
+from .._kinds import check_cast
+from .._reader import Checkpoint, LazyArray, load
+from .._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
+from .._restore import restore as core_restore
+from .._save import save as core_save
+from .._store import Directory
+from ._state import (
     ARCH_HINT,
     GROUPS,
     MODEL,
@@ -58,7 +58,7 @@ from ._torch_state import (
     region_of,
     shape_error,
 )
-from .tree import escape, flatten, unescape
+from ..tree import escape, flatten, unescape
 
 EXTRA = "extra"
 RANKS = "ranks"

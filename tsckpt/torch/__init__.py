@@ -15,7 +15,7 @@ and RNG states.
 
 from __future__ import annotations
 
-from ._torch_state import get_state_dict, set_state_dict
-from ._torch_train import get_rng_state, restore, save, set_rng_state
+from ._state import get_state_dict, set_state_dict
+from ._train import get_rng_state, restore, save, set_rng_state
 
 __all__ = ["get_rng_state", "get_state_dict", "restore", "save", "set_rng_state", "set_state_dict"]

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from ._torchfile import plain_tree, reason, weights_only_refusal
-from ._types import LazySource
-from .tree import escape, from_paths, structure_from_json, structure_from_paths
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .torchfile import plain_tree, reason, weights_only_refusal
+from .._types import LazySource
+from ..tree import escape, from_paths, structure_from_json, structure_from_paths
 
 PICKLE_WARNING = (
     "A torch.distributed.checkpoint directory's .metadata file is a Python pickle: reading it can run "

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 from google_crc32c import cext
 
-from ._arrays import MISSING_CHUNK
-from ._pagecache import ALIGN, set_direct
+from .._arrays import MISSING_CHUNK
+from .pagecache import ALIGN, set_direct
 
 # Storage dtypes written here: every fixed-size type of whole bytes that tsckpt
 # stores (int4 and float4 are packed by TensorStore, so they stay with it).

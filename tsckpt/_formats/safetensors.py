@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
-from ._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
-from ._errors import NotACheckpointError
-from ._types import LazySource
+from .. import _dtypes
+from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
+from .._errors import NotACheckpointError
+from .._types import LazySource
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
 METADATA_KEY = "tsckpt"
@@ -175,8 +175,8 @@ def _source(entry: TensorEntry, file: str, kind: str = "torch") -> LazySource:
 
 def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any) -> Any:
     """The tree: rebuilt from tsckpt's metadata when the file has it, else a flat dict by name."""
-    from ._format import decode_value
-    from .tree import escape, from_paths, structure_from_json
+    from .._format import decode_value
+    from ..tree import escape, from_paths, structure_from_json
 
     if info is None:
         return {name: _source(e, f) for name, (e, f) in sorted(sources.items())}
