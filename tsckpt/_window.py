@@ -18,8 +18,8 @@ T = TypeVar("T")
 
 
 class Window(Generic[T]):
-    """Work in flight, at most ``limit`` in size once :meth:`add` returns (a single item
-    larger than the limit is kept alone).
+    """Work in flight, at most ``limit`` in size once :meth:`add` returns (an item larger
+    than the limit is settled at once, after everything before it).
 
     ``settle(item)`` waits for one item and consumes its result; with ``batch``,
     ``batch(items)`` settles every item in flight at once instead. ``settled`` counts
@@ -53,8 +53,8 @@ class Window(Generic[T]):
             self._shrink(self.limit)
 
     def drain(self) -> None:
-        """Settle everything still in flight, oldest first."""
-        self._shrink(0)
+        """Settle everything still in flight (items of size 0 too), oldest first."""
+        self._shrink(-1)
 
     def _shrink(self, keep: int) -> None:
         if self._batch is not None:
