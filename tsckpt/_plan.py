@@ -242,13 +242,12 @@ class RankPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ReadItem:
-    """Read the global box (``storage_offsets``, ``lengths``) of ``path`` into the
-    local destination at ``dest_offsets``."""
+    """Read the global box (``storage_offsets``, ``lengths``) of ``path`` into the whole
+    local destination."""
 
     path: str
     storage_offsets: tuple[int, ...]
     lengths: tuple[int, ...]
-    dest_offsets: tuple[int, ...]
 
 
 def _fmt_box(box: Box) -> str:
@@ -734,4 +733,4 @@ def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunki
 
 def plan_read(path: str, want_offsets: Sequence[int], want_lengths: Sequence[int]) -> ReadItem:
     """Read the region a local target needs; the executor slabs it by shard."""
-    return ReadItem(path, tuple(want_offsets), tuple(want_lengths), tuple(0 for _ in want_offsets))
+    return ReadItem(path, tuple(want_offsets), tuple(want_lengths))
