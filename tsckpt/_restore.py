@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
@@ -17,10 +16,11 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from . import _dtypes, _store
+from . import _dtypes
 from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
+from ._codec import Target
 from ._codec.chunkread import read_chunks
 from ._codec.route import Place, Route, place, route
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
@@ -122,9 +122,6 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     return {p: arr._tensorstore() for p, arr in arrays.items()}
 
 
-Target = tuple[Dest, np.ndarray]  # a destination and its memory as a view in the stored dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class _ReadPlan:
     """Which reader fills each destination (:func:`_plan_reads`), tier by tier."""
@@ -221,7 +218,8 @@ def _read_tensorstore(
                 fut = (target[dsel] if dsel else target).write(src)
             else:
                 fut = src.read()
-            in_flight.add(_Block(fut, dest, off, dsel, target is None, math.prod(ln) * itemsize), math.prod(ln) * itemsize)
+            nbytes = math.prod(ln) * itemsize
+            in_flight.add(_Block(fut, dest, off, dsel, target is None, nbytes), nbytes)
             if in_flight.settled - released >= window:
                 released = in_flight.settled
                 release_free_memory()
