@@ -34,9 +34,9 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
     """What save's own shard writer does with the shard file at ``offsets`` (a function of
     its path), or None when the own codec does not write it."""
     where = _route.place({"driver": "file", "path": "/"}, "plain")
-    if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(rec, offsets, src):
-        return None
     layout = storage_layout(rec)
+    if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(layout, offsets, src):
+        return None
     return lambda path: _shardwrite.write_shard(path, src, layout.shard, layout.inner)
 
 

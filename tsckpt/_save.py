@@ -21,7 +21,7 @@ from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
 from ._codec.encode import encode_chunk
-from ._codec.layout import storage_box, storage_layout
+from ._codec.layout import StorageLayout, storage_layout
 from ._codec.route import Place, Route, place, route
 from ._errors import CheckpointExistsError, DistributedError, LeafTypeError, SaveInProgressError, TsckptError
 from ._format import (
@@ -133,6 +133,7 @@ class _ShardWrite:
 
     item: WriteItem
     rec: ArrayRecord
+    layout: StorageLayout
     offsets: tuple[int, ...]  # the box of the array the file holds
     lengths: tuple[int, ...]
     key: str
@@ -144,17 +145,16 @@ def _shard_writes(writes: Sequence[WriteItem], records: dict[str, ArrayRecord], 
     as the sources are read only when their file is written)."""
     for item in writes:
         rec = records[item.path]
-        how = route(rec, where)
+        layout, how = storage_layout(rec), route(rec, where)
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
-            yield _ShardWrite(item, rec, off, ln, chunk_key(rec, off), how)
+            yield _ShardWrite(item, rec, layout, off, ln, chunk_key(rec, off), how)
 
 
-def _whole_shard(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> bool:
+def _whole_shard(layout: StorageLayout, offsets: tuple[int, ...], src: np.ndarray) -> bool:
     """Whether ``src`` is all of the shard at ``offsets`` that lies in the array, in native
     little-endian order: what the own codec encodes (the planner only ever gives such
     sources; anything else is left to TensorStore)."""
-    layout = storage_layout(rec)
-    start, _ = storage_box(rec, offsets, ())
+    start = (*offsets, *(0 for _ in layout.shape[len(offsets) :]))  # complex32's pair dim
     full = tuple(min(g, n - o) for o, g, n in zip(start, layout.shard, layout.shape))
     return src.shape == full and src.dtype.byteorder != ">" and not any(o % g for o, g in zip(start, layout.shard))
 
@@ -179,19 +179,19 @@ class _Writers:
 
     def start(self, w: _ShardWrite, src: np.ndarray) -> tuple[Any, int]:
         how = w.route
-        if how is not Route.TENSORSTORE and not _whole_shard(w.rec, w.offsets, src):
+        if how is not Route.TENSORSTORE and not _whole_shard(w.layout, w.offsets, src):
             how = Route.TENSORSTORE
         if how is Route.SHARD:
             fut = self._shard_file(w, src)
         elif how is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
-            fut = kv.write(w.key, encode_chunk(src, storage_layout(w.rec).shard))
+            fut = kv.write(w.key, encode_chunk(src, w.layout.shard))
         else:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes
 
     def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
-        layout = storage_layout(w.rec)
+        layout = w.layout
         path = os.path.join(str(self.directory), w.key)
         parent = os.path.dirname(path)
         if parent not in self.made:
