@@ -20,7 +20,6 @@ from . import _dtypes
 from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
-from ._codec import Target
 from ._codec.chunkread import read_chunks
 from ._codec.route import Place, Route, place, route
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
@@ -120,6 +119,9 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     for p, fut in futures.items():
         arrays[p].set_store(fut)
     return {p: arr._tensorstore() for p, arr in arrays.items()}
+
+
+Target = tuple[Dest, np.ndarray]  # a destination, and its memory as a view in the stored dtype and shape
 
 
 @dataclasses.dataclass(frozen=True)

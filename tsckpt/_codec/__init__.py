@@ -12,13 +12,3 @@ written without TensorStore where that is faster, byte for byte as TensorStore d
 - :mod:`.pagecache`: how much of a file the page cache holds; switching direct I/O on.
 - :mod:`.threads`: the I/O worker pool, which keeps working while the interpreter exits.
 """
-
-from __future__ import annotations
-
-import numpy as np
-
-from .._types import Dest
-
-# A restore's destination and its memory as a writable numpy view in the stored dtype and
-# shape (complex32: its float16 pairs): what the own readers read into.
-Target = tuple[Dest, np.ndarray]

@@ -25,7 +25,6 @@ from .._progress import Progress
 from .._reader import Checkpoint
 from .._types import Dest
 from .._window import Window
-from . import Target
 from .encode import decode_chunk
 from .layout import storage_box, storage_layout
 
@@ -44,8 +43,8 @@ class _Read:
 
 
 def read_chunks(
-    ck: Checkpoint, targets: Sequence[Target], progress: Progress | None, window: int
-) -> list[Target]:
+    ck: Checkpoint, targets: Sequence[tuple[Dest, np.ndarray]], progress: Progress | None, window: int
+) -> list[tuple[Dest, np.ndarray]]:
     """Read each destination of ``targets`` (with its memory as a writable view in the
     stored dtype and shape), an array without inner chunks; returns the targets left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
@@ -53,7 +52,7 @@ def read_chunks(
     kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
     nodes: dict[str, Any] = {}  # path: the read of its zarr.json
     node_ok: dict[str, bool] = {}
-    left: dict[int, Target] = {}
+    left: dict[int, tuple[Dest, np.ndarray]] = {}
 
     def settle(r: _Read) -> None:
         path = r.dest.item.path

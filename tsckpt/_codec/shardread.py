@@ -43,7 +43,7 @@ from .._progress import Progress
 from .._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
 from .._types import Dest
 from .._window import Window
-from . import Target, crc
+from . import crc
 from .layout import ShardIndex, StorageLayout, storage_box, storage_layout
 from .pagecache import ALIGN, resident_fraction, set_direct
 from .threads import Workers
@@ -87,12 +87,12 @@ class _Fallback(Exception):
 def read_sharded(
     ck: Checkpoint,
     directory: str,
-    targets: Sequence[Target],
+    targets: Sequence[tuple[Dest, np.ndarray]],
     progress: Progress | None,
     window: int,
     *,
     threads: int | None = None,
-) -> list[Target]:
+) -> list[tuple[Dest, np.ndarray]]:
     """Read each destination of ``targets`` (with its memory as a writable view in the
     stored dtype and shape), a sharded array of the plain checkpoint in the local
     ``directory``; returns the targets left for TensorStore.
@@ -101,7 +101,7 @@ def read_sharded(
     record, so that TensorStore reports it as usual, and files that cannot be read for
     a reason other than damage. Damaged shard data raises CorruptCheckpointError.
     """
-    rest: list[Target] = []
+    rest: list[tuple[Dest, np.ndarray]] = []
     jobs: list[_Job] = []
     node_ok: dict[str, bool] = {}
     for dest, view in targets:
