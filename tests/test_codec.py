@@ -107,8 +107,8 @@ def own_io(monkeypatch):
 
     monkeypatch.setattr(shardwrite, "write_shard", spy("shard files", write_shard))
     monkeypatch.setattr(_save, "encode_chunk", spy("chunk files", encode))
-    monkeypatch.setattr(_restore, "read_chunks", spy("read chunks", read_chunks, lambda ck, t, *a: len(t)))
-    monkeypatch.setattr(_restore, "read_sharded", spy("read shards", read_sharded, lambda ck, d, t, *a: len(t)))
+    monkeypatch.setattr(_restore, "read_chunks", spy("read chunks", read_chunks, lambda ck, dests, *a: len(dests)))
+    monkeypatch.setattr(_restore, "read_sharded", spy("read shards", read_sharded, lambda ck, directory, dests, *a: len(dests)))
     monkeypatch.setattr(_restore, "_open_all", spy("tensorstore", open_all, lambda ck, paths: list(paths)))
     return seen
 

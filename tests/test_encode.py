@@ -35,7 +35,7 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
     its path), or None when the own codec does not write it."""
     where = _route.place({"driver": "file", "path": "/"}, "plain")
     layout = storage_layout(rec)
-    if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(layout, offsets, src):
+    if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(rec, offsets, src.shape[: len(offsets)]):
         return None
     return lambda path: _shardwrite.write_shard(path, src, layout.shard, layout.inner)
 

@@ -212,8 +212,7 @@ def test_threads_window_and_progress(tmp_path, layout_of, monkeypatch, threads):
     count = Count()
     for window in (1, 1000, 1 << 20):
         target[...] = 0
-        view = _restore._direct_view(dest, "float32")
-        rest = _shardread.read_sharded(ckpt, str(ck), [(dest, view)], count, window, threads=threads)
+        rest = _shardread.read_sharded(ckpt, str(ck), [dest], _restore._view, count, window, threads=threads)
         assert rest == []
         same(target, x)
     assert (count.nbytes, count.files) == (3 * x.nbytes, 3 * 4)

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -127,8 +127,7 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
     return buf
 
 
-@dataclasses.dataclass(frozen=True)
-class _ShardWrite:
+class _ShardWrite(NamedTuple):  # a NamedTuple: made once per file, 10,000 times for 10,000 small leaves
     """One shard file of this rank's writes, and who writes it (:func:`route`)."""
 
     item: WriteItem
@@ -142,21 +141,23 @@ class _ShardWrite:
 
 def _shard_writes(writes: Sequence[WriteItem], records: dict[str, ArrayRecord], where: Place) -> Iterator[_ShardWrite]:
     """The plan of a rank's writes: each shard file, in order, with its writer (pure; lazy,
-    as the sources are read only when their file is written)."""
+    as the sources are read only when their file is written). The own codec encodes
+    whole files only; a box that is not a whole shard (the planner gives none) would be
+    left to TensorStore."""
     for item in writes:
         rec = records[item.path]
         layout, how = storage_layout(rec), route(rec, where)
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
-            yield _ShardWrite(item, rec, layout, off, ln, chunk_key(rec, off), how)
+            own = how is not Route.TENSORSTORE and _whole_shard(rec, off, ln)
+            yield _ShardWrite(item, rec, layout, off, ln, chunk_key(rec, off), how if own else Route.TENSORSTORE)
 
 
-def _whole_shard(layout: StorageLayout, offsets: tuple[int, ...], src: np.ndarray) -> bool:
-    """Whether ``src`` is all of the shard at ``offsets`` that lies in the array, in native
-    little-endian order: what the own codec encodes (the planner only ever gives such
-    sources; anything else is left to TensorStore)."""
-    start = (*offsets, *(0 for _ in layout.shape[len(offsets) :]))  # complex32's pair dim
-    full = tuple(min(g, n - o) for o, g, n in zip(start, layout.shard, layout.shape))
-    return src.shape == full and src.dtype.byteorder != ">" and not any(o % g for o, g in zip(start, layout.shard))
+def _whole_shard(rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether the box is all of the shard at ``offsets`` that lies in the array."""
+    for o, n, g, s in zip(offsets, lengths, rec.chunking.shard_shape, rec.shape):
+        if o % g or n != min(g, s - o):
+            return False
+    return True
 
 
 def _write_place(data: dict[str, Any], compact: bool) -> Place:
@@ -178,12 +179,9 @@ class _Writers:
         self.made: set[str] = set()  # directories created for shard files
 
     def start(self, w: _ShardWrite, src: np.ndarray) -> tuple[Any, int]:
-        how = w.route
-        if how is not Route.TENSORSTORE and not _whole_shard(w.layout, w.offsets, src):
-            how = Route.TENSORSTORE
-        if how is Route.SHARD:
+        if w.route is Route.SHARD:
             fut = self._shard_file(w, src)
-        elif how is Route.CHUNK:
+        elif w.route is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
             fut = kv.write(w.key, encode_chunk(src, w.layout.shard))
         else:

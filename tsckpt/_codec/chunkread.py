@@ -9,50 +9,52 @@ compact layout's database). Which arrays are read here is :func:`.route.route`'s
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
 
 from .. import _store
 from .._arrays import chunk_key, stored_node_problem
-from .._format import ROOT_KEY
+from .._format import ROOT_KEY, ArrayRecord
 from .._plan import shard_boxes
 from .._progress import Progress
 from .._reader import Checkpoint
 from .._types import Dest
 from .._window import Window
 from .encode import decode_chunk
-from .layout import storage_box, storage_layout
+from .layout import storage_layout
 
 
-@dataclasses.dataclass(frozen=True)
-class _Read:
+class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,000 small leaves
     """One chunk file's part of one destination, its read started."""
 
     dest: Dest
     view: np.ndarray  # the destination memory in the stored dtype and shape
     chunk: tuple[int, ...]  # the stored chunk shape
     read: Any  # the kvstore read of the chunk file
-    src: tuple[slice, ...]  # the part wanted, in the chunk
+    src: tuple[slice, ...]  # the part wanted, in the chunk (complex32's pair dim: all of it)
     dst: tuple[slice, ...]  # where it goes, in the destination
     nbytes: int
 
 
 def read_chunks(
-    ck: Checkpoint, targets: Sequence[tuple[Dest, np.ndarray]], progress: Progress | None, window: int
-) -> list[tuple[Dest, np.ndarray]]:
-    """Read each destination of ``targets`` (with its memory as a writable view in the
-    stored dtype and shape), an array without inner chunks; returns the targets left for
+    ck: Checkpoint,
+    dests: Sequence[Dest],
+    view_of: Callable[[Dest], np.ndarray],
+    progress: Progress | None,
+    window: int,
+) -> list[Dest]:
+    """Read each destination of ``dests``, an array without inner chunks, into its memory
+    as a writable view in the stored dtype and shape (``view_of``); returns those left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
     TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight."""
     kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
-    nodes: dict[str, Any] = {}  # path: the read of its zarr.json
+    nodes: dict[str, Any] = {}  # path: the read of its zarr.json (None once checked, so its memory goes)
     node_ok: dict[str, bool] = {}
-    left: dict[int, tuple[Dest, np.ndarray]] = {}
+    left: dict[int, Dest] = {}
 
     def settle(r: _Read) -> None:
         path = r.dest.item.path
@@ -61,6 +63,7 @@ def read_chunks(
         try:
             if path not in node_ok:
                 node = nodes[path].result()
+                nodes[path] = None
                 node_ok[path] = node.state == "value" and stored_node_problem(node.value, ck.arrays[path]) is None
             chunk = r.read.result()
         except ValueError:  # unreadable: TensorStore says why
@@ -70,26 +73,40 @@ def read_chunks(
         if node_ok[path] and chunk is not None and chunk.state == "value":
             data = decode_chunk(chunk.value, r.view.dtype, r.chunk)
         if data is None:
-            left[id(r.dest)] = (r.dest, r.view)
+            left[id(r.dest)] = r.dest
             return
         r.view[r.dst] = data[r.src]
         if progress is not None:
             progress.update(r.nbytes, 1)
 
     in_flight: Window[_Read] = Window(window, settle)
-    for dest, view in targets:
+    for dest in dests:
         item = dest.item
         rec = ck.arrays[item.path]
-        shard = storage_layout(rec).shard
+        view = view_of(dest)
         if rec.path not in nodes:
             nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}")
-        base, _ = storage_box(rec, item.storage_offsets, item.lengths)
-        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
-            offsets, lengths = storage_box(rec, off, ln)
-            first = tuple(o // g * g for o, g in zip(offsets, shard))
-            src = tuple(slice(o - f, o - f + n) for o, f, n in zip(offsets, first, lengths))
-            dst = tuple(slice(o - b, o - b + n) for o, b, n in zip(offsets, base, lengths))
-            nbytes = math.prod(lengths) * view.dtype.itemsize
-            in_flight.add(_Read(dest, view, shard, kv.read(chunk_key(rec, off)), src, dst, nbytes), nbytes)
+        chunk = storage_layout(rec).shard
+        element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
+        for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):
+            nbytes = math.prod(ln) * element
+            in_flight.add(_Read(dest, view, chunk, kv.read(chunk_key(rec, off)), src, dst, nbytes), nbytes)
     in_flight.drain()
     return list(left.values())
+
+
+def _pieces(
+    rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
+    """Per chunk file the box [offsets, offsets + lengths) touches: the file's part of the
+    box (its offsets and lengths), where that part lies in the chunk and in the box."""
+    shard = rec.chunking.shard_shape
+    if 0 in lengths:
+        return
+    if all(g >= n for g, n in zip(shard, rec.shape)):  # the whole array is one chunk: most small leaves
+        yield offsets, lengths, tuple(slice(o, o + n) for o, n in zip(offsets, lengths)), ()
+        return
+    for off, ln in shard_boxes(offsets, lengths, rec.chunking):
+        src = tuple(slice(o % g, o % g + n) for o, g, n in zip(off, shard, ln))
+        dst = tuple(slice(o - b, o - b + n) for o, b, n in zip(off, offsets, ln))
+        yield off, ln, src, dst

@@ -29,7 +29,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from stat import S_ISREG
 from typing import Any, NamedTuple
 
@@ -87,38 +87,40 @@ class _Fallback(Exception):
 def read_sharded(
     ck: Checkpoint,
     directory: str,
-    targets: Sequence[tuple[Dest, np.ndarray]],
+    dests: Sequence[Dest],
+    view_of: Callable[[Dest], np.ndarray],
     progress: Progress | None,
     window: int,
     *,
     threads: int | None = None,
-) -> list[tuple[Dest, np.ndarray]]:
-    """Read each destination of ``targets`` (with its memory as a writable view in the
-    stored dtype and shape), a sharded array of the plain checkpoint in the local
-    ``directory``; returns the targets left for TensorStore.
+) -> list[Dest]:
+    """Read each destination of ``dests``, a sharded array of the plain checkpoint in the
+    local ``directory``, into its memory as a writable view in the stored dtype and shape
+    (``view_of``); returns those left for TensorStore.
 
     Left for TensorStore: arrays whose zarr.json is missing or disagrees with the root
-    record, so that TensorStore reports it as usual, and files that cannot be read for
-    a reason other than damage. Damaged shard data raises CorruptCheckpointError.
+    record, so that TensorStore reports it as usual, and files that cannot be read for a
+    reason other than damage. Damaged shard data raises CorruptCheckpointError.
     """
-    rest: list[tuple[Dest, np.ndarray]] = []
+    rest: list[Dest] = []
     jobs: list[_Job] = []
     node_ok: dict[str, bool] = {}
-    for dest, view in targets:
+    for dest in dests:
         item = dest.item
         rec = ck.arrays[item.path]
         if rec.path not in node_ok:
             node_ok[rec.path] = _node_ok(directory, rec)
         if not node_ok[rec.path]:
-            rest.append((dest, view))
+            rest.append(dest)
             continue
+        view = view_of(dest)
         layout = storage_layout(rec)
         base, _ = storage_box(rec, item.storage_offsets, item.lengths)
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
             key = chunk_key(rec, off)
             jobs.append(_Job(dest, view, rec, layout, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
-    return rest + [(dest, view) for dest, view in targets if id(dest) in fell_back]
+    return rest + [dest for dest in dests if id(dest) in fell_back]
 
 
 def _node_ok(directory: str, rec: ArrayRecord) -> bool:
