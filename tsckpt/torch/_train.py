@@ -290,7 +290,7 @@ def _match_extras(
     """Extra, per-rank and RNG state: the target's own trees, compared path by path."""
     target_extra = {name: _state_of(obj) for name, obj in extras.items()}
     target_mine = {name: _state_of(obj) for name, obj in mine.items()}
-    if RNG in target_mine:
+    if isinstance(mine.get(RNG), _RngSlot):  # not a per_rank value named "rng" (rng=False)
         if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
             del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
     if not strict:
