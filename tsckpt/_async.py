@@ -57,10 +57,11 @@ def _report_unchecked_failures() -> None:
 class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     """Handle of a save that continues in the background: a :class:`concurrent.futures.Future`.
 
-    ``result(timeout)`` waits for the commit and re-raises a background failure;
-    ``done()`` tells whether it finished. ``timeout`` is a :class:`datetime.timedelta`
-    as on every tsckpt verb, or float seconds as on any Future. ``blocked_s`` is how long the call that
-    started it held the caller, ``staged_bytes`` how much array data it copied.
+    ``result(timeout)`` waits for the commit and re-raises a background failure
+    (``timeout``: a :class:`datetime.timedelta` as on every tsckpt verb, or float
+    seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
+    is how long the call that started it held the caller, ``staged_bytes`` how
+    much array data it copied.
     """
 
     def __init__(self, directory: str, staged_bytes: int) -> None:

@@ -27,6 +27,7 @@ from ._errors import CheckpointExistsError, TsckptError
 from ._formats.convert import TARGETS, parse_size
 from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._formats.dcp import PICKLE_WARNING
+from ._options import READ_WINDOW_BYTES
 from ._reader import LazyArray, load
 from ._progress import human_bytes
 from ._formats.sources import FORMATS
@@ -367,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "compact (a few files per rank, readable by TensorStore) (default: plain)")
     p.add_argument("--max-inflight-bytes", metavar="SIZE",
                    help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
-                   "convert needs, and the size of its shard files (default: 32MiB)")
+                   f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
     return parser

@@ -195,7 +195,7 @@ class CheckpointManager:
     def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
         from ._save import save
 
-        # the step was cleared above where it had to be: the save itself never replaces one
+        # the manager cleared the step where it had to (``clear``): the save itself never replaces one
         kwargs = dataclasses.replace(options, overwrite=False).kwargs()
 
         def job(tree: Any) -> None:

@@ -296,17 +296,6 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
 }
 
 
-def taken(name: str) -> dict[str, tuple[type[_Options], dataclasses.Field[Any]]]:
-    """The options verb ``name`` takes, by name, with the set that defines each (the first
-    set, where several define an option: they must agree, which :func:`signature_problems` checks)."""
-    out: dict[str, tuple[type[_Options], dataclasses.Field[Any]]] = {}
-    for options, not_taken in VERBS[name].items():
-        for f in dataclasses.fields(options):
-            if f.name not in not_taken:
-                out.setdefault(f.name, (options, f))
-    return out
-
-
 def signature_problems(fn: Callable[..., Any], name: str) -> list[str]:
     """How the signature of ``fn``, the verb ``name`` of :data:`VERBS`, differs from its options."""
     if name not in VERBS:
