@@ -24,9 +24,10 @@ import torch
 from . import __version__, _dtypes
 from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
-from ._formats.convert import TARGETS
+from ._formats.convert import TARGETS, parse_size
 from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._formats.dcp import PICKLE_WARNING
+from ._options import READ_WINDOW_BYTES
 from ._reader import LazyArray, load
 from ._progress import human_bytes
 from ._formats.sources import FORMATS
@@ -276,10 +277,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ._formats.convert import convert
 
     try:
+        window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")
+        given: dict[str, Any] = {} if window is None else {"max_inflight_bytes": window}  # else convert's default
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
+            **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -362,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUT_PLAIN,
                    help="tsckpt destination layout: plain (a file per shard, readable by any zarr v3 tool) or "
                    "compact (a few files per rank, readable by TensorStore) (default: plain)")
+    p.add_argument("--max-inflight-bytes", metavar="SIZE",
+                   help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
+                   f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
     return parser

@@ -19,7 +19,6 @@ import torch
 
 from . import _dtypes, _store
 from ._arrays import chunk_key, stored_node_problem
-from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._codec.encode import LITTLE_ENDIAN, decode_chunk
@@ -27,6 +26,7 @@ from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
+from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._plan import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
@@ -34,14 +34,6 @@ from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
-
-# Bytes read from storage but not yet copied into their destination. tsckpt's own
-# reader (_shardread) holds exactly this much scratch, 4 MiB per reading thread: 32 MiB
-# kept 8 direct reads of 4 MiB in flight, which read cold files 15-25% faster than 16 MiB.
-# TensorStore decodes on several threads, each holding its own heap, so the resident
-# memory its reads add is a few times this (measured: 16 MiB gave 37-41 MiB over a live
-# 576 MiB or 1.7 GiB model and optimizer; 64 MiB gave 104-190 MiB).
-READ_WINDOW_BYTES = 32 << 20
 
 
 class RestoreWarning(UserWarning):
@@ -265,6 +257,7 @@ def read_into(
     release_free_memory()
 
 
+@verb("tsckpt.restore")
 def restore(
     directory: Directory,
     target: Any = None,
@@ -287,10 +280,16 @@ def restore(
     scalars). Otherwise the result has the target's structure and, leaf by leaf,
     its type, dtype (cast from the stored dtype) and device; ``inplace=True``
     copies straight into the target's tensors and arrays so memory does not double.
+    A target whose leaves differ from the checkpoint's raises
+    :class:`StructureMismatchError`; ``strict=False`` restores the leaves both have
+    instead, keeps the target's values for the others and lists them in a
+    :class:`RestoreWarning`.
 
-    DTensor and ShardedArray targets receive just their local region, whatever
-    layout and world size saved the checkpoint; each rank reads only the
-    chunks overlapping that region.
+    Under torch.distributed every rank of ``group`` (default: the default group)
+    calls restore; ``timeout`` (a :class:`datetime.timedelta`, default 10 minutes)
+    bounds every wait on other ranks. DTensor and ShardedArray targets receive
+    just their local region, whatever layout and world size saved the
+    checkpoint; each rank reads only the chunks overlapping that region.
 
     ``progress`` shows a bar of bytes read on rank 0 (default: when stderr is a
     terminal); each rank logs bytes, reads and throughput at the end.
@@ -304,7 +303,7 @@ def restore(
     :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
     with "unsafe" such losses give a :class:`RestoreWarning`.
     """
-    check_casting(casting)
+    RestoreOptions.of(locals())  # a bad option raises here, before any work
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
