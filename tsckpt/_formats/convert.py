@@ -30,11 +30,11 @@ from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, encode_value
 from .._kinds import check_cast
 from .._leaves import describe, memory
 from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
-from .._reader import load, read_root_states
+from .._root import read_root_states
 from .._restore import warn_lost_values
 from .._save import save
 from .._progress import Progress
-from .sources import checkpoint_tree, open_source
+from .sources import checkpoint_tree, open_checkpoint, open_source
 from .._store import Directory
 from .._types import LazySource, Local
 from ..tree import child, flatten, from_paths, structure_from_json, structure_to_json
@@ -259,7 +259,7 @@ def _open(src: Directory, fmt: str | None) -> tuple[str, Any]:
             f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
             "from a local path; pass the path instead of the spec"
         )
-    ck = load(src)
+    ck = open_checkpoint(src)
     if fmt is not None and ck.format != fmt:
         raise NotACheckpointError(f"{ck.location}: a {ck.format} checkpoint, not {fmt}; pass from_format={ck.format!r}")
     ck.check_links()

@@ -41,15 +41,18 @@ from typing import Any
 import tensorstore as ts
 
 from .. import _dtypes
+from .._arrays import MANIFEST
+from .._checkpoint import Checkpoint
 from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
 from .._errors import LeafTypeError, NotACheckpointError
-from ..tree import ROOT_LEAF_PATH, escape
+from .._format import ArrayRecord, Chunking
+from .._store import Location
+from ..tree import ROOT_LEAF_PATH, escape, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
 TREE_METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
-MANIFEST = "manifest.ocdbt"
 JSON_ITEM = "metadata"
 _STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)")
 _ARRAY_TYPES = {"jax.Array", "np.ndarray"}
@@ -317,3 +320,19 @@ def load(directory: str) -> ForeignCheckpoint:
         f"{d}: not an Orbax checkpoint: expected '{TREE_METADATA}' (item), '{STEP_METADATA}' (step) or numbered "
         f"step directories, found {found}; pass an Orbax item or step directory"
     )
+
+
+def as_checkpoint(loc: Location) -> Checkpoint:
+    """The local Orbax checkpoint at ``loc`` as a :class:`Checkpoint` whose arrays open
+    through their own specs (read verbs never read Orbax's files any other way)."""
+    if loc.local is None:
+        raise NotACheckpointError(f"{loc}: Orbax checkpoints are read from a local directory; copy it to one")
+    fc = load(loc.local)
+    arrays = {
+        p: ArrayRecord(p, a.shape, a.dtype, "numpy", Chunking(a.chunk_shape or (1,) * len(a.shape), None))
+        for p, a in fc.arrays.items()
+    }
+    specs = {p: a.spec for p, a in fc.arrays.items()}
+    # Orbax escapes int-like dict keys, so a plain int component is a list index
+    structure = structure_from_paths(fc.leaves)
+    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {}, {}, specs, format="orbax")

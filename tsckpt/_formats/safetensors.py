@@ -80,6 +80,12 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {what}; the file is damaged or was not fully written, get a good copy")
 
 
+def is_safetensors_file(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first 9 bytes) is a safetensors file: an
+    8-byte header length, then the JSON header."""
+    return head[8:9] == b"{"
+
+
 def read_header(path: str) -> Header:
     """Parse and check a safetensors header against the file's size, before any data is read."""
     if not os.path.isfile(path):
@@ -87,7 +93,7 @@ def read_header(path: str) -> Header:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(9)
-        if len(head) < 9 or head[8:9] != b"{":
+        if not is_safetensors_file(head):
             raise NotACheckpointError(f"{path}: not a safetensors file (no JSON header after the 8-byte length)")
         (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES:
