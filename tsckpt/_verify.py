@@ -172,24 +172,36 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
     with Progress("verify", ck.location, show=progress) as bar:
         bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
         reads = _read_all(ck, nodes.bad, bar)
+    arrays = _record_paths(ck)
+    return VerifyReport(
+        location=str(ck.location),
+        leaves=ck.leaves,
+        n_arrays=len(arrays),
+        n_values=len(ck.values),
+        bad=_all_bad(ck, nodes, reads),
+        group_problems=nodes.group_problems,
+        bytes_read=reads.bytes_read,
+        files_read=reads.files_read,
+        tree_problem=ck.tree_problem,
+        arrays=arrays,
+    )
+
+
+def _all_bad(ck: Checkpoint, nodes: _Nodes, reads: _Reads) -> dict[str, str]:
+    """Every bad leaf (sorted) with all that is wrong with it: its entry, node, data or links;
+    a tied leaf is as bad as the array it reads."""
     bad = {**ck.bad, **nodes.bad}
     for path, why in [*reads.bad.items(), *_links(ck).items()]:
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
     for alias, stored in ck.aliases.items():
         if stored in bad:
             bad[alias] = f"tied to '{stored}', which is bad"
+    return dict(sorted(bad.items()))
+
+
+def _record_paths(ck: Checkpoint) -> tuple[str, ...]:
+    """The paths of the root's array records, valid or not (sorted)."""
     records: Any = ck.raw.get("arrays")
     records = records if isinstance(records, list) else []
     arrays = {r["path"] for r in records if isinstance(r, dict) and isinstance(r.get("path"), str)} | set(ck.arrays)
-    return VerifyReport(
-        location=str(ck.location),
-        leaves=ck.leaves,
-        n_arrays=len(arrays),
-        n_values=len(ck.values),
-        bad=dict(sorted(bad.items())),
-        group_problems=nodes.group_problems,
-        bytes_read=reads.bytes_read,
-        files_read=reads.files_read,
-        tree_problem=ck.tree_problem,
-        arrays=tuple(sorted(arrays)),
-    )
+    return tuple(sorted(arrays))
