@@ -104,10 +104,8 @@ def _settle(ck: Checkpoint, probe: _Probe, found: dict[str, str]) -> None:
         return
     if got.state != "value":
         part = "the array" if probe.whole else "the part read"
-        found.setdefault(
-            probe.path,
-            f"a chunk file is missing ({probe.key} does not exist; {probe.fields} give {part} {probe.files} such files)",
-        )
+        why = f"{probe.key} does not exist; {probe.fields} give {part} {probe.files} such files"
+        found.setdefault(probe.path, f"a chunk file is missing ({why})")
 
 
 def check_backed(ck: Checkpoint, paths: Iterable[str], box: Box | None = None) -> None:

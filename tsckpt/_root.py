@@ -308,7 +308,8 @@ def _values(encoded: dict[str, Any], arrays: Mapping[str, ArrayRecord], bad: dic
 def _aliases(
     tied: dict[str, str], arrays: Mapping[str, ArrayRecord], encoded: Mapping[str, Any], bad: dict[str, str]
 ) -> dict[str, str]:
-    """Tied leaf -> the stored array it reads; one naming no valid array, or with an entry of its own, goes to ``bad``."""
+    """Tied leaf -> the stored array it reads; one naming no valid array, or with an entry of
+    its own, goes to ``bad``."""
     aliases: dict[str, str] = {}
     for alias, stored in tied.items():
         if stored in bad:

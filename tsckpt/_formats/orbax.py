@@ -158,7 +158,8 @@ class _ItemMetadata:
             if self.ocdbt
             else {"driver": "file", "path": os.path.join(str(item), name)}
         )
-        return {"driver": "zarr3" if self.zarr3 else "zarr", "kvstore": kvstore, "fill_missing_data_reads": self.fill_missing}
+        driver = "zarr3" if self.zarr3 else "zarr"
+        return {"driver": driver, "kvstore": kvstore, "fill_missing_data_reads": self.fill_missing}
 
 
 def _item_metadata(item: Path) -> _ItemMetadata:
