@@ -107,24 +107,42 @@ def checkpoint_tree(ck: Checkpoint) -> Any:
     return ck.build([leaf(p) for p in ck.leaves])
 
 
-def open_source(src: str, fmt: str | None = None) -> tuple[str, Any]:
-    """(format, source tree) of ``src``; ``fmt`` overrides detection and is checked."""
-    fmt = fmt or detect(src) or _unknown(src)
+def open_source(src: Directory, fmt: str | None = None) -> tuple[str, Any]:
+    """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
+    format the read verbs open, through TensorStore); ``fmt`` overrides detection and is checked."""
+    if isinstance(src, dict):
+        if fmt is not None and fmt not in OPENERS:
+            raise ValueError(
+                f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
+                "from a local path; pass the path instead of the spec"
+            )
+        return _checkpoint_source(src, fmt)
+    path = os.fspath(src)
+    fmt = fmt or detect(path) or _unknown(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown source format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt in OPENERS:
-        ck = open_checkpoint(src)
-        if ck.format != fmt:
-            raise NotACheckpointError(f"{src}: a {ck.format} checkpoint, not {fmt}; pass --from {ck.format}")
-        ck.check_links()
-        return fmt, checkpoint_tree(ck)
+        return _checkpoint_source(path, fmt)
     if fmt == "safetensors":
-        if os.path.isdir(src):
-            return fmt, safetensors.read_dir(src)
-        return fmt, safetensors.read_file(src)
+        if os.path.isdir(path):
+            return fmt, safetensors.read_dir(path)
+        return fmt, safetensors.read_file(path)
     if fmt == "torch":
-        return fmt, torchfile.read_torch_file(src)
-    return fmt, dcp.read_dcp(src)
+        return fmt, torchfile.read_torch_file(path)
+    return fmt, dcp.read_dcp(path)
+
+
+def _checkpoint_source(src: str | dict[str, Any], fmt: str | None) -> tuple[str, Any]:
+    """(format, source tree) of a checkpoint the read verbs open, which must be of ``fmt`` when given."""
+    ck = open_checkpoint(src)
+    if fmt is not None and ck.format != fmt:
+        if isinstance(src, dict):
+            where, hint = str(ck.location), f"from_format={ck.format!r}"
+        else:
+            where, hint = src, f"--from {ck.format}"
+        raise NotACheckpointError(f"{where}: a {ck.format} checkpoint, not {fmt}; pass {hint}")
+    ck.check_links()
+    return ck.format, checkpoint_tree(ck)
 
 
 def _unknown(src: str) -> NoReturn:
