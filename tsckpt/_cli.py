@@ -27,10 +27,11 @@ from ._errors import CheckpointExistsError, TsckptError
 from ._formats.convert import TARGETS, parse_size
 from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._formats.dcp import PICKLE_WARNING
+from ._formats.sources import FORMATS, open_checkpoint
+from ._open import open as open_reader
 from ._options import READ_WINDOW_BYTES
-from ._reader import LazyArray, load
+from ._reader import LazyArray, normalize_index
 from ._progress import human_bytes
-from ._formats.sources import FORMATS
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -167,7 +168,7 @@ def printable(arr: LazyArray, index: tuple[Any, ...]) -> tuple[np.ndarray, str]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    ck = load(args.dir)
+    ck = open_checkpoint(args.dir)
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
         raise UsageError(f"no leaf at or below '{args.prefix}' in {ck.location}")
@@ -199,11 +200,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from . import open as open_checkpoint
-    from ._reader import _normalize
-
     path, index, index_text = parse_target(args.target)
-    reader = open_checkpoint(args.dir)
+    reader = open_reader(args.dir)
     try:
         leaf = reader[path]
     except KeyError as e:
@@ -214,7 +212,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(leaf if isinstance(leaf, str) else repr(leaf))
         return EXIT_OK
     try:
-        box, _ = _normalize(index if index is not None else (), leaf.shape)
+        box, _ = normalize_index(index if index is not None else (), leaf.shape)
     except (IndexError, TypeError, ValueError) as e:
         raise UsageError(f"{args.target}: {e} (array shape {_shape_text(leaf.shape)})") from None
     nbytes = math.prod(s.stop - s.start for s in box) * _dtypes.itemsize(leaf.dtype)

@@ -55,7 +55,7 @@ from ._options import (
     SaveOptions,
     verb,
 )
-from ._reader import RootState, read_root_states
+from ._root import RootState, read_root_states
 from ._store import Directory, fsync_path, resolve, storage_errors
 
 _STEP = re.compile(r"[0-9]+")

@@ -29,7 +29,11 @@ from ._memory import release_free_memory
 from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._plan import shard_boxes
 from ._progress import Progress
-from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
+from ._backing import check_backed
+from ._checkpoint import Checkpoint
+from ._formats.sources import open_checkpoint
+from ._reader import LazyArray
+from ._readerrors import corrupt_error
 from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
@@ -116,7 +120,7 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     futures = {p: arr.open_future() for p, arr in arrays.items()}
     for p, fut in futures.items():
         arrays[p].set_store(fut)
-    return {p: arr._tensorstore() for p, arr in arrays.items()}
+    return {p: arr.tensorstore() for p, arr in arrays.items()}
 
 
 def _single_chunk(rec: ArrayRecord) -> bool:
@@ -138,7 +142,7 @@ def _read_small(ck: Checkpoint, dests: list[Dest], progress: Progress | None, wi
     Returns the destinations left for TensorStore: every other kind, and any whose node
     or chunk is not exactly as expected, so that the general path reports the damage.
     """
-    if ck.specs or not LITTLE_ENDIAN:
+    if ck.foreign or not LITTLE_ENDIAN:
         return dests
     rest: list[Dest] = []
     pending: collections.deque[tuple[Dest, np.ndarray, int, Any, Any]] = collections.deque()
@@ -307,7 +311,7 @@ def restore(
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
-        ck = load(directory)
+        ck = open_checkpoint(directory)
         ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)

@@ -36,7 +36,7 @@ from ._format import (
 from ._arrays import MANIFEST, OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
-from ._reader import root_state
+from ._root import root_state
 from ._types import LazySource, Local
 from ._plan import (
     Gathered,

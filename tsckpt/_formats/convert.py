@@ -1,6 +1,6 @@
 """convert(): stream a checkpoint from one format into another.
 
-1. Open the source as a tree of lazy sources (``_sources``), format detected or given.
+1. Open the source as a tree of lazy sources (``sources.open_source``), format detected or given.
    A tsckpt or Orbax source may be a kvstore spec dict (or URL), like a tsckpt destination.
 2. Select the subtree and rename its leaves (prefixes): :func:`select`.
 3. Wrap each stored array once (tied leaves share it) to cast and count progress.
@@ -25,23 +25,20 @@ import torch
 from .. import _dtypes, _lease, _store
 from . import safetensors
 from .._casting import CastCheck
-from .._errors import NotACheckpointError
 from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, encode_value
 from .._kinds import check_cast
 from .._leaves import describe, memory
 from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
-from .._reader import load, read_root_states
+from .._root import read_root_states
 from .._restore import warn_lost_values
 from .._save import save
 from .._progress import Progress
-from .sources import checkpoint_tree, open_source
+from .sources import open_source
 from .._store import Directory
 from .._types import LazySource, Local
 from ..tree import child, flatten, from_paths, structure_from_json, structure_to_json
 
 TARGETS = ("tsckpt", "safetensors")
-# Source formats read through TensorStore, which a kvstore spec dict may name.
-SPEC_FORMATS = ("tsckpt", "orbax")
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -249,23 +246,6 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
     )
 
 
-def _open(src: Directory, fmt: str | None) -> tuple[str, Any]:
-    """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict
-    (a tsckpt or Orbax checkpoint, read through TensorStore)."""
-    if not isinstance(src, dict):
-        return open_source(os.fspath(src), fmt)
-    if fmt is not None and fmt not in SPEC_FORMATS:
-        raise ValueError(
-            f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
-            "from a local path; pass the path instead of the spec"
-        )
-    ck = load(src)
-    if fmt is not None and ck.format != fmt:
-        raise NotACheckpointError(f"{ck.location}: a {ck.format} checkpoint, not {fmt}; pass from_format={ck.format!r}")
-    ck.check_links()
-    return ck.format, checkpoint_tree(ck)
-
-
 def _name(where: Directory) -> str:
     """How a report names a source or destination: its path, or its location for a spec dict."""
     return str(_store.resolve(where)) if isinstance(where, dict) else os.fspath(where)
@@ -336,7 +316,7 @@ def convert(
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
-    fmt, tree = _open(src, from_format)
+    fmt, tree = open_source(src, from_format)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)

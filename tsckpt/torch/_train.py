@@ -30,7 +30,9 @@ from .._dist import coordinator_for
 from .._errors import StructureMismatchError
 from .._format import LAYOUT_PLAIN
 from .._kinds import check_cast
-from .._reader import Checkpoint, LazyArray, load
+from .._checkpoint import Checkpoint
+from .._formats.sources import open_checkpoint
+from .._reader import LazyArray, read_subtree
 from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
 from .._restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._restore import restore as core_restore
@@ -257,9 +259,9 @@ def _match_optimizers(
             f"{ck.location}: the checkpoint holds no optimizer state (no '{OPTIM}/{GROUPS}'); restore "
             "without optimizers to load only the model"
         )
-    types = ck.subtree(f"{OPTIM}/{TYPES}") or None
+    types = read_subtree(ck, f"{OPTIM}/{TYPES}") or None
     check_optimizer_types(types, optims)
-    groups = as_list(ck.subtree(f"{OPTIM}/{GROUPS}"))
+    groups = as_list(read_subtree(ck, f"{OPTIM}/{GROUPS}"))
     match_groups(model, optims, groups, strict=strict)
     stored_state: dict[str, dict[str, str]] = {}
     for p in _under(ck, f"{OPTIM}/{STATE}"):
@@ -441,7 +443,7 @@ def restore(
         mine[RNG] = _RngSlot()
 
     def check() -> tuple[Checkpoint, _Plan]:
-        ck = load(directory)
+        ck = open_checkpoint(directory)
         live = live_state(model, optims)  # creates never-stepped optimizers' state to read into
         plan = _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
         for path, dst in plan.resized:  # refused casts raise before anything is read
