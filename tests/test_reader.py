@@ -259,7 +259,7 @@ def _every_reader(ck: str, leaf: str) -> dict[str, str]:
 
 @pytest.fixture
 def two(ckdir, small_chunks, layout):
-    tsckpt.save(ckdir, {"x": X, "small": np.array([1.5, 2.5, 3.5], np.float32)})
+    tsckpt.save(ckdir, {"x": X, "small": np.array([1.5, 2.5, 3.5], np.float32)}, layout=layout)
     return ckdir
 
 
@@ -320,7 +320,7 @@ def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, 
         "flags": np.arange(5000) % 3 == 0,
         "empty": np.zeros((0, 7), np.int16),
     }
-    tsckpt.save(ckdir, tree)
+    tsckpt.save(ckdir, tree, layout=layout)
     ck = tsckpt.open(ckdir).checkpoint
     store = array_store(ckdir)
     for path, rec in ck.arrays.items():
