@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tsckpt
@@ -73,7 +73,6 @@ basic_index = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
 @given(st.lists(basic_index, max_size=2), st.booleans())
 def test_random_basic_indices_match_numpy(tmp_path_factory, idx, ellipsis_first):
     key = "x"
