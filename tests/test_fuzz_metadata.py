@@ -460,7 +460,7 @@ def test_the_command_on_damaged_metadata(bases, tmp_path, damage_to, commands):
         _write(path, "zarr.json", root)
     for command in commands:
         r = subprocess.run([sys.executable, "-m", "tsckpt", command, path], capture_output=True, text=True,
-                           timeout=300, stdin=subprocess.DEVNULL)
+                           timeout=120, stdin=subprocess.DEVNULL)
         if command == "ls":
             assert r.returncode == 0 and r.stderr == "" and "3.6 PiB" in r.stdout, r.stdout + r.stderr
             continue

@@ -228,7 +228,7 @@ def in_subprocess(code: str) -> str:
     of killing the test run); its stdout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(tsckpt.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
     return r.stdout
 
