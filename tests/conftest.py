@@ -44,7 +44,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on th
 PROFILES = {"quick": 20, "full": 100}
 for _name, _count in PROFILES.items():
     settings.register_profile(_name, max_examples=_count, deadline=None, print_blob=True)
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("full" if os.environ.get("CI", "").lower() == "true" else "quick")
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or (
+    "full" if os.environ.get("CI", "").lower() in ("true", "1") else "quick"
+)
 settings.load_profile(PROFILE)
 
 
@@ -84,48 +86,61 @@ def _ours(obj: Any) -> bool:
     return isinstance(name, str) and (name == "tests" or name.startswith("tests."))
 
 
-def _starts_processes(obj: Any, seen: dict[int, bool]) -> bool:
-    """Whether function, class or module ``obj`` of this package names a process helper,
-    itself or through what it names of this package."""
-    if id(obj) in seen:
-        return seen[id(obj)]
-    seen[id(obj)] = False  # recursion guard
+def _named(obj: Any) -> tuple[bool, list[Any]]:
+    """Whether function or class ``obj`` names a process helper itself, and the functions,
+    classes and modules of this package it names."""
     if isinstance(obj, types.ModuleType):
-        found = False  # only its members the caller names are followed (see below)
-    elif isinstance(obj, type):
-        found = any(_starts_processes(v, seen) for v in vars(obj).values() if isinstance(v, types.FunctionType))
-    else:
-        fn = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # a @given test: the test itself
-        fn = getattr(fn, "__wrapped__", fn)
-        code = getattr(fn, "__code__", None)
-        found = False
-        if code is not None:
-            names = set(_names(code))
-            found = bool(names & PROCESS_HELPERS)
-            scope = getattr(fn, "__globals__", {})
-            targets = [scope[n] for n in names if n in scope]
-            # members of modules of this package the code names (sc.save_dtensors)
-            targets += [getattr(m, n) for m in list(targets) if isinstance(m, types.ModuleType) and _ours(m)
-                        for n in names if hasattr(m, n)]
-            found = found or any(_ours(t) and _starts_processes(t, seen) for t in targets if t is not obj)
-    seen[id(obj)] = found
-    return found
+        return False, []  # only the members its users name are followed (see below)
+    if isinstance(obj, type):
+        return False, [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
+    fn = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # a @given test: the test itself
+    fn = getattr(fn, "__wrapped__", fn)  # a fixture: its function
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False, []
+    names = set(_names(code))
+    scope = getattr(fn, "__globals__", {})
+    targets = [scope[n] for n in names if n in scope]
+    # members of modules of this package the code names (sc.save_dtensors)
+    targets += [getattr(m, n) for m in list(targets) if isinstance(m, types.ModuleType) and _ours(m)
+                for n in names if hasattr(m, n)]
+    return bool(names & PROCESS_HELPERS), [t for t in targets if _ours(t)]
 
 
-def _slow(item: pytest.Item, seen: dict[int, bool]) -> bool:
+_NAMED: dict[int, tuple[Any, bool, list[Any]]] = {}  # id -> (the object, kept alive; _named(it))
+
+
+def starts_processes(obj: Any) -> bool:
+    """Whether function, class or fixture ``obj`` names a process helper, itself or through
+    the functions, classes and modules of this package it names, transitively."""
+    stack, visited = [obj], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if id(o) not in _NAMED:
+            _NAMED[id(o)] = (o, *_named(o))
+        _, direct, targets = _NAMED[id(o)]
+        if direct:
+            return True
+        stack.extend(targets)
+    return False
+
+
+def _slow(item: pytest.Item) -> bool:
     if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
         return True
-    if _starts_processes(getattr(item, "function", None), seen):
+    if starts_processes(getattr(item, "function", None)):
         return True
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(_ours(d.func) and _starts_processes(d.func, seen) for ds in defs for d in ds)
+    return any(_ours(d.func) and starts_processes(d.func) for ds in defs for d in ds)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seen: dict[int, bool] = {}
     for item in items:
-        if _slow(item, seen):
+        if _slow(item):
             item.add_marker(pytest.mark.slow)
 
 
