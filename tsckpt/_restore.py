@@ -27,7 +27,7 @@ from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
-from ._plan import shard_boxes
+from ._chunking import shard_boxes
 from ._progress import Progress
 from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
 from ._codec.shardread import read_sharded

@@ -25,12 +25,11 @@ import numpy as np
 import torch
 
 from .. import _dtypes
-from .._casting import check_casting
+from .._casting import check_cast, check_casting
 from .._coord import phase
 from .._dist import coordinator_for
 from .._errors import StructureMismatchError
 from .._format import LAYOUT_PLAIN
-from .._kinds import check_cast
 from .._reader import Checkpoint, LazyArray, load
 from .._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
 from .._restore import restore as core_restore
