@@ -19,16 +19,16 @@ Pure functions and frozen dataclasses: no I/O, no messages (save() sends them).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
-import operator
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
 
-from ._types import LeafDesc
+from ._types import Box, LeafDesc
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,7 +38,7 @@ class Descs(Sequence[LeafDesc]):
     A few tuples and small integer arrays instead of one tuple per leaf, so that the
     coordinator unpickles 1,024 ranks' payloads without building a million
     objects, and compares whole ranks at once. Reads as a sequence of
-    :class:`LeafDesc` for the general planning path.
+    :class:`LeafDesc` (built on each read: for tests and small lookups).
     """
 
     # tuples of strings and ints: the garbage collector stops tracking them
@@ -68,21 +68,29 @@ class Descs(Sequence[LeafDesc]):
 
     def rows(self) -> list[LeafDesc]:
         """Every descriptor, in order."""
-        shapes, offsets, lengths = (
-            [tuple(col[s:e]) for s, e in zip([0, *ends[:-1]], ends)]
-            for col, ends in zip((d.tolist() for d in self.dims), np.cumsum(self.ndims, axis=1).tolist())
-        )
-        return [
-            LeafDesc(*fields)
-            for fields in zip(
-                self.paths, self.kinds, self.dtypes, self.itemsizes.tolist(), shapes, offsets, lengths,
-                self.checksums, self.values,
+        t = _Unpacked.of(self)
+        return [t.desc(i) for i in range(len(self))]
+
+    def select(self, paths: Collection[str]) -> dict[str, LeafDesc]:
+        """The descriptors of those of ``paths`` this rank gives, by path (no other built)."""
+        chosen = [i for i, p in enumerate(self.paths) if p in paths]
+        if not chosen:
+            return {}
+        ends, ndims = np.cumsum(self.ndims, axis=1).T.tolist(), self.ndims.T.tolist()
+        out = {}
+        for i in chosen:
+            shape, offsets, lengths = (tuple(col[e - n:e].tolist()) for col, e, n in zip(self.dims, ends[i], ndims[i]))
+            out[self.paths[i]] = LeafDesc(
+                self.paths[i], self.kinds[i], self.dtypes[i], int(self.itemsizes[i]), shape, offsets, lengths,
+                self.checksums[i], self.values[i],
             )
-        ]
+        return out
 
 
 def pack_descs(descs: Sequence[Sequence[Any]]) -> Descs:
     """A rank's descriptors (LeafDescs, or plain tuples of their fields) as one Descs."""
+    if isinstance(descs, Descs):
+        return descs
     rows = [d if isinstance(d, LeafDesc) else LeafDesc(*d) for d in descs]
     return Descs(
         tuple(d.path for d in rows),
@@ -107,6 +115,39 @@ def _ints(values: Sequence[Any]) -> np.ndarray:
         if not a.size or (np.iinfo(t).min <= a.min() and a.max() <= np.iinfo(t).max):
             return a.astype(t)
     return a
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Unpacked:
+    """A rank's Descs with every field as Python objects, leaf by leaf: what the general
+    gathering path reads. Tuples of ints and strings, which the garbage collector
+    stops tracking, rather than a descriptor object per leaf."""
+
+    descs: Descs
+    itemsizes: list[int]
+    shapes: list[tuple[int, ...]]
+    offsets: list[tuple[int, ...]]
+    lengths: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, descs: Descs) -> _Unpacked:
+        shapes, offsets, lengths = (
+            [tuple(col[s:e]) for s, e in zip([0, *ends[:-1]], ends)]
+            for col, ends in zip((d.tolist() for d in descs.dims), np.cumsum(descs.ndims, axis=1).tolist())
+        )
+        return cls(descs, descs.itemsizes.tolist(), shapes, offsets, lengths)
+
+    def given(self, i: int) -> tuple[Any, ...]:
+        """What leaf ``i`` gives, as Holders.given numbers it."""
+        d = self.descs
+        return d.kinds[i], d.dtypes[i], self.itemsizes[i], self.shapes[i], self.offsets[i], self.lengths[i]
+
+    def desc(self, i: int) -> LeafDesc:
+        d = self.descs
+        return LeafDesc(
+            d.paths[i], d.kinds[i], d.dtypes[i], self.itemsizes[i], self.shapes[i], self.offsets[i], self.lengths[i],
+            d.checksums[i], d.values[i],
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,15 +178,41 @@ class ChecksumRequest:
     paths: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Holders:
-    """Every rank that gives one path, with its descriptor."""
+class Holders(abc.ABC):
+    """Every rank that gives one path, with what it gives: read field by field (regions,
+    checksums, values) from the ranks' packed descriptors, so that planning 1,000
+    leaves x 1,024 ranks builds no descriptor object per rank and leaf."""
 
     ranks: tuple[int, ...]  # ascending
-    descs: Sequence[LeafDesc]  # one per rank in ``ranks``
     # numbers what the holders give (each one's kind, dtype, itemsize, shape and region):
     # equal for arrays sharded the same way, so the planner checks and lays them out once
     given: int
+    first: LeafDesc  # the descriptor of ranks[0] (with its computed checksum, if any)
+
+    @abc.abstractmethod
+    def same_leaf(self) -> bool:
+        """Whether every holder gives the same kind of leaf, dtype and global shape."""
+
+    @abc.abstractmethod
+    def boxes(self) -> list[Box]:
+        """Each holder's region, in rank order."""
+
+    @abc.abstractmethod
+    def checksums(self) -> Sequence[int | None]:
+        """Each holder's checksum of its region (None: not computed), in rank order."""
+
+    @abc.abstractmethod
+    def values(self) -> Sequence[Any]:
+        """Each holder's value (JSON; None for arrays), in rank order."""
+
+    @abc.abstractmethod
+    def descs(self) -> list[LeafDesc]:
+        """Each holder's descriptor, in rank order (built on each call: for messages)."""
+
+    @abc.abstractmethod
+    def with_checksums(self, computed: Mapping[int, int]) -> Holders:
+        """These holders with the checksums ranks computed (rank -> checksum) in place of
+        those in their descriptors."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,42 +223,27 @@ class Gathered:
     by_path: dict[str, Holders]
 
 
-_given_of = operator.attrgetter("kind", "dtype", "itemsize", "global_shape", "offsets", "lengths")
-
-
-def box_of(d: LeafDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The region a descriptor gives: (offsets, lengths)."""
-    return d.offsets, d.lengths
-
-
 def gather_descs(per_rank: Sequence[Sequence[Sequence[Any]]]) -> Gathered:
     """Group every rank's descriptors by path (each rank's: Descs, or LeafDescs or plain
     tuples of their fields)."""
-    world = len(per_rank)
-    if world and all(isinstance(d, Descs) for d in per_rank):
-        fast = gather_alike(per_rank)  # type: ignore[arg-type]
-        if fast is not None:
-            return fast
-    rows = [d.rows() if isinstance(d, Descs) else [x if isinstance(x, LeafDesc) else LeafDesc(*x) for x in d]
-            for d in per_rank]
-    ids: dict[tuple[Any, ...], int] = {}
-    paths = [d.path for d in rows[0]] if rows else []
-    if world > 1 and len(set(paths)) == len(paths) and all([d.path for d in r] == paths for r in rows[1:]):
-        # every rank gives the same paths in the same order (data or fully sharded
-        # parallel): transpose instead of grouping one descriptor at a time
-        everyone = tuple(range(world))
-        return Gathered(world, {p: _holders(everyone, col, ids) for p, col in zip(paths, zip(*rows))})
+    tables = [pack_descs(d) for d in per_rank]
+    fast = gather_alike(tables) if tables else None
+    if fast is not None:
+        return fast
+    unpacked = [_Unpacked.of(t) for t in tables]
     ranks: dict[str, list[int]] = defaultdict(list)
-    descs: dict[str, list[LeafDesc]] = defaultdict(list)
-    for rank, leaves in enumerate(rows):
-        for leaf in leaves:
-            ranks[leaf.path].append(rank)
-            descs[leaf.path].append(leaf)
-    return Gathered(world, {p: _holders(tuple(ranks[p]), tuple(descs[p]), ids) for p in ranks})
-
-
-def _holders(ranks: tuple[int, ...], descs: tuple[LeafDesc, ...], ids: dict[tuple[Any, ...], int]) -> Holders:
-    return Holders(ranks, descs, ids.setdefault(tuple(map(_given_of, descs)), len(ids)))
+    indexes: dict[str, list[int]] = defaultdict(list)
+    for rank, t in enumerate(tables):
+        for i, path in enumerate(t.paths):
+            ranks[path].append(rank)
+            indexes[path].append(i)
+    ids: dict[tuple[Any, ...], int] = {}
+    by_path: dict[str, Holders] = {}
+    for path, held in ranks.items():
+        rows = [unpacked[r] for r in held]
+        given = ids.setdefault(tuple(t.given(i) for t, i in zip(rows, indexes[path])), len(ids))
+        by_path[path] = _Listed(tuple(held), given, rows, indexes[path])
+    return Gathered(len(tables), by_path)
 
 
 def gather_alike(tables: Sequence[Descs]) -> Gathered | None:
@@ -216,69 +268,95 @@ def gather_alike(tables: Sequence[Descs]) -> Gathered | None:
     # one row per dimension of every leaf, one column per rank
     offsets = np.stack([t.dims[1] for t in tables], axis=1)
     lengths = np.stack([t.dims[2] for t in tables], axis=1)
-    world = len(tables)
-    everyone = tuple(range(world))
+    everyone = tuple(range(len(tables)))
     ids: dict[tuple[Any, ...], int] = {}
     by_path: dict[str, Holders] = {}
     rank0 = first.rows()
     s = 0
     for i, e in enumerate(np.cumsum(first.ndims[0]).tolist()):
         d = rank0[i]
-        # what every holder gives (_given_of over the column), with the regions as bytes
+        # what every holder gives, as _Unpacked.given, with the regions as bytes
         given = (d.kind, d.dtype, d.itemsize, d.global_shape, offsets[s:e].tobytes(), lengths[s:e].tobytes())
-        column = _Column(tables, i, d, offsets[s:e], lengths[s:e])
-        by_path[d.path] = Holders(everyone, column, ids.setdefault(given, len(ids)))
+        by_path[d.path] = _Column(everyone, ids.setdefault(given, len(ids)), d, tables, i, offsets[s:e], lengths[s:e])
         s = e
-    return Gathered(world, by_path)
+    return Gathered(len(tables), by_path)
 
 
-class _Column(Sequence[LeafDesc]):
-    """Leaf ``i``'s descriptors on every rank, built from the ranks' tables when first
-    read past rank 0's: the planner reads them whole once per distinct sharding.
-    ``checksums`` (one per rank), when given, replace those the ranks sent."""
+class _Column(Holders):
+    """Leaf ``i`` of every rank, every rank giving the same leaves in the same order
+    (:func:`gather_alike`): its regions are columns of the ranks' stacked offsets and
+    lengths (one row per dimension, one column per rank)."""
 
     def __init__(
-        self, tables: Sequence[Descs], i: int, first: LeafDesc, offsets: np.ndarray, lengths: np.ndarray,
-        checksums: Sequence[int | None] | None = None,
+        self, ranks: tuple[int, ...], given: int, first: LeafDesc, tables: Sequence[Descs], i: int,
+        offsets: np.ndarray, lengths: np.ndarray, checksums: Sequence[int | None] | None = None,
     ):
-        self._tables, self._i, self._first = tables, i, first
+        self.ranks, self.given, self.first = ranks, given, first
+        self._tables, self._i = tables, i
         self._offsets, self._lengths = offsets, lengths
         self._checksums = checksums
-        self._rows: list[LeafDesc] | None = None
 
-    def __len__(self) -> int:
-        return len(self._tables)
+    def same_leaf(self) -> bool:
+        return True  # gather_alike compared the ranks' kinds, dtypes and shapes
 
-    @overload
-    def __getitem__(self, k: int) -> LeafDesc: ...
+    def boxes(self) -> list[Box]:
+        offsets, lengths = self._offsets.T.tolist(), self._lengths.T.tolist()
+        return list(zip(map(tuple, offsets), map(tuple, lengths)))
 
-    @overload
-    def __getitem__(self, k: slice) -> Sequence[LeafDesc]: ...
+    def checksums(self) -> Sequence[int | None]:
+        return self._checksums if self._checksums is not None else [t.checksums[self._i] for t in self._tables]
 
-    def __getitem__(self, k: int | slice) -> LeafDesc | Sequence[LeafDesc]:
-        if k == 0 and self._checksums is None:
-            return self._first
-        return self.rows()[k]
+    def values(self) -> Sequence[Any]:
+        return [t.values[self._i] for t in self._tables]
 
-    def __iter__(self) -> Iterator[LeafDesc]:
-        return iter(self.rows())
+    def descs(self) -> list[LeafDesc]:
+        d = self.first
+        return [
+            LeafDesc(d.path, d.kind, d.dtype, d.itemsize, d.global_shape, o, n, c, v)
+            for (o, n), c, v in zip(self.boxes(), self.checksums(), self.values())
+        ]
 
-    def with_checksums(self, computed: Mapping[int, int]) -> _Column:
-        """This column with the checksums ranks computed (rank -> checksum) in place of those
-        they sent, without building any descriptor."""
-        sums = [computed.get(r, t.checksums[self._i]) for r, t in enumerate(self._tables)]
-        return _Column(self._tables, self._i, self._first, self._offsets, self._lengths, sums)
+    def with_checksums(self, computed: Mapping[int, int]) -> Holders:
+        sums = [computed.get(r, c) for r, c in zip(self.ranks, self.checksums())]
+        first = self.first._replace(checksum=sums[0])
+        return _Column(self.ranks, self.given, first, self._tables, self._i, self._offsets, self._lengths, sums)
 
-    def rows(self) -> list[LeafDesc]:
-        if self._rows is None:
-            i, d = self._i, self._first
-            offs, lens = self._offsets.T.tolist(), self._lengths.T.tolist()
-            sums = self._checksums or [t.checksums[i] for t in self._tables]
-            self._rows = [
-                LeafDesc(d.path, d.kind, d.dtype, d.itemsize, d.global_shape, tuple(o), tuple(n), c, t.values[i])
-                for t, o, n, c in zip(self._tables, offs, lens, sums)
-            ]
-        return self._rows
+
+class _Listed(Holders):
+    """One path's holders found rank by rank (:func:`gather_descs`' general path): leaf
+    ``indexes[k]`` of ``tables[k]`` for the k-th rank in ``ranks``."""
+
+    def __init__(
+        self, ranks: tuple[int, ...], given: int, tables: list[_Unpacked], indexes: list[int],
+        checksums: Sequence[int | None] | None = None,
+    ):
+        self.ranks, self.given = ranks, given
+        self._tables, self._indexes = tables, indexes
+        self._checksums = checksums
+        first = tables[0].desc(indexes[0])
+        self.first = first if checksums is None else first._replace(checksum=checksums[0])
+
+    def same_leaf(self) -> bool:
+        return len({(t.descs.kinds[i], t.descs.dtypes[i], t.shapes[i]) for t, i in self._held()}) < 2
+
+    def boxes(self) -> list[Box]:
+        return [(t.offsets[i], t.lengths[i]) for t, i in self._held()]
+
+    def checksums(self) -> Sequence[int | None]:
+        return self._checksums if self._checksums is not None else [t.descs.checksums[i] for t, i in self._held()]
+
+    def values(self) -> Sequence[Any]:
+        return [t.descs.values[i] for t, i in self._held()]
+
+    def descs(self) -> list[LeafDesc]:
+        return [t.desc(i)._replace(checksum=c) for (t, i), c in zip(self._held(), self.checksums())]
+
+    def with_checksums(self, computed: Mapping[int, int]) -> Holders:
+        sums = [computed.get(r, c) for r, c in zip(self.ranks, self.checksums())]
+        return _Listed(self.ranks, self.given, self._tables, self._indexes, sums)
+
+    def _held(self) -> Iterator[tuple[_Unpacked, int]]:
+        return zip(self._tables, self._indexes)
 
 
 def without(g: Gathered, paths: Collection[str]) -> Gathered:
@@ -293,11 +371,12 @@ def shared_regions(g: Gathered) -> list[list[str]]:
     out: list[list[str]] = [[] for _ in range(g.world)]
     shared: dict[int, list[int]] = {}  # Holders.given -> indexes of the holders of shared regions
     for path, h in g.by_path.items():
-        if len(h.ranks) < 2 or h.descs[0].kind == "value":
+        if len(h.ranks) < 2 or h.first.kind == "value":
             continue
         if h.given not in shared:
-            count = Counter(map(box_of, h.descs))
-            shared[h.given] = [i for i, d in enumerate(h.descs) if count[box_of(d)] > 1]
+            boxes = h.boxes()
+            count = Counter(boxes)
+            shared[h.given] = [i for i, box in enumerate(boxes) if count[box] > 1]
         for i in shared[h.given]:
             out[h.ranks[i]].append(path)
     return out
@@ -309,11 +388,5 @@ def with_checksums(g: Gathered, sums: Sequence[Mapping[str, int]]) -> Gathered:
     by_path = dict(g.by_path)
     for p in {p for rank_sums in sums for p in rank_sums}:
         h = by_path[p]
-        computed = {r: sums[r][p] for r in h.ranks if p in sums[r]}
-        descs: Sequence[LeafDesc]
-        if isinstance(h.descs, _Column):
-            descs = h.descs.with_checksums(computed)
-        else:
-            descs = tuple(d._replace(checksum=computed[r]) if r in computed else d for r, d in zip(h.ranks, h.descs))
-        by_path[p] = Holders(h.ranks, descs, h.given)
+        by_path[p] = h.with_checksums({r: sums[r][p] for r in h.ranks if p in sums[r]})
     return Gathered(g.world, by_path)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._chunking import choose_chunking, intersect, shard_boxes, shard_count
-from ._descs import Gathered, Holders, box_of, gather_descs
+from ._descs import Gathered, Holders, gather_descs, pack_descs
 from ._format import ArrayRecord, Chunking
 from ._regions import agreed_value, check_agreement, check_exact_cover, replica_groups
 from ._types import Box, LeafDesc, ReadItem
@@ -226,10 +226,11 @@ def _check(g: Gathered) -> _Checked:
     covered: set[int] = set()  # Holders.given of the replicated arrays whose cover was checked
     for path in sorted(g.by_path):
         h = g.by_path[path]
-        first = h.descs[0]
+        first = h.first
         if first.kind == "value":
-            check_agreement(path, h.ranks, h.descs)
-            values.append((path, agreed_value(path, h.ranks, h.descs)))
+            if not h.same_leaf():
+                check_agreement(path, h.ranks, h.descs())
+            values.append((path, agreed_value(path, h.ranks, h.values())))
             continue
         regions = given.get(h.given)
         if regions is None:
@@ -237,11 +238,11 @@ def _check(g: Gathered) -> _Checked:
         if not regions.replicated:
             mine = owned.get((h.given, h.ranks))
             if mine is None:
-                held = tuple((box_of(h.descs[i]), h.ranks[i]) for i in regions.live)
-                mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
+                boxes = h.boxes()
+                mine = owned[(h.given, h.ranks)] = _Owned(tuple((boxes[i], h.ranks[i]) for i in regions.live), first.itemsize)
             arrays.append(_Array(path, first, mine))
             continue
-        replicas = replica_groups(path, h.ranks, h.descs)
+        replicas = replica_groups(path, h.ranks, h.boxes(), h.checksums())
         if h.given not in covered:  # the same regions: the same cover
             check_exact_cover(path, first.global_shape, list(replicas))
             covered.add(h.given)
@@ -251,11 +252,12 @@ def _check(g: Gathered) -> _Checked:
 
 def _check_given(path: str, h: Holders) -> _Given:
     """Check what the holders of an array give (once for every array given alike)."""
-    check_agreement(path, h.ranks, h.descs)
-    boxes = list(map(box_of, h.descs))
+    if not h.same_leaf():
+        check_agreement(path, h.ranks, h.descs())
+    boxes = h.boxes()
     if len(set(boxes)) < len(boxes):
         return _Given(replicated=True)
-    check_exact_cover(path, h.descs[0].global_shape, boxes)
+    check_exact_cover(path, h.first.global_shape, boxes)
     return _Given(replicated=False, live=tuple(i for i, (_, ln) in enumerate(boxes) if math.prod(ln) > 0))
 
 
@@ -353,7 +355,7 @@ def plan_aliases(per_rank: Sequence[Sequence[LeafDesc]], links: Sequence[Mapping
     if not candidates:
         return {}
     wanted = candidates | {s for rank_links in links for s in rank_links.values()}
-    held = [{d.path: d for d in descs if d.path in wanted} for descs in per_rank]
+    held = [pack_descs(descs).select(wanted) for descs in per_rank]
     out: dict[str, str] = {}
     for alias in sorted(candidates):
         stored = next(rank_links[alias] for rank_links in links if alias in rank_links)

@@ -61,8 +61,6 @@ def check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> No
 
 def check_agreement(path: str, ranks: Sequence[int], descs: Sequence[LeafDesc]) -> None:
     """Every rank giving ``path`` gives the same kind of leaf, global shape and dtype."""
-    if len({(d.kind, d.dtype, d.global_shape) for d in descs}) < 2:
-        return
     first = descs[0]
     if len({d.kind for d in descs}) > 1 or (first.kind != "value" and len({(d.dtype, d.global_shape) for d in descs}) > 1):
         desc = "; ".join(
@@ -75,29 +73,32 @@ def check_agreement(path: str, ranks: Sequence[int], descs: Sequence[LeafDesc]) 
         )
 
 
-def agreed_value(path: str, ranks: Sequence[int], descs: Sequence[LeafDesc]) -> Any:
+def agreed_value(path: str, ranks: Sequence[int], values: Sequence[Any]) -> Any:
     """The value every rank giving ``path`` gives (a plain value is never per-rank)."""
-    first = descs[0]
-    shown = repr(first.value)
-    differ = [(r, d) for r, d in zip(ranks, descs) if repr(d.value) != shown]
+    first = values[0]
+    shown = repr(first)
+    differ = [(r, v) for r, v in zip(ranks, values) if repr(v) != shown]
     if differ:
         raise LayoutError(
             f"'{path}': ranks {ranks[0]} and {[r for r, _ in differ][:8]} give different values "
-            f"({first.value!r} vs {differ[0][1].value!r}); use a rank-unique path for per-rank state"
+            f"({first!r} vs {differ[0][1]!r}); use a rank-unique path for per-rank state"
         )
-    return first.value
+    return first
 
 
-def replica_groups(path: str, ranks: Sequence[int], descs: Sequence[LeafDesc]) -> dict[Box, list[int]]:
-    """Holder ranks grouped by region; replicas of a region must agree on their checksum."""
-    groups: dict[Box, list[tuple[int, LeafDesc]]] = defaultdict(list)
-    for r, d in zip(ranks, descs):
-        groups[(d.offsets, d.lengths)].append((r, d))
+def replica_groups(
+    path: str, ranks: Sequence[int], boxes: Sequence[Box], checksums: Sequence[int | None]
+) -> dict[Box, list[int]]:
+    """Holder ranks grouped by region (``boxes``, one per rank); replicas of a region must
+    agree on their checksum (None: not computed)."""
+    groups: dict[Box, list[tuple[int, int | None]]] = defaultdict(list)
+    for r, box, c in zip(ranks, boxes, checksums):
+        groups[box].append((r, c))
     for box, members in groups.items():
-        if len({d.checksum for _, d in members if d.checksum is not None}) > 1:
+        if len({c for _, c in members if c is not None}) > 1:
             by_sum: dict[int | None, list[int]] = defaultdict(list)
-            for r, d in members:
-                by_sum[d.checksum].append(r)
+            for r, c in members:
+                by_sum[c].append(r)
             parts = " vs ".join(f"ranks {rs}" for rs in by_sum.values())
             raise LayoutError(
                 f"'{path}': replicas of region {fmt_box(box)} differ in content ({parts}); ranks that give "
