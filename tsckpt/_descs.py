@@ -11,8 +11,9 @@ the planner (tsckpt/_plan.py) decides who writes what:
    :func:`without` drops the tied leaves (stored once, under another path) and
    :func:`shared_regions` finds the regions several ranks hold; when there are
    any, rank 0 sends each rank a :class:`ChecksumRequest` for its own.
-3. Replica checksums (rank 0, only after 2's requests): :func:`with_checksums`
-   adds what the ranks computed, for the planner to compare replicas.
+3. Replica checksums (all ranks, only after 2's requests): each rank
+   checksums its regions of the paths asked, and rank 0 adds the checksums
+   (:func:`with_checksums`) for the planner to compare replicas.
 
 Pure functions and frozen dataclasses: no I/O, no messages (save() sends them).
 """

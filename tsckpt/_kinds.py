@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import _dtypes
-from ._casting import CastCheck, check_cast
+from ._casting import check_cast
 from ._errors import LeafTypeError, ShapeMismatchError
 from ._format import ArrayRecord
 from ._plan import plan_read

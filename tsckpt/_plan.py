@@ -188,12 +188,13 @@ class _Checked:
     arrays: tuple[_Array, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per layout
 class _Layout:
     """How arrays of one shape and itemsize, with the same regions and writers, are
     stored (``chunking``) and written (``writes``, ordered by rank and offsets); ``moves``
     are the pieces of straddling shards sent to their writers: (src, dst, region)."""
 
+    shape: tuple[int, ...]
     chunking: Chunking
     writes: tuple[GroupWrite, ...]
     moves: tuple[tuple[int, int, Box], ...] = ()
@@ -228,9 +229,7 @@ def _check(g: Gathered) -> _Checked:
         h = g.by_path[path]
         first = h.first
         if first.kind == "value":
-            if not h.same_leaf():
-                check_agreement(path, h.ranks, h.descs())
-            values.append((path, agreed_value(path, h.ranks, h.values())))
+            values.append((path, _check_value(path, h)))
             continue
         regions = given.get(h.given)
         if regions is None:
@@ -239,7 +238,8 @@ def _check(g: Gathered) -> _Checked:
             mine = owned.get((h.given, h.ranks))
             if mine is None:
                 boxes = h.boxes()
-                mine = owned[(h.given, h.ranks)] = _Owned(tuple((boxes[i], h.ranks[i]) for i in regions.live), first.itemsize)
+                held = tuple((boxes[i], h.ranks[i]) for i in regions.live)
+                mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
             arrays.append(_Array(path, first, mine))
             continue
         replicas = replica_groups(path, h.ranks, h.boxes(), h.checksums())
@@ -248,6 +248,13 @@ def _check(g: Gathered) -> _Checked:
             covered.add(h.given)
         arrays.append(_Array(path, first, _Replicas(replicas)))
     return _Checked(tuple(values), tuple(arrays))
+
+
+def _check_value(path: str, h: Holders) -> Any:
+    """The value every holder of ``path`` gives (a plain value is never per-rank)."""
+    if not h.same_leaf():
+        check_agreement(path, h.ranks, h.descs())
+    return agreed_value(path, h.ranks, h.values())
 
 
 def _check_given(path: str, h: Holders) -> _Given:
@@ -285,11 +292,13 @@ def _assign_writers(arrays: Sequence[_Array]) -> dict[tuple[str, Box], int]:
     return writer
 
 
-def _lay_out(checked: _Checked, writers: Mapping[tuple[str, Box], int], world: int, shard_bytes: int | None) -> SavePlan:
+def _lay_out(
+    checked: _Checked, writers: Mapping[tuple[str, Box], int], world: int, shard_bytes: int | None
+) -> SavePlan:
     """Step c: every array's chunking, writes and transfers (planned once per distinct
     layout), and the arrays stored and written alike gathered into groups."""
-    layouts: dict[Any, _Layout] = {}  # by _Owned, or by (shape, itemsize, regions and writers)
-    members: dict[tuple[Any, tuple[int, ...], str, str], list[str]] = defaultdict(list)  # (layout key, shape, dtype, kind) -> paths
+    layouts: dict[Any, _Layout] = {}  # by _Owned, or by (shape, itemsize, regions with their writers)
+    members: dict[tuple[_Layout, str, str], list[str]] = defaultdict(list)  # (layout, dtype, kind) -> paths
     records: list[ArrayRecord] = []
     transfers: list[Transfer] = []
     for a in checked.arrays:
@@ -304,11 +313,11 @@ def _lay_out(checked: _Checked, writers: Mapping[tuple[str, Box], int], world: i
         if layout is None:
             layout = layouts[key] = _plan_array(d.global_shape, d.itemsize, written, shard_bytes)
         records.append(ArrayRecord(a.path, d.global_shape, d.dtype, d.kind, layout.chunking))
-        members[(key, d.global_shape, d.dtype, d.kind)].append(a.path)
+        members[(layout, d.dtype, d.kind)].append(a.path)
         transfers += [Transfer(a.path, src, dst, *box) for src, dst, box in layout.moves]
     groups = tuple(
-        ArrayGroup(tuple(paths), shape, dtype, kind, layouts[key].chunking, layouts[key].writes)
-        for (key, shape, dtype, kind), paths in members.items()
+        ArrayGroup(tuple(paths), layout.shape, dtype, kind, layout.chunking, layout.writes)
+        for (layout, dtype, kind), paths in members.items()
     )
     return SavePlan(tuple(records), checked.values, groups, tuple(transfers), world)
 
@@ -331,14 +340,14 @@ def _plan_array(
     natural = choose_chunking(shape, itemsize, shortest, shard_bytes=shard_bytes)
     if shard_count(shape, aligned) <= 2 * shard_count(shape, natural):
         writes = [(rank, box[0], box[1], (0,) * len(shape), False) for box, rank in owned]
-        return _Layout(aligned, tuple(sorted(writes, key=lambda w: (w[0], w[1]))))
+        return _Layout(shape, aligned, tuple(sorted(writes, key=lambda w: (w[0], w[1]))))
     writes, moves = [], []
     for cell in shard_boxes((0,) * len(shape), shape, natural):
         parts = [(part, rank) for box, rank in owned if (part := intersect(cell, box)) is not None]
         dst = max(parts, key=lambda p: (math.prod(p[0][1]), -p[1]))[1]
         writes.append((dst, cell[0], cell[1], (), True))
         moves += [(rank, dst, part) for part, rank in parts if rank != dst]
-    return _Layout(natural, tuple(sorted(writes, key=lambda w: (w[0], w[1]))), tuple(moves))
+    return _Layout(shape, natural, tuple(sorted(writes, key=lambda w: (w[0], w[1]))), tuple(moves))
 
 
 def plan_aliases(per_rank: Sequence[Sequence[LeafDesc]], links: Sequence[Mapping[str, str]]) -> dict[str, str]:

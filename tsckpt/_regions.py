@@ -61,8 +61,8 @@ def check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> No
 
 def check_agreement(path: str, ranks: Sequence[int], descs: Sequence[LeafDesc]) -> None:
     """Every rank giving ``path`` gives the same kind of leaf, global shape and dtype."""
-    first = descs[0]
-    if len({d.kind for d in descs}) > 1 or (first.kind != "value" and len({(d.dtype, d.global_shape) for d in descs}) > 1):
+    kinds = {d.kind for d in descs}
+    if len(kinds) > 1 or (kinds != {"value"} and len({(d.dtype, d.global_shape) for d in descs}) > 1):
         desc = "; ".join(
             f"rank {r}: {d.kind} {d.dtype} {list(d.global_shape)}" if d.kind != "value" else f"rank {r}: value"
             for r, d in list(zip(ranks, descs))[:8]

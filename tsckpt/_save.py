@@ -424,7 +424,8 @@ def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Pa
     """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
     flat = flatten(tree)
     local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
-    payload = Payload.of([lf.desc for lf in local], flat.paths, structure_to_json(flat.spec), _links(local), window, layout)
+    descs = [lf.desc for lf in local]
+    payload = Payload.of(descs, flat.paths, structure_to_json(flat.spec), _links(local), window, layout)
     return {lf.desc.path: lf for lf in local}, payload
 
 
