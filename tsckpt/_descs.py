@@ -226,11 +226,14 @@ class Gathered:
 
 def gather_descs(per_rank: Sequence[Sequence[Sequence[Any]]]) -> Gathered:
     """Group every rank's descriptors by path (each rank's: Descs, or LeafDescs or plain
-    tuples of their fields)."""
+    tuples of their fields): a column at a time where it can (:func:`gather_alike`),
+    else rank by rank (:func:`gather_by_rank`)."""
     tables = [pack_descs(d) for d in per_rank]
-    fast = gather_alike(tables) if tables else None
-    if fast is not None:
-        return fast
+    return (gather_alike(tables) if tables else None) or gather_by_rank(tables)
+
+
+def gather_by_rank(tables: Sequence[Descs]) -> Gathered:
+    """:func:`gather_descs` in general: rank by rank, descriptor by descriptor."""
     unpacked = [_Unpacked.of(t) for t in tables]
     ranks: dict[str, list[int]] = defaultdict(list)
     indexes: dict[str, list[int]] = defaultdict(list)
@@ -251,8 +254,8 @@ def gather_alike(tables: Sequence[Descs]) -> Gathered | None:
     """:func:`gather_descs` in the common case at scale, a column at a time: every rank
     gives the same paths in the same order, each with the same kind, dtype, itemsize and
     global shape on every rank. Only regions, checksums and values differ. None
-    otherwise (the general path then groups descriptor by descriptor, and reports any
-    disagreement)."""
+    otherwise (:func:`gather_by_rank` then groups descriptor by descriptor, and reports
+    any disagreement)."""
     first = tables[0]
     paths = first.paths
     if len(set(paths)) != len(paths):
@@ -324,7 +327,7 @@ class _Column(Holders):
 
 
 class _Listed(Holders):
-    """One path's holders found rank by rank (:func:`gather_descs`' general path): leaf
+    """One path's holders found rank by rank (:func:`gather_by_rank`): leaf
     ``indexes[k]`` of ``tables[k]`` for the k-th rank in ``ranks``."""
 
     def __init__(

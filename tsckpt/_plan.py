@@ -3,25 +3,26 @@
 Pure functions from the ranks' gathered descriptors (tsckpt/_descs.py) to
 frozen dataclasses: nothing here does I/O or talks to other ranks, so every
 planning rule is testable with hand-made descriptors (e.g. 64 "ranks" in one
-process). Rank 0 runs all of it, in step 4 of save()'s protocol (tsckpt/_save.py):
+process). Rank 0 runs all of it, in the numbering of save()'s protocol
+(tsckpt/_save.py):
 
-1. :func:`plan_aliases`: the tied leaves, stored once under another path
-   (before the descriptors are gathered without them).
-2. :func:`plan_save`, in three steps:
+2. :func:`plan_aliases`: the tied leaves, stored once under another path (the
+   descriptors are then gathered without them).
+4. :func:`plan_save`, in three steps of its own:
 
    a. check (:func:`_check`) what every leaf's holders give: a value must be
       the same on every rank; an array's holders must agree on its kind, dtype
       and shape, its distinct regions must tile it exactly and replicas of a
-      region must have equal checksums (regions checks: tsckpt/_regions.py);
+      region must have equal checksums (the checks: tsckpt/_regions.py);
    b. assign writers (:func:`_assign_writers`): each replicated region to one
       of its holders, balancing bytes;
    c. lay out (:func:`_lay_out`): chunking, writes and transfers, once per
-      distinct layout, and the arrays stored and written alike as one
+      distinct layout, with the arrays stored and written alike in one
       :class:`ArrayGroup`.
 
-3. :func:`split_plan`: each rank's part, the only part sent to it.
+   Then :func:`split_plan`: each rank's part, the only part sent to it.
 
-(Restore's one planning rule is :func:`plan_read`.)
+Restore's one planning rule is :func:`plan_read`.
 """
 
 from __future__ import annotations
