@@ -311,7 +311,7 @@ def test_extents_too_large_for_any_array_are_an_invalid_record(two, shape):
 def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, layout, monkeypatch):
     """The sizes the check expects are exactly those TensorStore writes: full and edge shards,
     inner chunks past the array's end, complex32's extra dimension, 0-d and bool arrays."""
-    import tsckpt._reader as reader
+    import tsckpt._backing as backing
 
     tree = {
         "edge": np.arange(10 * 300, dtype=np.float32).reshape(10, 300),  # shards (3, 300) of (1, 150) chunks
@@ -330,7 +330,7 @@ def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, 
         sizes = {key: len(store.read(key).result().value) for key in expected}
         assert sizes == expected, path
         assert stored_size(rec).nbytes == sum(sizes.values()) and stored_size(rec).files == len(sizes)
-    monkeypatch.setattr(reader, "UNCHECKED_BYTES", 0)  # every read is checked
+    monkeypatch.setattr(backing, "UNCHECKED_BYTES", 0)  # every read is checked
     out = tsckpt.restore(ckdir)
     np.testing.assert_array_equal(out["edge"], tree["edge"])
     np.testing.assert_array_equal(tsckpt.open(ckdir)["flags"][4990:], tree["flags"][4990:])
@@ -342,9 +342,9 @@ def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, 
 
 
 def test_a_read_checks_only_the_files_it_touches(two, monkeypatch):
-    import tsckpt._reader as reader
+    import tsckpt._backing as backing
 
-    monkeypatch.setattr(reader, "UNCHECKED_BYTES", 0)
+    monkeypatch.setattr(backing, "UNCHECKED_BYTES", 0)
     write_key(two, "x/c/1/0", None)  # rows 4..7
     arr = tsckpt.open(two)["x"]
     np.testing.assert_array_equal(arr[:4], X[:4])

@@ -30,7 +30,7 @@ from . import _lease, _store
 from ._errors import CheckpointExistsError, SaveInProgressError, TsckptError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, format_version, group_metadata
 from ._arrays import MANIFEST
-from ._reader import root_state
+from ._root import root_state
 from ._store import Location
 
 

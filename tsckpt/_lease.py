@@ -38,7 +38,7 @@ from ._format import ROOT_KEY, STATE_PENDING
 from ._store import Location
 
 if TYPE_CHECKING:
-    from ._reader import RootState
+    from ._root import RootState
 
 log = logging.getLogger("tsckpt")
 

@@ -19,7 +19,6 @@ import torch
 
 from . import _dtypes, _store
 from ._arrays import chunk_key, stored_node_problem
-from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._codec.encode import LITTLE_ENDIAN, decode_chunk
@@ -28,20 +27,17 @@ from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
 from ._chunking import shard_boxes
+from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._progress import Progress
-from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
+from ._backing import check_backed
+from ._checkpoint import Checkpoint
+from ._formats.sources import open_checkpoint
+from ._reader import LazyArray
+from ._readerrors import corrupt_error
 from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from .tree import flatten, unflatten
-
-# Bytes read from storage but not yet copied into their destination. tsckpt's own
-# reader (_shardread) holds exactly this much scratch, 4 MiB per reading thread: 32 MiB
-# kept 8 direct reads of 4 MiB in flight, which read cold files 15-25% faster than 16 MiB.
-# TensorStore decodes on several threads, each holding its own heap, so the resident
-# memory its reads add is a few times this (measured: 16 MiB gave 37-41 MiB over a live
-# 576 MiB or 1.7 GiB model and optimizer; 64 MiB gave 104-190 MiB).
-READ_WINDOW_BYTES = 32 << 20
 
 
 class RestoreWarning(UserWarning):
@@ -124,7 +120,7 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     futures = {p: arr.open_future() for p, arr in arrays.items()}
     for p, fut in futures.items():
         arrays[p].set_store(fut)
-    return {p: arr._tensorstore() for p, arr in arrays.items()}
+    return {p: arr.tensorstore() for p, arr in arrays.items()}
 
 
 def _single_chunk(rec: ArrayRecord) -> bool:
@@ -146,7 +142,7 @@ def _read_small(ck: Checkpoint, dests: list[Dest], progress: Progress | None, wi
     Returns the destinations left for TensorStore: every other kind, and any whose node
     or chunk is not exactly as expected, so that the general path reports the damage.
     """
-    if ck.specs or not LITTLE_ENDIAN:
+    if ck.foreign or not LITTLE_ENDIAN:
         return dests
     rest: list[Dest] = []
     pending: collections.deque[tuple[Dest, np.ndarray, int, Any, Any]] = collections.deque()
@@ -265,6 +261,7 @@ def read_into(
     release_free_memory()
 
 
+@verb("tsckpt.restore")
 def restore(
     directory: Directory,
     target: Any = None,
@@ -287,10 +284,16 @@ def restore(
     scalars). Otherwise the result has the target's structure and, leaf by leaf,
     its type, dtype (cast from the stored dtype) and device; ``inplace=True``
     copies straight into the target's tensors and arrays so memory does not double.
+    A target whose leaves differ from the checkpoint's raises
+    :class:`StructureMismatchError`; ``strict=False`` restores the leaves both have
+    instead, keeps the target's values for the others and lists them in a
+    :class:`RestoreWarning`.
 
-    DTensor and ShardedArray targets receive just their local region, whatever
-    layout and world size saved the checkpoint; each rank reads only the
-    chunks overlapping that region.
+    Under torch.distributed every rank of ``group`` (default: the default group)
+    calls restore; ``timeout`` (a :class:`datetime.timedelta`, default 10 minutes)
+    bounds every wait on other ranks. DTensor and ShardedArray targets receive
+    just their local region, whatever layout and world size saved the
+    checkpoint; each rank reads only the chunks overlapping that region.
 
     ``progress`` shows a bar of bytes read on rank 0 (default: when stderr is a
     terminal); each rank logs bytes, reads and throughput at the end.
@@ -304,11 +307,11 @@ def restore(
     :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
     with "unsafe" such losses give a :class:`RestoreWarning`.
     """
-    check_casting(casting)
+    RestoreOptions.of(locals())  # a bad option raises here, before any work
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
-        ck = load(directory)
+        ck = open_checkpoint(directory)
         ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)

@@ -39,7 +39,6 @@ from ._format import (
     ArrayRecord,
     ROOT_KEY,
     STATE_COMMITTED,
-    check_layout,
     group_metadata,
 )
 from ._arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
@@ -47,14 +46,12 @@ from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
 from ._types import Box, LazySource, Local
 from ._plan import RankPlan, WriteItem, plan_aliases, plan_save, split_plan
+from ._options import WRITE_WINDOW_BYTES, SaveOptions, verb
 from ._progress import Progress
 from ._codec.threads import Workers
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
-# Bytes of source data handed to storage but not yet written; bounds the
-# extra host memory a save needs beyond the state itself.
-WRITE_WINDOW_BYTES = 512 << 20
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
 # (_shardwrite; pwritev and large copies release the GIL); 0 leaves every file to
 # TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
@@ -266,6 +263,7 @@ def _links(local: list[Local]) -> dict[str, str]:
     return {p: min(paths) for paths in groups.values() if len(paths) > 1 for p in paths if p != min(paths)}
 
 
+@verb("tsckpt.save")
 def save(
     directory: Directory,
     tree: Any,
@@ -283,8 +281,10 @@ def save(
     Under torch.distributed every rank of ``group`` (default: the default group)
     calls save with its local tree; leaves are DTensors, ShardedArrays, plain
     tensors (replicas when several ranks give the same path) or values.
-    ``check_replicas`` compares replica contents by checksum; ``timeout`` bounds
-    every wait on other ranks. ``max_inflight_bytes`` bounds the source data
+    ``check_replicas`` compares replica contents by checksum; ``timeout`` (a
+    :class:`datetime.timedelta`, default 10 minutes) bounds every wait on other
+    ranks. ``overwrite=True`` replaces an existing checkpoint (never one whose
+    save is still running). ``max_inflight_bytes`` bounds the source data
     handed to storage but not yet written (host memory a save needs beyond the
     state itself, e.g. when the leaves are read lazily from another file); no
     shard file is made larger than the smallest window of any rank.
@@ -333,7 +333,7 @@ def save(
     rank makes every rank raise and nothing is committed. Storage faults raise
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
-    check_layout(layout)
+    SaveOptions.of(locals())  # a bad option raises here, before any work
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None

@@ -48,7 +48,8 @@ from .pagecache import ALIGN, resident_fraction, set_direct
 from .._chunking import shard_boxes
 from .threads import Workers
 from .._progress import Progress
-from .._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
+from .._checkpoint import Checkpoint
+from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
 
 # Threads reading shard files, and how many of them may copy or check bytes at once (a
@@ -69,7 +70,7 @@ def applies(ck: Checkpoint) -> bool:
     return (
         LITTLE_ENDIAN
         and hasattr(os, "preadv")
-        and not ck.specs
+        and not ck.foreign
         and ck.layout == LAYOUT_PLAIN
         and ck.location.local is not None
         and ck.location.spec.get("driver") == "file"
@@ -209,7 +210,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
 
 
 def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpointError:
-    """The error of damaged shard data, worded as :func:`_reader.corrupt_error` words TensorStore's."""
+    """The error of damaged shard data, worded as :func:`_readerrors.corrupt_error` words TensorStore's."""
     where = f"'{job.rec.path}' in {ck.location}"
     return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 
