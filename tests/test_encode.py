@@ -22,7 +22,8 @@ from tsckpt._codec import shardwrite as _shardwrite
 from tsckpt._arrays import array_node, chunk_key
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._leaves import describe
-from tsckpt._plan import gather_descs, pack_descs, plan_save, split_plan
+from tsckpt._descs import gather_descs, pack_descs
+from tsckpt._plan import plan_save, split_plan
 from tsckpt._progress import Progress
 from tsckpt._formats.sources import open_checkpoint
 from tsckpt._save import _file_writer, _write_regions

@@ -179,11 +179,10 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
             )
-        if judge_running and _running(root):
-            claim = root.meta.get("claim") if root.meta is not None else None
+        if judge_running and _lease.save_running(root):
             raise SaveInProgressError(
                 f"{self._loc}: step {step} is being saved by another save that is still running "
-                f"({_lease.describe(claim)}); wait for it, or save another step. If its process is gone, the step "
+                f"({_lease.describe(_lease.claim_of(root))}); wait for it, or save another step. If its process is gone, the step "
                 "is removed once its lease has expired"
             )
         if root.state is not None:
@@ -202,7 +201,7 @@ class CheckpointManager:
             if self._rank == 0:
                 name = self._name(step)
                 # a running save found meanwhile is left alone: save() then refuses on every rank
-                if clear and not _running(self._roots([name])[name]):
+                if clear and not _lease.save_running(self._roots([name])[name]):
                     self._delete(name)
                 self._mark(name)
             save(self.directory(step), tree, **kwargs)
@@ -337,7 +336,7 @@ class CheckpointManager:
             steps = self._step_states()
         for name, root in steps.values():
             # "invalid" roots are left for a person to look at
-            if root.state is None or (root.state == STATE_PENDING and not _running(root)):
+            if root.state is None or (root.state == STATE_PENDING and not _lease.save_running(root)):
                 self._delete(name)
         if self._loc.local is not None:
             for name in self._names():
@@ -367,11 +366,6 @@ class CheckpointManager:
             kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
             kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
             kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
-
-
-def _running(root: RootState) -> bool:
-    """A pending step whose save may still be running (in this process or another)."""
-    return root.state == STATE_PENDING and root.meta is not None and _lease.running(root.meta.get("claim"))
 
 
 __all__ = ["CheckpointManager"]

@@ -26,8 +26,8 @@ from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ROOT_KEY, ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
+from ._chunking import shard_boxes
 from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
-from ._plan import shard_boxes
 from ._progress import Progress
 from ._backing import check_backed
 from ._checkpoint import Checkpoint

@@ -45,7 +45,7 @@ from .encode import LITTLE_ENDIAN
 from .._errors import CorruptCheckpointError
 from .._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 from .pagecache import ALIGN, resident_fraction, set_direct
-from .._plan import shard_boxes
+from .._chunking import shard_boxes
 from .threads import Workers
 from .._progress import Progress
 from .._checkpoint import Checkpoint

@@ -22,14 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _dtypes, _lease, _store
+from .. import _dtypes, _store
 from . import safetensors
-from .._casting import CastCheck
-from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, encode_value
-from .._kinds import check_cast
+from .._casting import CastCheck, check_cast
+from .._format import LAYOUT_PLAIN, encode_value
 from .._leaves import describe, memory
 from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
-from .._root import read_root_states
 from .._restore import warn_lost_values
 from .._save import save
 from .._progress import Progress
@@ -195,30 +193,8 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, options: SaveO
         tree = structure_from_json(sel.structure, prep.leaves)
     else:
         tree = from_paths(sel.names, prep.leaves)
-    existed = _store.has_any_key(_store.resolve(dst))
-    try:
-        save(dst, tree, **options.kwargs())
-    except BaseException:
-        try:
-            _remove_claimed(dst, existed, options.overwrite)
-        except ValueError:  # storage unreachable: the save's own error says why
-            pass
-        raise
-
-
-def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
-    """Remove what a failed save left (its pending root and data), never another's checkpoint."""
-    if existed and not overwrite:
-        return
-    loc = _store.resolve(dst)
-    root = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY]
-    state = root.state
-    if state == STATE_PENDING and _lease.running((root.meta or {}).get("claim")):
-        return  # another save, still running: save() refused it
-    if state == STATE_PENDING or (state is None and not existed):
-        _store.delete_all(loc)
-        if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
-            os.rmdir(loc.local)
+    # a failed save removes what it wrote itself (save()'s step 8), never another's checkpoint
+    save(dst, tree, **options.kwargs())
 
 
 def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_size: int | None,
