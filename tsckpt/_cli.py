@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import __version__, _dtypes
+from . import _dtypes
+from ._version import __version__
 from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
 from ._formats.convert import TARGETS, parse_size

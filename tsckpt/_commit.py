@@ -32,17 +32,12 @@ from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, format_version, grou
 from ._arrays import MANIFEST
 from ._root import root_state
 from ._store import Location
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
+from ._version import __version__
 
 
 def root_json(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
     """The root ``zarr.json`` of a save in ``state``, with ``extra`` tsckpt metadata."""
-    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {_version()}"}
+    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {__version__}"}
     if layout != LAYOUT_PLAIN:
         meta["layout"] = layout
     meta.update(extra or {})
