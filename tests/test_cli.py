@@ -372,7 +372,7 @@ def test_an_unexpected_error_is_one_line_too(ck, capsys, monkeypatch):
     def broken(directory, *, keep_bad=False):
         raise RuntimeError("something\nunforeseen")
 
-    monkeypatch.setattr(cli, "load", broken)
+    monkeypatch.setattr(cli, "open_checkpoint", broken)
     code, out, err = run_main(capsys, "ls", ck)
     assert (code, out) == (1, "")
     assert err == "tsckpt ls: error: unexpected RuntimeError: something unforeseen (this is a bug in tsckpt; please report it)\n"

@@ -25,6 +25,7 @@ from tsckpt._codec.encode import decode_chunk, encode_chunk
 from tsckpt._codec.layout import ShardIndex, storage_layout
 from tsckpt._codec.route import Place, Route, place, route
 from tsckpt._format import ArrayRecord, Chunking
+from tsckpt._formats.sources import open_checkpoint
 
 LOCAL = {"driver": "file", "path": "/ck/"}
 
@@ -239,7 +240,7 @@ def test_chunks_missing_from_tensorstores_files_are_errors_for_both_readers(tmp_
     x = values(shape, "float32") + 1
     ck = tmp_path / "ck"
     tsckpt.save(ck, {"x": x})
-    r = tsckpt._reader.load(ck).arrays["x"]
+    r = open_checkpoint(ck).arrays["x"]
     zero_first_chunk = x.copy()
     zero_first_chunk[tuple(slice(0, n) for n in (inner or shard))] = 0
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ck / "x")}, "metadata": array_node(r),

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import tsckpt
 from tsckpt import CheckpointNotFoundError, NotACheckpointError
 from tsckpt._cli import main
-from tsckpt._formats.sources import detect
+from tsckpt._formats.sources import detect, open_source
 
 from .dist_helpers import run_ranks
 
@@ -60,13 +60,14 @@ def test_detect(tmp_path, ck):
     assert [detect(str(p)) for p in (ck, st, tmp_path / "noext", tmp_path / "w.pt", tmp_path / "old.pt", hf)] == [
         "tsckpt", "safetensors", "safetensors", "torch", "torch", "safetensors"]
     (tmp_path / "text").write_text("hello world, not a checkpoint")
-    with pytest.raises(NotACheckpointError, match=r"text: cannot tell the file's format .* pass it with --from"):
-        detect(str(tmp_path / "text"))
     (tmp_path / "empty").mkdir()
+    assert [detect(str(tmp_path / p)) for p in ("text", "empty", "missing")] == [None, None, None]
+    with pytest.raises(NotACheckpointError, match=r"text: cannot tell the file's format .* pass it with --from"):
+        open_source(str(tmp_path / "text"))
     with pytest.raises(NotACheckpointError, match="cannot tell what this directory holds"):
-        detect(str(tmp_path / "empty"))
+        open_source(str(tmp_path / "empty"))
     with pytest.raises(CheckpointNotFoundError):
-        detect(str(tmp_path / "missing"))
+        open_source(str(tmp_path / "missing"))
 
 
 def test_tsckpt_to_hf_directory_and_back(ck, tmp_path):

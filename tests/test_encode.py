@@ -24,9 +24,10 @@ from tsckpt._codec.layout import storage_layout
 from tsckpt._arrays import array_node, chunk_key
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._leaves import describe
-from tsckpt._plan import gather_descs, pack_descs, plan_save, split_plan
+from tsckpt._descs import gather_descs, pack_descs
+from tsckpt._plan import plan_save, split_plan
 from tsckpt._progress import Progress
-from tsckpt._reader import load
+from tsckpt._formats.sources import open_checkpoint
 from tsckpt._save import _whole_shard, _write_regions
 
 
@@ -53,7 +54,7 @@ def _files(root: str) -> dict[str, bytes]:
 def _same_as_tensorstore(tmp_path, t: torch.Tensor) -> tsckpt.ArrayMetadata:
     d = str(tmp_path / "ck")
     tsckpt.save(d, {"x": t})
-    rec = load(d).arrays["x"]
+    rec = open_checkpoint(d).arrays["x"]
     ref_dir = str(tmp_path / "ref")
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": ref_dir}, "metadata": array_node(rec), "create": True,
             "store_data_equal_to_fill_value": True}
@@ -63,7 +64,7 @@ def _same_as_tensorstore(tmp_path, t: torch.Tensor) -> tsckpt.ArrayMetadata:
     assert mine.keys() == theirs.keys()
     for key in mine:
         assert mine[key] == theirs[key], key
-    return load(d).array_metadata("x")
+    return open_checkpoint(d).array_metadata("x")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.complex64, torch.float8_e5m2])

@@ -144,7 +144,7 @@ def test_disk_full_injected(ckdir, layout, monkeypatch):
 
     monkeypatch.setattr(save_module, "_write_regions", full)
     with pytest.raises(OSError) as e:
-        tsckpt.save(ckdir, _tree())
+        tsckpt.save(ckdir, _tree(), layout=layout)
     _assert_disk_full(e.value, ckdir)
     assert not os.path.exists(ckdir)  # nothing that looks like a checkpoint, nothing to clear
     monkeypatch.undo()  # space was freed
@@ -329,7 +329,7 @@ def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
     assert (e.value.errno, e.value.filename, e.value.leaf) == (errno.EACCES, file, "a")
     assert str(e.value).startswith(f"{ckdir}: permission denied (EACCES) while reading leaf 'a' (")
     assert f"give the user running this process read access to {file}" in str(e.value)
-    monkeypatch.setattr(tsckpt._reader.LazyArray, "_tensorstore", lambda self: Unreadable())
+    monkeypatch.setattr(tsckpt._reader.LazyArray, "tensorstore", lambda self: Unreadable())
     with pytest.raises(tsckpt.StorageError, match="permission denied .* while reading leaf 'a'") as e:
         tsckpt.open(ckdir)["a"][:3]
     assert e.value.errno == errno.EACCES

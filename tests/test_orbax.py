@@ -19,7 +19,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from tsckpt import _orbax  # noqa: E402
+from tsckpt._formats import orbax as _orbax  # noqa: E402
 from tsckpt._errors import (  # noqa: E402
     CheckpointIncompleteError,
     CheckpointNotFoundError,

@@ -110,3 +110,27 @@ def test_example_saves_and_resumes(tmp_path):
     second = subprocess.run([sys.executable, script, "--resume", d, "--steps", "5"], capture_output=True, text=True, env=env, timeout=120)
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"resumed {d} at step 5 on 1 rank(s)" in second.stdout and "step  10  loss" in second.stdout
+
+
+def per_rank_values(rank: int, world: int, directory: str) -> dict:
+    """Each rank saves plain per-rank values and a pytree of its own, then restores them."""
+    model = sc.gpt(0, dropout=0.0)  # replicated on every rank
+    mine = {"seen": 100 + rank, "window": {"start": rank, "ids": torch.full((3,), rank)}}
+    tt.save(directory, model, extra={"seen": 7}, per_rank=mine)
+    ids = torch.zeros(3, dtype=torch.int64)
+    out = tt.restore(directory, sc.gpt(1, dropout=0.0), extra={"seen": 0},
+                     per_rank={"seen": -1, "window": {"start": -1, "ids": ids}})
+    window = out.per_rank["window"]
+    return {"extra": dict(out), "names": sorted(out.per_rank), "seen": out.per_rank["seen"],
+            "start": window["start"], "ids": ids.tolist(), "in_place": window["ids"] is ids}
+
+
+def test_per_rank_values_come_back_to_their_own_rank(tmp_path):
+    d = str(tmp_path / "ck")
+    got = run_ranks(per_rank_values, 2, d)
+    assert got == [
+        {"extra": {"seen": 7}, "names": ["seen", "window"], "seen": 100 + r, "start": r, "ids": [r] * 3, "in_place": True}
+        for r in range(2)
+    ]
+    stored = tsckpt.restore(d)["ranks"]
+    assert [stored[r]["seen"] for r in range(2)] == [100, 101]  # one entry per rank in the checkpoint

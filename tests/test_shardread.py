@@ -198,7 +198,7 @@ def test_threads_window_and_progress(tmp_path, layout_of, monkeypatch, threads):
     """Any thread count and window gives the same values; progress counts each shard's bytes."""
     ck, x = saved(tmp_path, layout_of, "columns", np.float32)
     monkeypatch.setattr(_shardread, "RUN_BYTES", 3 * 324)  # three inner chunks a read
-    ckpt = tsckpt._reader.load(ck)
+    ckpt = tsckpt._formats.sources.open_checkpoint(ck)
     target = np.zeros_like(x)
     dest = tsckpt._leaves.destination(ckpt.arrays["w"], "w", target, True)
 

@@ -303,3 +303,37 @@ def test_reserved_and_bad_names(ckdir):
         tt.save(ckdir, model, extra={1: 2})
     with pytest.raises(tsckpt.StructureMismatchError, match="not a parameter of the model"):
         tt.get_state_dict(model, torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1))
+
+
+def test_per_rank_plain_values_and_pytrees_come_back(ckdir):
+    model = sc.gpt(0, dropout=0.0)
+    cursor = sc.Cursor()
+    cursor.consumed = 17
+    window = {"start": 3, "ids": torch.arange(4), "name": "shard-a"}
+    tt.save(ckdir, model, extra={"seen": 5}, per_rank={"seen": 11, "window": window, "data": cursor})
+    root = json.load(open(os.path.join(ckdir, "zarr.json")))["attributes"]["tsckpt"]
+    assert root["values"]["ranks/0/seen"]["value"] == 11 and "ranks/0/window/ids" in root["leaves"]
+
+    fresh, ids = sc.Cursor(), torch.zeros(4, dtype=torch.int64)
+    out = tt.restore(
+        ckdir, sc.gpt(1, dropout=0.0), extra={"seen": 0},
+        per_rank={"seen": 0, "window": {"start": 0, "ids": ids, "name": ""}, "data": fresh},
+    )
+    assert isinstance(out, tt.RestoreResult) and out == {"seen": 5}  # extra names only: no collision
+    assert sorted(out.per_rank) == ["data", "seen", "window"]  # the RNG states are not handed back
+    assert out.per_rank["seen"] == 11
+    assert out.per_rank["window"]["start"] == 3 and out.per_rank["window"]["name"] == "shard-a"
+    assert out.per_rank["window"]["ids"] is ids and ids.tolist() == [0, 1, 2, 3]  # a tensor is filled in place
+    assert out.per_rank["data"] is fresh and fresh.consumed == 17  # stateful: loaded, as before
+    assert repr(out) == f"RestoreResult({{'seen': 5}}, per_rank={out.per_rank!r})"
+
+
+def test_per_rank_values_without_rng_and_missing_ones(ckdir):
+    model = sc.gpt(0, dropout=0.0)
+    tt.save(ckdir, model, rng=False, per_rank={"rng": 42})  # the name is free without rng
+    out = tt.restore(ckdir, sc.gpt(1, dropout=0.0), rng=False, per_rank={"rng": 0})
+    assert out == {} and out.per_rank == {"rng": 42}
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"missing from the checkpoint: \['ranks/0/epoch'\]"):
+        tt.restore(ckdir, sc.gpt(1, dropout=0.0), rng=False, per_rank={"rng": 0, "epoch": 1})
+    out = tt.restore(ckdir, sc.gpt(1, dropout=0.0), rng=False, per_rank={"rng": 0, "epoch": 1}, strict=False)
+    assert out.per_rank == {"rng": 42, "epoch": 1}  # nothing stored for it: the value given is kept

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from ._errors import (
     CheckpointExistsError,
@@ -25,7 +25,9 @@ from ._errors import (
 from ._async import AsyncSave, save_async
 from ._formats.convert import ConvertReport, convert
 from ._manager import CheckpointManager
-from ._reader import ArrayMetadata, LazyArray, Reader, metadata, open
+from ._checkpoint import ArrayMetadata
+from ._open import metadata, open
+from ._reader import LazyArray, Reader
 from ._restore import RestoreWarning, restore
 from ._save import save
 from ._types import ArraySpec, ShardedArray

@@ -24,20 +24,19 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ._errors import SaveInProgressError
-from ._format import LAYOUT_PLAIN, check_layout
+from ._format import LAYOUT_PLAIN
 from ._jax import is_jax_array
 from ._leaves import describe, memory
+from ._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
 from ._types import LazySource, ShardedArray
 from ._store import Directory, resolve
 from .tree import flatten, unflatten
-
-IfBusy = Literal["wait", "error"]
 
 # Failed saves whose outcome nobody has asked for yet.
 _failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
@@ -58,9 +57,11 @@ def _report_unchecked_failures() -> None:
 class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     """Handle of a save that continues in the background: a :class:`concurrent.futures.Future`.
 
-    ``result(timeout)`` waits for the commit and re-raises a background failure;
-    ``done()`` tells whether it finished. ``blocked_s`` is how long the call that
-    started it held the caller, ``staged_bytes`` how much array data it copied.
+    ``result(timeout)`` waits for the commit and re-raises a background failure
+    (``timeout``: a :class:`datetime.timedelta` as on every tsckpt verb, or float
+    seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
+    is how long the call that started it held the caller, ``staged_bytes`` how
+    much array data it copied.
     """
 
     def __init__(self, directory: str, staged_bytes: int) -> None:
@@ -74,25 +75,31 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         state = "running" if not self.done() else ("failed" if super().exception() else "committed")
         return f"AsyncSave({self.directory!r}, {state})"
 
-    def result(self, timeout: float | None = None) -> None:
+    def result(self, timeout: datetime.timedelta | float | None = None) -> None:
         """Wait until the checkpoint is committed; re-raise the background error if the save failed.
 
-        Raises TimeoutError if it is still running after ``timeout`` seconds."""
+        Raises TimeoutError if it is still running after ``timeout`` (a timedelta, or
+        seconds; None waits as long as it takes)."""
+        seconds = timeout_seconds(timeout)
         try:
-            super().result(timeout)
+            super().result(seconds)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
+            raise self._still_running(seconds) from None
         finally:
             self.retrieved = self.retrieved or self.done()
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The background error (None on success), waiting up to ``timeout`` seconds."""
+    def exception(self, timeout: datetime.timedelta | float | None = None) -> BaseException | None:
+        """The background error (None on success), waiting up to ``timeout`` (a timedelta, or seconds)."""
+        seconds = timeout_seconds(timeout)
         try:
-            err = super().exception(timeout)
+            err = super().exception(seconds)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"asynchronous save to {self.directory} still running after {timeout} s") from None
+            raise self._still_running(seconds) from None
         self.retrieved = True
         return err
+
+    def _still_running(self, seconds: float | None) -> TimeoutError:
+        return TimeoutError(f"asynchronous save to {self.directory} still running after {seconds:g} s")
 
     def run(self, job: Callable[[Any], None], tree: Any) -> None:
         """Run ``job(tree)`` and settle this future with its outcome (in the worker thread)."""
@@ -188,7 +195,10 @@ def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list
 
 
 class AsyncSaver:
-    """One background worker with its staging buffers; at most one save in flight."""
+    """One background worker with its staging buffers; at most one save in flight.
+
+    ``max_staging_bytes`` bounds every save it stages (None: no bound); a call may
+    bound its own save further."""
 
     def __init__(self, *, max_staging_bytes: int | None = None) -> None:
         self.max_staging_bytes = max_staging_bytes
@@ -247,11 +257,15 @@ class AsyncSaver:
         *,
         if_busy: IfBusy = "wait",
         prepare: Callable[[], None] | None = None,
+        max_staging_bytes: int | None = None,
     ) -> AsyncSave:
         """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
 
         ``prepare`` runs in the caller once any previous save has finished (for
-        checks whose errors belong to the caller, and collective setup)."""
+        checks whose errors belong to the caller, and collective setup). A state
+        with more array bytes than ``max_staging_bytes`` or the saver's own bound
+        (the smaller applies) is saved in the caller instead, with a RuntimeWarning."""
+        limit = _least(self.max_staging_bytes, max_staging_bytes)
         start = time.perf_counter()
         with self._lock:
             self._settle(if_busy)
@@ -260,10 +274,10 @@ class AsyncSaver:
             flat = flatten(tree)
             leaves, regions = _array_regions(flat.paths, flat.leaves)
             nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
-            if self.max_staging_bytes is not None and nbytes > self.max_staging_bytes:
+            if limit is not None and nbytes > limit:
                 warnings.warn(
                     f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "
-                    f"max_staging_bytes={self.max_staging_bytes}",
+                    f"max_staging_bytes={limit}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -294,6 +308,12 @@ class AsyncSaver:
                 self._executor = None
 
 
+def _least(*limits: int | None) -> int | None:
+    """The smallest of the bounds given (None: no bound)."""
+    given = [n for n in limits if n is not None]
+    return min(given) if given else None
+
+
 def _nbytes(data: Any) -> int:
     if isinstance(data, torch.Tensor):
         return data.numel() * data.element_size()
@@ -314,19 +334,10 @@ def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
         coordinator_for(group, timeout, channel="background")
 
 
-def save_kwargs(group: Any, check_replicas: bool, timeout: datetime.timedelta | None, layout: str) -> dict[str, Any]:
-    check_layout(layout)  # in the caller's thread, before anything is staged
-    kwargs: dict[str, Any] = {"check_replicas": check_replicas, "layout": layout}
-    if group is not None:
-        kwargs["group"] = group
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    return kwargs
-
-
 _default = AsyncSaver()
 
 
+@verb("tsckpt.save_async")
 def save_async(
     directory: Directory,
     tree: Any,
@@ -335,27 +346,38 @@ def save_async(
     group: Any = None,
     check_replicas: bool = True,
     timeout: datetime.timedelta | None = None,
-    if_busy: IfBusy = "wait",
+    max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
+    progress: bool | None = None,
+    if_busy: IfBusy = "wait",
+    max_staging_bytes: int | None = None,
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 
     Writing, syncing and the commit continue in a background thread; the result
-    is the same checkpoint :func:`tsckpt.save` writes, and the returned handle's
-    ``result()`` waits for it and re-raises a failure. A save still in flight
-    from an earlier call is waited for first (``if_busy="error"`` raises
-    SaveInProgressError instead). Staging buffers are reused between calls.
-    Under torch.distributed every rank calls save_async; the background commit
-    talks over a gloo group of its own, never the training loop's group nor the
-    one a synchronous tsckpt.save or restore uses meanwhile. A pending save is
-    finished at interpreter exit.
+    is the same checkpoint :func:`tsckpt.save` writes, with the same options
+    (``overwrite``, ``group``, ``check_replicas``, ``timeout``,
+    ``max_inflight_bytes``, ``layout``, ``progress``: see there; a bad value
+    raises here, in the caller), and the returned handle's ``result()`` waits
+    for it and re-raises a failure. A save still in flight from an earlier call
+    is waited for first (``if_busy="error"`` raises SaveInProgressError
+    instead). Staging buffers are reused between calls; a state with more array
+    bytes than ``max_staging_bytes`` is saved synchronously instead, with a
+    RuntimeWarning. Under torch.distributed every rank calls save_async; the
+    background commit talks over a gloo group of its own, never the training
+    loop's group nor the one a synchronous tsckpt.save or restore uses
+    meanwhile. A pending save is finished at interpreter exit.
     """
-    from ._save import save
-
+    options = SaveOptions.of(locals())
+    background = AsyncOptions.of(locals())
     label = str(resolve(directory))
-    kwargs = save_kwargs(group, check_replicas, timeout, layout)
 
     def job(staged: Any) -> None:
-        save(directory, staged, overwrite=overwrite, **kwargs)
+        from ._save import save
 
-    return _default.submit(label, tree, job, if_busy=if_busy, prepare=lambda: prepare_group(group, timeout))
+        save(directory, staged, **options.kwargs())
+
+    return _default.submit(
+        label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
+        prepare=lambda: prepare_group(options.group, options.timeout),
+    )

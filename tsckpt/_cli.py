@@ -21,15 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import __version__, _dtypes
+from . import _dtypes
+from ._version import __version__
 from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
-from ._formats.convert import TARGETS
+from ._formats.convert import TARGETS, parse_size
 from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._formats.dcp import PICKLE_WARNING
-from ._reader import LazyArray, load
+from ._formats.sources import FORMATS, open_checkpoint
+from ._open import open as open_reader
+from ._options import READ_WINDOW_BYTES
+from ._reader import LazyArray, normalize_index
 from ._progress import human_bytes
-from ._formats.sources import FORMATS
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -166,7 +169,7 @@ def printable(arr: LazyArray, index: tuple[Any, ...]) -> tuple[np.ndarray, str]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    ck = load(args.dir)
+    ck = open_checkpoint(args.dir)
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
         raise UsageError(f"no leaf at or below '{args.prefix}' in {ck.location}")
@@ -198,11 +201,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from . import open as open_checkpoint
-    from ._reader import _normalize
-
     path, index, index_text = parse_target(args.target)
-    reader = open_checkpoint(args.dir)
+    reader = open_reader(args.dir)
     try:
         leaf = reader[path]
     except KeyError as e:
@@ -213,7 +213,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(leaf if isinstance(leaf, str) else repr(leaf))
         return EXIT_OK
     try:
-        box, _ = _normalize(index if index is not None else (), leaf.shape)
+        box, _ = normalize_index(index if index is not None else (), leaf.shape)
     except (IndexError, TypeError, ValueError) as e:
         raise UsageError(f"{args.target}: {e} (array shape {_shape_text(leaf.shape)})") from None
     nbytes = math.prod(s.stop - s.start for s in box) * _dtypes.itemsize(leaf.dtype)
@@ -276,10 +276,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ._formats.convert import convert
 
     try:
+        window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")
+        given: dict[str, Any] = {} if window is None else {"max_inflight_bytes": window}  # else convert's default
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
+            **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -362,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUT_PLAIN,
                    help="tsckpt destination layout: plain (a file per shard, readable by any zarr v3 tool) or "
                    "compact (a few files per rank, readable by TensorStore) (default: plain)")
+    p.add_argument("--max-inflight-bytes", metavar="SIZE",
+                   help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
+                   f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
     return parser

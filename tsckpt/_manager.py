@@ -31,6 +31,7 @@ listed there. Local disks are listed directly.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -42,10 +43,19 @@ from typing import Any
 import tensorstore as ts
 
 from . import _dist, _lease, _store
-from ._async import AsyncSave, AsyncSaver, IfBusy, prepare_group, save_kwargs
+from ._async import AsyncSave, AsyncSaver, prepare_group
 from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING
-from ._reader import RootState, read_root_states
+from ._options import (
+    READ_WINDOW_BYTES,
+    WRITE_WINDOW_BYTES,
+    AsyncOptions,
+    IfBusy,
+    RestoreOptions,
+    SaveOptions,
+    verb,
+)
+from ._root import RootState, read_root_states
 from ._store import Directory, fsync_path, resolve, storage_errors
 
 _STEP = re.compile(r"[0-9]+")
@@ -62,10 +72,18 @@ class CheckpointManager:
     :func:`tsckpt.save` accepts (a local path, ``memory://...``, ``s3://...``, a
     kvstore spec). Several managers may share a root: a step another save is
     still writing is neither deleted nor saved over (SaveInProgressError), and
-    retention counts every complete step under the root. ``layout`` is passed to
-    every save (see :func:`tsckpt.save`).
+    retention counts every complete step under the root.
+
+    The options that hold for every step are given here: ``group``,
+    ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
+    (``group`` and ``timeout`` also for restores), ``if_busy`` and
+    ``max_staging_bytes`` as for :func:`tsckpt.save_async`; a bad value raises
+    here. Options of one call (``overwrite``, ``max_inflight_bytes``,
+    ``progress``, and the restore options) are keywords of :meth:`save`,
+    :meth:`save_async` and :meth:`restore`.
     """
 
+    @verb("CheckpointManager")
     def __init__(
         self,
         root: Directory,
@@ -80,6 +98,9 @@ class CheckpointManager:
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
     ) -> None:
+        self._saving = SaveOptions.of(locals())  # each save adds its own per-call options
+        self._reading = RestoreOptions.of(locals())  # each restore adds its own
+        background = AsyncOptions.of(locals())
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (the latest complete step is always kept), not {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -87,14 +108,9 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self._loc = resolve(root)
-        self._group = group
-        self._timeout = timeout
-        self._check_replicas = check_replicas
-        self._if_busy = if_busy
+        self._if_busy = background.if_busy
         self._digits = step_digits
-        self._layout = layout
-        save_kwargs(group, check_replicas, timeout, layout)  # refuse a bad option now, not at the first save
-        self._saver = AsyncSaver(max_staging_bytes=max_staging_bytes)
+        self._saver = AsyncSaver(max_staging_bytes=background.max_staging_bytes)
         self._rank = _dist.rank_of(group)
         if self._rank == 0:
             self._clean()
@@ -163,11 +179,10 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
             )
-        if judge_running and _running(root):
-            claim = root.meta.get("claim") if root.meta is not None else None
+        if judge_running and _lease.save_running(root):
             raise SaveInProgressError(
                 f"{self._loc}: step {step} is being saved by another save that is still running "
-                f"({_lease.describe(claim)}); wait for it, or save another step. If its process is gone, the step "
+                f"({_lease.describe(_lease.claim_of(root))}); wait for it, or save another step. If its process is gone, the step "
                 "is removed once its lease has expired"
             )
         if root.state is not None:
@@ -176,16 +191,17 @@ class CheckpointManager:
             return os.path.exists(os.path.join(self._loc.local, name))
         return _store.has_any_key(resolve(self._loc.sub(name)))
 
-    def _job(self, step: int, clear: bool) -> Any:
+    def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
         from ._save import save
 
-        kwargs = save_kwargs(self._group, self._check_replicas, self._timeout, self._layout)
+        # the manager cleared the step where it had to (``clear``): the save itself never replaces one
+        kwargs = dataclasses.replace(options, overwrite=False).kwargs()
 
         def job(tree: Any) -> None:
             if self._rank == 0:
                 name = self._name(step)
                 # a running save found meanwhile is left alone: save() then refuses on every rank
-                if clear and not _running(self._roots([name])[name]):
+                if clear and not _lease.save_running(self._roots([name])[name]):
                     self._delete(name)
                 self._mark(name)
             save(self.directory(step), tree, **kwargs)
@@ -194,27 +210,52 @@ class CheckpointManager:
 
         return job
 
-    def save(self, step: int, tree: Any, *, overwrite: bool = False) -> None:
+    @verb("CheckpointManager.save")
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        *,
+        overwrite: bool = False,
+        max_inflight_bytes: int = WRITE_WINDOW_BYTES,
+        progress: bool | None = None,
+    ) -> None:
         """Save ``tree`` as step ``step`` and apply retention; returns once committed.
 
         An incomplete directory for ``step`` (a crashed save) is replaced; a
         complete one only with ``overwrite=True``; one another save is still
         writing never (SaveInProgressError). An asynchronous save still in
-        flight is waited for first (or, with ``if_busy="error"``, refused)."""
-        self._saver.run(lambda: self._job(step, self._check_free(step, overwrite, judge_running=self._solo()))(tree),
-                        if_busy=self._if_busy)
+        flight is waited for first (or, with ``if_busy="error"``, refused).
+        ``max_inflight_bytes`` and ``progress`` are as for :func:`tsckpt.save`;
+        the other save options are the manager's."""
+        options = SaveOptions.of(locals(), self._saving)
 
-    def save_async(self, step: int, tree: Any, *, overwrite: bool = False) -> AsyncSave:
-        """Like :meth:`save`, but returns once ``tree`` is copied to host memory;
-        writing, the commit and retention continue in the background."""
+        def run() -> None:
+            self._job(step, self._check_free(step, overwrite, judge_running=self._solo()), options)(tree)
+
+        self._saver.run(run, if_busy=self._if_busy)
+
+    @verb("CheckpointManager.save_async")
+    def save_async(
+        self,
+        step: int,
+        tree: Any,
+        *,
+        overwrite: bool = False,
+        max_inflight_bytes: int = WRITE_WINDOW_BYTES,
+        progress: bool | None = None,
+    ) -> AsyncSave:
+        """Like :meth:`save` (with the same options), but returns once ``tree`` is copied
+        to host memory; writing, the commit and retention continue in the background."""
+        options = SaveOptions.of(locals(), self._saving)
         clear: list[bool] = []
 
         def prepare() -> None:
             clear.append(self._check_free(step, overwrite, judge_running=self._solo()))
-            prepare_group(self._group, self._timeout)
+            prepare_group(options.group, options.timeout)
 
         def job(staged: Any) -> None:
-            self._job(step, clear[0])(staged)
+            self._job(step, clear[0], options)(staged)
 
         label = str(resolve(self.directory(step)))
         return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare)
@@ -240,11 +281,23 @@ class CheckpointManager:
 
     # ---- restoring -----------------------------------------------------------
 
+    @verb("CheckpointManager.restore")
     def restore(
-        self, step: int | None = None, target: Any = None, *, strict: bool = True, inplace: bool = False,
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        strict: bool = True,
+        inplace: bool = False,
+        as_saved: bool = False,
+        progress: bool | None = None,
+        max_inflight_bytes: int = READ_WINDOW_BYTES,
         casting: str = "same_kind",
     ) -> Any:
-        """Restore step ``step`` (default: the latest complete one); see :func:`tsckpt.restore`."""
+        """Restore step ``step`` (default: the latest complete one) with the options of
+        :func:`tsckpt.restore` (``strict``, ``inplace``, ``as_saved``, ``progress``,
+        ``max_inflight_bytes``, ``casting``); ``group`` and ``timeout`` are the manager's."""
+        options = RestoreOptions.of(locals(), self._reading)
         from ._restore import restore
 
         if _dist.is_distributed():
@@ -254,12 +307,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self._loc}: no complete checkpoint to restore yet")
-        kwargs: dict[str, Any] = {"strict": strict, "inplace": inplace, "casting": casting}
-        if self._group is not None:
-            kwargs["group"] = self._group
-        if self._timeout is not None:
-            kwargs["timeout"] = self._timeout
-        return restore(self.directory(step), target, **kwargs)
+        return restore(self.directory(step), target, **options.kwargs())
 
     # ---- retention and cleanup -------------------------------------------------
 
@@ -288,7 +336,7 @@ class CheckpointManager:
             steps = self._step_states()
         for name, root in steps.values():
             # "invalid" roots are left for a person to look at
-            if root.state is None or (root.state == STATE_PENDING and not _running(root)):
+            if root.state is None or (root.state == STATE_PENDING and not _lease.save_running(root)):
                 self._delete(name)
         if self._loc.local is not None:
             for name in self._names():
@@ -318,11 +366,6 @@ class CheckpointManager:
             kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
             kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
             kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
-
-
-def _running(root: RootState) -> bool:
-    """A pending step whose save may still be running (in this process or another)."""
-    return root.state == STATE_PENDING and root.meta is not None and _lease.running(root.meta.get("claim"))
 
 
 __all__ = ["CheckpointManager"]

@@ -17,7 +17,6 @@ import tensorstore as ts
 import torch
 
 from . import _dtypes
-from ._casting import check_casting
 from ._coord import phase
 from ._dist import coordinator_for
 from ._codec.chunkread import read_chunks
@@ -26,22 +25,19 @@ from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ArrayRecord
 from ._leaves import destination, kind_of, memory
 from ._memory import release_free_memory
-from ._plan import shard_boxes
+from ._chunking import shard_boxes
+from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._progress import Progress
-from ._reader import Checkpoint, LazyArray, check_backed, corrupt_error, load
+from ._backing import check_backed
+from ._checkpoint import Checkpoint
+from ._formats.sources import open_checkpoint
+from ._reader import LazyArray
+from ._readerrors import corrupt_error
 from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest
 from ._window import Window
 from .tree import flatten, unflatten
-
-# Bytes read from storage but not yet copied into their destination. tsckpt's own
-# reader (_codec/shardread.py) holds exactly this much scratch, 4 MiB per reading thread: 32 MiB
-# kept 8 direct reads of 4 MiB in flight, which read cold files 15-25% faster than 16 MiB.
-# TensorStore decodes on several threads, each holding its own heap, so the resident
-# memory its reads add is a few times this (measured: 16 MiB gave 37-41 MiB over a live
-# 576 MiB or 1.7 GiB model and optimizer; 64 MiB gave 104-190 MiB).
-READ_WINDOW_BYTES = 32 << 20
 
 
 class RestoreWarning(UserWarning):
@@ -122,7 +118,7 @@ def _open_all(ck: Checkpoint, paths: list[str]) -> dict[str, Any]:
     futures = {p: arr.open_future() for p, arr in arrays.items()}
     for p, fut in futures.items():
         arrays[p].set_store(fut)
-    return {p: arr._tensorstore() for p, arr in arrays.items()}
+    return {p: arr.tensorstore() for p, arr in arrays.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +138,7 @@ class _ReadPlan:
 def _plan_reads(ck: Checkpoint, dests: list[Dest]) -> _ReadPlan:
     """Each destination's reader: the own codec where :func:`route` says so and the
     destination is :func:`_viewable`, else TensorStore."""
-    where = place(ck.data(), ck.layout, foreign=bool(ck.specs))
+    where = place(ck.data(), ck.layout, foreign=ck.foreign)
     tiers: dict[Route, list[Dest]] = {r: [] for r in Route}
     copied: list[Dest] = []
     for dest in dests:
@@ -247,6 +243,7 @@ def _copy_in(dest: Dest, dsel: tuple[slice, ...], offsets: tuple[int, ...], raw:
         (dest.tensor[dsel] if dsel else dest.tensor).copy_(src)
 
 
+@verb("tsckpt.restore")
 def restore(
     directory: Directory,
     target: Any = None,
@@ -269,10 +266,16 @@ def restore(
     scalars). Otherwise the result has the target's structure and, leaf by leaf,
     its type, dtype (cast from the stored dtype) and device; ``inplace=True``
     copies straight into the target's tensors and arrays so memory does not double.
+    A target whose leaves differ from the checkpoint's raises
+    :class:`StructureMismatchError`; ``strict=False`` restores the leaves both have
+    instead, keeps the target's values for the others and lists them in a
+    :class:`RestoreWarning`.
 
-    DTensor and ShardedArray targets receive just their local region, whatever
-    layout and world size saved the checkpoint; each rank reads only the
-    chunks overlapping that region.
+    Under torch.distributed every rank of ``group`` (default: the default group)
+    calls restore; ``timeout`` (a :class:`datetime.timedelta`, default 10 minutes)
+    bounds every wait on other ranks. DTensor and ShardedArray targets receive
+    just their local region, whatever layout and world size saved the
+    checkpoint; each rank reads only the chunks overlapping that region.
 
     ``progress`` shows a bar of bytes read on rank 0 (default: when stderr is a
     terminal); each rank logs bytes, reads and throughput at the end.
@@ -286,11 +289,11 @@ def restore(
     :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
     with "unsafe" such losses give a :class:`RestoreWarning`.
     """
-    check_casting(casting)
+    RestoreOptions.of(locals())  # a bad option raises here, before any work
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
-        ck = load(directory)
+        ck = open_checkpoint(directory)
         ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -14,11 +13,15 @@ import tensorstore as ts
 from . import _dtypes, _store
 from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
-from ._plan import shard_boxes
+from ._chunking import shard_boxes
 from ._progress import Progress
 from ._links import owner, symlinks
-from ._reader import Checkpoint, backing_problems, describe_read_error, load
+from ._backing import backing_problems
+from ._checkpoint import Checkpoint
+from ._formats.sources import open_checkpoint
+from ._readerrors import describe_read_error
 from ._store import Directory, storage_errors, storage_problem
+from ._window import Window
 
 # Bytes of reads kept in flight.
 VERIFY_WINDOW_BYTES = 256 << 20
@@ -92,14 +95,10 @@ def _check_nodes(ck: Checkpoint) -> _Nodes:
 def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _Reads:
     """Read every shard file of every array not in ``skip``, a bounded window at a time."""
     bad: dict[str, str] = {}
-    pending: collections.deque[tuple[Any, str, int]] = collections.deque()
-    in_flight = total = files = 0
 
-    def drain() -> None:
-        nonlocal in_flight
-        fut, path, n = pending.popleft()
-        in_flight -= n
-        progress.update(n, 1)
+    def settle(read: tuple[Any, str, int]) -> None:
+        fut, path, nbytes = read
+        progress.update(nbytes, 1)
         try:
             fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
@@ -108,37 +107,43 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 raise unreachable from e
             bad.setdefault(path, describe_read_error(e))
 
+    window: Window[tuple[Any, str, int]] = Window(VERIFY_WINDOW_BYTES, settle)
+    total = files = 0
     # the shards' sizes, before TensorStore decodes any
     bad.update(backing_problems(ck, [(p, None) for p in ck.arrays if p not in skip]))
     for path, rec in ck.arrays.items():
         if path in skip or path in bad:  # its zarr.json is missing or wrong: no reader can open it
             continue
-        try:
-            store = ck.open_array_future(path).result()
-        except Exception as e:  # noqa: BLE001
-            unreachable = storage_problem(ck.location, e)
-            if unreachable is not None:
-                raise unreachable from e
-            bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
+        store = _open(ck, path, bad)
+        if store is None:
             continue
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
             if path in bad:
                 break
             view = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
             nbytes = math.prod(ln) * _dtypes.itemsize(rec.dtype)
-            pending.append((view.read(), path, nbytes))
-            in_flight, total, files = in_flight + nbytes, total + nbytes, files + 1
-            while in_flight > VERIFY_WINDOW_BYTES and pending:
-                drain()
-    while pending:
-        drain()
+            window.add((view.read(), path, nbytes), nbytes)
+            total, files = total + nbytes, files + 1
+    window.drain()
     return _Reads(bad, total, files)
+
+
+def _open(ck: Checkpoint, path: str, bad: dict[str, str]) -> Any:
+    """The opened array ``path``, or None with why it cannot be opened in ``bad``."""
+    try:
+        return ck.open_array_future(path).result()
+    except Exception as e:  # noqa: BLE001
+        unreachable = storage_problem(ck.location, e)
+        if unreachable is not None:
+            raise unreachable from e
+        bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
+        return None
 
 
 def _links(ck: Checkpoint) -> dict[str, str]:
     """Local checkpoints: array path -> why one of its files is a symbolic link (readers
     refuse such a checkpoint; verify lists every link)."""
-    if ck.location.local is None or ck.specs:
+    if ck.location.local is None or ck.foreign:
         return {}
     found: dict[str, str] = {}
     for rel, target in symlinks(ck.location.local).items():
@@ -161,30 +166,42 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
 
     The root metadata is checked as restore checks it, every bad leaf reported rather than
     the first raised, so a checkpoint that verifies restores."""
-    ck = load(directory, keep_bad=True)
+    ck = open_checkpoint(directory, keep_bad=True)
     with storage_errors(ck.location):
-        nodes = _check_nodes(ck) if not ck.specs else _Nodes({}, ())  # another library's nodes: opened and read
+        nodes = _check_nodes(ck) if not ck.foreign else _Nodes({}, ())  # another library's nodes: opened and read
     with Progress("verify", ck.location, show=progress) as bar:
         bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
         reads = _read_all(ck, nodes.bad, bar)
+    arrays = _record_paths(ck)
+    return VerifyReport(
+        location=str(ck.location),
+        leaves=ck.leaves,
+        n_arrays=len(arrays),
+        n_values=len(ck.values),
+        bad=_all_bad(ck, nodes, reads),
+        group_problems=nodes.group_problems,
+        bytes_read=reads.bytes_read,
+        files_read=reads.files_read,
+        tree_problem=ck.tree_problem,
+        arrays=arrays,
+    )
+
+
+def _all_bad(ck: Checkpoint, nodes: _Nodes, reads: _Reads) -> dict[str, str]:
+    """Every bad leaf (sorted) with all that is wrong with it: its entry, node, data or links;
+    a tied leaf is as bad as the array it reads."""
     bad = {**ck.bad, **nodes.bad}
     for path, why in [*reads.bad.items(), *_links(ck).items()]:
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
     for alias, stored in ck.aliases.items():
         if stored in bad:
             bad[alias] = f"tied to '{stored}', which is bad"
+    return dict(sorted(bad.items()))
+
+
+def _record_paths(ck: Checkpoint) -> tuple[str, ...]:
+    """The paths of the root's array records, valid or not (sorted)."""
     records: Any = ck.raw.get("arrays")
     records = records if isinstance(records, list) else []
     arrays = {r["path"] for r in records if isinstance(r, dict) and isinstance(r.get("path"), str)} | set(ck.arrays)
-    return VerifyReport(
-        location=str(ck.location),
-        leaves=ck.leaves,
-        n_arrays=len(arrays),
-        n_values=len(ck.values),
-        bad=dict(sorted(bad.items())),
-        group_problems=nodes.group_problems,
-        bytes_read=reads.bytes_read,
-        files_read=reads.files_read,
-        tree_problem=ck.tree_problem,
-        arrays=tuple(sorted(arrays)),
-    )
+    return tuple(sorted(arrays))

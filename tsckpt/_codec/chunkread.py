@@ -19,9 +19,9 @@ import tensorstore as ts
 from .. import _store
 from .._arrays import chunk_key, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord
-from .._plan import shard_boxes
+from .._chunking import shard_boxes
 from .._progress import Progress
-from .._reader import Checkpoint
+from .._checkpoint import Checkpoint
 from .._types import Dest
 from .._window import Window
 from .encode import decode_chunk

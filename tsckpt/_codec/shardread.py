@@ -38,9 +38,10 @@ import numpy as np
 from .._arrays import CRC_BYTES, chunk_key, stored_node_problem
 from .._errors import CorruptCheckpointError
 from .._format import ROOT_KEY, ArrayRecord
-from .._plan import shard_boxes
+from .._chunking import shard_boxes
 from .._progress import Progress
-from .._reader import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE, Checkpoint
+from .._checkpoint import Checkpoint
+from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
 from .._window import Window
 from . import crc
@@ -189,7 +190,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
 
 
 def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpointError:
-    """The error of damaged shard data, worded as :func:`_reader.corrupt_error` words TensorStore's."""
+    """The error of damaged shard data, worded as :func:`_readerrors.corrupt_error` words TensorStore's."""
     where = f"'{job.rec.path}' in {ck.location}"
     return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 

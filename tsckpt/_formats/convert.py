@@ -1,6 +1,7 @@
 """convert(): stream a checkpoint from one format into another.
 
-1. Open the source as a tree of lazy sources (``_sources``), format detected or given.
+1. Open the source as a tree of lazy sources (``sources.open_source``), format detected or given.
+   A tsckpt or Orbax source may be a kvstore spec dict (or URL), like a tsckpt destination.
 2. Select the subtree and rename its leaves (prefixes): :func:`select`.
 3. Wrap each stored array once (tied leaves share it) to cast and count progress.
 4. Write: ``tsckpt.save`` (shard by shard, a bounded window in flight) or the
@@ -21,13 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _dtypes, _lease, _store
+from .. import _dtypes, _store
 from . import safetensors
-from .._casting import CastCheck, check_casting
-from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, check_layout, encode_value
-from .._kinds import check_cast
+from .._casting import CastCheck, check_cast
+from .._format import LAYOUT_PLAIN, encode_value
 from .._leaves import describe, memory
-from .._reader import read_root_states
+from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
 from .._restore import warn_lost_values
 from .._save import save
 from .._progress import Progress
@@ -37,8 +37,6 @@ from .._types import LazySource, Local
 from ..tree import child, flatten, from_paths, structure_from_json, structure_to_json
 
 TARGETS = ("tsckpt", "safetensors")
-# Source bytes in flight while writing a tsckpt checkpoint (beyond the shard being read).
-CONVERT_WINDOW_BYTES = 32 << 20
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -68,13 +66,14 @@ class Selected:
     structure: Any  # JSON structure of the selected subtree; None after renaming
 
 
-def parse_size(size: int | str | None) -> int | None:
-    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2**31 (units as in transformers)."""
+def parse_size(size: int | str | None, what: str = "max_shard_size") -> int | None:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2**31 (units as in transformers); ``what``
+    names the option in the error."""
     if size is None or isinstance(size, int):
         return size
     m = _SIZE.fullmatch(size)
     if not m:
-        raise ValueError(f"max_shard_size {size!r}: expected a byte count such as 5GB, 500MB or 2GiB")
+        raise ValueError(f"{what} {size!r}: expected a byte count such as 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
@@ -188,36 +187,14 @@ def _prepare(sel: Selected, cast: torch.dtype | None, casting: str, count: Calla
     return _Prepared(leaves, dtypes, aliases, nbytes, checks)
 
 
-def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, overwrite: bool, layout: str) -> None:
+def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, options: SaveOptions) -> None:
     tree: Any
     if sel.structure is not None:
         tree = structure_from_json(sel.structure, prep.leaves)
     else:
         tree = from_paths(sel.names, prep.leaves)
-    existed = _store.has_any_key(_store.resolve(dst))
-    try:
-        save(dst, tree, overwrite=overwrite, max_inflight_bytes=CONVERT_WINDOW_BYTES, layout=layout, progress=False)
-    except BaseException:
-        try:
-            _remove_claimed(dst, existed, overwrite)
-        except ValueError:  # storage unreachable: the save's own error says why
-            pass
-        raise
-
-
-def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
-    """Remove what a failed save left (its pending root and data), never another's checkpoint."""
-    if existed and not overwrite:
-        return
-    loc = _store.resolve(dst)
-    root = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY]
-    state = root.state
-    if state == STATE_PENDING and _lease.running((root.meta or {}).get("claim")):
-        return  # another save, still running: save() refused it
-    if state == STATE_PENDING or (state is None and not existed):
-        _store.delete_all(loc)
-        if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
-            os.rmdir(loc.local)
+    # a failed save removes what it wrote itself (save()'s step 8), never another's checkpoint
+    save(dst, tree, **options.kwargs())
 
 
 def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_size: int | None,
@@ -245,9 +222,29 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
     )
 
 
+def _name(where: Directory) -> str:
+    """How a report names a source or destination: its path, or its location for a spec dict."""
+    return str(_store.resolve(where)) if isinstance(where, dict) else os.fspath(where)
+
+
+def _destination_format(dst: Directory, to_format: str | None) -> str:
+    """The destination format: given, or safetensors for a path ending in .safetensors, else tsckpt."""
+    path = None if isinstance(dst, dict) else os.fspath(dst)
+    to = to_format or ("safetensors" if path is not None and path.endswith(".safetensors") else "tsckpt")
+    if to not in TARGETS:
+        raise ValueError(f"unknown destination format {to!r}; choose one of {', '.join(TARGETS)}")
+    if to != "tsckpt" and path is None:
+        raise ValueError(
+            f"a {to} destination is a local path (a .safetensors file or a directory), not a kvstore spec "
+            "dict; a spec dict is a tsckpt destination only"
+        )
+    return to
+
+
+@verb("tsckpt.convert")
 def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    src: Directory,
+    dst: Directory,
     *,
     from_format: str | None = None,
     to_format: str | None = None,
@@ -260,6 +257,7 @@ def convert(
     progress: bool | None = None,
     layout: str = LAYOUT_PLAIN,
     casting: str = "same_kind",
+    max_inflight_bytes: int = READ_WINDOW_BYTES,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
 
@@ -270,41 +268,44 @@ def convert(
     trusted source) or an Orbax checkpoint; ``from_format`` overrides detection.
     ``dst`` is a tsckpt checkpoint, or safetensors (``to_format="safetensors"``, or a
     path ending in ``.safetensors``): one file, or a Hugging Face directory sharded at
-    ``max_shard_size`` (e.g. ``"5GB"``). ``subtree`` picks the leaves below a path;
+    ``max_shard_size`` (e.g. ``"5GB"``). A tsckpt or Orbax source and a tsckpt
+    destination may be given as anything :func:`tsckpt.save` accepts (a path, a
+    kvstore URL or a kvstore spec dict); the other formats are local paths.
+    ``subtree`` picks the leaves below a path;
     ``strip_prefix``/``add_prefix`` rename them; ``dtype`` casts floating-point arrays,
     with their values checked as ``casting`` says (see :func:`tsckpt.restore`).
     Tied leaves stay tied. ``progress`` shows a bar (default: when stderr is a terminal).
-    ``layout`` is the tsckpt destination's layout (see :func:`tsckpt.save`).
+    ``max_inflight_bytes`` bounds the source data read and not yet written to a tsckpt
+    destination (default 32 MiB, as for :func:`tsckpt.restore`; no shard file is larger).
+    ``overwrite`` and ``layout`` are as for :func:`tsckpt.save` (``layout``: a tsckpt destination's).
     """
-    src_s, dst_s = os.fspath(src), os.fspath(dst)
-    if os.path.abspath(src_s) == os.path.abspath(dst_s):
-        raise ValueError(f"convert: source and destination are the same ({src_s}); convert writes a new copy")
-    to = to_format or ("safetensors" if dst_s.endswith(".safetensors") else "tsckpt")
-    if to not in TARGETS:
-        raise ValueError(f"unknown destination format {to!r}; choose one of {', '.join(TARGETS)}")
-    check_layout(layout)
+    RestoreOptions.of(locals())  # a bad option raises here, before any work
+    # the bar counts the source bytes read, so the save shows none of its own
+    writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
+    src_name, dst_name = _name(src), _name(dst)
+    if _store.resolve(src).spec == _store.resolve(dst).spec:
+        raise ValueError(f"convert: source and destination are the same ({src_name}); convert writes a new copy")
+    to = _destination_format(dst, to_format)
     if layout != LAYOUT_PLAIN and to != "tsckpt":
         raise ValueError(f"layout={layout!r} applies to a tsckpt destination, not {to}")
     shard_limit = parse_size(max_shard_size)
-    if shard_limit is not None and (to != "safetensors" or dst_s.endswith(".safetensors")):
+    if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
-    check_casting(casting)
-    fmt, tree = open_source(src_s, from_format)
+    fmt, tree = open_source(src, from_format)
     sel = select(tree, subtree, strip_prefix, add_prefix)
-    with Progress("convert", dst_s, show=progress) as counter:
+    with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
         files: list[str] = []
         if to == "tsckpt":
-            _write_tsckpt(dst_s, sel, prep, overwrite, layout)
+            _write_tsckpt(dst, sel, prep, writing)
         else:
-            files = _write_safetensors(dst_s, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
+            files = _write_safetensors(dst_name, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
     warn_lost_values(list(prep.checks))
     n_values = sum(not isinstance(x, LazySource) for x in prep.leaves)
     nbytes = sum(
         math.prod(x.shape) * _dtypes.itemsize(prep.dtypes[n])
         for n, x in zip(sel.names, prep.leaves) if isinstance(x, LazySource) and n not in prep.aliases
     )
-    return ConvertReport(src_s, dst_s, fmt, to, len(prep.dtypes), nbytes, n_values, len(prep.aliases), tuple(files))
-
+    return ConvertReport(src_name, dst_name, fmt, to, len(prep.dtypes), nbytes, n_values, len(prep.aliases), tuple(files))

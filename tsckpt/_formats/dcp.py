@@ -23,10 +23,18 @@ from .torchfile import plain_tree, reason, weights_only_refusal
 from .._types import LazySource
 from ..tree import escape, from_paths, structure_from_json, structure_from_paths
 
+# The pickled metadata file dcp.save writes last: its presence marks a DCP directory.
+METADATA_FILE = ".metadata"
+
 PICKLE_WARNING = (
     "A torch.distributed.checkpoint directory's .metadata file is a Python pickle: reading it can run "
     "arbitrary code, so only read DCP checkpoints from a trusted source."
 )
+
+
+def is_dcp_dir(path: str) -> bool:
+    """Whether ``path`` is a directory with DCP's metadata file (its contents are not read)."""
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
 def read_dcp(path: str) -> Any:
@@ -57,7 +65,7 @@ def _read_metadata(path: str) -> Any:
 
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such directory; give the directory dcp.save wrote")
-    mfile = os.path.join(path, ".metadata")
+    mfile = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(mfile):
         raise NotACheckpointError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file); give the one dcp.save wrote")
     try:

@@ -41,15 +41,18 @@ from typing import Any
 import tensorstore as ts
 
 from .. import _dtypes
+from .._arrays import MANIFEST
+from .._checkpoint import Checkpoint
 from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
 from .._errors import LeafTypeError, NotACheckpointError
-from ..tree import ROOT_LEAF_PATH, escape
+from .._format import ArrayRecord, Chunking
+from .._store import Location
+from ..tree import ROOT_LEAF_PATH, escape, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
 TREE_METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
-MANIFEST = "manifest.ocdbt"
 JSON_ITEM = "metadata"
 _STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)")
 _ARRAY_TYPES = {"jax.Array", "np.ndarray"}
@@ -139,13 +142,80 @@ def detect(directory: str) -> bool:
         return False
 
 
-def _spec(item: Path, name: str, zarr3: bool, ocdbt: bool, fill_missing: bool) -> dict[str, Any]:
-    kvstore = (
-        {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/"}, "path": name}
-        if ocdbt
-        else {"driver": "file", "path": os.path.join(str(item), name)}
-    )
-    return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kvstore, "fill_missing_data_reads": fill_missing}
+@dataclasses.dataclass(frozen=True)
+class _ItemMetadata:
+    """An item's ``_METADATA``: its leaf entries in tree order, and how its arrays are stored."""
+
+    entries: list[Any]
+    zarr3: bool  # the zarr3 driver (else zarr v2)
+    ocdbt: bool  # in the item's OCDBT database (else a directory per array)
+    fill_missing: bool  # chunks equal to the fill value were not written
+
+    def spec(self, item: Path, name: str) -> dict[str, Any]:
+        """TensorStore spec of the array stored as ``name`` in ``item``."""
+        kvstore = (
+            {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/"}, "path": name}
+            if self.ocdbt
+            else {"driver": "file", "path": os.path.join(str(item), name)}
+        )
+        driver = "zarr3" if self.zarr3 else "zarr"
+        return {"driver": driver, "kvstore": kvstore, "fill_missing_data_reads": self.fill_missing}
+
+
+def _item_metadata(item: Path) -> _ItemMetadata:
+    """Parse ``item``'s tree metadata; an OCDBT item must have its merged manifest."""
+    meta = _read_json(item, TREE_METADATA)
+    try:
+        entries = list(meta["tree_metadata"].values())
+        zarr3 = bool(meta.get("use_zarr3", False))
+        ocdbt = meta.get("use_ocdbt")
+        fill_missing = not meta.get("store_array_data_equal_to_fill_value", False)
+    except (AttributeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"{item}: Orbax '{TREE_METADATA}' is malformed: expected an object with 'tree_metadata', found "
+            f"{type(meta).__name__} ({_one_line(e)}); the checkpoint is damaged, re-save it"
+        ) from e
+    if ocdbt is None:
+        ocdbt = (item / MANIFEST).is_file()
+    if ocdbt and not (item / MANIFEST).is_file():
+        procs = sorted(p.name for p in item.glob("ocdbt.process_*"))
+        raise CheckpointIncompleteError(
+            f"{item}: Orbax OCDBT checkpoint is incomplete: expected '{MANIFEST}' (written when the per-process "
+            f"databases are merged at commit), found none (per-process directories: {procs}); {_UNCOMMITTED}"
+        )
+    return _ItemMetadata(entries, zarr3, bool(ocdbt), fill_missing)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One leaf entry of ``tree_metadata``."""
+
+    keys: list[tuple[str, int]]  # (key, key_type) from the root
+    value_type: str
+    skip: bool  # skip_deserialize
+
+    @property
+    def name(self) -> str:
+        """The name the leaf is stored under: its keys joined by "."."""
+        return ".".join(k for k, _ in self.keys)
+
+    def path(self, prefix: list[str]) -> str:
+        """The tsckpt leaf path: a sequence index as its number, a dict key escaped."""
+        comps = [str(int(k)) if t == 1 else escape(k) for k, t in self.keys]
+        return "/".join(prefix + comps) or ROOT_LEAF_PATH
+
+
+def _entry(item: Path, entry: Any) -> _Entry:
+    try:
+        keys = [(str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"]]
+        value_type = str(entry["value_metadata"]["value_type"])
+        skip = bool(entry["value_metadata"].get("skip_deserialize", False))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{item}: Orbax '{TREE_METADATA}' entry {entry!r:.80} is malformed: expected 'key_metadata' and "
+            f"'value_metadata', found {_one_line(e)}; the checkpoint is damaged, re-save it"
+        ) from e
+    return _Entry(keys, value_type, skip)
 
 
 class _Reader:
@@ -156,70 +226,58 @@ class _Reader:
         self.leaves: list[str] = []
         self.values: dict[str, Any] = {}
         self.pending: list[tuple[str, str, bool, dict[str, Any]]] = []  # path, name, is_scalar, spec
+        self._strings: dict[Path, Any] = {}  # item -> its _strings.json, read at its first string
 
     def add_item(self, item: Path, prefix: list[str]) -> None:
+        """The leaves of one committed item directory, under ``prefix``."""
         _check_committed(item)
         if not (item / TREE_METADATA).is_file():
-            if (item / JSON_ITEM).is_file():
-                self._add_json(_read_json(item, JSON_ITEM), prefix)
-                return
-            found = sorted(p.name for p in item.iterdir())[:8]
-            raise CheckpointIncompleteError(
-                f"{item}: Orbax item is incomplete: expected the tree metadata file '{TREE_METADATA}', found "
-                f"{found}; the save crashed before writing it, use another checkpoint or re-save"
+            self._add_json_item(item, prefix)
+            return
+        meta = _item_metadata(item)
+        for raw in meta.entries:
+            entry = _entry(item, raw)
+            path = entry.path(prefix)
+            if not entry.skip and entry.value_type not in _EMPTY_TYPES:
+                self._add_entry(item, meta, entry, path)
+
+    def _add_json_item(self, item: Path, prefix: list[str]) -> None:
+        """A ``JsonSave`` item (its values become leaves); any other item without tree metadata is incomplete."""
+        if (item / JSON_ITEM).is_file():
+            self._add_json(_read_json(item, JSON_ITEM), prefix)
+            return
+        found = sorted(p.name for p in item.iterdir())[:8]
+        raise CheckpointIncompleteError(
+            f"{item}: Orbax item is incomplete: expected the tree metadata file '{TREE_METADATA}', found "
+            f"{found}; the save crashed before writing it, use another checkpoint or re-save"
+        )
+
+    def _add_entry(self, item: Path, meta: _ItemMetadata, entry: _Entry, path: str) -> None:
+        name = entry.name
+        if entry.value_type == "string":
+            value = self._string(item, path, name)
+            self.leaves.append(path)
+            self.values[path] = value
+        elif entry.value_type in _ARRAY_TYPES or entry.value_type == "scalar":
+            self.leaves.append(path)
+            self.pending.append((path, name, entry.value_type == "scalar", meta.spec(item, name)))
+        else:
+            raise LeafTypeError(
+                f"{item}: leaf '{path}': Orbax value type '{entry.value_type}' is not supported: expected one of "
+                f"{sorted(_ARRAY_TYPES | {'scalar', 'string'})}; restore this leaf with orbax instead"
             )
-        meta = _read_json(item, TREE_METADATA)
-        try:
-            entries = list(meta["tree_metadata"].values())
-            zarr3 = bool(meta.get("use_zarr3", False))
-            ocdbt = meta.get("use_ocdbt")
-            fill_missing = not meta.get("store_array_data_equal_to_fill_value", False)
-        except (AttributeError, KeyError, TypeError) as e:
+
+    def _string(self, item: Path, path: str, name: str) -> str:
+        """The string leaf stored as ``name`` in ``item``'s ``_strings.json``."""
+        if item not in self._strings:
+            self._strings[item] = _read_json(item, "_strings.json")
+        strings = self._strings[item]
+        if not isinstance(strings, dict) or not isinstance(strings.get(name), str):
             raise CorruptCheckpointError(
-                f"{item}: Orbax '{TREE_METADATA}' is malformed: expected an object with 'tree_metadata', found "
-                f"{type(meta).__name__} ({_one_line(e)}); the checkpoint is damaged, re-save it"
-            ) from e
-        if ocdbt is None:
-            ocdbt = (item / MANIFEST).is_file()
-        if ocdbt and not (item / MANIFEST).is_file():
-            procs = sorted(p.name for p in item.glob("ocdbt.process_*"))
-            raise CheckpointIncompleteError(
-                f"{item}: Orbax OCDBT checkpoint is incomplete: expected '{MANIFEST}' (written when the per-process "
-                f"databases are merged at commit), found none (per-process directories: {procs}); {_UNCOMMITTED}"
+                f"{item}: leaf '{path}': expected string '{name}' in '_strings.json', found none; "
+                "the checkpoint is damaged, re-save it"
             )
-        strings: dict[str, Any] | None = None
-        for entry in entries:
-            try:
-                keys = [(str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"]]
-                value_type = str(entry["value_metadata"]["value_type"])
-                skip = bool(entry["value_metadata"].get("skip_deserialize", False))
-            except (KeyError, TypeError, ValueError) as e:
-                raise CorruptCheckpointError(
-                    f"{item}: Orbax '{TREE_METADATA}' entry {entry!r:.80} is malformed: expected 'key_metadata' and "
-                    f"'value_metadata', found {_one_line(e)}; the checkpoint is damaged, re-save it"
-                ) from e
-            comps = [str(int(k)) if t == 1 else escape(k) for k, t in keys]
-            path = "/".join(prefix + comps) or ROOT_LEAF_PATH
-            name = ".".join(k for k, _ in keys)
-            if skip or value_type in _EMPTY_TYPES:
-                continue
-            if value_type == "string":
-                strings = _read_json(item, "_strings.json") if strings is None else strings
-                if not isinstance(strings, dict) or not isinstance(strings.get(name), str):
-                    raise CorruptCheckpointError(
-                        f"{item}: leaf '{path}': expected string '{name}' in '_strings.json', found none; "
-                        "the checkpoint is damaged, re-save it"
-                    )
-                self.leaves.append(path)
-                self.values[path] = strings[name]
-            elif value_type in _ARRAY_TYPES or value_type == "scalar":
-                self.leaves.append(path)
-                self.pending.append((path, name, value_type == "scalar", _spec(item, name, zarr3, ocdbt, fill_missing)))
-            else:
-                raise LeafTypeError(
-                    f"{item}: leaf '{path}': Orbax value type '{value_type}' is not supported: expected one of "
-                    f"{sorted(_ARRAY_TYPES | {'scalar', 'string'})}; restore this leaf with orbax instead"
-                )
+        return strings[name]
 
     def _add_json(self, value: Any, comps: list[str]) -> None:
         if isinstance(value, dict):
@@ -234,6 +292,7 @@ class _Reader:
             self.values[path] = value
 
     def finish(self) -> ForeignCheckpoint:
+        """Open every array (concurrently); a scalar leaf is read into its value."""
         context = ts.Context()
         opened = [ts.open(spec, read=True, context=context) for _, _, _, spec in self.pending]
         arrays: dict[str, ForeignArray] = {}
@@ -248,18 +307,21 @@ class _Reader:
                     f"{self.location}: leaf '{path}': cannot read Orbax array '{name}': expected a readable "
                     f"{spec['driver']} array, found {_one_line(e)}; the checkpoint is damaged, re-save it"
                 ) from e
-            dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
-            if dtype is None:
-                raise LeafTypeError(
-                    f"{self.location}: leaf '{path}': Orbax array dtype {store.dtype.name} has no tsckpt "
-                    f"equivalent: expected a numeric dtype; restore this leaf with orbax instead"
-                )
-            shape = tuple(int(s) for s in store.shape)
-            chunk = tuple(int(c or s) for c, s in zip(store.chunk_layout.read_chunk.shape or shape, shape))
-            arrays[path] = ForeignArray(path, shape, dtype, chunk, spec)
+            arrays[path] = self._array(path, spec, store)
         values = {p: self.values[p] for p in self.leaves if p in self.values}
         proxy = types.MappingProxyType
         return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None)
+
+    def _array(self, path: str, spec: dict[str, Any], store: ts.TensorStore) -> ForeignArray:
+        dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
+        if dtype is None:
+            raise LeafTypeError(
+                f"{self.location}: leaf '{path}': Orbax array dtype {store.dtype.name} has no tsckpt "
+                f"equivalent: expected a numeric dtype; restore this leaf with orbax instead"
+            )
+        shape = tuple(int(s) for s in store.shape)
+        chunk = tuple(int(c or s) for c, s in zip(store.chunk_layout.read_chunk.shape or shape, shape))
+        return ForeignArray(path, shape, dtype, chunk, spec)
 
 
 def _items(step: Path) -> list[str]:
@@ -280,40 +342,65 @@ def load(directory: str) -> ForeignCheckpoint:
     reader = _Reader(d)
     if (d / TREE_METADATA).is_file() or TMP_SUFFIX in d.name:
         reader.add_item(d, [])
-        return reader.finish()
-    items = _items(d) if (d / STEP_METADATA).is_file() else []
-    if items:
-        _check_committed(d)
-        for name in items:
-            if not (d / name).is_dir():
-                raise CheckpointIncompleteError(
-                    f"{d}: Orbax step is incomplete: expected item directory '{name}' listed in '{STEP_METADATA}', "
-                    f"found none; {_UNCOMMITTED}"
-                )
-            reader.add_item(d / name, [] if items == ["default"] else [escape(name)])
-        return reader.finish()
-    if (d / STEP_METADATA).is_file() or (d / MANIFEST).is_file() or any(d.glob("ocdbt.process_*")):
+    elif items := _items(d) if (d / STEP_METADATA).is_file() else []:
+        _add_step(reader, d, items)
+    elif (d / STEP_METADATA).is_file() or (d / MANIFEST).is_file() or any(d.glob("ocdbt.process_*")):
         reader.add_item(d, [])  # an item without tree metadata: raises unless it is a JSON item
-        return reader.finish()
+    else:
+        raise _not_one_checkpoint(d)
+    return reader.finish()
+
+
+def _add_step(reader: _Reader, step: Path, items: list[str]) -> None:
+    """The items of a committed step; a lone ``default`` item's leaves are not prefixed by its name."""
+    _check_committed(step)
+    for name in items:
+        if not (step / name).is_dir():
+            raise CheckpointIncompleteError(
+                f"{step}: Orbax step is incomplete: expected item directory '{name}' listed in '{STEP_METADATA}', "
+                f"found none; {_UNCOMMITTED}"
+            )
+        reader.add_item(step / name, [] if items == ["default"] else [escape(name)])
+
+
+def _not_one_checkpoint(d: Path) -> Exception:
+    """Why ``d``, neither an item nor a step directory, is not read: a CheckpointManager root
+    (naming its newest committed step), a legacy msgpack checkpoint, or no Orbax checkpoint."""
     steps = _steps(d)
     if steps:
         done = [(s, p) for s, p in steps if TMP_SUFFIX not in p.name and _committed(p) is not False]
         if not done:
-            raise CheckpointIncompleteError(
+            return CheckpointIncompleteError(
                 f"{d}: Orbax CheckpointManager root with no committed step: expected a committed step directory, "
                 f"found only {[p.name for _, p in steps]}; {_UNCOMMITTED}"
             )
-        raise NotACheckpointError(
+        return NotACheckpointError(
             f"{d}: an Orbax CheckpointManager root, not one checkpoint: expected an item or step directory, found "
             f"steps {[s for s, _ in done]}; pass the newest committed step directory '{done[-1][1]}' instead"
         )
     if (d / "checkpoint").is_file():
-        raise NotACheckpointError(
+        return NotACheckpointError(
             f"{d}: a legacy msgpack Orbax/Flax checkpoint: expected '{TREE_METADATA}' tree metadata, found only "
             "the 'checkpoint' file; re-save it with a current orbax-checkpoint"
         )
     found = sorted(p.name for p in d.iterdir())[:8]
-    raise NotACheckpointError(
+    return NotACheckpointError(
         f"{d}: not an Orbax checkpoint: expected '{TREE_METADATA}' (item), '{STEP_METADATA}' (step) or numbered "
         f"step directories, found {found}; pass an Orbax item or step directory"
     )
+
+
+def as_checkpoint(loc: Location) -> Checkpoint:
+    """The local Orbax checkpoint at ``loc`` as a :class:`Checkpoint` whose arrays open
+    through their own specs (read verbs never read Orbax's files any other way)."""
+    if loc.local is None:
+        raise NotACheckpointError(f"{loc}: Orbax checkpoints are read from a local directory; copy it to one")
+    fc = load(loc.local)
+    arrays = {
+        p: ArrayRecord(p, a.shape, a.dtype, "numpy", Chunking(a.chunk_shape or (1,) * len(a.shape), None))
+        for p, a in fc.arrays.items()
+    }
+    specs = {p: a.spec for p, a in fc.arrays.items()}
+    # Orbax escapes int-like dict keys, so a plain int component is a list index
+    structure = structure_from_paths(fc.leaves)
+    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {}, {}, specs, format="orbax")

@@ -80,6 +80,12 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: {what}; the file is damaged or was not fully written, get a good copy")
 
 
+def is_safetensors_file(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (its first 9 bytes) is a safetensors file: an
+    8-byte header length, then the JSON header."""
+    return head[8:9] == b"{"
+
+
 def read_header(path: str) -> Header:
     """Parse and check a safetensors header against the file's size, before any data is read."""
     if not os.path.isfile(path):
@@ -87,7 +93,7 @@ def read_header(path: str) -> Header:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(9)
-        if len(head) < 9 or head[8:9] != b"{":
+        if not is_safetensors_file(head):
             raise NotACheckpointError(f"{path}: not a safetensors file (no JSON header after the 8-byte length)")
         (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES:
@@ -227,6 +233,12 @@ def read_dir(path: str) -> Any:
             return read_file(os.path.join(path, SINGLE_NAME))
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
+    weight_map, meta = _read_index(index_file)
+    return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
+
+
+def _read_index(index_file: str) -> tuple[dict[str, str], Any]:
+    """(weight map: tensor name -> file, metadata) of a sharded directory's index."""
     try:
         with open(index_file, encoding="utf-8") as f:
             index = json.load(f)
@@ -234,6 +246,12 @@ def read_dir(path: str) -> Any:
         meta = index.get("metadata") or {}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{index_file}: not a valid index ({type(e).__name__}: {e})") from None
+    return weight_map, meta
+
+
+def _shard_sources(path: str, index_file: str, weight_map: dict[str, str]) -> dict[str, tuple[TensorEntry, str]]:
+    """Tensor name -> (its header entry, its file) for every tensor the index maps; each
+    file it names must be in the directory, and hold the tensor."""
     headers: dict[str, Header] = {}
     sources: dict[str, tuple[TensorEntry, str]] = {}
     for name, fname in weight_map.items():
@@ -247,7 +265,7 @@ def read_dir(path: str) -> Any:
         if name not in headers[fname].entries:
             raise CorruptCheckpointError(f"{file}: has no tensor '{name}', but {os.path.basename(index_file)} maps it there")
         sources[name] = (headers[fname].entries[name], file)
-    return _tree(index_file, sources, meta.get(METADATA_KEY))
+    return sources
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -370,20 +388,11 @@ def write(
     are complete (the index last), so a failed write leaves no partial output; other
     files of a directory (config.json, tokenizer, ...) are kept.
     """
-    seen: set[str] = set()
-    for t in tensors:
-        check_dtype(t.name, t.dtype)
-        if t.name in seen:
-            raise ValueError(f"two leaves map to the tensor name '{t.name}'; change the prefix options")
-        seen.add(t.name)
+    _check_names(tensors)
     plan = plan_shards(tensors, max_shard_size if directory else None)
     if not directory and len(plan.files) > 1:
         raise ValueError("a .safetensors destination is one file; write to a directory to shard it")
-    old = existing_outputs(dst) if directory and os.path.isdir(dst) else ([dst] if os.path.exists(dst) else [])
-    if old and not overwrite:
-        raise CheckpointExistsError(f"{old[0]} already exists; pass overwrite=True (--overwrite) to replace it")
-    by_name = {t.name: t for t in tensors}
-    info_text = json.dumps(info, separators=(",", ":"), ensure_ascii=False) if info is not None else None
+    old = _replaced(dst, directory, overwrite)
     sharded = len(plan.files) > 1
     final = [os.path.join(dst, name) for name, _ in plan.files] if directory else [dst]
     if sharded:
@@ -394,31 +403,10 @@ def write(
     try:
         if directory:
             os.makedirs(dst, exist_ok=True)
-        for (_, names), tmp in zip(plan.files, temps):
-            meta = {"format": "pt"}
-            if info_text is not None and not sharded:
-                meta[METADATA_KEY] = info_text
-            _write_one(tmp, [by_name[n] for n in names], meta)
+        _write_files(plan, tensors, info, temps)
         if sharded:
-            index_meta: dict[str, Any] = {"total_size": plan.total_size}
-            if info is not None:
-                index_meta[METADATA_KEY] = info
-            weight_map = {n: name for name, names in plan.files for n in names}
-            index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
-            with open(temps[-1], "x", encoding="utf-8") as out:
-                out.write(json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
-        for stale in old:
-            if stale not in final:
-                os.remove(stale)
-        for tmp, name in zip(temps, final):
-            os.replace(tmp, name)
-        fd = os.open(os.path.dirname(os.path.abspath(final[0])), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            _write_index(temps[-1], plan, info)
+        _replace(old, temps, final)
         done = True
     finally:
         for tmp in temps:
@@ -427,3 +415,61 @@ def write(
         if created and not done and os.path.isdir(dst) and not os.listdir(dst):
             os.rmdir(dst)
     return final
+
+
+def _check_names(tensors: Sequence[OutTensor]) -> None:
+    """Every tensor has a dtype safetensors holds, and a name of its own."""
+    seen: set[str] = set()
+    for t in tensors:
+        check_dtype(t.name, t.dtype)
+        if t.name in seen:
+            raise ValueError(f"two leaves map to the tensor name '{t.name}'; change the prefix options")
+        seen.add(t.name)
+
+
+def _replaced(dst: str, directory: bool, overwrite: bool) -> list[str]:
+    """The existing outputs a write to ``dst`` replaces; refused unless ``overwrite``."""
+    old = existing_outputs(dst) if directory and os.path.isdir(dst) else ([dst] if os.path.exists(dst) else [])
+    if old and not overwrite:
+        raise CheckpointExistsError(f"{old[0]} already exists; pass overwrite=True (--overwrite) to replace it")
+    return old
+
+
+def _write_files(plan: ShardPlan, tensors: Sequence[OutTensor], info: dict[str, Any] | None, temps: list[str]) -> None:
+    """Each file of the plan under its temporary name; one file carries the tree metadata
+    itself, a sharded directory's index carries it instead."""
+    by_name = {t.name: t for t in tensors}
+    info_text = json.dumps(info, separators=(",", ":"), ensure_ascii=False) if info is not None else None
+    for (_, names), tmp in zip(plan.files, temps):
+        meta = {"format": "pt"}
+        if info_text is not None and len(plan.files) == 1:
+            meta[METADATA_KEY] = info_text
+        _write_one(tmp, [by_name[n] for n in names], meta)
+
+
+def _write_index(tmp: str, plan: ShardPlan, info: dict[str, Any] | None) -> None:
+    """``model.safetensors.index.json`` of a sharded directory, under its temporary name, synced."""
+    index_meta: dict[str, Any] = {"total_size": plan.total_size}
+    if info is not None:
+        index_meta[METADATA_KEY] = info
+    weight_map = {n: name for name, names in plan.files for n in names}
+    index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+    with open(tmp, "x", encoding="utf-8") as out:
+        out.write(json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _replace(old: list[str], temps: list[str], final: list[str]) -> None:
+    """Remove the replaced outputs the write does not rename over, rename every temporary
+    file to its name (the index last), and sync the directory."""
+    for stale in old:
+        if stale not in final:
+            os.remove(stale)
+    for tmp, name in zip(temps, final):
+        os.replace(tmp, name)
+    fd = os.open(os.path.dirname(os.path.abspath(final[0])), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,61 +1,97 @@
-"""Checkpoints of any format tsckpt reads, opened as trees of lazy sources.
+"""Checkpoints of any format tsckpt reads: which format a location holds, and opening it.
 
-A *source tree* is the checkpoint's pytree with every array as a
-:class:`LazySource` (or a tensor that the OS maps lazily), read only when it is
-written somewhere else, and plain values as they are. Tied arrays are one
-source object under several paths, so writers store them once.
+:func:`detect` is the one place that asks which library wrote a checkpoint; each
+format module only knows its own marker files or leading bytes. The read verbs
+(open, metadata, restore, verify, the CLI) call :func:`open_checkpoint`, which opens
+a detected format with its opener in :data:`OPENERS` as a :class:`Checkpoint`.
+convert calls :func:`open_source`, which opens any format as a *source tree*: the
+checkpoint's pytree with every array as a :class:`LazySource` (or a tensor that the
+OS maps lazily), read only when it is written somewhere else, and plain values as
+they are. Tied arrays are one source object under several paths, so writers store
+them once.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from .. import _dtypes
-from . import orbax
+from .. import _dtypes, _root
+from . import dcp, orbax, safetensors, torchfile
+from .._checkpoint import TSCKPT, Checkpoint
 from .._errors import CheckpointNotFoundError, NotACheckpointError
-from .._reader import Checkpoint, LazyArray, load
+from .._format import ROOT_KEY
+from .._reader import LazyArray
+from .._store import Directory, Location, resolve, storage_errors
 from .._types import LazySource
 
-FORMATS = ("tsckpt", "safetensors", "torch", "dcp", "orbax")
-_ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_PROTO2 = b"\x80\x02"  # torch.save's legacy (non-zip) format starts with a pickle
+FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")
+
+# Opens a detected checkpoint at a location (keep_bad: as verify reads it, bad leaves listed
+# rather than raised) for the read verbs.
+Opener = Callable[[Location, bool], Checkpoint]
 
 
-def detect(src: str) -> str:
-    """The format of ``src``, from its own marker files or leading bytes."""
-    from . import safetensors
-
+def detect(src: str) -> str | None:
+    """The format of the checkpoint at ``src`` (one of :data:`FORMATS`), from its own marker
+    files or leading bytes; None when they show none, or nothing is there. A kvstore URL
+    holds a tsckpt checkpoint."""
     if "://" in src:
-        return "tsckpt"
+        return TSCKPT
     if os.path.isdir(src):
-        if os.path.isfile(os.path.join(src, "zarr.json")):
-            return "tsckpt"
+        if os.path.isfile(os.path.join(src, ROOT_KEY)):
+            return TSCKPT
         if orbax.detect(src):
             return "orbax"
-        if os.path.isfile(os.path.join(src, ".metadata")):
+        if dcp.is_dcp_dir(src):
             return "dcp"
         if safetensors.is_hf_dir(src):
             return "safetensors"
-        raise NotACheckpointError(
-            f"{src}: cannot tell what this directory holds (no zarr.json, Orbax metadata, DCP .metadata or "
-            "*.safetensors); pass the format with --from"
-        )
+        return None
     if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"{src}: no such file or directory")
+        return None
     with open(src, "rb") as f:
         head = f.read(9)
-    if head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_PROTO2):
+    if torchfile.is_torch_file(head):
         return "torch"
-    if head[8:9] == b"{" or src.endswith(".safetensors"):
+    if safetensors.is_safetensors_file(head) or src.endswith(".safetensors"):
         return "safetensors"
-    raise NotACheckpointError(
-        f"{src}: cannot tell the file's format (neither safetensors nor a torch.save file); pass it with --from"
-    )
+    return None
+
+
+# ---- the read verbs: a checkpoint -------------------------------------------------------
+
+
+def _open_tsckpt(loc: Location, keep_bad: bool) -> Checkpoint:
+    return _root.load(loc, keep_bad=keep_bad)
+
+
+def _open_orbax(loc: Location, keep_bad: bool) -> Checkpoint:
+    return orbax.as_checkpoint(loc)  # its metadata is checked as it is parsed: nothing is kept bad
+
+
+# The formats the read verbs open, one opener each.
+OPENERS: dict[str, Opener] = {TSCKPT: _open_tsckpt, "orbax": _open_orbax}
+
+
+def open_checkpoint(directory: Directory | Location, *, keep_bad: bool = False) -> Checkpoint:
+    """The committed checkpoint at ``directory`` as the read verbs read it: its format
+    detected, then parsed and validated by that format's opener, raising a precise error
+    when it cannot be read. A location whose format has no opener is opened as tsckpt,
+    whose error says what is missing. ``keep_bad`` (verify): leaves whose entries are
+    invalid are left out and listed in ``Checkpoint.bad`` instead of raising."""
+    loc = directory if isinstance(directory, Location) else resolve(directory)
+    with storage_errors(loc):
+        fmt = detect(loc.local) if loc.local is not None else TSCKPT
+        return OPENERS.get(fmt or TSCKPT, _open_tsckpt)(loc, keep_bad)
+
+
+# ---- convert: a source tree -------------------------------------------------------------
 
 
 def checkpoint_tree(ck: Checkpoint) -> Any:
-    """A tsckpt (or Orbax) checkpoint's tree, arrays as lazy sources read chunk by chunk."""
+    """An opened checkpoint's tree, arrays as lazy sources read chunk by chunk."""
     made: dict[str, LazySource] = {}
 
     def leaf(path: str) -> Any:
@@ -71,27 +107,53 @@ def checkpoint_tree(ck: Checkpoint) -> Any:
     return ck.build([leaf(p) for p in ck.leaves])
 
 
-def open_source(src: str, fmt: str | None = None) -> tuple[str, Any]:
-    """(format, source tree) of ``src``; ``fmt`` overrides detection and is checked."""
-    fmt = fmt or detect(src)
+def open_source(src: Directory, fmt: str | None = None) -> tuple[str, Any]:
+    """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
+    format the read verbs open, through TensorStore); ``fmt`` overrides detection and is checked."""
+    if isinstance(src, dict):
+        if fmt is not None and fmt not in OPENERS:
+            raise ValueError(
+                f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
+                "from a local path; pass the path instead of the spec"
+            )
+        return _checkpoint_source(src, fmt)
+    path = os.fspath(src)
+    fmt = fmt or detect(path) or _unknown(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown source format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt in ("tsckpt", "orbax"):
-        ck = load(src)
-        if ck.format != fmt:
-            raise NotACheckpointError(f"{src}: a {ck.format} checkpoint, not {fmt}; pass --from {ck.format}")
-        ck.check_links()
-        return fmt, checkpoint_tree(ck)
+    if fmt in OPENERS:
+        return _checkpoint_source(path, fmt)
     if fmt == "safetensors":
-        from . import safetensors
-
-        if os.path.isdir(src):
-            return fmt, safetensors.read_dir(src)
-        return fmt, safetensors.read_file(src)
+        if os.path.isdir(path):
+            return fmt, safetensors.read_dir(path)
+        return fmt, safetensors.read_file(path)
     if fmt == "torch":
-        from .torchfile import read_torch_file
+        return fmt, torchfile.read_torch_file(path)
+    return fmt, dcp.read_dcp(path)
 
-        return fmt, read_torch_file(src)
-    from .dcp import read_dcp
 
-    return fmt, read_dcp(src)
+def _checkpoint_source(src: str | dict[str, Any], fmt: str | None) -> tuple[str, Any]:
+    """(format, source tree) of a checkpoint the read verbs open, which must be of ``fmt`` when given."""
+    ck = open_checkpoint(src)
+    if fmt is not None and ck.format != fmt:
+        if isinstance(src, dict):
+            where, hint = str(ck.location), f"from_format={ck.format!r}"
+        else:
+            where, hint = src, f"--from {ck.format}"
+        raise NotACheckpointError(f"{where}: a {ck.format} checkpoint, not {fmt}; pass {hint}")
+    ck.check_links()
+    return ck.format, checkpoint_tree(ck)
+
+
+def _unknown(src: str) -> NoReturn:
+    """Raise why the format of ``src`` cannot be told."""
+    if os.path.isdir(src):
+        raise NotACheckpointError(
+            f"{src}: cannot tell what this directory holds (no zarr.json, Orbax metadata, DCP .metadata or "
+            "*.safetensors); pass the format with --from"
+        )
+    if not os.path.isfile(src):
+        raise CheckpointNotFoundError(f"{src}: no such file or directory")
+    raise NotACheckpointError(
+        f"{src}: cannot tell the file's format (neither safetensors nor a torch.save file); pass it with --from"
+    )

@@ -20,10 +20,18 @@ import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
+from .safetensors import is_safetensors_file
 
-_ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_MAGIC = b"PK\x03\x04"  # every torch.save since 1.6 writes a zip archive
 _PICKLE_PROTO = 0x80  # a legacy file is a pickle stream, which starts with the PROTO opcode
+_LEGACY_START = bytes([_PICKLE_PROTO, 2])  # torch.save's legacy format pickles with protocol 2
 _PLAIN = (bool, int, float, str, bytes, bytearray)
+
+
+def is_torch_file(head: bytes) -> bool:
+    """Whether a file starting with ``head`` was written by torch.save (a zip archive, or a
+    legacy protocol-2 pickle); reading accepts a pickle of any protocol."""
+    return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_START)
 
 
 def read_torch_file(path: str) -> Any:
@@ -38,7 +46,7 @@ def read_torch_file(path: str) -> Any:
         raise NotACheckpointError(f"{path}: is a directory, not a torch.save file; give the file itself") from None
     if not head:
         raise NotACheckpointError(f"{path}: is empty (0 bytes), not a torch.save file; save it again")
-    if len(head) == 9 and head[8:9] == b"{":
+    if is_safetensors_file(head):
         raise NotACheckpointError(f"{path}: is a safetensors file, not a torch.save file; convert it as a .safetensors file")
     zipped = head.startswith(_ZIP_MAGIC)
     if not zipped and head[0] != _PICKLE_PROTO:

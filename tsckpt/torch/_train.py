@@ -25,14 +25,16 @@ import numpy as np
 import torch
 
 from .. import _dtypes
-from .._casting import check_casting
+from .._casting import check_cast
 from .._coord import phase
 from .._dist import coordinator_for
 from .._errors import StructureMismatchError
 from .._format import LAYOUT_PLAIN
-from .._kinds import check_cast
-from .._reader import Checkpoint, LazyArray, load
-from .._restore import READ_WINDOW_BYTES, RestoreWarning, cast_warnings_off, warn_lost_values
+from .._checkpoint import Checkpoint
+from .._formats.sources import open_checkpoint
+from .._reader import LazyArray, read_subtree
+from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
+from .._restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._restore import restore as core_restore
 from .._save import save as core_save
 from .._store import Directory
@@ -139,6 +141,7 @@ def _check_keys(what: str, objs: Mapping[str, Any] | None) -> dict[str, Any]:
 # ---- save ---------------------------------------------------------------------------------
 
 
+@verb("tsckpt.torch.save")
 def save(
     directory: Directory,
     model: torch.nn.Module,
@@ -149,19 +152,25 @@ def save(
     rng: bool = True,
     overwrite: bool = False,
     group: Any = None,
+    check_replicas: bool = True,
     timeout: datetime.timedelta | None = None,
+    max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
+    progress: bool | None = None,
 ) -> None:
     """Save the training state; every rank calls it.
 
     ``extra``: name -> an object with ``state_dict()``/``load_state_dict()`` (LR
     scheduler, GradScaler, ...) or a plain value or pytree (step counters); the
-    same on every rank. ``per_rank``: name -> stateful object or value that
-    differs between ranks (data sampler position), stored under
+    same on every rank. ``per_rank``: name -> stateful object, or plain value or
+    pytree, that differs between ranks (data sampler position), stored under
     ``ranks/<rank>/<name>``. ``rng`` also stores this rank's RNG states there.
-    The optimizers are not stepped or otherwise changed. ``layout``: see :func:`tsckpt.save`.
+    The optimizers are not stepped or otherwise changed. ``overwrite``,
+    ``group``, ``check_replicas``, ``timeout``, ``max_inflight_bytes``,
+    ``layout`` and ``progress`` are as for :func:`tsckpt.save`.
     """
-    coord = coordinator_for(group, timeout)
+    options = SaveOptions.of(locals())
+    coord = coordinator_for(options.group, options.timeout)
     tree: dict[str, Any] = get_state_dict(model, optimizers)
     extras = _check_keys("extra", extra)
     if extras:
@@ -173,7 +182,7 @@ def save(
         mine[RNG] = get_rng_state()
     if mine:
         tree[RANKS] = {coord.rank: mine}
-    core_save(directory, tree, overwrite=overwrite, group=group, timeout=timeout, layout=layout)
+    core_save(directory, tree, **options.kwargs())
 
 
 # ---- restore ------------------------------------------------------------------------------
@@ -250,9 +259,9 @@ def _match_optimizers(
             f"{ck.location}: the checkpoint holds no optimizer state (no '{OPTIM}/{GROUPS}'); restore "
             "without optimizers to load only the model"
         )
-    types = ck.subtree(f"{OPTIM}/{TYPES}") or None
+    types = read_subtree(ck, f"{OPTIM}/{TYPES}") or None
     check_optimizer_types(types, optims)
-    groups = as_list(ck.subtree(f"{OPTIM}/{GROUPS}"))
+    groups = as_list(read_subtree(ck, f"{OPTIM}/{GROUPS}"))
     match_groups(model, optims, groups, strict=strict)
     stored_state: dict[str, dict[str, str]] = {}
     for p in _under(ck, f"{OPTIM}/{STATE}"):
@@ -283,7 +292,7 @@ def _match_extras(
     """Extra, per-rank and RNG state: the target's own trees, compared path by path."""
     target_extra = {name: _state_of(obj) for name, obj in extras.items()}
     target_mine = {name: _state_of(obj) for name, obj in mine.items()}
-    if RNG in target_mine:
+    if isinstance(mine.get(RNG), _RngSlot):  # not a per_rank value named "rng" (rng=False)
         if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
             del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
     if not strict:
@@ -353,6 +362,40 @@ def _read_overlap(ck: Checkpoint, path: str, dst: Any, casting: str) -> None:
     warn_lost_values([check])
 
 
+class RestoreResult(dict[str, Any]):
+    """What :func:`restore` returns: a dict of the ``extra`` names, and ``per_rank``.
+
+    Each ``extra`` name maps to its object (stateful objects, loaded) or to its
+    restored value (plain values and pytrees, e.g. the step). ``per_rank`` maps
+    this rank's ``per_rank`` names the same way; it is an attribute, not a key,
+    so it never collides with an ``extra`` name. The RNG states are not in it:
+    they are loaded into this process's generators.
+    """
+
+    def __init__(self, extra: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        super().__init__(extra)
+        self.per_rank: dict[str, Any] = dict(per_rank)
+
+    def __repr__(self) -> str:
+        return f"RestoreResult({dict.__repr__(self)}, per_rank={self.per_rank!r})"
+
+
+def _hand_back(objs: Mapping[str, Any], restored: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Load each stateful object of ``objs`` with its restored state; returns each name mapped
+    to its object, or to its restored value where it is a plain value or pytree. ``given`` is
+    the target's own state, kept for a name the checkpoint lacks (strict=False)."""
+    out: dict[str, Any] = {}
+    for name, obj in objs.items():
+        value = restored.get(name, given[name])
+        if is_stateful(obj):
+            obj.load_state_dict(value)
+            out[name] = obj
+        else:
+            out[name] = value
+    return out
+
+
+@verb("tsckpt.torch.restore")
 def restore(
     directory: Directory,
     model: torch.nn.Module,
@@ -365,9 +408,10 @@ def restore(
     resize: Iterable[str] = (),
     group: Any = None,
     timeout: datetime.timedelta | None = None,
+    progress: bool | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
     casting: str = "same_kind",
-) -> dict[str, Any]:
+) -> RestoreResult:
     """Restore a :func:`save` checkpoint in place into a live model and optimizers; every rank calls it.
 
     Each tensor is read straight into the live parameter, buffer or optimizer
@@ -375,17 +419,21 @@ def restore(
     checkpoint saved with any sharding or world size), so memory stays at
     model + optimizer + a bounded read buffer. Never-stepped optimizers get their
     state created first (torch's lazy init). ``extra`` and ``per_rank`` are as
-    for :func:`save`: stateful objects get ``load_state_dict``; the result maps
-    each ``extra`` name to the object, or to the restored value (e.g. the step).
+    for :func:`save`, each value the target of its restore (tensors in it are
+    filled in place): stateful objects get ``load_state_dict``. The result (a
+    :class:`RestoreResult`) maps each ``extra`` name to the object, or to the
+    restored value (e.g. the step); its ``per_rank`` attribute maps this rank's
+    ``per_rank`` names the same way (``out.per_rank["seen"]``).
     ``rng`` restores this rank's RNG states. ``strict`` reports names missing on
     either side (another architecture, another optimizer type); ``resize`` names
     parameters whose shape changed (a padded vocabulary): their overlapping
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
-    is that read buffer's bound, and ``casting`` governs tensors whose live dtype
-    differs from the stored one (see :func:`tsckpt.restore`).
+    is that read buffer's bound, ``casting`` governs tensors whose live dtype
+    differs from the stored one, and ``group``, ``timeout`` and ``progress`` are
+    as for :func:`tsckpt.restore`.
     """
-    check_casting(casting)
-    coord = coordinator_for(group, timeout)
+    options = RestoreOptions.of(locals())
+    coord = coordinator_for(options.group, options.timeout)
     optims = optimizer_tuple(optimizers)
     extras = _check_keys("extra", extra)
     mine = _check_keys("per_rank", per_rank)
@@ -395,7 +443,7 @@ def restore(
         mine[RNG] = _RngSlot()
 
     def check() -> tuple[Checkpoint, _Plan]:
-        ck = load(directory)
+        ck = open_checkpoint(directory)
         live = live_state(model, optims)  # creates never-stepped optimizers' state to read into
         plan = _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
         for path, dst in plan.resized:  # refused casts raise before anything is read
@@ -407,8 +455,7 @@ def restore(
         # differences were checked above, with better messages (values lost to casting="unsafe" still warn)
         warnings.filterwarnings("ignore", ".*target tree and checkpoint differ", RestoreWarning)
         restored = core_restore(
-            directory, plan.target, strict=False, inplace=True, group=group, timeout=timeout,
-            max_inflight_bytes=max_inflight_bytes, casting=casting,
+            directory, plan.target, **dataclasses.replace(options, strict=False, inplace=True).kwargs()
         )
 
     def finish() -> None:
@@ -420,19 +467,11 @@ def restore(
             apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize), casting=casting)
 
     phase(coord, "restore (apply)", finish)
-    out: dict[str, Any] = {}
-    for name, obj in extras.items():
-        value = restored.get(EXTRA, {}).get(name, plan.extras[name])
-        if is_stateful(obj):
-            obj.load_state_dict(value)
-            out[name] = obj
-        else:
-            out[name] = value
-    rank_state = restored.get(RANKS, {}).get(coord.rank, {})
-    for name, obj in mine.items():
-        if name in rank_state:
-            obj.load_state_dict(rank_state[name])
-    return out
+    out_extra = _hand_back(extras, restored.get(EXTRA, {}), plan.extras)
+    out_mine = _hand_back(mine, restored.get(RANKS, {}).get(coord.rank, {}), plan.mine)
+    if rng:
+        del out_mine[RNG]  # loaded into this process's generators
+    return RestoreResult(out_extra, out_mine)
 
 
 class _RngSlot:
