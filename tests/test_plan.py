@@ -150,7 +150,7 @@ def test_shard_boxes_tile_the_region_within_single_shards(data):
 
 
 def test_plan_read():
-    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5), (0, 0))
+    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5))
 
 
 @settings(max_examples=50, deadline=None)

@@ -67,7 +67,7 @@ class DTensorKind(LeafKind):
         local = leaf.to_local()
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         offsets, lengths = region(path, leaf)
-        item = ReadItem(path, offsets, lengths, (0,) * len(offsets))
+        item = ReadItem(path, offsets, lengths)
         if inplace:
             return Dest(item, local, leaf, cast=cast)
         fresh = torch.empty_like(local)

@@ -227,7 +227,7 @@ class ShardedKind(LeafKind):
         local = leaf.local
         check_shape(path, leaf.global_shape, rec.shape)
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
-        item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
+        item = ReadItem(path, leaf.offsets, tuple(local.shape))
         t: Any
         if isinstance(local, torch.Tensor):
             t = local if inplace else torch.empty_like(local)

@@ -413,4 +413,4 @@ def split_plan(plan: SavePlan) -> list[RankPlan]:
 
 def plan_read(path: str, want_offsets: Sequence[int], want_lengths: Sequence[int]) -> ReadItem:
     """Read the region a local target needs; the executor slabs it by shard."""
-    return ReadItem(path, tuple(want_offsets), tuple(want_lengths), tuple(0 for _ in want_offsets))
+    return ReadItem(path, tuple(want_offsets), tuple(want_lengths))

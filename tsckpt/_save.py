@@ -11,13 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -26,7 +25,9 @@ from . import _dtypes, _chunking, _lease, _store
 from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
-from ._codec.encode import LITTLE_ENDIAN, encode_chunk
+from ._codec.encode import encode_chunk
+from ._codec.layout import StorageLayout, storage_layout
+from ._codec.route import Place, Route, place, route
 from ._chunking import intersect, shard_boxes
 # steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
 from ._commit import abandon as _abandon, begin as _begin, commit as _commit_root, merge_databases
@@ -49,12 +50,13 @@ from ._plan import RankPlan, WriteItem, plan_aliases, plan_save, split_plan
 from ._options import WRITE_WINDOW_BYTES, SaveOptions, verb
 from ._progress import Progress
 from ._codec.threads import Workers
+from ._window import Window
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
-# (_shardwrite; pwritev and large copies release the GIL); 0 leaves every file to
-# TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
+# (_codec/shardwrite.py; pwritev and large copies release the GIL); 0 leaves shard
+# files to TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
 WRITE_THREADS = 2
 # Start writing each such file to disk as soon as it is written (sync_data still makes
 # them durable): 1.9 s against 2.8 s for 1 GiB with 2 threads (medians of 5).
@@ -109,46 +111,105 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
     return buf
 
 
-def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
-    """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
-    extra = _dtypes.storage_extra_dims(rec.dtype)
-    inner = rec.chunking.chunk_shape
-    return (*rec.chunking.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
+class _ShardWrite(NamedTuple):  # a NamedTuple: made once per file, 10,000 times for 10,000 small leaves
+    """One shard file of this rank's writes, and who writes it (:func:`route`)."""
+
+    item: WriteItem
+    rec: ArrayRecord
+    layout: StorageLayout
+    offsets: tuple[int, ...]  # the box of the array the file holds
+    lengths: tuple[int, ...]
+    key: str
+    route: Route
 
 
-def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> bytes | None:
-    """The encoded file of an unsharded chunk that ``src`` fills whole, else None
-    (TensorStore then encodes the write)."""
-    shard, inner, shape = _storage_layout(rec)
-    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, 0), shard, shape))
-    if not LITTLE_ENDIAN or src.shape != full[: src.ndim] or any(o % g for o, g in zip(offsets, shard)):
-        return None
-    return encode_chunk(src) if inner is None and src.shape == shard else None
+def _shard_writes(writes: Sequence[WriteItem], records: dict[str, ArrayRecord], where: Place) -> Iterator[_ShardWrite]:
+    """The plan of a rank's writes: each shard file, in order, with its writer (pure; lazy,
+    as the sources are read only when their file is written). The own codec encodes
+    whole files only; a box that is not a whole shard (the planner gives none) would be
+    left to TensorStore."""
+    for item in writes:
+        rec = records[item.path]
+        layout, how = storage_layout(rec), route(rec, where)
+        for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
+            own = how is not Route.TENSORSTORE and _whole_shard(rec, off, ln)
+            yield _ShardWrite(item, rec, layout, off, ln, chunk_key(rec, off), how if own else Route.TENSORSTORE)
 
 
-def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> Callable[[str], None] | None:
-    """What writes the shard file at ``offsets`` from ``src`` (all of the shard that lies in
-    the array) with tsckpt's own writer (_shardwrite), or None when it does not apply."""
-    shard, inner, shape = _storage_layout(rec)
-    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, *(0 for _ in shard[len(offsets):])), shard, shape))
-    if (
-        not LITTLE_ENDIAN
-        or _dtypes.storage_dtype(rec.dtype) not in shardwrite.DTYPES
-        or src.shape != full
-        or src.dtype.byteorder == ">"
-        or any(o % g for o, g in zip(offsets, shard))
-    ):
-        return None
-    if inner is None:  # one small chunk: _encode_file's single kvstore write (measured faster for 10k files)
-        return None
-    return functools.partial(shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
+def _whole_shard(rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether the box is all of the shard at ``offsets`` that lies in the array."""
+    for o, n, g, s in zip(offsets, lengths, rec.chunking.shard_shape, rec.shape):
+        if o % g or n != min(g, s - o):
+            return False
+    return True
 
 
-def _local_root(data: dict[str, Any], compact: bool) -> str | None:
-    """The directory of a plain checkpoint on a local disk (whose files tsckpt writes itself), else None."""
-    if WRITE_THREADS < 1 or compact or data.get("driver") != "file" or set(data) - {"driver", "path"}:
-        return None
-    return str(data["path"])
+def _write_place(data: dict[str, Any], compact: bool) -> Place:
+    """What the own codec writes into the kvstore ``data`` (WRITE_THREADS = 0: no shard files)."""
+    return place(data, LAYOUT_COMPACT if compact else LAYOUT_PLAIN, shard_files=WRITE_THREADS >= 1)
+
+
+class _Writers:
+    """Starts each shard file's write with its writer: the own shard writer on worker
+    threads, one kvstore write of an own-encoded chunk, or a TensorStore array write
+    (compact layout: all in the window's transaction). Started writes are (future, bytes)."""
+
+    def __init__(self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool) -> None:
+        self.data, self.directory, self.progress = data, where.directory, progress
+        self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+        self.txn = ts.Transaction() if compact else None
+        self.stores: dict[str, ts.TensorStore] = {}
+        self.pool = Workers(WRITE_THREADS, "tsckpt-write")
+        self.made: set[str] = set()  # directories created for shard files
+
+    def start(self, w: _ShardWrite, src: np.ndarray) -> tuple[Any, int]:
+        if w.route is Route.SHARD:
+            fut = self._shard_file(w, src)
+        elif w.route is Route.CHUNK:
+            kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
+            fut = kv.write(w.key, encode_chunk(src, w.layout.shard))
+        else:
+            fut = self._tensorstore(w, src)
+        return fut, src.nbytes
+
+    def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
+        layout = w.layout
+        path = os.path.join(str(self.directory), w.key)
+        parent = os.path.dirname(path)
+        if parent not in self.made:
+            os.makedirs(parent, exist_ok=True)
+            self.made.add(parent)
+        inner = layout.inner or layout.shard
+        return self.pool.submit(
+            lambda: shardwrite.write_shard(path, src, layout.shard, inner, writeback=START_WRITEBACK)
+        )
+
+    def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
+        if w.rec.path not in self.stores:
+            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True)
+        store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
+        dst = store[tuple(slice(o, o + n) for o, n in zip(w.offsets, w.lengths))] if w.offsets else store
+        written = dst.write(src, can_reference_source_data_indefinitely=True)
+        return written.commit if self.txn is None else written.copy
+
+    def settle(self, started: tuple[Any, int]) -> None:
+        """Wait for one write."""
+        fut, nbytes = started
+        fut.result()
+        self.progress.update(nbytes, 1)
+
+    def commit(self, window: list[tuple[Any, int]]) -> None:
+        """Compact layout: wait for a window's writes and commit its transaction."""
+        for fut, _ in window:
+            fut.result()
+        if self.txn is not None:
+            self.txn.commit_async().result()
+            self.txn = ts.Transaction()
+        self.progress.update(sum(n for _, n in window), len(window))
+
+    def close(self) -> None:
+        """Wait for the shard files being written (none is being written once this returns)."""
+        self.pool.shutdown()
 
 
 def _write_regions(
@@ -156,77 +217,31 @@ def _write_regions(
     *, compact: bool, progress: Progress,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
-    window in flight.
+    window in flight: plan each file's writer (:func:`_shard_writes`), then start each
+    write as its source is read. Returns the keys written.
 
-    Returns the keys written. TensorStore may encode straight from the source
-    memory (no staging copy): save() waits for every write before it returns,
-    so the caller cannot change the data underneath. The compact layout's
-    database gets one transaction per window, so each window becomes a few
-    large files rather than a commit (and files) per write.
+    TensorStore may encode straight from the source memory (no staging copy): save()
+    waits for every write before it returns, so the caller cannot change the data
+    underneath. The compact layout's database gets one transaction per window, so each
+    window becomes a few large files rather than a commit (and files) per write.
     """
-    records = {a.path: a for a in plan.arrays}
-    root = _local_root(data, compact)
-    pool = Workers(WRITE_THREADS, "tsckpt-write")
-    made: set[str] = set()
-    pending: collections.deque[tuple[Any, int]] = collections.deque()
-    in_flight = 0
-    written: list[str] = []
-    stores: dict[str, ts.TensorStore] = {}
-    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
-    txn = ts.Transaction() if compact else None
-
-    def settle(keep: int) -> None:
-        nonlocal in_flight, txn
-        if txn is not None:  # a window is written by committing its transaction
-            for fut, _ in pending:
-                fut.result()
-            txn.commit_async().result()
-            txn = ts.Transaction()
-            progress.update(in_flight, len(pending))
-            pending.clear()
-            in_flight = 0
-        while in_flight > keep and pending:
-            fut, n = pending.popleft()
-            fut.result()
-            in_flight -= n
-            progress.update(n, 1)
-
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
+    where = _write_place(data, compact)
+    writers = _Writers(data, where, progress, compact=compact)
+    in_flight: Window[tuple[Any, int]] = (
+        Window(window, batch=writers.commit) if compact else Window(window, writers.settle)
+    )
+    written: list[str] = []
     try:
-        for item in writes:
-            rec = records[item.path]
-            lf = local[item.path]
-            for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
-                src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
-                key = chunk_key(rec, off)
-                fut: Any
-                writer = _file_writer(rec, off, src) if root is not None else None
-                encoded = _encode_file(rec, off, src) if writer is None else None
-                if writer is not None:
-                    path = os.path.join(root or "", key)
-                    parent = os.path.dirname(path)
-                    if parent not in made:
-                        os.makedirs(parent, exist_ok=True)
-                        made.add(parent)
-                    fut = pool.submit(writer, path)
-                elif encoded is not None:
-                    fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
-                else:
-                    if item.path not in stores:
-                        stores[item.path] = open_array(data, rec, write=True)
-                    store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
-                    dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-                    w = dst.write(src, can_reference_source_data_indefinitely=True)
-                    fut = w.commit if txn is None else w.copy
-                pending.append((fut, src.nbytes))
-                in_flight += src.nbytes
-                written.append(key)
-                if in_flight > window:
-                    settle(window)
-        settle(0)
+        for w in _shard_writes(writes, {a.path: a for a in plan.arrays}, where):
+            lf = local[w.item.path]
+            src = _assemble(w.item, lf, plan, received) if w.item.assembled else _local_box(lf, w.offsets, w.lengths)
+            in_flight.add(writers.start(w, src), src.nbytes)
+            written.append(w.key)
+        in_flight.drain()
     finally:
-        pool.shutdown()  # no file is being written once this returns or raises
+        writers.close()
     return written
 
 

@@ -34,13 +34,12 @@ class LeafDesc(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ReadItem:
-    """Read the global box (``storage_offsets``, ``lengths``) of ``path`` into the
-    local destination at ``dest_offsets``."""
+    """Read the global box (``storage_offsets``, ``lengths``) of ``path`` into the whole
+    local destination."""
 
     path: str
     storage_offsets: tuple[int, ...]
     lengths: tuple[int, ...]
-    dest_offsets: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
