@@ -22,7 +22,7 @@ from tsckpt._arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
 from tsckpt._codec import shardwrite
 from tsckpt._codec.encode import decode_chunk, encode_chunk
-from tsckpt._codec.layout import ShardIndex, storage_layout
+from tsckpt._codec.files import ShardIndex, stored_shapes
 from tsckpt._codec.route import Place, Route, place, route
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._formats.sources import open_checkpoint
@@ -77,10 +77,13 @@ def test_the_switch(tmp_path, monkeypatch):
     monkeypatch.setattr(_route, "CODEC", "own")
     with pytest.raises(ValueError, match=r"^tsckpt._codec.route.CODEC is 'own'; set it to 'auto'") as info:
         tsckpt.save(tmp_path / "ck", {"x": np.zeros(3)})
-    assert not (tmp_path / "ck").exists()  # the failed save removed what it wrote
-    assert getattr(info.value, "__notes__", ["the partial checkpoint was removed"])[-1].startswith(
-        "the partial checkpoint was removed"
-    )
+    assert not (tmp_path / "ck").exists()  # refused before the claim: nothing was written
+    assert not getattr(info.value, "__notes__", [])  # no clean-up was needed
+    monkeypatch.setattr(_route, "CODEC", None)
+    tsckpt.save(tmp_path / "ok", {"x": np.arange(3.0)})
+    monkeypatch.setenv(_route.ENV, "TensorStore")
+    with pytest.raises(ValueError, match=r"^the environment variable TSCKPT_CODEC is 'TensorStore'"):
+        tsckpt.restore(tmp_path / "ok")
 
 
 # ---- spies -------------------------------------------------------------------------------------
@@ -309,6 +312,6 @@ def test_edge_chunks_are_padded_with_zero_bytes():
     assert decode_chunk(bytes([data[0] ^ 1]) + data[1:], src.dtype, (2, 4)) is None  # altered
 
 
-def test_storage_layout_of_complex32():
+def test_stored_shapes_of_complex32():
     r = rec((6, 10), (4, 10), (2, 5), "complex32")
-    assert storage_layout(r) == ((4, 10, 2), (2, 5, 2), (6, 10, 2)) and storage_layout(r).grid == (2, 2, 1)
+    assert stored_shapes(r) == ((4, 10, 2), (2, 5, 2), (6, 10, 2)) and stored_shapes(r).grid == (2, 2, 1)

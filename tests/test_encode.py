@@ -17,10 +17,10 @@ import torch
 import zarr
 
 import tsckpt
-from tsckpt import _chunking as _layout
+from tsckpt import _chunking
 from tsckpt._codec import route as _route
 from tsckpt._codec import shardwrite as _shardwrite
-from tsckpt._codec.layout import storage_layout
+from tsckpt._codec.files import stored_shapes
 from tsckpt._arrays import array_node, chunk_key
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._leaves import describe
@@ -35,7 +35,7 @@ def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
     """What save's own shard writer does with the shard file at ``offsets`` (a function of
     its path), or None when the own codec does not write it."""
     where = _route.place({"driver": "file", "path": "/"}, "plain")
-    layout = storage_layout(rec)
+    layout = stored_shapes(rec)
     if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(rec, offsets, src.shape[: len(offsets)]):
         return None
     return lambda path: _shardwrite.write_shard(path, src, layout.shard, layout.inner)
@@ -268,8 +268,8 @@ def test_source_that_is_a_column_slice(tmp_path):
 def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypatch, shape, dtype, regions):
     """Regions as DTensor shards give them, planned and written by save's own functions
     (one rank after the other, in one process); every file equals TensorStore's."""
-    monkeypatch.setattr(_layout, "INNER_CHUNK_BYTES", 512)
-    monkeypatch.setattr(_layout, "SHARD_BYTES", 2048)
+    monkeypatch.setattr(_chunking, "INNER_CHUNK_BYTES", 512)
+    monkeypatch.setattr(_chunking, "SHARD_BYTES", 2048)
     full = _data(shape, dtype, seed=3)
     n = {"rows": (3, 1), "cols": (1, 2), "grid": (2, 2)}[regions]
     starts = [[-(-shape[0] * i // n[0]) for i in range(n[0])], [-(-shape[1] * j // n[1]) for j in range(n[1])]]

@@ -21,6 +21,7 @@ from ._coord import phase
 from ._dist import coordinator_for
 from ._codec.chunkread import read_chunks
 from ._codec.route import Place, Route, place, route
+from ._codec.route import setting as codec_setting
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ArrayRecord
 from ._leaves import destination, kind_of, memory
@@ -290,6 +291,7 @@ def restore(
     with "unsafe" such losses give a :class:`RestoreWarning`.
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
+    codec_setting()  # so does a bad TSCKPT_CODEC
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:

@@ -26,8 +26,9 @@ from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
 from ._codec.encode import encode_chunk
-from ._codec.layout import StorageLayout, storage_layout
+from ._codec.files import StoredShapes, stored_shapes
 from ._codec.route import Place, Route, place, route
+from ._codec.route import setting as codec_setting
 from ._chunking import intersect, shard_boxes
 # steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
 from ._commit import abandon as _abandon, begin as _begin, commit as _commit_root, merge_databases
@@ -116,7 +117,7 @@ class _ShardWrite(NamedTuple):  # a NamedTuple: made once per file, 10,000 times
 
     item: WriteItem
     rec: ArrayRecord
-    layout: StorageLayout
+    shapes: StoredShapes
     offsets: tuple[int, ...]  # the box of the array the file holds
     lengths: tuple[int, ...]
     key: str
@@ -130,10 +131,10 @@ def _shard_writes(writes: Sequence[WriteItem], records: dict[str, ArrayRecord], 
     left to TensorStore."""
     for item in writes:
         rec = records[item.path]
-        layout, how = storage_layout(rec), route(rec, where)
+        shapes, how = stored_shapes(rec), route(rec, where)
         for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
             own = how is not Route.TENSORSTORE and _whole_shard(rec, off, ln)
-            yield _ShardWrite(item, rec, layout, off, ln, chunk_key(rec, off), how if own else Route.TENSORSTORE)
+            yield _ShardWrite(item, rec, shapes, off, ln, chunk_key(rec, off), how if own else Route.TENSORSTORE)
 
 
 def _whole_shard(rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
@@ -167,21 +168,21 @@ class _Writers:
             fut = self._shard_file(w, src)
         elif w.route is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
-            fut = kv.write(w.key, encode_chunk(src, w.layout.shard))
+            fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
         else:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes
 
     def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
-        layout = w.layout
+        shapes = w.shapes
         path = os.path.join(str(self.directory), w.key)
         parent = os.path.dirname(path)
         if parent not in self.made:
             os.makedirs(parent, exist_ok=True)
             self.made.add(parent)
-        inner = layout.inner or layout.shard
+        inner = shapes.inner or shapes.shard
         return self.pool.submit(
-            lambda: shardwrite.write_shard(path, src, layout.shard, inner, writeback=START_WRITEBACK)
+            lambda: shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
         )
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
@@ -349,6 +350,7 @@ def save(
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
     SaveOptions.of(locals())  # a bad option raises here, before any work
+    codec_setting()  # so does a bad TSCKPT_CODEC, before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None

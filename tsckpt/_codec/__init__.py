@@ -4,7 +4,7 @@ written without TensorStore where that is faster, byte for byte as TensorStore d
 - :mod:`.route`: the one rule saying which arrays the own codec handles (both directions),
   and the switch ``TSCKPT_CODEC=tensorstore`` that sends all I/O through TensorStore.
 - :mod:`.crc`: crc32c through google-crc32c's public API.
-- :mod:`.layout`: an array's stored shapes, and the shard index (:class:`.layout.ShardIndex`).
+- :mod:`.files`: an array's stored shapes, and the shard index (:class:`.files.ShardIndex`).
 - :mod:`.encode`: unsharded chunk files (one kvstore read or write each).
 - :mod:`.chunkread`: restore's reads of unsharded chunk files into CPU memory.
 - :mod:`.shardwrite`, :mod:`.shardread`: shard files of a local plain checkpoint, by

@@ -25,7 +25,7 @@ from .._checkpoint import Checkpoint
 from .._types import Dest
 from .._window import Window
 from .encode import decode_chunk
-from .layout import storage_layout
+from .files import stored_shapes
 
 
 class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,000 small leaves
@@ -86,7 +86,7 @@ def read_chunks(
         view = view_of(dest)
         if rec.path not in nodes:
             nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}")
-        chunk = storage_layout(rec).shard
+        chunk = stored_shapes(rec).shard
         element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
         for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):
             nbytes = math.prod(ln) * element

@@ -17,7 +17,7 @@ in): cold, that took a quarter less time and a fraction of the kernel CPU of
 buffered reads. Cached files are read through the cache as above.
 
 Which arrays are read here is :func:`.route.route`'s rule (the same the writer
-follows); the file format is in :mod:`.layout`.
+follows); the file format is in :mod:`.files`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
 from .._window import Window
 from . import crc
-from .layout import ShardIndex, StorageLayout, storage_box, storage_layout
+from .files import ShardIndex, StoredShapes, storage_box, stored_shapes
 from .pagecache import ALIGN, resident_fraction, set_direct
 from .threads import Workers
 
@@ -69,7 +69,7 @@ class _Job:
     dest: Dest
     view: np.ndarray  # the destination memory in the stored dtype and shape
     rec: ArrayRecord
-    layout: StorageLayout
+    shapes: StoredShapes
     key: str  # the shard file's key, and its path
     file: str
     offsets: tuple[int, ...]  # the box of the stored array read from this file
@@ -115,11 +115,11 @@ def read_sharded(
             rest.append(dest)
             continue
         view = view_of(dest)
-        layout = storage_layout(rec)
+        shapes = stored_shapes(rec)
         base, _ = storage_box(rec, item.storage_offsets, item.lengths)
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
             key = chunk_key(rec, off)
-            jobs.append(_Job(dest, view, rec, layout, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
+            jobs.append(_Job(dest, view, rec, shapes, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
     return rest + [dest for dest in dests if id(dest) in fell_back]
 
@@ -151,7 +151,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
 
     def work(job: _Job) -> bool:
         """Read one job; False when TensorStore is to read its destination instead."""
-        chunk_bytes = math.prod(job.layout.inner or ()) * job.view.dtype.itemsize + CRC_BYTES
+        chunk_bytes = math.prod(job.shapes.inner or ()) * job.view.dtype.itemsize + CRC_BYTES
         cap = max(chunk_bytes, min(RUN_BYTES, window // threads))  # scratch held per thread
         room: _Room | None = getattr(local, "room", None)
         if room is None or room.cap < cap:
@@ -223,26 +223,26 @@ class _Chunk(NamedTuple):
 
 
 def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
-    key, layout = job.key, job.layout
-    chunk = layout.inner or ()
+    key, shapes = job.key, job.shapes
+    chunk = shapes.inner or ()
     data_bytes = math.prod(chunk) * job.view.dtype.itemsize
     stride = data_bytes + CRC_BYTES  # a stored inner chunk
     stat = os.fstat(fd)
     if not S_ISREG(stat.st_mode):
         raise _Fallback(f"{key} is not a regular file")
     size = stat.st_size
-    index_bytes = ShardIndex.nbytes(layout.grid)
+    index_bytes = ShardIndex.nbytes(shapes.grid)
     if size < index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
     cached = resident_fraction(fd, 0, size - index_bytes)  # before reading the index brings its pages in
     tail = os.pread(fd, index_bytes, size - index_bytes)
     if len(tail) != index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} shrank while being read")
-    index = ShardIndex.parse(tail, layout.grid)
+    index = ShardIndex.parse(tail, shapes.grid)
     if index is None:
         raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
 
-    origin = tuple((o // s) * s for o, s in zip(job.offsets, layout.shard))
+    origin = tuple((o // s) * s for o, s in zip(job.offsets, shapes.shard))
     ends = tuple(o + n for o, n in zip(job.offsets, job.lengths))
     ranges = [range((o - g) // c, -(-(e - g) // c)) for o, e, g, c in zip(job.offsets, ends, origin, chunk)]
     plan: list[_Chunk] = []
@@ -318,7 +318,7 @@ def _read_run(
         for data, c, stored in zip(datas, run, crcs):
             if crc.value(data) != stored:
                 raise _damage(ck, job, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
-        chunk = job.layout.inner or ()
+        chunk = job.shapes.inner or ()
         for data, c in zip(datas, run):
             if c.direct is None:
                 block = data.view(job.view.dtype).reshape(chunk)

@@ -12,7 +12,7 @@ to ``pwritev`` from the source memory and only the others are gathered, into a
 small reused buffer. Which arrays are written here is :func:`.route.route`'s
 rule; tests/test_encode.py checks every file against TensorStore's own.
 
-The file's format is in :mod:`.layout`: inner chunks wholly outside the array
+The file's format is in :mod:`.files`: inner chunks wholly outside the array
 are not stored, those partly outside are padded with the fill value, which is
 zero bytes in every dtype tsckpt stores (as TensorStore pads: float8_e8m0fnu,
 which has no zero, too).
@@ -33,7 +33,7 @@ import numpy as np
 
 from .._arrays import CRC_BYTES
 from . import crc
-from .layout import ShardIndex
+from .files import ShardIndex
 from .pagecache import ALIGN, set_direct
 
 # Bytes of gathered (non-contiguous or padded) chunks staged before a pwritev; small, so

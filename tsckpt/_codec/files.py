@@ -24,7 +24,7 @@ from .._format import ArrayRecord
 from . import crc
 
 
-class StorageLayout(NamedTuple):
+class StoredShapes(NamedTuple):
     """Shapes of the stored array: complex32 adds a trailing dimension of 2 to each."""
 
     shard: tuple[int, ...]  # one file's extent
@@ -37,11 +37,11 @@ class StorageLayout(NamedTuple):
         return tuple(s // i for s, i in zip(self.shard, self.inner or self.shard))
 
 
-def storage_layout(rec: ArrayRecord) -> StorageLayout:
+def stored_shapes(rec: ArrayRecord) -> StoredShapes:
     """The stored shapes of ``rec`` (its record's shapes plus the storage dtype's extra dims)."""
     extra = _dtypes.storage_extra_dims(rec.dtype)
     inner = rec.chunking.chunk_shape
-    return StorageLayout(
+    return StoredShapes(
         (*rec.chunking.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
     )
 
