@@ -80,6 +80,7 @@ def test_the_switch(tmp_path, monkeypatch):
     assert not (tmp_path / "ck").exists()  # refused before the claim: nothing was written
     assert not getattr(info.value, "__notes__", [])  # no clean-up was needed
     monkeypatch.setattr(_route, "CODEC", None)
+    monkeypatch.delenv(_route.ENV)
     tsckpt.save(tmp_path / "ok", {"x": np.arange(3.0)})
     monkeypatch.setenv(_route.ENV, "TensorStore")
     with pytest.raises(ValueError, match=r"^the environment variable TSCKPT_CODEC is 'TensorStore'"):
