@@ -282,7 +282,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
-            **given,
+            copy_from=args.copy_from, **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--add-prefix", metavar="TEXT", help="put TEXT in front of every leaf name (e.g. 'model.')")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
-    p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point arrays, e.g. bfloat16 or float16")
+    p.add_argument("--dtype", metavar="DTYPE",
+                   help="cast floating-point arrays, e.g. bfloat16 or float16 (and name it in a copied config.json)")
     p.add_argument("--casting", choices=CASTINGS, default="same_kind",
                    help="what --dtype may do: same_kind fails on a value beyond the new dtype's range, unsafe "
                    "casts it anyway with a warning (default: same_kind)")
@@ -368,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-bytes", metavar="SIZE",
                    help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
+    p.add_argument("--copy-from", metavar="DIR",
+                   help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
+                   "tokenizer files found in DIR (regular files only)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=cmd_convert)
     return parser
