@@ -83,8 +83,9 @@ def test_tied_module_saved_by_tsckpt_torch(tmp_path):
 
 def _configs() -> list:
     transformers = pytest.importorskip("transformers")
-    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    small = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+             "tie_word_embeddings": True}
     return [
         transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=64),
         transformers.Qwen2Config(**small),
@@ -214,10 +215,10 @@ def test_copied_files_are_part_of_the_one_atomic_write(ck, base, tmp_path, monke
     hf = tmp_path / "hf"
     real = convert_module._read_side
 
-    def failing(path: str) -> bytes:
+    def failing(path: str, out=None) -> bytes:
         if path.endswith("tokenizer.json"):
             raise OSError(f"{path}: read failed")
-        return real(path)
+        return real(path, out)
 
     monkeypatch.setattr(convert_module, "_read_side", failing)
     with pytest.raises(OSError, match="tokenizer.json: read failed"):
@@ -249,7 +250,7 @@ def test_copy_from_on_the_command_line(ck, base, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip() == (
         f"converted {ck} (tsckpt) -> {hf} (safetensors): 2 arrays (160 B) in 6 files, 0 values, 1 tied leaf")
-    assert json.loads(open(os.path.join(hf, "config.json")).read()) == {
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {
         "model_type": "gpt2", "torch_dtype": "float16", "n_layer": 1}
     code = main(["convert", ck, str(tmp_path / "x.safetensors"), "--copy-from", str(base)])
     err = capsys.readouterr().err

@@ -259,16 +259,31 @@ def _regular_file(path: str) -> os.stat_result:
     return st
 
 
-def _read_side(path: str) -> bytes:
-    """The bytes of a side file, opened without following a link and checked again once open."""
+def _open_side(path: str) -> BinaryIO:
+    """A side file open for reading, without following a link, checked again once open
+    (it may have been replaced since :func:`_regular_file` looked)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"copy_from: {path} is not a regular file")
-        data = f.read(MAX_SIDE_FILE_BYTES + 1)
-    if len(data) > MAX_SIDE_FILE_BYTES:
-        raise ValueError(f"copy_from: {path} grew past {MAX_SIDE_FILE_BYTES} bytes while it was copied")
-    return data
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError(f"copy_from: {path} is not a regular file")
+    return f
+
+
+def _read_side(path: str, out: BinaryIO | None = None) -> bytes:
+    """A side file's bytes, or with ``out``, copied to it in blocks (returns b""); at most
+    :data:`MAX_SIDE_FILE_BYTES`, however the file grows while it is read."""
+    kept, n = [], 0
+    with _open_side(path) as f:
+        while block := f.read(1 << 20):
+            n += len(block)
+            if n > MAX_SIDE_FILE_BYTES:
+                raise ValueError(f"copy_from: {path} grew past {MAX_SIDE_FILE_BYTES} bytes while it was copied")
+            if out is None:
+                kept.append(block)
+            else:
+                out.write(block)
+    return b"".join(kept)
 
 
 def _config_with_dtype(path: str, dtype: torch.dtype) -> bytes:
@@ -288,9 +303,14 @@ def _config_with_dtype(path: str, dtype: torch.dtype) -> bytes:
 
 
 def _side_writer(path: str, data: bytes | None) -> Callable[[BinaryIO], None]:
-    """Writes ``data``, or else the file at ``path`` read as it is written."""
+    """Writes ``data``, or else copies the file at ``path`` block by block."""
+
     def write(out: BinaryIO) -> None:
-        out.write(data if data is not None else _read_side(path))
+        if data is not None:
+            out.write(data)
+        else:
+            _read_side(path, out)
+
     return write
 
 
@@ -332,7 +352,9 @@ def _destination_format(dst: Directory, to_format: str | None) -> str:
     return to
 
 
-def _copied(copy_from: str | os.PathLike[str] | None, to: str, dst: str, cast: torch.dtype | None) -> list[safetensors.SideFile]:
+def _copied(
+    copy_from: str | os.PathLike[str] | None, to: str, dst: str, cast: torch.dtype | None
+) -> list[safetensors.SideFile]:
     """The side files ``copy_from`` asks for, refused unless the destination is a Hugging
     Face directory (a .safetensors file or a tsckpt checkpoint holds no side files)."""
     if copy_from is None:
