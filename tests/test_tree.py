@@ -272,3 +272,12 @@ def test_structure_from_paths_makes_lists_of_index_runs():
     s = structure_from_paths(paths)
     assert structure_from_json(s, [1, 2, 3, 4]) == {"a": [1, {"x": 2}], "b/c": 3, "d": {"1": 4}}
     assert structure_from_paths(["a/1", "b", "a/0"]) is None  # not depth-first: no structure claimed
+
+
+def test_own_order_lists_leaves_as_the_tree_was_built():
+    t = {"z": 1, "a": {"y": 2, "b": 3}, "m": [4, {"q": 5, "c": 6}]}
+    flat = flatten(t)
+    assert flat.leaves == [3, 2, 4, 6, 5, 1]  # dict keys sorted, as optree flattens
+    order = tree.own_order(structure_to_json(flat.spec))
+    assert [flat.leaves[i] for i in order] == [1, 2, 3, 4, 5, 6]
+    assert tree.own_order(structure_to_json(flatten(7).spec)) == [0]

@@ -24,7 +24,7 @@ import torch
 from . import _dtypes
 from ._casting import check_cast
 from ._errors import LeafTypeError, ShapeMismatchError
-from ._format import ArrayRecord
+from ._format import ArrayRecord, extent_problem
 from ._plan import plan_read
 from ._types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
 
@@ -74,6 +74,7 @@ def region_leaf(
     without plain readable memory are refused here, before a save claims its directory."""
     if isinstance(data, torch.Tensor):
         _check_storable(path, data)
+    check_extents(path, global_shape)
     dtype = logical_dtype(path, data.dtype)
     desc = LeafDesc(
         path=path,
@@ -85,6 +86,17 @@ def region_leaf(
         lengths=tuple(int(s) for s in data.shape),
     )
     return Local(desc, data)
+
+
+def check_extents(path: str, shape: Sequence[int]) -> None:
+    """Refuse, before a save claims its directory, an array restore would refuse (see
+    :func:`tsckpt._format.extent_problem`), rather than commit a checkpoint nothing reads."""
+    problem = extent_problem(shape)
+    if problem is not None:
+        raise LeafTypeError(
+            f"'{path}': an array of shape {list(shape)} has {problem}, so the checkpoint could not be read back; "
+            "reshape it (merge dimensions, or give an empty array smaller extents) before saving"
+        )
 
 
 def _check_storable(path: str, t: torch.Tensor) -> None:
