@@ -77,7 +77,7 @@ def as_checkpoint(loc: Location, fmt: str, tree: Any) -> Checkpoint:
             values[path] = leaf
             continue
         # a scalar or an empty array views no memory of its own (empty tensors all have address 0)
-        key = memory(leaf) if not isinstance(leaf, np.generic) and math.prod(src.shape) else None
+        key = memory(leaf) if not isinstance(leaf, np.generic) and 0 not in src.shape else None
         if key is not None and key in first:
             aliases[path] = first[key]
             continue

@@ -31,10 +31,6 @@ FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")
 # The formats read through TensorStore, which a kvstore spec or URL may hold.
 KVSTORE_FORMATS = (TSCKPT, "orbax")
 
-# Opens a detected checkpoint at a location (keep_bad: as verify reads it, bad leaves listed
-# rather than raised) for the read verbs.
-Opener = Callable[[Location, bool], Checkpoint]
-
 
 def detect(src: str) -> str | None:
     """The format of the checkpoint at ``src`` (one of :data:`FORMATS`), from its own marker
