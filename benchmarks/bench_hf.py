@@ -31,7 +31,7 @@ Workload
 Every rank is a fresh process; before the timed call each does one small load of a
 tiny directory with the same system (imports inside the libraries excluded). The
 files are in the page cache (written just before; the machine has room): a warm-cache
-comparison of the two readers' work, not of the disk. Loaded shards are compared with
+comparison of the two readers' work, not of the disk (written back with sync first). Loaded shards are compared with
 the files' values after timing.
 
 Targets: peak RSS growth per rank at most 1/4 of the model plus 64 MiB; tsckpt's load
@@ -225,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         nbytes = write_hf(path, spec, SHARD_BYTES)
         write_hf(warm, warm_spec, SHARD_BYTES)
+        os.sync()  # the files' dirty pages written back now, not during the first timed load
         files = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
         log(f"wrote {nbytes / MiB:.0f} MiB in {files} files ({time.perf_counter() - t0:.1f} s)")
         runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SYSTEMS}
