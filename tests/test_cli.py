@@ -446,7 +446,7 @@ def test_verify_names_every_bad_leaf_of_the_root_metadata(ck, capsys):
 def test_an_unexpected_error_is_one_line_too(ck, capsys, monkeypatch):
     import tsckpt._cli as cli
 
-    def broken(directory, *, keep_bad=False):
+    def broken(directory, **options):
         raise RuntimeError("something\nunforeseen")
 
     monkeypatch.setattr(cli, "open_checkpoint", broken)

@@ -43,6 +43,9 @@ VERB_OBJECTS: dict[str, Any] = {
     "CheckpointManager.restore": tsckpt.CheckpointManager.restore,
     "tsckpt.torch.restore": tt.restore,
     "tsckpt.convert": tsckpt.convert,
+    "tsckpt.open": tsckpt.open,
+    "tsckpt.metadata": tsckpt.metadata,
+    "tsckpt.verify": tsckpt.verify,
 }
 
 # The twin each verb is compared with, for each option set.

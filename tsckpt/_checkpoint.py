@@ -58,6 +58,10 @@ class Checkpoint:
     # "tsckpt", or the library that wrote a checkpoint tsckpt reads directly ("orbax"); set by
     # the opener that parsed it, never read from the stored metadata
     format: str = TSCKPT
+    # arrays of another format read from its own files region by region (safetensors, torch.save,
+    # DCP): stored array path -> its LazySource (tsckpt._formats.lazy); None for the formats
+    # whose arrays open through TensorStore
+    sources: Mapping[str, Any] | None = None
     # the arrays whose files were found to back their records (see _backing.py)
     backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the kvstore
@@ -67,6 +71,12 @@ class Checkpoint:
         """Written by another library: its arrays open through their own specs, and its files
         (nodes, shards, links) are that library's to check. The one place this is asked."""
         return self.format != TSCKPT
+
+    @property
+    def lazy(self) -> bool:
+        """Its arrays are read through :attr:`sources`, not TensorStore: every reader (restore,
+        ``open``, verify) asks the source for the regions it needs and nothing more."""
+        return self.sources is not None
 
     def kvstore(self) -> ts.KvStore:
         """The kvstore of :meth:`data`, opened once."""
@@ -126,6 +136,8 @@ class Opening:
 
     def result(self) -> ts.TensorStore:
         ck, path = self._ck, self._path
+        if ck.lazy:
+            raise TypeError(f"'{path}' in {ck.location}: a {ck.format} array is read through its source, not TensorStore")
         if self._node is None:
             return ts.open(ck.specs[path], read=True, context=_store.CONTEXT).result()
         found = self._node.result()

@@ -196,7 +196,7 @@ def printable(arr: LazyArray, index: tuple[Any, ...]) -> tuple[np.ndarray, str]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    ck = open_checkpoint(args.dir)
+    ck = open_checkpoint(args.dir, **_opened(args))
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
         raise UsageError(f"no leaf at or below '{args.prefix}' in {ck.location}")
@@ -229,7 +229,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     name, index, index_text = parse_target(args.target)
-    reader = open_reader(args.dir)
+    reader = open_reader(args.dir, **_opened(args))
     path = resolve_leaf(list(reader), name)
     try:
         leaf = reader[path]
@@ -267,7 +267,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._verify import verify
 
-    report = verify(args.dir, progress=False if args.verbose else None)
+    report = verify(args.dir, progress=False if args.verbose else None, **_opened(args))
     if args.verbose:
         for p in report.leaves:
             if p not in report.bad:
@@ -310,7 +310,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
-            copy_from=args.copy_from, **given,
+            copy_from=args.copy_from, allow_pickle=args.allow_pickle, **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -331,6 +331,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # ---- entry point -------------------------------------------------------------
 
 
+def _source_options(p: argparse.ArgumentParser) -> None:
+    """The options ls, show and verify share with restore: which format DIR holds, and whether
+    a pickled one may be read."""
+    p.add_argument("--from", dest="from_format", choices=FORMATS,
+                   help="the checkpoint's format (default: detected, as convert detects it)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a checkpoint whose metadata is a Python pickle (a torch.distributed.checkpoint "
+                   "directory); unpickling can run arbitrary code: only for a checkpoint from a trusted source")
+
+
+def _opened(args: argparse.Namespace) -> dict[str, Any]:
+    """The read options of ls, show and verify, as the library's read verbs take them."""
+    return {"format": args.from_format, "allow_pickle": args.allow_pickle}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tsckpt",
@@ -342,10 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("ls", help="list leaves: path, dtype, shape, size, and plain values")
-    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL)")
+    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL), or another format's file or directory")
     p.add_argument("prefix", metavar="PREFIX", nargs="?",
                    help="only leaves at or below this path; '/' and '.' both separate its parts (model.layers.0)")
     p.add_argument("-l", "--long", action="store_true", help="also show chunk and shard shapes")
+    _source_options(p)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(
@@ -354,18 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print one leaf. PATH may end in a numpy-style index such as 'model/w[5:9, :3]', "
         "'w[-1]' or 'w[..., 0]'; only the chunks it touches are read. Quote it for the shell.",
     )
-    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL)")
+    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL), or another format's file or directory")
     p.add_argument("target", metavar="PATH[INDEX]",
                    help="leaf path ('/' or '.' between its parts, or a prefix of one leaf), optionally followed by an index")
     p.add_argument("--full", action="store_true", help="print every element instead of a summary")
+    _source_options(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser(
         "verify",
         help="read every chunk, check every checksum and node; exit 1 naming each bad leaf",
     )
-    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL)")
+    p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL), or another format's file or directory")
     p.add_argument("-v", "--verbose", action="store_true", help="also list the leaves that are fine")
+    _source_options(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
@@ -403,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
                    "tokenizer files found in DIR (regular files only)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "
+                   "directory); unpickling can run arbitrary code: only for a checkpoint from a trusted source")
     p.set_defaults(func=cmd_convert)
     return parser
 

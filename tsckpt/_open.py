@@ -6,17 +6,27 @@ from __future__ import annotations
 from typing import Any
 
 from ._formats.sources import open_checkpoint
+from ._options import RestoreOptions, verb
 from ._reader import Reader
 from ._store import Directory
 
 
-def open(directory: Directory) -> Reader:  # noqa: A001 - mirrors tsckpt.open
-    """A lazy, read-only view of a committed checkpoint; no process group needed."""
-    ck = open_checkpoint(directory)
+@verb("tsckpt.open")
+def open(  # noqa: A001 - mirrors tsckpt.open
+    directory: Directory, *, format: str | None = None, allow_pickle: bool = False  # noqa: A002
+) -> Reader:
+    """A lazy, read-only view of a committed checkpoint; no process group needed. Any format
+    :func:`tsckpt.restore` reads (``format`` and ``allow_pickle`` as there); indexing an
+    array reads only the region the index selects."""
+    RestoreOptions.of(locals())
+    ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
     ck.check_links()
     return Reader(ck)
 
 
-def metadata(directory: Directory) -> Any:
-    """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data."""
-    return Reader(open_checkpoint(directory)).metadata()
+@verb("tsckpt.metadata")
+def metadata(directory: Directory, *, format: str | None = None, allow_pickle: bool = False) -> Any:  # noqa: A002
+    """The saved tree with :class:`ArrayMetadata` in place of arrays; reads no array data.
+    Any format :func:`tsckpt.restore` reads (``format`` and ``allow_pickle`` as there)."""
+    RestoreOptions.of(locals())
+    return Reader(open_checkpoint(directory, format=format, allow_pickle=allow_pickle)).metadata()

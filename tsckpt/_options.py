@@ -129,6 +129,13 @@ def _if_busy(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be 'wait' or 'error', not {value!r}")
 
 
+def _format(name: str, value: Any) -> None:
+    from ._formats.sources import FORMATS  # the formats package sits above the options
+
+    if value is not None and value not in FORMATS:
+        raise ValueError(f"{name} must be None (detected) or one of {', '.join(FORMATS)}, not {value!r}")
+
+
 def _option(default: Any, doc: str, check: Callable[[str, Any], None] | None = None) -> Any:
     """A field of an option set: its default, what it does (``doc``) and how its value is checked."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
@@ -227,6 +234,18 @@ class RestoreOptions(_Options):
         '"same_kind" also refuses values that do not fit.',
         _casting,
     )
+    format: str | None = _option(
+        None,
+        'The checkpoint\'s format: "tsckpt", "safetensors" (a file or a Hugging Face directory), "torch" '
+        '(a torch.save file), "dcp" or "orbax"; None detects it from its files, as convert does.',
+        _format,
+    )
+    allow_pickle: bool = _option(
+        False,
+        "Read a checkpoint whose metadata is a Python pickle (a torch.distributed.checkpoint directory); "
+        "unpickling can run arbitrary code: only for a checkpoint from a trusted source.",
+        _flag,
+    )
 
 
 def timeout_seconds(timeout: datetime.timedelta | float | None) -> float | None:
@@ -249,6 +268,20 @@ _AT_CONSTRUCTION = "given to CheckpointManager(...) once: the same for every ste
 _PER_CALL = "an option of each save/save_async/restore call, not of the manager"
 _ONE_PROCESS = "convert runs in one process, without torch.distributed"
 _NO_TARGET = "convert has no target tree: it writes the selected leaves as the source stores them"
+_OWN_STEPS = "a manager restores the steps it saved itself: tsckpt checkpoints, never another format"
+_NO_READ = "it reads no array data into a target (metadata only, or one lazy read at a time)"
+_LAZY = "it returns a lazy view: each read asks for what it needs, nothing is restored in one go"
+_ONE_READER = "it reads in one process, without torch.distributed"
+# open, metadata and verify read a checkpoint without a target: only the options that say
+# which checkpoint and how to open it apply
+_NO_TARGET_READ = {
+    "strict": "it has no target tree to compare with the checkpoint",
+    "inplace": "it has no target tree to copy into",
+    "as_saved": "it builds no restored tree",
+    "casting": "it has no target dtype to cast into",
+    "group": _ONE_READER,
+    "timeout": _ONE_READER,
+}
 
 # Verb -> {option set: {option of that set the verb does not take: why}}. A verb takes
 # every other option of its sets, with the set's name, default and annotation.
@@ -261,7 +294,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         AsyncOptions: {},
         RestoreOptions: {
             "strict": _PER_CALL, "inplace": _PER_CALL, "as_saved": _PER_CALL, "progress": _PER_CALL,
-            "max_inflight_bytes": _PER_CALL, "casting": _PER_CALL,
+            "max_inflight_bytes": _PER_CALL, "casting": _PER_CALL, "format": _OWN_STEPS, "allow_pickle": _OWN_STEPS,
         },
     },
     "CheckpointManager.save": {
@@ -275,11 +308,25 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION},
     },
     "tsckpt.restore": {RestoreOptions: {}},
-    "CheckpointManager.restore": {RestoreOptions: {"group": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION}},
+    "CheckpointManager.restore": {
+        RestoreOptions: {
+            "group": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION, "format": _OWN_STEPS, "allow_pickle": _OWN_STEPS,
+        },
+    },
     "tsckpt.torch.restore": {
         RestoreOptions: {
             "inplace": "always in place: it restores into the live model, optimizers and objects",
             "as_saved": "it restores into a live model, never a tree of the saved kinds",
+            "format": "it restores what tsckpt.torch.save wrote (model, optimizers, RNG, extras): a tsckpt checkpoint",
+            "allow_pickle": "it restores what tsckpt.torch.save wrote: a tsckpt checkpoint, never a pickle",
+        },
+    },
+    "tsckpt.open": {RestoreOptions: {**_NO_TARGET_READ, "progress": _LAZY, "max_inflight_bytes": _LAZY}},
+    "tsckpt.metadata": {RestoreOptions: {**_NO_TARGET_READ, "progress": _NO_READ, "max_inflight_bytes": _NO_READ}},
+    "tsckpt.verify": {
+        RestoreOptions: {
+            **_NO_TARGET_READ,
+            "max_inflight_bytes": "verify keeps its own window of reads in flight (256 MiB): it holds no result",
         },
     },
     "tsckpt.convert": {
@@ -291,6 +338,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         RestoreOptions: {
             "group": _ONE_PROCESS, "timeout": _ONE_PROCESS, "strict": _NO_TARGET, "inplace": _NO_TARGET,
             "as_saved": _NO_TARGET,
+            "format": "convert names its source's format from_format, beside the destination's to_format",
         },
     },
 }

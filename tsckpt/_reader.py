@@ -14,6 +14,7 @@ import torch
 from . import _dtypes
 from ._backing import check_backed
 from ._checkpoint import Checkpoint, Opening
+from ._formats import lazy
 from ._readerrors import corrupt_error, node_error
 from .tree import ROOT_LEAF_PATH, child
 
@@ -91,7 +92,10 @@ class LazyArray:
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
         """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
-        check_backed(self._ck, [self.path], bounds + tuple(slice(0, n) for n in self.shape[len(bounds):]))
+        whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
+        if self._ck.sources is not None:  # another format's array: only the box's bytes are read
+            return lazy.read(self._ck.sources[self.path], tuple(slice(b.start, max(b.start, b.stop)) for b in whole))
+        check_backed(self._ck, [self.path], whole)
         store = self.tensorstore()
         try:
             return store[box].read().result() if box else store.read().result()

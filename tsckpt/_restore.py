@@ -31,6 +31,7 @@ from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._progress import Progress
 from ._backing import check_backed
 from ._checkpoint import Checkpoint
+from ._formats import lazy
 from ._formats.sources import open_checkpoint
 from ._reader import LazyArray
 from ._readerrors import corrupt_error
@@ -134,11 +135,14 @@ class _ReadPlan:
     shards: tuple[Dest, ...]  # the own codec: the local shard files, read into the memory
     into: tuple[Dest, ...]  # TensorStore, decoding straight into the memory
     copied: tuple[Dest, ...]  # TensorStore, each block read into a buffer, then cast or copied in
+    sources: tuple[Dest, ...] = ()  # another format's files, region by region (_formats/lazy.py)
 
 
 def _plan_reads(ck: Checkpoint, dests: list[Dest]) -> _ReadPlan:
     """Each destination's reader: the own codec where :func:`route` says so and the
     destination is :func:`_viewable`, else TensorStore."""
+    if ck.lazy:  # another format's files: no zarr arrays to route
+        return _ReadPlan(Place(False, None, f"arrays of a {ck.format} checkpoint"), (), (), (), (), tuple(dests))
     where = place(ck.data(), ck.layout, foreign=ck.foreign)
     tiers: dict[Route, list[Dest]] = {r: [] for r in Route}
     copied: list[Dest] = []
@@ -167,12 +171,38 @@ def read_into(
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
     plan = _plan_reads(ck, dests)
+    if plan.sources:
+        _read_sources(ck, plan.sources, progress)
     left: list[Dest] = []
     if plan.chunks:
         left += read_chunks(ck, plan.chunks, _view, progress, window)
     if plan.shards and plan.place.directory is not None:
         left += read_sharded(ck, plan.place.directory, plan.shards, _view, progress, window)
-    _read_tensorstore(ck, [*plan.into, *left], plan.copied, progress, window)
+    if plan.into or left or plan.copied:
+        _read_tensorstore(ck, [*plan.into, *left], plan.copied, progress, window)
+
+
+def _read_sources(ck: Checkpoint, dests: tuple[Dest, ...], progress: Progress | None) -> None:
+    """Another format's arrays: each destination's region asked of its source block by block
+    (the record's shards, :data:`lazy.BLOCK_BYTES` each), so only the byte ranges of the
+    region are read. A block goes straight into memory of the stored dtype (safetensors: read
+    into it), else through a buffer of one block that is cast or copied in; reads run one at
+    a time, so the window is one block."""
+    sources = ck.sources or {}
+    for dest in dests:
+        item, rec = dest.item, ck.arrays[dest.item.path]
+        src = sources[item.path]
+        view = _view(dest) if _viewable(dest, rec.dtype) else None
+        itemsize = _dtypes.itemsize(rec.dtype)
+        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
+            box = tuple(slice(o, o + n) for o, n in zip(off, ln))
+            dsel = tuple(slice(o - so, o - so + n) for o, so, n in zip(off, item.storage_offsets, ln))
+            if view is not None:
+                lazy.fill(src, box, view[dsel] if dsel else view)
+            else:
+                _copy_in(dest, dsel, off, lazy.read(src, box), rec.dtype)
+            if progress is not None:
+                progress.update(math.prod(ln) * itemsize, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +287,8 @@ def restore(
     progress: bool | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
     casting: str = "same_kind",
+    format: str | None = None,  # noqa: A002 - named as convert's --from names it
+    allow_pickle: bool = False,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -289,13 +321,23 @@ def restore(
     are checked: one that overflows the target or loses integer bits raises
     :class:`LossyCastError` (a float's rounding to a lower precision is not a loss);
     with "unsafe" such losses give a :class:`RestoreWarning`.
+
+    ``directory`` may also hold another library's checkpoint, detected from its files
+    (``format`` names it instead): a safetensors file or Hugging Face directory
+    (``model.safetensors``, or shards and ``model.safetensors.index.json``), a
+    ``torch.save`` file, a torch.distributed.checkpoint directory (its metadata is a
+    pickle: read only with ``allow_pickle=True``) or an Orbax checkpoint. Each rank reads
+    only the byte ranges of the regions it restores, so Hugging Face weights load straight
+    into DTensor (FSDP2) targets. A target leaf the checkpoint lacks but whose memory is
+    that of a leaf it has (a weight tied to another, which transformers leaves out of its
+    files) is restored with it, not reported missing.
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
     codec_setting()  # so does a bad TSCKPT_CODEC
     coord = coordinator_for(group, timeout)
 
     def run() -> Any:
-        ck = open_checkpoint(directory)
+        ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
         ck.check_links()
         with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)
@@ -319,8 +361,33 @@ class _Reader:
     casting: str = "same_kind"
 
 
-def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, reader: _Reader) -> list[Any]:
-    """Read the stored leaves into the target ``leaves``; returns the restored leaves in order."""
+def tied_to_stored(ck: Checkpoint, paths: list[str], leaves: list[Any]) -> dict[int, int]:
+    """Target leaves the checkpoint lacks that view the same memory as a target leaf it stores
+    as an array (a weight tied to another, which Hugging Face files leave out): index of each
+    -> index of the stored leaf it shares memory with. Restoring the stored one restores both."""
+    stored: dict[Any, int] = {}
+    missing: list[int] = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        if ck.is_array(path):
+            key = memory(leaf)
+            if key is not None:
+                stored.setdefault(key, i)
+        elif path not in ck.values:
+            missing.append(i)
+    ties: dict[int, int] = {}
+    for i in missing:
+        key = memory(leaves[i])
+        if key is not None and key in stored:
+            ties[i] = stored[key]
+    return ties
+
+
+def _fill(
+    ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, reader: _Reader, ties: dict[int, int] | None = None
+) -> list[Any]:
+    """Read the stored leaves into the target ``leaves``; returns the restored leaves in order.
+    ``ties`` (:func:`tied_to_stored`): a leaf the checkpoint lacks is the restored leaf it is tied
+    to (in place: the target's own leaf, whose memory was filled)."""
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
@@ -349,13 +416,16 @@ def _fill(ck: Checkpoint, paths: list[str], leaves: list[Any], inplace: bool, re
     for i, dest in dests:
         if dest.finish is not None:
             out[i] = dest.restored()
+    for i, j in (ties or {}).items():
+        out[i] = leaves[i] if inplace else out[j]
     return out
 
 
 def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _Reader) -> Any:
     flat = flatten(target)
-    _check_structure(ck, flat.paths, strict)
-    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader))
+    ties = tied_to_stored(ck, flat.paths, flat.leaves)
+    _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
+    return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader, ties))
 
 
 def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:

@@ -106,14 +106,20 @@ class LazySource:
 
     ``read(box)`` returns the elements of ``box`` (a tuple of unit-step slices) as a
     CPU torch tensor or numpy array of ``dtype``; ``save`` calls it shard by shard,
-    so converting a file never holds more of it than the write window.
+    so converting a file never holds more of it than the write window. A source that
+    can read straight into memory also has ``fill(box, out)``, which writes the box's
+    elements into ``out`` (a C-contiguous numpy array of the box's shape in the storage
+    dtype), so a restore reads into its destination without a buffer.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Any, *, kind: str = "torch") -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any, read: Any, *, kind: str = "torch", fill: Any = None
+    ) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype  # torch.dtype or numpy dtype
         self.kind = kind  # what a restore with as_saved=True gives back: "torch" or "numpy"
         self._read = read
+        self.fill = fill
 
     def __getitem__(self, box: tuple[slice, ...]) -> Any:
         return self._read(box)

@@ -18,7 +18,9 @@ from ._progress import Progress
 from ._links import owner, symlinks
 from ._backing import backing_problems
 from ._checkpoint import Checkpoint
+from ._formats import lazy
 from ._formats.sources import open_checkpoint
+from ._options import RestoreOptions, verb
 from ._readerrors import describe_read_error
 from ._store import Directory, storage_errors, storage_problem
 from ._window import Window
@@ -114,6 +116,9 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
     for path, rec in ck.arrays.items():
         if path in skip or path in bad:  # its zarr.json is missing or wrong: no reader can open it
             continue
+        if ck.lazy:
+            total, files = total + _read_source(ck, path, bad, progress), files + 1
+            continue
         store = _open(ck, path, bad)
         if store is None:
             continue
@@ -126,6 +131,24 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
             total, files = total + nbytes, files + 1
     window.drain()
     return _Reads(bad, total, files)
+
+
+def _read_source(ck: Checkpoint, path: str, bad: dict[str, str], progress: Progress) -> int:
+    """Read another format's array ``path`` block by block from its files; bytes read. A read
+    that fails goes to ``bad`` (such formats store no checksums: only what cannot be read is found)."""
+    rec = ck.arrays[path]
+    src = (ck.sources or {})[path]
+    nbytes = 0
+    for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
+        n = math.prod(ln) * _dtypes.itemsize(rec.dtype)
+        try:
+            lazy.read(src, tuple(slice(o, o + k) for o, k in zip(off, ln)))
+        except (ValueError, OSError, RuntimeError) as e:  # tsckpt's read errors have these bases
+            bad[path] = f"cannot be read ({' '.join(str(e).split())})"
+            break
+        progress.update(n, 1)
+        nbytes += n
+    return nbytes
 
 
 def _open(ck: Checkpoint, path: str, bad: dict[str, str]) -> Any:
@@ -155,7 +178,14 @@ def _links(ck: Checkpoint) -> dict[str, str]:
     return found
 
 
-def verify(directory: Directory, *, progress: bool | None = None) -> VerifyReport:
+@verb("tsckpt.verify")
+def verify(
+    directory: Directory,
+    *,
+    progress: bool | None = None,
+    format: str | None = None,  # noqa: A002 - as for restore
+    allow_pickle: bool = False,
+) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
     metadata, every chunk read back with its checksum, and (on a local disk) no file a
     symbolic link. Damage is reported per leaf in the returned report, never raised; a
@@ -165,8 +195,11 @@ def verify(directory: Directory, *, progress: bool | None = None) -> VerifyRepor
     bytes, files and throughput are logged at the end.
 
     The root metadata is checked as restore checks it, every bad leaf reported rather than
-    the first raised, so a checkpoint that verifies restores."""
-    ck = open_checkpoint(directory, keep_bad=True)
+    the first raised, so a checkpoint that verifies restores. Another format (``format`` and
+    ``allow_pickle`` as for :func:`tsckpt.restore`) is checked as far as it allows: its
+    metadata as it is parsed, every array read whole from its files."""
+    RestoreOptions.of(locals())
+    ck = open_checkpoint(directory, keep_bad=True, format=format, allow_pickle=allow_pickle)
     with storage_errors(ck.location):
         nodes = _check_nodes(ck) if not ck.foreign else _Nodes({}, ())  # another library's nodes: opened and read
     with Progress("verify", ck.location, show=progress) as bar:

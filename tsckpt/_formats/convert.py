@@ -381,6 +381,7 @@ def convert(
     layout: str = LAYOUT_PLAIN,
     casting: str = "same_kind",
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    allow_pickle: bool = False,
     copy_from: str | os.PathLike[str] | None = None,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
@@ -388,8 +389,9 @@ def convert(
     ``src`` may be a tsckpt checkpoint, a safetensors file or Hugging Face directory
     (``model.safetensors`` or shards with ``model.safetensors.index.json``), a
     ``torch.save`` file (loaded with ``weights_only=True``), a
-    torch.distributed.checkpoint directory (its metadata is pickled: only from a
-    trusted source) or an Orbax checkpoint; ``from_format`` overrides detection.
+    torch.distributed.checkpoint directory (its metadata is a pickle, which can run code
+    when read: refused unless ``allow_pickle=True``, for a checkpoint from a trusted
+    source) or an Orbax checkpoint; ``from_format`` overrides detection.
     ``dst`` is a tsckpt checkpoint, or safetensors (``to_format="safetensors"``, or a
     path ending in ``.safetensors``): one file, or a Hugging Face directory sharded at
     ``max_shard_size`` (e.g. ``"5GB"``). A tsckpt or Orbax source and a tsckpt
@@ -421,7 +423,7 @@ def convert(
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
     sides = _copied(copy_from, to, dst_name, cast)
-    fmt, tree = open_source(src, from_format)
+    fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)

@@ -148,32 +148,64 @@ def _check_cover(path: str, entries: dict[str, TensorEntry], start: int, size: i
         raise _corrupt(path, f"{size - pos} bytes follow the last tensor; the header does not describe them")
 
 
-def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...]) -> np.ndarray:
-    """The elements of ``box`` of one tensor (storage dtype): the rows it spans are read
-    with positional reads, then the other dimensions are sliced."""
+def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
+    """The elements of ``box`` of one tensor (storage dtype), read with positional reads of
+    exactly the byte runs the box covers (one run when it spans whole trailing dimensions,
+    else one per row of its outer dimensions), never the rest of the tensor. ``out``: a
+    C-contiguous array of the box's shape and the storage dtype to read into (else one is made)."""
     dtype = _dtypes.numpy_dtype(entry.dtype)
-    shape = entry.shape
-    rows = box[0] if box else slice(0, 1)
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    out = np.empty(((rows.stop - rows.start) * row_bytes,), np.uint8)
+    bounds = [slice(*b.indices(n)[:2]) for b, n in zip(box, entry.shape)]
+    bounds += [slice(0, n) for n in entry.shape[len(bounds):]]
+    lengths = tuple(max(0, b.stop - b.start) for b in bounds)
+    if out is None:
+        out = np.empty(lengths, dtype)
+    flat = out.reshape(-1).view(np.uint8)
     fd = os.open(file, os.O_RDONLY)
     try:
-        view, pos, at = out.data, 0, entry.begin + rows.start * row_bytes
-        while pos < out.nbytes:
-            got = os.preadv(fd, [view[pos:]], at + pos)
-            if got <= 0:
-                raise _corrupt(file, f"tensor '{entry.name}' ends early (the file shrank while it was read)")
-            pos += got
+        for at, size, pos in _runs(entry, bounds, dtype.itemsize):
+            _pread(fd, flat.data[pos : pos + size], entry.begin + at, entry, file)
     finally:
         os.close(fd)
-    data = out.view(dtype).reshape(((rows.stop - rows.start), *shape[1:]) if shape else ())
-    return data[(slice(None),) + tuple(box[1:])] if len(box) > 1 else data
+    return out
+
+
+def _runs(entry: TensorEntry, bounds: list[slice], itemsize: int) -> list[tuple[int, int, int]]:
+    """(offset in the tensor, bytes, offset in the box) of each contiguous byte run of the box
+    ``bounds``, in C order: the trailing dimensions the box spans whole are one run with the
+    innermost partial one; the dimensions outside it are walked."""
+    shape = entry.shape
+    lengths = [b.stop - b.start for b in bounds]
+    if 0 in lengths:
+        return []
+    inner = len(shape) - 1  # the run: dimensions inner.. (all whole but maybe the first of them)
+    while inner > 0 and lengths[inner] == shape[inner]:
+        inner -= 1
+    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(len(shape))]
+    run = (lengths[inner] * strides[inner]) if shape else itemsize
+    first = sum(b.start * s for b, s in zip(bounds, strides))
+    starts = np.zeros(1, np.int64)
+    for d in range(inner):  # every combination of the outer indices, in C order
+        starts = (starts[:, None] + np.arange(lengths[d], dtype=np.int64) * strides[d]).reshape(-1)
+    return [(first + int(s), run, i * run) for i, s in enumerate(starts)]
+
+
+def _pread(fd: int, view: memoryview, at: int, entry: TensorEntry, file: str) -> None:
+    """Fill ``view`` with the file's bytes from ``at``."""
+    pos = 0
+    while pos < len(view):
+        got = os.preadv(fd, [view[pos:]], at + pos)
+        if got <= 0:
+            raise _corrupt(file, f"tensor '{entry.name}' ends early (the file shrank while it was read)")
+        pos += got
 
 
 def _source(entry: TensorEntry, file: str, kind: str = "torch") -> LazySource:
     """``kind``: "torch", or "numpy"/"numpy_scalar" for leaves saved from numpy."""
     dtype: Any = _dtypes.torch_dtype(entry.dtype) if kind == "torch" else _dtypes.numpy_dtype(entry.dtype)
-    return LazySource(entry.shape, dtype, lambda box: read_box(entry, file, box), kind=kind)
+    return LazySource(
+        entry.shape, dtype, lambda box: read_box(entry, file, box), kind=kind,
+        fill=lambda box, out: read_box(entry, file, box, out),
+    )
 
 
 # ---- reading a file or a directory as a tree -------------------------------------------

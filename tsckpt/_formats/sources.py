@@ -13,12 +13,13 @@ them once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import _dtypes, _root
-from . import dcp, orbax, safetensors, torchfile
+from . import dcp, lazy, orbax, safetensors, torchfile
 from .._checkpoint import TSCKPT, Checkpoint
 from .._errors import CheckpointNotFoundError, NotACheckpointError
 from .._format import ROOT_KEY
@@ -27,10 +28,8 @@ from .._store import Directory, Location, resolve, storage_errors
 from .._types import LazySource
 
 FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")
-
-# Opens a detected checkpoint at a location (keep_bad: as verify reads it, bad leaves listed
-# rather than raised) for the read verbs.
-Opener = Callable[[Location, bool], Checkpoint]
+# The formats read through TensorStore, which a kvstore spec or URL may hold.
+KVSTORE_FORMATS = (TSCKPT, "orbax")
 
 
 def detect(src: str) -> str | None:
@@ -63,28 +62,85 @@ def detect(src: str) -> str | None:
 # ---- the read verbs: a checkpoint -------------------------------------------------------
 
 
-def _open_tsckpt(loc: Location, keep_bad: bool) -> Checkpoint:
-    return _root.load(loc, keep_bad=keep_bad)
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How the read verbs open a checkpoint: ``keep_bad`` (verify) lists bad leaves rather than
+    raising; ``allow_pickle`` lets a format whose metadata is a Python pickle (DCP) be unpickled."""
+
+    keep_bad: bool = False
+    allow_pickle: bool = False
 
 
-def _open_orbax(loc: Location, keep_bad: bool) -> Checkpoint:
+# Opens a detected (or named) checkpoint at a location for the read verbs.
+Opener = Callable[[Location, Reading], Checkpoint]
+
+
+def _open_tsckpt(loc: Location, how: Reading) -> Checkpoint:
+    return _root.load(loc, keep_bad=how.keep_bad)
+
+
+def _open_orbax(loc: Location, how: Reading) -> Checkpoint:
     return orbax.as_checkpoint(loc)  # its metadata is checked as it is parsed: nothing is kept bad
 
 
-# The formats the read verbs open, one opener each.
-OPENERS: dict[str, Opener] = {TSCKPT: _open_tsckpt, "orbax": _open_orbax}
+def _local(loc: Location, fmt: str) -> str:
+    """The local path of a checkpoint of a format read from local files only."""
+    if loc.local is None:
+        raise NotACheckpointError(f"{loc}: {fmt} checkpoints are read from a local path; copy it to one")
+    return loc.local
 
 
-def open_checkpoint(directory: Directory | Location, *, keep_bad: bool = False) -> Checkpoint:
+def _open_safetensors(loc: Location, how: Reading) -> Checkpoint:
+    path = _local(loc, "safetensors")
+    tree = safetensors.read_dir(path) if os.path.isdir(path) else safetensors.read_file(path)
+    return lazy.as_checkpoint(loc, "safetensors", tree)
+
+
+def _open_torch(loc: Location, how: Reading) -> Checkpoint:
+    return lazy.as_checkpoint(loc, "torch", torchfile.read_torch_file(_local(loc, "torch.save")))
+
+
+def _open_dcp(loc: Location, how: Reading) -> Checkpoint:
+    path = _local(loc, "torch.distributed.checkpoint")
+    if not how.allow_pickle and dcp.is_dcp_dir(path):  # until dcp.read_dcp refuses it itself
+        raise NotACheckpointError(
+            f"{os.path.join(path, dcp.METADATA_FILE)}: a torch.distributed.checkpoint's metadata is a Python "
+            "pickle, and unpickling it can run arbitrary code; tsckpt unpickles only when asked: pass "
+            "allow_pickle=True (--allow-pickle) if you trust where this checkpoint came from"
+        )
+    return lazy.as_checkpoint(loc, "dcp", dcp.read_dcp(path))
+
+
+# The formats the read verbs open, one opener each: tsckpt and Orbax through TensorStore,
+# the others as lazy sources (_formats/lazy.py).
+OPENERS: dict[str, Opener] = {
+    TSCKPT: _open_tsckpt, "orbax": _open_orbax, "safetensors": _open_safetensors, "torch": _open_torch,
+    "dcp": _open_dcp,
+}
+
+
+def open_checkpoint(
+    directory: Directory | Location,
+    *,
+    keep_bad: bool = False,
+    format: str | None = None,  # noqa: A002 - the read verbs' option
+    allow_pickle: bool = False,
+) -> Checkpoint:
     """The committed checkpoint at ``directory`` as the read verbs read it: its format
-    detected, then parsed and validated by that format's opener, raising a precise error
-    when it cannot be read. A location whose format has no opener is opened as tsckpt,
-    whose error says what is missing. ``keep_bad`` (verify): leaves whose entries are
-    invalid are left out and listed in ``Checkpoint.bad`` instead of raising."""
+    detected (or ``format``, which overrides detection), then parsed and validated by that
+    format's opener, raising a precise error when it cannot be read. A location whose format
+    is not told is opened as tsckpt, whose error says what is missing (a local file: an error
+    saying its format cannot be told). ``keep_bad`` (verify): leaves whose entries are invalid
+    are left out and listed in ``Checkpoint.bad`` instead of raising. ``allow_pickle``: a DCP
+    directory's pickled metadata may be unpickled (refused otherwise)."""
     loc = directory if isinstance(directory, Location) else resolve(directory)
+    if format is not None and format not in OPENERS:
+        raise ValueError(f"unknown checkpoint format {format!r}; choose one of {', '.join(FORMATS)}")
     with storage_errors(loc):
-        fmt = detect(loc.local) if loc.local is not None else TSCKPT
-        return OPENERS.get(fmt or TSCKPT, _open_tsckpt)(loc, keep_bad)
+        fmt = format or (detect(loc.local) if loc.local is not None else TSCKPT)
+        if fmt is None and loc.local is not None and os.path.isfile(loc.local):
+            _unknown(loc.local)
+        return OPENERS[fmt or TSCKPT](loc, Reading(keep_bad, allow_pickle))
 
 
 # ---- convert: a source tree -------------------------------------------------------------
@@ -98,6 +154,8 @@ def checkpoint_tree(ck: Checkpoint) -> Any:
         stored = ck.aliases.get(path, path)
         if stored in ck.values:
             return ck.values[stored]
+        if stored not in made and ck.sources is not None:  # another format's: its own source
+            made[stored] = ck.sources[stored]
         if stored not in made:
             rec = ck.arrays[stored]
             dtype: Any = _dtypes.torch_dtype(rec.dtype) if rec.kind == "torch" else _dtypes.numpy_dtype(rec.dtype)
@@ -107,34 +165,29 @@ def checkpoint_tree(ck: Checkpoint) -> Any:
     return ck.build([leaf(p) for p in ck.leaves])
 
 
-def open_source(src: Directory, fmt: str | None = None) -> tuple[str, Any]:
+def open_source(src: Directory, fmt: str | None = None, *, allow_pickle: bool = False) -> tuple[str, Any]:
     """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
-    format the read verbs open, through TensorStore); ``fmt`` overrides detection and is checked."""
+    format read through TensorStore); ``fmt`` overrides detection and is checked. The tree is
+    the one the read verbs read (:func:`open_checkpoint`, then :func:`checkpoint_tree`).
+    ``allow_pickle``: a DCP directory's pickled metadata may be unpickled (refused otherwise)."""
     if isinstance(src, dict):
-        if fmt is not None and fmt not in OPENERS:
+        if fmt is not None and fmt not in KVSTORE_FORMATS:
             raise ValueError(
                 f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
                 "from a local path; pass the path instead of the spec"
             )
-        return _checkpoint_source(src, fmt)
+        return _checkpoint_source(src, fmt, allow_pickle)
     path = os.fspath(src)
     fmt = fmt or detect(path) or _unknown(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown source format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt in OPENERS:
-        return _checkpoint_source(path, fmt)
-    if fmt == "safetensors":
-        if os.path.isdir(path):
-            return fmt, safetensors.read_dir(path)
-        return fmt, safetensors.read_file(path)
-    if fmt == "torch":
-        return fmt, torchfile.read_torch_file(path)
-    return fmt, dcp.read_dcp(path)
+    return _checkpoint_source(path, fmt, allow_pickle)
 
 
-def _checkpoint_source(src: str | dict[str, Any], fmt: str | None) -> tuple[str, Any]:
-    """(format, source tree) of a checkpoint the read verbs open, which must be of ``fmt`` when given."""
-    ck = open_checkpoint(src)
+def _checkpoint_source(src: str | dict[str, Any], fmt: str | None, allow_pickle: bool) -> tuple[str, Any]:
+    """(format, source tree) of a checkpoint, which must be of ``fmt`` when given (a path is
+    opened as ``fmt``; a spec dict is detected, then compared)."""
+    ck = open_checkpoint(src, format=None if isinstance(src, dict) else fmt, allow_pickle=allow_pickle)
     if fmt is not None and ck.format != fmt:
         if isinstance(src, dict):
             where, hint = str(ck.location), f"from_format={ck.format!r}"
