@@ -155,7 +155,7 @@ def test_dcp_directory(tmp_path):
     del state["model"]["lm_head.weight"]
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     dst = str(tmp_path / "ck")
-    r = tsckpt.convert(str(tmp_path / "dcp"), dst)
+    r = tsckpt.convert(str(tmp_path / "dcp"), dst, allow_pickle=True)
     assert r.src_format == "dcp" and r.n_values == 1
     got = tsckpt.restore(dst, as_saved=True)
     assert got["step"] == 12 and all(equal(got["model"][k], v) for k, v in state["model"].items())
@@ -246,7 +246,7 @@ def test_dcp_missing_file_through_the_cli(tmp_path, capsys):
     dcp.save({"w": torch.ones(4, 4)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     (data,) = [f for f in os.listdir(tmp_path / "dcp") if f.endswith(".distcp")]
     os.remove(tmp_path / "dcp" / data)
-    code, err = _cli(capsys, "convert", str(tmp_path / "dcp"), str(tmp_path / "out"))
+    code, err = _cli(capsys, "convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--allow-pickle")
     assert code == 1 and data in err and err.count("\n") == 1
     assert not os.path.exists(tmp_path / "out")
 

@@ -281,7 +281,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
-            **given,
+            allow_pickle=args.allow_pickle, **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -368,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "
+                   "directory); unpickling can run arbitrary code: only for a checkpoint from a trusted source")
     p.set_defaults(func=cmd_convert)
     return parser
 

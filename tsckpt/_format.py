@@ -10,6 +10,7 @@ import struct
 from typing import Any
 
 from ._errors import short_repr
+from ._links import path_problem
 
 # The newest version this tsckpt reads. Plain checkpoints are written as 1, so
 # older readers still read them; compact ones as 2 (older readers refuse them).
@@ -105,11 +106,9 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     tsckpt reads."""
     if not isinstance(j, dict):
         return "the record is not a JSON object"
-    path = j.get("path")
-    if not isinstance(path, str) or not path or path.startswith("/") or any(
-        part in ("", ".", "..") for part in path.split("/")
-    ):
-        return f"'path' {short_repr(path)} is not a relative path inside the checkpoint"
+    why = path_problem(j.get("path"))
+    if why is not None:
+        return f"'path' {why}"
     if j.get("kind") not in KINDS:
         return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)}"
     if not known_dtype(j.get("dtype")):

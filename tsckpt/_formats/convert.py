@@ -28,7 +28,7 @@ from .._casting import CastCheck
 from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, encode_value
 from .._kinds import check_cast
 from .._leaves import describe, memory
-from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
+from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, _flag, verb
 from .._root import read_root_states
 from .._restore import warn_lost_values
 from .._save import save
@@ -282,14 +282,16 @@ def convert(
     layout: str = LAYOUT_PLAIN,
     casting: str = "same_kind",
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    allow_pickle: bool = False,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
 
     ``src`` may be a tsckpt checkpoint, a safetensors file or Hugging Face directory
     (``model.safetensors`` or shards with ``model.safetensors.index.json``), a
     ``torch.save`` file (loaded with ``weights_only=True``), a
-    torch.distributed.checkpoint directory (its metadata is pickled: only from a
-    trusted source) or an Orbax checkpoint; ``from_format`` overrides detection.
+    torch.distributed.checkpoint directory (its metadata is a pickle, which can run code
+    when read: refused unless ``allow_pickle=True``, for a checkpoint from a trusted
+    source) or an Orbax checkpoint; ``from_format`` overrides detection.
     ``dst`` is a tsckpt checkpoint, or safetensors (``to_format="safetensors"``, or a
     path ending in ``.safetensors``): one file, or a Hugging Face directory sharded at
     ``max_shard_size`` (e.g. ``"5GB"``). A tsckpt or Orbax source and a tsckpt
@@ -304,6 +306,7 @@ def convert(
     ``overwrite`` and ``layout`` are as for :func:`tsckpt.save` (``layout``: a tsckpt destination's).
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
+    _flag("allow_pickle", allow_pickle)  # not a RestoreOptions field until another read verb reads DCP
     # the bar counts the source bytes read, so the save shows none of its own
     writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
     src_name, dst_name = _name(src), _name(dst)
@@ -316,7 +319,7 @@ def convert(
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
-    fmt, tree = open_source(src, from_format)
+    fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)

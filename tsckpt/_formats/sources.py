@@ -42,12 +42,13 @@ def detect(src: str) -> str | None:
     if os.path.isdir(src):
         if os.path.isfile(os.path.join(src, ROOT_KEY)):
             return TSCKPT
+        # formats read without unpickling first: a .metadata file never makes one of them DCP
         if orbax.detect(src):
             return "orbax"
-        if dcp.is_dcp_dir(src):
-            return "dcp"
         if safetensors.is_hf_dir(src):
             return "safetensors"
+        if dcp.is_dcp_dir(src):
+            return "dcp"
         return None
     if not os.path.isfile(src):
         return None
@@ -107,9 +108,11 @@ def checkpoint_tree(ck: Checkpoint) -> Any:
     return ck.build([leaf(p) for p in ck.leaves])
 
 
-def open_source(src: Directory, fmt: str | None = None) -> tuple[str, Any]:
+def open_source(src: Directory, fmt: str | None = None, *, allow_pickle: bool = False) -> tuple[str, Any]:
     """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
-    format the read verbs open, through TensorStore); ``fmt`` overrides detection and is checked."""
+    format the read verbs open, through TensorStore); ``fmt`` overrides detection and is checked.
+    ``allow_pickle``: a format whose metadata is a pickle (DCP) may be unpickled, which can run
+    code; without it such a source is refused, saying how to opt in."""
     if isinstance(src, dict):
         if fmt is not None and fmt not in OPENERS:
             raise ValueError(
@@ -129,7 +132,7 @@ def open_source(src: Directory, fmt: str | None = None) -> tuple[str, Any]:
         return fmt, safetensors.read_file(path)
     if fmt == "torch":
         return fmt, torchfile.read_torch_file(path)
-    return fmt, dcp.read_dcp(path)
+    return fmt, dcp.read_dcp(path, allow_pickle=allow_pickle)
 
 
 def _checkpoint_source(src: str | dict[str, Any], fmt: str | None) -> tuple[str, Any]:
