@@ -187,7 +187,7 @@ def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     hi = np.array([[a + n for a, n in zip(o, s)] for o, s in boxes], dtype=object)
     for start in range(0, len(boxes), _OVERLAP_ROWS):
         rows = slice(start, start + _OVERLAP_ROWS)
-        hit: np.ndarray = ((lo[rows, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[rows, None, :])).all(axis=2)
+        hit = np.asarray(((lo[rows, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[rows, None, :])).all(axis=2))
         np.fill_diagonal(hit[:, start:], False)
         if hit.any():
             return True
