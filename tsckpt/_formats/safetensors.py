@@ -123,7 +123,7 @@ def read_header(path: str) -> Header:
 def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
     """One tensor's header entry: a known dtype, a shape of non-negative ints (a product under
     2**59, zeros counted as one), and offsets spanning exactly its bytes."""
-    fields = e if isinstance(e, dict) else {}
+    fields: dict[str, Any] = e if isinstance(e, dict) else {}
     dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, f"tensor '{name}': 'dtype' is {short_repr(dtype)}, expected one of {sorted(DTYPES)}")
@@ -225,8 +225,8 @@ def _tsckpt_info(where: str, info: Any, sources: dict[str, tuple[TensorEntry, st
     of a known kind, and its structure holds exactly those leaves."""
     if isinstance(info, str):
         try:
-            info = parse_json(info)
-        except ValueError as e:
+            info = parse_json(info.encode("utf-8"))
+        except ValueError as e:  # UnicodeEncodeError (a lone surrogate) included
             info = e
     why = _info_problem(info, sources)
     if why is not None:
