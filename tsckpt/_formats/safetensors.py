@@ -124,7 +124,9 @@ def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
     """One tensor's header entry: a known dtype, a shape of non-negative ints (a product under
     2**59, zeros counted as one), and offsets spanning exactly its bytes."""
     fields: dict[str, Any] = e if isinstance(e, dict) else {}
-    dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+    dtype: Any = fields.get("dtype")
+    shape: Any = fields.get("shape")
+    offsets: Any = fields.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, f"tensor '{name}': 'dtype' is {short_repr(dtype)}, expected one of {sorted(DTYPES)}")
     if not _dims(shape, positive=False):
