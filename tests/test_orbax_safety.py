@@ -269,3 +269,32 @@ def test_a_json_item_nested_too_deeply_is_corrupt(tmp_path):
     )
     (item / "metadata").write_text('{"k": ' + "[" * 150 + "1" + "]" * 150 + "}")
     assert tsckpt.open(str(tmp_path / "run" / "1"))["meta/k" + "/0" * 150] == 1
+
+
+# ---- verify says what it could check ------------------------------------------------------------
+
+
+def test_verify_claims_no_checksum_orbax_does_not_store(saved, tmp_path, capsys):
+    """A flipped byte in an Orbax chunk that still decodes: verify reads every chunk but has no
+    checksum to catch it, and says so instead of "all checksums match"."""
+    from tsckpt._cli import main
+
+    ck = _copy(saved, "files-zarr2", tmp_path)
+    chunk = os.path.join(ck, "a", "0")
+    data = bytearray(open(chunk, "rb").read())
+    data[-1] ^= 1  # zstd without a content checksum: the last byte of the last value
+    open(chunk, "wb").write(bytes(data))
+    report = tsckpt.verify(ck)
+    assert report.ok and report.format == "orbax" and report.checksums is False
+    assert (report.n_arrays, report.files_read, report.bytes_read) == (2, 2, 16 + 24)
+    assert tsckpt.restore(ck)["a"].tolist() != _tree()["a"].tolist()  # the damage verify cannot see
+    assert main(["verify", ck]) == 0
+    assert capsys.readouterr().out == (
+        f"OK: {ck}: orbax checkpoint, committed, all 3 leaves present; 2 arrays read (40 B in 2 chunk reads), no "
+        "checksums in this format: damage that still decodes is not detected; 1 value\n"
+    )
+    own = str(tmp_path / "own")
+    tsckpt.save(own, _tree())
+    assert tsckpt.verify(own).checksums is True and tsckpt.verify(own).format == "tsckpt"
+    assert main(["verify", own]) == 0
+    assert "all checksums match" in capsys.readouterr().out
