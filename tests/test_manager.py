@@ -182,12 +182,14 @@ def test_leftovers_on_local_disk(tmp_path, caplog):
     (run / "00000003").mkdir()
     (run / "00000003" / ROOT_KEY).write_text("{not json")  # unreadable: never listed, never deleted
     (run / "00000004" / "w").mkdir(parents=True)  # no root: not provably tsckpt's
-    (run / "00000006").mkdir()  # empty: nothing to lose, nothing to report
+    (run / "00000006").mkdir()  # empty: nothing to lose
+    (run / "00000009").mkdir()
+    (run / "00000009" / f"{ROOT_KEY}.__lock").write_bytes(b"")  # a save killed writing its root: nothing to lose
     (run / "notes").mkdir()  # not a step
     assert m.all_steps() == [1, 2]
     with caplog.at_level("WARNING", logger="tsckpt"):
         tsckpt.CheckpointManager(run, keep_last=1)
-    assert sorted(os.listdir(run)) == ["00000001", "00000002", "00000003", "00000004", "00000006", "notes"]
+    assert sorted(os.listdir(run)) == ["00000001", "00000002", "00000003", "00000004", "notes"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{run}: step directory 00000003 is not a checkpoint tsckpt wrote (its root zarr.json is not valid JSON "
         "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))); the manager leaves it "

@@ -7,7 +7,9 @@ short. Incomplete steps are never listed, restored or counted for retention.
 
 The manager deletes only what tsckpt provably wrote: a step whose pending root
 records the claim of a save that is over, a complete step retention expires,
-and its own trash. Anything else under the root (a numbered directory with no
+and its own trash; and, on a local disk, a step directory holding nothing, or
+only a save's first write of its root cut short (TensorStore's lock file of
+it), where there is nothing to lose. Anything else under the root (a numbered directory with no
 tsckpt root, such as another library's checkpoint step, or a root it cannot
 read) is left alone: clean-up reports it once with a warning on the "tsckpt"
 logger naming it, retention never counts it, and saving that step is refused.
@@ -70,6 +72,9 @@ log = logging.getLogger("tsckpt")
 
 _STEP = re.compile(r"[0-9]+")
 _TRASH = ".tsckpt-deleting-"
+# What TensorStore's file kvstore leaves of a write of a step's root cut short (its lock file,
+# written first): a directory holding only this holds nothing of a checkpoint.
+_ROOT_LOCK = f"{ROOT_KEY}.__lock"
 _INDEX = ".tsckpt-steps/"  # object stores: one empty marker per step directory
 
 
@@ -200,17 +205,20 @@ class CheckpointManager:
         if root.state == STATE_COMMITTED or _abandoned(root) or _running(root):
             return True  # a running save's step is left to it when the job runs: save() then refuses
         if not self._holds_data(name):
-            return False
+            return self._loc.local is not None and os.path.lexists(os.path.join(self._loc.local, name))
         raise CheckpointExistsError(
             f"{self._loc}: step {step}: {name} holds data tsckpt did not write ({_unidentified(root)}); the "
             "manager never deletes what it cannot identify: move it away, or save another step"
         )
 
     def _holds_data(self, name: str) -> bool:
-        """Whether anything is stored under step directory ``name``."""
+        """Whether anything is stored under step directory ``name`` but an interrupted first write
+        of a save's root (on a local disk, TensorStore's lock file of it): nothing to lose."""
         if self._loc.local is not None:
             path = os.path.join(self._loc.local, name)
-            return os.path.lexists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
+            if not os.path.isdir(path) or os.path.islink(path):
+                return os.path.lexists(path)
+            return bool(set(os.listdir(path)) - {_ROOT_LOCK})
         return _store.has_any_key(resolve(self._loc.sub(name)))
 
     def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
@@ -358,7 +366,7 @@ class CheckpointManager:
         if steps is None:
             steps = self._step_states()
         for _, (name, root) in sorted(steps.items()):
-            if _abandoned(root):
+            if _abandoned(root) or (root.state is None and self._loc.local is not None and not self._holds_data(name)):
                 self._delete(name)
             elif root.state != STATE_COMMITTED and not _running(root) and name not in self._reported:
                 self._report(name, root)
@@ -370,7 +378,7 @@ class CheckpointManager:
     def _report(self, name: str, root: RootState) -> None:
         """Warn, once per manager, of a step directory that tsckpt did not provably write."""
         if root.state is None and not self._holds_data(name):
-            return  # nothing there (an object store's marker of a step never saved): nothing to lose
+            return  # an object store's marker of a step never saved: nothing to lose, left for its save
         self._reported.add(name)
         log.warning(
             "%s: step directory %s is not a checkpoint tsckpt wrote (%s); the manager leaves it alone: it is not "
