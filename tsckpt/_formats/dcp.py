@@ -30,7 +30,7 @@ from .._format import MAX_ELEMENTS, MAX_NDIM
 from .._links import confined
 from .torchfile import plain_tree, reason, weights_only_refusal
 from .._types import LazySource
-from ..tree import escape, from_paths, structure_from_json, structure_from_paths
+from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
 
 # The pickled metadata file dcp.save writes last: its presence marks a DCP directory.
 METADATA_FILE = ".metadata"
@@ -323,11 +323,17 @@ def _nest(leaves: dict[str, Any], planner_data: Any) -> Any:
     """Nested dicts and lists from DCP's ``{flat key: key path}`` (int components are list
     indices), or ``leaves`` as a flat dict if the paths are missing or do not form a tree."""
     paths: list[Any] = [planner_data.get(k) if isinstance(planner_data, dict) else None for k in leaves]
-    if not all(isinstance(p, tuple) and p and all(isinstance(c, (str, int)) for c in p) for p in paths):
+    if not all(
+        isinstance(p, tuple) and 0 < len(p) <= MAX_STRUCTURE_DEPTH
+        and all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in p)
+        for p in paths
+    ):
         return leaves
-    names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
-    parents = {n.rsplit("/", i)[0] for n in names for i in range(1, n.count("/") + 1)}
-    if len(set(names)) < len(names) or parents & set(names):
+    try:
+        names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
+    except (UnicodeEncodeError, ValueError):  # a lone surrogate; an int too long to print
+        return leaves
+    if paths_problem(names) is not None:  # paths listed twice, or a leaf with leaves below it
         return leaves
     structure = structure_from_paths(names)
     values = list(leaves.values())
