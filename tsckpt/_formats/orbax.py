@@ -43,6 +43,7 @@ import tensorstore as ts
 from .. import _dtypes
 from .._arrays import MANIFEST
 from .._arrays import parse_node as parse_json
+from .._backing import UNCHECKED_BYTES
 from .._checkpoint import Checkpoint
 from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
 from .._errors import LeafTypeError, NotACheckpointError, short_repr
@@ -66,6 +67,9 @@ _UNCOMMITTED = "the save crashed or is still running; wait for it to finish or p
 # anything is decoded (docs/security.md).
 MAX_CHUNK_BYTES = 2 << 30
 _INDEX_ENTRY_BYTES = 16  # a zarr3 shard index: offset and length of each inner chunk
+# The most chunks (shards) an Orbax array may have: far more than orbax-checkpoint writes
+# (arrays of up to 2 GiB chunks), few enough that planning reads over them stays cheap.
+MAX_CHUNKS = 1 << 24
 _SEQUENCE_KEY = re.compile(r"[0-9]{1,18}")
 
 
@@ -395,6 +399,7 @@ class _Reader:
             except Exception as e:  # TensorStore raises ValueError/OSError subclasses, varying by version
                 raise _unreadable(a, e) from e
             _check_chunks(a, store)
+            _check_stored(a, store, context)
             if a.scalar:  # a Python int/float/bool saved as a 0-d array
                 try:
                     self.values[a.path] = store.read().result().item()
@@ -425,11 +430,16 @@ def _unreadable(a: _Pending, e: BaseException) -> CorruptCheckpointError:
     )
 
 
-def _read_node(a: _Pending, context: ts.Context) -> Any:
-    """Start reading the array's zarr metadata (a future of its bytes)."""
+def _item_store(a: _Pending, context: ts.Context) -> ts.KvStore:
+    """The kvstore of the item holding the array (keys ``<name>/...``)."""
     kv = a.meta.kvstore(a.item)
     kv = {**kv, "path": kv["path"].rstrip("/") + "/" if kv["path"] else ""}
-    return ts.KvStore.open(kv, context=context).result().read(f"{a.name}/{a.meta.node_name}")
+    return ts.KvStore.open(kv, context=context).result()
+
+
+def _read_node(a: _Pending, context: ts.Context) -> Any:
+    """Start reading the array's zarr metadata (a future of its bytes)."""
+    return _item_store(a, context).read(f"{a.name}/{a.meta.node_name}")
 
 
 def _check_node(a: _Pending, node: Any) -> None:
@@ -473,6 +483,33 @@ def _check_chunks(a: _Pending, store: ts.TensorStore) -> None:
             f"each{f', {index} bytes of shard index' if index else ''}): expected {what} no larger than the array, "
             f"of at most {MAX_CHUNK_BYTES} bytes (the largest orbax-checkpoint writes by default); refused before "
             "any is decoded: the checkpoint is damaged or made to exhaust memory, use a trusted copy"
+        )
+    cells = math.prod(-(-s // w) for s, w in zip(shape, write)) if all(shape) else 0
+    if cells > MAX_CHUNKS:
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)}: expected at most "
+            f"{MAX_CHUNKS}; the checkpoint is damaged or made to exhaust memory, use a trusted copy"
+        )
+
+
+def _check_stored(a: _Pending, store: ts.TensorStore, context: ts.Context) -> None:
+    """An array of more than 64 MiB whose missing chunks are errors (as Orbax writes it) must
+    store every chunk its metadata gives it, checked by listing its keys before anything is
+    allocated for it: a record of kilobytes could otherwise claim petabytes. (An array whose
+    missing chunks read as fill values, from an older Orbax, cannot be checked so.)"""
+    shape = tuple(int(n) for n in store.shape)
+    if a.meta.fill_missing or math.prod(shape) * store.dtype.numpy_dtype.itemsize <= UNCHECKED_BYTES:
+        return
+    write = tuple(int(c or s) for c, s in zip(store.chunk_layout.write_chunk.shape or shape, shape))
+    cells = math.prod(-(-s // w) for s, w in zip(shape, write))
+    prefix = f"{a.name}/"
+    keys = _item_store(a, context).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+    stored = sum(not k.decode("utf-8", "replace").rsplit("/", 1)[-1].startswith((".z", "zarr.json")) for k in keys)
+    if stored < cells:
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)}, but "
+            f"{stored} are stored and a missing chunk is an error in this checkpoint; refused before anything is "
+            "allocated: the checkpoint is damaged, re-save it"
         )
 
 

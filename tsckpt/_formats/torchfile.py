@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,9 @@ def read_torch_file(path: str) -> Any:
             "give a file written by torch.save"
         )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        with warnings.catch_warnings():  # torch's notes on a damaged file's pickle protocol: the error says it
+            warnings.filterwarnings("ignore", category=UserWarning, module="torch.serialization")
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         refused = weights_only_refusal(e)
         if refused is None:
