@@ -57,7 +57,7 @@ def read_torch_file(path: str) -> Any:
         )
     try:
         with warnings.catch_warnings():  # torch's notes on a damaged file's pickle protocol: the error says it
-            warnings.filterwarnings("ignore", category=UserWarning, module="torch.serialization")
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         refused = weights_only_refusal(e)
