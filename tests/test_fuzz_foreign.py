@@ -57,7 +57,8 @@ def _state(seed: int) -> dict[str, Any]:
 
 
 def _canary_state() -> dict[str, Any]:
-    return {"model": {"w": torch.full((6, 5), CANARY), "b": torch.full((5,), CANARY)}}
+    """Larger than the checkpoints' own state, so that their offsets fall inside its files."""
+    return {"model": {"w": torch.full((64, 64), CANARY), "b": torch.full((64,), CANARY)}}
 
 
 def _dcp_save(state: dict[str, Any], path: str) -> None:
@@ -313,8 +314,8 @@ def _damage_dcp(data: Any, path: str, canary: str) -> None:
     meta = FileSystemReader(path).read_metadata()
     tensors = sorted(k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
     indexes = sorted(meta.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ())))
-    op = data.draw(st.sampled_from(["path", "offset", "length", "size", "chunk", "dtype", "drop", "junk", "planner"]),
-                   label="edit")
+    edits = ["path", "path", "path", "offset", "length", "size", "chunk", "dtype", "drop", "junk", "planner"]
+    op = data.draw(st.sampled_from(edits), label="edit")
     if op in ("path", "offset", "length"):
         index = data.draw(st.sampled_from(indexes), label="entry")
         info = meta.storage_data[index]
