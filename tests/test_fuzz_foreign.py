@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tsckpt
+from tests.foreign import zstd_zeros
 from tests.strategies import HUGE_AND_NEGATIVE, dumps, json_mutations, mutate
 from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, _peak_rss
 
@@ -361,7 +362,10 @@ def _damage_orbax(data: Any, path: str, canary: str) -> None:
     arrays = sorted(
         d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)) and d != "d" and not d.startswith("ocdbt.")
     )
-    target = data.draw(st.sampled_from(["_METADATA", "_METADATA", "node", "key", "link"]), label="target")
+    target = data.draw(st.sampled_from(["_METADATA", "_METADATA", "node", "key", "link", "bomb"]), label="target")
+    if target == "bomb" and arrays and not meta.get("use_zarr3"):
+        _bomb(data, os.path.join(path, data.draw(st.sampled_from(arrays), label="array")))
+        return
     if target == "node" and arrays:
         name = data.draw(st.sampled_from(arrays), label="array")
         node_file = os.path.join(path, name, "zarr.json" if meta.get("use_zarr3") else ".zarray")
@@ -382,6 +386,21 @@ def _damage_orbax(data: Any, path: str, canary: str) -> None:
         meta = mutate(meta, data.draw(json_mutations(meta), label="mutation"))
     with open(meta_file, "w") as f:
         f.write(dumps(meta))
+
+
+def _bomb(data: Any, array: str) -> None:
+    """Make a zarr v2 array one chunk of float32 whose zstd data (128 KiB per 4 GiB) decodes to
+    the gigabytes its metadata claims: chunks over 2 GiB, or larger than the array."""
+    node = json.load(open(os.path.join(array, ".zarray")))
+    chunk = data.draw(st.sampled_from([2**20, 2**29 + 1, 2**30]), label="chunk")
+    shape = data.draw(st.sampled_from([4, chunk - 1, chunk]).filter(lambda n: n < chunk or chunk > 2**29), label="shape")
+    node.update(shape=[shape], chunks=[chunk], dtype="<f4", compressor={"id": "zstd", "level": 1}, filters=None)
+    for f in os.listdir(array):
+        os.remove(os.path.join(array, f))
+    with open(os.path.join(array, ".zarray"), "w") as f:
+        json.dump(node, f)
+    with open(os.path.join(array, "0"), "wb") as f:
+        f.write(zstd_zeros(chunk * 4))
 
 
 def _damage_torch(data: Any, path: str) -> None:
