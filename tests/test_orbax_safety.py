@@ -300,3 +300,42 @@ def test_verify_claims_no_checksum_orbax_does_not_store(saved, tmp_path, capsys)
     assert tsckpt.verify(own).checksums is True and tsckpt.verify(own).format == "tsckpt"
     assert main(["verify", own]) == 0
     assert "all checksums match" in capsys.readouterr().out
+
+
+# ---- arrays that claim more than they store -----------------------------------------------------
+
+
+def _reshape(ck: str, shape: int, chunk: int) -> None:
+    node = os.path.join(ck, "a", ".zarray")
+    meta = json.load(open(node))
+    meta.update(shape=[shape], chunks=[chunk])
+    with open(node, "w") as f:
+        json.dump(meta, f)
+
+
+def test_a_large_array_must_store_every_chunk(saved, tmp_path, monkeypatch):
+    """A node of kilobytes claimed 128 MiB in 2**23 chunks with one stored: restore allocated
+    it all before reading. Missing chunks are errors in what Orbax writes, so every chunk of
+    a read above 64 MiB must be there."""
+    ck = _copy(saved, "files-zarr2", tmp_path)
+    _reshape(ck, 2**25, 4)
+    for read in (lambda: tsckpt.open(ck), lambda: tsckpt.restore(ck), lambda: tsckpt.convert(ck, str(tmp_path / "o"))):
+        with pytest.raises(CorruptCheckpointError) as e:
+            read()
+        assert str(e.value) == (
+            f"{ck}: leaf 'a': 'a/.zarray' gives the array [{2**25}] {2**23} chunks of [4] but it stores 1, and a "
+            "missing chunk is an error in this checkpoint; refused before anything is allocated: the checkpoint is "
+            "damaged, re-save it"
+        )
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_array_of_too_many_chunks_is_refused(saved, tmp_path):
+    ck = _copy(saved, "files-zarr2", tmp_path)
+    _reshape(ck, 2**25, 1)
+    with pytest.raises(CorruptCheckpointError) as e:
+        tsckpt.open(ck)
+    assert str(e.value) == (
+        f"{ck}: leaf 'a': 'a/.zarray' gives the array [{2**25}] {2**25} chunks of [1]: expected at most {2**24}; the "
+        "checkpoint is damaged or made to exhaust memory, use a trusted copy"
+    )

@@ -507,9 +507,9 @@ def _check_stored(a: _Pending, store: ts.TensorStore, context: ts.Context) -> No
     stored = sum(not k.decode("utf-8", "replace").rsplit("/", 1)[-1].startswith((".z", "zarr.json")) for k in keys)
     if stored < cells:
         raise CorruptCheckpointError(
-            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)}, but "
-            f"{stored} are stored and a missing chunk is an error in this checkpoint; refused before anything is "
-            "allocated: the checkpoint is damaged, re-save it"
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)} but it stores "
+            f"{stored}, and a missing chunk is an error in this checkpoint; refused before anything is allocated: "
+            "the checkpoint is damaged, re-save it"
         )
 
 
