@@ -299,8 +299,9 @@ def bench_system(system: str, base: str, args: argparse.Namespace, can_drop: boo
 
 
 def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
-    from tsckpt._plan import LeafDesc, plan_save
-    from tsckpt._save import _root
+    from tsckpt._plan import plan_save
+    from tsckpt._types import LeafDesc
+    from tsckpt._commit import root_json as _root
     from tsckpt._format import STATE_COMMITTED
     from tsckpt.tree import flatten, structure_to_json
 

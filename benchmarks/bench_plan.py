@@ -1,8 +1,8 @@
 """Planning a save at scale: 1,000 leaves on 64, 256 and 1,024 simulated ranks.
 
 No processes and no I/O: each simulated rank's payload is built as save() builds
-it (descriptors as plain tuples, tree paths and structure, tied-leaf links, write
-window), and rank 0's work is run on all of them, as save() runs it: grouping
+it (descriptors packed field by field, tree paths and structure, tied-leaf links,
+write window), and rank 0's work is run on all of them, as save() runs it: grouping
 the descriptors, finding replicated regions, planning, and splitting the plan
 into one part per rank. Reported per world size:
 
@@ -37,17 +37,11 @@ from typing import Any
 from _common import bench_parser, machine_info, write_section
 
 from tsckpt._chunking import SHARD_BYTES
-from tsckpt._plan import (
-    LeafDesc,
-    gather_descs,
-    plan_aliases,
-    plan_save,
-    shared_regions,
-    split_plan,
-    with_checksums,
-    without,
-)
-from tsckpt._save import WRITE_WINDOW_BYTES, _Checksums, _Part, _payload
+from tsckpt._descs import ChecksumRequest, Payload, gather_descs, shared_regions, with_checksums, without
+from tsckpt._plan import plan_aliases, plan_save, split_plan
+from tsckpt._options import WRITE_WINDOW_BYTES
+from tsckpt._save import Part
+from tsckpt._types import LeafDesc
 from tsckpt.tree import flatten, structure_to_json
 
 LEAVES = 1000
@@ -69,8 +63,8 @@ class OldLeafDesc:
     value: Any = None
 
 
-def payloads(world: int, replicated: int) -> list[tuple[Any, ...]]:
-    """Every simulated rank's payload to rank 0, as save()'s _describe builds it."""
+def payloads(world: int, replicated: int) -> list[Payload]:
+    """Every simulated rank's payload to rank 0, as save() builds it (step 1)."""
     layers = LEAVES // 10
     tree = {"model": {"layers": [{**{f"w{j}": 0 for j in range(9)}, "b": 0} for _ in range(layers)]}}
     flat = flatten(tree)
@@ -80,12 +74,12 @@ def payloads(world: int, replicated: int) -> list[tuple[Any, ...]]:
     out = []
     for r in range(world):
         descs = [
-            tuple(LeafDesc(p, "torch", "float32", 4, (COLS,), (0,), (COLS,)))
+            LeafDesc(p, "torch", "float32", 4, (COLS,), (0,), (COLS,))
             if p in bias
-            else tuple(LeafDesc(p, "torch", "float32", 4, (ROWS, COLS), (r * rows, 0), (rows, COLS)))
+            else LeafDesc(p, "torch", "float32", 4, (ROWS, COLS), (r * rows, 0), (rows, COLS))
             for p in flat.paths
         ]
-        out.append(_payload(descs, flat.paths, structure, {}, WRITE_WINDOW_BYTES, "plain"))
+        out.append(Payload.of(descs, flat.paths, structure, {}, WRITE_WINDOW_BYTES, "plain"))
     return out
 
 
@@ -94,21 +88,21 @@ def run_once(blobs: list[bytes], world: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     got = [pickle.loads(b) for b in blobs]
     t1 = time.perf_counter()
-    per_rank = [p[0] for p in got]
-    aliases = plan_aliases(per_rank, [p[3] for p in got])
+    per_rank = [p.descs for p in got]
+    aliases = plan_aliases(per_rank, [p.links for p in got])
     g = without(gather_descs(per_rank), aliases)
     shared = shared_regions(g)
     t2 = time.perf_counter()
-    asks = [pickle.dumps(_Checksums(tuple(s))) for s in shared] if any(shared) else []
+    asks = [pickle.dumps(ChecksumRequest(tuple(s))) for s in shared] if any(shared) else []
     t3 = time.perf_counter()
     if asks:  # every replica agrees (what the ranks would send back)
         g = with_checksums(g, [{p: 7 for p in s} for s in shared])
     t3b = time.perf_counter()
-    plan = plan_save(g, shard_bytes=min(SHARD_BYTES, min(p[4] for p in got)))
+    plan = plan_save(g, shard_bytes=min(SHARD_BYTES, min(p.window for p in got)))
     t4 = time.perf_counter()
     parts = split_plan(plan)
     t5 = time.perf_counter()
-    replies = [pickle.dumps(_Part(part, WRITE_WINDOW_BYTES)) for part in parts[1:]]
+    replies = [pickle.dumps(Part(part, WRITE_WINDOW_BYTES)) for part in parts[1:]]
     t6 = time.perf_counter()
     return {
         "unpickle_s": t1 - t0,
@@ -129,7 +123,7 @@ def run_once(blobs: list[bytes], world: int) -> dict[str, Any]:
 def measure(world: int, replicated: int, repeats: int) -> dict[str, Any]:
     pl = payloads(world, replicated)
     blobs = [pickle.dumps(p) for p in pl]
-    old = [pickle.dumps(([OldLeafDesc(*d) for d in p[0]], p[1], json.loads(p[2]), *p[3:5])) for p in pl]
+    old = [pickle.dumps(([OldLeafDesc(*d) for d in p.descs], p.paths, json.loads(p.structure), p.links, p.window)) for p in pl]
     runs = []
     for _ in range(repeats):
         gc.collect()

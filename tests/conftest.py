@@ -1,30 +1,190 @@
+"""Fixtures, markers and Hypothesis settings shared by the test suite.
+
+Tiers. ``python -m pytest -m "not slow"`` runs the fast tier: everything but the
+tests marked ``slow``. :func:`pytest_collection_modifyitems` marks a test slow when
+
+* it uses the ``s3_server`` fixture, directly or through another fixture (moto's
+  S3 server, started once per session); or
+* the test function, a fixture it uses, or a function, class or module of this
+  tests package that one of them names (followed transitively) names a helper
+  that starts processes: ``run_ranks`` (gloo ranks), ``run_solo`` (a fresh
+  process), ``get_context`` (multiprocessing: the crash tests' savers killed at
+  random moments, racing savers), ``subprocess`` (the command line, scripts,
+  examples, a blocked saver, the fuzzers' worker) or ``torchrun``.
+
+Everything else runs in this process and is fast.
+
+Hypothesis. Example counts come from the profile, chosen by the environment
+variable ``HYPOTHESIS_PROFILE``, else ``full`` where ``CI=true`` (as ``.ci/run``
+sets), else ``quick``; see :data:`PROFILES`. A test that needs more examples than
+the others (a fuzzer) asks for :func:`examples` ``(k)``: ``k`` times the profile's.
+"""
+
 from __future__ import annotations
 
+import dis
 import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.dist_helpers import LAYOUT_ENV
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on the CPU, quietly
 
+# ---- Hypothesis profiles ---------------------------------------------------------------
 
-def pytest_configure(config):
+# name -> examples per test; no deadline (timings on a shared 2-core machine vary too much)
+PROFILES = {"quick": 20, "full": 100}
+for _name, _count in PROFILES.items():
+    settings.register_profile(_name, max_examples=_count, deadline=None, print_blob=True)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or (
+    "full" if os.environ.get("CI", "").lower() in ("true", "1") else "quick"
+)
+settings.load_profile(PROFILE)
+
+
+def examples(k: int) -> int:
+    """``k`` times the examples per test of the loaded profile, for a test that needs more."""
+    return k * settings().max_examples
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile: {PROFILE} ({settings().max_examples} examples per test)"
+
+
+# ---- markers and the slow tier ---------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
     # torch warns on complex32 allocations; the tests use complex32 on purpose
     config.addinivalue_line("filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
 
 
-@pytest.fixture(params=["plain", "compact"])
-def layout(request, monkeypatch):
-    """Runs a test once per checkpoint layout: tsckpt.save (and so every verb built on it)
-    defaults to that layout here and in the ranks run_ranks starts."""
-    import tsckpt
+PROCESS_HELPERS = frozenset({"run_ranks", "run_solo", "get_context", "subprocess", "torchrun"})
+SERVER_FIXTURES = frozenset({"s3_server"})
 
-    monkeypatch.setitem(tsckpt.save.__kwdefaults__, "layout", request.param)
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    """The global, attribute and imported names ``code`` and the code nested in it use."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"):
+            yield str(ins.argval).split(".")[0] if ins.opname == "IMPORT_NAME" else str(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _ours(obj: Any) -> bool:
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    return isinstance(name, str) and (name == "tests" or name.startswith("tests."))
+
+
+def _named(obj: Any) -> tuple[bool, list[Any]]:
+    """Whether function or class ``obj`` names a process helper itself, and the functions,
+    classes and modules of this package it names."""
+    if isinstance(obj, types.ModuleType):
+        return False, []  # only the members its users name are followed (see below)
+    if isinstance(obj, type):
+        return False, [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
+    fn = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # a @given test: the test itself
+    fn = getattr(fn, "__wrapped__", fn)  # a fixture: its function
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False, []
+    names = set(_names(code))
+    scope = getattr(fn, "__globals__", {})
+    targets = [scope[n] for n in names if n in scope]
+    # members of modules of this package the code names (sc.save_dtensors)
+    targets += [getattr(m, n) for m in list(targets) if isinstance(m, types.ModuleType) and _ours(m)
+                for n in names if hasattr(m, n)]
+    return bool(names & PROCESS_HELPERS), [t for t in targets if _ours(t)]
+
+
+_NAMED: dict[int, tuple[Any, bool, list[Any]]] = {}  # id -> (the object, kept alive; _named(it))
+
+
+def starts_processes(obj: Any) -> bool:
+    """Whether function, class or fixture ``obj`` names a process helper, itself or through
+    the functions, classes and modules of this package it names, transitively."""
+    stack, visited = [obj], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if id(o) not in _NAMED:
+            _NAMED[id(o)] = (o, *_named(o))
+        _, direct, targets = _NAMED[id(o)]
+        if direct:
+            return True
+        stack.extend(targets)
+    return False
+
+
+def _slow(item: pytest.Item) -> bool:
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    if starts_processes(getattr(item, "function", None)):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(_ours(d.func) and starts_processes(d.func) for ds in defs for d in ds)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+_CALL_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_PASSED] = report.passed
+    return report
+
+
+# ---- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["plain", "compact"])
+def layout(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs a test once per checkpoint layout. The test passes ``layout=layout`` to every
+    verb that writes a checkpoint; the ranks run_ranks starts read it from LAYOUT_ENV
+    (``tests.dist_helpers.rank_layout()``) and pass it too.
+
+    When the test has passed, every tsckpt checkpoint root it left under ``tmp_path`` must
+    record this layout (and its format version), and there must be one: a test that leaves
+    none there (its save fails, it damages the root, it saves to S3 and checks the root
+    there) says so with ``@pytest.mark.no_checkpoint_root``."""
+    from tests.stored import checkpoint_roots, layout_record
+
     monkeypatch.setenv(LAYOUT_ENV, request.param)
-    return request.param
+    yield request.param
+    if not request.node.stash.get(_CALL_PASSED, False):
+        return  # the test failed or was skipped: its own report says why
+    roots = checkpoint_roots(tmp_path)
+    want = layout_record(request.param)
+    wrong = {str(p.relative_to(tmp_path)): got for p, got in roots.items() if got != want}
+    if wrong:
+        pytest.fail(f"checkpoints not in the {request.param} layout {want} under {tmp_path}: {wrong}", pytrace=False)
+    if not roots and request.node.get_closest_marker("no_checkpoint_root") is None:
+        pytest.fail(
+            f"a test of the {request.param} layout left no tsckpt checkpoint under {tmp_path} whose layout could be "
+            "checked (mark it no_checkpoint_root if that is right)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -37,10 +197,10 @@ def ckdir(tmp_path):
 def small_chunks(monkeypatch):
     """Tiny chunk and shard targets (1 KiB inner chunks, 4 KiB shards), so small
     arrays get several shard files, each with several inner chunks."""
-    import tsckpt._chunking as layout
+    import tsckpt._chunking as chunking
 
-    monkeypatch.setattr(layout, "INNER_CHUNK_BYTES", 1024)
-    monkeypatch.setattr(layout, "SHARD_BYTES", 4096)
+    monkeypatch.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunking, "SHARD_BYTES", 4096)
 
 
 @pytest.fixture

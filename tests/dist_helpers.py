@@ -19,8 +19,14 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "tsckpt", "tests.dist_scenarios"])
 
 
-# The checkpoint layout tsckpt.save defaults to in the ranks (set by the `layout` fixture).
+# The checkpoint layout of the test (set by the `layout` fixture), and so of the ranks it
+# starts: scenarios pass ``layout=rank_layout()`` to what they save.
 LAYOUT_ENV = "TSCKPT_TEST_LAYOUT"
+
+
+def rank_layout() -> str:
+    """The checkpoint layout a scenario running on ranks of :func:`run_ranks` saves in."""
+    return os.environ[LAYOUT_ENV]
 
 
 def free_port() -> int:
@@ -32,13 +38,11 @@ def free_port() -> int:
 def _entry(
     fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any, layout: str
 ) -> None:
+    # forked from the fork server, a rank has the server's environment, not the test's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ[LAYOUT_ENV] = layout
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
-
-    import tsckpt
-
-    tsckpt.save.__kwdefaults__["layout"] = layout  # type: ignore[index]
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -57,7 +61,8 @@ def run_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, layout: str | None = None
 ) -> list[Any]:
     """Run ``fn`` on ``world`` ranks; return each rank's result, or raise with the failures.
-    ``layout`` is the ranks' default checkpoint layout (default: the `layout` fixture's, else plain)."""
+    ``layout`` is the checkpoint layout scenarios read with :func:`rank_layout` (default: the
+    `layout` fixture's, else plain)."""
     port = free_port()
     q = _CTX.Queue()
     layout = layout or os.environ.get(LAYOUT_ENV, "plain")

@@ -1,4 +1,5 @@
-"""Multi-rank scenarios, run by tests/test_distributed.py on gloo ranks."""
+"""Multi-rank scenarios, run by tests/test_distributed.py on gloo ranks. What they
+save is in the test's checkpoint layout (``rank_layout()``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tsckpt
+from tests.dist_helpers import rank_layout
 
 
 def global_tensor(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -42,7 +44,7 @@ def save_dtensors(rank: int, world: int, directory: str, mesh_shape: tuple[int, 
     """spec: name -> (global shape, placements as strings like 'S0', 'S1', 'R')."""
     m = mesh(mesh_shape)
     tree = {name: dtensor(global_tensor(shape, seed=i), m, parse(pl)) for i, (name, (shape, pl)) in enumerate(sorted(spec.items()))}
-    tsckpt.save(directory, {"model": tree, "step": 7})
+    tsckpt.save(directory, {"model": tree, "step": 7}, layout=rank_layout())
 
 
 def restore_dtensors(rank: int, world: int, directory: str, mesh_shape: tuple[int, ...], spec: dict[str, Any], inplace: bool = False) -> dict[str, int]:
@@ -79,7 +81,7 @@ def save_fsdp2(rank: int, world: int, directory: str) -> None:
 
     model = tiny_model()
     fully_shard(model, mesh=mesh((world,)))
-    tsckpt.save(directory, {"model": dict(model.state_dict())})
+    tsckpt.save(directory, {"model": dict(model.state_dict())}, layout=rank_layout())
 
 
 def tiny_model() -> torch.nn.Module:
@@ -112,7 +114,7 @@ def replicas(rank: int, world: int, directory: str, differ: bool) -> None:
     w = global_tensor((6, 4))
     if differ and rank == 1:
         w = w + 1
-    tsckpt.save(directory, {"w": w, "b": torch.arange(3)})
+    tsckpt.save(directory, {"w": w, "b": torch.arange(3)}, layout=rank_layout())
 
 
 def pipeline_stages(rank: int, world: int, directory: str, collide: bool) -> None:
@@ -121,7 +123,7 @@ def pipeline_stages(rank: int, world: int, directory: str, collide: bool) -> Non
     for j in range(2):
         idx = j if collide else rank * 2 + j
         tree[f"layers.{idx}.weight"] = global_tensor((3, 3), seed=rank * 2 + j)
-    tsckpt.save(directory, {"model": tree})
+    tsckpt.save(directory, {"model": tree}, layout=rank_layout())
 
 
 def partial_save(rank: int, world: int, directory: str) -> None:
@@ -129,7 +131,7 @@ def partial_save(rank: int, world: int, directory: str) -> None:
 
     m = mesh((world,))
     d = DTensor.from_local(torch.ones(2, 2), m, [Partial()])
-    tsckpt.save(directory, {"p": d})
+    tsckpt.save(directory, {"p": d}, layout=rank_layout())
 
 
 def failing_save(rank: int, world: int, directory: str) -> None:
@@ -142,7 +144,7 @@ def failing_save(rank: int, world: int, directory: str) -> None:
 
         save_mod._write_regions = boom  # type: ignore[assignment]
     m = mesh((world,))
-    tsckpt.save(directory, {"w": dtensor(global_tensor((8, 2)), m, parse("S0"))})
+    tsckpt.save(directory, {"w": dtensor(global_tensor((8, 2)), m, parse("S0"))}, layout=rank_layout())
 
 
 def sharded_arrays(rank: int, world: int, directory: str, splits: list[int], cols: int) -> None:
@@ -150,7 +152,7 @@ def sharded_arrays(rank: int, world: int, directory: str, splits: list[int], col
     full = global_tensor((sum(splits), cols))
     start = sum(splits[:rank])
     local = full[start : start + splits[rank]].clone()
-    tsckpt.save(directory, {"emb": tsckpt.ShardedArray(local, full.shape, (start, 0))})
+    tsckpt.save(directory, {"emb": tsckpt.ShardedArray(local, full.shape, (start, 0))}, layout=rank_layout())
 
 
 def restore_sharded_arrays(rank: int, world: int, directory: str, splits: list[int], cols: int) -> None:
@@ -187,7 +189,7 @@ def save_fsdp_tp(rank: int, world: int, directory: str) -> list[str]:
     parallelize_module(model, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=m["dp"])
     sd = dict(model.state_dict())
-    tsckpt.save(directory, {"model": sd})
+    tsckpt.save(directory, {"model": sd}, layout=rank_layout())
     return [str(v.placements) for v in sd.values()]
 
 
@@ -218,7 +220,7 @@ def bad_leaf_on_one_rank(rank: int, world: int, directory: str) -> None:
     tree: dict[str, Any] = {"w": torch.ones(2)}
     if rank == 1:
         tree["oops"] = object()
-    tsckpt.save(directory, tree)
+    tsckpt.save(directory, tree, layout=rank_layout())
 
 
 def restore_fsdp2_as_tp_shard1(rank: int, world: int, directory: str) -> dict[str, str]:
@@ -259,7 +261,7 @@ def many_leaves(rank: int, world: int, directory: str, n: int) -> None:
     for i in range(n):
         full = torch.arange(world * 4 * 3, dtype=torch.float32).reshape(world * 4, 3) + i
         tree[f"l{i:04d}"] = tsckpt.ShardedArray(full[rank * 4 : (rank + 1) * 4].clone(), tuple(full.shape), (rank * 4, 0))
-    tsckpt.save(directory, {"opt": tree, "step": 5})
+    tsckpt.save(directory, {"opt": tree, "step": 5}, layout=rank_layout())
 
 
 def save_and_restore_with_progress(rank: int, world: int, directory: str) -> list[tuple[str, int, int]]:
@@ -277,7 +279,8 @@ def save_and_restore_with_progress(rank: int, world: int, directory: str) -> lis
     tqdm.tqdm = Recording  # type: ignore[misc]
     full = torch.arange(world * 256, dtype=torch.float32).reshape(world * 16, 16)
     mine = full[rank * 16 : (rank + 1) * 16].clone()
-    tsckpt.save(directory, {"w": tsckpt.ShardedArray(mine, tuple(full.shape), (rank * 16, 0))}, progress=True)
+    tree = {"w": tsckpt.ShardedArray(mine, tuple(full.shape), (rank * 16, 0))}
+    tsckpt.save(directory, tree, progress=True, layout=rank_layout())
     target = {"w": tsckpt.ShardedArray(torch.zeros(16, 16), tuple(full.shape), (rank * 16, 0))}
     tsckpt.restore(directory, target, inplace=True, progress=True)
     if not torch.equal(target["w"].local, mine):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import tensorstore as ts
 
@@ -53,3 +54,39 @@ def delete_prefix(directory: str | os.PathLike[str], prefix: str) -> None:
 
 def count_files(directory: str | os.PathLike[str]) -> int:
     return sum(len(files) for _, _, files in os.walk(directory))
+
+
+def layout_record(layout: str) -> tuple[str, int]:
+    """What the root of a checkpoint in ``layout`` records: (layout, format version)."""
+    return layout, {"plain": 1, "compact": 2}[layout]
+
+
+def root_layout(meta: dict) -> tuple[str, object]:
+    """(layout, format version) as the ``tsckpt`` attributes of a root zarr.json record
+    them: no "layout" means plain."""
+    return str(meta.get("layout", "plain")), meta.get("format_version")
+
+
+def checkpoint_roots(directory: str | os.PathLike[str]) -> dict[Path, tuple[str, object]]:
+    """Every tsckpt checkpoint root below ``directory`` (itself included), committed or
+    pending: its directory -> (layout, format version). Roots that are not valid JSON
+    (damaged on purpose) are left out."""
+    out: dict[Path, tuple[str, object]] = {}
+    for parent, _, files in os.walk(directory):
+        if "zarr.json" not in files:
+            continue
+        with open(os.path.join(parent, "zarr.json"), "rb") as f:
+            text = f.read()
+        if b'"tsckpt"' not in text:
+            continue  # a group or array node without tsckpt attributes
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(doc, dict) or doc.get("node_type") != "group":
+            continue  # an array node (its attributes name its dtype and kind)
+        attrs = doc.get("attributes")
+        meta = attrs.get("tsckpt") if isinstance(attrs, dict) else None
+        if isinstance(meta, dict):
+            out[Path(parent)] = root_layout(meta)
+    return out

@@ -251,6 +251,83 @@ def test_show_refuses_huge_selection(ck, capsys, monkeypatch):
     assert code == 0 and out.startswith("model/w[:2]: bfloat16 [2, 8]")
 
 
+# ---- leaf names as users type them -----------------------------------------------------
+
+
+@pytest.fixture
+def named(tmp_path):
+    """Leaf paths of every spelling: nested keys, Hugging Face names inside one key, list indices."""
+    path = str(tmp_path / "named")
+    tsckpt.save(path, {
+        "model": {  # as tsckpt.torch.save writes a module's state dict
+            "model.layers.0.mlp.weight": torch.arange(4.0),
+            "model.layers.0.mlp.bias": torch.zeros(2),
+            "model.layers.01.w": torch.ones(1),
+        },
+        "model.layers.0.norm": torch.full((2,), 3.0),  # a flat safetensors-like name
+        "enc": {"layers": [{"w": torch.full((1,), float(i))} for i in range(11)]},
+        "a": {"b": {"c": torch.zeros(1)}},
+        "a.b": {"c": torch.ones(1)},
+    })
+    return path
+
+
+def _listed(capsys, *argv: str) -> list[str]:
+    code, out, err = run_main(capsys, "ls", *argv)
+    assert code == 0, err
+    return [line.split()[0] for line in out.splitlines()[1:-1]]
+
+
+@pytest.mark.parametrize(
+    "prefix, paths",
+    [
+        ("model.layers.0", ["model.layers.0.norm"]),
+        ("model/model.layers.0", ["model/model.layers.0.mlp.bias", "model/model.layers.0.mlp.weight"]),
+        ("model.model.layers.0.", ["model/model.layers.0.mlp.bias", "model/model.layers.0.mlp.weight"]),
+        ("model/model.layers.0.mlp.weight", ["model/model.layers.0.mlp.weight"]),
+        ("model.model.layers.01", ["model/model.layers.01.w"]),
+        ("enc.layers.1", ["enc/layers/1/w"]),
+        ("enc/layers/1/", ["enc/layers/1/w"]),
+        ("a.b", ["a/b/c", "a.b/c"]),
+    ],
+)
+def test_ls_prefix_with_slashes_or_dots(named, capsys, prefix, paths):
+    assert _listed(capsys, named, prefix) == paths
+
+
+def test_ls_prefix_stops_at_component_boundaries(named, capsys):
+    code, _, err = run_main(capsys, "ls", named, "model.layers.0.mlp.w")
+    assert (code, err) == (2, f"tsckpt ls: error: no leaf at or below 'model.layers.0.mlp.w' in {named}\n")
+    assert _listed(capsys, named, "enc.layers") == [f"enc/layers/{i}/w" for i in range(11)]
+
+
+@pytest.mark.parametrize(
+    "target, header",
+    [
+        ("enc.layers.10.w", "enc/layers/10/w: float32 [1]"),
+        ("model.model.layers.0.mlp.weight[1:3]", "model/model.layers.0.mlp.weight[1:3]: float32 [2]"),
+        ("model/model.layers.01", "model/model.layers.01.w: float32 [1]"),  # the one leaf below it
+        ("a.b/c", "a.b/c: float32 [1]"),  # an exact path wins over its other spellings
+    ],
+)
+def test_show_names_a_leaf_with_slashes_or_dots(named, capsys, target, header):
+    code, out, err = run_main(capsys, "show", named, target)
+    assert code == 0, err
+    assert out.splitlines()[0] == header
+
+
+def test_show_refuses_an_ambiguous_name_listing_candidates(named, capsys):
+    code, out, err = run_main(capsys, "show", named, "a/b.c")
+    assert (code, out) == (2, "")
+    assert err == "tsckpt show: error: 'a/b.c' may name 2 leaves ('a/b/c', 'a.b/c'); give the path of one as ls writes it\n"
+    code, out, err = run_main(capsys, "show", named, "model.model.layers.0")
+    assert (code, out) == (2, "")
+    assert err == (
+        "tsckpt show: error: 'model.model.layers.0' is not a leaf; 2 leaves below it "
+        "('model/model.layers.0.mlp.bias', 'model/model.layers.0.mlp.weight'); give the full path of one\n"
+    )
+
+
 # ---- verify --------------------------------------------------------------------------
 
 

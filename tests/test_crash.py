@@ -55,7 +55,7 @@ def _same(out: dict, step: int) -> bool:
     return out["step"] == step and all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in pairs)
 
 
-def _saver(root: str, log: str, layout: str = "plain") -> None:
+def _saver(root: str, log: str, layout: str) -> None:
     """Save step after step until killed; log progress with unbuffered appends."""
     torch.set_num_threads(1)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -146,7 +146,7 @@ def test_sigkill_at_random_moments(tmp_path, layout):
         # a kill inside a save leaves a pending or rootless step; inside a deletion, a renamed-away one
         interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
 
-        m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+        m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
         latest = m.latest_step()
         steps = m.all_steps()
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}, complete {steps}"
@@ -271,7 +271,7 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
     assert (tmp_path / "ck" / "x").exists()
 
 
-def _dist_saver(rank: int, port: int, root: str, log: str, layout: str = "plain") -> None:
+def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
     """One of 2 gloo ranks saving step after step (rows of 'w' sharded by rank) until killed."""
     import torch.distributed as dist
 
@@ -325,7 +325,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
         interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
-        m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY)
+        m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}"
         _check_latest(m, committed_ever, begun, context)
         for step in m.all_steps():  # every step called complete restores bit-exactly

@@ -13,7 +13,8 @@ from tests import dist_scenarios as sc
 from tests.dist_helpers import RankError, run_ranks
 from tests.stored import chunk_keys
 
-pytestmark = pytest.mark.usefixtures("layout")  # every test on both checkpoint layouts
+# every test on both checkpoint layouts: the ranks save in the test's (dist_helpers.rank_layout)
+pytestmark = pytest.mark.usefixtures("layout")
 
 SPEC = {
     "wte": ((10, 6), "S0"),
@@ -75,6 +76,7 @@ def test_ddp_style_replicas_written_once(tmp_path):
     np.testing.assert_array_equal(out["b"], np.arange(3))
 
 
+@pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_replica_mismatch_raises_on_every_rank(tmp_path):
     d = str(tmp_path / "ck")
     with pytest.raises(RankError) as e:
@@ -94,6 +96,7 @@ def test_pipeline_disjoint_paths_union(tmp_path):
         np.testing.assert_array_equal(out["model"][f"layers.{i}.weight"], sc.global_tensor((3, 3), seed=i).numpy())
 
 
+@pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_pipeline_name_collision_is_an_error(tmp_path):
     d = str(tmp_path / "ck")
     with pytest.raises(RankError) as e:
@@ -102,6 +105,7 @@ def test_pipeline_name_collision_is_an_error(tmp_path):
         assert "'model/layers.0.weight'" in msg and "differ in content" in msg and "distinct global names" in msg
 
 
+@pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_partial_placement_is_refused(tmp_path):
     with pytest.raises(RankError) as e:
         run_ranks(sc.partial_save, 2, str(tmp_path / "ck"))
@@ -145,7 +149,7 @@ def test_irregular_split_keeps_few_files_and_one_writer_each(tmp_path):
     run_ranks(sc.restore_sharded_arrays, 3, d, [20, 20, 9], 64)
 
 
-def test_fsdp_x_tp_2d_strided_to_fsdp_1d_and_back(tmp_path):
+def test_fsdp_x_tp_2d_strided_to_fsdp_1d_and_back(tmp_path, layout):
     d1, d2 = str(tmp_path / "a"), str(tmp_path / "b")
     placements = run_ranks(sc.save_fsdp_tp, 4, d1)
     assert any("_StridedShard" in p for p in placements[0])  # FSDP2 on top of TP really is strided
@@ -154,7 +158,7 @@ def test_fsdp_x_tp_2d_strided_to_fsdp_1d_and_back(tmp_path):
     for k, v in ref.items():
         np.testing.assert_array_equal(got["model"][k], v.numpy())
     run_ranks(sc.restore_fsdp_1d, 2, d1)
-    tsckpt.save(d2, {"model": ref})  # single process, plain tensors
+    tsckpt.save(d2, {"model": ref}, layout=layout)  # single process, plain tensors
     run_ranks(sc.restore_fsdp_tp, 4, d2)
 
 
@@ -165,6 +169,7 @@ def test_hsdp_and_empty_shards(tmp_path):
     run_ranks(sc.restore_dtensors, 3, d, (3,), {"hsdp": ((6, 4), "S1"), "tiny": ((1, 3), "S0")})
 
 
+@pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_bad_leaf_on_one_rank_fails_every_rank_before_anything_is_written(tmp_path):
     d = str(tmp_path / "ck")
     with pytest.raises(RankError) as e:

@@ -17,15 +17,28 @@ import torch
 import zarr
 
 import tsckpt
-from tsckpt import _chunking as _layout
+from tsckpt import _chunking
+from tsckpt._codec import route as _route
 from tsckpt._codec import shardwrite as _shardwrite
+from tsckpt._codec.files import stored_shapes
 from tsckpt._arrays import array_node, chunk_key
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._leaves import describe
-from tsckpt._plan import gather_descs, pack_descs, plan_save, split_plan
+from tsckpt._descs import gather_descs, pack_descs
+from tsckpt._plan import plan_save, split_plan
 from tsckpt._progress import Progress
 from tsckpt._formats.sources import open_checkpoint
-from tsckpt._save import _file_writer, _write_regions
+from tsckpt._save import _whole_shard, _write_regions
+
+
+def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
+    """What save's own shard writer does with the shard file at ``offsets`` (a function of
+    its path), or None when the own codec does not write it."""
+    where = _route.place({"driver": "file", "path": "/"}, "plain")
+    layout = stored_shapes(rec)
+    if _route.route(rec, where) is not _route.Route.SHARD or not _whole_shard(rec, offsets, src.shape[: len(offsets)]):
+        return None
+    return lambda path: _shardwrite.write_shard(path, src, layout.shard, layout.inner)
 
 
 def _files(root: str) -> dict[str, bytes]:
@@ -80,11 +93,12 @@ def test_sharded_files_including_edges(tmp_path, small_chunks, shape, dtype):
     assert torch.equal(out, t)
 
 
-# ---- shard files written by tsckpt's own writer (tsckpt/_shardwrite.py) ----------------------
+# ---- shard files written by tsckpt's own writer (tsckpt/_codec/shardwrite.py) ----------------
 
 NP_DTYPES = {
     "float32": np.float32, "float64": np.float64, "float16": np.float16, "int8": np.int8, "uint64": np.uint64,
     "bool": np.bool_, "complex64": np.complex64, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e8m0fnu": ml_dtypes.float8_e8m0fnu, "int4": ml_dtypes.int4, "float4_e2m1fn": ml_dtypes.float4_e2m1fn,
 }
 
 
@@ -93,6 +107,10 @@ def _data(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
     x = rng.standard_normal(shape) * 50
     if dtype == "complex64":
         return (x + 1j * rng.standard_normal(shape)).astype(np.complex64)
+    if dtype == "int4":
+        return rng.integers(-8, 8, shape).astype(ml_dtypes.int4)
+    if dtype in ("float4_e2m1fn", "float8_e8m0fnu"):  # values each type holds (e8m0: powers of two)
+        return (2.0 ** rng.integers(-2, 3, shape) * np.sign(x if dtype == "float4_e2m1fn" else 1)).astype(NP_DTYPES[dtype])
     return (x > 0) if dtype == "bool" else x.astype(NP_DTYPES[dtype])
 
 
@@ -122,6 +140,10 @@ LAYOUTS = [
     ((9, 7), (4, 8), (2, 4), "complex64"),
     ((30, 16), (8, 16), (4, 8), "uint64"),
     ((30, 16), (8, 16), (4, 8), "float8_e4m3fn"),
+    ((30, 16), (8, 16), (4, 8), "float8_e8m0fnu"),  # no zero: padding is zero bytes all the same
+    ((64, 64), (64, 64), (32, 32), "int4"),  # one byte an element: 4 x (1,024 + 4) + 68 = 4,180 bytes
+    ((30, 18), (16, 16), (4, 8), "int4"),
+    ((30, 18), (16, 16), (4, 8), "float4_e2m1fn"),
     ((300, 40), (128, 40), (64, 40), "float16"),
     ((520, 96), (256, 96), (32, 24), "float32"),  # 96 KiB files: many direct writes of 8 KiB
 ]
@@ -182,8 +204,10 @@ def test_shard_files_are_tensorstores(tmp_path, writer_io, shape, shard, inner, 
 def test_direct_writes_refused_at_write_time(tmp_path, writer_io, monkeypatch):
     """A file system that takes O_DIRECT at open but fails its writes with EINVAL gets the
     same file through the page cache."""
-    if not (_shardwrite.DIRECT and _direct_io_works(str(tmp_path / "probe"))):
-        return  # nothing is written directly here (checked by the test above)
+    if not _shardwrite.DIRECT:
+        pytest.skip("writes through the page cache try no direct I/O")
+    if not _direct_io_works(str(tmp_path / "probe")):
+        pytest.skip("this file system has no direct I/O: nothing is written directly (checked above)")
     pwritev = os.pwritev
 
     def no_direct(fd, buffers, offset):
@@ -244,8 +268,8 @@ def test_source_that_is_a_column_slice(tmp_path):
 def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypatch, shape, dtype, regions):
     """Regions as DTensor shards give them, planned and written by save's own functions
     (one rank after the other, in one process); every file equals TensorStore's."""
-    monkeypatch.setattr(_layout, "INNER_CHUNK_BYTES", 512)
-    monkeypatch.setattr(_layout, "SHARD_BYTES", 2048)
+    monkeypatch.setattr(_chunking, "INNER_CHUNK_BYTES", 512)
+    monkeypatch.setattr(_chunking, "SHARD_BYTES", 2048)
     full = _data(shape, dtype, seed=3)
     n = {"rows": (3, 1), "cols": (1, 2), "grid": (2, 2)}[regions]
     starts = [[-(-shape[0] * i // n[0]) for i in range(n[0])], [-(-shape[1] * j // n[1]) for j in range(n[1])]]

@@ -144,7 +144,7 @@ def test_disk_full_injected(ckdir, layout, monkeypatch):
 
     monkeypatch.setattr(save_module, "_write_regions", full)
     with pytest.raises(OSError) as e:
-        tsckpt.save(ckdir, _tree())
+        tsckpt.save(ckdir, _tree(), layout=layout)
     _assert_disk_full(e.value, ckdir)
     assert not os.path.exists(ckdir)  # nothing that looks like a checkpoint, nothing to clear
     monkeypatch.undo()  # space was freed

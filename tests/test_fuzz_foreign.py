@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tsckpt
+from tests.conftest import examples
 from tests.foreign import zstd_zeros
 from tests.strategies import HUGE_AND_NEGATIVE, dumps, json_mutations, mutate
 from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, _peak_rss
@@ -459,7 +460,7 @@ _counter = iter(range(10**9))
 
 @pytest.mark.slow
 @settings(
-    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "200")),  # about 20 s; CI runs may ask for more
+    max_examples=examples(3),  # a fuzzer: three times the profile's examples (about 10 s per 100)
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tsckpt
+from tests.conftest import examples
 from tests.stored import read_key, write_key
 from tests.strategies import assert_same, bits, dumps, json_mutations, mutate, record_edits
 from tsckpt._arrays import array_node
@@ -426,7 +427,7 @@ _counter = iter(range(10**9))
 
 
 @settings(
-    max_examples=int(os.environ.get("TSCKPT_FUZZ_EXAMPLES", "300")),
+    max_examples=examples(3),  # a fuzzer: three times the profile's examples
     deadline=timedelta(seconds=30),
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -460,7 +461,7 @@ def test_the_command_on_damaged_metadata(bases, tmp_path, damage_to, commands):
         _write(path, "zarr.json", root)
     for command in commands:
         r = subprocess.run([sys.executable, "-m", "tsckpt", command, path], capture_output=True, text=True,
-                           timeout=300, stdin=subprocess.DEVNULL)
+                           timeout=120, stdin=subprocess.DEVNULL)
         if command == "ls":
             assert r.returncode == 0 and r.stderr == "" and "3.6 PiB" in r.stdout, r.stdout + r.stderr
             continue

@@ -1,4 +1,4 @@
-"""Leaf kinds (tsckpt._kinds, _leaves): one adapter per array type, tested without I/O."""
+"""Leaf kinds (tsckpt._kinds, _leaves): one adapter per array type, tested without I/O; and what save refuses."""
 
 from __future__ import annotations
 
@@ -87,3 +87,58 @@ def test_read_only_numpy_target_refused_in_place():
     a.flags.writeable = False
     with pytest.raises(tsckpt.LeafTypeError, match="'w': target numpy array is read-only"):
         destination(rec((2,)), "w", a, True)
+
+
+# ---- what save refuses because restore would -------------------------------------------
+
+_HUGE_EMPTY = (0, 2**30, 2**30)  # no elements, but extents whose product is 2**60
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        torch.empty(_HUGE_EMPTY),
+        np.empty((0, 2**40, 2**20), np.uint8),
+        tsckpt.ShardedArray(torch.empty(0, 4), (0, 2**59), (0, 0)),
+        LazySource(_HUGE_EMPTY, torch.float32, lambda box: torch.empty(0)),
+    ],
+)
+def test_describe_refuses_extents_restore_refuses(leaf):
+    with pytest.raises(tsckpt.LeafTypeError) as info:
+        describe("model/w", leaf)
+    assert str(info.value).startswith("'model/w': an array of shape [")
+    assert "(a zero counted as one) is " in str(info.value) and "not under 2**59" in str(info.value)
+    assert str(info.value).endswith("reshape it (merge dimensions, or give an empty array smaller extents) before saving")
+
+
+def test_describe_refuses_more_dimensions_than_readers_open():
+    assert describe("ok", torch.zeros([1] * 32)).desc.global_shape == (1,) * 32
+    with pytest.raises(tsckpt.LeafTypeError) as info:
+        describe("deep", torch.zeros([1] * 33))
+    assert str(info.value) == (
+        f"'deep': an array of shape {[1] * 33} has 33 dimensions, more than the 32 zarr readers open, so the "
+        "checkpoint could not be read back; reshape it (merge dimensions, or give an empty array smaller extents) "
+        "before saving"
+    )
+
+
+def test_save_and_restore_share_one_definition_of_the_limits():
+    from tsckpt._format import MAX_ELEMENTS, MAX_NDIM, extent_problem, record_problem
+
+    def problem(shape):
+        j = {"path": "w", "kind": "torch", "dtype": "float32", "shape": list(shape),
+             "shard_shape": [max(s, 1) for s in shape], "chunk_shape": None}
+        return record_problem(j, lambda d: True)
+
+    for shape in [(1,) * MAX_NDIM, (0, 2**29, 2**29), (MAX_ELEMENTS - 1,)]:
+        assert extent_problem(shape) is None and problem(shape) is None
+    for shape in [(1,) * (MAX_NDIM + 1), (0, 2**30, 2**29), (MAX_ELEMENTS,)]:
+        assert extent_problem(shape) is not None and problem(shape) is not None
+    assert extent_problem((0, 2**30, 2**30)) == (
+        "extents whose product (a zero counted as one) is 1152921504606846976 (2**60.0), not under 2**59")
+
+
+def test_save_refuses_before_writing_anything(tmp_path):
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'big': an array of shape \[0, 1073741824, 1073741824\]"):
+        tsckpt.save(str(tmp_path / "ck"), {"ok": torch.ones(2), "big": torch.empty(_HUGE_EMPTY)})
+    assert not (tmp_path / "ck").exists()

@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsckpt import LayoutError
+from tsckpt._chunking import shard_boxes
 from tsckpt._format import Chunking
-from tsckpt._plan import LeafDesc, ReadItem, WriteItem, plan_read, plan_save, shard_boxes
+from tsckpt._plan import WriteItem, plan_read, plan_save
+from tsckpt._types import LeafDesc, ReadItem
 
 
 def region(path, offsets, lengths, global_shape=(8, 4), *, dtype="float32", itemsize=4, checksum=None, kind="torch"):
@@ -48,8 +50,7 @@ def test_row_sharded_array_one_write_per_rank_and_shards_follow_regions():
     plan = plan_save(per_rank)
     (w,) = plan.arrays
     assert w.chunking.shard_shape == (4, 4)  # no shard crosses the rank boundary at row 4
-    assert plan.writes_for(0) == [WriteItem(0, "w", (0, 0), (4, 4), (0, 0))]
-    assert plan.writes_for(1) == [WriteItem(1, "w", (4, 0), (4, 4), (0, 0))]
+    assert plan.writes == (WriteItem(0, "w", (0, 0), (4, 4), (0, 0)), WriteItem(1, "w", (4, 0), (4, 4), (0, 0)))
     assert plan.values == (("step", {"type": "int", "value": 3}),)
 
 
@@ -149,7 +150,7 @@ def test_shard_boxes_tile_the_region_within_single_shards(data):
 
 
 def test_plan_read():
-    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5), (0, 0))
+    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5))
 
 
 @settings(max_examples=50, deadline=None)

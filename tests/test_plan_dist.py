@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import pickle
 import math
+import pickle
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsckpt import LayoutError
-from tsckpt._plan import (
-    LeafDesc,
-    _gather_alike,
-    gather_descs,
-    pack_descs,
-    plan_for_rank,
-    plan_save,
-    shard_boxes,
-    shared_regions,
-    split_plan,
-    with_checksums,
-)
+from tsckpt._chunking import shard_boxes
+from tsckpt._descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
+from tsckpt._plan import RankPlan, plan_save, split_plan
+from tsckpt._types import LeafDesc
 
 
 def desc(path, shape, off, ln, itemsize=4, checksum=None):
@@ -156,6 +149,13 @@ def fsdp(world, leaves, rows_per_rank=4, cols=8, replicated=0):
     return per_rank
 
 
+def rank_part(plan, rank):
+    """Rank ``rank``'s part of ``plan``, the obvious way: what split_plan must give."""
+    moves = tuple((i, t) for i, t in enumerate(plan.transfers) if rank in (t.src, t.dst))
+    groups = [dataclasses.replace(grp, writes=tuple(w for w in grp.writes if w[0] == rank)) for grp in plan.groups]
+    return RankPlan(rank, tuple(grp for grp in groups if rank == 0 or grp.writes), moves, bool(plan.transfers))
+
+
 def test_union_of_rank_parts_is_the_whole_plan():
     sizes, cols = [13, 12, 12, 12], 64  # irregular: straddling shards and transfers
     starts = [sum(sizes[:i]) for i in range(4)]
@@ -166,7 +166,7 @@ def test_union_of_rank_parts_is_the_whole_plan():
     plan = plan_save(per_rank)
     assert plan.transfers
     parts = split_plan(plan)
-    assert parts == [plan_for_rank(plan, r) for r in range(4)]
+    assert parts == [rank_part(plan, r) for r in range(4)]
     assert [w for p in parts for w in p.writes] == list(plan.writes)
     assert sorted(tag for p in parts for tag, _ in p.transfers) == sorted(
         [i for i, _ in enumerate(plan.transfers)] * 2
@@ -229,7 +229,7 @@ def test_ask_root_alone_answers_and_raises_the_roots_error():
         ask_root(Solo(), "x", lambda: (1, "p"), refuse)
 
 
-# ---- descriptors packed field by field (Descs) plan like the general path ---------------------
+# ---- gathered a column at a time (gather_alike), descriptors plan as gathered rank by rank ----
 
 
 @st.composite
@@ -266,12 +266,18 @@ def planned(per_rank):
 
 
 @settings(max_examples=300, deadline=None)
-@given(alike_ranks())
-def test_packed_descriptors_plan_exactly_like_the_general_path(per_rank):
+@given(alike_ranks(), st.booleans())
+def test_columns_plan_exactly_like_ranks_gathered_one_by_one(per_rank, differ):
     tables = [pack_descs(d) for d in per_rank]
-    assert _gather_alike(tables) is not None  # the column-at-a-time path is the one tested
-    assert planned(gather_descs(tables)) == planned(per_rank)
-    assert shared_regions(gather_descs(tables)) == shared_regions(gather_descs(per_rank))
+    alike, by_rank = gather_alike(tables), gather_by_rank(tables)
+    assert alike is not None  # the column-at-a-time path is the one tested
+    assert planned(alike) == planned(by_rank)
+    assert gather_descs(per_rank).by_path.keys() == alike.by_path.keys()
+    shared = shared_regions(alike)
+    assert shared == shared_regions(by_rank)
+    # checksums computed on request replace the descriptors' on both paths alike
+    sums = [{p: r % 2 if differ else 5 for p in paths} for r, paths in enumerate(shared)]
+    assert planned(with_checksums(alike, sums)) == planned(with_checksums(by_rank, sums))
 
 
 def test_packed_descriptors_round_trip():
@@ -280,11 +286,11 @@ def test_packed_descriptors_round_trip():
     assert list(pack_descs([])) == []
 
 
-def test_packed_descriptors_that_disagree_raise_the_general_errors():
+def test_ranks_that_disagree_are_gathered_one_by_one_and_raise():
     def both(per_rank):
         tables = [pack_descs(d) for d in per_rank]
-        assert _gather_alike(tables) is None
-        return planned(gather_descs(tables)), planned(per_rank)
+        assert gather_alike(tables) is None
+        return planned(gather_descs(tables)), planned(gather_by_rank(tables))
 
     got, want = both([[desc("w", (8, 4), (0, 0), (8, 4))], [desc("w", (8, 4), (0, 0), (8, 4), itemsize=2)._replace(dtype="float16")]])
     assert got == want and "ranks disagree on what this leaf is (rank 0: torch float32 [8, 4]; rank 1: torch float16" in got

@@ -291,7 +291,7 @@ def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, 
         "flag": np.array(True),
         "cast": torch.arange(6, dtype=torch.float32),
     }
-    tsckpt.save(ckdir, tree)
+    tsckpt.save(ckdir, tree, layout=layout)
     opened: list[str] = []
     real = restore_mod._open_all
     monkeypatch.setattr(restore_mod, "_open_all", lambda ck, paths: (opened.extend(paths), real(ck, paths))[1])

@@ -21,7 +21,7 @@ from tests.strategies import assert_same, trees
 _counter = itertools.count()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(trees())
 def test_roundtrip_property(tmp_path, dirty_empty, tree):
     d = str(tmp_path / f"ck{next(_counter)}")
@@ -47,7 +47,6 @@ def test_roundtrip_property(tmp_path, dirty_empty, tree):
             assert got is target  # filled in place
 
 
-@settings(max_examples=25, deadline=None)
 @given(trees(max_leaves=5))
 def test_roundtrip_property_in_memory(tree):
     url = f"memory://prop-{uuid.uuid4().hex}/"

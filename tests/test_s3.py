@@ -19,6 +19,7 @@ import tsckpt._save as save_module
 from tests import dist_scenarios as sc
 from tests.races import race_two_saves
 from tests.dist_helpers import free_port, run_ranks
+from tests.stored import layout_record, root_layout
 
 BUCKET = "tsckpt-test"
 SPEC = {"wte": ((10, 6), "S0"), "proj": ((7, 3), "S1"), "norm": ((6,), "R")}
@@ -167,13 +168,15 @@ def test_compact_layout_on_s3(s3_server, prefix):
     assert tsckpt.verify(url).ok
 
 
-@pytest.mark.usefixtures("layout")
-def test_save_async(prefix):
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+def test_save_async(s3_server, prefix, layout):
     url = f"s3://{BUCKET}/{prefix}"
     tree = _tree(2)
-    pending = tsckpt.save_async(url, tree)
+    pending = tsckpt.save_async(url, tree, layout=layout)
     tree["w"].zero_()  # staged already: the save keeps the values it was given
     pending.result(timeout=60)
+    assert root_layout(_root(s3_server, prefix)) == layout_record(layout)
+    assert tsckpt.open(url).checkpoint.layout == layout
     _assert_tree(tsckpt.restore(url), 2)
 
 
@@ -194,10 +197,11 @@ def test_convert_local_to_s3_and_to_safetensors(tmp_path, prefix):
 # ---- several ranks -----------------------------------------------------------
 
 
-@pytest.mark.usefixtures("layout")
-def test_4_ranks_save_2_ranks_restore(s3_env, prefix):
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+def test_4_ranks_save_2_ranks_restore(s3_server, s3_env, prefix, layout):
     url = f"s3://{BUCKET}/{prefix}"
-    run_ranks(sc.in_env, 4, s3_env, sc.save_dtensors, url, (4,), SPEC)
+    run_ranks(sc.in_env, 4, s3_env, sc.save_dtensors, url, (4,), SPEC)  # in the layout of the test
+    assert root_layout(_root(s3_server, prefix)) == layout_record(layout)
     checked = run_ranks(sc.in_env, 2, s3_env, sc.restore_dtensors, url, (2,), SPEC)
     assert checked[0]["wte"] == 5 * 6  # rank 0 holds half of wte's 10 rows
     out = tsckpt.restore(url)

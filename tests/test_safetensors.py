@@ -16,6 +16,7 @@ from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckp
 from tsckpt import NotACheckpointError
 from tsckpt import _dtypes
 from tsckpt._errors import short_repr
+from tsckpt._format import MAX_NDIM
 from tsckpt._formats import safetensors as _safetensors
 from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
 from tsckpt._types import LazySource
@@ -197,10 +198,10 @@ def _with_header(path, header: dict, data: bytes) -> None:
         ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
          r"tensor 'a': 'dtype' is 'Q7', expected one of \['BF16', 'BOOL', "),
         ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 0]}}, b"",
-         r"tensor 'a': 'shape' is \[-2\], expected a list of at most 64 non-negative integers with a product "
+         rf"tensor 'a': 'shape' is \[-2\], expected a list of at most {MAX_NDIM} non-negative integers with a product "
          r"under 2\*\*59"),
         ({"a": {"dtype": "F32", "shape": [2**70, 0], "data_offsets": [0, 0]}}, b"",
-         r"tensor 'a': 'shape' is \[1180591620717411303424, 0\], expected a list of at most 64"),
+         rf"tensor 'a': 'shape' is \[1180591620717411303424, 0\], expected a list of at most {MAX_NDIM}"),
         ({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, bytes(8),
          r"tensor 'a': 'shape' is \[2.0\], expected"),
         ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4),

@@ -1,4 +1,4 @@
-"""The fast read path of sharded arrays (tsckpt/_shardread.py): values for many layouts,
+"""The fast read path of sharded arrays (tsckpt/_codec/shardread.py): values for many layouts,
 dtypes and boxes; damage raises CorruptCheckpointError naming the leaf; which path reads what.
 Every test runs twice: reading through the page cache, and with direct I/O wherever the file
 system allows it (the path of files the cache does not hold)."""
@@ -212,7 +212,7 @@ def test_threads_window_and_progress(tmp_path, layout_of, monkeypatch, threads):
     count = Count()
     for window in (1, 1000, 1 << 20):
         target[...] = 0
-        rest = _shardread.read_sharded(ckpt, [dest], count, window, _restore._direct_view, threads=threads)
+        rest = _shardread.read_sharded(ckpt, str(ck), [dest], _restore._view, count, window, threads=threads)
         assert rest == []
         same(target, x)
     assert (count.nbytes, count.files) == (3 * x.nbytes, 3 * 4)
@@ -458,7 +458,7 @@ def test_cold_files_read_with_direct_io(tmp_path, layout_of, reads, monkeypatch,
     assert reads == {"direct": 0, "buffered": 4}  # every page cached
     evict(ck)
     if not direct_io_works(ck / "w/c/0/0") or cached(ck / "w/c/0/0") == 1.0:
-        return  # a file system without direct I/O, or one that keeps its pages: reads stay buffered (checked above)
+        pytest.skip("this file system has no direct I/O, or keeps evicted pages: reads stay buffered (checked above)")
     target = np.zeros_like(x)
     tsckpt.restore(ck, {"w": target}, inplace=True)
     same(target, x)
@@ -468,8 +468,10 @@ def test_cold_files_read_with_direct_io(tmp_path, layout_of, reads, monkeypatch,
 def test_direct_io_refused_at_read_time_falls_back(tmp_path, layout_of, reads, monkeypatch, io_mode):
     """A file system that takes O_DIRECT but fails its reads with EINVAL is read through the cache."""
     ck, x = saved(tmp_path, layout_of, "rows", np.float32)
-    if io_mode == "buffered" or not direct_io_works(ck / "w/c/0/0"):
-        return
+    if io_mode == "buffered":
+        pytest.skip("refused direct reads need reads that try direct I/O")
+    if not direct_io_works(ck / "w/c/0/0"):
+        pytest.skip("this file system has no direct I/O")
     preadv = os.preadv
 
     def no_direct(fd, buffers, offset, *args):

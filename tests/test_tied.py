@@ -11,7 +11,8 @@ import torch
 
 import tsckpt
 import tsckpt._restore as restore_mod
-from tsckpt._plan import LeafDesc, plan_aliases
+from tsckpt._plan import plan_aliases
+from tsckpt._types import LeafDesc
 
 
 def _meta(d: str) -> dict:

@@ -7,9 +7,9 @@ complex32 included), plus ``V`` for the raw-bit dtypes (bits8, float4_e2m1fn_x2,
 ...), which have no numeric value and cast to nothing else. A cast is *safe*
 when every value of the stored dtype is exactly a value of the target (stricter
 than numpy for int64 -> float64), *same_kind* when it is safe or the target's
-kind is not below the stored one, and *unsafe* otherwise. The decision of which
-casts a ``casting=`` allows is :func:`tsckpt._kinds.check_cast`; this module holds
-the facts it decides on and the value checks of :class:`CastCheck`.
+kind is not below the stored one, and *unsafe* otherwise. :func:`check_cast`
+decides which casts a ``casting=`` allows, from these facts, before anything is
+read; :class:`CastCheck` checks the values a cast that may lose some reads.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import torch
 
 from . import _dtypes
-from ._errors import LossyCastError
+from ._errors import LeafTypeError, LossyCastError
 
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 _KINDS = "buifc"
@@ -350,3 +351,56 @@ class CastCheck:
         if self.first is None:
             raise RuntimeError("no lost value was recorded")
         return self.first
+
+
+def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastCheck | None:
+    """Whether ``casting`` lets a restore cast the stored dtype into ``target`` (a torch or
+    numpy dtype): raises :class:`LeafTypeError` before anything is read when it does not.
+    Returns the check to run on the values read when the cast may lose some, None when it
+    cannot (same dtype, or a cast that keeps every value up to a float's rounding)."""
+    if isinstance(target, torch.dtype):
+        name = _dtypes.torch_name(target) if _dtypes.is_supported_torch(target) else None
+        shown, swapped = str(target), False
+    else:
+        dt = np.dtype(target)
+        name, shown, swapped = _dtypes.numpy_name(dt.newbyteorder("=")), str(dt), not dt.isnative
+    if name is None:
+        raise LeafTypeError(
+            f"'{path}': the target dtype {shown} is not one tsckpt restores into; use a target of the "
+            f"stored dtype {stored} or another dtype tsckpt stores"
+        )
+    storage = _dtypes.storage_dtype(stored)
+    raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
+    # torch has no copy kernels for int4, and no dtype at all for some ml_dtypes
+    castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
+    if isinstance(target, torch.dtype) and name != stored and not raw and not castable:
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
+            "or a numpy array as the target"
+        )
+    needed = level(stored, name)
+    if needed == "no" and swapped:
+        needed = "equiv"
+    if needed is not None and CASTINGS.index(casting) >= CASTINGS.index(needed):
+        return CastCheck(path, stored, name, casting) if can_lose(stored, name) else None
+    if needed is None:
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} cannot be restored into the {shown} target: raw bits cast to no "
+            "other dtype; use a target of the stored dtype"
+        )
+    if info(stored).kind == "c" and info(name).kind != "c":
+        raise LeafTypeError(
+            f"'{path}': stored dtype {stored} is complex but the target is {shown}; casting would drop the "
+            'imaginary part. Use a complex target, or casting="unsafe" to drop it'
+        )
+    why = {
+        "equiv": "the byte order differs",
+        "safe": "the dtypes differ",
+        "same_kind": "not every stored value is exactly a target value",
+        "unsafe": f"{kind_name(stored)} to {kind_name(name)}",
+    }[needed]
+    fix = f'"{needed}"' + (" to cast and check the values read" if needed == "same_kind" else "")
+    raise LeafTypeError(
+        f"'{path}': casting=\"{casting}\" refuses stored {stored} into the {shown} target ({why}); restore into "
+        f"a target of the stored dtype {stored}, or pass casting={fix}"
+    )

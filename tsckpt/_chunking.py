@@ -18,6 +18,10 @@ Rule (docs/format.md, "Chunking"):
    ``SHARD_BYTES`` within one step, which bounds the memory a single write
    needs and the size of any one file.
 4. An array no larger than one inner chunk is stored as a single plain chunk.
+
+Regions (:data:`tsckpt._types.Box`) meet the shard grid in :func:`shard_boxes`
+(a region's piece in each shard file) and :func:`intersect` (a shard's piece of
+a region).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 from collections.abc import Sequence
 
 from ._format import Chunking
+from ._types import Box
 
 INNER_CHUNK_BYTES = 512 << 10
 SHARD_BYTES = 256 << 20
@@ -113,3 +118,31 @@ def choose_chunking(
     if shard == tuple(inner):
         return Chunking(shard, None)
     return Chunking(shard, tuple(inner))
+
+
+def shard_count(shape: Sequence[int], chunking: Chunking) -> int:
+    """How many shards (files) an array of ``shape`` has (an empty array: one)."""
+    return math.prod(-(-max(1, n) // g) for n, g in zip(shape, chunking.shard_shape))
+
+
+def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunking) -> list[Box]:
+    """Split a region into its pieces in each shard (file) it touches, in C order."""
+    if 0 in lengths:  # an empty region touches no shard, however long its other extents
+        return []
+    ranges = []
+    for o, n, g in zip(offsets, lengths, chunking.shard_shape):
+        edges = [o] + list(range((o // g + 1) * g, o + n, g)) + [o + n]
+        ranges.append([(a, b - a) for a, b in zip(edges, edges[1:]) if b > a])
+    out: list[Box] = [((), ())]
+    for dim in ranges:
+        out = [(off + (s,), ln + (n,)) for off, ln in out for s, n in dim]
+    return out
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two regions, None when they share no element."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))

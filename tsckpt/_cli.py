@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import __version__, _dtypes
+from . import _dtypes
+from ._version import __version__
 from ._casting import CASTINGS
 from ._errors import CheckpointExistsError, TsckptError
 from ._formats.convert import TARGETS, parse_size
@@ -78,11 +79,38 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _spelled(path: str) -> str:
+    """``path`` with its separators written alike: users type leaf names with ``/`` or ``.``
+    (tsckpt joins keys with ``/``; Hugging Face names hold dots inside one key)."""
+    return path.replace("/", ".")
+
+
 def _under(path: str, prefix: str | None) -> bool:
-    if not prefix:
+    """Whether ``path`` is ``prefix`` or below it, ``/`` and ``.`` both separating components:
+    ``model.layers.0`` holds ``model/layers/0/w`` and ``model.layers.0.mlp.weight``, not
+    ``model.layers.01``."""
+    want = _spelled(prefix or "").strip(".")
+    if not want:
         return True
-    prefix = prefix.rstrip("/")
-    return path == prefix or path.startswith(prefix + "/")
+    have = _spelled(path)
+    return have == want or have.startswith(want + ".")
+
+
+def resolve_leaf(leaves: Sequence[str], name: str) -> str:
+    """The leaf ``name`` names: itself when it is a leaf path; else the one leaf equal to it
+    with ``/`` and ``.`` alike, or else the one leaf below it. Several: a usage error listing
+    them. None: ``name`` as given, for the reader to say it is missing."""
+    if name in leaves:
+        return name
+    same = [p for p in leaves if _spelled(p) == _spelled(name)]
+    if len(same) > 1:
+        raise UsageError(f"'{name}' may name {len(same)} leaves ({_names(same)}); give the path of one as ls writes it")
+    below = same or [p for p in leaves if _under(p, name)]
+    if len(below) > 1:
+        raise UsageError(
+            f"'{name}' is not a leaf; {len(below)} leaves below it ({_names(below)}); give the full path of one"
+        )
+    return below[0] if below else name
 
 
 # ---- slice text --------------------------------------------------------------
@@ -203,8 +231,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    path, index, index_text = parse_target(args.target)
+    name, index, index_text = parse_target(args.target)
     reader = open_reader(args.dir)
+    path = resolve_leaf(list(reader), name)
     try:
         leaf = reader[path]
     except KeyError as e:
@@ -297,7 +326,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
             dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
-            allow_pickle=args.allow_pickle, **given,
+            copy_from=args.copy_from, allow_pickle=args.allow_pickle, **given,
         )
     except CheckpointExistsError:
         raise Problem(f"{args.dst} already exists; pass --overwrite to replace it") from None
@@ -330,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="list leaves: path, dtype, shape, size, and plain values")
     p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL)")
-    p.add_argument("prefix", metavar="PREFIX", nargs="?", help="only leaves at or below this path")
+    p.add_argument("prefix", metavar="PREFIX", nargs="?",
+                   help="only leaves at or below this path; '/' and '.' both separate its parts (model.layers.0)")
     p.add_argument("-l", "--long", action="store_true", help="also show chunk and shard shapes")
     p.set_defaults(func=cmd_ls)
 
@@ -341,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
         "'w[-1]' or 'w[..., 0]'; only the chunks it touches are read. Quote it for the shell.",
     )
     p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL)")
-    p.add_argument("target", metavar="PATH[INDEX]", help="leaf path, optionally followed by an index")
+    p.add_argument("target", metavar="PATH[INDEX]",
+                   help="leaf path ('/' or '.' between its parts, or a prefix of one leaf), optionally followed by an index")
     p.add_argument("--full", action="store_true", help="print every element instead of a summary")
     p.set_defaults(func=cmd_show)
 
@@ -374,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--add-prefix", metavar="TEXT", help="put TEXT in front of every leaf name (e.g. 'model.')")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
-    p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point arrays, e.g. bfloat16 or float16")
+    p.add_argument("--dtype", metavar="DTYPE",
+                   help="cast floating-point arrays, e.g. bfloat16 or float16 (and name it in a copied config.json)")
     p.add_argument("--casting", choices=CASTINGS, default="same_kind",
                    help="what --dtype may do: same_kind fails on a value beyond the new dtype's range, unsafe "
                    "casts it anyway with a warning (default: same_kind)")
@@ -384,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-bytes", metavar="SIZE",
                    help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
+    p.add_argument("--copy-from", metavar="DIR",
+                   help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
+                   "tokenizer files found in DIR (regular files only)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "

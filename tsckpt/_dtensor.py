@@ -16,9 +16,9 @@ import torch
 
 from ._errors import LayoutError
 from ._format import ArrayRecord
-from ._kinds import LeafKind, Memory, TorchKind, check_cast, check_shape, region_leaf
-from ._plan import ReadItem
-from ._types import Dest, Local
+from ._casting import check_cast
+from ._kinds import LeafKind, Memory, TorchKind, check_shape, region_leaf
+from ._types import Dest, Local, ReadItem
 
 
 def is_dtensor(x: Any) -> bool:
@@ -67,7 +67,7 @@ class DTensorKind(LeafKind):
         local = leaf.to_local()
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         offsets, lengths = region(path, leaf)
-        item = ReadItem(path, offsets, lengths, (0,) * len(offsets))
+        item = ReadItem(path, offsets, lengths)
         if inplace:
             return Dest(item, local, leaf, cast=cast)
         fresh = torch.empty_like(local)

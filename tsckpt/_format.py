@@ -7,6 +7,7 @@ import binascii
 import dataclasses
 import math
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from ._errors import short_repr
@@ -84,10 +85,23 @@ class ArrayRecord:
 
 
 KINDS = ("torch", "numpy", "numpy_scalar")
-MAX_NDIM = 64
+# The most dimensions of an array: TensorStore (and so the zarr readers built on it) opens
+# no array of higher rank.
+MAX_NDIM = 32
 # numpy and TensorStore count bytes in signed 64-bit integers: an array, shard or chunk of
 # 16-byte elements whose extents (a zero counted as one) multiply to 2**59 is too big for them.
 MAX_ELEMENTS = 2**59
+
+
+def extent_problem(shape: Sequence[int]) -> str | None:
+    """Why an array, shard or chunk of ``shape`` (non-negative extents) is beyond what tsckpt
+    reads back, or None. The one definition of these limits: save refuses what restore would."""
+    if len(shape) > MAX_NDIM:
+        return f"{len(shape)} dimensions, more than the {MAX_NDIM} zarr readers open"
+    n = math.prod(max(int(s), 1) for s in shape)
+    if n >= MAX_ELEMENTS:
+        return f"extents whose product (a zero counted as one) is {n} (2**{math.log2(n):.1f}), not under 2**59"
+    return None
 
 
 def _dims(value: Any, *, positive: bool) -> bool:
@@ -96,7 +110,7 @@ def _dims(value: Any, *, positive: bool) -> bool:
         isinstance(value, list)
         and len(value) <= MAX_NDIM
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value)
-        and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS
+        and extent_problem(value) is None
     )
 
 

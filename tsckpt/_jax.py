@@ -15,7 +15,8 @@ import numpy as np
 
 from ._errors import LeafTypeError
 from ._format import ArrayRecord
-from ._kinds import LeafKind, check_cast, check_shape, host_empty, region_leaf, whole
+from ._casting import check_cast
+from ._kinds import LeafKind, check_shape, host_empty, region_leaf, whole
 from ._types import Dest, Local
 
 

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _casting, _dtypes
-from ._casting import CastCheck
+from . import _dtypes
+from ._casting import check_cast
 from ._errors import LeafTypeError, ShapeMismatchError
-from ._format import ArrayRecord
-from ._plan import LeafDesc, ReadItem, plan_read
-from ._types import ArraySpec, Dest, LazySource, Local, ShardedArray
+from ._format import ArrayRecord, extent_problem
+from ._plan import plan_read
+from ._types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
 
 Memory = tuple[Any, ...]
 
@@ -40,59 +40,6 @@ def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> No
             f"'{path}': target shape {list(want)} but the checkpoint stores {list(stored)}; resize the target, "
             "or read a slice with tsckpt.open(...)[path][...] and copy it in yourself"
         )
-
-
-def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastCheck | None:
-    """Whether ``casting`` lets a restore cast the stored dtype into ``target`` (a torch or
-    numpy dtype): raises :class:`LeafTypeError` before anything is read when it does not.
-    Returns the check to run on the values read when the cast may lose some, None when it
-    cannot (same dtype, or a cast that keeps every value up to a float's rounding)."""
-    if isinstance(target, torch.dtype):
-        name = _dtypes.torch_name(target) if _dtypes.is_supported_torch(target) else None
-        shown, swapped = str(target), False
-    else:
-        dt = np.dtype(target)
-        name, shown, swapped = _dtypes.numpy_name(dt.newbyteorder("=")), str(dt), not dt.isnative
-    if name is None:
-        raise LeafTypeError(
-            f"'{path}': the target dtype {shown} is not one tsckpt restores into; use a target of the "
-            f"stored dtype {stored} or another dtype tsckpt stores"
-        )
-    storage = _dtypes.storage_dtype(stored)
-    raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
-    # torch has no copy kernels for int4, and no dtype at all for some ml_dtypes
-    castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
-    if isinstance(target, torch.dtype) and name != stored and not raw and not castable:
-        raise LeafTypeError(
-            f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
-            "or a numpy array as the target"
-        )
-    needed = _casting.level(stored, name)
-    if needed == "no" and swapped:
-        needed = "equiv"
-    if needed is not None and _casting.CASTINGS.index(casting) >= _casting.CASTINGS.index(needed):
-        return _casting.CastCheck(path, stored, name, casting) if _casting.can_lose(stored, name) else None
-    if needed is None:
-        raise LeafTypeError(
-            f"'{path}': stored dtype {stored} cannot be restored into the {shown} target: raw bits cast to no "
-            "other dtype; use a target of the stored dtype"
-        )
-    if _casting.info(stored).kind == "c" and _casting.info(name).kind != "c":
-        raise LeafTypeError(
-            f"'{path}': stored dtype {stored} is complex but the target is {shown}; casting would drop the "
-            'imaginary part. Use a complex target, or casting="unsafe" to drop it'
-        )
-    why = {
-        "equiv": "the byte order differs",
-        "safe": "the dtypes differ",
-        "same_kind": "not every stored value is exactly a target value",
-        "unsafe": f"{_casting.kind_name(stored)} to {_casting.kind_name(name)}",
-    }[needed]
-    fix = f'"{needed}"' + (" to cast and check the values read" if needed == "same_kind" else "")
-    raise LeafTypeError(
-        f"'{path}': casting=\"{casting}\" refuses stored {stored} into the {shown} target ({why}); restore into "
-        f"a target of the stored dtype {stored}, or pass casting={fix}"
-    )
 
 
 def writable(arr: np.ndarray, path: str) -> np.ndarray:
@@ -127,6 +74,7 @@ def region_leaf(
     without plain readable memory are refused here, before a save claims its directory."""
     if isinstance(data, torch.Tensor):
         _check_storable(path, data)
+    check_extents(path, global_shape)
     dtype = logical_dtype(path, data.dtype)
     desc = LeafDesc(
         path=path,
@@ -138,6 +86,17 @@ def region_leaf(
         lengths=tuple(int(s) for s in data.shape),
     )
     return Local(desc, data)
+
+
+def check_extents(path: str, shape: Sequence[int]) -> None:
+    """Refuse, before a save claims its directory, an array restore would refuse (see
+    :func:`tsckpt._format.extent_problem`), rather than commit a checkpoint nothing reads."""
+    problem = extent_problem(shape)
+    if problem is not None:
+        raise LeafTypeError(
+            f"'{path}': an array of shape {list(shape)} has {problem}, so the checkpoint could not be read back; "
+            "reshape it (merge dimensions, or give an empty array smaller extents) before saving"
+        )
 
 
 def _check_storable(path: str, t: torch.Tensor) -> None:
@@ -280,7 +239,7 @@ class ShardedKind(LeafKind):
         local = leaf.local
         check_shape(path, leaf.global_shape, rec.shape)
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
-        item = ReadItem(path, leaf.offsets, tuple(local.shape), (0,) * len(rec.shape))
+        item = ReadItem(path, leaf.offsets, tuple(local.shape))
         t: Any
         if isinstance(local, torch.Tensor):
             t = local if inplace else torch.empty_like(local)

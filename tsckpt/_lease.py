@@ -16,6 +16,10 @@ a manager's clean-up) only when its save is clearly dead:
 A pending root without a claim (written by an older tsckpt) is a dead save. The
 commit is conditional on the generation of the last renewal, so a save whose
 directory was taken over meanwhile fails instead of committing into it.
+
+:func:`save_running` is the one test of whether a pending root's save may
+still be running: the claim of a new save, a manager's clean-up and its
+saves all ask it before they remove or replace a pending checkpoint.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _store
-from ._format import ROOT_KEY
+from ._format import ROOT_KEY, STATE_PENDING
 from ._store import Location
+
+if TYPE_CHECKING:
+    from ._root import RootState
 
 log = logging.getLogger("tsckpt")
 
@@ -110,7 +117,24 @@ def describe(claim: Any) -> str:
     return text
 
 
-def running(claim: Any, now: float | None = None) -> bool:
+def lease_seconds(claim: Any) -> str:
+    """How long ``claim``'s lease lasts after a renewal, in seconds, for messages ("?" where unknown)."""
+    lease_s = claim.get("lease_s") if isinstance(claim, Mapping) else None
+    return f"{lease_s:g}" if isinstance(lease_s, (int, float)) else "?"
+
+
+def claim_of(root: RootState) -> Any:
+    """The claim a pending root records (None for any other root, or a pending one without)."""
+    return root.meta.get("claim") if root.state == STATE_PENDING and root.meta is not None else None
+
+
+def save_running(root: RootState) -> bool:
+    """Whether ``root`` (a root zarr.json's state) is the pending root of a save that may
+    still be running, in this process or another: such a checkpoint is never removed."""
+    return root.state == STATE_PENDING and _claim_running(claim_of(root))
+
+
+def _claim_running(claim: Any, now: float | None = None) -> bool:
     """Whether the save that wrote ``claim`` (a pending root's ``claim``) may still be running."""
     if not isinstance(claim, Mapping):
         return False

@@ -15,8 +15,7 @@ from ._errors import LeafTypeError
 from ._format import ArrayRecord, encode_value
 from ._jax import JaxKind
 from ._kinds import LazyKind, LeafKind, Memory, NumpyKind, ShardedKind, SpecKind, TorchKind
-from ._plan import LeafDesc
-from ._types import Dest, Local
+from ._types import Dest, LeafDesc, Local
 
 _TORCH, _NUMPY = TorchKind(), NumpyKind()
 # DTensor before torch: a DTensor is also a torch.Tensor.
@@ -47,7 +46,7 @@ def describe(path: str, leaf: Any) -> Local:
 
 def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool, *, casting: str = "same_kind") -> Dest:
     """Where restore puts the stored array ``rec`` for the target leaf ``leaf``, cast as
-    ``casting`` allows (see :func:`tsckpt._kinds.check_cast`)."""
+    ``casting`` allows (see :func:`tsckpt._casting.check_cast`)."""
     kind = kind_of(leaf)
     if kind is None:
         raise LeafTypeError(

@@ -195,14 +195,13 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
             )
-        if judge_running and _running(root):
-            claim = root.meta.get("claim") if root.meta is not None else None
+        if judge_running and _lease.save_running(root):
             raise SaveInProgressError(
                 f"{self._loc}: step {step} is being saved by another save that is still running "
-                f"({_lease.describe(claim)}); wait for it, or save another step. If its process is gone, the step "
+                f"({_lease.describe(_lease.claim_of(root))}); wait for it, or save another step. If its process is gone, the step "
                 "is removed once its lease has expired"
             )
-        if root.state == STATE_COMMITTED or _abandoned(root) or _running(root):
+        if root.state == STATE_COMMITTED or _abandoned(root) or _lease.save_running(root):
             return True  # a running save's step is left to it when the job runs: save() then refuses
         if not self._holds_data(name):
             return self._loc.local is not None and os.path.lexists(os.path.join(self._loc.local, name))
@@ -231,7 +230,7 @@ class CheckpointManager:
             if self._rank == 0:
                 name = self._name(step)
                 # a running save found meanwhile is left alone: save() then refuses on every rank
-                if clear and not _running(self._roots([name])[name]):
+                if clear and not _lease.save_running(self._roots([name])[name]):
                     self._delete(name)
                 self._mark(name)
             save(self.directory(step), tree, **kwargs)
@@ -368,7 +367,7 @@ class CheckpointManager:
         for _, (name, root) in sorted(steps.items()):
             if _abandoned(root) or (root.state is None and self._loc.local is not None and not self._holds_data(name)):
                 self._delete(name)
-            elif root.state != STATE_COMMITTED and not _running(root) and name not in self._reported:
+            elif root.state != STATE_COMMITTED and not _lease.save_running(root) and name not in self._reported:
                 self._report(name, root)
         if self._loc.local is not None:
             for name in self._names():
@@ -403,13 +402,13 @@ class CheckpointManager:
             fsync_path(self._loc.local)
             shutil.rmtree(trash, ignore_errors=True)
             return
-        from ._save import _pending_root
+        from ._commit import pending_root
 
         kv = self._loc.kvstore()
         root = f"{name}/{ROOT_KEY}"
         with storage_errors(self._loc):
             # uncommitted first, yet still tsckpt's: a pending root recording this deletion's claim
-            kv.write(root, _pending_root(LAYOUT_PLAIN)(_lease.new_claim())).result()
+            kv.write(root, pending_root(LAYOUT_PLAIN)(_lease.new_claim())).result()
             kv.delete_range(ts.KvStore.KeyRange(f"{name}/", root)).result()
             kv.delete_range(ts.KvStore.KeyRange(root + "\0", f"{name}0")).result()  # '0' follows '/'
             kv.write(root, None).result()
@@ -419,8 +418,7 @@ class CheckpointManager:
 def _abandoned(root: RootState) -> bool:
     """A step tsckpt provably wrote whose save is over without committing: its root is
     tsckpt's pending one, recording the claim of a save that no longer runs."""
-    claim = root.meta.get("claim") if root.meta is not None else None
-    return root.state == STATE_PENDING and isinstance(claim, dict) and not _running(root)
+    return isinstance(_lease.claim_of(root), dict) and not _lease.save_running(root)
 
 
 def _unidentified(root: RootState) -> str:
@@ -432,11 +430,6 @@ def _unidentified(root: RootState) -> str:
     if root.problem == "foreign":
         return "its root zarr.json has no tsckpt metadata"
     return f"its root is in state {root.state!r} without the claim of a tsckpt save"
-
-
-def _running(root: RootState) -> bool:
-    """A pending step whose save may still be running (in this process or another)."""
-    return root.state == STATE_PENDING and root.meta is not None and _lease.running(root.meta.get("claim"))
 
 
 __all__ = ["CheckpointManager"]

@@ -1,18 +1,22 @@
-"""save(): planning, writing regions, syncing, and the atomic commit."""
+"""save(): the protocol's sequence of steps (see :func:`save`), and the write path.
+
+Each step's pieces live in their own modules: the descriptors ranks send rank 0
+in tsckpt/_descs.py, the plan in tsckpt/_plan.py, the root's claim, commit and
+clean-up in tsckpt/_commit.py (with the lease in tsckpt/_lease.py). Here are the
+messages between the steps, the exchange of straddling pieces, and the writes.
+"""
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -21,57 +25,43 @@ from . import _dtypes, _chunking, _lease, _store
 from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
-from ._codec.encode import LITTLE_ENDIAN, encode_chunk
-from ._errors import CheckpointExistsError, DistributedError, LeafTypeError, SaveInProgressError, TsckptError
+from ._codec.encode import encode_chunk
+from ._codec.files import StoredShapes, stored_shapes
+from ._codec.route import Place, Route, place, route
+from ._codec.route import setting as codec_setting
+from ._chunking import intersect, shard_boxes
+# steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
+from ._commit import abandon as _abandon, begin as _begin, commit as _commit_root, merge_databases
+from ._commit import pending_root as _pending_root, root_json as _root
+from ._descs import ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
+from ._errors import DistributedError, LeafTypeError
 from ._format import (
     LAYOUT_COMPACT,
     LAYOUT_PLAIN,
     ArrayRecord,
     ROOT_KEY,
     STATE_COMMITTED,
-    STATE_PENDING,
-    format_version,
     group_metadata,
 )
-from ._arrays import MANIFEST, OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
+from ._arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
-from ._root import root_state
-from ._types import LazySource, Local
-from ._plan import (
-    Gathered,
-    RankPlan,
-    WriteItem,
-    _intersect,
-    gather_descs,
-    pack_descs,
-    plan_aliases,
-    plan_save,
-    shard_boxes,
-    shared_regions,
-    split_plan,
-    with_checksums,
-    without,
-)
+from ._types import Box, LazySource, Local
+from ._plan import RankPlan, WriteItem, plan_aliases, plan_save, split_plan
 from ._options import WRITE_WINDOW_BYTES, SaveOptions, verb
 from ._progress import Progress
 from ._codec.threads import Workers
+from ._window import Window
 from ._store import Directory, Location, resolve
 from .tree import flatten, structure_to_json
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
-# (_shardwrite; pwritev and large copies release the GIL); 0 leaves every file to
-# TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
+# (_codec/shardwrite.py; pwritev and large copies release the GIL); 0 leaves shard
+# files to TensorStore. 1 GiB on 2 CPUs: 1.9 s with 2 threads, 2.8 s with 1 (medians of 5).
 WRITE_THREADS = 2
 # Start writing each such file to disk as soon as it is written (sync_data still makes
 # them durable): 1.9 s against 2.8 s for 1 GiB with 2 threads (medians of 5).
 START_WRITEBACK = True
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
@@ -110,58 +100,117 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
     buf = np.empty(_dtypes.storage_shape(dtype, item.lengths), _dtypes.numpy_dtype(dtype))
     cell = (item.offsets, item.lengths)
 
-    def put(box: tuple[tuple[int, ...], tuple[int, ...]], data: np.ndarray) -> None:
+    def put(box: Box, data: np.ndarray) -> None:
         buf[tuple(slice(o - c, o - c + n) for o, c, n in zip(box[0], item.offsets, box[1]))] = data
 
-    mine = _intersect(cell, (lf.desc.offsets, lf.desc.lengths))
+    mine = intersect(cell, (lf.desc.offsets, lf.desc.lengths))
     if mine is not None:
         put(mine, _local_box(lf, *mine))
     for i, t in plan.transfers:
-        if t.dst == item.rank and t.path == item.path and _intersect(cell, (t.offsets, t.lengths)) is not None:
+        if t.dst == item.rank and t.path == item.path and intersect(cell, (t.offsets, t.lengths)) is not None:
             put((t.offsets, t.lengths), received[i].view(buf.dtype).reshape(_dtypes.storage_shape(dtype, t.lengths)))
     return buf
 
 
-def _storage_layout(rec: ArrayRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
-    """(shard shape, inner chunk shape, array shape) of the stored array (complex32 adds a dim of 2)."""
-    extra = _dtypes.storage_extra_dims(rec.dtype)
-    inner = rec.chunking.chunk_shape
-    return (*rec.chunking.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
+class _ShardWrite(NamedTuple):  # a NamedTuple: made once per file, 10,000 times for 10,000 small leaves
+    """One shard file of this rank's writes, and who writes it (:func:`route`)."""
+
+    item: WriteItem
+    rec: ArrayRecord
+    shapes: StoredShapes
+    offsets: tuple[int, ...]  # the box of the array the file holds
+    lengths: tuple[int, ...]
+    key: str
+    route: Route
 
 
-def _encode_file(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> bytes | None:
-    """The encoded file of an unsharded chunk that ``src`` fills whole, else None
-    (TensorStore then encodes the write)."""
-    shard, inner, shape = _storage_layout(rec)
-    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, 0), shard, shape))
-    if not LITTLE_ENDIAN or src.shape != full[: src.ndim] or any(o % g for o, g in zip(offsets, shard)):
-        return None
-    return encode_chunk(src) if inner is None and src.shape == shard else None
+def _shard_writes(writes: Sequence[WriteItem], records: dict[str, ArrayRecord], where: Place) -> Iterator[_ShardWrite]:
+    """The plan of a rank's writes: each shard file, in order, with its writer (pure; lazy,
+    as the sources are read only when their file is written). The own codec encodes
+    whole files only; a box that is not a whole shard (the planner gives none) would be
+    left to TensorStore."""
+    for item in writes:
+        rec = records[item.path]
+        shapes, how = stored_shapes(rec), route(rec, where)
+        for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
+            own = how is not Route.TENSORSTORE and _whole_shard(rec, off, ln)
+            yield _ShardWrite(item, rec, shapes, off, ln, chunk_key(rec, off), how if own else Route.TENSORSTORE)
 
 
-def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray) -> Callable[[str], None] | None:
-    """What writes the shard file at ``offsets`` from ``src`` (all of the shard that lies in
-    the array) with tsckpt's own writer (_shardwrite), or None when it does not apply."""
-    shard, inner, shape = _storage_layout(rec)
-    full = tuple(min(g, n - o) for o, g, n in zip((*offsets, *(0 for _ in shard[len(offsets):])), shard, shape))
-    if (
-        not LITTLE_ENDIAN
-        or _dtypes.storage_dtype(rec.dtype) not in shardwrite.DTYPES
-        or src.shape != full
-        or src.dtype.byteorder == ">"
-        or any(o % g for o, g in zip(offsets, shard))
-    ):
-        return None
-    if inner is None:  # one small chunk: _encode_file's single kvstore write (measured faster for 10k files)
-        return None
-    return functools.partial(shardwrite.write_shard, src=src, shard=shard, inner=inner, writeback=START_WRITEBACK)
+def _whole_shard(rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether the box is all of the shard at ``offsets`` that lies in the array."""
+    for o, n, g, s in zip(offsets, lengths, rec.chunking.shard_shape, rec.shape):
+        if o % g or n != min(g, s - o):
+            return False
+    return True
 
 
-def _local_root(data: dict[str, Any], compact: bool) -> str | None:
-    """The directory of a plain checkpoint on a local disk (whose files tsckpt writes itself), else None."""
-    if WRITE_THREADS < 1 or compact or data.get("driver") != "file" or set(data) - {"driver", "path"}:
-        return None
-    return str(data["path"])
+def _write_place(data: dict[str, Any], compact: bool) -> Place:
+    """What the own codec writes into the kvstore ``data`` (WRITE_THREADS = 0: no shard files)."""
+    return place(data, LAYOUT_COMPACT if compact else LAYOUT_PLAIN, shard_files=WRITE_THREADS >= 1)
+
+
+class _Writers:
+    """Starts each shard file's write with its writer: the own shard writer on worker
+    threads, one kvstore write of an own-encoded chunk, or a TensorStore array write
+    (compact layout: all in the window's transaction). Started writes are (future, bytes)."""
+
+    def __init__(self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool) -> None:
+        self.data, self.directory, self.progress = data, where.directory, progress
+        self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+        self.txn = ts.Transaction() if compact else None
+        self.stores: dict[str, ts.TensorStore] = {}
+        self.pool = Workers(WRITE_THREADS, "tsckpt-write")
+        self.made: set[str] = set()  # directories created for shard files
+
+    def start(self, w: _ShardWrite, src: np.ndarray) -> tuple[Any, int]:
+        if w.route is Route.SHARD:
+            fut = self._shard_file(w, src)
+        elif w.route is Route.CHUNK:
+            kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
+            fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
+        else:
+            fut = self._tensorstore(w, src)
+        return fut, src.nbytes
+
+    def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
+        shapes = w.shapes
+        path = os.path.join(str(self.directory), w.key)
+        parent = os.path.dirname(path)
+        if parent not in self.made:
+            os.makedirs(parent, exist_ok=True)
+            self.made.add(parent)
+        inner = shapes.inner or shapes.shard
+        return self.pool.submit(
+            lambda: shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
+        )
+
+    def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
+        if w.rec.path not in self.stores:
+            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True)
+        store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
+        dst = store[tuple(slice(o, o + n) for o, n in zip(w.offsets, w.lengths))] if w.offsets else store
+        written = dst.write(src, can_reference_source_data_indefinitely=True)
+        return written.commit if self.txn is None else written.copy
+
+    def settle(self, started: tuple[Any, int]) -> None:
+        """Wait for one write."""
+        fut, nbytes = started
+        fut.result()
+        self.progress.update(nbytes, 1)
+
+    def commit(self, window: list[tuple[Any, int]]) -> None:
+        """Compact layout: wait for a window's writes and commit its transaction."""
+        for fut, _ in window:
+            fut.result()
+        if self.txn is not None:
+            self.txn.commit_async().result()
+            self.txn = ts.Transaction()
+        self.progress.update(sum(n for _, n in window), len(window))
+
+    def close(self) -> None:
+        """Wait for the shard files being written (none is being written once this returns)."""
+        self.pool.shutdown()
 
 
 def _write_regions(
@@ -169,77 +218,31 @@ def _write_regions(
     *, compact: bool, progress: Progress,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
-    window in flight.
+    window in flight: plan each file's writer (:func:`_shard_writes`), then start each
+    write as its source is read. Returns the keys written.
 
-    Returns the keys written. TensorStore may encode straight from the source
-    memory (no staging copy): save() waits for every write before it returns,
-    so the caller cannot change the data underneath. The compact layout's
-    database gets one transaction per window, so each window becomes a few
-    large files rather than a commit (and files) per write.
+    TensorStore may encode straight from the source memory (no staging copy): save()
+    waits for every write before it returns, so the caller cannot change the data
+    underneath. The compact layout's database gets one transaction per window, so each
+    window becomes a few large files rather than a commit (and files) per write.
     """
-    records = {a.path: a for a in plan.arrays}
-    root = _local_root(data, compact)
-    pool = Workers(WRITE_THREADS, "tsckpt-write")
-    made: set[str] = set()
-    pending: collections.deque[tuple[Any, int]] = collections.deque()
-    in_flight = 0
-    written: list[str] = []
-    stores: dict[str, ts.TensorStore] = {}
-    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
-    txn = ts.Transaction() if compact else None
-
-    def settle(keep: int) -> None:
-        nonlocal in_flight, txn
-        if txn is not None:  # a window is written by committing its transaction
-            for fut, _ in pending:
-                fut.result()
-            txn.commit_async().result()
-            txn = ts.Transaction()
-            progress.update(in_flight, len(pending))
-            pending.clear()
-            in_flight = 0
-        while in_flight > keep and pending:
-            fut, n = pending.popleft()
-            fut.result()
-            in_flight -= n
-            progress.update(n, 1)
-
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
+    where = _write_place(data, compact)
+    writers = _Writers(data, where, progress, compact=compact)
+    in_flight: Window[tuple[Any, int]] = (
+        Window(window, batch=writers.commit) if compact else Window(window, writers.settle)
+    )
+    written: list[str] = []
     try:
-        for item in writes:
-            rec = records[item.path]
-            lf = local[item.path]
-            for off, ln in shard_boxes(item.offsets, item.lengths, rec.chunking):
-                src = _assemble(item, lf, plan, received) if item.assembled else _local_box(lf, off, ln)
-                key = chunk_key(rec, off)
-                fut: Any
-                writer = _file_writer(rec, off, src) if root is not None else None
-                encoded = _encode_file(rec, off, src) if writer is None else None
-                if writer is not None:
-                    path = os.path.join(root or "", key)
-                    parent = os.path.dirname(path)
-                    if parent not in made:
-                        os.makedirs(parent, exist_ok=True)
-                        made.add(parent)
-                    fut = pool.submit(writer, path)
-                elif encoded is not None:
-                    fut = (kv if txn is None else kv.with_transaction(txn)).write(key, encoded)
-                else:
-                    if item.path not in stores:
-                        stores[item.path] = open_array(data, rec, write=True)
-                    store = stores[item.path] if txn is None else stores[item.path].with_transaction(txn)
-                    dst = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
-                    w = dst.write(src, can_reference_source_data_indefinitely=True)
-                    fut = w.commit if txn is None else w.copy
-                pending.append((fut, src.nbytes))
-                in_flight += src.nbytes
-                written.append(key)
-                if in_flight > window:
-                    settle(window)
-        settle(0)
+        for w in _shard_writes(writes, {a.path: a for a in plan.arrays}, where):
+            lf = local[w.item.path]
+            src = _assemble(w.item, lf, plan, received) if w.item.assembled else _local_box(lf, w.offsets, w.lengths)
+            in_flight.add(writers.start(w, src), src.nbytes)
+            written.append(w.key)
+        in_flight.drain()
     finally:
-        pool.shutdown()  # no file is being written once this returns or raises
+        writers.close()
     return written
 
 
@@ -264,86 +267,6 @@ def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compa
     if txn is not None:
         txn.commit_async().result()
     return [f"{rec.path}/{ROOT_KEY}" for rec in arrays] + [f"{g}/{ROOT_KEY}" for g in groups]
-
-
-def _root(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
-    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {_version()}"}
-    if layout != LAYOUT_PLAIN:
-        meta["layout"] = layout
-    meta.update(extra or {})
-    return _store.encode_json(group_metadata({"tsckpt": meta}))
-
-
-# Generation TensorStore reports for a key that does not exist; a write
-# conditioned on it creates the key only if nobody else has.
-_NO_KEY = b"\x02"
-
-
-def _pending_root(layout: str) -> Callable[[dict[str, Any]], bytes]:
-    return lambda claim: _root(STATE_PENDING, {"claim": claim}, layout=layout)
-
-
-def _begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _lease.Lease | None = None) -> None:
-    """Refuse or clear an existing checkpoint, then claim the directory.
-
-    The pending root is created with a conditional write that succeeds only if
-    no root exists, so of several savers racing for one directory exactly one
-    proceeds; the others raise CheckpointExistsError and touch nothing. A failed
-    condition is reported by TensorStore as an empty generation, not an error.
-    On object stores the create is a PUT with ``If-None-Match: *``. The pending
-    root records ``lease``'s claim, which is renewed from then on; without a
-    lease (tests) the claim is one of no running save.
-    """
-    with _store.storage_errors(loc, doing="writing"):
-        _claim(loc, overwrite, layout, lease)
-
-
-def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | None) -> None:
-    kv = loc.kvstore()
-    current = kv.read(ROOT_KEY).result()
-    if current.state == "value" or _store.has_any_key(loc):
-        root = root_state(current.value if current.state == "value" else None)
-        claim = root.meta.get("claim") if root.state == STATE_PENDING and root.meta is not None else None
-        alive = root.state == STATE_PENDING and _lease.running(claim)
-        if alive and overwrite:
-            raise SaveInProgressError(
-                f"{loc}: another save into this directory is still running ({_lease.describe(claim)}); "
-                "overwrite=True never removes a running save. Wait for it to finish, or save elsewhere; if its "
-                f"process is gone, save again once its lease has expired ({_lease_s(claim)} s after its last renewal)"
-            )
-        if not overwrite:
-            if alive:
-                what = f"another save into this directory is still running ({_lease.describe(claim)})"
-            elif root.state == STATE_PENDING:
-                what = (
-                    "another save into this directory is running, or one crashed (its root zarr.json says "
-                    f"'pending'; written by {_lease.describe(claim)})"
-                )
-            else:
-                what = "a checkpoint (or other data) already exists here"
-            raise CheckpointExistsError(
-                f"{loc}: {what}; pass overwrite=True to replace it, or save to a new directory"
-            )
-        if current.state == "value":
-            # uncommit first, so a crash below leaves no valid checkpoint; conditional,
-            # so a saver that replaced the root since we read it is not undone
-            if not kv.write(ROOT_KEY, None, if_equal=current.stamp.generation).result().generation:
-                raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
-        _store.delete_all(loc)
-    body = lease.root() if lease is not None else _pending_root(layout)(_lease.new_claim())
-    claimed = _store.durable_kvstore(loc).write(ROOT_KEY, body, if_equal=_NO_KEY).result()
-    if not claimed.generation:
-        raise CheckpointExistsError(
-            f"{loc}: another save into this directory started at the same time and claimed it first; "
-            "nothing was written. Save each checkpoint from one job, or use distinct directories"
-        )
-    if lease is not None:
-        lease.start(bytes(claimed.generation))
-
-
-def _lease_s(claim: Any) -> Any:
-    lease_s = claim.get("lease_s") if isinstance(claim, dict) else None
-    return f"{lease_s:g}" if isinstance(lease_s, (int, float)) else "?"
 
 
 def _links(local: list[Local]) -> dict[str, str]:
@@ -427,6 +350,7 @@ def save(
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
     SaveOptions.of(locals())  # a bad option raises here, before any work
+    codec_setting()  # so does a bad TSCKPT_CODEC, before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
@@ -460,51 +384,6 @@ def save(
             lease.end()
 
 
-def _amend(err: BaseException, text: str) -> None:
-    """Add ``text`` to the message of ``err`` (a note where the message cannot be changed)."""
-    if isinstance(err, TsckptError) and len(err.args) == 1 and isinstance(err.args[0], str):
-        err.args = (f"{err.args[0]}; {text}",)
-    elif hasattr(err, "add_note"):  # Python 3.11+
-        err.add_note(text)
-
-
-def _abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool) -> None:
-    """Step 8, rank 0 after a failed save that claimed ``loc``: remove the partial
-    checkpoint (best effort) and say in ``err`` whether saving again needs overwrite=True."""
-    lease.end()
-    if not agreed:
-        _amend(err, (
-            f"the partial checkpoint at {loc} was left in place, as other ranks may still be writing to it; "
-            "once the job has stopped, save again with overwrite=True"
-        ))
-        return
-    if lease.lost:
-        _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
-        return
-    try:
-        with _store.storage_errors(loc, doing="writing"):
-            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=lease.generation):
-                _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
-                return
-            _store.delete_all(loc)
-        if loc.local is not None:
-            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
-                os.rmdir(loc.local)
-    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
-        _amend(err, (
-            f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again"
-        ))
-        return
-    _amend(err, "the partial checkpoint was removed, so saving again needs no overwrite=True")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Checksums:
-    """Rank 0 to one rank: checksum your regions of these paths (others hold them too)."""
-
-    paths: tuple[str, ...]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Commit:
     """What rank 0 records in the committed root."""
@@ -516,14 +395,36 @@ class _Commit:
     aliases: dict[str, str]
     writers: tuple[int, ...]  # ranks with data to write (the compact layout's databases)
 
+    def metadata(self, world_size: int) -> dict[str, Any]:
+        """The committed root's tsckpt metadata, beyond its state and version."""
+        return {
+            "structure": self.structure,
+            "leaves": self.leaves,
+            "arrays": [a.to_json() for a in self.arrays],
+            "values": dict(self.values),
+            **({"aliases": self.aliases} if self.aliases else {}),
+            "world_size": world_size,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
 
 @dataclasses.dataclass(frozen=True)
-class _Part:
-    """Rank 0 to one rank: its part of the plan."""
+class Part:
+    """Rank 0 to one rank (step 4): its part of the plan."""
 
     plan: RankPlan
     window: int  # bytes of source data in flight while writing: the least of any rank's
     commit: _Commit | None = None  # rank 0 only; never sent
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """What rank 0 knows after step 2: every rank's payload, the tied leaves (stored once,
+    under another path), and the descriptors gathered without them."""
+
+    payloads: tuple[Payload, ...]
+    aliases: dict[str, str]
+    gathered: Gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,21 +437,41 @@ class _Job:
     commit: _Commit | None
 
 
-def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], tuple[Any, ...]]:
-    """This rank's leaves by path, and what rank 0 needs of them (see :func:`_payload`)."""
+def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Payload]:
+    """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
     flat = flatten(tree)
     local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
-    payload = _payload([lf.desc for lf in local], flat.paths, structure_to_json(flat.spec), _links(local), window, layout)
+    descs = [lf.desc for lf in local]
+    payload = Payload.of(descs, flat.paths, structure_to_json(flat.spec), _links(local), window, layout)
     return {lf.desc.path: lf for lf in local}, payload
 
 
-def _payload(
-    descs: list[Any], paths: Sequence[str], structure: Any, links: dict[str, str], window: int, layout: str
-) -> tuple[Any, ...]:
-    """What a rank sends rank 0: its descriptors packed field by field, tree paths, the
-    tree structure as JSON text, tied-leaf links, write window and layout. Few objects,
-    so rank 0 unpickles every rank's payload fast, and compares trees as strings."""
-    return pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout
+def _gather(payloads: Sequence[Payload]) -> _Described:
+    """Step 2, rank 0: every rank's descriptors grouped by path, without the tied leaves."""
+    layouts = sorted({p.layout for p in payloads})
+    if len(layouts) > 1:
+        raise ValueError(
+            f"ranks passed different layouts ({', '.join(map(repr, layouts))}); every rank must save with the same"
+        )
+    per_rank = [p.descs for p in payloads]
+    aliases = plan_aliases(per_rank, [p.links for p in payloads])
+    return _Described(tuple(payloads), aliases, without(gather_descs(per_rank), aliases))
+
+
+def _parts(d: _Described) -> list[Part]:
+    """Step 4, rank 0: plan the save and split it into every rank's part (rank 0's with
+    what it records at the commit)."""
+    least = min(p.window for p in d.payloads)
+    plan = plan_save(d.gathered, shard_bytes=min(_chunking.SHARD_BYTES, least))
+    paths, structure = d.payloads[0].paths, d.payloads[0].structure
+    same_tree = all(p.paths == paths and p.structure == structure for p in d.payloads)
+    parts = split_plan(plan)
+    commit = _Commit(
+        plan.arrays, plan.values, list(paths) if same_tree else sorted({q for p in d.payloads for q in p.paths}),
+        json.loads(structure) if same_tree else None, d.aliases,
+        tuple(r for r, part in enumerate(parts) if part.writes_anything),
+    )
+    return [Part(part, least, commit if r == 0 else None) for r, part in enumerate(parts)]
 
 
 def _plan_job(
@@ -558,47 +479,34 @@ def _plan_job(
     lease: _lease.Lease | None = None,
 ) -> _Job:
     """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
-    state: dict[str, Any] = {}  # rank 0, between the two round trips
+    described: _Described | None = None  # rank 0, between the two round trips
 
-    def first(payloads: list[tuple[Any, ...]]) -> list[Any]:
-        layouts = sorted({p[5] for p in payloads})
-        if len(layouts) > 1:
-            raise ValueError(
-                f"ranks passed different layouts ({', '.join(map(repr, layouts))}); every rank must save with the same"
-            )
-        per_rank = [p[0] for p in payloads]
-        aliases = plan_aliases(per_rank, [p[3] for p in payloads])
-        state.update(payloads=payloads, aliases=aliases)
-        g = without(gather_descs(per_rank), aliases)
-        shared = shared_regions(g) if check_replicas and coord.world_size > 1 else []
-        if any(shared):
-            state["gathered"] = g
-            return [_Checksums(tuple(paths)) for paths in shared]
-        return finish(g)
+    def first(payloads: list[Payload]) -> list[ChecksumRequest] | list[Part]:
+        nonlocal described
+        described = _gather(payloads)
+        shared = shared_regions(described.gathered) if check_replicas and coord.world_size > 1 else []
+        if any(shared):  # step 2b
+            return [ChecksumRequest(tuple(paths)) for paths in shared]
+        return finish(described)
 
-    def finish(g: Gathered) -> list[_Part]:
-        payloads = state["payloads"]
-        least = min(p[4] for p in payloads)
-        plan = plan_save(g, shard_bytes=min(_chunking.SHARD_BYTES, least))
-        paths, structure = payloads[0][1], payloads[0][2]
-        same_tree = all(p[1] == paths and p[2] == structure for p in payloads)
-        structure = json.loads(structure) if same_tree else None
-        parts = split_plan(plan)
-        commit = _Commit(
-            plan.arrays, plan.values, list(paths) if same_tree else sorted({q for p in payloads for q in p[1]}),
-            structure, state["aliases"], tuple(r for r, part in enumerate(parts) if part.writes_anything),
-        )
+    def second(sums: list[dict[str, int]]) -> list[Part]:
+        if described is None:
+            raise RuntimeError("replica checksums arrived before the descriptors")
+        return finish(dataclasses.replace(described, gathered=with_checksums(described.gathered, sums)))
+
+    def finish(d: _Described) -> list[Part]:
+        parts = _parts(d)
         _begin(loc, overwrite, layout, lease)
-        return [_Part(part, least, commit if r == 0 else None) for r, part in enumerate(parts)]
+        return parts
 
     local, reply = ask_root(coord, "save (describe)", lambda: _describe(tree, window, layout), first)
-    if isinstance(reply, _Checksums):
+    if isinstance(reply, ChecksumRequest):  # step 3
         asked = reply.paths
 
         def sums() -> tuple[None, dict[str, int]]:
             return None, {p: checksum(local[p].data) for p in asked}
 
-        _, reply = ask_root(coord, "save (replica checksums)", sums, lambda got: finish(with_checksums(state["gathered"], got)))
+        _, reply = ask_root(coord, "save (replica checksums)", sums, second)
     return _Job(reply.plan, local, reply.window, reply.commit)
 
 
@@ -625,50 +533,15 @@ def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[s
     return {**spec, "cache_pool": _store.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
-def _merge_databases(loc: Location, writers: tuple[int, ...]) -> None:
-    """Rank 0, compact layout: link every writing rank's database into the root one.
-
-    OCDBT copies B-tree references, not data: the root database points into the
-    ranks' data files, so readers open one database and outside TensorStore
-    users see one zarr hierarchy.
-    """
-    root = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT), context=_store.CONTEXT).result()
-    txn = ts.Transaction(atomic=True)
-    for rank in sorted({0, *writers}):
-        db = ts.KvStore.open(_write_spec(loc, LAYOUT_COMPACT, writer=rank), context=_store.CONTEXT).result()
-        db.experimental_copy_range_to(root.with_transaction(txn)).result()
-    txn.commit_async().result()
-    _store.sync_paths(loc, [MANIFEST, "d"])
-
-
 def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
-    """Rank 0: the one atomic write that makes the checkpoint visible, if the pending root
-    is still this save's (``lease``: its renewals stop first)."""
+    """Step 7, rank 0: merge the ranks' databases (compact layout), then the one atomic
+    write that makes the checkpoint visible, if the pending root is still this save's
+    (``lease``: its renewals stop first)."""
     c = job.commit
     if c is None:
         raise RuntimeError("only rank 0 commits a save")
     if layout == LAYOUT_COMPACT:
+        databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _store.storage_errors(loc):
-            _merge_databases(loc, c.writers)
-    if lease is not None:
-        lease.stop_renewals()
-    meta = {
-        "structure": c.structure,
-        "leaves": c.leaves,
-        "arrays": [a.to_json() for a in c.arrays],
-        "values": dict(c.values),
-        **({"aliases": c.aliases} if c.aliases else {}),
-        "world_size": world_size,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    body = _root(STATE_COMMITTED, meta, layout=layout)
-    with _store.storage_errors(loc):
-        if lease is None:
-            _store.write_durable(loc, ROOT_KEY, body)
-        elif lease.lost or not _store.write_durable(loc, ROOT_KEY, body, if_equal=lease.generation):
-            lease.lost = True
-            raise CheckpointExistsError(
-                f"{loc}: the pending root of this save was replaced or removed by another process while it ran "
-                "(a save with overwrite=True, or a manager's clean-up, that judged this save dead); nothing was "
-                "committed. Save again, to a directory no other job uses"
-            )
+            merge_databases(loc, _write_spec(loc, layout), databases)
+    _commit_root(loc, _root(STATE_COMMITTED, c.metadata(world_size), layout=layout), lease)

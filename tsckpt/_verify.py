@@ -13,7 +13,7 @@ import tensorstore as ts
 from . import _dtypes, _store
 from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
-from ._plan import shard_boxes
+from ._chunking import shard_boxes
 from ._progress import Progress
 from ._links import owner, symlinks
 from ._backing import backing_problems

@@ -190,6 +190,25 @@ def structure_to_json(spec: optree.PyTreeSpec) -> Any:
     }
 
 
+def own_order(structure: Any) -> list[int]:
+    """The leaves' positions in flatten order (dict keys sorted, as optree flattens them)
+    listed in the tree's own order (each dict's insertion order, as it was built); where
+    several leaves are one array, the first of this order is the one the user wrote first."""
+
+    def walk(node: Any, start: int) -> tuple[list[int], int]:
+        if node is None:
+            return [start], start + 1
+        parts = []
+        for c in node.get("children", ()):
+            part, start = walk(c, start)
+            parts.append(part)
+        if node.get("order") is not None:  # as _build applies it
+            parts = [parts[i] for i in node["order"]]
+        return [i for part in parts for i in part], start
+
+    return walk(structure, 0)[0]
+
+
 @dataclasses.dataclass
 class _Cursor:
     leaves: list[Any]

@@ -1,0 +1,14 @@
+"""tsckpt's own zarr v3 codec: the chunk and shard files of tsckpt's format, read and
+written without TensorStore where that is faster, byte for byte as TensorStore does.
+
+- :mod:`.route`: the one rule saying which arrays the own codec handles (both directions),
+  and the switch ``TSCKPT_CODEC=tensorstore`` that sends all I/O through TensorStore.
+- :mod:`.crc`: crc32c through google-crc32c's public API.
+- :mod:`.files`: an array's stored shapes, and the shard index (:class:`.files.ShardIndex`).
+- :mod:`.encode`: unsharded chunk files (one kvstore read or write each).
+- :mod:`.chunkread`: restore's reads of unsharded chunk files into CPU memory.
+- :mod:`.shardwrite`, :mod:`.shardread`: shard files of a local plain checkpoint, by
+  positional I/O (direct I/O where the file system has it).
+- :mod:`.pagecache`: how much of a file the page cache holds; switching direct I/O on.
+- :mod:`.threads`: the I/O worker pool, which keeps working while the interpreter exits.
+"""

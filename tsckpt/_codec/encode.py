@@ -1,13 +1,12 @@
-"""Encoding and decoding a plain (unsharded) chunk file, byte for byte as zarr v3 specifies.
+"""Encoding and decoding an unsharded chunk file, byte for byte as zarr v3 specifies.
 
-Small arrays are written as one kvstore write of their encoded chunk, without
-TensorStore's per-array open and write machinery, which dominated saves of
-thousands of small leaves. The codec chain is [bytes (little endian), crc32c]
-(docs/format.md); tests/test_encode.py checks the files against TensorStore's
-own. Shard files of a local checkpoint are written by _shardwrite.py (without
-the copies that made encoding them here into bytes slower than TensorStore);
-elsewhere TensorStore encodes them. Restores decode single chunks here too (one
-kvstore read each, no TensorStore array per small leaf).
+Arrays stored without inner chunks (small arrays, and the pieces of arrays whose
+writers each hold a small region) are written and read as one kvstore operation per
+chunk file, without TensorStore's per-array open and write machinery, which dominated
+saves and restores of thousands of small leaves. The codec chain is [bytes (little
+endian), crc32c] (docs/format.md); a chunk at the array's edge is stored at the full
+chunk shape, the part outside the array zero (the fill value), as TensorStore stores
+it. tests/test_encode.py checks the files against TensorStore's own.
 """
 
 from __future__ import annotations
@@ -15,30 +14,30 @@ from __future__ import annotations
 import math
 import sys
 
-import google_crc32c
 import numpy as np
+
+from .._arrays import CRC_BYTES
+from . import crc
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 
-# CRC-32C of any message followed by its own CRC-32C (little endian): a constant.
-_RESIDUE = 0x48674BC7
+
+def encode_chunk(src: np.ndarray, chunk: tuple[int, ...]) -> bytes:
+    """One chunk file: the C-order bytes of ``src`` placed at the start of a zero array of
+    shape ``chunk`` (``src`` is that chunk's part inside the array), then their crc32c."""
+    if src.shape != chunk:
+        full = np.zeros(chunk, src.dtype)
+        full[tuple(slice(0, n) for n in src.shape)] = src
+        src = full
+    data = np.ascontiguousarray(src).tobytes()
+    return data + crc.encoded(data)
 
 
-def _with_crc(data: bytes) -> bytes:
-    return data + google_crc32c.value(data).to_bytes(4, "little")
-
-
-def encode_chunk(src: np.ndarray) -> bytes:
-    """One chunk: its C-order bytes, then their crc32c as 4 little-endian bytes."""
-    return _with_crc(np.ascontiguousarray(src).tobytes())
-
-
-def decode_chunk(data: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The array in one chunk written by :func:`encode_chunk`, or None when its length or
-    crc32c is not as expected (the caller then lets TensorStore report the damage)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if len(data) != nbytes + 4:
+def decode_chunk(data: bytes, dtype: np.dtype, chunk: tuple[int, ...]) -> np.ndarray | None:
+    """The array of shape ``chunk`` in one chunk file written by :func:`encode_chunk`, or
+    None when its length or crc32c is not as expected (the caller then lets TensorStore
+    report the damage)."""
+    nbytes = math.prod(chunk) * dtype.itemsize
+    if len(data) != nbytes + CRC_BYTES or not crc.intact(data):
         return None
-    if google_crc32c.value(data) != _RESIDUE:  # the crc32c of data + its crc32c, without a copy
-        return None
-    return np.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+    return np.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize).reshape(chunk)

@@ -16,15 +16,12 @@ A shard file that is mostly not in the page cache is read with direct I/O
 in): cold, that took a quarter less time and a fraction of the kernel CPU of
 buffered reads. Cached files are read through the cache as above.
 
-A shard file (docs/format.md): the inner chunks, each its C-order bytes then
-their crc32c (4 bytes, little endian), then the index: per inner chunk in C
-order uint64 offset and length (little endian; 2**64-1 twice for a missing
-chunk), then the index's own crc32c.
+Which arrays are read here is :func:`.route.route`'s rule (the same the writer
+follows); the file format is in :mod:`.files`.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import errno
@@ -32,25 +29,25 @@ import itertools
 import math
 import os
 import threading
+from collections.abc import Callable, Sequence
 from stat import S_ISREG
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import google_crc32c
 import numpy as np
-from google_crc32c import cext
 
-from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, chunk_key, stored_node_problem
-from .encode import LITTLE_ENDIAN
+from .._arrays import CRC_BYTES, chunk_key, stored_node_problem
 from .._errors import CorruptCheckpointError
-from .._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
-from .pagecache import ALIGN, resident_fraction, set_direct
-from .._plan import shard_boxes
-from .threads import Workers
+from .._format import ROOT_KEY, ArrayRecord
+from .._chunking import shard_boxes
 from .._progress import Progress
 from .._checkpoint import Checkpoint
 from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
+from .._window import Window
+from . import crc
+from .files import ShardIndex, StoredShapes, storage_box, stored_shapes
+from .pagecache import ALIGN, resident_fraction, set_direct
+from .threads import Workers
 
 # Threads reading shard files, and how many of them may copy or check bytes at once (a
 # buffered read is a copy too). On 2 CPUs, 1 GiB in 64 shard files: warm, 1, 2 and 4 busy
@@ -61,41 +58,23 @@ BUSY_THREADS = 4
 RUN_BYTES = 4 << 20  # most bytes one preadv reads (measured: 16 MiB used ~10% more CPU than 1-4 MiB)
 _IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX); two per chunk
 DIRECT_BELOW = 0.5  # a file whose wanted bytes are less cached than this is read with direct I/O
-_ENTRY = np.dtype("<u8")
-_CRC = np.dtype("<u4")
-
-
-def applies(ck: Checkpoint) -> bool:
-    """Whether this checkpoint's shards are local files this module can read."""
-    return (
-        LITTLE_ENDIAN
-        and hasattr(os, "preadv")
-        and not ck.foreign
-        and ck.layout == LAYOUT_PLAIN
-        and ck.location.local is not None
-        and ck.location.spec.get("driver") == "file"
-    )
-
-
-def _sharded(rec: ArrayRecord) -> bool:
-    chunk = rec.chunking.chunk_shape
-    return (
-        chunk is not None
-        and rec.dtype != "complex32"
-        and math.prod(rec.shape) > 0
-        and all(c > 0 and s % c == 0 for s, c in zip(rec.chunking.shard_shape, chunk))
-    )
+_CRC = np.dtype("<u4")  # a stored crc32c (CRC_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """One shard file's part of one destination."""
+    """One shard file's part of one destination, in the coordinates of the stored array
+    (complex32: with its trailing pair dimension)."""
 
     dest: Dest
-    view: np.ndarray  # the destination memory in the stored dtype
+    view: np.ndarray  # the destination memory in the stored dtype and shape
     rec: ArrayRecord
-    offsets: tuple[int, ...]  # the box of the array read from this file
+    shapes: StoredShapes
+    key: str  # the shard file's key, and its path
+    file: str
+    offsets: tuple[int, ...]  # the box of the stored array read from this file
     lengths: tuple[int, ...]
+    base: tuple[int, ...]  # where the destination starts in the stored array
 
     @property
     def nbytes(self) -> int:
@@ -108,44 +87,47 @@ class _Fallback(Exception):
 
 def read_sharded(
     ck: Checkpoint,
-    dests: list[Dest],
+    directory: str,
+    dests: Sequence[Dest],
+    view_of: Callable[[Dest], np.ndarray],
     progress: Progress | None,
     window: int,
-    view_of: Callable[[Dest, str], np.ndarray | None],
     *,
     threads: int | None = None,
 ) -> list[Dest]:
-    """Read the destinations of sharded arrays this module handles; returns the others.
+    """Read each destination of ``dests``, a sharded array of the plain checkpoint in the
+    local ``directory``, into its memory as a writable view in the stored dtype and shape
+    (``view_of``); returns those left for TensorStore.
 
-    ``view_of(dest, stored dtype)`` gives the destination as a writable numpy view in
-    the stored dtype, or None (a cast, a GPU tensor): those stay for TensorStore, as
-    do arrays whose zarr.json is missing or disagrees with the root record, so that
-    TensorStore reports it as usual. Damaged shard data raises CorruptCheckpointError.
+    Left for TensorStore: arrays whose zarr.json is missing or disagrees with the root
+    record, so that TensorStore reports it as usual, and files that cannot be read for a
+    reason other than damage. Damaged shard data raises CorruptCheckpointError.
     """
-    if not dests or not applies(ck):
-        return dests
     rest: list[Dest] = []
     jobs: list[_Job] = []
     node_ok: dict[str, bool] = {}
     for dest in dests:
-        rec = ck.arrays[dest.item.path]
-        view = view_of(dest, rec.dtype) if _sharded(rec) else None
-        if view is not None and rec.path not in node_ok:
-            node_ok[rec.path] = _node_ok(ck, rec)
-        if view is None or not node_ok[rec.path]:
+        item = dest.item
+        rec = ck.arrays[item.path]
+        if rec.path not in node_ok:
+            node_ok[rec.path] = _node_ok(directory, rec)
+        if not node_ok[rec.path]:
             rest.append(dest)
             continue
-        item = dest.item
-        boxes = shard_boxes(item.storage_offsets, item.lengths, rec.chunking)
-        jobs += [_Job(dest, view, rec, off, ln) for off, ln in boxes]
+        view = view_of(dest)
+        shapes = stored_shapes(rec)
+        base, _ = storage_box(rec, item.storage_offsets, item.lengths)
+        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
+            key = chunk_key(rec, off)
+            jobs.append(_Job(dest, view, rec, shapes, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
-    return rest + [d for d in dests if id(d) in fell_back]
+    return rest + [dest for dest in dests if id(dest) in fell_back]
 
 
-def _node_ok(ck: Checkpoint, rec: ArrayRecord) -> bool:
+def _node_ok(directory: str, rec: ArrayRecord) -> bool:
     """The array's zarr.json exists and agrees with its root record (as TensorStore's open checks)."""
     try:
-        with open(os.path.join(str(ck.location.local), rec.path, ROOT_KEY), "rb") as f:
+        with open(os.path.join(directory, rec.path, ROOT_KEY), "rb") as f:
             raw = f.read()
     except OSError:
         return False
@@ -169,8 +151,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
 
     def work(job: _Job) -> bool:
         """Read one job; False when TensorStore is to read its destination instead."""
-        itemsize = job.view.dtype.itemsize
-        chunk_bytes = math.prod(job.rec.chunking.chunk_shape or ()) * itemsize + 4
+        chunk_bytes = math.prod(job.shapes.inner or ()) * job.view.dtype.itemsize + CRC_BYTES
         cap = max(chunk_bytes, min(RUN_BYTES, window // threads))  # scratch held per thread
         room: _Room | None = getattr(local, "room", None)
         if room is None or room.cap < cap:
@@ -193,17 +174,16 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
         for job in jobs:
             settle(job, work(job))
         return fell_back
-    pending: collections.deque[tuple[_Job, concurrent.futures.Future[bool]]] = collections.deque()
     pool = Workers(threads, "tsckpt-read")
+
+    def finish(started: tuple[_Job, concurrent.futures.Future[bool]]) -> None:
+        settle(started[0], started[1].result())
+
+    in_flight: Window[tuple[_Job, concurrent.futures.Future[bool]]] = Window(2 * threads, finish)  # jobs queued
     try:
         for job in jobs:
-            pending.append((job, pool.submit(work, job)))
-            if len(pending) >= 2 * threads:
-                job, fut = pending.popleft()
-                settle(job, fut.result())
-        while pending:
-            job, fut = pending.popleft()
-            settle(job, fut.result())
+            in_flight.add((job, pool.submit(work, job)))
+        in_flight.drain()
     finally:
         pool.shutdown()
     return fell_back
@@ -217,16 +197,14 @@ def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpo
 
 def _read_shard(ck: Checkpoint, job: _Job, room: _Room) -> None:
     """Read the part ``job`` needs of one shard file into its destination, verifying every chunk."""
-    rec = job.rec
-    key = chunk_key(rec, job.offsets)
     try:
-        fd = os.open(os.path.join(str(ck.location.local), key), os.O_RDONLY)
+        fd = os.open(job.file, os.O_RDONLY)
     except FileNotFoundError:
-        raise _damage(ck, job, CHUNK_MISSING, f"{key} does not exist") from None
+        raise _damage(ck, job, CHUNK_MISSING, f"{job.key} does not exist") from None
     except OSError as e:
         raise _Fallback(str(e)) from e
     try:
-        _read_open_shard(ck, job, fd, key, room)
+        _read_open_shard(ck, job, fd, room)
     except OSError as e:
         if isinstance(e, CorruptCheckpointError):
             raise
@@ -244,42 +222,42 @@ class _Chunk(NamedTuple):
     direct: np.ndarray | None  # its destination as flat bytes, when the whole chunk lands contiguously
 
 
-def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, room: _Room) -> None:
-    rec = job.rec
-    chunk = tuple(rec.chunking.chunk_shape or ())
-    shard = rec.chunking.shard_shape
-    per = tuple(s // c for s, c in zip(shard, chunk))
+def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
+    key, shapes = job.key, job.shapes
+    chunk = shapes.inner or ()
     data_bytes = math.prod(chunk) * job.view.dtype.itemsize
+    stride = data_bytes + CRC_BYTES  # a stored inner chunk
     stat = os.fstat(fd)
     if not S_ISREG(stat.st_mode):
         raise _Fallback(f"{key} is not a regular file")
     size = stat.st_size
-    index_bytes = math.prod(per) * INDEX_ENTRY_BYTES + CRC_BYTES
+    index_bytes = ShardIndex.nbytes(shapes.grid)
     if size < index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
     cached = resident_fraction(fd, 0, size - index_bytes)  # before reading the index brings its pages in
     tail = os.pread(fd, index_bytes, size - index_bytes)
     if len(tail) != index_bytes:
         raise _damage(ck, job, UNDECODABLE, f"{key} shrank while being read")
-    if google_crc32c.value(tail[:-4]) != int.from_bytes(tail[-4:], "little"):
+    index = ShardIndex.parse(tail, shapes.grid)
+    if index is None:
         raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
-    index = np.frombuffer(tail, _ENTRY, count=2 * math.prod(per)).reshape(*per, 2)
 
-    origin = tuple((o // s) * s for o, s in zip(job.offsets, shard))
+    origin = tuple((o // s) * s for o, s in zip(job.offsets, shapes.shard))
     ends = tuple(o + n for o, n in zip(job.offsets, job.lengths))
     ranges = [range((o - g) // c, -(-(e - g) // c)) for o, e, g, c in zip(job.offsets, ends, origin, chunk)]
     plan: list[_Chunk] = []
     for cell in itertools.product(*ranges):
-        start, nbytes = (int(v) for v in index[cell])
-        if start == MISSING_CHUNK and nbytes == MISSING_CHUNK:
+        entry = index.entry(cell)
+        if entry is None:
             raise _damage(ck, job, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
-        if nbytes != data_bytes + 4 or start > size or nbytes > size - start:
+        start, nbytes = entry
+        if nbytes != stride or start > size or nbytes > size - start:
             raise _damage(
                 ck,
                 job,
                 UNDECODABLE,
                 f"{key}: the shard index gives inner chunk {list(cell)} bytes [{start}, {start + nbytes}) "
-                f"of a {size}-byte file; expected {data_bytes + 4} bytes inside the file",
+                f"of a {size}-byte file; expected {stride} bytes inside the file",
             )
         first = tuple(g + k * c for g, k, c in zip(origin, cell, chunk))
         lo = tuple(max(f, o) for f, o in zip(first, job.offsets))
@@ -293,25 +271,24 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, key: str, room: _Room) 
     run: list[_Chunk] = []  # chunks adjacent in the file: one preadv
     scratch_used = 0
     for c in plan:
-        need = data_bytes + 4 if direct_io else 0 if c.direct is not None else data_bytes
+        need = stride if direct_io else 0 if c.direct is not None else data_bytes
         if run and (
-            c.start != run[-1].start + data_bytes + 4
-            or (len(run) + 1) * (data_bytes + 4) > max(room.cap, RUN_BYTES)
+            c.start != run[-1].start + stride
+            or (len(run) + 1) * stride > max(room.cap, RUN_BYTES)
             or scratch_used + need > room.cap
             or 2 * len(run) + 2 > _IOV_MAX
         ):
-            direct_io = _read_run(ck, job, fd, key, run, room, chunk, data_bytes, direct_io)
+            direct_io = _read_run(ck, job, fd, run, room, data_bytes, direct_io)
             run, scratch_used = [], 0
         run.append(c)
         scratch_used += need
     if run:
-        _read_run(ck, job, fd, key, run, room, chunk, data_bytes, direct_io)
+        _read_run(ck, job, fd, run, room, data_bytes, direct_io)
 
 
 def _dest_box(job: _Job, lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
-    """Where the array's box [lo, hi) goes in the destination."""
-    item = job.dest.item
-    return tuple(slice(d + a - so, d + b - so) for d, a, b, so in zip(item.dest_offsets, lo, hi, item.storage_offsets))
+    """Where the stored array's box [lo, hi) goes in the destination."""
+    return tuple(slice(a - b0, b - b0) for a, b, b0 in zip(lo, hi, job.base))
 
 
 def _contiguous(region: np.ndarray) -> np.ndarray | None:
@@ -320,15 +297,7 @@ def _contiguous(region: np.ndarray) -> np.ndarray | None:
 
 
 def _read_run(
-    ck: Checkpoint,
-    job: _Job,
-    fd: int,
-    key: str,
-    run: list[_Chunk],
-    room: _Room,
-    chunk: tuple[int, ...],
-    data_bytes: int,
-    direct_io: bool,
+    ck: Checkpoint, job: _Job, fd: int, run: list[_Chunk], room: _Room, data_bytes: int, direct_io: bool
 ) -> bool:
     """Read chunks adjacent in the file with one read; verify each, then copy in what is not in place.
 
@@ -338,17 +307,18 @@ def _read_run(
     datas: list[np.ndarray] | None = None
     if direct_io:  # waits on storage without holding room.busy
         try:
-            datas, crcs = _preadv_direct(ck, job, fd, key, run, room.scratch, data_bytes)
+            datas, crcs = _preadv_direct(ck, job, fd, run, room.scratch, data_bytes)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             direct_io = not set_direct(fd, on=False)
     with room.busy:
         if datas is None:
-            datas, crcs = _preadv_buffered(ck, job, fd, key, run, room.scratch, data_bytes)
-        for data, c, crc in zip(datas, run, crcs):
-            if cext.value(data) != crc:
-                raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: inner chunk {list(c.cell)} fails its crc32c")
+            datas, crcs = _preadv_buffered(ck, job, fd, run, room.scratch, data_bytes)
+        for data, c, stored in zip(datas, run, crcs):
+            if crc.value(data) != stored:
+                raise _damage(ck, job, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
+        chunk = job.shapes.inner or ()
         for data, c in zip(datas, run):
             if c.direct is None:
                 block = data.view(job.view.dtype).reshape(chunk)
@@ -360,7 +330,7 @@ def _read_run(
 
 
 def _preadv_buffered(
-    ck: Checkpoint, job: _Job, fd: int, key: str, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
+    ck: Checkpoint, job: _Job, fd: int, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
 ) -> tuple[list[np.ndarray], list[int]]:
     """One preadv through the page cache: chunks whose place is contiguous land there, others in ``scratch``."""
     crcs = np.empty(len(run), _CRC)
@@ -374,25 +344,26 @@ def _preadv_buffered(
             used += data_bytes
         datas.append(data)
         buffers += [data, crcs[i : i + 1]]
-    total = len(run) * (data_bytes + 4)
+    total = len(run) * (data_bytes + CRC_BYTES)
     got = os.preadv(fd, buffers, run[0].start)
     if got != total:
-        raise _damage(ck, job, UNDECODABLE, f"{key} ended {total - got} bytes early while being read")
+        raise _damage(ck, job, UNDECODABLE, f"{job.key} ended {total - got} bytes early while being read")
     return datas, crcs.tolist()
 
 
 def _preadv_direct(
-    ck: Checkpoint, job: _Job, fd: int, key: str, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
+    ck: Checkpoint, job: _Job, fd: int, run: list[_Chunk], scratch: np.ndarray, data_bytes: int
 ) -> tuple[list[np.ndarray], list[int]]:
     """One direct read of the run's bytes, widened to ``ALIGN``, into the aligned ``scratch``."""
+    stride = data_bytes + CRC_BYTES
     start = run[0].start
-    end = start + len(run) * (data_bytes + 4)
+    end = start + len(run) * stride
     first = start - start % ALIGN
     buf = scratch[: -(-(end - first) // ALIGN) * ALIGN]
     buffers: list[Any] = [buf]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
     got = os.preadv(fd, buffers, first)
     if got < end - first:
-        raise _damage(ck, job, UNDECODABLE, f"{key} ended {end - first - got} bytes early while being read")
-    at = [start - first + i * (data_bytes + 4) for i in range(len(run))]
-    crcs = [int.from_bytes(buf[a + data_bytes : a + data_bytes + 4].tobytes(), "little") for a in at]
+        raise _damage(ck, job, UNDECODABLE, f"{job.key} ended {end - first - got} bytes early while being read")
+    at = [start - first + i * stride for i in range(len(run))]
+    crcs = [int.from_bytes(buf[a + data_bytes : a + stride].tobytes(), "little") for a in at]
     return [buf[a : a + data_bytes] for a in at], crcs

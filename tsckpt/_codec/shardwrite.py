@@ -9,19 +9,13 @@ file is packed into an aligned buffer (column pieces of a row-major array and
 padded edge chunks are gathered straight into it) whose whole blocks go to
 storage with ``O_DIRECT``; elsewhere chunks contiguous in the source are handed
 to ``pwritev`` from the source memory and only the others are gathered, into a
-small reused buffer.
-TensorStore stays the writer for everything else (object stores, the compact
-layout, dtypes stored in less than a byte; single-chunk arrays are encoded by
-_encode.py) and the reader of these files;
-tests/test_encode.py checks every file against TensorStore's own.
+small reused buffer. Which arrays are written here is :func:`.route.route`'s
+rule; tests/test_encode.py checks every file against TensorStore's own.
 
-A shard file (codec ``sharding_indexed``, docs/format.md) holds its inner chunks
-in C order of the inner-chunk grid, each as its C-order little-endian bytes
-followed by their crc32c (4 bytes, little endian); inner chunks wholly outside
-the array are not stored, those partly outside are padded with the fill value
-(zero bytes in every dtype tsckpt stores). Then the index: per inner chunk in C
-order, its offset and length as little-endian uint64 (both 2**64-1 when it is
-not stored), followed by the index's crc32c.
+The file's format is in :mod:`.files`: inner chunks wholly outside the array
+are not stored, those partly outside are padded with the fill value, which is
+zero bytes in every dtype tsckpt stores (as TensorStore pads: float8_e8m0fnu,
+which has no zero, too).
 """
 
 from __future__ import annotations
@@ -30,25 +24,17 @@ import ctypes
 import errno
 import math
 import os
-import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from google_crc32c import cext
 
-from .._arrays import MISSING_CHUNK
+from .._arrays import CRC_BYTES
+from . import crc
+from .files import ShardIndex
 from .pagecache import ALIGN, set_direct
-
-# Storage dtypes written here: every fixed-size type of whole bytes that tsckpt
-# stores (int4 and float4 are packed by TensorStore, so they stay with it).
-DTYPES = frozenset(
-    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-     "float64", "complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-     "float8_e5m2fnuz", "float8_e8m0fnu", "float8_e3m4", "float8_e4m3b11fnuz"}
-)
 
 # Bytes of gathered (non-contiguous or padded) chunks staged before a pwritev; small, so
 # the kernel copies them out of the CPU cache (measured faster than 8 MiB).
@@ -77,11 +63,6 @@ def _sync_file_range() -> Callable[..., int] | None:
 # files are encoded and the final fsync finds little left; Python's os module lacks it.
 _START_WRITEBACK = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
-
-
-def _crc(flat: np.ndarray) -> bytes:
-    """crc32c of a C-contiguous array's bytes, as 4 little-endian bytes (no copy)."""
-    return struct.pack("<I", cext.value(flat))
 
 
 def _buffer(name: str, nbytes: int, floor: int) -> np.ndarray:
@@ -246,29 +227,28 @@ def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequenc
     inner = tuple(inner)
     grid = tuple(s // i for s, i in zip(shard, inner))
     chunk_bytes = math.prod(inner) * src.dtype.itemsize
-    index = np.full((math.prod(grid), 2), MISSING_CHUNK, dtype="<u8")
+    index = ShardIndex.missing(grid)
     f = _open(path, chunk_bytes)
     try:
-        for n, cell in enumerate(np.ndindex(*grid)):
+        for cell in np.ndindex(*grid):
             lo = [c * i for c, i in zip(cell, inner)]
             if any(a >= s for a, s in zip(lo, src.shape)):
                 continue  # wholly outside the array: not stored
             box = src[tuple(slice(a, a + i) for a, i in zip(lo, inner))]
-            index[n] = (f.end, chunk_bytes + 4)
+            index.put(cell, f.end, chunk_bytes + CRC_BYTES)
             if box.shape == inner and box.flags.c_contiguous:
                 flat = box.reshape(-1).view(np.uint8)
                 f.add(flat, chunk_bytes)
             else:
                 flat = f.space(chunk_bytes)
                 chunk = flat.view(src.dtype).reshape(inner)
-                if box.shape != inner:  # partly outside: the rest is the fill value (zero bytes)
-                    chunk[...] = 0
+                if box.shape != inner:  # partly outside: the rest is the fill value, zero bytes
+                    flat[...] = 0
                     chunk[tuple(slice(0, k) for k in box.shape)] = box
                 else:
                     np.copyto(chunk, box)
-            f.add(_crc(flat), 4)
-        raw = index.reshape(-1).view(np.uint8)
-        f.add(raw, raw.nbytes)
-        f.add(_crc(raw), 4)
+            f.add(crc.encoded(flat), CRC_BYTES)
+        for part in index.stored():
+            f.add(part, len(part))
     finally:
         f.close(writeback=writeback)

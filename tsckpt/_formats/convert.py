@@ -13,35 +13,44 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
-from .. import _dtypes, _lease, _store
+from .. import _dtypes, _store
 from . import safetensors
-from .._casting import CastCheck
-from .._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, encode_value
-from .._kinds import check_cast
+from .._casting import CastCheck, check_cast
+from .._format import LAYOUT_PLAIN, encode_value
 from .._leaves import describe, memory
 from .._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, _flag, verb
-from .._root import read_root_states
 from .._restore import warn_lost_values
 from .._save import save
 from .._progress import Progress
 from .sources import open_source
 from .._store import Directory
 from .._types import LazySource, Local
-from ..tree import child, flatten, from_paths, structure_from_json, structure_to_json
+from ..tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
 
 TARGETS = ("tsckpt", "safetensors")
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+# The files of a Hugging Face model directory besides its weights that copy_from copies.
+HF_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+)
+# The largest side file copied (the largest tokenizer.json files are tens of MB).
+MAX_SIDE_FILE_BYTES = 256 << 20
+# The keys of config.json naming the weights' dtype: transformers 4.x's and 5.x's.
+CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +65,7 @@ class ConvertReport:
     nbytes: int  # bytes of array data written
     n_values: int
     n_tied: int  # leaves stored as a tie to another leaf
-    files: tuple[str, ...] = ()  # safetensors files written (empty for a tsckpt checkpoint)
+    files: tuple[str, ...] = ()  # files written: safetensors, index, copied side files (empty for tsckpt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Selected:
     names: list[str]
     leaves: list[Any]
     structure: Any  # JSON structure of the selected subtree; None after renaming
+    order: list[int]  # positions in names/leaves, in the source tree's own order (see own_order)
 
 
 def parse_size(size: int | str | None, what: str = "max_shard_size") -> int | None:
@@ -112,7 +122,8 @@ def select(tree: Any, subtree: str | None, strip_prefix: str | None, add_prefix:
     if add_prefix:
         names = [add_prefix + n for n in names]
     renamed = bool(strip_prefix or add_prefix)
-    return Selected(names, flat.leaves, None if renamed else structure_to_json(flat.spec))
+    structure = structure_to_json(flat.spec)
+    return Selected(names, flat.leaves, None if renamed else structure, own_order(structure))
 
 
 def _reader(
@@ -162,22 +173,26 @@ class _Prepared:
 
 
 def _prepare(sel: Selected, cast: torch.dtype | None, casting: str, count: Callable[[int], None]) -> _Prepared:
+    """Wrap each stored array once. Of tied leaves (one memory or source under several
+    names) the one first in the source tree's own order is stored, the others are its
+    aliases: transformers, too, keeps the input embedding (written before ``lm_head``),
+    and loads a tied model whose embedding is missing without a warning, then fails."""
     first: dict[Any, tuple[str, LazySource]] = {}
-    leaves: list[Any] = []
+    leaves: list[Any] = list(sel.leaves)
     dtypes: dict[str, str] = {}
     aliases: dict[str, str] = {}
     checks: list[CastCheck] = []
     nbytes = 0
-    for name, leaf in zip(sel.names, sel.leaves):
+    for i in sel.order:
+        name, leaf = sel.names[i], sel.leaves[i]
         local = describe(name, leaf)
         if local.desc.kind == "value":
-            leaves.append(leaf)
             continue
         mem = memory(leaf)
         key = mem if mem is not None else ("leaf", id(leaf))
-        if key in first:  # tied: the same memory (or source) as an earlier leaf
+        if key in first:  # tied: the same memory (or source) as a leaf before it
             aliases[name] = first[key][0]
-            leaves.append(first[key][1])
+            leaves[i] = first[key][1]
             continue
         src, out, check = _reader(local, cast, casting, count)
         if check is not None:
@@ -185,7 +200,7 @@ def _prepare(sel: Selected, cast: torch.dtype | None, casting: str, count: Calla
         first[key] = (name, src)
         dtypes[name] = out
         nbytes += math.prod(src.shape) * _dtypes.itemsize(local.desc.dtype)
-        leaves.append(src)
+        leaves[i] = src
     return _Prepared(leaves, dtypes, aliases, nbytes, checks)
 
 
@@ -195,34 +210,12 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, options: SaveO
         tree = structure_from_json(sel.structure, prep.leaves)
     else:
         tree = from_paths(sel.names, prep.leaves)
-    existed = _store.has_any_key(_store.resolve(dst))
-    try:
-        save(dst, tree, **options.kwargs())
-    except BaseException:
-        try:
-            _remove_claimed(dst, existed, options.overwrite)
-        except ValueError:  # storage unreachable: the save's own error says why
-            pass
-        raise
-
-
-def _remove_claimed(dst: Directory, existed: bool, overwrite: bool) -> None:
-    """Remove what a failed save left (its pending root and data), never another's checkpoint."""
-    if existed and not overwrite:
-        return
-    loc = _store.resolve(dst)
-    root = read_root_states(loc.kvstore(), [ROOT_KEY])[ROOT_KEY]
-    state = root.state
-    if state == STATE_PENDING and _lease.running((root.meta or {}).get("claim")):
-        return  # another save, still running: save() refused it
-    if state == STATE_PENDING or (state is None and not existed):
-        _store.delete_all(loc)
-        if loc.local is not None and not existed and os.path.isdir(loc.local) and not os.listdir(loc.local):
-            os.rmdir(loc.local)
+    # a failed save removes what it wrote itself (save()'s step 8), never another's checkpoint
+    save(dst, tree, **options.kwargs())
 
 
 def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_size: int | None,
-                       overwrite: bool) -> list[str]:
+                       overwrite: bool, side_files: list[safetensors.SideFile]) -> list[str]:
     tensors, values, kinds = [], {}, {}
     for name, leaf in zip(sel.names, prep.leaves):
         if not isinstance(leaf, LazySource):
@@ -242,8 +235,102 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
     }
     directory = not dst.endswith(".safetensors")
     return safetensors.write(
-        dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite
+        dst, tensors, info, directory=directory, max_shard_size=max_shard_size, overwrite=overwrite,
+        side_files=side_files,
     )
+
+
+def _regular_file(path: str) -> os.stat_result:
+    """``path``'s status, refused unless it is a regular file (never a link) of at most
+    :data:`MAX_SIDE_FILE_BYTES`."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(
+            f"copy_from: {path} is a symbolic link, and links are not followed; copy from a directory "
+            "holding the files themselves (e.g. huggingface-cli download --local-dir DIR)"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"copy_from: {path} is not a regular file")
+    if st.st_size > MAX_SIDE_FILE_BYTES:
+        raise ValueError(
+            f"copy_from: {path} holds {st.st_size} bytes, more than the {MAX_SIDE_FILE_BYTES} a model's "
+            "config or tokenizer file has; copy it yourself if it is right"
+        )
+    return st
+
+
+def _open_side(path: str) -> BinaryIO:
+    """A side file open for reading, without following a link, checked again once open
+    (it may have been replaced since :func:`_regular_file` looked)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError(f"copy_from: {path} is not a regular file")
+    return f
+
+
+def _read_side(path: str, out: BinaryIO | None = None) -> bytes:
+    """A side file's bytes, or with ``out``, copied to it in blocks (returns b""); at most
+    :data:`MAX_SIDE_FILE_BYTES`, however the file grows while it is read."""
+    kept, n = [], 0
+    with _open_side(path) as f:
+        while block := f.read(1 << 20):
+            n += len(block)
+            if n > MAX_SIDE_FILE_BYTES:
+                raise ValueError(f"copy_from: {path} grew past {MAX_SIDE_FILE_BYTES} bytes while it was copied")
+            if out is None:
+                kept.append(block)
+            else:
+                out.write(block)
+    return b"".join(kept)
+
+
+def _config_with_dtype(path: str, dtype: torch.dtype) -> bytes:
+    """config.json with its dtype key(s) naming ``dtype``: those of :data:`CONFIG_DTYPE_KEYS`
+    already there (``torch_dtype`` if none is), so transformers loads the weights as written."""
+    data = _read_side(path)
+    try:
+        config = json.loads(data)
+    except ValueError as e:  # UnicodeDecodeError too
+        raise ValueError(f"copy_from: {path} is not valid JSON ({e}); fix it, or convert without dtype") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"copy_from: {path} is not a JSON object, as a model's config.json is")
+    name = str(dtype).removeprefix("torch.")
+    for key in [k for k in CONFIG_DTYPE_KEYS if k in config] or [CONFIG_DTYPE_KEYS[0]]:
+        config[key] = name
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def _side_writer(path: str, data: bytes | None) -> Callable[[BinaryIO], None]:
+    """Writes ``data``, or else copies the file at ``path`` block by block."""
+
+    def write(out: BinaryIO) -> None:
+        if data is not None:
+            out.write(data)
+        else:
+            _read_side(path, out)
+
+    return write
+
+
+def hf_side_files(copy_from: str, dtype: torch.dtype | None) -> list[safetensors.SideFile]:
+    """The Hugging Face side files (:data:`HF_SIDE_FILES`) in the directory ``copy_from``,
+    each checked (a regular file, no link, not too large) before anything is written, with
+    config.json's dtype set to ``dtype`` when given; the others are copied byte for byte."""
+    if not os.path.isdir(copy_from):
+        raise ValueError(f"copy_from: {copy_from} is not a directory; give the model directory holding config.json")
+    sides = []
+    for name in HF_SIDE_FILES:
+        path = os.path.join(copy_from, name)
+        if not os.path.lexists(path):
+            continue
+        _regular_file(path)
+        data = _config_with_dtype(path, dtype) if name == "config.json" and dtype is not None else None
+        sides.append(safetensors.SideFile(name, _side_writer(path, data)))
+    if not sides:
+        raise ValueError(f"copy_from: {copy_from} holds none of the files it copies ({', '.join(HF_SIDE_FILES)})")
+    return sides
 
 
 def _name(where: Directory) -> str:
@@ -265,6 +352,18 @@ def _destination_format(dst: Directory, to_format: str | None) -> str:
     return to
 
 
+def _copied(
+    copy_from: str | os.PathLike[str] | None, to: str, dst: str, cast: torch.dtype | None
+) -> list[safetensors.SideFile]:
+    """The side files ``copy_from`` asks for, refused unless the destination is a Hugging
+    Face directory (a .safetensors file or a tsckpt checkpoint holds no side files)."""
+    if copy_from is None:
+        return []
+    if to != "safetensors" or dst.endswith(".safetensors"):
+        raise ValueError("copy_from applies to a Hugging Face directory destination (--to safetensors, not a file)")
+    return hf_side_files(os.fspath(copy_from), cast)
+
+
 @verb("tsckpt.convert")
 def convert(
     src: Directory,
@@ -282,6 +381,7 @@ def convert(
     layout: str = LAYOUT_PLAIN,
     casting: str = "same_kind",
     max_inflight_bytes: int = READ_WINDOW_BYTES,
+    copy_from: str | os.PathLike[str] | None = None,
     allow_pickle: bool = False,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
@@ -304,6 +404,10 @@ def convert(
     ``max_inflight_bytes`` bounds the source data read and not yet written to a tsckpt
     destination (default 32 MiB, as for :func:`tsckpt.restore`; no shard file is larger).
     ``overwrite`` and ``layout`` are as for :func:`tsckpt.save` (``layout``: a tsckpt destination's).
+    ``copy_from`` (a Hugging Face directory destination) names a model directory whose
+    config.json, generation_config.json and tokenizer files are written beside the
+    weights, in the same all-or-nothing write; with ``dtype``, the copied config.json
+    names the new dtype (``torch_dtype``/``dtype``).
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
     _flag("allow_pickle", allow_pickle)  # not a RestoreOptions field until another read verb reads DCP
@@ -319,6 +423,7 @@ def convert(
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
         raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
     cast = parse_dtype(dtype)
+    sides = _copied(copy_from, to, dst_name, cast)
     fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
@@ -328,7 +433,9 @@ def convert(
         if to == "tsckpt":
             _write_tsckpt(dst, sel, prep, writing)
         else:
-            files = _write_safetensors(dst_name, sel, prep, max_shard_size=shard_limit, overwrite=overwrite)
+            files = _write_safetensors(
+                dst_name, sel, prep, max_shard_size=shard_limit, overwrite=overwrite, side_files=sides
+            )
     warn_lost_values(list(prep.checks))
     n_values = sum(not isinstance(x, LazySource) for x in prep.leaves)
     nbytes = sum(

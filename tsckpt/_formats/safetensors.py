@@ -28,7 +28,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -370,6 +370,15 @@ class OutTensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class SideFile:
+    """A file written beside a directory's weights (config.json, tokenizer files), renamed
+    into place with them: ``write(out)`` writes its bytes to the open temporary file."""
+
+    name: str  # a plain file name in the directory
+    write: Callable[[BinaryIO], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardPlan:
     """Which tensors go to which file, in data order, and the bytes they hold."""
 
@@ -465,20 +474,25 @@ def write(
     directory: bool,
     max_shard_size: int | None = None,
     overwrite: bool = False,
+    side_files: Sequence[SideFile] = (),
 ) -> list[str]:
-    """Write ``tensors`` to the file ``dst``, or as a Hugging Face directory; returns the files.
+    """Write ``tensors`` to the file ``dst``, or as a Hugging Face directory with
+    ``side_files`` beside them; returns the files.
 
     Every file is written under a temporary name, synced, and renamed only when all
     are complete (the index last), so a failed write leaves no partial output; other
-    files of a directory (config.json, tokenizer, ...) are kept.
+    files of a directory (config.json, tokenizer, ...) are kept unless ``side_files``
+    replaces them.
     """
     _check_names(tensors)
     plan = plan_shards(tensors, max_shard_size if directory else None)
-    if not directory and len(plan.files) > 1:
-        raise ValueError("a .safetensors destination is one file; write to a directory to shard it")
-    old = _replaced(dst, directory, overwrite)
+    if not directory and (len(plan.files) > 1 or side_files):
+        raise ValueError("a .safetensors destination is one file; write to a directory to shard it or add files")
+    sides = [os.path.join(dst, side.name) for side in side_files]
+    old = _replaced(dst, directory, overwrite) + _replaced_sides(sides, overwrite)
     sharded = len(plan.files) > 1
     final = [os.path.join(dst, name) for name, _ in plan.files] if directory else [dst]
+    final += sides
     if sharded:
         final.append(os.path.join(dst, INDEX_NAME))
     temps = [f"{f}.tmp-{os.getpid()}" for f in final]
@@ -488,6 +502,7 @@ def write(
         if directory:
             os.makedirs(dst, exist_ok=True)
         _write_files(plan, tensors, info, temps)
+        _write_sides(side_files, temps[len(plan.files):len(plan.files) + len(sides)])
         if sharded:
             _write_index(temps[-1], plan, info)
         _replace(old, temps, final)
@@ -517,6 +532,23 @@ def _replaced(dst: str, directory: bool, overwrite: bool) -> list[str]:
     if old and not overwrite:
         raise CheckpointExistsError(f"{old[0]} already exists; pass overwrite=True (--overwrite) to replace it")
     return old
+
+
+def _replaced_sides(sides: list[str], overwrite: bool) -> list[str]:
+    """The side files already in the directory that a write replaces; refused unless ``overwrite``."""
+    old = [f for f in sides if os.path.lexists(f)]
+    if old and not overwrite:
+        raise CheckpointExistsError(f"{old[0]} already exists; pass overwrite=True (--overwrite) to replace it")
+    return old
+
+
+def _write_sides(side_files: Sequence[SideFile], temps: list[str]) -> None:
+    """Each side file under its temporary name, synced."""
+    for side, tmp in zip(side_files, temps):
+        with open(tmp, "xb") as out:
+            side.write(out)
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def _write_files(plan: ShardPlan, tensors: Sequence[OutTensor], info: dict[str, Any] | None, temps: list[str]) -> None:

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from .. import _dtypes
-from .._casting import check_casting
+from .._casting import check_cast, check_casting
 from .._dtensor import is_dtensor
 from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
-from .._kinds import check_cast
 from .._leaves import memory
 from .._restore import cast_warnings_off, warn_lost_values
 

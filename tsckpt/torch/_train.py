@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from .. import _dtypes
+from .._casting import check_cast
 from .._coord import phase
 from .._dist import coordinator_for
 from .._errors import StructureMismatchError
 from .._format import LAYOUT_PLAIN
-from .._kinds import check_cast
 from .._checkpoint import Checkpoint
 from .._formats.sources import open_checkpoint
 from .._reader import LazyArray, read_subtree

@@ -1,0 +1,112 @@
+"""Restore's reads of unsharded chunk files (:mod:`.encode`) into CPU memory.
+
+Each array's zarr.json is read once and checked against its root record, as TensorStore
+would check it, and each chunk file is one kvstore read, checked by its crc32c and
+copied into the destination: opening a TensorStore array per leaf dominated restores of
+thousands of small leaves. Works in any kvstore (local, object stores, memory, the
+compact layout's database). Which arrays are read here is :func:`.route.route`'s rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorstore as ts
+
+from .. import _store
+from .._arrays import chunk_key, stored_node_problem
+from .._format import ROOT_KEY, ArrayRecord
+from .._chunking import shard_boxes
+from .._progress import Progress
+from .._checkpoint import Checkpoint
+from .._types import Dest
+from .._window import Window
+from .encode import decode_chunk
+from .files import stored_shapes
+
+
+class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,000 small leaves
+    """One chunk file's part of one destination, its read started."""
+
+    dest: Dest
+    view: np.ndarray  # the destination memory in the stored dtype and shape
+    chunk: tuple[int, ...]  # the stored chunk shape
+    read: Any  # the kvstore read of the chunk file
+    src: tuple[slice, ...]  # the part wanted, in the chunk (complex32's pair dim: all of it)
+    dst: tuple[slice, ...]  # where it goes, in the destination
+    nbytes: int
+
+
+def read_chunks(
+    ck: Checkpoint,
+    dests: Sequence[Dest],
+    view_of: Callable[[Dest], np.ndarray],
+    progress: Progress | None,
+    window: int,
+) -> list[Dest]:
+    """Read each destination of ``dests``, an array without inner chunks, into its memory
+    as a writable view in the stored dtype and shape (``view_of``); returns those left for
+    TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
+    TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight."""
+    kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
+    nodes: dict[str, Any] = {}  # path: the read of its zarr.json (None once checked, so its memory goes)
+    node_ok: dict[str, bool] = {}
+    left: dict[int, Dest] = {}
+
+    def settle(r: _Read) -> None:
+        path = r.dest.item.path
+        if id(r.dest) in left:
+            return
+        try:
+            if path not in node_ok:
+                node = nodes[path].result()
+                nodes[path] = None
+                node_ok[path] = node.state == "value" and stored_node_problem(node.value, ck.arrays[path]) is None
+            chunk = r.read.result()
+        except ValueError:  # unreadable: TensorStore says why
+            node_ok.setdefault(path, False)
+            chunk = None
+        data = None
+        if node_ok[path] and chunk is not None and chunk.state == "value":
+            data = decode_chunk(chunk.value, r.view.dtype, r.chunk)
+        if data is None:
+            left[id(r.dest)] = r.dest
+            return
+        r.view[r.dst] = data[r.src]
+        if progress is not None:
+            progress.update(r.nbytes, 1)
+
+    in_flight: Window[_Read] = Window(window, settle)
+    for dest in dests:
+        item = dest.item
+        rec = ck.arrays[item.path]
+        view = view_of(dest)
+        if rec.path not in nodes:
+            nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}")
+        chunk = stored_shapes(rec).shard
+        element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
+        for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):
+            nbytes = math.prod(ln) * element
+            in_flight.add(_Read(dest, view, chunk, kv.read(chunk_key(rec, off)), src, dst, nbytes), nbytes)
+    in_flight.drain()
+    return list(left.values())
+
+
+def _pieces(
+    rec: ArrayRecord, offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]]:
+    """Per chunk file the box [offsets, offsets + lengths) touches: the file's part of the
+    box (its offsets and lengths), where that part lies in the chunk and in the box."""
+    shard = rec.chunking.shard_shape
+    if 0 in lengths:
+        return
+    if all(g >= n for g, n in zip(shard, rec.shape)):  # the whole array is one chunk: most small leaves
+        yield offsets, lengths, tuple(slice(o, o + n) for o, n in zip(offsets, lengths)), ()
+        return
+    for off, ln in shard_boxes(offsets, lengths, rec.chunking):
+        src = tuple(slice(o % g, o % g + n) for o, g, n in zip(off, shard, ln))
+        dst = tuple(slice(o - b, o - b + n) for o, b, n in zip(off, offsets, ln))
+        yield off, ln, src, dst

@@ -1,0 +1,190 @@
+"""The root ``zarr.json`` of a save: its claim, its commit, and the clean-up after a failure.
+
+A save becomes visible in one atomic write of the root. Around it, in the
+numbering of save()'s protocol (tsckpt/_save.py), all on rank 0:
+
+4. Claim (:func:`begin`): refuse or clear what is in the directory (never a
+   save that may still be running: tsckpt/_lease.py), then create the root
+   with state "pending" and the save's claim, by a write conditioned on the
+   root being still missing, so of several savers racing for one directory
+   exactly one proceeds. The claim's lease is renewed from then on.
+7. Commit: in the compact layout, :func:`merge_databases` first links the
+   writing ranks' databases into the root one; :func:`commit` then rewrites the
+   root with state "committed", conditioned on the pending root being still
+   this save's.
+8. Clean-up (:func:`abandon`, after a failure once every rank knows of it):
+   the partial checkpoint is removed (the pending root first, if still this
+   save's), so saving again needs no ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorstore as ts
+
+from . import _lease, _store
+from ._errors import CheckpointExistsError, SaveInProgressError, TsckptError
+from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, format_version, group_metadata
+from ._arrays import MANIFEST
+from ._root import root_state
+from ._store import Location
+from ._version import __version__
+
+
+def root_json(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
+    """The root ``zarr.json`` of a save in ``state``, with ``extra`` tsckpt metadata."""
+    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {__version__}"}
+    if layout != LAYOUT_PLAIN:
+        meta["layout"] = layout
+    meta.update(extra or {})
+    return _store.encode_json(group_metadata({"tsckpt": meta}))
+
+
+def pending_root(layout: str) -> Callable[[dict[str, Any]], bytes]:
+    """The pending root recording a claim, as a function of the claim (the lease rewrites it)."""
+    return lambda claim: root_json(STATE_PENDING, {"claim": claim}, layout=layout)
+
+
+def begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _lease.Lease | None = None) -> None:
+    """Step 4, rank 0: refuse or clear an existing checkpoint, then claim the directory.
+
+    The pending root is created with a write conditioned on the root's
+    generation while it is missing (as TensorStore reported it on reading it,
+    or on removing an old one), which succeeds only if no root exists, so of
+    several savers racing for one directory exactly one proceeds; the others
+    raise CheckpointExistsError and touch nothing. A failed condition is
+    reported by TensorStore as an empty generation, not an error. On object
+    stores the create is a PUT with ``If-None-Match: *``. The pending root
+    records ``lease``'s claim, which is renewed from then on; without a lease
+    (tests) the claim is one of no running save.
+    """
+    with _store.storage_errors(loc, doing="writing"):
+        _claim(loc, overwrite, layout, lease)
+
+
+def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | None) -> None:
+    kv = loc.kvstore()
+    current = kv.read(ROOT_KEY).result()
+    missing = current.stamp.generation  # the root's generation while it does not exist: the claim's condition
+    if current.state == "value" or _store.has_any_key(loc):
+        _refuse_unless_free(loc, overwrite, current.value if current.state == "value" else None)
+        if current.state == "value":
+            # uncommit first, so a crash below leaves no valid checkpoint; conditional,
+            # so a saver that replaced the root since we read it is not undone
+            missing = kv.write(ROOT_KEY, None, if_equal=current.stamp.generation).result().generation
+            if not missing:
+                raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
+        _store.delete_all(loc)
+    body = lease.root() if lease is not None else pending_root(layout)(_lease.new_claim())
+    claimed = _store.durable_kvstore(loc).write(ROOT_KEY, body, if_equal=missing).result()
+    if not claimed.generation:
+        raise CheckpointExistsError(
+            f"{loc}: another save into this directory started at the same time and claimed it first; "
+            "nothing was written. Save each checkpoint from one job, or use distinct directories"
+        )
+    if lease is not None:
+        lease.start(bytes(claimed.generation))
+
+
+def _refuse_unless_free(loc: Location, overwrite: bool, value: bytes | None) -> None:
+    """Raise unless the directory holding root ``value`` (None: none) may be cleared for a new save."""
+    root = root_state(value)
+    claim = _lease.claim_of(root)
+    alive = _lease.save_running(root)
+    if alive and overwrite:
+        raise SaveInProgressError(
+            f"{loc}: another save into this directory is still running ({_lease.describe(claim)}); "
+            "overwrite=True never removes a running save. Wait for it to finish, or save elsewhere; if its "
+            f"process is gone, save again once its lease has expired ({_lease.lease_seconds(claim)} s after "
+            "its last renewal)"
+        )
+    if overwrite:
+        return
+    if alive:
+        what = f"another save into this directory is still running ({_lease.describe(claim)})"
+    elif root.state == STATE_PENDING:
+        what = (
+            "another save into this directory is running, or one crashed (its root zarr.json says "
+            f"'pending'; written by {_lease.describe(claim)})"
+        )
+    else:
+        what = "a checkpoint (or other data) already exists here"
+    raise CheckpointExistsError(f"{loc}: {what}; pass overwrite=True to replace it, or save to a new directory")
+
+
+def merge_databases(loc: Location, root: dict[str, Any], databases: Sequence[dict[str, Any]]) -> None:
+    """Step 7, rank 0, compact layout: link the writing ranks' ``databases`` (kvstore
+    specs) into the ``root`` one, then make the root database durable.
+
+    OCDBT copies B-tree references, not data: the root database points into the
+    ranks' data files, so readers open one database and outside TensorStore
+    users see one zarr hierarchy.
+    """
+    into = ts.KvStore.open(root, context=_store.CONTEXT).result()
+    txn = ts.Transaction(atomic=True)
+    for spec in databases:
+        db = ts.KvStore.open(spec, context=_store.CONTEXT).result()
+        db.experimental_copy_range_to(into.with_transaction(txn)).result()
+    txn.commit_async().result()
+    _store.sync_paths(loc, [MANIFEST, "d"])
+
+
+def commit(loc: Location, body: bytes, lease: _lease.Lease | None = None) -> None:
+    """Step 7, rank 0: the one atomic write of the committed root ``body`` that makes the
+    checkpoint visible, if the pending root is still this save's (``lease``: its
+    renewals stop first)."""
+    if lease is not None:
+        lease.stop_renewals()
+    with _store.storage_errors(loc):
+        if lease is None:
+            _store.write_durable(loc, ROOT_KEY, body)
+        elif lease.lost or not _store.write_durable(loc, ROOT_KEY, body, if_equal=lease.generation):
+            lease.lost = True
+            raise CheckpointExistsError(
+                f"{loc}: the pending root of this save was replaced or removed by another process while it ran "
+                "(a save with overwrite=True, or a manager's clean-up, that judged this save dead); nothing was "
+                "committed. Save again, to a directory no other job uses"
+            )
+
+
+def abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool) -> None:
+    """Step 8, rank 0 after a failed save that claimed ``loc``: remove the partial
+    checkpoint (best effort; only when every rank knows of the failure, ``agreed``)
+    and say in ``err`` whether saving again needs overwrite=True."""
+    lease.end()
+    if not agreed:
+        _amend(err, (
+            f"the partial checkpoint at {loc} was left in place, as other ranks may still be writing to it; "
+            "once the job has stopped, save again with overwrite=True"
+        ))
+        return
+    if lease.lost:
+        _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+        return
+    try:
+        with _store.storage_errors(loc, doing="writing"):
+            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=lease.generation):
+                _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+                return
+            _store.delete_all(loc)
+        if loc.local is not None:
+            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
+                os.rmdir(loc.local)
+    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
+        _amend(err, (
+            f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again"
+        ))
+        return
+    _amend(err, "the partial checkpoint was removed, so saving again needs no overwrite=True")
+
+
+def _amend(err: BaseException, text: str) -> None:
+    """Add ``text`` to the message of ``err`` (a note where the message cannot be changed)."""
+    if isinstance(err, TsckptError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}; {text}",)
+    elif hasattr(err, "add_note"):  # Python 3.11+
+        err.add_note(text)
