@@ -237,9 +237,9 @@ def _address_space() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker() -> None:
+def worker(check: Any = check) -> None:
     """The worker process: each line on stdin is a job (a checkpoint and what its damage
-    touched); each answer is one line of JSON on stdout."""
+    touched); each answer is one line of JSON on stdout: what ``check(dir, job)`` found wrong."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed goes to stderr
     jobs = iter(sys.stdin.readline, "")
@@ -259,10 +259,11 @@ def worker() -> None:
 
 
 class Worker:
-    """The worker process, restarted after it dies (a crash is a failure of that example)."""
+    """The worker process, restarted after it dies (a crash is a failure of that example).
+    ``module`` is the test module whose ``worker()`` it runs."""
 
-    def __init__(self, root: str, warm: dict[str, Any]) -> None:
-        self.root, self.warm = root, warm
+    def __init__(self, root: str, warm: dict[str, Any], module: str = "tests.test_fuzz_metadata") -> None:
+        self.root, self.warm, self.module = root, warm, module
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
@@ -272,7 +273,7 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent, tests_parent, env.get("PYTHONPATH", "")])
         self.log = open(os.path.join(self.root, "worker.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tests.test_fuzz_metadata import worker; worker()"],
+            [sys.executable, "-c", f"from {self.module} import worker; worker()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=tests_parent, env=env,
         )
         answer = self._ask(self.warm)

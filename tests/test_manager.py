@@ -172,18 +172,32 @@ def test_incomplete_step_is_replaced_by_its_save(root):
     _check(m.restore(), 6)
 
 
-def test_leftovers_on_local_disk(tmp_path):
+def test_leftovers_on_local_disk(tmp_path, caplog):
     run = tmp_path / "run"
     m = tsckpt.CheckpointManager(run)
     m.save(1, _state(1))
-    (run / "00000002" / "w").mkdir(parents=True)  # a save killed before it wrote its root
+    m.save(2, _state(2))
+    _make_incomplete(m, 5)  # a crashed save: tsckpt's pending root, its claim of a save that is over
     (run / ".tsckpt-deleting-00000000-0123abcd" / "w").mkdir(parents=True)  # a deletion cut short
     (run / "00000003").mkdir()
     (run / "00000003" / ROOT_KEY).write_text("{not json")  # unreadable: never listed, never deleted
+    (run / "00000004" / "w").mkdir(parents=True)  # no root: not provably tsckpt's
+    (run / "00000006").mkdir()  # empty: nothing to lose
+    (run / "00000009").mkdir()
+    (run / "00000009" / f"{ROOT_KEY}.__lock").write_bytes(b"")  # a save killed writing its root: nothing to lose
     (run / "notes").mkdir()  # not a step
-    assert m.all_steps() == [1]
-    tsckpt.CheckpointManager(run)
-    assert sorted(os.listdir(run)) == ["00000001", "00000003", "notes"]
+    assert m.all_steps() == [1, 2]
+    with caplog.at_level("WARNING", logger="tsckpt"):
+        tsckpt.CheckpointManager(run, keep_last=1)
+    assert sorted(os.listdir(run)) == ["00000001", "00000002", "00000003", "00000004", "notes"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{run}: step directory 00000003 is not a checkpoint tsckpt wrote (its root zarr.json is not valid JSON "
+        "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))); the manager leaves it "
+        "alone: it is not listed, restored, counted for retention or deleted",
+        f"{run}: step directory 00000004 is not a checkpoint tsckpt wrote (no tsckpt root zarr.json: another "
+        "library's checkpoint, or other data); the manager leaves it alone: it is not listed, restored, counted "
+        "for retention or deleted",
+    ]
 
 
 def test_deletion_makes_a_step_incomplete_first(tmp_path, monkeypatch):
@@ -302,3 +316,86 @@ def test_two_managers_racing_for_one_step_one_wins(root, monkeypatch):
     assert isinstance(loser, tsckpt.CheckpointExistsError)
     assert "another save into this directory started at the same time and claimed it first" in str(loser)
     _check(managers[0].restore(3), 10 + winner)
+
+
+# ---- directories the manager did not write -------------------------------------------------------
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every file below ``root`` (relative path -> bytes)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+def test_an_orbax_manager_root_is_never_touched(tmp_path, caplog):
+    """CheckpointManager(root) on an Orbax CheckpointManager's root deleted every Orbax step at
+    construction: a numbered directory without a tsckpt root counted as an incomplete save."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    run = tmp_path / "run"
+    with ocp.CheckpointManager(run) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, args=ocp.args.StandardSave({"w": np.arange(4.0) * s}))
+        mgr.wait_until_finished()
+    before = _files(run)
+    assert sorted(os.listdir(run)) == ["1", "2", "3"] and before
+    with caplog.at_level("WARNING", logger="tsckpt"):
+        m = tsckpt.CheckpointManager(run, keep_last=1, step_digits=1)
+        assert m.all_steps() == [] and m.latest_step() is None
+        m.save(4, _state(4))
+        m.save(5, _state(5))  # retention: step 4 goes, the Orbax steps stay
+        with pytest.raises(tsckpt.CheckpointExistsError) as e:
+            m.save(2, _state(2), overwrite=True)
+    assert str(e.value) == (
+        f"{run}: step 2: 2 holds data tsckpt did not write (no tsckpt root zarr.json: another library's checkpoint, "
+        "or other data); the manager never deletes what it cannot identify: move it away, or save another step"
+    )
+    assert m.all_steps() == [5] and sorted(os.listdir(run)) == ["1", "2", "3", "5"]
+    assert {k: v for k, v in _files(run).items() if not k.startswith("5")} == before
+    warned = [r.getMessage() for r in caplog.records if r.name == "tsckpt"]
+    assert warned == [
+        f"{run}: step directory {s} is not a checkpoint tsckpt wrote (no tsckpt root zarr.json: another library's "
+        "checkpoint, or other data); the manager leaves it alone: it is not listed, restored, counted for retention "
+        "or deleted"
+        for s in (1, 2, 3)
+    ]  # once each, not again after every commit
+    with ocp.CheckpointManager(run) as mgr:  # Orbax still restores its own steps
+        np.testing.assert_array_equal(mgr.restore(3, args=ocp.args.StandardRestore())["w"], np.arange(4.0) * 3)
+
+
+@pytest.mark.parametrize("root", ["file", "memory"], indirect=True)
+def test_an_unidentified_step_holding_a_file_is_kept_and_never_saved_over(root, caplog):
+    loc = tsckpt._store.resolve(root)
+    kv = loc.kvstore()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    kv.write("00000007/notes.txt", b"mine").result()
+    kv.write("00000008/zarr.json", b'{"zarr_format": 3, "node_type": "group"}').result()  # zarr, not tsckpt
+    if loc.local is None:  # an object store lists its steps by marker
+        kv.write(".tsckpt-steps/00000007", b"").result()
+        kv.write(".tsckpt-steps/00000008", b"").result()
+    with caplog.at_level("WARNING", logger="tsckpt"):
+        m2 = tsckpt.CheckpointManager(root, keep_last=1)
+        for step in (1, 2, 3):
+            m2.save(step, _state(step))
+    assert m2.all_steps() == [3]
+    assert kv.read("00000007/notes.txt").result().value == b"mine"
+    assert kv.read("00000008/zarr.json").result().state == "value"
+    assert [r.getMessage().split(" is not")[0] for r in caplog.records if r.name == "tsckpt"] == [
+        f"{loc}: step directory 00000007", f"{loc}: step directory 00000008"]
+    assert "its root zarr.json has no tsckpt metadata" in caplog.records[1].getMessage()
+    for step in (7, 8):
+        with pytest.raises(tsckpt.CheckpointExistsError, match=f"step {step}: 0000000{step} holds data tsckpt did not"):
+            m2.save(step, _state(step))
+    assert kv.read("00000007/notes.txt").result().value == b"mine"
+
+
+def test_an_empty_step_directory_is_saved_into(tmp_path):
+    run = tmp_path / "run"
+    (run / "00000002").mkdir(parents=True)
+    m = tsckpt.CheckpointManager(run)
+    m.save(2, _state(2))
+    _check(m.restore(2), 2)

@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
 from tsckpt import NotACheckpointError
 from tsckpt import _dtypes
+from tsckpt._errors import short_repr
+from tsckpt._format import MAX_NDIM
 from tsckpt._formats import safetensors as _safetensors
 from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
 from tsckpt._types import LazySource
@@ -194,9 +196,24 @@ def _with_header(path, header: dict, data: bytes) -> None:
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12),
          r"4 bytes follow the last tensor"),
         ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
-         r"tensor 'a' has a malformed header entry"),
+         r"tensor 'a': 'dtype' is 'Q7', expected one of \['BF16', 'BOOL', "),
         ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 0]}}, b"",
-         r"tensor 'a': negative shape"),
+         rf"tensor 'a': 'shape' is \[-2\], expected a list of at most {MAX_NDIM} non-negative integers with a product "
+         r"under 2\*\*59"),
+        ({"a": {"dtype": "F32", "shape": [2**70, 0], "data_offsets": [0, 0]}}, b"",
+         rf"tensor 'a': 'shape' is \[1180591620717411303424, 0\], expected a list of at most {MAX_NDIM}"),
+        ({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, bytes(8),
+         r"tensor 'a': 'shape' is \[2.0\], expected"),
+        ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4),
+         r"tensor 'a': 'shape' is \[True\], expected"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, bytes(8),
+         r"tensor 'a': 'data_offsets' is \[8, 0\], expected \[begin, end\], integers with 0 <= begin <= end < 2\*\*63"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 2**64]}}, bytes(8),
+         r"tensor 'a': 'data_offsets' is \[0, 18446744073709551616\], expected"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}}, bytes(12),
+         r"tensor 'a': F32\[2\] needs 8 bytes but its offsets \[0, 12\] span 12"),
+        ({"a": [1, 2]}, b"", r"tensor 'a': 'dtype' is None, expected one of"),
+        ({"__metadata__": {"x": 1}}, b"", r"its __metadata__ is not a map of strings"),
     ],
 )
 def test_header_that_lies_is_refused(tmp_path, header, data, match):
@@ -205,6 +222,85 @@ def test_header_that_lies_is_refused(tmp_path, header, data, match):
     with pytest.raises(CorruptCheckpointError, match=match) as e:
         read_header(path)
     assert str(e.value).startswith(path + ": ") and "\n" not in str(e.value)
+    assert str(e.value).endswith("; the file is damaged or was not fully written, get a good copy")
+
+
+def test_a_header_nested_too_deeply_is_corrupt_not_a_recursion_error(tmp_path):
+    path = str(tmp_path / "deep.safetensors")
+    body = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_header(path)
+    assert str(e.value) == (
+        f"{path}: its header is not valid JSON (nested too deeply to parse); the file is damaged or was not fully "
+        "written, get a good copy"
+    )
+
+
+# ---- tsckpt's metadata in a file -------------------------------------------------------------
+
+
+def _with_info(path, info) -> None:
+    """A file of one tensor 'w' (float32 [2]) whose tsckpt metadata is ``info`` (JSON text as given)."""
+    text = info if isinstance(info, str) else json.dumps(info)
+    _with_header(path, {"__metadata__": {"tsckpt": text}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                 bytes(8))
+
+
+GOOD_INFO = {"format_version": 1, "structure": None, "leaves": ["w", "n"], "kinds": {"w": "numpy"},
+             "values": {"n": {"type": "int", "value": 3}}}
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"kinds": {"w": "bogus"}}, "'kinds' of leaf 'w' is 'bogus', expected one of ['torch', 'numpy', 'numpy_scalar']"),
+        ({"kinds": {"w": "numpy_scalar"}}, "'kinds' of leaf 'w' is 'numpy_scalar', but its tensor has shape [2]"),
+        ({"kinds": []}, "'kinds' is [], expected an object"),
+        ({"leaves": ["w", 3]}, "'leaves' is ['w', 3], expected a list of leaf paths"),
+        ({"leaves": ["w", "n", "ghost"]}, "lists leaf 'ghost', which is no value, tie or tensor of the file"),
+        ({"leaves": ["n"]}, "does not list the tensor 'w' in 'leaves'"),
+        ({"values": {"n": {"type": "int", "value": "3"}}}, "'values' of leaf 'n': 'value' must be an integer for type 'int'"),
+        ({"aliases": {"v": "ghost"}}, "'aliases' ties 'v' to 'ghost', which is no tensor of the file"),
+        ({"structure": {"type": "dict", "keys": ["w"], "children": [None]}},
+         "'structure' is invalid: it has 1 leaves but the checkpoint lists 2"),
+        ({"structure": json.loads("[" * 50 + "]" * 50)}, "'structure' is invalid: it has a node of unknown type 'list'"),
+    ],
+)
+def test_tsckpt_metadata_is_checked_before_the_tree_is_built(tmp_path, change, why):
+    path = str(tmp_path / "x.safetensors")
+    _with_info(path, {**GOOD_INFO, **change})
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_file(path)
+    assert str(e.value).startswith(f"{path}: its 'tsckpt' metadata {why}")
+    assert str(e.value).endswith("; it is damaged: remove it to read the tensors as a flat dict (names: e.g. 'w')")
+
+
+def test_tsckpt_metadata_that_is_good_builds_the_tree(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    _with_info(path, GOOD_INFO)
+    tree = read_file(path)
+    assert tree["n"] == 3 and tree["w"].kind == "numpy" and tree["w"].shape == (2,)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000 + "]" * 100_000, '"a string"'])
+def test_tsckpt_metadata_that_is_no_object_is_corrupt(tmp_path, text):
+    path = str(tmp_path / "x.safetensors")
+    _with_info(path, text)
+    with pytest.raises(CorruptCheckpointError, match=r"its 'tsckpt' metadata (is not valid JSON|is str, expected)"):
+        read_file(path)
+
+
+def test_unknown_kind_fails_convert_with_exit_1_and_writes_nothing(tmp_path, capsys):
+    from tsckpt._cli import main
+
+    path = str(tmp_path / "x.safetensors")
+    _with_info(path, {**GOOD_INFO, "kinds": {"w": "bogus"}})
+    assert main(["convert", path, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'kinds' of leaf 'w' is 'bogus'" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_truncated_and_foreign_files(tmp_path):
@@ -235,12 +331,61 @@ def test_directory_with_missing_or_wrong_shard(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=rf"{first}: has no tensor 'ghost', but model.safetensors.index"):
         read_dir(str(d))
     del index["weight_map"]["ghost"]
-    index["weight_map"]["emb.weight"] = "../elsewhere.safetensors"
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CorruptCheckpointError, match="'emb.weight' points outside the directory"):
-        read_dir(str(d))
+    for outside in ("../elsewhere.safetensors", str(d / first)):
+        index["weight_map"]["emb.weight"] = outside
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CorruptCheckpointError) as e:
+            read_dir(str(d))
+        assert str(e.value) == (
+            f"{d}/model.safetensors.index.json: weight_map['emb.weight'] {short_repr(outside)} is not a relative path "
+            "inside the checkpoint; the checkpoint is damaged or made to read elsewhere: use a trusted copy"
+        )
     index["weight_map"]["emb.weight"] = first
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     os.remove(d / first)
     with pytest.raises(CorruptCheckpointError, match=rf"{first}: missing, but model.safetensors.index.json maps"):
         read_dir(str(d))
+
+
+@pytest.mark.parametrize(
+    "index, why",
+    [
+        ("[" * 100_000 + "]" * 100_000, "it is not JSON (nested too deeply to parse); restore it"),
+        ('{"weight_map": {"w": 3}}', "'weight_map' is {'w': 3}, expected an object mapping each tensor name to the "
+         "file holding it; restore the index"),
+        ('{"weight_map": ["w"]}', "'weight_map' is ['w'], expected an object mapping"),
+        ("[1]", "'weight_map' is a JSON list, expected an object mapping"),
+        ('{"weight_map": {}, "metadata": 7}', "'metadata' is 7, expected an object; restore the index"),
+    ],
+)
+def test_an_index_that_is_malformed_is_corrupt(tmp_path, index, why):
+    d = tmp_path / "hf"
+    write(str(d), [out(n, t) for n, t in tensors().items()], None, directory=True, max_shard_size=100)
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_dir(str(d))
+    assert str(e.value).startswith(f"{d}/model.safetensors.index.json: not a valid index: {why}")
+    assert str(e.value).endswith("; restore it" if "JSON (" in why else "; restore the index")
+
+
+def test_a_linked_shard_or_weights_file_is_refused(tmp_path):
+    d = tmp_path / "hf"
+    write(str(d), [out(n, t) for n, t in tensors().items()], None, directory=True, max_shard_size=100)
+    first = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]["emb.weight"]
+    os.rename(d / first, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", d / first)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_dir(str(d))
+    assert str(e.value) == (
+        f"{d}/model.safetensors.index.json: weight_map['emb.weight'] {first!r}: {first} is a symbolic link (to "
+        f"{tmp_path / 'elsewhere'}); a checkpoint holds its own files and tsckpt does not follow links out of it: "
+        "replace each link with a copy of its file"
+    )
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file(tensors(), str(tmp_path / "real.safetensors"))
+    os.symlink(tmp_path / "real.safetensors", one / "model.safetensors")
+    with pytest.raises(CorruptCheckpointError, match=r"the weights file 'model.safetensors': model.safetensors is a "
+                       r"symbolic link"):
+        read_dir(str(one))
+    assert set(read_file(str(one / "model.safetensors"))) == set(tensors())  # the file named itself may be a link

@@ -167,3 +167,60 @@ def test_damaged_pickle_is_corrupt_not_refused(tmp_path):
 def test_directory_is_not_a_torch_file(tmp_path):
     with pytest.raises(NotACheckpointError, match="is a directory"):
         read_torch_file(str(tmp_path))
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_only_weights_only_loads_so_a_payload_never_runs(tmp_path, monkeypatch, legacy):
+    src = str(tmp_path / "evil.pt")
+    marker = tmp_path / "ran"
+    torch.save({"w": torch.ones(2), "x": _Payload(str(marker))}, src, _use_new_zipfile_serialization=not legacy)
+    loads = []
+    real = torch.load
+
+    def recorded(*args, **kwargs):
+        loads.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recorded)
+    with pytest.raises(NotACheckpointError, match="weights_only=True"):
+        tsckpt.convert(src, str(tmp_path / "out"))
+    assert loads == [True] and not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_an_expanded_view_is_refused_before_anything_is_written(tmp_path, capsys):
+    """1 stored float viewed as 2**28 (stride 0): a file of a few KB that would convert into 1 GiB."""
+    src = str(tmp_path / "expand.pt")
+    torch.save({"w": torch.ones(1).expand(2**28)}, src)
+    assert os.path.getsize(src) < 8 << 10
+    with pytest.raises(LeafTypeError) as e:
+        read_torch_file(src)
+    assert str(e.value) == (
+        f"{src}: leaf 'w': its 268435456 elements [268435456] (strides [0]) view a storage of 4 bytes, so written "
+        "out they would take 1073741824: a view with stride 0 or overlapping strides (e.g. from expand()) is "
+        "refused; save tensor.clone() in the source instead"
+    )
+    from tsckpt._cli import main
+
+    assert main(["convert", src, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "view a storage of 4 bytes" in err and not (tmp_path / "out").exists()
+
+
+def test_views_within_their_storage_are_read(tmp_path):
+    """An expand that adds a dimension of 1 (HF's position_ids), or a strided slice, needs no
+    more bytes than its storage holds."""
+    src = str(tmp_path / "views.pt")
+    state = {"position_ids": torch.arange(512).expand((1, -1)), "every_other": torch.arange(8.0)[::2]}
+    torch.save(state, src)
+    got = read_torch_file(src)
+    assert torch.equal(got["position_ids"], state["position_ids"]) and torch.equal(got["every_other"], state["every_other"])

@@ -16,7 +16,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from ._open import open as open_reader
 from ._options import READ_WINDOW_BYTES
 from ._reader import LazyArray, normalize_index
 from ._progress import human_bytes
+
+if TYPE_CHECKING:
+    from ._verify import VerifyReport
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -289,12 +292,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if report.tree_problem is not None:
             parts.append("the tree structure is invalid")
         raise Problem(f"verification failed for {report.location}: " + ", ".join(parts))
-    print(
-        f"OK: {report.location}: committed, all {_count(len(report.leaves), 'leaf', 'leaves')} present; "
-        f"{_count(report.n_arrays, 'array')} ({human_bytes(report.bytes_read)} read from "
-        f"{_count(report.files_read, 'shard file')}, all checksums match), {_count(report.n_values, 'value')}"
-    )
+    print(f"OK: {report.location}: {_verified(report)}")
     return EXIT_OK
+
+
+def _verified(report: VerifyReport) -> str:
+    """What a passing verify checked, as the format allowed: checksums are claimed only where
+    the format stores them."""
+    leaves = f"all {_count(len(report.leaves), 'leaf', 'leaves')} present"
+    arrays, values = _count(report.n_arrays, "array"), _count(report.n_values, "value")
+    if report.checksums:
+        return (
+            f"committed, {leaves}; {arrays} ({human_bytes(report.bytes_read)} read from "
+            f"{_count(report.files_read, 'shard file')}, all checksums match), {values}"
+        )
+    return (
+        f"{report.format} checkpoint, committed, {leaves}; {arrays} read ({human_bytes(report.bytes_read)} in "
+        f"{_count(report.files_read, 'chunk read', 'chunk reads')}), no checksums in this format: damage that still "
+        f"decodes is not detected; {values}"
+    )
 
 
 # ---- convert -----------------------------------------------------------------
@@ -379,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "verify",
-        help="read every chunk, check every checksum and node; exit 1 naming each bad leaf",
+        help="read every chunk, check every checksum (where the format has them) and node; exit 1 naming each bad "
+        "leaf",
     )
     p.add_argument("dir", metavar="DIR", help="checkpoint directory (or kvstore URL), or another format's file or directory")
     p.add_argument("-v", "--verbose", action="store_true", help="also list the leaves that are fine")

@@ -123,6 +123,10 @@ def count_and_list(items: list[str], limit: int = 5) -> str:
 
 
 def short_repr(value: object, width: int = 60) -> str:
-    """``repr(value)``, cut to ``width`` characters: values quoted from a damaged file can be huge."""
-    text = repr(value)
+    """``repr(value)``, cut to ``width`` characters: values quoted from a damaged file can be huge,
+    and objects unpickled from one may not even have a repr."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - e.g. a torch.Size holding an int beyond 64 bits
+        text = f"<a {type(value).__name__} without a repr>"
     return text if len(text) <= width else text[: width - 3] + "..."

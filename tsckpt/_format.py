@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._errors import short_repr
+from ._links import path_problem
 
 # The newest version this tsckpt reads. Plain checkpoints are written as 1, so
 # older readers still read them; compact ones as 2 (older readers refuse them).
@@ -103,7 +104,7 @@ def extent_problem(shape: Sequence[int]) -> str | None:
     return None
 
 
-def _dims(value: Any, *, positive: bool) -> bool:
+def dims_ok(value: Any, *, positive: bool) -> bool:
     least = 1 if positive else 0
     return (
         isinstance(value, list)
@@ -119,11 +120,9 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     tsckpt reads."""
     if not isinstance(j, dict):
         return "the record is not a JSON object"
-    path = j.get("path")
-    if not isinstance(path, str) or not path or path.startswith("/") or any(
-        part in ("", ".", "..") for part in path.split("/")
-    ):
-        return f"'path' {short_repr(path)} is not a relative path inside the checkpoint"
+    why = path_problem(j.get("path"))
+    if why is not None:
+        return f"'path' {why}"
     if j.get("kind") not in KINDS:
         return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)}"
     if not known_dtype(j.get("dtype")):
@@ -131,15 +130,15 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     shape: Any = j.get("shape")
     shard: Any = j.get("shard_shape")
     chunk: Any = j.get("chunk_shape")
-    if not _dims(shape, positive=False):
+    if not dims_ok(shape, positive=False):
         return f"'shape' {short_repr(shape)} is not a list of non-negative integers with a product under 2**59"
-    if not _dims(shard, positive=True) or len(shard) != len(shape):
+    if not dims_ok(shard, positive=True) or len(shard) != len(shape):
         return (
             f"'shard_shape' {short_repr(shard)} is not a list of {len(shape)} positive integers with a product "
             "under 2**59"
         )
     if chunk is not None and (
-        not _dims(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
+        not dims_ok(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
     ):
         return f"'chunk_shape' {short_repr(chunk)} does not divide 'shard_shape' {short_repr(shard)}"
     if j["kind"] == "numpy_scalar" and shape:

@@ -1,17 +1,66 @@
-"""Symbolic links inside a local checkpoint (docs/security.md).
+"""Paths inside a local checkpoint: confinement and symbolic links (docs/security.md).
+
+Every format names files by paths it stores: tsckpt's array records, the files of a
+Hugging Face index, a DCP checkpoint's data files, Orbax's items and arrays. Each such
+path is checked here, by one rule, before anything is opened: :func:`path_problem`
+(relative, ``/``-separated, no empty, ``.`` or ``..`` segment), and on a local disk
+:func:`confined`, which also refuses a symbolic link on the way to it.
 
 TensorStore's file kvstore follows links and has no option not to, so a link
 planted in a checkpoint could make a reader return data from anywhere on the
 machine. Readers therefore look for links before reading a local checkpoint's
 data. The walk reads directory entries only (their type comes with the entry:
-no stat per file), which keeps it to about 30 microseconds per leaf.
+no stat per file), which keeps it to about 30 microseconds per leaf. The
+checkpoint itself (the directory or file the caller names) may be a link.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from ._errors import CorruptCheckpointError
+from ._errors import CorruptCheckpointError, short_repr
+
+# How every refusal of a link says what to do.
+_LINK_FIX = (
+    "a checkpoint holds its own files and tsckpt does not follow links out of it: replace each link with a "
+    "copy of its file"
+)
+
+
+def path_problem(rel: Any) -> str | None:
+    """Why ``rel``, a path stored in a checkpoint, does not name a place inside it (it is not
+    a relative ``/``-separated path of segments other than empty, ``.`` and ``..``, without
+    NUL), or None. The one check of every stored path, whatever the format."""
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or rel.startswith("/")
+        or "\0" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        return f"{short_repr(rel)} is not a relative path inside the checkpoint"
+    return None
+
+
+def confined(root: str, rel: Any, *, where: str, field: str) -> str:
+    """The local path of ``rel`` (a path stored in the checkpoint at ``root``, read from
+    ``where``'s ``field``), checked to lie inside it: CorruptCheckpointError naming the file
+    and the field if ``rel`` leaves ``root`` or a component of it is a symbolic link."""
+    why = path_problem(rel)
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"{where}: {field} {why}; the checkpoint is damaged or made to read elsewhere: use a trusted copy"
+        )
+    path = root
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            rel_link = os.path.relpath(path, root).replace(os.sep, "/")
+            raise CorruptCheckpointError(
+                f"{where}: {field} {rel!r}: {rel_link} is a symbolic link (to {os.readlink(path)}); {_LINK_FIX}"
+            )
+    return path
 
 
 def symlinks(root: str) -> dict[str, str]:
@@ -37,7 +86,7 @@ def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | Non
     return max((p for p in arrays if rel == p or rel.startswith(f"{p}/")), key=len, default=None)
 
 
-def refuse_links(root: str | None, where: str, arrays: list[str] | tuple[str, ...] | set[str]) -> None:
+def refuse_links(root: str | None, where: str, arrays: list[str] | tuple[str, ...] | set[str] = ()) -> None:
     """Raise if the local checkpoint at ``root`` holds a symbolic link (None: not local)."""
     if root is None:
         return
@@ -48,7 +97,6 @@ def refuse_links(root: str | None, where: str, arrays: list[str] | tuple[str, ..
     leaf = owner(rel, arrays)
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise CorruptCheckpointError(
-        f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{rel} is a symbolic link (to {target}){more}; a checkpoint "
-        "holds its own files and tsckpt does not follow links out of it: replace each link with a copy of its "
-        "file (`tsckpt verify` lists them)"
+        f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{rel} is a symbolic link (to {target}){more}; {_LINK_FIX} "
+        "(`tsckpt verify` lists them)"
     )

@@ -1,10 +1,18 @@
 """CheckpointManager: one checkpoint directory per training step, with retention.
 
 A step is *complete* when its root ``zarr.json`` says "committed" (the last,
-atomic write of a save); anything else under the root is incomplete: a save in
-flight, one that crashed, or a deletion that was cut short. Incomplete steps are
-never listed, restored or counted for retention, and are removed when the
-manager starts and after every commit.
+atomic write of a save); a step whose root is tsckpt's "pending" one is
+incomplete: a save in flight, one that crashed, or a deletion that was cut
+short. Incomplete steps are never listed, restored or counted for retention.
+
+The manager deletes only what tsckpt provably wrote: a step whose pending root
+records the claim of a save that is over, a complete step retention expires,
+and its own trash; and, on a local disk, a step directory holding nothing, or
+only a save's first write of its root cut short (TensorStore's lock file of
+it), where there is nothing to lose. Anything else under the root (a numbered directory with no
+tsckpt root, such as another library's checkpoint step, or a root it cannot
+read) is left alone: clean-up reports it once with a warning on the "tsckpt"
+logger naming it, retention never counts it, and saving that step is refused.
 
 Several managers (or jobs) may save under one root, each its own steps. A
 pending step whose save may still be running (its claim's lease is fresh and,
@@ -14,9 +22,10 @@ refused, so one manager never destroys another's save in progress. Retention
 applies to all complete steps under the root, whichever manager wrote them.
 
 Deleting a step first makes it incomplete (on a local disk the directory is
-renamed away in one atomic step; elsewhere the root ``zarr.json`` goes first),
-so a crash in the middle of a deletion never leaves a damaged step that looks
-complete. With several ranks, only rank 0 deletes.
+renamed away in one atomic step; elsewhere the root ``zarr.json`` is replaced
+by a pending one recording the deletion's claim, and goes last), so a crash in
+the middle of a deletion never leaves a damaged step that looks complete, nor
+one clean-up cannot identify as tsckpt's. With several ranks, only rank 0 deletes.
 
 Object stores have no directories, and listing every key of every step to find
 the step names would read thousands of keys per step. So the manager keeps an
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import re
 import shutil
@@ -58,8 +68,13 @@ from ._options import (
 from ._root import RootState, read_root_states
 from ._store import Directory, fsync_path, resolve, storage_errors
 
+log = logging.getLogger("tsckpt")
+
 _STEP = re.compile(r"[0-9]+")
 _TRASH = ".tsckpt-deleting-"
+# What TensorStore's file kvstore leaves of a write of a step's root cut short (its lock file,
+# written first): a directory holding only this holds nothing of a checkpoint.
+_ROOT_LOCK = f"{ROOT_KEY}.__lock"
 _INDEX = ".tsckpt-steps/"  # object stores: one empty marker per step directory
 
 
@@ -112,6 +127,7 @@ class CheckpointManager:
         self._digits = step_digits
         self._saver = AsyncSaver(max_staging_bytes=background.max_staging_bytes)
         self._rank = _dist.rank_of(group)
+        self._reported: set[str] = set()  # steps clean-up found it cannot identify, warned about once
         if self._rank == 0:
             self._clean()
 
@@ -185,10 +201,23 @@ class CheckpointManager:
                 f"({_lease.describe(_lease.claim_of(root))}); wait for it, or save another step. If its process is gone, the step "
                 "is removed once its lease has expired"
             )
-        if root.state is not None:
-            return True
+        if root.state == STATE_COMMITTED or _abandoned(root) or _lease.save_running(root):
+            return True  # a running save's step is left to it when the job runs: save() then refuses
+        if not self._holds_data(name):
+            return self._loc.local is not None and os.path.lexists(os.path.join(self._loc.local, name))
+        raise CheckpointExistsError(
+            f"{self._loc}: step {step}: {name} holds data tsckpt did not write ({_unidentified(root)}); the "
+            "manager never deletes what it cannot identify: move it away, or save another step"
+        )
+
+    def _holds_data(self, name: str) -> bool:
+        """Whether anything is stored under step directory ``name`` but an interrupted first write
+        of a save's root (on a local disk, TensorStore's lock file of it): nothing to lose."""
         if self._loc.local is not None:
-            return os.path.exists(os.path.join(self._loc.local, name))
+            path = os.path.join(self._loc.local, name)
+            if not os.path.isdir(path) or os.path.islink(path):
+                return os.path.lexists(path)
+            return bool(set(os.listdir(path)) - {_ROOT_LOCK})
         return _store.has_any_key(resolve(self._loc.sub(name)))
 
     def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
@@ -330,18 +359,30 @@ class CheckpointManager:
         return [s for s in complete if s not in keep]
 
     def _clean(self, steps: dict[int, tuple[str, RootState]] | None = None) -> None:
-        """Remove incomplete step directories (never one whose save is still running) and
-        leftovers of interrupted deletions."""
+        """Remove what tsckpt provably left behind: steps whose pending root records a save that
+        is over (never one still running), and leftovers of interrupted deletions. A step
+        directory it cannot identify as tsckpt's is reported once and left alone."""
         if steps is None:
             steps = self._step_states()
-        for name, root in steps.values():
-            # "invalid" roots are left for a person to look at
-            if root.state is None or (root.state == STATE_PENDING and not _lease.save_running(root)):
+        for _, (name, root) in sorted(steps.items()):
+            if _abandoned(root) or (root.state is None and self._loc.local is not None and not self._holds_data(name)):
                 self._delete(name)
+            elif root.state != STATE_COMMITTED and not _lease.save_running(root) and name not in self._reported:
+                self._report(name, root)
         if self._loc.local is not None:
             for name in self._names():
                 if name.startswith(_TRASH):
                     shutil.rmtree(os.path.join(self._loc.local, name), ignore_errors=True)
+
+    def _report(self, name: str, root: RootState) -> None:
+        """Warn, once per manager, of a step directory that tsckpt did not provably write."""
+        if root.state is None and not self._holds_data(name):
+            return  # an object store's marker of a step never saved: nothing to lose, left for its save
+        self._reported.add(name)
+        log.warning(
+            "%s: step directory %s is not a checkpoint tsckpt wrote (%s); the manager leaves it alone: it is not "
+            "listed, restored, counted for retention or deleted", self._loc, name, _unidentified(root),
+        )
 
     def _mark(self, name: str) -> None:
         """Object stores: list step ``name`` in the index before anything of it is written."""
@@ -361,11 +402,34 @@ class CheckpointManager:
             fsync_path(self._loc.local)
             shutil.rmtree(trash, ignore_errors=True)
             return
+        from ._commit import pending_root
+
         kv = self._loc.kvstore()
+        root = f"{name}/{ROOT_KEY}"
         with storage_errors(self._loc):
-            kv.write(f"{name}/{ROOT_KEY}", None).result()  # uncommitted first
-            kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()  # '0' follows '/'
+            # uncommitted first, yet still tsckpt's: a pending root recording this deletion's claim
+            kv.write(root, pending_root(LAYOUT_PLAIN)(_lease.new_claim())).result()
+            kv.delete_range(ts.KvStore.KeyRange(f"{name}/", root)).result()
+            kv.delete_range(ts.KvStore.KeyRange(root + "\0", f"{name}0")).result()  # '0' follows '/'
+            kv.write(root, None).result()
             kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
+
+
+def _abandoned(root: RootState) -> bool:
+    """A step tsckpt provably wrote whose save is over without committing: its root is
+    tsckpt's pending one, recording the claim of a save that no longer runs."""
+    return isinstance(_lease.claim_of(root), dict) and not _lease.save_running(root)
+
+
+def _unidentified(root: RootState) -> str:
+    """Why a step directory is not identified as tsckpt's, from its root."""
+    if root.state is None:
+        return "no tsckpt root zarr.json: another library's checkpoint, or other data"
+    if root.problem == "json":
+        return f"its root zarr.json is not valid JSON ({root.detail})"
+    if root.problem == "foreign":
+        return "its root zarr.json has no tsckpt metadata"
+    return f"its root is in state {root.state!r} without the claim of a tsckpt save"
 
 
 __all__ = ["CheckpointManager"]

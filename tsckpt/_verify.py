@@ -17,7 +17,7 @@ from ._chunking import shard_boxes
 from ._progress import Progress
 from ._links import owner, symlinks
 from ._backing import backing_problems
-from ._checkpoint import Checkpoint
+from ._checkpoint import TSCKPT, Checkpoint
 from ._formats import lazy
 from ._formats.sources import open_checkpoint
 from ._options import RestoreOptions, verb
@@ -44,6 +44,11 @@ class VerifyReport:
     files_read: int
     tree_problem: str | None = None  # the structure in the root metadata cannot rebuild the tree
     arrays: tuple[str, ...] = ()  # paths of the array records, valid or not
+    format: str = TSCKPT  # the library that wrote the checkpoint
+    # whether every chunk read was checked against a checksum stored with it: True for tsckpt's
+    # own format; False where the format stores none (Orbax), so that damage which still
+    # decodes reads back as other values and only unreadable data is found
+    checksums: bool = True
 
     @property
     def ok(self) -> bool:
@@ -188,7 +193,10 @@ def verify(
 ) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
     metadata, every chunk read back with its checksum, and (on a local disk) no file a
-    symbolic link. Damage is reported per leaf in the returned report, never raised; a
+    symbolic link. Another library's checkpoint (Orbax) is checked as far as its format
+    allows: its metadata is parsed and checked and every chunk is read and decoded, but its
+    chunks carry no checksum (``report.checksums`` is False), so only data that no longer
+    decodes is found. Damage is reported per leaf in the returned report, never raised; a
     root that is not a committed checkpoint, or whose fields are not even of their JSON
     types, raises.
     ``progress`` shows a bar of bytes read (default: when stderr is a terminal); the
@@ -217,6 +225,8 @@ def verify(
         files_read=reads.files_read,
         tree_problem=ck.tree_problem,
         arrays=arrays,
+        format=ck.format,
+        checksums=not ck.foreign,
     )
 
 

@@ -4,7 +4,11 @@ Tensors become :class:`LazySource` leaves read region by region through DCP's ow
 ``FileSystemReader`` and load-planner protocol (``dcp.load``'s single-process path),
 touching only the saved chunks a region overlaps and keeping the last region, so a
 conversion holds about one tensor. Values are loaded with ``weights_only=True``, but
-``.metadata`` itself is a pickle: a DCP directory must come from a trusted source.
+``.metadata`` itself is a pickle, and unpickling can run any code it names: it is
+read only when the caller passes ``allow_pickle=True`` (``--allow-pickle``), for a
+checkpoint from a trusted source. What it holds is then checked before any data is
+read: every data file a path inside the directory (no link), every tensor's chunks
+tiling its shape, and every chunk's stored bytes at least its size.
 """
 
 from __future__ import annotations
@@ -16,20 +20,29 @@ import pickle
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
+from .. import _dtypes
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .._errors import short_repr
+from .._format import MAX_ELEMENTS, MAX_NDIM
+from .._links import confined
 from .torchfile import plain_tree, reason, weights_only_refusal
 from .._types import LazySource
-from ..tree import escape, from_paths, structure_from_json, structure_from_paths
+from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
 
 # The pickled metadata file dcp.save writes last: its presence marks a DCP directory.
 METADATA_FILE = ".metadata"
 
 PICKLE_WARNING = (
     "A torch.distributed.checkpoint directory's .metadata file is a Python pickle: reading it can run "
-    "arbitrary code, so only read DCP checkpoints from a trusted source."
+    "arbitrary code, so tsckpt reads one only with --allow-pickle (allow_pickle=True), for a checkpoint "
+    "from a trusted source."
 )
+
+# Chunks of one tensor compared pairwise for overlap at a time (numpy, rows x all).
+_OVERLAP_ROWS = 256
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -37,13 +50,16 @@ def is_dcp_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
-def read_dcp(path: str) -> Any:
+def read_dcp(path: str, *, allow_pickle: bool = False) -> Any:
     """The state_dict saved by ``dcp.save`` in directory ``path``: tensors as lazy sources,
     values loaded, nesting rebuilt from the planner's key paths (a flat dict without them).
-    Every data file is checked for presence and length before anything is read."""
+    The pickled metadata is read only with ``allow_pickle`` (NotACheckpointError saying so
+    otherwise); its entries and every data file (inside the directory, present, long enough)
+    are checked before anything is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = _read_metadata(path)
+    meta = _read_metadata(path, allow_pickle)
+    _check_entries(path, meta)
     _check_files(path, meta)
     reader = _Reader(path, meta)
     entries = meta.state_dict_metadata
@@ -52,14 +68,12 @@ def read_dcp(path: str) -> Any:
     for key, md in entries.items():
         if key in values:
             leaves[key] = plain_tree(values[key], f"{path}: entry '{key}'")
-        elif sum(math.prod(c.sizes) for c in md.chunks) != math.prod(md.size):
-            raise CorruptCheckpointError(f"{path}: the chunks of tensor '{key}' do not tile its shape; re-save it")
         else:
             leaves[key] = LazySource(tuple(md.size), md.properties.dtype, functools.partial(reader.read, key), kind="torch")
     return _nest(leaves, meta.planner_data)
 
 
-def _read_metadata(path: str) -> Any:
+def _read_metadata(path: str, allow_pickle: bool) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -68,6 +82,13 @@ def _read_metadata(path: str) -> Any:
     mfile = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(mfile):
         raise NotACheckpointError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file); give the one dcp.save wrote")
+    confined(path, METADATA_FILE, where=path, field="the DCP metadata file")
+    if not allow_pickle:
+        raise NotACheckpointError(
+            f"{mfile}: a torch.distributed.checkpoint's metadata is a Python pickle, and unpickling it can run "
+            "arbitrary code; tsckpt unpickles only when asked: pass allow_pickle=True (--allow-pickle) if you "
+            "trust where this checkpoint came from"
+        )
     try:
         meta = FileSystemReader(path).read_metadata()
     except OSError:
@@ -82,14 +103,121 @@ def _read_metadata(path: str) -> Any:
     return meta
 
 
+def _corrupt(path: str, field: str, what: str) -> CorruptCheckpointError:
+    """The error for a bad field of the DCP metadata of the checkpoint at ``path``."""
+    return CorruptCheckpointError(
+        f"{os.path.join(path, METADATA_FILE)}: {field}: {what}; the checkpoint is damaged: re-save it"
+    )
+
+
+def _sizes(value: Any, ndim: int | None) -> tuple[int, ...] | None:
+    """``value`` as a tuple of non-negative ints (of ``ndim`` of them, when given) with a
+    product (zeros counted as one) under 2**59, or None."""
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM or (ndim is not None and len(value) != ndim):
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value):
+        return None
+    return tuple(value) if math.prod(max(n, 1) for n in value) < MAX_ELEMENTS else None
+
+
+def _check_entries(path: str, meta: Any) -> None:
+    """Every entry of the metadata is of DCP's types and sound: a tensor's shape and dtype,
+    its chunks tiling the shape exactly (no hole, which would read as uninitialized memory),
+    each chunk's data listed; each listed data entry a path, an offset and a length."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    if not (meta.planner_data is None or isinstance(meta.planner_data, dict)):
+        raise _corrupt(path, "planner_data", f"expected a dict, found {type(meta.planner_data).__name__}")
+    listed: set[tuple[str, Any]] = set()
+    for index, info in meta.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise _corrupt(path, "storage_data", f"a key {short_repr(index)} is not a MetadataIndex")
+        field = f"storage_data['{index.fqn}']"
+        if index.offset is not None and _sizes(index.offset, None) is None:
+            raise _corrupt(path, f"{field} (its key)", f"expected chunk offsets, found {short_repr(index.offset)}")
+        for name in ("offset", "length"):
+            n = getattr(info, name, None)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise _corrupt(path, f"{field}.{name}", f"expected a non-negative int, found {short_repr(n)}")
+        listed.add((index.fqn, None if index.offset is None else tuple(index.offset)))
+    for key, md in meta.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _corrupt(path, "state_dict_metadata", f"a key {short_repr(key)} is not a str")
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor(path, key, md, listed)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise _corrupt(path, f"entry '{key}'", f"expected tensor or bytes metadata, found {type(md).__name__}")
+        elif key not in {fqn for fqn, _ in listed}:
+            raise _corrupt(path, f"entry '{key}'", "no data is listed for it in storage_data")
+
+
+def _check_tensor(path: str, key: str, md: Any, listed: set[tuple[str, Any]]) -> None:
+    """A tensor entry: shape, dtype, and chunks inside the shape, tiling it, each with its data listed."""
+    field = f"entry '{key}'"
+    size = _sizes(getattr(md, "size", None), None)
+    if size is None:
+        raise _corrupt(path, f"{field}.size", f"expected a shape under 2**59 elements, found {short_repr(md.size)}")
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype) or not _dtypes.is_supported_torch(dtype):
+        raise _corrupt(path, f"{field}.properties.dtype", f"expected a torch dtype tsckpt stores, found {short_repr(dtype)}")
+    chunks = getattr(md, "chunks", None)
+    if not isinstance(chunks, list):
+        raise _corrupt(path, f"{field}.chunks", f"expected a list, found {type(chunks).__name__}")
+    boxes = []
+    for i, c in enumerate(chunks):
+        offsets, sizes = _sizes(getattr(c, "offsets", None), len(size)), _sizes(getattr(c, "sizes", None), len(size))
+        if offsets is None or sizes is None or any(o + n > s for o, n, s in zip(offsets, sizes, size)):
+            raise _corrupt(
+                path, f"{field}.chunks[{i}]",
+                f"expected offsets and sizes inside the shape {list(size)}, found {short_repr(c)}",
+            )
+        if (key, offsets) not in listed:
+            raise _corrupt(path, f"{field}.chunks[{i}]", f"no data is listed for the chunk at {list(offsets)}")
+        boxes.append((offsets, sizes))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size) or _overlap(boxes):
+        raise _corrupt(path, f"{field}.chunks", f"they do not tile the shape {list(size)} exactly (overlap or holes)")
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether two of the non-empty boxes (offsets, sizes) overlap; numpy, a block of rows at a time."""
+    boxes = [b for b in boxes if math.prod(b[1])]
+    if len(boxes) < 2 or not boxes[0][0]:
+        return len(boxes) > 1  # two non-empty 0-d chunks overlap
+    lo = np.array([o for o, _ in boxes], dtype=object)
+    hi = np.array([[a + n for a, n in zip(o, s)] for o, s in boxes], dtype=object)
+    for start in range(0, len(boxes), _OVERLAP_ROWS):
+        rows = slice(start, start + _OVERLAP_ROWS)
+        hit = np.asarray(((lo[rows, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[rows, None, :])).all(axis=2))
+        np.fill_diagonal(hit[:, start:], False)
+        if hit.any():
+            return True
+    return False
+
+
 def _check_files(path: str, meta: Any) -> None:
-    """Refuse entries with no data listed and data files missing or shorter than the metadata says."""
+    """Refuse data files outside the directory (or links), and ones missing or shorter than the
+    metadata says; and a tensor chunk whose stored bytes are fewer than its size (a compression
+    transform aside), so that no read allocates more than the files hold."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    chunks = {
+        (key, tuple(c.offsets)): (c, md.properties.dtype.itemsize)
+        for key, md in meta.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata) for c in md.chunks
+    }
     need: dict[str, int] = {}
-    for info in meta.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    missing = sorted(set(meta.state_dict_metadata) - {index.fqn for index in meta.storage_data})
-    if missing:
-        raise CorruptCheckpointError(f"{path}: the DCP metadata lists no data for {missing[:5]}; re-save the checkpoint")
+    for index, info in meta.storage_data.items():
+        rel = info.relative_path
+        field = f"storage_data['{index.fqn}'].relative_path"
+        confined(path, rel, where=os.path.join(path, METADATA_FILE), field=field)
+        need[rel] = max(need.get(rel, 0), info.offset + info.length)
+        chunk, itemsize = chunks.get((index.fqn, tuple(index.offset or ())), (None, 0))
+        if chunk is not None and not getattr(info, "transform_descriptors", None):
+            want = math.prod(chunk.sizes) * itemsize
+            if info.length < want:
+                raise _corrupt(
+                    path, f"storage_data['{index.fqn}'].length",
+                    f"{info.length} bytes hold less than the chunk at {list(chunk.offsets)} needs ({want} bytes)",
+                )
     for rel, n in sorted(need.items()):
         file = os.path.join(path, rel)
         size = os.path.getsize(file) if os.path.isfile(file) else None
@@ -195,11 +323,17 @@ def _nest(leaves: dict[str, Any], planner_data: Any) -> Any:
     """Nested dicts and lists from DCP's ``{flat key: key path}`` (int components are list
     indices), or ``leaves`` as a flat dict if the paths are missing or do not form a tree."""
     paths: list[Any] = [planner_data.get(k) if isinstance(planner_data, dict) else None for k in leaves]
-    if not all(isinstance(p, tuple) and p and all(isinstance(c, (str, int)) for c in p) for p in paths):
+    if not all(
+        isinstance(p, tuple) and 0 < len(p) <= MAX_STRUCTURE_DEPTH
+        and all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in p)
+        for p in paths
+    ):
         return leaves
-    names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
-    parents = {n.rsplit("/", i)[0] for n in names for i in range(1, n.count("/") + 1)}
-    if len(set(names)) < len(names) or parents & set(names):
+    try:
+        names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
+    except (UnicodeEncodeError, ValueError):  # a lone surrogate; an int too long to print
+        return leaves
+    if paths_problem(names) is not None:  # paths listed twice, or a leaf with leaves below it
         return leaves
     structure = structure_from_paths(names)
     values = list(leaves.values())

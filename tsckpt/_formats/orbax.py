@@ -30,7 +30,7 @@ handlers (e.g. PRNG keys), and remote (gs://, s3://) locations.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 import re
 import types
@@ -42,12 +42,15 @@ import tensorstore as ts
 
 from .. import _dtypes
 from .._arrays import MANIFEST
+from .._arrays import parse_node as parse_json
+from .._backing import UNCHECKED_BYTES
 from .._checkpoint import Checkpoint
 from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
-from .._errors import LeafTypeError, NotACheckpointError
+from .._errors import LeafTypeError, NotACheckpointError, short_repr
 from .._format import ArrayRecord, Chunking
+from .._links import confined, refuse_links
 from .._store import Location
-from ..tree import ROOT_LEAF_PATH, escape, structure_from_paths
+from ..tree import MAX_STRUCTURE_DEPTH, ROOT_LEAF_PATH, escape, paths_problem, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
@@ -58,6 +61,16 @@ _STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)")
 _ARRAY_TYPES = {"jax.Array", "np.ndarray"}
 _EMPTY_TYPES = {"None", "Dict", "List", "Tuple", "NamedTuple", "placeholder"}
 _UNCOMMITTED = "the save crashed or is still running; wait for it to finish or pass a committed checkpoint"
+# The most bytes one chunk (or a shard's index) of an Orbax array may decode to: the largest
+# chunk orbax-checkpoint writes by default (its OCDBT target data file size). Orbax chunks are
+# compressed, so a file of kilobytes can claim gigabytes; a claim above this is refused before
+# anything is decoded (docs/security.md).
+MAX_CHUNK_BYTES = 2 << 30
+_INDEX_ENTRY_BYTES = 16  # a zarr3 shard index: offset and length of each inner chunk
+# The most chunks (shards) an Orbax array may have: far more than orbax-checkpoint writes
+# (arrays of up to 2 GiB chunks), few enough that planning reads over them stays cheap.
+MAX_CHUNKS = 1 << 24
+_SEQUENCE_KEY = re.compile(r"[0-9]{1,18}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +96,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def _read_json(loc: Path, name: str) -> Any:
+    """The JSON file ``name`` of ``loc`` (no link), with the bounded parse of every format."""
+    file = confined(str(loc), name, where=str(loc), field=f"Orbax metadata file '{name}'")
     try:
-        return json.loads((loc / name).read_text())
+        with open(file, "rb") as f:
+            return parse_json(f.read())
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(
             f"{loc}: Orbax metadata file '{name}' is unreadable: expected JSON, found {_one_line(e)}; "
@@ -151,15 +167,22 @@ class _ItemMetadata:
     ocdbt: bool  # in the item's OCDBT database (else a directory per array)
     fill_missing: bool  # chunks equal to the fill value were not written
 
+    @property
+    def node_name(self) -> str:
+        """The file of an array's zarr metadata."""
+        return "zarr.json" if self.zarr3 else ".zarray"
+
+    def kvstore(self, item: Path, name: str = "") -> dict[str, Any]:
+        """TensorStore kvstore spec of the array stored as ``name`` in ``item`` (of ``item``'s
+        arrays for an empty name)."""
+        if self.ocdbt:
+            return {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/"}, "path": name}
+        return {"driver": "file", "path": os.path.join(str(item), name)}
+
     def spec(self, item: Path, name: str) -> dict[str, Any]:
         """TensorStore spec of the array stored as ``name`` in ``item``."""
-        kvstore = (
-            {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/"}, "path": name}
-            if self.ocdbt
-            else {"driver": "file", "path": os.path.join(str(item), name)}
-        )
         driver = "zarr3" if self.zarr3 else "zarr"
-        return {"driver": driver, "kvstore": kvstore, "fill_missing_data_reads": self.fill_missing}
+        return {"driver": driver, "kvstore": self.kvstore(item, name), "fill_missing_data_reads": self.fill_missing}
 
 
 def _item_metadata(item: Path) -> _ItemMetadata:
@@ -210,12 +233,66 @@ def _entry(item: Path, entry: Any) -> _Entry:
         keys = [(str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"]]
         value_type = str(entry["value_metadata"]["value_type"])
         skip = bool(entry["value_metadata"].get("skip_deserialize", False))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
-            f"{item}: Orbax '{TREE_METADATA}' entry {entry!r:.80} is malformed: expected 'key_metadata' and "
+            f"{item}: Orbax '{TREE_METADATA}' entry {short_repr(entry, 80)} is malformed: expected 'key_metadata' and "
             f"'value_metadata', found {_one_line(e)}; the checkpoint is damaged, re-save it"
         ) from e
+    why = _keys_problem(keys)
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"{item}: Orbax '{TREE_METADATA}' entry {short_repr(entry, 80)}: 'key_metadata' {why}; the checkpoint "
+            "is damaged, re-save it"
+        )
     return _Entry(keys, value_type, skip)
+
+
+def _keys_problem(keys: list[tuple[str, int]]) -> str | None:
+    """Why an entry's keys make no tsckpt leaf path: too many, a sequence index that is no
+    number, or a key that cannot be written as a path component. None if they do."""
+    if len(keys) > MAX_STRUCTURE_DEPTH:
+        return f"nests {len(keys)} levels deep, more than {MAX_STRUCTURE_DEPTH}"
+    for k, t in keys:
+        if t == 1 and not _SEQUENCE_KEY.fullmatch(k):
+            return f"has the sequence index {short_repr(k)}, expected a number"
+        try:
+            escape(k)
+        except (UnicodeEncodeError, ValueError):
+            return f"has the key {short_repr(k)}, which is not valid text"
+    return None
+
+
+def _json_key(item: Path, key: Any) -> str:
+    """A JSON item's dict key as a path component."""
+    try:
+        return escape(str(key))
+    except (UnicodeEncodeError, ValueError):
+        raise CorruptCheckpointError(
+            f"{item / JSON_ITEM}: the key {short_repr(key)} is not valid text; the checkpoint is damaged, re-save it"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """An array leaf found in an item's metadata, opened once every leaf is known."""
+
+    path: str  # the tsckpt leaf path
+    name: str  # where the item stores it
+    scalar: bool  # a Python number saved as a 0-d array, read into its value
+    item: Path
+    meta: _ItemMetadata
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.meta.spec(self.item, self.name)
+
+    @property
+    def node(self) -> str:
+        """The array's metadata file, as errors name it."""
+        return f"{self.name}/{self.meta.node_name}"
+
+    def where(self) -> str:
+        return f"{self.item}: leaf '{self.path}'"
 
 
 class _Reader:
@@ -225,7 +302,7 @@ class _Reader:
         self.location = location
         self.leaves: list[str] = []
         self.values: dict[str, Any] = {}
-        self.pending: list[tuple[str, str, bool, dict[str, Any]]] = []  # path, name, is_scalar, spec
+        self.pending: list[_Pending] = []
         self._strings: dict[Path, Any] = {}  # item -> its _strings.json, read at its first string
 
     def add_item(self, item: Path, prefix: list[str]) -> None:
@@ -244,7 +321,7 @@ class _Reader:
     def _add_json_item(self, item: Path, prefix: list[str]) -> None:
         """A ``JsonSave`` item (its values become leaves); any other item without tree metadata is incomplete."""
         if (item / JSON_ITEM).is_file():
-            self._add_json(_read_json(item, JSON_ITEM), prefix)
+            self._add_json(item, _read_json(item, JSON_ITEM), prefix)
             return
         found = sorted(p.name for p in item.iterdir())[:8]
         raise CheckpointIncompleteError(
@@ -254,13 +331,16 @@ class _Reader:
 
     def _add_entry(self, item: Path, meta: _ItemMetadata, entry: _Entry, path: str) -> None:
         name = entry.name
+        if entry.value_type != "string":  # the name is where the array is stored: inside the item, no link
+            field = f"leaf '{path}': the array name (its keys joined by '.')"
+            confined(str(item), name, where=str(item / TREE_METADATA), field=field)
         if entry.value_type == "string":
             value = self._string(item, path, name)
             self.leaves.append(path)
             self.values[path] = value
         elif entry.value_type in _ARRAY_TYPES or entry.value_type == "scalar":
             self.leaves.append(path)
-            self.pending.append((path, name, entry.value_type == "scalar", meta.spec(item, name)))
+            self.pending.append(_Pending(path, name, entry.value_type == "scalar", item, meta))
         else:
             raise LeafTypeError(
                 f"{item}: leaf '{path}': Orbax value type '{entry.value_type}' is not supported: expected one of "
@@ -279,35 +359,54 @@ class _Reader:
             )
         return strings[name]
 
-    def _add_json(self, value: Any, comps: list[str]) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                self._add_json(v, comps + [escape(str(k))])
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                self._add_json(v, comps + [str(i)])
-        elif value is not None:
-            path = "/".join(comps) or ROOT_LEAF_PATH
-            self.leaves.append(path)
-            self.values[path] = value
+    def _add_json(self, item: Path, value: Any, prefix: list[str]) -> None:
+        """The values of a JSON item as leaves, walked iteratively to at most the depth of a tree."""
+        stack: list[tuple[Any, list[str]]] = [(value, prefix)]
+        while stack:
+            node, comps = stack.pop()
+            if len(comps) - len(prefix) > MAX_STRUCTURE_DEPTH:
+                raise CorruptCheckpointError(
+                    f"{item / JSON_ITEM}: the JSON item nests more than {MAX_STRUCTURE_DEPTH} levels deep; "
+                    "the checkpoint is damaged, re-save it"
+                )
+            if isinstance(node, dict):
+                stack.extend((v, comps + [_json_key(item, k)]) for k, v in reversed(list(node.items())))
+            elif isinstance(node, list):
+                stack.extend((v, comps + [str(i)]) for i, v in reversed(list(enumerate(node))))
+            elif node is not None:
+                path = "/".join(comps) or ROOT_LEAF_PATH
+                self.leaves.append(path)
+                self.values[path] = node
 
     def finish(self) -> ForeignCheckpoint:
-        """Open every array (concurrently); a scalar leaf is read into its value."""
+        """Open every array (concurrently) once its metadata is parsed and its chunks are
+        found to decode to a bounded size; a scalar leaf is read into its value."""
+        why = paths_problem(self.leaves)
+        if why is not None:
+            raise CorruptCheckpointError(
+                f"{self.location}: Orbax '{TREE_METADATA}' gives leaf paths that make no tree: {why}; the "
+                "checkpoint is damaged, re-save it"
+            )
         context = ts.Context()
-        opened = [ts.open(spec, read=True, context=context) for _, _, _, spec in self.pending]
+        nodes = [_read_node(a, context) for a in self.pending]
+        for a, node in zip(self.pending, nodes):
+            _check_node(a, node)
+        opened = [ts.open(a.spec, read=True, context=context) for a in self.pending]
         arrays: dict[str, ForeignArray] = {}
-        for (path, name, scalar, spec), future in zip(self.pending, opened):
+        for a, future in zip(self.pending, opened):
             try:
                 store = future.result()
-                if scalar:  # a Python int/float/bool saved as a 0-d array
-                    self.values[path] = store.read().result().item()
-                    continue
             except Exception as e:  # TensorStore raises ValueError/OSError subclasses, varying by version
-                raise CorruptCheckpointError(
-                    f"{self.location}: leaf '{path}': cannot read Orbax array '{name}': expected a readable "
-                    f"{spec['driver']} array, found {_one_line(e)}; the checkpoint is damaged, re-save it"
-                ) from e
-            arrays[path] = self._array(path, spec, store)
+                raise _unreadable(a, e) from e
+            _check_chunks(a, store)
+            _check_stored(a, store, context)
+            if a.scalar:  # a Python int/float/bool saved as a 0-d array
+                try:
+                    self.values[a.path] = store.read().result().item()
+                except Exception as e:  # noqa: BLE001 - as above
+                    raise _unreadable(a, e) from e
+                continue
+            arrays[a.path] = self._array(a.path, a.spec, store)
         values = {p: self.values[p] for p in self.leaves if p in self.values}
         proxy = types.MappingProxyType
         return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None)
@@ -322,6 +421,96 @@ class _Reader:
         shape = tuple(int(s) for s in store.shape)
         chunk = tuple(int(c or s) for c, s in zip(store.chunk_layout.read_chunk.shape or shape, shape))
         return ForeignArray(path, shape, dtype, chunk, spec)
+
+
+def _unreadable(a: _Pending, e: BaseException) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{a.where()}: cannot read Orbax array '{a.name}': expected a readable {a.spec['driver']} array, found "
+        f"{_one_line(e)}; the checkpoint is damaged, re-save it"
+    )
+
+
+def _item_store(a: _Pending, context: ts.Context) -> ts.KvStore:
+    """The kvstore of the item holding the array (keys ``<name>/...``)."""
+    kv = a.meta.kvstore(a.item)
+    kv = {**kv, "path": kv["path"].rstrip("/") + "/" if kv["path"] else ""}
+    return ts.KvStore.open(kv, context=context).result()
+
+
+def _read_node(a: _Pending, context: ts.Context) -> Any:
+    """Start reading the array's zarr metadata (a future of its bytes)."""
+    return _item_store(a, context).read(f"{a.name}/{a.meta.node_name}")
+
+
+def _check_node(a: _Pending, node: Any) -> None:
+    """The array's metadata is a JSON object TensorStore can parse: TensorStore itself crashes
+    the process on JSON nested deeply enough, so it never sees such a node."""
+    try:
+        found = node.result()
+    except Exception as e:  # noqa: BLE001 - a damaged database, an unreadable file
+        raise _unreadable(a, e) from e
+    if found.state != "value":
+        raise CorruptCheckpointError(
+            f"{a.where()}: cannot read Orbax array '{a.name}': expected its metadata '{a.node}', found none; the "
+            "checkpoint is damaged, re-save it"
+        )
+    try:
+        parsed = parse_json(found.value)
+    except ValueError as e:
+        parsed = e
+    if not isinstance(parsed, dict):
+        what = f"not JSON ({parsed})" if isinstance(parsed, ValueError) else f"a JSON {type(parsed).__name__}"
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' is {what}, expected a JSON object; the checkpoint is damaged, re-save it"
+        )
+
+
+def _check_chunks(a: _Pending, store: ts.TensorStore) -> None:
+    """Refuse an array whose chunks (or a shard's index) would decode to more than
+    MAX_CHUNK_BYTES, or whose chunks are larger than the array itself, before any is read."""
+    shape = tuple(int(n) for n in store.shape)
+    itemsize = store.dtype.numpy_dtype.itemsize
+    layout = store.chunk_layout
+    read = tuple(int(c or s) for c, s in zip(layout.read_chunk.shape or shape, shape))
+    write = tuple(int(c or s) for c, s in zip(layout.write_chunk.shape or read, shape))
+    index = math.prod(-(-w // r) for w, r in zip(write, read)) * _INDEX_ENTRY_BYTES if write != read else 0
+    for chunk, what in ((read, "chunks"), (write, "shards")):
+        nbytes = math.prod(chunk) * itemsize
+        if nbytes <= MAX_CHUNK_BYTES and index <= MAX_CHUNK_BYTES and all(c <= max(s, 1) for c, s in zip(chunk, shape)):
+            continue
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {what} of {list(chunk)} ({nbytes} bytes decoded "
+            f"each{f', {index} bytes of shard index' if index else ''}): expected {what} no larger than the array, "
+            f"of at most {MAX_CHUNK_BYTES} bytes (the largest orbax-checkpoint writes by default); refused before "
+            "any is decoded: the checkpoint is damaged or made to exhaust memory, use a trusted copy"
+        )
+    cells = math.prod(-(-s // w) for s, w in zip(shape, write)) if all(shape) else 0
+    if cells > MAX_CHUNKS:
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)}: expected at most "
+            f"{MAX_CHUNKS}; the checkpoint is damaged or made to exhaust memory, use a trusted copy"
+        )
+
+
+def _check_stored(a: _Pending, store: ts.TensorStore, context: ts.Context) -> None:
+    """An array of more than 64 MiB whose missing chunks are errors (as Orbax writes it) must
+    store every chunk its metadata gives it, checked by listing its keys before anything is
+    allocated for it: a record of kilobytes could otherwise claim petabytes. (An array whose
+    missing chunks read as fill values, from an older Orbax, cannot be checked so.)"""
+    shape = tuple(int(n) for n in store.shape)
+    if a.meta.fill_missing or math.prod(shape) * store.dtype.numpy_dtype.itemsize <= UNCHECKED_BYTES:
+        return
+    write = tuple(int(c or s) for c, s in zip(store.chunk_layout.write_chunk.shape or shape, shape))
+    cells = math.prod(-(-s // w) for s, w in zip(shape, write))
+    prefix = f"{a.name}/"
+    keys = _item_store(a, context).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+    stored = sum(not k.decode("utf-8", "replace").rsplit("/", 1)[-1].startswith((".z", "zarr.json")) for k in keys)
+    if stored < cells:
+        raise CorruptCheckpointError(
+            f"{a.where()}: '{a.node}' gives the array {list(shape)} {cells} chunks of {list(write)} but it stores "
+            f"{stored}, and a missing chunk is an error in this checkpoint; refused before anything is allocated: "
+            "the checkpoint is damaged, re-save it"
+        )
 
 
 def _items(step: Path) -> list[str]:
@@ -339,6 +528,7 @@ def load(directory: str) -> ForeignCheckpoint:
     d = Path(os.path.abspath(directory))
     if not d.is_dir():
         raise CheckpointNotFoundError(f"{d}: no such directory: expected an Orbax checkpoint directory; check the path")
+    refuse_links(str(d), str(d))  # TensorStore follows links: none may lead out of the checkpoint
     reader = _Reader(d)
     if (d / TREE_METADATA).is_file() or TMP_SUFFIX in d.name:
         reader.add_item(d, [])
@@ -355,6 +545,7 @@ def _add_step(reader: _Reader, step: Path, items: list[str]) -> None:
     """The items of a committed step; a lone ``default`` item's leaves are not prefixed by its name."""
     _check_committed(step)
     for name in items:
+        confined(str(step), name, where=str(step / STEP_METADATA), field="an item of 'item_handlers'")
         if not (step / name).is_dir():
             raise CheckpointIncompleteError(
                 f"{step}: Orbax step is incomplete: expected item directory '{name}' listed in '{STEP_METADATA}', "

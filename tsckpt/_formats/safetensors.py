@@ -33,9 +33,13 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .. import _dtypes
+from .._arrays import parse_node as parse_json
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
-from .._errors import NotACheckpointError
+from .._errors import NotACheckpointError, short_repr
+from .._format import KINDS, MAX_NDIM, dims_ok, decode_value
+from .._links import confined
 from .._types import LazySource
+from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
 METADATA_KEY = "tsckpt"
@@ -103,8 +107,8 @@ def read_header(path: str) -> Header:
         f.seek(8)
         raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+        header = parse_json(raw)
+    except ValueError as e:  # UnicodeDecodeError included
         raise _corrupt(path, f"its header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "its header is not a JSON object")
@@ -117,21 +121,34 @@ def read_header(path: str) -> Header:
 
 
 def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
-    try:
-        dtype = DTYPES[e["dtype"]]
-        shape = tuple(int(s) for s in e["shape"])
-        begin, end = (int(o) for o in e["data_offsets"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise _corrupt(path, f"tensor '{name}' has a malformed header entry {e!r} ({type(err).__name__}: {err})") from None
-    if any(s < 0 for s in shape) or not 0 <= begin <= end:
-        raise _corrupt(path, f"tensor '{name}': negative shape {list(shape)} or offsets [{begin}, {end}]")
-    want = math.prod(shape) * _dtypes.itemsize(dtype)
+    """One tensor's header entry: a known dtype, a shape of non-negative ints (a product under
+    2**59, zeros counted as one), and offsets spanning exactly its bytes."""
+    fields: dict[str, Any] = e if isinstance(e, dict) else {}
+    dtype: Any = fields.get("dtype")
+    shape: Any = fields.get("shape")
+    offsets: Any = fields.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _corrupt(path, f"tensor '{name}': 'dtype' is {short_repr(dtype)}, expected one of {sorted(DTYPES)}")
+    if not dims_ok(shape, positive=False):
+        raise _corrupt(
+            path, f"tensor '{name}': 'shape' is {short_repr(shape)}, expected a list of at most {MAX_NDIM} "
+            "non-negative integers with a product under 2**59"
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 2**63 for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise _corrupt(
+            path, f"tensor '{name}': 'data_offsets' is {short_repr(offsets)}, expected [begin, end], integers with "
+            "0 <= begin <= end < 2**63"
+        )
+    begin, end = offsets
+    want = math.prod(shape) * _dtypes.itemsize(DTYPES[dtype])
     if end - begin != want:
         raise _corrupt(
-            path, f"tensor '{name}': {e['dtype']}{list(shape)} needs {want} bytes but its offsets [{begin}, {end}] "
+            path, f"tensor '{name}': {dtype}{list(shape)} needs {want} bytes but its offsets [{begin}, {end}] "
             f"span {end - begin}"
         )
-    return TensorEntry(name, dtype, shape, start + begin, start + end)
+    return TensorEntry(name, DTYPES[dtype], tuple(shape), start + begin, start + end)
 
 
 def _check_cover(path: str, entries: dict[str, TensorEntry], start: int, size: int) -> None:
@@ -212,36 +229,94 @@ def _source(entry: TensorEntry, file: str, kind: str = "torch") -> LazySource:
 
 
 def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any) -> Any:
-    """The tree: rebuilt from tsckpt's metadata when the file has it, else a flat dict by name."""
-    from .._format import decode_value
-    from ..tree import escape, from_paths, structure_from_json
-
+    """The tree: rebuilt from tsckpt's metadata when the file has it (checked first, entry by
+    entry), else a flat dict by name."""
     if info is None:
         return {name: _source(e, f) for name, (e, f) in sorted(sources.items())}
-    try:
-        if isinstance(info, str):
-            info = json.loads(info)
-        kinds, aliases = info["kinds"], info.get("aliases", {})
-        made: dict[str, Any] = {}
+    info = _tsckpt_info(where, info, sources)
+    kinds, aliases, values = info["kinds"], info.get("aliases", {}), info["values"]
+    made: dict[str, Any] = {}
 
-        def leaf(path: str) -> Any:
-            if path in info["values"]:
-                return decode_value(info["values"][path])
-            path = aliases.get(path, path)  # a tied leaf is the same source as the one stored
-            if path not in made:
-                entry, file = sources[path]
-                made[path] = _source(entry, file, kinds.get(path, "torch"))
-            return made[path]
+    def leaf(path: str) -> Any:
+        if path in values:
+            return decode_value(values[path])
+        path = aliases.get(path, path)  # a tied leaf is the same source as the one stored
+        if path not in made:
+            entry, file = sources[path]
+            made[path] = _source(entry, file, kinds.get(path, "torch"))
+        return made[path]
 
-        leaves = [leaf(p) for p in info["leaves"]]
-        if info.get("structure") is not None:
-            return structure_from_json(info["structure"], leaves)
-        return from_paths(info["leaves"], leaves)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    leaves = [leaf(p) for p in info["leaves"]]
+    if info.get("structure") is not None:
+        return structure_from_json(info["structure"], leaves)
+    return from_paths(info["leaves"], leaves)
+
+
+def _tsckpt_info(where: str, info: Any, sources: dict[str, tuple[TensorEntry, str]]) -> dict[str, Any]:
+    """tsckpt's metadata (JSON text in a file's ``__metadata__``, an object in an index),
+    parsed and checked as the root metadata of a checkpoint is: CorruptCheckpointError naming
+    ``where`` and the field unless every leaf it lists is a value, a tie or a stored tensor
+    of a known kind, and its structure holds exactly those leaves."""
+    if isinstance(info, str):
+        try:
+            info = parse_json(info.encode("utf-8"))
+        except ValueError as e:  # UnicodeEncodeError (a lone surrogate) included
+            info = e
+    why = _info_problem(info, sources)
+    if why is not None:
+        example = escape(next(iter(sources), ""))
         raise CorruptCheckpointError(
-            f"{where}: its '{METADATA_KEY}' metadata is malformed ({type(e).__name__}: {e}); "
-            f"remove it to read the tensors as a flat dict (names: e.g. {escape(next(iter(sources), ''))!r})"
-        ) from None
+            f"{where}: its '{METADATA_KEY}' metadata {why}; it is damaged: remove it to read the tensors as a "
+            f"flat dict (names: e.g. {example!r})"
+        )
+    return dict(info)
+
+
+def _info_problem(info: Any, sources: dict[str, tuple[TensorEntry, str]]) -> str | None:
+    """Why tsckpt's metadata (parsed) cannot rebuild the tree over ``sources``, or None."""
+    if isinstance(info, ValueError):
+        return f"is not valid JSON ({info})"
+    if not isinstance(info, dict):
+        return f"is {type(info).__name__}, expected a JSON object"
+    leaves, kinds, values = info.get("leaves"), info.get("kinds"), info.get("values")
+    aliases = info.get("aliases", {})
+    if not isinstance(leaves, list) or not all(isinstance(p, str) for p in leaves):
+        return f"'leaves' is {short_repr(leaves)}, expected a list of leaf paths"
+    if not isinstance(kinds, dict):
+        return f"'kinds' is {short_repr(kinds)}, expected an object"
+    if not isinstance(values, dict):
+        return f"'values' is {short_repr(values)}, expected an object"
+    if not isinstance(aliases, dict):
+        return f"'aliases' is {short_repr(aliases)}, expected an object"
+    for path, kind in kinds.items():
+        if kind not in KINDS:
+            return f"'kinds' of leaf '{path}' is {short_repr(kind)}, expected one of {list(KINDS)}"
+        if kind == "numpy_scalar" and path in sources and sources[path][0].shape:
+            return f"'kinds' of leaf '{path}' is 'numpy_scalar', but its tensor has shape {list(sources[path][0].shape)}"
+    for path, value in values.items():
+        try:
+            decode_value(value)
+        except ValueError as e:
+            return f"'values' of leaf '{path}': {e}"
+    for path, stored in aliases.items():
+        if stored not in sources:
+            return f"'aliases' ties '{path}' to {short_repr(stored)}, which is no tensor of the file"
+    return _leaves_problem(info, leaves, values, aliases, sources)
+
+
+def _leaves_problem(info: dict[str, Any], leaves: list[str], values: dict[str, Any], aliases: dict[str, Any],
+                    sources: dict[str, tuple[TensorEntry, str]]) -> str | None:
+    """Why ``leaves`` and the structure do not match the values, ties and tensors, or None."""
+    for path in leaves:
+        if path not in values and path not in aliases and path not in sources:
+            return f"lists leaf '{path}', which is no value, tie or tensor of the file"
+    unlisted = sorted(set(sources) - set(leaves))
+    if unlisted:
+        return f"does not list the tensor '{unlisted[0]}' in 'leaves'"
+    tree_problem = structure_problem(info.get("structure"), leaves)
+    if tree_problem is not None:
+        return f"'structure' is invalid: {tree_problem}"
+    return None
 
 
 def read_file(path: str) -> Any:
@@ -262,34 +337,43 @@ def read_dir(path: str) -> Any:
     indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors.index.json")))
     if not indexes:
         if os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            return read_file(os.path.join(path, SINGLE_NAME))
+            return read_file(confined(path, SINGLE_NAME, where=path, field="the weights file"))
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
+    confined(path, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = _read_index(index_file)
     return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
 
 
-def _read_index(index_file: str) -> tuple[dict[str, str], Any]:
+def _read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight map: tensor name -> file, metadata) of a sharded directory's index."""
     try:
-        with open(index_file, encoding="utf-8") as f:
-            index = json.load(f)
-        weight_map: dict[str, str] = dict(index["weight_map"])
-        meta = index.get("metadata") or {}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{index_file}: not a valid index ({type(e).__name__}: {e})") from None
+        with open(index_file, "rb") as f:
+            index = parse_json(f.read())
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CorruptCheckpointError(f"{index_file}: not a valid index: it is not JSON ({e}); restore it") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    meta = (index.get("metadata") if isinstance(index, dict) else None) or {}
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        found = short_repr(weight_map) if isinstance(index, dict) else f"a JSON {type(index).__name__}"
+        raise CorruptCheckpointError(
+            f"{index_file}: not a valid index: 'weight_map' is {found}, expected an object mapping each tensor "
+            "name to the file holding it; restore the index"
+        )
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(
+            f"{index_file}: not a valid index: 'metadata' is {short_repr(meta)}, expected an object; restore the index"
+        )
     return weight_map, meta
 
 
 def _shard_sources(path: str, index_file: str, weight_map: dict[str, str]) -> dict[str, tuple[TensorEntry, str]]:
     """Tensor name -> (its header entry, its file) for every tensor the index maps; each
-    file it names must be in the directory, and hold the tensor."""
+    file it names must be inside the directory (no link), and hold the tensor."""
     headers: dict[str, Header] = {}
     sources: dict[str, tuple[TensorEntry, str]] = {}
     for name, fname in weight_map.items():
-        file = os.path.join(path, fname)
-        if os.path.dirname(os.path.normpath(file)) != os.path.normpath(path):
-            raise CorruptCheckpointError(f"{index_file}: '{name}' points outside the directory ({fname!r})")
+        file = confined(path, fname, where=index_file, field=f"weight_map[{name!r}]")
         if fname not in headers:
             if not os.path.isfile(file):
                 raise CorruptCheckpointError(f"{file}: missing, but {os.path.basename(index_file)} maps '{name}' to it")

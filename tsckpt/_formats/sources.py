@@ -41,12 +41,13 @@ def detect(src: str) -> str | None:
     if os.path.isdir(src):
         if os.path.isfile(os.path.join(src, ROOT_KEY)):
             return TSCKPT
+        # formats read without unpickling first: a .metadata file never makes one of them DCP
         if orbax.detect(src):
             return "orbax"
-        if dcp.is_dcp_dir(src):
-            return "dcp"
         if safetensors.is_hf_dir(src):
             return "safetensors"
+        if dcp.is_dcp_dir(src):
+            return "dcp"
         return None
     if not os.path.isfile(src):
         return None
@@ -102,13 +103,7 @@ def _open_torch(loc: Location, how: Reading) -> Checkpoint:
 
 def _open_dcp(loc: Location, how: Reading) -> Checkpoint:
     path = _local(loc, "torch.distributed.checkpoint")
-    if not how.allow_pickle and dcp.is_dcp_dir(path):  # until dcp.read_dcp refuses it itself
-        raise NotACheckpointError(
-            f"{os.path.join(path, dcp.METADATA_FILE)}: a torch.distributed.checkpoint's metadata is a Python "
-            "pickle, and unpickling it can run arbitrary code; tsckpt unpickles only when asked: pass "
-            "allow_pickle=True (--allow-pickle) if you trust where this checkpoint came from"
-        )
-    return lazy.as_checkpoint(loc, "dcp", dcp.read_dcp(path))
+    return lazy.as_checkpoint(loc, "dcp", dcp.read_dcp(path, allow_pickle=how.allow_pickle))
 
 
 # The formats the read verbs open, one opener each: tsckpt and Orbax through TensorStore,
@@ -169,7 +164,8 @@ def open_source(src: Directory, fmt: str | None = None, *, allow_pickle: bool = 
     """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
     format read through TensorStore); ``fmt`` overrides detection and is checked. The tree is
     the one the read verbs read (:func:`open_checkpoint`, then :func:`checkpoint_tree`).
-    ``allow_pickle``: a DCP directory's pickled metadata may be unpickled (refused otherwise)."""
+    ``allow_pickle``: a format whose metadata is a pickle (DCP) may be unpickled, which can run
+    code; without it such a source is refused, saying how to opt in."""
     if isinstance(src, dict):
         if fmt is not None and fmt not in KVSTORE_FORMATS:
             raise ValueError(

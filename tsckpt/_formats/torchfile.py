@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,9 @@ def read_torch_file(path: str) -> Any:
             "give a file written by torch.save"
         )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        with warnings.catch_warnings():  # torch's notes on a damaged file's pickle protocol: the error says it
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         refused = weights_only_refusal(e)
         if refused is None:
@@ -65,7 +68,7 @@ def read_torch_file(path: str) -> Any:
             "tsckpt only loads torch.save files with weights_only=True because full unpickling can run code. "
             "Re-save the state_dict with plain tensors, e.g. torch.save(model.state_dict(), path)"
         ) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises almost anything
         raise CorruptCheckpointError(
             f"{path}: truncated or corrupt torch.save file ({reason(e)}); save or copy it again"
         ) from None
@@ -87,6 +90,7 @@ def plain_tree(tree: Any, where: str) -> Any:
         elif isinstance(leaf, torch.Tensor):
             if leaf.layout != torch.strided:
                 raise LeafTypeError(f"{at} is a {leaf.layout} tensor; only dense tensors are stored, save it .to_dense()")
+            _check_view(leaf, at)
         elif not isinstance(leaf, (*_PLAIN, np.ndarray, np.generic)):
             raise LeafTypeError(
                 f"{at} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which is neither a tensor nor a plain "
@@ -94,6 +98,21 @@ def plain_tree(tree: Any, where: str) -> Any:
             )
         leaves.append(leaf)
     return unflatten(flat.spec, leaves)
+
+
+def _check_view(t: torch.Tensor, at: str) -> None:
+    """Refuse a tensor with more elements than its storage holds: a view with stride 0 or
+    overlapping strides (``expand``), which a file of a kilobyte can make claim any size.
+    Written out, every element takes its own bytes, so the output is bounded by what the
+    file stores only if such views are refused (docs/security.md)."""
+    need = t.numel() * t.element_size()
+    held = t.untyped_storage().nbytes()
+    if need > held:
+        raise LeafTypeError(
+            f"{at}: its {t.numel()} elements {list(t.shape)} (strides {list(t.stride())}) view a storage of {held} "
+            f"bytes, so written out they would take {need}: a view with stride 0 or overlapping strides "
+            "(e.g. from expand()) is refused; save tensor.clone() in the source instead"
+        )
 
 
 def _unpickler_detail(e: BaseException) -> str | None:
