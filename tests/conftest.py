@@ -224,3 +224,20 @@ def dirty_empty(monkeypatch):
 
     monkeypatch.setattr(np, "empty", dirty_np)
     monkeypatch.setattr(torch, "empty", dirty_torch)
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """Every progress bar closed: (verb, bytes done, total)."""
+    import tqdm
+
+    closed: list[tuple[str, int, int]] = []
+
+    class Recording(tqdm.tqdm):
+        def close(self):
+            if not self.disable:  # tqdm closes again when collected
+                closed.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    return closed

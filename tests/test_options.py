@@ -82,23 +82,6 @@ def twin_drift(name: str) -> list[str]:
 
 
 @pytest.fixture
-def bars(monkeypatch):
-    """Every progress bar closed: (verb, bytes done, total)."""
-    import tqdm
-
-    closed: list[tuple[str, int, int]] = []
-
-    class Recording(tqdm.tqdm):
-        def close(self):
-            if not self.disable:  # tqdm closes again when collected
-                closed.append((self.desc, self.n, self.total))
-            super().close()
-
-    monkeypatch.setattr(tqdm, "tqdm", Recording)
-    return closed
-
-
-@pytest.fixture
 def read_windows(monkeypatch):
     """The window of every restore's reads (read_into's ``window``)."""
     windows: list[int] = []

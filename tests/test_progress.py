@@ -13,22 +13,6 @@ from tests import dist_scenarios as sc
 from tests.dist_helpers import run_ranks
 
 
-@pytest.fixture
-def bars(monkeypatch):
-    import tqdm
-
-    closed: list[tuple[str, int, int]] = []
-
-    class Recording(tqdm.tqdm):
-        def close(self):
-            if not self.disable:  # tqdm closes again when collected
-                closed.append((self.desc, self.n, self.total))
-            super().close()
-
-    monkeypatch.setattr(tqdm, "tqdm", Recording)
-    return closed
-
-
 TREE = {"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64), "b": np.ones(10, np.int16), "n": 1}
 NBYTES = 64 * 64 * 4 + 10 * 2
 
