@@ -25,7 +25,6 @@ import pickle
 import shutil
 import struct
 import sys
-import traceback
 import warnings
 import zipfile
 from datetime import timedelta
@@ -41,7 +40,7 @@ import tsckpt
 from tests.conftest import examples
 from tests.foreign import zstd_zeros
 from tests.strategies import HUGE_AND_NEGATIVE, dumps, json_mutations, mutate
-from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, _peak_rss
+from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, reader_call
 
 CANARY = -7777.25  # a float32 no checkpoint here holds: a value read outside the checkpoint
 FORMATS = ("safetensors", "hf", "dcp", "orbax", "orbax-ocdbt", "torch", "torch-legacy")
@@ -163,22 +162,9 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
         sys.addaudithook(_audit)
         check.audited = True  # type: ignore[attr-defined]
     failures: list[str] = []
-    start = _peak_rss()
+    call = reader_call(failures)
     out = job["out"]
     del _opened_canary[:]
-
-    def call(name: str, fn: Any) -> tuple[bool, Any]:
-        try:
-            return True, fn()
-        except tsckpt.TsckptError as e:
-            return False, e
-        except Exception as e:  # noqa: BLE001 - anything else is what the fuzzer looks for
-            failures.append(f"{name} raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
-            return False, e
-        finally:
-            grown = _peak_rss() - start
-            if grown > RSS_GROWTH_LIMIT and not any("resident memory" in f for f in failures):
-                failures.append(f"{name}: resident memory peaked {grown >> 20} MiB above where the example began")
 
     pickle_ok = {"allow_pickle": True} if job["format"] == "dcp" else {}
     dst = os.path.join(out, "converted")

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import traceback
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -155,10 +156,10 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def check(path: str, job: dict[str, Any]) -> list[str]:
-    """Run every reader on the checkpoint at ``path``; the list of what went wrong."""
-    failures: list[str] = []
-    original = original_tree()
+def reader_call(failures: list[str]) -> Callable[[str, Any], tuple[bool, Any]]:
+    """``call(name, fn)``: run one reader; (True, its result), or (False, the error) for a
+    tsckpt error. Any other exception, or resident memory growing past RSS_GROWTH_LIMIT
+    above where the example began, is added to ``failures``."""
     start = _peak_rss()
 
     def call(name: str, fn: Any) -> tuple[bool, Any]:
@@ -173,6 +174,15 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
             grown = _peak_rss() - start
             if grown > RSS_GROWTH_LIMIT and not any("resident memory" in f for f in failures):
                 failures.append(f"{name}: resident memory peaked {grown >> 20} MiB above where the example began")
+
+    return call
+
+
+def check(path: str, job: dict[str, Any]) -> list[str]:
+    """Run every reader on the checkpoint at ``path``; the list of what went wrong."""
+    failures: list[str] = []
+    original = original_tree()
+    call = reader_call(failures)
 
     def expect(name: str, fn: Any) -> None:
         try:

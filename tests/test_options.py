@@ -18,7 +18,6 @@ import tsckpt
 import tsckpt._restore as restore_module
 import tsckpt._save as save_module
 import tsckpt.torch as tt
-from tests import torch_scenarios as sc
 from tsckpt._options import (
     READ_WINDOW_BYTES,
     VERBS,
