@@ -120,7 +120,9 @@ def test_retention_on_memory_store():
     kv = tsckpt._store.resolve(root).kvstore()
     keys = kv.list().result()
     assert {k.split(b"/")[0] for k in keys} == {b"00000003", b"00000004", b".tsckpt-steps"}
-    assert {k for k in keys if k.startswith(b".tsckpt-steps/")} == {b".tsckpt-steps/00000003", b".tsckpt-steps/00000004"}
+    assert {k for k in keys if k.startswith(b".tsckpt-steps/")} == {
+        b".tsckpt-steps/.root", b".tsckpt-steps/00000003", b".tsckpt-steps/00000004"
+    }
 
 
 def test_bad_retention_arguments(tmp_path):
@@ -134,10 +136,11 @@ def _make_incomplete(m: tsckpt.CheckpointManager, step: int) -> None:
     """What a crashed save leaves: a pending root and part of the data (and, on an
     object store, the step's index marker, written before the save began)."""
     import tsckpt._save as save_module
+    from tsckpt._steps import mark_if_managed
     from tsckpt._store import resolve
 
     loc = resolve(m.directory(step))
-    m._mark(m._name(step))
+    mark_if_managed(loc)  # as every save does first
     save_module._begin(loc, overwrite=False)
     loc.kvstore().write("w/c/0/0", b"partial").result()
 

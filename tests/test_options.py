@@ -35,6 +35,7 @@ VERB_OBJECTS: dict[str, Any] = {
     "tsckpt.save": tsckpt.save,
     "tsckpt.save_async": tsckpt.save_async,
     "tsckpt.torch.save": tt.save,
+    "tsckpt.torch.save_async": tt.save_async,
     "CheckpointManager": tsckpt.CheckpointManager.__init__,
     "CheckpointManager.save": tsckpt.CheckpointManager.save,
     "CheckpointManager.save_async": tsckpt.CheckpointManager.save_async,
@@ -119,6 +120,19 @@ def test_save_async_takes_the_save_and_background_options():
     assert sorted(keyword_options(tsckpt.save_async)) == sorted(f.name for f in fields)
 
 
+def test_the_bridge_twins_take_the_same_state_as_train_state():
+    """tsckpt.torch.save, save_async and restore describe the state as TrainState does."""
+
+    def state_params(fn: Any) -> list[tuple[str, Any, Any]]:
+        options = {f.name for o in (SaveOptions, AsyncOptions, RestoreOptions) for f in dataclasses.fields(o)}
+        params = inspect.signature(fn).parameters.values()
+        return [(p.name, p.kind, p.default) for p in params if p.name not in options | {"directory", "self"}]
+
+    state = state_params(tt.TrainState.__init__)
+    assert state_params(tt.save) == state_params(tt.save_async) == [s for s in state if s[0] != "resize"]
+    assert state_params(tt.restore) == state
+
+
 def test_defaults_are_unchanged():
     assert keyword_options(tsckpt.save)["max_inflight_bytes"][1] == WRITE_WINDOW_BYTES == 512 << 20
     assert keyword_options(tsckpt.restore)["max_inflight_bytes"][1] == READ_WINDOW_BYTES == 32 << 20
@@ -161,7 +175,7 @@ def test_every_option_and_exclusion_says_why():
 
 
 def test_a_drifted_twin_is_caught(monkeypatch):
-    monkeypatch.setitem(tsckpt.save_async.__kwdefaults__, "progress", False)
+    monkeypatch.setitem(tsckpt.save_async.__wrapped__.__kwdefaults__, "progress", False)  # under the verb wrapper
     assert twin_drift("tsckpt.save_async") == [
         "tsckpt.save_async: 'progress' is (False, bool | None), tsckpt.save: (None, bool | None)"
     ]

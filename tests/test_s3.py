@@ -330,11 +330,28 @@ def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, s3_calls)
     m2 = tsckpt.CheckpointManager(root, keep_last=2)
     tops = {k[len(prefix) + 1 :].split("/")[0] for k in _keys(s3_server, prefix + "/")}
     assert tops == {"00000003", "00000004", ".tsckpt-steps"}
-    assert _keys(s3_server, f"{prefix}/.tsckpt-steps/") == [f"{prefix}/.tsckpt-steps/0000000{s}" for s in (3, 4)]
+    assert _keys(s3_server, f"{prefix}/.tsckpt-steps/") == [
+        f"{prefix}/.tsckpt-steps/.root", *(f"{prefix}/.tsckpt-steps/0000000{s}" for s in (3, 4))
+    ]
     m2.save(6, _tree(6))
     assert m2.all_steps() == [4, 6]
     m.close()
     m2.close()
+
+
+def test_a_step_saved_without_the_manager_is_listed(s3_server, prefix):
+    root = f"s3://{BUCKET}/{prefix}"
+    m = tsckpt.CheckpointManager(root)
+    m.save(1, _tree(1))
+    tsckpt.save(m.directory(2), _tree(2))  # the plain verb, into the manager's step directory
+    tsckpt.save_async(f"{root}/00000007", _tree(7)).result(timeout=60)
+    assert m.all_steps() == [1, 2, 7]
+    _assert_tree(m.restore(), 7)
+    assert tsckpt.CheckpointManager(root).latest_step() == 7
+    # a numbered directory under a root no manager keeps gets no index
+    tsckpt.save(f"s3://{BUCKET}/{prefix}-plain/00000003", _tree(3))
+    assert _keys(s3_server, f"{prefix}-plain/.tsckpt-steps/") == []
+    m.close()
 
 
 # ---- failures are bounded and explained ---------------------------------------------

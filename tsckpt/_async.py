@@ -29,11 +29,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ._dist import rank_of
 from ._errors import SaveInProgressError
 from ._format import LAYOUT_PLAIN
 from ._jax import is_jax_array
 from ._leaves import describe, memory
 from ._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
+from ._stateful import expand
 from ._types import LazySource, ShardedArray
 from ._store import Directory, resolve
 from .tree import flatten, unflatten
@@ -258,11 +260,14 @@ class AsyncSaver:
         if_busy: IfBusy = "wait",
         prepare: Callable[[], None] | None = None,
         max_staging_bytes: int | None = None,
+        rank: int = 0,
     ) -> AsyncSave:
         """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
 
         ``prepare`` runs in the caller once any previous save has finished (for
-        checks whose errors belong to the caller, and collective setup). A state
+        checks whose errors belong to the caller, and collective setup). Stateful
+        objects in ``tree`` give their state then, in the caller (``rank``: this
+        process's rank, for a whole state's per-rank part). A state
         with more array bytes than ``max_staging_bytes`` or the saver's own bound
         (the smaller applies) is saved in the caller instead, with a RuntimeWarning."""
         limit = _least(self.max_staging_bytes, max_staging_bytes)
@@ -271,6 +276,7 @@ class AsyncSaver:
             self._settle(if_busy)
             if prepare is not None:
                 prepare()
+            tree = expand(tree, rank=rank).tree
             flat = flatten(tree)
             leaves, regions = _array_regions(flat.paths, flat.leaves)
             nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
@@ -379,5 +385,5 @@ def save_async(
 
     return _default.submit(
         label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
-        prepare=lambda: prepare_group(options.group, options.timeout),
+        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
     )

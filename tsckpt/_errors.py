@@ -61,6 +61,11 @@ class SaveInProgressError(TsckptError, RuntimeError):
     another process's save into the directory being overwritten or cleaned up."""
 
 
+class ForkedProcessError(TsckptError, RuntimeError):
+    """This process was forked (``fork()``, multiprocessing's default start method on Linux)
+    from one that had used tsckpt: TensorStore's threads do not survive a fork."""
+
+
 class LossyCastError(TsckptError, ValueError):
     """Values read would not survive the cast into the target's dtype (overflow, lost integer
     bits) under a casting policy that checks them."""

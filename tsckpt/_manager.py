@@ -27,15 +27,10 @@ by a pending one recording the deletion's claim, and goes last), so a crash in
 the middle of a deletion never leaves a damaged step that looks complete, nor
 one clean-up cannot identify as tsckpt's. With several ranks, only rank 0 deletes.
 
-Object stores have no directories, and listing every key of every step to find
-the step names would read thousands of keys per step. So the manager keeps an
-index there: before a step's save begins it writes an empty marker object
-``.tsckpt-steps/<step>``, and it deletes the marker last when the step goes.
-Listing the steps lists only the markers (one small key range); each step's
-root ``zarr.json`` then says whether it is complete, so a marker is only a
-hint and never makes a step look complete. A step saved under the root without
-the manager (``tsckpt.save`` on ``directory(step)``) has no marker and is not
-listed there. Local disks are listed directly.
+On object stores the steps are listed through an index of marker objects
+(tsckpt/_steps.py), which a step saved under the root without the manager
+(``tsckpt.save`` on ``directory(step)``) joins too; a marker is only a hint and
+never makes a step look complete. Local disks are listed directly.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -52,7 +46,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from . import _dist, _lease, _store
+from . import _dist, _lease, _steps, _store
 from ._async import AsyncSave, AsyncSaver, prepare_group
 from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING
@@ -66,16 +60,15 @@ from ._options import (
     verb,
 )
 from ._root import RootState, read_root_states
+from ._stateful import is_stateful, is_whole_state
 from ._store import Directory, fsync_path, resolve, storage_errors
 
 log = logging.getLogger("tsckpt")
 
-_STEP = re.compile(r"[0-9]+")
 _TRASH = ".tsckpt-deleting-"
 # What TensorStore's file kvstore leaves of a write of a step's root cut short (its lock file,
 # written first): a directory holding only this holds nothing of a checkpoint.
 _ROOT_LOCK = f"{ROOT_KEY}.__lock"
-_INDEX = ".tsckpt-steps/"  # object stores: one empty marker per step directory
 
 
 class CheckpointManager:
@@ -129,6 +122,8 @@ class CheckpointManager:
         self._rank = _dist.rank_of(group)
         self._reported: set[str] = set()  # steps clean-up found it cannot identify, warned about once
         if self._rank == 0:
+            if self._loc.local is None:
+                _steps.adopt(self._loc)
             self._clean()
 
     def __repr__(self) -> str:
@@ -160,9 +155,9 @@ class CheckpointManager:
             if not os.path.isdir(self._loc.local):
                 return []
             return [e.name for e in os.scandir(self._loc.local) if e.is_dir()]
-        markers = ts.KvStore.KeyRange(_INDEX, _INDEX[:-1] + "0")  # '0' follows '/'
+        markers = ts.KvStore.KeyRange(_steps.INDEX, _steps.INDEX[:-1] + "0")  # '0' follows '/'
         with storage_errors(self._loc):
-            keys = self._loc.kvstore().list(markers, strip_prefix_length=len(_INDEX)).result()
+            keys = self._loc.kvstore().list(markers, strip_prefix_length=len(_steps.INDEX)).result()
         return sorted(k.decode("utf-8", "replace") for k in keys)
 
     def _roots(self, names: Iterable[str]) -> dict[str, RootState]:
@@ -172,7 +167,7 @@ class CheckpointManager:
         return {key[: -len(ROOT_KEY) - 1]: root for key, root in roots.items()}
 
     def _step_states(self) -> dict[int, tuple[str, RootState]]:
-        names = [n for n in self._names() if _STEP.fullmatch(n)]
+        names = [n for n in self._names() if _steps.STEP.fullmatch(n)]
         return {int(n): (n, root) for n, root in self._roots(names).items()}
 
     def all_steps(self) -> list[int]:
@@ -232,7 +227,8 @@ class CheckpointManager:
                 # a running save found meanwhile is left alone: save() then refuses on every rank
                 if clear and not _lease.save_running(self._roots([name])[name]):
                     self._delete(name)
-                self._mark(name)
+                if self._loc.local is None:
+                    _steps.mark(self._loc, name)
             save(self.directory(step), tree, **kwargs)
             if self._rank == 0:
                 self._after_commit()
@@ -287,7 +283,7 @@ class CheckpointManager:
             self._job(step, clear[0], options)(staged)
 
         label = str(resolve(self.directory(step)))
-        return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare)
+        return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare, rank=self._rank)
 
     def _solo(self) -> bool:
         """Whether this rank may refuse on its own: ranks can judge a save's liveness
@@ -325,7 +321,12 @@ class CheckpointManager:
     ) -> Any:
         """Restore step ``step`` (default: the latest complete one) with the options of
         :func:`tsckpt.restore` (``strict``, ``inplace``, ``as_saved``, ``progress``,
-        ``max_inflight_bytes``, ``casting``); ``group`` and ``timeout`` are the manager's."""
+        ``max_inflight_bytes``, ``casting``); ``group`` and ``timeout`` are the manager's.
+
+        Returns what :func:`tsckpt.restore` returns; but when ``target`` is an object
+        restored in place (a ``tsckpt.torch.TrainState``, or any object with
+        ``state_dict()``/``load_state_dict()``), it returns the step restored, where
+        the training loop resumes: ``step = manager.restore(target=state)``."""
         options = RestoreOptions.of(locals(), self._reading)
         from ._restore import restore
 
@@ -336,7 +337,8 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self._loc}: no complete checkpoint to restore yet")
-        return restore(self.directory(step), target, **options.kwargs())
+        restored = restore(self.directory(step), target, **options.kwargs())
+        return step if is_stateful(target) or is_whole_state(target) else restored
 
     # ---- retention and cleanup -------------------------------------------------
 
@@ -384,12 +386,6 @@ class CheckpointManager:
             "listed, restored, counted for retention or deleted", self._loc, name, _unidentified(root),
         )
 
-    def _mark(self, name: str) -> None:
-        """Object stores: list step ``name`` in the index before anything of it is written."""
-        if self._loc.local is None:
-            with storage_errors(self._loc):
-                self._loc.kvstore().write(f"{_INDEX}{name}", b"").result()
-
     def _delete(self, name: str) -> None:
         """Delete one step directory so that no crash leaves it looking complete."""
         if self._loc.local is not None:
@@ -412,7 +408,7 @@ class CheckpointManager:
             kv.delete_range(ts.KvStore.KeyRange(f"{name}/", root)).result()
             kv.delete_range(ts.KvStore.KeyRange(root + "\0", f"{name}0")).result()  # '0' follows '/'
             kv.write(root, None).result()
-            kv.write(f"{_INDEX}{name}", None).result()  # unlisted last
+            kv.write(f"{_steps.INDEX}{name}", None).result()  # unlisted last
 
 
 def _abandoned(root: RootState) -> bool:

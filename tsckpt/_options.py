@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
+from . import _fork
 from ._casting import check_casting
 from ._format import LAYOUT_PLAIN, check_layout
 
@@ -289,6 +291,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     "tsckpt.save": {SaveOptions: {}},
     "tsckpt.save_async": {SaveOptions: {}, AsyncOptions: {}},
     "tsckpt.torch.save": {SaveOptions: {}},
+    "tsckpt.torch.save_async": {SaveOptions: {}, AsyncOptions: {}},
     "CheckpointManager": {
         SaveOptions: {"overwrite": _PER_CALL, "max_inflight_bytes": _PER_CALL, "progress": _PER_CALL},
         AsyncOptions: {},
@@ -392,7 +395,8 @@ def _parameter_problems(
 
 def verb(name: str) -> Callable[[_F], _F]:
     """Declare ``fn`` the verb ``name`` of :data:`VERBS`. Raises TypeError (when tsckpt is
-    imported) if its signature drifted from its options, so twins cannot drift apart."""
+    imported) if its signature drifted from its options, so twins cannot drift apart. Every
+    call first passes tsckpt/_fork.py's check (a child forked after tsckpt ran refuses)."""
 
     def declare(fn: _F) -> _F:
         problems = signature_problems(fn, name)
@@ -402,6 +406,12 @@ def verb(name: str) -> Callable[[_F], _F]:
                 "Give it the option's name, default and annotation, or list the option under the verb in "
                 "VERBS with the reason it makes no sense there"
             )
-        return fn
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _fork.enter(name)
+            return fn(*args, **kwargs)
+
+        return typing.cast(_F, call)
 
     return declare

@@ -11,7 +11,7 @@ import optree
 import tensorstore as ts
 import torch
 
-from . import _dtypes
+from . import _dtypes, _fork
 from ._backing import check_backed
 from ._checkpoint import Checkpoint, Opening
 from ._formats import lazy
@@ -91,6 +91,7 @@ class LazyArray:
 
     def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
         """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
+        _fork.enter(f"reading '{self.path}'")
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
         whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
         if self._ck.sources is not None:  # another format's array: only the box's bytes are read

@@ -29,6 +29,7 @@ from ._memory import release_free_memory
 from ._chunking import shard_boxes
 from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._progress import Progress
+from ._stateful import expand, is_whole_state
 from ._backing import check_backed
 from ._checkpoint import Checkpoint
 from ._formats import lazy
@@ -332,7 +333,9 @@ def restore(
     that of a leaf it has (a weight tied to another, which transformers leaves out of its
     files) is restored with it, not reported missing.
     """
-    RestoreOptions.of(locals())  # a bad option raises here, before any work
+    options = RestoreOptions.of(locals())  # a bad option raises here, before any work
+    if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place
+        return target.__tsckpt_restore__(directory, options)
     codec_setting()  # so does a bad TSCKPT_CODEC
     coord = coordinator_for(group, timeout)
 
@@ -343,7 +346,8 @@ def restore(
             reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:
                 return _restore_saved(ck, as_saved, reader)
-            return _restore_into(ck, target, strict, inplace, reader)
+            expanded = expand(target, rank=coord.rank)  # stateful objects: their state is the target
+            return expanded.load(_restore_into(ck, expanded.tree, strict, inplace, reader))
 
     if coord.world_size == 1:
         return run()

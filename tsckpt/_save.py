@@ -50,6 +50,8 @@ from ._types import Box, LazySource, Local
 from ._plan import RankPlan, WriteItem, plan_aliases, plan_save, split_plan
 from ._options import WRITE_WINDOW_BYTES, SaveOptions, verb
 from ._progress import Progress
+from ._stateful import expand
+from ._steps import mark_if_managed
 from ._codec.threads import Workers
 from ._window import Window
 from ._store import Directory, Location, resolve
@@ -496,10 +498,14 @@ def _plan_job(
 
     def finish(d: _Described) -> list[Part]:
         parts = _parts(d)
+        mark_if_managed(loc)  # a manager's step on an object store: listed before anything is written
         _begin(loc, overwrite, layout, lease)
         return parts
 
-    local, reply = ask_root(coord, "save (describe)", lambda: _describe(tree, window, layout), first)
+    def describe_mine() -> tuple[dict[str, Local], Payload]:
+        return _describe(expand(tree, rank=coord.rank).tree, window, layout)
+
+    local, reply = ask_root(coord, "save (describe)", describe_mine, first)
     if isinstance(reply, ChecksumRequest):  # step 3
         asked = reply.paths
 

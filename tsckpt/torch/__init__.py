@@ -19,6 +19,16 @@ values and RNG states. They take the options of :func:`tsckpt.save` and
 from __future__ import annotations
 
 from ._state import get_state_dict, set_state_dict
-from ._train import RestoreResult, get_rng_state, restore, save, set_rng_state
+from ._train import RestoreResult, TrainState, get_rng_state, restore, save, save_async, set_rng_state
 
-__all__ = ["RestoreResult", "get_rng_state", "get_state_dict", "restore", "save", "set_rng_state", "set_state_dict"]
+__all__ = [
+    "RestoreResult",
+    "TrainState",
+    "get_rng_state",
+    "get_state_dict",
+    "restore",
+    "save",
+    "save_async",
+    "set_rng_state",
+    "set_state_dict",
+]

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from .. import _dtypes
+from .._async import AsyncSave
+from .._async import save_async as core_save_async
 from .._casting import check_cast
 from .._coord import phase
 from .._dist import coordinator_for
@@ -33,10 +35,19 @@ from .._format import LAYOUT_PLAIN
 from .._checkpoint import Checkpoint
 from .._formats.sources import open_checkpoint
 from .._reader import LazyArray, read_subtree
-from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
+from .._options import (
+    READ_WINDOW_BYTES,
+    WRITE_WINDOW_BYTES,
+    AsyncOptions,
+    IfBusy,
+    RestoreOptions,
+    SaveOptions,
+    verb,
+)
 from .._restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._restore import restore as core_restore
 from .._save import save as core_save
+from .._stateful import Expanded, expand
 from .._store import Directory
 from ._state import (
     ARCH_HINT,
@@ -114,20 +125,7 @@ def _byte_tensor(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(x, dtype=np.uint8)))
 
 
-# ---- stateful objects -------------------------------------------------------------------
-
-
-def is_stateful(obj: Any) -> bool:
-    """Has ``state_dict()`` and ``load_state_dict()`` (LR schedulers, samplers, GradScaler, modules)."""
-    return (
-        not isinstance(obj, (torch.Tensor, np.ndarray, Mapping, list, tuple))
-        and callable(getattr(obj, "state_dict", None))
-        and callable(getattr(obj, "load_state_dict", None))
-    )
-
-
-def _state_of(obj: Any) -> Any:
-    return obj.state_dict() if is_stateful(obj) else obj
+# ---- the training state ----------------------------------------------------------------
 
 
 def _check_keys(what: str, objs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -136,6 +134,77 @@ def _check_keys(what: str, objs: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(k, str):
             raise StructureMismatchError(f"{what} keys must be str names, found {k!r} ({type(k).__name__})")
     return out
+
+
+class TrainState:
+    """A whole training state, saved and restored as one object by every tsckpt verb.
+
+    ``model`` and ``optimizers`` (one, a sequence, or None) are saved by parameter
+    name (:func:`get_state_dict`); ``extra`` maps names to objects with
+    ``state_dict()``/``load_state_dict()`` (LR scheduler, GradScaler, a
+    ``torch.Generator``, ...) or to plain values and pytrees (step counters),
+    the same on every rank; ``per_rank`` maps names to what differs between
+    ranks (a data sampler, the number of samples seen), stored under
+    ``ranks/<rank>/<name>``; ``rng`` also stores this rank's RNG states there
+    (torch CPU and every initialized CUDA device, numpy, Python). ``resize``
+    names parameters whose shape may differ from the checkpoint's (a padded
+    vocabulary): a restore loads their overlap.
+
+    Give it where a tree goes: ``tsckpt.save(d, state)``,
+    ``tsckpt.save_async(d, state)``, ``manager.save_async(step, state)``; and as
+    a restore's target: ``tsckpt.restore(d, state)``,
+    ``manager.restore(target=state)``. A restore loads it in place: tensors
+    straight into the live parameters and optimizer state (under FSDP2 or TP
+    each rank reads only its shards, from a checkpoint of any sharding or world
+    size), stateful objects through ``load_state_dict``, the RNG states into
+    this process's generators, and each plain value of ``extra`` and
+    ``per_rank`` replaced in those dicts by its restored value
+    (``state.extra["step"]``). ``strict=False`` (a restore option) keeps what
+    the checkpoint lacks as it is.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Optimizers = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        resize: Iterable[str] = (),
+    ) -> None:
+        self.model = model
+        self.optimizers = optimizer_tuple(optimizers)
+        self.extra = _check_keys("extra", extra)
+        self.per_rank = _check_keys("per_rank", per_rank)
+        if rng and RNG in self.per_rank:
+            raise StructureMismatchError(f"per_rank name '{RNG}' is reserved for the RNG states; rename it")
+        self.rng = rng
+        self.resize = frozenset(resize)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainState({type(self.model).__name__}, {len(self.optimizers)} optimizer(s), "
+            f"extra={sorted(self.extra)}, per_rank={sorted(self.per_rank)}, rng={self.rng})"
+        )
+
+    def __tsckpt_tree__(self, rank: int) -> dict[str, Any]:
+        """The tree this rank saves (module docstring); the save stores each stateful object's
+        state in its place."""
+        tree: dict[str, Any] = get_state_dict(self.model, self.optimizers)
+        if self.extra:
+            tree[EXTRA] = dict(self.extra)
+        mine = {**self.per_rank, **({RNG: _RngSlot()} if self.rng else {})}
+        if mine:
+            tree[RANKS] = {rank: mine}
+        return tree
+
+    def __tsckpt_restore__(self, directory: Directory, options: RestoreOptions) -> TrainState:
+        """Restore in place (see the class docstring); returns this state."""
+        out = _restore_state(directory, self, options)
+        self.extra.update(out)
+        self.per_rank.update(out.per_rank)
+        return self
 
 
 # ---- save ---------------------------------------------------------------------------------
@@ -170,19 +239,40 @@ def save(
     ``layout`` and ``progress`` are as for :func:`tsckpt.save`.
     """
     options = SaveOptions.of(locals())
-    coord = coordinator_for(options.group, options.timeout)
-    tree: dict[str, Any] = get_state_dict(model, optimizers)
-    extras = _check_keys("extra", extra)
-    if extras:
-        tree[EXTRA] = {name: _state_of(obj) for name, obj in extras.items()}
-    mine = {name: _state_of(obj) for name, obj in _check_keys("per_rank", per_rank).items()}
-    if RNG in mine and rng:
-        raise StructureMismatchError(f"per_rank name '{RNG}' is reserved for the RNG states; rename it")
-    if rng:
-        mine[RNG] = get_rng_state()
-    if mine:
-        tree[RANKS] = {coord.rank: mine}
-    core_save(directory, tree, **options.kwargs())
+    state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng)
+    core_save(directory, state, **options.kwargs())
+
+
+@verb("tsckpt.torch.save_async")
+def save_async(
+    directory: Directory,
+    model: torch.nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    overwrite: bool = False,
+    group: Any = None,
+    check_replicas: bool = True,
+    timeout: datetime.timedelta | None = None,
+    max_inflight_bytes: int = WRITE_WINDOW_BYTES,
+    layout: str = LAYOUT_PLAIN,
+    progress: bool | None = None,
+    if_busy: IfBusy = "wait",
+    max_staging_bytes: int | None = None,
+) -> AsyncSave:
+    """:func:`save`, returning once the state is copied to host memory; every rank calls it.
+
+    The twin of :func:`save` as :func:`tsckpt.save_async` is of :func:`tsckpt.save`:
+    the same checkpoint and options, plus ``if_busy`` and ``max_staging_bytes``
+    (see there); ``result()`` of the returned handle waits for the commit. The
+    state (stateful objects' ``state_dict()``, the RNG states) is taken during the call.
+    """
+    options = SaveOptions.of(locals())
+    background = AsyncOptions.of(locals())
+    state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng)
+    return core_save_async(directory, state, **options.kwargs(), **background.kwargs())
 
 
 # ---- restore ------------------------------------------------------------------------------
@@ -200,8 +290,7 @@ class _Plan:
     groups: list[Any]
     types: Any
     optim_state: dict[str, dict[str, Any]]  # stored name -> live entries the checkpoint has (resized ones too)
-    extras: dict[str, Any]
-    mine: dict[str, Any]
+    others: Expanded  # extra and per-rank state (RNG too): their targets, and how they are handed back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,19 +375,29 @@ def _match_optimizers(
     return _Optim(target, state, groups, types)
 
 
-def _match_extras(
-    ck: Checkpoint, extras: dict[str, Any], mine: dict[str, Any], rank: int, strict: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Extra, per-rank and RNG state: the target's own trees, compared path by path."""
-    target_extra = {name: _state_of(obj) for name, obj in extras.items()}
-    target_mine = {name: _state_of(obj) for name, obj in mine.items()}
-    if isinstance(mine.get(RNG), _RngSlot):  # not a per_rank value named "rng" (rng=False)
-        if "cuda" in target_mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
-            del target_mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
+def _others(state: TrainState, rank: int) -> dict[str, Any]:
+    """The extra and per-rank entries of ``state`` as the tree they are saved as (stateful objects kept)."""
+    out: dict[str, Any] = {}
+    if state.extra:
+        out[EXTRA] = dict(state.extra)
+    mine = {**state.per_rank, **({RNG: _RngSlot()} if state.rng else {})}
+    if mine:
+        out[RANKS] = {rank: mine}
+    return out
+
+
+def _match_others(ck: Checkpoint, state: TrainState, rank: int, strict: bool) -> Expanded:
+    """Extra, per-rank and RNG state: each object's own state is its target (stateful_objects
+    expanded), compared path by path with the checkpoint's."""
+    given = _others(state, rank)
+    expanded = expand(given, rank=rank)
+    mine: dict[str, Any] = expanded.tree.get(RANKS, {}).get(rank, {})
+    if state.rng and "cuda" in mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
+        del mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
     if not strict:
-        return target_extra, target_mine
-    wanted = flatten({EXTRA: target_extra, RANKS: {rank: target_mine}}).paths
-    sections = [f"{EXTRA}/{escape(n)}" for n in target_extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in target_mine]
+        return expanded
+    wanted = flatten(expanded.tree).paths if expanded.tree else []
+    sections = [f"{EXTRA}/{escape(n)}" for n in state.extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in mine]
     stored = [p for s in sections for p in _under(ck, s) if not p.startswith(f"{RANKS}/{rank}/{RNG}/cuda/")]
     missing, unexpected = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
     if missing or unexpected:
@@ -314,35 +413,22 @@ def _match_extras(
             f"{ck.location}: extra / per-rank state differs; missing from the checkpoint: {missing[:6]}; "
             f"in the checkpoint but not given: {unexpected[:6]}.{hint}"
         )
-    return target_extra, target_mine
+    return expanded
 
 
-def _plan(
-    ck: Checkpoint,
-    model: torch.nn.Module,
-    optims: tuple[torch.optim.Optimizer, ...],
-    live: dict[str, Any],
-    extras: dict[str, Any],
-    mine: dict[str, Any],
-    rank: int,
-    *,
-    strict: bool,
-    resize: frozenset[str],
-) -> _Plan:
+def _plan(ck: Checkpoint, state: TrainState, live: dict[str, Any], rank: int, *, strict: bool) -> _Plan:
     """Match the live state to the checkpoint, with precise errors, before anything is read."""
-    shapes = _Shapes(ck, model, resize)
+    model, optims = state.model, state.optimizers
+    shapes = _Shapes(ck, model, state.resize)
     target: dict[str, Any] = {MODEL: _match_model(ck, live[MODEL], shapes, strict)}
     optim = _Optim({}, {}, [], None)
     if optims:
         optim = _match_optimizers(ck, model, optims, live[OPTIM][STATE], shapes, strict)
         target[OPTIM] = {STATE: optim.target}
     shapes.raise_errors()
-    target_extra, target_mine = _match_extras(ck, extras, mine, rank, strict)
-    if target_extra:
-        target[EXTRA] = target_extra
-    if target_mine:
-        target[RANKS] = {rank: target_mine}
-    return _Plan(target, shapes.resized, optim.groups, optim.types, optim.state, target_extra, target_mine)
+    others = _match_others(ck, state, rank, strict)
+    target.update(others.tree)
+    return _Plan(target, shapes.resized, optim.groups, optim.types, optim.state, others)
 
 
 def _read_overlap(ck: Checkpoint, path: str, dst: Any, casting: str) -> None:
@@ -380,21 +466,6 @@ class RestoreResult(dict[str, Any]):
         return f"RestoreResult({dict.__repr__(self)}, per_rank={self.per_rank!r})"
 
 
-def _hand_back(objs: Mapping[str, Any], restored: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
-    """Load each stateful object of ``objs`` with its restored state; returns each name mapped
-    to its object, or to its restored value where it is a plain value or pytree. ``given`` is
-    the target's own state, kept for a name the checkpoint lacks (strict=False)."""
-    out: dict[str, Any] = {}
-    for name, obj in objs.items():
-        value = restored.get(name, given[name])
-        if is_stateful(obj):
-            obj.load_state_dict(value)
-            out[name] = obj
-        else:
-            out[name] = value
-    return out
-
-
 @verb("tsckpt.torch.restore")
 def restore(
     directory: Directory,
@@ -430,22 +501,26 @@ def restore(
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
     is that read buffer's bound, ``casting`` governs tensors whose live dtype
     differs from the stored one, and ``group``, ``timeout`` and ``progress`` are
-    as for :func:`tsckpt.restore`.
+    as for :func:`tsckpt.restore`. The same as ``tsckpt.restore(directory,
+    TrainState(model, optimizers, extra=..., per_rank=..., rng=..., resize=...))``.
     """
     options = RestoreOptions.of(locals())
+    state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng, resize=resize)
+    return _restore_state(directory, state, options)
+
+
+def _restore_state(directory: Directory, state: TrainState, options: RestoreOptions) -> RestoreResult:
+    """Restore ``state`` in place (see :func:`restore`): check everything, read, then apply."""
+    for name, reason in _NOT_FOR_TRAIN_STATE.items():
+        if getattr(options, name) != getattr(RestoreOptions(), name):
+            raise ValueError(f"{name}={getattr(options, name)!r} does not apply to a TrainState: {reason}")
     coord = coordinator_for(options.group, options.timeout)
-    optims = optimizer_tuple(optimizers)
-    extras = _check_keys("extra", extra)
-    mine = _check_keys("per_rank", per_rank)
-    if rng:
-        if RNG in mine:
-            raise StructureMismatchError(f"per_rank name '{RNG}' is reserved for the RNG states; rename it")
-        mine[RNG] = _RngSlot()
+    casting = options.casting
 
     def check() -> tuple[Checkpoint, _Plan]:
         ck = open_checkpoint(directory)
-        live = live_state(model, optims)  # creates never-stepped optimizers' state to read into
-        plan = _plan(ck, model, optims, live, extras, mine, coord.rank, strict=strict, resize=frozenset(resize))
+        live = live_state(state.model, state.optimizers)  # creates never-stepped optimizers' state to read into
+        plan = _plan(ck, state, live, coord.rank, strict=options.strict)
         for path, dst in plan.resized:  # refused casts raise before anything is read
             check_cast(path, ck.array_metadata(path).dtype, local_of(dst).dtype, casting=casting)
         return ck, plan
@@ -458,20 +533,31 @@ def restore(
             directory, plan.target, **dataclasses.replace(options, strict=False, inplace=True).kwargs()
         )
 
-    def finish() -> None:
+    def finish() -> dict[str, Any]:
         for path, dst in plan.resized:
             _read_overlap(ck, path, dst, casting)
-        if optims:
-            state = {k: {**plan.optim_state[k], **v} for k, v in restored[OPTIM][STATE].items()}
-            stored = {STATE: state, GROUPS: plan.groups, TYPES: plan.types}
-            apply_optimizer(model, optims, stored, strict=False, resize=frozenset(resize), casting=casting)
+        if state.optimizers:
+            live = {k: {**plan.optim_state[k], **v} for k, v in restored[OPTIM][STATE].items()}
+            stored = {STATE: live, GROUPS: plan.groups, TYPES: plan.types}
+            apply_optimizer(
+                state.model, state.optimizers, stored, strict=False, resize=state.resize, casting=casting
+            )
+        # stateful objects get load_state_dict, the RNG states go into this process's generators
+        return cast("dict[str, Any]", plan.others.load({k: restored[k] for k in plan.others.tree}))
 
-    phase(coord, "restore (apply)", finish)
-    out_extra = _hand_back(extras, restored.get(EXTRA, {}), plan.extras)
-    out_mine = _hand_back(mine, restored.get(RANKS, {}).get(coord.rank, {}), plan.mine)
-    if rng:
-        del out_mine[RNG]  # loaded into this process's generators
-    return RestoreResult(out_extra, out_mine)
+    others = cast("dict[str, Any]", phase(coord, "restore (apply)", finish))
+    mine = dict(others.get(RANKS, {}).get(coord.rank, {}))
+    if state.rng:
+        del mine[RNG]
+    return RestoreResult(others.get(EXTRA, {}), mine)
+
+
+# Restore options a TrainState never uses, and why.
+_NOT_FOR_TRAIN_STATE = {
+    "as_saved": "it restores into the live model, optimizers and objects",
+    "format": "it restores what a TrainState saved: a tsckpt checkpoint",
+    "allow_pickle": "it restores what a TrainState saved: a tsckpt checkpoint, never a pickle",
+}
 
 
 class _RngSlot:
