@@ -223,9 +223,14 @@ def seed_all(rank: int) -> None:
 
 
 def train_save_continue(
-    rank: int, world: int, directory: str | None, n: int, m: int, fsdp: bool, kind: str = "adamw"
+    rank: int, world: int, directory: str | None, n: int, m: int, fsdp: bool, kind: str = "adamw",
+    via: str = "torch",
 ) -> dict[str, Any]:
-    """Train n steps, save (unless ``directory`` is None), train m more: the uninterrupted run."""
+    """Train n steps, save (unless ``directory`` is None), train m more: the uninterrupted run.
+
+    ``via="torch"``: ``tsckpt.torch.save`` into ``directory``; ``via="manager"``: a
+    TrainState saved as step n by ``CheckpointManager(directory).save_async``, training
+    going on while it is written."""
     seed_all(rank)
     model = gpt(0, dropout=0.0 if fsdp else 0.1)  # dropout masks depend on the world size
     if fsdp:
@@ -233,9 +238,17 @@ def train_save_continue(
     opt = make_optimizer(model, kind)
     sched, cursor = scheduler(opt), Cursor()
     before = train(model, opt, sched, cursor, n, rank=rank, world=world)
-    if directory is not None:
+    manager = None
+    if directory is not None and via == "manager":
+        state = tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": n}, per_rank={"data": cursor})
+        manager = tsckpt.CheckpointManager(directory, keep_last=2)
+        pending = manager.save_async(n, state)
+    elif directory is not None:
         tsckpt.torch.save(directory, model, opt, extra={"scheduler": sched, "step": n}, per_rank={"data": cursor})
     after = train(model, opt, sched, cursor, m, rank=rank, world=world)
+    if manager is not None:
+        pending.result()
+        manager.close()
     if directory is not None and not fsdp:  # and a run that never saved, in the same process
         unsaved = train_save_continue(rank, world, None, n, m, fsdp, kind)
         if unsaved["before"] + unsaved["after"] != before + after:
@@ -251,11 +264,13 @@ def train_save_continue(
 
 
 def resume(
-    rank: int, world: int, directory: str, m: int, fsdp: bool, kind: str = "adamw", unsharded: str | None = None
+    rank: int, world: int, directory: str, m: int, fsdp: bool, kind: str = "adamw", unsharded: str | None = None,
+    via: str = "torch",
 ) -> dict[str, Any]:
     """A fresh process: new model (other seed), NaN everywhere, restore, train m steps.
 
-    ``unsharded``: also restore that single-process checkpoint into a fresh sharded model."""
+    ``unsharded``: also restore that single-process checkpoint into a fresh sharded model.
+    ``via="manager"``: restore the latest step of ``CheckpointManager(directory)`` into a TrainState."""
     torch.manual_seed(999)
     random.seed(999)
     np.random.seed(999)
@@ -265,10 +280,17 @@ def resume(
     opt = make_optimizer(model, kind)
     sched, cursor = scheduler(opt), Cursor()
     fill_nan(model, opt)
-    out = tsckpt.torch.restore(directory, model, opt, extra={"scheduler": sched, "step": 0}, per_rank={"data": cursor})
+    if via == "manager":
+        state = tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": 0}, per_rank={"data": cursor})
+        with tsckpt.CheckpointManager(directory) as manager:
+            step = manager.restore(target=state)
+        if state.extra["step"] != step or state.extra["scheduler"] is not sched or state.per_rank["data"] is not cursor:
+            raise AssertionError(f"the TrainState was not loaded in place: {state.extra}, {state.per_rank}")
+    else:
+        given = {"scheduler": sched, "step": 0}
+        step = tsckpt.torch.restore(directory, model, opt, extra=given, per_rank={"data": cursor})["step"]
     left = nan_left(model, opt)
     tied = model.head.weight is model.tok.weight
-    step = out["step"]
     after = train(model, opt, sched, cursor, m, rank=rank, world=world)
     extra: dict[str, Any] = {}
     if unsharded is not None:
