@@ -8,7 +8,9 @@ each destination into host memory and copies them to the device
 (:class:`ToDevice`), so the read of the next pieces runs while the device copies the
 previous ones. Both lend their host memory from one :class:`HostRing` of the verb's
 ``max_inflight_bytes``: at no time is more host memory held for the copies, whatever the
-size of the state, and the ring's memory is reused piece after piece. ``save_async``
+size of the state (a single piece larger than that, as a save's shard of one inner
+chunk can be, runs alone in a ring of its size), and the ring's memory is reused piece
+after piece. ``save_async``
 stages a whole state at once into one :class:`PinnedSlab`, registered once and reused
 by the saves that follow.
 
@@ -155,6 +157,15 @@ class HostRing:
             return 0 if size <= tail else None
         return head if head + size <= tail else None
 
+    def grow(self, capacity: int) -> None:
+        """Make the (empty) ring hold ``capacity`` bytes: a piece larger than the ring waits
+        until nothing else holds ring memory, then has a ring of its size (as a write
+        window lets an item larger than its limit run alone)."""
+        if self._loans:
+            raise RuntimeError(f"a ring with {len(self._loans)} loans out cannot grow")
+        if capacity > self.capacity:
+            self.capacity, self._buffer = capacity, None
+
     def view(self, loan: Loan, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The loan's memory as a tensor of ``dtype`` and ``shape``."""
         if self._buffer is None:
@@ -174,12 +185,11 @@ class HostRing:
 
 class Staged:
     """A copy in flight through host memory: its host tensor, the copy to wait for, and
-    the loan to give back once the host memory is no longer needed (None: memory of its
-    own, for a piece larger than the ring)."""
+    the loan to give back once the host memory is no longer needed."""
 
     __slots__ = ("host", "started", "loan")
 
-    def __init__(self, host: torch.Tensor, started: Any, loan: Loan | None) -> None:
+    def __init__(self, host: torch.Tensor, started: Any, loan: Loan) -> None:
         self.host, self.started, self.loan = host, started, loan
 
 
@@ -190,22 +200,20 @@ class _Copier:
         self.ops = device_ops or ops()
         self.ring = HostRing(capacity, self.ops.pinned)
 
-    def host(self, dtype: torch.dtype, shape: Sequence[int], make_room: Callable[[], bool]) -> tuple[torch.Tensor, Loan | None]:
+    def host(self, dtype: torch.dtype, shape: Sequence[int], make_room: Callable[[], bool]) -> tuple[torch.Tensor, Loan]:
         """Host memory for a tensor of ``dtype`` and ``shape``: from the ring, calling
         ``make_room`` (which finishes the oldest work holding ring memory, False when none
-        is left) until it fits; a piece larger than the ring gets memory of its own."""
+        is left) until it fits; a piece larger than the ring grows it once it is empty."""
         size = math.prod(shape) * dtype.itemsize
         while True:
             loan = self.ring.take(size)
             if loan is not None:
                 return self.ring.view(loan, dtype, shape), loan
             if not make_room():
-                break
-        return self.ops.pinned(size).view(dtype).view(tuple(shape)), None
+                self.ring.grow(size)
 
     def give(self, staged: Staged) -> None:
-        if staged.loan is not None:
-            self.ring.give(staged.loan)
+        self.ring.give(staged.loan)
 
 
 class ToHost(_Copier):
@@ -235,10 +243,10 @@ class ToDevice(_Copier):
         super().__init__(capacity, device_ops)
         self._uploads: collections.deque[Staged] = collections.deque()
 
-    def take(self, dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.Tensor, Loan | None]:
+    def take(self, dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.Tensor, Loan]:
         return self.host(dtype, shape, self._settle_oldest)
 
-    def upload(self, host: torch.Tensor, loan: Loan | None, dst: torch.Tensor) -> None:
+    def upload(self, host: torch.Tensor, loan: Loan, dst: torch.Tensor) -> None:
         self._uploads.append(Staged(host, self.ops.to_device(host, dst), loan))
 
     def finish(self) -> None:
