@@ -78,7 +78,8 @@ class DeviceOps:
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying device ``src`` into host ``dst`` after the work queued on its
         stream; returns what :meth:`wait` takes."""
-        dst.copy_(src, non_blocking=True)
+        with torch.no_grad():  # sources may be parameters that require grad
+            dst.copy_(src, non_blocking=True)
         return self._record(src.device)
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
