@@ -36,7 +36,8 @@ def free_port() -> int:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any, layout: str
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], q: Any, layout: str,
+    backend: str = "gloo",
 ) -> None:
     # forked from the fork server, a rank has the server's environment, not the test's
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -45,7 +46,11 @@ def _entry(
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":  # one GPU per rank
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         q.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - sent to the parent
@@ -58,16 +63,18 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, layout: str | None = None
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, layout: str | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn`` on ``world`` ranks; return each rank's result, or raise with the failures.
+    ``backend`` is the default group's (``"nccl"``: rank r uses GPU r).
     ``layout`` is the checkpoint layout scenarios read with :func:`rank_layout` (default: the
     `layout` fixture's, else plain)."""
     port = free_port()
     q = _CTX.Queue()
     layout = layout or os.environ.get(LAYOUT_ENV, "plain")
     procs = [
-        _CTX.Process(target=_entry, args=(fn, r, world, port, args, q, layout), daemon=True) for r in range(world)
+        _CTX.Process(target=_entry, args=(fn, r, world, port, args, q, layout, backend), daemon=True) for r in range(world)
     ]
     for p in procs:
         p.start()

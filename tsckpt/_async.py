@@ -10,8 +10,11 @@ Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
 a training loop that saves the same state repeatedly allocates (and page-faults)
 host memory once; buffers for leaves that disappeared are released before new
 ones are allocated, so staging never holds more than one copy of the state.
-Buffers for CUDA tensors are pinned, and the device-to-host copies are issued
-asynchronously and awaited once.
+Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_devicecopy.py),
+made again only when the device tensors change; their device-to-host copies are
+issued asynchronously and awaited once. A state larger than ``max_staging_bytes``
+is saved synchronously, whose copies from the device go through host memory of the
+write window only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import _devicecopy
 from ._dist import rank_of
 from ._errors import SaveInProgressError
 from ._format import LAYOUT_PLAIN
@@ -129,47 +133,64 @@ class _Staging:
     @staticmethod
     def _key(path: str, data: Any) -> tuple[Any, ...]:
         if isinstance(data, torch.Tensor):
-            return (path, "torch", tuple(data.shape), data.dtype, data.device.type == "cuda")
+            return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
         return (path, "numpy", tuple(data.shape), data.dtype.str)
 
     def stage(self, regions: list[tuple[str, Any]]) -> list[Any]:
         """Copy each ``(path, data)`` into its buffer; returns the copies in order.
 
         Regions that are the same memory (tied weights) share one copy, so the
-        save that follows still sees them tied and stores them once."""
+        save that follows still sees them tied and stores them once. Device tensors
+        are copied asynchronously into one page-locked slab and awaited once."""
         keys = [self._key(p, d) for p, d in regions]
         wanted = set(keys)
         # release what this tree no longer has before allocating what it gained
         kept = {k: b for k, b in self._buffers.items() if k in wanted}
         self._buffers = kept
-        out: list[Any] = []
-        streams: dict[torch.device, Any] = {}
+        staged: list[int | None] = []  # per region: None where it is staged, else the region it is tied to
         first: dict[Any, int] = {}  # memory -> index of the region that staged it (tied leaves)
-        for i, (key, (_, data)) in enumerate(zip(keys, regions)):
+        for i, (_, data) in enumerate(regions):
             mem = memory(data) if _nbytes(data) else None
-            if mem is not None and mem in first:
-                out.append(out[first[mem]])
-                continue
+            staged.append(first.get(mem) if mem is not None else None)
             if mem is not None:
-                first[mem] = i
+                first.setdefault(mem, i)
+        self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
+        out: list[Any] = []
+        copies: list[Any] = []  # the device-to-host copies started
+        for key, (_, data), tied in zip(keys, regions, staged):
+            if tied is not None:
+                out.append(out[tied])
+                continue
             buf = kept.get(key)
             if isinstance(data, torch.Tensor):
                 src = data.detach()
-                cuda = src.device.type == "cuda"
-                if buf is None:
-                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
-                buf.copy_(src, non_blocking=cuda)
-                if cuda:
-                    streams.setdefault(src.device, torch.cuda.current_stream(src.device))
+                if _devicecopy.on_device(src):
+                    buf = kept[key]  # made by _pin
+                    copies.append(_devicecopy.ops().to_host(src, buf))
+                else:
+                    if buf is None:
+                        buf = torch.empty(src.shape, dtype=src.dtype)
+                    buf.copy_(src)
             else:
                 if buf is None:
                     buf = np.empty(data.shape, dtype=data.dtype)
                 np.copyto(buf, data, casting="no")
             kept[key] = buf
             out.append(buf)
-        for stream in streams.values():  # the non-blocking device-to-host copies
-            stream.synchronize()
+        for started in copies:
+            _devicecopy.ops().wait(started)
         return out
+
+    def _pin(self, keys: list[tuple[Any, ...]]) -> None:
+        """Buffers for the device tensors: kept from the last save when every one of them is,
+        else all made again in one page-locked slab (the old ones released first, so staging
+        never holds the device tensors twice; a slab is freed only with all its buffers)."""
+        if all(k in self._buffers for k in keys):
+            return
+        for k in keys:
+            self._buffers.pop(k, None)
+        slab = _devicecopy.PinnedSlab([(k[3], k[2]) for k in keys])
+        self._buffers.update(zip(keys, slab.views()))
 
 
 def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, str, Any, Any]]]:

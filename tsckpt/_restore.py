@@ -16,7 +16,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from . import _dtypes
+from . import _devicecopy, _dtypes
 from ._coord import phase
 from ._dist import coordinator_for
 from ._codec.chunkread import read_chunks
@@ -38,7 +38,7 @@ from ._reader import LazyArray
 from ._readerrors import corrupt_error
 from ._codec.shardread import read_sharded
 from ._store import Directory
-from ._types import ArraySpec, Dest
+from ._types import ArraySpec, Dest, ReadItem
 from ._window import Window
 from .tree import flatten, unflatten
 
@@ -171,6 +171,15 @@ def read_into(
     """
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
+    device = [d for d in dests if _devicecopy.on_device(d.tensor)]
+    if device:
+        _read_device(ck, device, progress, window)
+        dests = [d for d in dests if not _devicecopy.on_device(d.tensor)]
+    _read_host(ck, dests, progress, window)
+
+
+def _read_host(ck: Checkpoint, dests: list[Dest], progress: Progress | None, window: int) -> None:
+    """Read into destinations in host memory, tier by tier (see :func:`read_into`)."""
     plan = _plan_reads(ck, dests)
     if plan.sources:
         _read_sources(ck, plan.sources, progress)
@@ -181,6 +190,35 @@ def read_into(
         left += read_sharded(ck, plan.place.directory, plan.shards, _view, progress, window)
     if plan.into or left or plan.copied:
         _read_tensorstore(ck, [*plan.into, *left], plan.copied, progress, window)
+
+
+def _read_device(ck: Checkpoint, dests: list[Dest], progress: Progress | None, window: int) -> None:
+    """Read into destinations in device memory through host memory of ``window`` bytes at
+    most (a :class:`_devicecopy.ToDevice` ring): each destination is cut into pieces
+    (within its shards, at most half the window each), a batch of pieces of half the
+    window is read into host memory in the target's dtype by the host tiers (casts and
+    their checks included), then copied to the device asynchronously while the next
+    batch is read."""
+    half = max(1, window // 2)
+    parts = []
+    for dest in dests:
+        rec, item = ck.arrays[dest.item.path], dest.item
+        itemsize = dest.tensor.element_size()
+        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
+            parts += [(dest, o, n) for o, n in _devicecopy.pieces(off, ln, itemsize, half)]
+    copier = _devicecopy.ToDevice(window)
+    try:
+        for batch in _devicecopy.batches(parts, lambda p: _devicecopy.align(math.prod(p[2]) * p[0].tensor.element_size()), half):
+            hosts = []
+            for dest, off, ln in batch:
+                host, loan = copier.take(dest.tensor.dtype, ln)
+                hosts.append((Dest(ReadItem(dest.item.path, off, ln), host, None, cast=dest.cast), loan))
+            _read_host(ck, [h for h, _ in hosts], progress, window)
+            for (dest, off, ln), (read, loan) in zip(batch, hosts):
+                dsel = tuple(slice(o - so, o - so + n) for o, so, n in zip(off, dest.item.storage_offsets, ln))
+                copier.upload(read.tensor, loan, dest.tensor[dsel] if dsel else dest.tensor)
+    finally:
+        copier.finish()
 
 
 def _read_sources(ck: Checkpoint, dests: tuple[Dest, ...], progress: Progress | None) -> None:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from . import _dtypes, _chunking, _lease, _store
+from . import _dtypes, _chunking, _devicecopy, _lease, _store
 from ._codec import shardwrite
 from ._coord import ask_root, phase
 from ._dist import coordinator_for
@@ -66,9 +66,14 @@ WRITE_THREADS = 2
 START_WRITEBACK = True
 
 
+def _box_sel(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[slice, ...]:
+    """Where the global box (``offsets``, ``lengths``) lies in a rank's local data."""
+    return tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(offsets, lf.desc.offsets, lengths))
+
+
 def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
     """Storage-dtype numpy of the global box (``offsets``, ``lengths``) from a rank's local data."""
-    sel = tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(offsets, lf.desc.offsets, lengths))
+    sel = _box_sel(lf, offsets, lengths)
     if not isinstance(lf.data, LazySource):
         return storage_numpy(lf.data[sel] if sel else lf.data)
     got = storage_numpy(lf.data[sel])
@@ -152,6 +157,10 @@ def _write_place(data: dict[str, Any], compact: bool) -> Place:
     return place(data, LAYOUT_COMPACT if compact else LAYOUT_PLAIN, shard_files=WRITE_THREADS >= 1)
 
 
+# A write started: its future, its bytes, and what to run once it has finished with its source.
+_Started = tuple[Any, int, "Callable[[], None] | None"]
+
+
 class _Writers:
     """Starts each shard file's write with its writer: the own shard writer on worker
     threads, one kvstore write of an own-encoded chunk, or a TensorStore array write
@@ -165,7 +174,8 @@ class _Writers:
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
         self.made: set[str] = set()  # directories created for shard files
 
-    def start(self, w: _ShardWrite, src: np.ndarray) -> tuple[Any, int]:
+    def start(self, w: _ShardWrite, src: np.ndarray, done: Callable[[], None] | None = None) -> _Started:
+        """Start writing ``src``; ``done`` runs once the write has finished with it."""
         if w.route is Route.SHARD:
             fut = self._shard_file(w, src)
         elif w.route is Route.CHUNK:
@@ -173,7 +183,7 @@ class _Writers:
             fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
         else:
             fut = self._tensorstore(w, src)
-        return fut, src.nbytes
+        return fut, src.nbytes, done
 
     def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
         shapes = w.shapes
@@ -195,20 +205,25 @@ class _Writers:
         written = dst.write(src, can_reference_source_data_indefinitely=True)
         return written.commit if self.txn is None else written.copy
 
-    def settle(self, started: tuple[Any, int]) -> None:
+    def settle(self, started: _Started) -> None:
         """Wait for one write."""
-        fut, nbytes = started
+        fut, nbytes, done = started
         fut.result()
+        if done is not None:
+            done()
         self.progress.update(nbytes, 1)
 
-    def commit(self, window: list[tuple[Any, int]]) -> None:
+    def commit(self, window: list[_Started]) -> None:
         """Compact layout: wait for a window's writes and commit its transaction."""
-        for fut, _ in window:
+        for fut, _, _ in window:
             fut.result()
         if self.txn is not None:
             self.txn.commit_async().result()
             self.txn = ts.Transaction()
-        self.progress.update(sum(n for _, n in window), len(window))
+        for _, _, done in window:
+            if done is not None:
+                done()
+        self.progress.update(sum(n for _, n, _ in window), len(window))
 
     def close(self) -> None:
         """Wait for the shard files being written (none is being written once this returns)."""
@@ -232,20 +247,76 @@ def _write_regions(
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = _write_place(data, compact)
     writers = _Writers(data, where, progress, compact=compact)
-    in_flight: Window[tuple[Any, int]] = (
+    in_flight: Window[_Started] = (
         Window(window, batch=writers.commit) if compact else Window(window, writers.settle)
     )
+    device = _DeviceSources(window, writers, in_flight)
     written: list[str] = []
     try:
         for w in _shard_writes(writes, {a.path: a for a in plan.arrays}, where):
             lf = local[w.item.path]
-            src = _assemble(w.item, lf, plan, received) if w.item.assembled else _local_box(lf, w.offsets, w.lengths)
-            in_flight.add(writers.start(w, src), src.nbytes)
+            if not w.item.assembled and _devicecopy.on_device(lf.data):
+                device.add(w, lf.data[_box_sel(lf, w.offsets, w.lengths)])
+            else:
+                src = _assemble(w.item, lf, plan, received) if w.item.assembled else _local_box(lf, w.offsets, w.lengths)
+                in_flight.add(writers.start(w, src), src.nbytes)
             written.append(w.key)
+        device.flush()
         in_flight.drain()
     finally:
+        device.close()
         writers.close()
     return written
+
+
+class _DeviceSources:
+    """Writes whose source is in device memory: each box is copied into the host memory of
+    a :class:`_devicecopy.ToHost` ring of the write window's bytes, one box ahead of the
+    writes, so the next box's copy runs while the previous one is written; the ring's
+    memory comes back as the writes finish (the window settles its oldest write when
+    the ring needs room). CPU sources never come here."""
+
+    def __init__(self, window: int, writers: _Writers, in_flight: Window[_Started]) -> None:
+        self.window, self.writers, self.in_flight = window, writers, in_flight
+        self.copier: _devicecopy.ToHost | None = None
+        self.ahead: collections.deque[tuple[_ShardWrite, _devicecopy.Staged]] = collections.deque()
+
+    def add(self, w: _ShardWrite, box: Any) -> None:
+        """Start copying ``box`` to the host; start the write of the box before it."""
+        if self.copier is None:
+            self.copier = _devicecopy.ToHost(self.window)
+        self.ahead.append((w, self.copier.start(box, self._make_room)))
+        if len(self.ahead) > 1:
+            self._start_oldest()
+
+    def flush(self) -> None:
+        """Start the writes of the boxes still being copied."""
+        while self.ahead:
+            self._start_oldest()
+
+    def close(self) -> None:
+        """After a failure: wait for the copies still running into host memory."""
+        for _, staged in self.ahead:
+            if self.copier is not None:
+                self.copier.ready(staged)
+        self.ahead.clear()
+
+    def _start_oldest(self) -> None:
+        copier = self.copier
+        if copier is None:
+            return
+        w, staged = self.ahead.popleft()
+        src = storage_numpy(copier.ready(staged))
+        self.in_flight.add(self.writers.start(w, src, lambda: copier.done(staged)), src.nbytes)
+
+    def _make_room(self) -> bool:
+        """Finish the oldest work holding ring memory: a write, else a box still to write."""
+        if self.in_flight.settle_oldest():
+            return True
+        if self.ahead:
+            self._start_oldest()
+            return True
+        return False
 
 
 def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool) -> list[str]:

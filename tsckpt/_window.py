@@ -52,6 +52,17 @@ class Window(Generic[T]):
         if self.in_flight > self.limit:
             self._shrink(self.limit)
 
+    def settle_oldest(self) -> bool:
+        """Settle the oldest item in flight (in batch mode, every item); False when none is.
+        Callers that hold memory for work in flight make room this way."""
+        if not self._pending:
+            return False
+        if self._batch is not None:
+            self._shrink(-1)
+            return True
+        self._settle_one()
+        return True
+
     def drain(self) -> None:
         """Settle everything still in flight (items of size 0 too), oldest first."""
         self._shrink(-1)
@@ -66,9 +77,12 @@ class Window(Generic[T]):
                 self._batch(items)
                 self.settled += size
             return
-        settle = self._settle
-        while settle is not None and self.in_flight > keep and self._pending:
-            item, size = self._pending.popleft()
-            self.in_flight -= size
-            settle(item)
-            self.settled += size
+        while self.in_flight > keep and self._pending:
+            self._settle_one()
+
+    def _settle_one(self) -> None:
+        item, size = self._pending.popleft()
+        self.in_flight -= size
+        if self._settle is not None:
+            self._settle(item)
+        self.settled += size
