@@ -130,3 +130,30 @@ def test_train_state_strict_false_keeps_what_the_checkpoint_lacks(tmp_path):
     tsckpt.restore(tmp_path, state, strict=False)
     assert state.extra == {"step": 3, "epoch": 9}
     assert torch.equal(state.model.weight, model.weight)
+
+
+def test_cuda_rng_states_are_matched_even_before_cuda_is_used(tmp_path, monkeypatch):
+    """CUDA RNG states in the checkpoint are restored on a machine with CUDA even when this
+    process has not initialized CUDA yet; a different device count warns. (CUDA faked: the
+    states are byte tensors, and torch.cuda's calls are recorded.)"""
+    import tsckpt.torch._train as train_module
+
+    saved = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    real = train_module.get_rng_state
+    monkeypatch.setattr(train_module, "get_rng_state", lambda: {**real(), "cuda": saved})
+    tsckpt.save(tmp_path, tt.TrainState(torch.nn.Linear(2, 2)))
+    monkeypatch.setattr(train_module, "get_rng_state", real)
+
+    set_calls: list[tuple[int, list[int]]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: set_calls.append((i, s.tolist())))
+    for devices in (2, 1):
+        set_calls.clear()
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+        if devices == 2:
+            tsckpt.restore(tmp_path, tt.TrainState(torch.nn.Linear(2, 2)))
+        else:
+            with pytest.warns(tsckpt.RestoreWarning, match="2 CUDA RNG states were saved, and this process sees 1"):
+                tsckpt.restore(tmp_path, tt.TrainState(torch.nn.Linear(2, 2)))
+        assert set_calls == [(i, saved[i].tolist()) for i in range(devices)]

@@ -115,7 +115,15 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         random.setstate((int(s["version"]), tuple(int(x) for x in np.asarray(s["state"])), gauss))
     if "cuda" in state and torch.cuda.is_available():
         cuda = as_list(state["cuda"])
-        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+        count = torch.cuda.device_count()
+        if len(cuda) != count:
+            warnings.warn(
+                f"{len(cuda)} CUDA RNG states were saved, and this process sees {count} CUDA devices: the states "
+                f"of the first {min(len(cuda), count)} devices are restored, the others keep theirs",
+                RestoreWarning,
+                stacklevel=2,
+            )
+        for i, s in enumerate(cuda[:count]):
             torch.cuda.set_rng_state(_byte_tensor(s), i)
 
 
@@ -386,19 +394,31 @@ def _others(state: TrainState, rank: int) -> dict[str, Any]:
     return out
 
 
+def _match_cuda_rng(ck: Checkpoint, prefix: str, target: dict[str, Any]) -> None:
+    """The CUDA RNG states' target: none when the checkpoint has none (this process keeps its
+    own); one byte tensor per stored device when it has them and CUDA is available here, even
+    where this process has not used CUDA yet (so they are never silently left out)."""
+    stored = sorted(_under(ck, prefix), key=lambda p: int(p.rsplit("/", 1)[1]))
+    if not stored or not torch.cuda.is_available():
+        target.pop("cuda", None)
+        return
+    target["cuda"] = [torch.empty(ck.array_metadata(p).shape, dtype=torch.uint8) for p in stored]
+
+
 def _match_others(ck: Checkpoint, state: TrainState, rank: int, strict: bool) -> Expanded:
     """Extra, per-rank and RNG state: each object's own state is its target (stateful_objects
     expanded), compared path by path with the checkpoint's."""
     given = _others(state, rank)
     expanded = expand(given, rank=rank)
     mine: dict[str, Any] = expanded.tree.get(RANKS, {}).get(rank, {})
-    if state.rng and "cuda" in mine[RNG] and not _under(ck, f"{RANKS}/{rank}/{RNG}/cuda"):
-        del mine[RNG]["cuda"]  # saved without CUDA: keep this process's CUDA RNG
+    if state.rng:
+        _match_cuda_rng(ck, f"{RANKS}/{rank}/{RNG}/cuda", mine[RNG])
     if not strict:
         return expanded
-    wanted = flatten(expanded.tree).paths if expanded.tree else []
+    cuda = f"{RANKS}/{rank}/{RNG}/cuda/"  # matched by _match_cuda_rng: not compared
+    wanted = [p for p in (flatten(expanded.tree).paths if expanded.tree else []) if not p.startswith(cuda)]
     sections = [f"{EXTRA}/{escape(n)}" for n in state.extra] + [f"{RANKS}/{rank}/{escape(n)}" for n in mine]
-    stored = [p for s in sections for p in _under(ck, s) if not p.startswith(f"{RANKS}/{rank}/{RNG}/cuda/")]
+    stored = [p for s in sections for p in _under(ck, s) if not p.startswith(cuda)]
     missing, unexpected = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
     if missing or unexpected:
         saved = ck.raw.get("world_size")
