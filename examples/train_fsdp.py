@@ -1,13 +1,16 @@
-"""Train a small transformer with FSDP2 on CPU, save the training state, resume it on another world size.
+"""Train a small transformer with FSDP2 on CPU, checkpointing asynchronously; resume on another world size.
 
-    torchrun --nproc-per-node 4 examples/train_fsdp.py --save ckpt/fsdp
-    torchrun --nproc-per-node 2 examples/train_fsdp.py --resume ckpt/fsdp
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --ckpt ckpt/fsdp --steps 20
+    torchrun --nproc-per-node 2 examples/train_fsdp.py --ckpt ckpt/fsdp --steps 30
 
-The first run trains 20 steps on 4 ranks and saves model, optimizer, LR
-scheduler, step counter, each rank's data sampler and RNG states. The second
-restores that checkpoint in place into a model sharded over 2 ranks (each rank
-reads only its shards) and trains 10 more steps. Without torchrun it runs in a
-single process, no process group.
+The whole training state (model, optimizer, LR scheduler, step counter, each
+rank's data sampler and RNG states) is one ``tsckpt.torch.TrainState``. A
+``CheckpointManager`` saves it every ``--every`` steps with ``save_async``:
+the loop waits only while the state is copied to host memory, and the write
+and commit go on in the background while it trains. The first run trains 20
+steps on 4 ranks; the second finds step 20, restores it in place into a model
+sharded over 2 ranks (each rank reads only its shards) and trains to step 30.
+Without torchrun it runs in a single process, no process group.
 """
 
 from __future__ import annotations
@@ -86,11 +89,10 @@ class Sampler:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="steps to train (default 20, or 10 after --resume)")
-    ap.add_argument("--save", help="checkpoint directory to write at the end")
-    ap.add_argument("--resume", help="checkpoint directory to resume from")
+    ap.add_argument("--ckpt", required=True, help="checkpoint root: resumes from its latest step, if any")
+    ap.add_argument("--steps", type=int, default=20, help="train until this step")
+    ap.add_argument("--every", type=int, default=5, help="save every this many steps")
     args = ap.parse_args()
-    steps = args.steps if args.steps is not None else (10 if args.resume else 20)
 
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
@@ -111,15 +113,16 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, 30) / 30)))
     sampler = Sampler(rank, world)
+
+    state = tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched}, per_rank={"sampler": sampler})
+    manager = tsckpt.CheckpointManager(args.ckpt, keep_last=2)
     step = 0
-
-    if args.resume:
-        out = tsckpt.torch.restore(args.resume, model, opt, extra={"scheduler": sched, "step": 0}, per_rank={"sampler": sampler})
-        step = out["step"]
+    if manager.latest_step() is not None:
+        step = manager.restore(target=state)  # the latest complete step, straight into the live objects
         if rank == 0:
-            print(f"resumed {args.resume} at step {step} on {world} rank(s)")
+            print(f"resumed {args.ckpt} at step {step} on {world} rank(s)")
 
-    for _ in range(steps):
+    while step < args.steps:
         x, y = sampler.next()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -133,11 +136,12 @@ def main() -> None:
             loss /= world
         if rank == 0 and (step % 5 == 0):
             print(f"step {step:3d}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}")
+        if step % args.every == 0 or step == args.steps:
+            manager.save_async(step, state)  # every rank; returns once the state is staged
 
-    if args.save:
-        tsckpt.torch.save(args.save, model, opt, extra={"scheduler": sched, "step": step}, per_rank={"sampler": sampler}, overwrite=True)
-        if rank == 0:
-            print(f"saved step {step} to {args.save}")
+    manager.close()  # waits for the last save's commit (and raises if it failed)
+    if rank == 0:
+        print(f"saved steps {manager.all_steps()} to {args.ckpt}")
     if distributed:
         dist.destroy_process_group()
 

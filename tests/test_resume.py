@@ -104,12 +104,15 @@ def test_example_saves_and_resumes(tmp_path):
     d = str(tmp_path / "ck")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    first = subprocess.run([sys.executable, script, "--steps", "5", "--save", d], capture_output=True, text=True, env=env, timeout=120)
+    first = subprocess.run([sys.executable, script, "--ckpt", d, "--steps", "6", "--every", "2"],
+                           capture_output=True, text=True, env=env, timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert f"saved step 5 to {d}" in first.stdout
-    second = subprocess.run([sys.executable, script, "--resume", d, "--steps", "5"], capture_output=True, text=True, env=env, timeout=120)
+    assert f"saved steps [4, 6] to {d}" in first.stdout  # keep_last=2 of steps 2, 4, 6
+    second = subprocess.run([sys.executable, script, "--ckpt", d, "--steps", "10"],
+                            capture_output=True, text=True, env=env, timeout=120)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert f"resumed {d} at step 5 on 1 rank(s)" in second.stdout and "step  10  loss" in second.stdout
+    assert f"resumed {d} at step 6 on 1 rank(s)" in second.stdout and "step  10  loss" in second.stdout
+    assert f"saved steps [6, 10] to {d}" in second.stdout
 
 
 def per_rank_values(rank: int, world: int, directory: str) -> dict:
