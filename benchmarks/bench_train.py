@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Step-time overhead of checkpointing in the background, in a training loop on the CPU.
+
+Workload: an MLP of ``--layers`` Linear layers of ``--dim`` x ``--dim`` (with
+biases) trained by AdamW on random batches, in one process, with torch set to
+use all CPUs but one (the one left is where a background save runs). The state
+saved is a ``tsckpt.torch.TrainState`` (model, optimizer, LR scheduler, step,
+RNG states): about 3x the parameters' bytes.
+
+Phases, interleaved in ``--rounds`` rounds so drift affects all alike:
+
+  no save        ``--steps`` training steps with no checkpointing
+  tsckpt         ``CheckpointManager.save_async(step, state)``, a new save as
+                 soon as the previous one committed, so a save runs in the
+                 background during every step of the phase
+  dcp            the same with ``torch.distributed.checkpoint.async_save`` of
+                 ``get_state_dict(model, opt)`` (DCP's own asynchronous save, in
+                 a thread), when it runs without a process group
+
+Reported: the median step time of each phase (steps that began while a save
+was in flight; the step that called save_async is counted separately, as the
+blocking time of the call), the overhead against "no save", and each save's
+blocking and total time. Target (issue): median step time while a save runs
+at most 5% above the median without one.
+
+Usage
+  python benchmarks/bench_train.py                  # ~3-5 min on a 2-core VM
+  python benchmarks/bench_train.py --quick          # a smoke run
+  python benchmarks/bench_train.py --write-results  # also update benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+from _common import finish, machine_info
+
+import torch
+from torch import nn
+
+import tsckpt
+import tsckpt.torch
+
+SECTION = "## Training loop: step time while saving in the background"
+MiB = 1 << 20
+
+
+def build(dim: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.GELU())])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100)
+    return model, opt, sched
+
+
+def make_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, dim: int, batch: int) -> Callable[[], None]:
+    x = torch.randn(batch, dim)
+
+    def step() -> None:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+
+    return step
+
+
+def timed_steps(step: Callable[[], None], n: int, busy: Callable[[], bool], start_save: Callable[[], Any]) -> dict[str, list[float]]:
+    """Run ``n`` steps; before each, start a save if none is in flight (``start_save`` may be a
+    no-op). Returns the step times that began while a save was in flight, the others, and
+    the blocking times of the save calls."""
+    out: dict[str, list[float]] = {"during": [], "idle": [], "blocked": [], "total": []}
+    started: float | None = None
+    for _ in range(n):
+        if not busy():
+            if started is not None:
+                out["total"].append(time.perf_counter() - started)
+            t = time.perf_counter()
+            if start_save():
+                out["blocked"].append(time.perf_counter() - t)
+                started = t
+            else:
+                started = None
+        t = time.perf_counter()
+        in_flight = busy()
+        step()
+        out["during" if in_flight else "idle"].append(time.perf_counter() - t)
+    return out
+
+
+class TsckptSaver:
+    def __init__(self, root: str, state: Any) -> None:
+        self.manager = tsckpt.CheckpointManager(root, keep_last=1)
+        self.state, self.step, self.handle = state, 0, None
+
+    def busy(self) -> bool:
+        return self.handle is not None and not self.handle.done()
+
+    def start(self) -> bool:
+        if self.handle is not None:
+            self.handle.result()
+        self.step += 1
+        self.handle = self.manager.save_async(self.step, self.state)
+        return True
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+class DcpSaver:
+    def __init__(self, root: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.dcp, self.get_state_dict = dcp, get_state_dict
+        self.root, self.model, self.opt, self.n, self.future = root, model, opt, 0, None
+
+    def busy(self) -> bool:
+        return self.future is not None and not self.future.done()
+
+    def start(self) -> bool:
+        if self.future is not None:
+            self.future.result()
+            shutil.rmtree(os.path.join(self.root, str(self.n - 1)), ignore_errors=True)
+        msd, osd = self.get_state_dict(self.model, self.opt)
+        self.future = self.dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(self.root, str(self.n)))
+        self.n += 1
+        return True
+
+    def close(self) -> None:
+        if self.future is not None:
+            self.future.result()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    model, opt, sched = build(args.dim, args.layers)
+    step = make_step(model, opt, sched, args.dim, args.batch)
+    for _ in range(3):
+        step()  # warm-up, and AdamW's state exists
+    state = tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": 0})
+    state_bytes = sum(t.numel() * t.element_size() for t in tsckpt.torch.get_state_dict(model, opt)["model"].values())
+    state_bytes += sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    root = tempfile.mkdtemp(prefix="bench_train_", dir=args.dir)
+    savers: dict[str, Any] = {"tsckpt": TsckptSaver(os.path.join(root, "tsckpt"), state)}
+    try:
+        savers["dcp"] = DcpSaver(os.path.join(root, "dcp"), model, opt)
+        savers["dcp"].start()
+        savers["dcp"].close()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        print(f"dcp async_save unavailable here: {type(e).__name__}: {e}")
+        savers.pop("dcp")
+    phases: dict[str, dict[str, list[float]]] = {
+        name: {"during": [], "idle": [], "blocked": [], "total": []} for name in ["no save", *savers]
+    }
+    try:
+        for _ in range(args.rounds):
+            got = timed_steps(step, args.steps, lambda: False, lambda: False)
+            phases["no save"]["idle"] += got["idle"]
+            for name, saver in savers.items():
+                got = timed_steps(step, args.steps, saver.busy, saver.start)
+                saver.close()
+                for k, v in got.items():
+                    phases[name][k] += v
+    finally:
+        for saver in savers.values():
+            saver.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"machine": machine_info(), "threads": threads, "state_bytes": state_bytes, "phases": phases}
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.1f} ms" if xs else "-"
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> str:
+    m, phases = results["machine"], results["phases"]
+    base = statistics.median(phases["no save"]["idle"])
+    lines = [
+        SECTION,
+        "",
+        f"Measured {m['date'][:10]} by `benchmarks/bench_train.py` on {m['nproc']} CPUs ({m['cpu']}), "
+        f"torch {m['torch']} with {results['threads']} thread(s); 1-minute load average {m['load_avg'][0]:.1f}.",
+        f"Model: {args.layers} Linear layers of {args.dim} x {args.dim}, AdamW, batch {args.batch}; state "
+        f"{results['state_bytes'] / MiB:.0f} MiB. {args.rounds} rounds of {args.steps} steps per phase.",
+        "",
+        "| phase | median step, save in flight | steps | overhead | save call blocks (median) | save total (median) |",
+        "|---|---|---|---|---|---|",
+        f"| no save | {_med(phases['no save']['idle'])} | {len(phases['no save']['idle'])} | - | - | - |",
+    ]
+    for name in [n for n in phases if n != "no save"]:
+        p = phases[name]
+        over = f"{(statistics.median(p['during']) / base - 1) * 100:+.1f}%" if p["during"] else "-"
+        lines.append(
+            f"| {name} | {_med(p['during'])} | {len(p['during'])} | {over} | {_med(p['blocked'])} | {_med(p['total'])} |"
+        )
+    if phases["tsckpt"]["during"]:
+        over = statistics.median(phases["tsckpt"]["during"]) / base - 1
+        lines += ["", f"Target: at most +5% step time while a save runs: {'met' if over <= 0.05 else 'missed'} ({over * 100:+.1f}%)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the temp dir)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--write-results", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.dim, args.layers, args.steps, args.rounds = 256, 4, 10, 1
+    finish(run(args), args, report, SECTION)
+
+
+if __name__ == "__main__":
+    main()
