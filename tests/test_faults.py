@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import tsckpt
+import tsckpt._commit as commit_module
 import tsckpt._lease as lease_module
 import tsckpt._restore as restore_module
 import tsckpt._save as save_module
@@ -507,7 +508,7 @@ def test_overwrite_refuses_a_save_running_in_this_process(ckdir, monkeypatch):
 
 def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
     t, release, outcome = _blocked_in_thread(monkeypatch, ckdir)
-    other = save_module._root("pending", {"claim": lease_module.new_claim()})
+    other = commit_module.root_json("pending", {"claim": lease_module.new_claim()})
     store.write_durable(store.resolve(ckdir), ROOT_KEY, other)  # as a save that judged ours dead would
     release.set()
     t.join(60)

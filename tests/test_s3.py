@@ -429,3 +429,83 @@ def test_stalled_endpoint_is_dropped(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert f"cannot reach {endpoint}" in out.stdout and "Timeout was reached" in out.stdout
     assert time.monotonic() - start < 30
+
+
+# ---- lost responses of conditional writes ------------------------------------------------
+
+
+@pytest.fixture
+def lossy(s3_server, s3_env, monkeypatch):
+    """A proxy between tsckpt and the server that loses the responses it is told to."""
+    from tests.s3proxy import LossyProxy
+
+    proxy = LossyProxy(s3_server, BUCKET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    yield proxy
+    proxy.close()
+
+
+def _root_put(prefix: str, header: str):
+    """A conditional PUT of the root of ``prefix`` carrying ``header`` (if-none-match: the claim;
+    if-match: a renewal or the commit)."""
+    return lambda r: r.method == "PUT" and r.key == f"{prefix}/zarr.json" and header in r.headers
+
+
+def _big_tree(seed: int) -> dict:
+    return {**_tree(seed), "opt": {f"l{i:02d}": torch.full((4,), float(i + seed)) for i in range(20)}}
+
+
+def _assert_big(got: dict, seed: int) -> None:
+    _assert_tree(got, seed)
+    assert [got["opt"][f"l{i:02d}"].tolist() for i in range(20)] == [[float(i + seed)] * 4 for i in range(20)]
+
+
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+@pytest.mark.parametrize("lost", ["claim", "commit"])
+def test_a_lost_response_of_the_claim_or_commit_is_recognised(s3_server, prefix, lossy, layout, lost):
+    """The store applies the PUT, its response is lost, the retry finds the root changed:
+    the save reads the root back, finds its own token, and goes on (claim) or returns (commit)."""
+    url = f"s3://{BUCKET}/{prefix}"
+    lossy.lose(_root_put(prefix, "if-none-match" if lost == "claim" else "if-match"))
+    tsckpt.save(url, _big_tree(3), layout=layout)
+    assert [r.key for r in lossy.dropped] == [f"{prefix}/zarr.json"]  # the loss happened
+    stored = _root(s3_server, prefix)
+    assert stored["state"] == "committed" and root_layout(stored) == layout_record(layout)
+    _assert_big(tsckpt.restore(url), 3)
+    tsckpt.save(url, _big_tree(4), layout=layout, overwrite=True)  # nothing was left behind that refuses
+    _assert_big(tsckpt.restore(url), 4)
+
+
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+def test_a_lost_response_of_a_renewal_keeps_the_lease(s3_server, prefix, lossy, layout, monkeypatch):
+    import tsckpt._lease as lease_module
+
+    url = f"s3://{BUCKET}/{prefix}"
+    monkeypatch.setattr(lease_module, "RENEW_SECONDS", 0.05)
+    renewal = _root_put(prefix, "if-match")
+    lossy.lose(renewal)
+    real = save_module._write
+
+    def slow_write(*args, **kwargs):  # the save runs until a renewal was lost and two more landed
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (lossy.dropped and sum(map(renewal, lossy.seen)) >= 3):
+            time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write", slow_write)
+    tsckpt.save(url, _big_tree(5), layout=layout)
+    assert lossy.dropped and sum(map(renewal, lossy.seen)) >= 4  # a lost renewal, two more, the commit
+    assert _root(s3_server, prefix)["state"] == "committed"
+    _assert_big(tsckpt.restore(url), 5)
+
+
+def test_manager_step_whose_commit_response_was_lost_is_saved(s3_server, prefix, lossy):
+    root = f"s3://{BUCKET}/{prefix}"
+    m = tsckpt.CheckpointManager(root, keep_last=2)
+    m.save(8, _tree(8))
+    lossy.lose(_root_put(f"{prefix}/00000009", "if-match"))
+    m.save(9, _tree(9))
+    assert len(lossy.dropped) == 1
+    assert m.all_steps() == [8, 9]
+    _assert_tree(m.restore(9), 9)
+    m.close()
