@@ -395,11 +395,13 @@ def test_unusable_credentials_spec(prefix):
 
 
 _STALLED_OPEN = """
-import sys, tsckpt
+import sys, time, tsckpt
 quick = {"s3_request_retries": {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}}
+start = time.monotonic()
 try:
     tsckpt.open({"driver": "s3", "bucket": "b-1", "path": "ck", "endpoint": sys.argv[1], "context": quick})
 except tsckpt.StorageError as e:
+    print(time.monotonic() - start)
     print(e)
     sys.exit(0)
 sys.exit(1)
@@ -407,14 +409,18 @@ sys.exit(1)
 
 
 @pytest.mark.timeout(60)
-def test_stalled_endpoint_is_dropped(tmp_path):
-    """A server that accepts connections and never answers: the stall limit ends each try.
-    In a fresh process, as TensorStore reads the limit once per process."""
+def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
+    """A server that accepts connections and never answers: each attempt ends at the stall
+    limit, and the request, retries included, within request_seconds() of its settings.
+    In a fresh process, as TensorStore reads the stall limit once per process."""
     import os
     import socket
     import subprocess
     import sys
 
+    quick = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}
+    bound = tsckpt._store.request_seconds(quick, 1)
+    assert bound == pytest.approx(3 * 1 + 0.02 + 0.02)  # 3 attempts of 1 s; backoff up to 2 x 20 ms
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -423,12 +429,23 @@ def test_stalled_endpoint_is_dropped(tmp_path):
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1",
                "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
-        start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", _STALLED_OPEN, endpoint], env=env, capture_output=True,
                              text=True, timeout=50, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    assert f"cannot reach {endpoint}" in out.stdout and "Timeout was reached" in out.stdout
-    assert time.monotonic() - start < 30
+    took, message = out.stdout.split("\n", 1)
+    assert 3 * 0.9 <= float(took) <= bound + 1.0  # every attempt ran to the stall limit, and no longer
+    assert f"cannot reach {endpoint}" in message and "Timeout was reached" in message
+    assert f"gives up after at most about {bound:.0f} s" in message
+
+
+def test_default_request_bound_is_at_most_60_s(monkeypatch):
+    """tsckpt's defaults: 7 attempts of at most 6 s each, and at most 12.75 s of backoff."""
+    monkeypatch.delenv("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", raising=False)
+    assert tsckpt._store.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
+    assert tsckpt._store.request_seconds() <= 60
+    assert tsckpt._store.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
+    with pytest.raises(ValueError, match="not a duration"):
+        tsckpt._store.request_seconds({"initial_delay": "soon"})
 
 
 # ---- lost responses of conditional writes ------------------------------------------------
