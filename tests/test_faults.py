@@ -564,3 +564,28 @@ def test_a_file_in_the_way_is_a_storage_fault_not_damage(tmp_path):
         tsckpt.save(str(blocker / "ck"), {"x": np.arange(10)})
     assert info.value.errno == errno.ENOTDIR
     assert str(info.value).startswith(f"{blocker / 'ck'}: not a directory (ENOTDIR) while writing")
+
+
+def test_a_claim_whose_directory_vanished_lost_the_race(tmp_path, monkeypatch):
+    """Another manager clearing the step (renaming the directory away) while this save renames
+    TensorStore's lock file into place: ENOENT there means the race was lost, and says so."""
+    root = str(tmp_path / "run")
+    m = tsckpt.CheckpointManager(root)
+    real = store.write_durable
+
+    def vanished(loc, key, data, *, if_equal=None):
+        if key == ROOT_KEY and if_equal is not None and data is not None and b'"pending"' in data:
+            lock = os.path.join(loc.local, f"{ROOT_KEY}.__lock")
+            raise ValueError(f'NOT_FOUND: Error renaming "{lock}": No such file or directory [os_error_code=\'2\']')
+        return real(loc, key, data, if_equal=if_equal)
+
+    monkeypatch.setattr(store, "write_durable", vanished)
+    with pytest.raises(tsckpt.CheckpointExistsError, match="started at the same time and claimed it first"):
+        m.save(3, _tree())
+    monkeypatch.setattr(store, "write_durable", lambda *a, **k: (_ for _ in ()).throw(  # any other fault stays one
+        ValueError("PERMISSION_DENIED: Error writing \"/x\": Permission denied [os_error_code='13']")))
+    with pytest.raises(tsckpt.StorageError, match="permission denied"):
+        m.save(4, _tree())
+    monkeypatch.undo()
+    m.save(3, _tree(1))
+    _check(m.restore(3), 1)

@@ -487,8 +487,8 @@ def _leaves(seed: int) -> dict:
     return {f"l{i:02d}": np.full((16, 8), seed * 100 + i, dtype=np.int64) for i in range(12)}
 
 
-REPLACED = "the checkpoint was replaced .* while it was being read; nothing read since it was opened is returned"
-DELETED = "the checkpoint was deleted .* while it was being read"
+REPLACED = "the checkpoint was replaced or deleted while it was being read .*; nothing read since it was opened is returned"
+DELETED = REPLACED + ".*its root zarr.json is gone"
 
 
 def test_a_reader_never_mixes_two_checkpoints(ckdir, layout):

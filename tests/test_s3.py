@@ -526,3 +526,47 @@ def test_manager_step_whose_commit_response_was_lost_is_saved(s3_server, prefix,
     assert m.all_steps() == [8, 9]
     _assert_tree(m.restore(9), 9)
     m.close()
+
+
+# ---- readers of a checkpoint replaced or deleted meanwhile -----------------------------------
+
+REPLACED = "the checkpoint was replaced or deleted while it was being read"
+
+
+@pytest.mark.no_checkpoint_root  # on S3
+def test_a_reader_never_mixes_two_checkpoints_on_s3(s3_server, prefix, layout):
+    import gc
+
+    url = f"s3://{BUCKET}/{prefix}"
+    tsckpt.save(url, _big_tree(1), layout=layout)
+    reader = tsckpt.open(url)
+    assert reader["opt/l00"].torch[0].item() == 1.0
+    tsckpt.save(url, _big_tree(2), layout=layout, overwrite=True)
+    for leaf in ("opt/l07", "opt/l00", "w"):
+        with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED + ".*its root now says 'committed'"):
+            reader[leaf][...]
+    del reader
+    gc.collect()
+    _assert_big(tsckpt.restore(url), 2)
+
+
+@pytest.mark.no_checkpoint_root  # on S3
+def test_a_restore_of_a_step_retention_deletes_on_s3(s3_server, prefix, layout, monkeypatch):
+    import tsckpt._restore as restore_module
+
+    m = tsckpt.CheckpointManager(f"s3://{BUCKET}/{prefix}", keep_last=1, layout=layout)
+    m.save(0, _big_tree(0))
+    reader = tsckpt.open(m.directory(0))
+    real = restore_module._restore_saved
+
+    def overtaken(*args, **kwargs):
+        m.save(1, _big_tree(1))  # retention deletes step 0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_restore_saved", overtaken)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED + ".*its root zarr.json is gone"):
+        m.restore(0)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED):
+        reader["w"][...]
+    assert m.all_steps() == [1]
+    m.close()

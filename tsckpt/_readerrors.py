@@ -82,13 +82,10 @@ def replaced(loc: Location, generation: bytes | None) -> CheckpointReplacedError
         return None
     if found.state == "unspecified":
         return None
-    if found.state == "missing":
-        what = "was deleted (by a manager's retention or clean-up, or another process)"
-    else:
-        what = "was replaced (by another save with overwrite=True)"
-    now = _now(bytes(found.value)) if found.state == "value" else ""
+    now = _now(bytes(found.value)) if found.state == "value" else " (its root zarr.json is gone)"
     return CheckpointReplacedError(
-        f"{loc}: the checkpoint {what} while it was being read; nothing read since it was opened is "
+        f"{loc}: the checkpoint was replaced or deleted while it was being read (by another save with "
+        "overwrite=True, or a manager's retention or clean-up); nothing read since it was opened is "
         f"returned, as it could mix two checkpoints{now}. Open or restore it again (a manager: pick the "
         "step again), and keep steps being read out of retention"
     )
