@@ -22,6 +22,7 @@ import torch
 
 import tsckpt
 import tsckpt._save as save_module
+from tsckpt._commit import root_json
 from tsckpt._format import ROOT_KEY
 from tsckpt._store import Location, resolve
 
@@ -220,7 +221,7 @@ def test_claim_lost_between_check_and_create(tmp_path, monkeypatch):
 
     def other_saver_wins(location):
         empty = real(location)
-        save_module._store.write_durable(location, ROOT_KEY, save_module._root("pending"))
+        save_module._store.write_durable(location, ROOT_KEY, root_json("pending"))
         return empty
 
     monkeypatch.setattr(save_module._store, "has_any_key", other_saver_wins)
@@ -259,7 +260,7 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
 
         def read(self, key):
             r = self._kv.read(key).result()
-            save_module._store.write_durable(loc, ROOT_KEY, save_module._root("pending"))
+            save_module._store.write_durable(loc, ROOT_KEY, root_json("pending"))
             return Done(r)
 
         def __getattr__(self, name):

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import tsckpt
+import tsckpt._commit as commit_module
 import tsckpt._lease as lease_module
 import tsckpt._restore as restore_module
 import tsckpt._save as save_module
@@ -507,7 +508,7 @@ def test_overwrite_refuses_a_save_running_in_this_process(ckdir, monkeypatch):
 
 def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
     t, release, outcome = _blocked_in_thread(monkeypatch, ckdir)
-    other = save_module._root("pending", {"claim": lease_module.new_claim()})
+    other = commit_module.root_json("pending", {"claim": lease_module.new_claim()})
     store.write_durable(store.resolve(ckdir), ROOT_KEY, other)  # as a save that judged ours dead would
     release.set()
     t.join(60)
@@ -563,3 +564,28 @@ def test_a_file_in_the_way_is_a_storage_fault_not_damage(tmp_path):
         tsckpt.save(str(blocker / "ck"), {"x": np.arange(10)})
     assert info.value.errno == errno.ENOTDIR
     assert str(info.value).startswith(f"{blocker / 'ck'}: not a directory (ENOTDIR) while writing")
+
+
+def test_a_claim_whose_directory_vanished_lost_the_race(tmp_path, monkeypatch):
+    """Another manager clearing the step (renaming the directory away) while this save renames
+    TensorStore's lock file into place: ENOENT there means the race was lost, and says so."""
+    root = str(tmp_path / "run")
+    m = tsckpt.CheckpointManager(root)
+    real = store.write_durable
+
+    def vanished(loc, key, data, *, if_equal=None):
+        if key == ROOT_KEY and if_equal is not None and data is not None and b'"pending"' in data:
+            lock = os.path.join(loc.local, f"{ROOT_KEY}.__lock")
+            raise ValueError(f'NOT_FOUND: Error renaming "{lock}": No such file or directory [os_error_code=\'2\']')
+        return real(loc, key, data, if_equal=if_equal)
+
+    monkeypatch.setattr(store, "write_durable", vanished)
+    with pytest.raises(tsckpt.CheckpointExistsError, match="started at the same time and claimed it first"):
+        m.save(3, _tree())
+    monkeypatch.setattr(store, "write_durable", lambda *a, **k: (_ for _ in ()).throw(  # any other fault stays one
+        ValueError("PERMISSION_DENIED: Error writing \"/x\": Permission denied [os_error_code='13']")))
+    with pytest.raises(tsckpt.StorageError, match="permission denied"):
+        m.save(4, _tree())
+    monkeypatch.undo()
+    m.save(3, _tree(1))
+    _check(m.restore(3), 1)

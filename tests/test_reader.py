@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -477,3 +478,76 @@ def test_a_torch_kind_needs_a_torch_dtype(ckdir):
         tsckpt.restore(ckdir, as_saved=True)  # raised KeyError
     assert "the record of array 'e3' in the root metadata is invalid: 'kind' is 'torch' but torch has no dtype " \
         "'float8_e3m4'" in str(info.value)
+
+
+# ---- a checkpoint replaced or deleted while it is read ---------------------------------------
+
+
+def _leaves(seed: int) -> dict:
+    return {f"l{i:02d}": np.full((16, 8), seed * 100 + i, dtype=np.int64) for i in range(12)}
+
+
+REPLACED = "the checkpoint was replaced or deleted while it was being read .*; nothing read since it was opened is returned"
+DELETED = REPLACED + ".*its root zarr.json is gone"
+
+
+def test_a_reader_never_mixes_two_checkpoints(ckdir, layout):
+    """Another save overwrites the checkpoint while a reader holds it: every later read raises
+    CheckpointReplacedError, none returns the new checkpoint's data."""
+    tsckpt.save(ckdir, _leaves(1), layout=layout)
+    reader = tsckpt.open(ckdir)
+    assert reader["l00"][0, 0] == 100
+    tsckpt.save(ckdir, _leaves(2), layout=layout, overwrite=True)
+    for leaf in ("l05", "l00"):  # not yet read, and read before
+        with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED) as e:
+            reader[leaf][...]
+        assert isinstance(e.value, RuntimeError) and str(e.value).startswith(f"{os.path.abspath(ckdir)}: ")
+    del reader, e  # compact: this process opens the new database once no reader holds the replaced one
+    gc.collect()
+    assert tsckpt.open(ckdir)["l05"][0, 0] == 205  # opened again: the new checkpoint
+
+
+@pytest.mark.no_checkpoint_root  # deleted
+def test_a_reader_of_a_deleted_checkpoint(ckdir, layout):
+    tsckpt.save(ckdir, _leaves(1), layout=layout)
+    reader = tsckpt.open(ckdir)
+    shutil.rmtree(ckdir)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=DELETED):
+        reader["l03"][...]
+
+
+def test_a_restore_overtaken_by_an_overwrite_raises(ckdir, layout, monkeypatch):
+    """The overwrite lands between the restore's opening and its reads (plain: the new files
+    would be read under the old records; compact: the old database is gone)."""
+    import tsckpt._restore as restore_module
+
+    tsckpt.save(ckdir, _leaves(1), layout=layout)
+    real = restore_module._restore_saved
+
+    def overtaken(*args, **kwargs):
+        tsckpt.save(ckdir, _leaves(2), layout=layout, overwrite=True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_restore_saved", overtaken)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED + ".*its root now says 'committed'"):
+        tsckpt.restore(ckdir)
+    monkeypatch.undo()
+    assert tsckpt.restore(ckdir)["l07"][0, 0] == 207
+
+
+def test_a_restore_of_a_step_retention_deletes(tmp_path, layout, monkeypatch):
+    import tsckpt._restore as restore_module
+
+    m = tsckpt.CheckpointManager(str(tmp_path / "run"), keep_last=1, layout=layout)
+    m.save(0, _leaves(0))
+    real = restore_module._restore_saved
+
+    def overtaken(*args, **kwargs):
+        m.save(1, _leaves(1))  # retention deletes step 0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_restore_saved", overtaken)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=DELETED):
+        m.restore(0)
+    assert m.all_steps() == [1]
+    m.close()

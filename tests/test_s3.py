@@ -412,11 +412,13 @@ def test_unusable_credentials_spec(prefix):
 
 
 _STALLED_OPEN = """
-import sys, tsckpt
+import sys, time, tsckpt
 quick = {"s3_request_retries": {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}}
+start = time.monotonic()
 try:
     tsckpt.open({"driver": "s3", "bucket": "b-1", "path": "ck", "endpoint": sys.argv[1], "context": quick})
 except tsckpt.StorageError as e:
+    print(time.monotonic() - start)
     print(e)
     sys.exit(0)
 sys.exit(1)
@@ -424,14 +426,18 @@ sys.exit(1)
 
 
 @pytest.mark.timeout(60)
-def test_stalled_endpoint_is_dropped(tmp_path):
-    """A server that accepts connections and never answers: the stall limit ends each try.
-    In a fresh process, as TensorStore reads the limit once per process."""
+def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
+    """A server that accepts connections and never answers: each attempt ends at the stall
+    limit, and the request, retries included, within request_seconds() of its settings.
+    In a fresh process, as TensorStore reads the stall limit once per process."""
     import os
     import socket
     import subprocess
     import sys
 
+    quick = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}
+    bound = tsckpt._store.request_seconds(quick, 1)
+    assert bound == pytest.approx(3 * 1 + 0.02 + 0.02)  # 3 attempts of 1 s; backoff up to 2 x 20 ms
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -440,9 +446,144 @@ def test_stalled_endpoint_is_dropped(tmp_path):
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1",
                "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
-        start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", _STALLED_OPEN, endpoint], env=env, capture_output=True,
                              text=True, timeout=50, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    assert f"cannot reach {endpoint}" in out.stdout and "Timeout was reached" in out.stdout
-    assert time.monotonic() - start < 30
+    took, message = out.stdout.split("\n", 1)
+    assert 3 * 0.9 <= float(took) <= bound + 1.0  # every attempt ran to the stall limit, and no longer
+    assert f"cannot reach {endpoint}" in message and "Timeout was reached" in message
+    assert f"gives up after at most about {bound:.0f} s" in message
+
+
+def test_default_request_bound_is_at_most_60_s(monkeypatch):
+    """tsckpt's defaults: 7 attempts of at most 6 s each, and at most 12.75 s of backoff."""
+    monkeypatch.delenv("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", raising=False)
+    assert tsckpt._store.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
+    assert tsckpt._store.request_seconds() <= 60
+    assert tsckpt._store.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
+    with pytest.raises(ValueError, match="not a duration"):
+        tsckpt._store.request_seconds({"initial_delay": "soon"})
+
+
+# ---- lost responses of conditional writes ------------------------------------------------
+
+
+@pytest.fixture
+def lossy(s3_server, s3_env, monkeypatch):
+    """A proxy between tsckpt and the server that loses the responses it is told to."""
+    from tests.s3proxy import LossyProxy
+
+    proxy = LossyProxy(s3_server, BUCKET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    yield proxy
+    proxy.close()
+
+
+def _root_put(prefix: str, header: str):
+    """A conditional PUT of the root of ``prefix`` carrying ``header`` (if-none-match: the claim;
+    if-match: a renewal or the commit)."""
+    return lambda r: r.method == "PUT" and r.key == f"{prefix}/zarr.json" and header in r.headers
+
+
+def _big_tree(seed: int) -> dict:
+    return {**_tree(seed), "opt": {f"l{i:02d}": torch.full((4,), float(i + seed)) for i in range(20)}}
+
+
+def _assert_big(got: dict, seed: int) -> None:
+    _assert_tree(got, seed)
+    assert [got["opt"][f"l{i:02d}"].tolist() for i in range(20)] == [[float(i + seed)] * 4 for i in range(20)]
+
+
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+@pytest.mark.parametrize("lost", ["claim", "commit"])
+def test_a_lost_response_of_the_claim_or_commit_is_recognised(s3_server, prefix, lossy, layout, lost):
+    """The store applies the PUT, its response is lost, the retry finds the root changed:
+    the save reads the root back, finds its own token, and goes on (claim) or returns (commit)."""
+    url = f"s3://{BUCKET}/{prefix}"
+    lossy.lose(_root_put(prefix, "if-none-match" if lost == "claim" else "if-match"))
+    tsckpt.save(url, _big_tree(3), layout=layout)
+    assert [r.key for r in lossy.dropped] == [f"{prefix}/zarr.json"]  # the loss happened
+    stored = _root(s3_server, prefix)
+    assert stored["state"] == "committed" and root_layout(stored) == layout_record(layout)
+    _assert_big(tsckpt.restore(url), 3)
+    tsckpt.save(url, _big_tree(4), layout=layout, overwrite=True)  # nothing was left behind that refuses
+    _assert_big(tsckpt.restore(url), 4)
+
+
+@pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
+def test_a_lost_response_of_a_renewal_keeps_the_lease(s3_server, prefix, lossy, layout, monkeypatch):
+    import tsckpt._lease as lease_module
+
+    url = f"s3://{BUCKET}/{prefix}"
+    monkeypatch.setattr(lease_module, "RENEW_SECONDS", 0.05)
+    renewal = _root_put(prefix, "if-match")
+    lossy.lose(renewal)
+    real = save_module._write
+
+    def slow_write(*args, **kwargs):  # the save runs until a renewal was lost and two more landed
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (lossy.dropped and sum(map(renewal, lossy.seen)) >= 3):
+            time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "_write", slow_write)
+    tsckpt.save(url, _big_tree(5), layout=layout)
+    assert lossy.dropped and sum(map(renewal, lossy.seen)) >= 4  # a lost renewal, two more, the commit
+    assert _root(s3_server, prefix)["state"] == "committed"
+    _assert_big(tsckpt.restore(url), 5)
+
+
+def test_manager_step_whose_commit_response_was_lost_is_saved(s3_server, prefix, lossy):
+    root = f"s3://{BUCKET}/{prefix}"
+    m = tsckpt.CheckpointManager(root, keep_last=2)
+    m.save(8, _tree(8))
+    lossy.lose(_root_put(f"{prefix}/00000009", "if-match"))
+    m.save(9, _tree(9))
+    assert len(lossy.dropped) == 1
+    assert m.all_steps() == [8, 9]
+    _assert_tree(m.restore(9), 9)
+    m.close()
+
+
+# ---- readers of a checkpoint replaced or deleted meanwhile -----------------------------------
+
+REPLACED = "the checkpoint was replaced or deleted while it was being read"
+
+
+@pytest.mark.no_checkpoint_root  # on S3
+def test_a_reader_never_mixes_two_checkpoints_on_s3(s3_server, prefix, layout):
+    import gc
+
+    url = f"s3://{BUCKET}/{prefix}"
+    tsckpt.save(url, _big_tree(1), layout=layout)
+    reader = tsckpt.open(url)
+    assert reader["opt/l00"].torch[0].item() == 1.0
+    tsckpt.save(url, _big_tree(2), layout=layout, overwrite=True)
+    for leaf in ("opt/l07", "opt/l00", "w"):
+        with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED + ".*its root now says 'committed'"):
+            reader[leaf][...]
+    del reader
+    gc.collect()
+    _assert_big(tsckpt.restore(url), 2)
+
+
+@pytest.mark.no_checkpoint_root  # on S3
+def test_a_restore_of_a_step_retention_deletes_on_s3(s3_server, prefix, layout, monkeypatch):
+    import tsckpt._restore as restore_module
+
+    m = tsckpt.CheckpointManager(f"s3://{BUCKET}/{prefix}", keep_last=1, layout=layout)
+    m.save(0, _big_tree(0))
+    reader = tsckpt.open(m.directory(0))
+    real = restore_module._restore_saved
+
+    def overtaken(*args, **kwargs):
+        m.save(1, _big_tree(1))  # retention deletes step 0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "_restore_saved", overtaken)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED + ".*its root zarr.json is gone"):
+        m.restore(0)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=REPLACED):
+        reader["w"][...]
+    assert m.all_steps() == [1]
+    m.close()

@@ -62,6 +62,9 @@ class Checkpoint:
     # DCP): stored array path -> its LazySource (tsckpt._formats.lazy); None for the formats
     # whose arrays open through TensorStore
     sources: Mapping[str, Any] | None = None
+    # the generation of the root zarr.json that was opened (tsckpt's format): readers check that
+    # it is still the root after reading (_readerrors.unchanged); None for another library's
+    root_generation: bytes | None = dataclasses.field(default=None, compare=False)
     # the arrays whose files were found to back their records (see _backing.py)
     backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the kvstore

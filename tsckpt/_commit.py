@@ -20,6 +20,7 @@ numbering of save()'s protocol (tsckpt/_save.py), all on rank 0:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import tensorstore as ts
 
 from . import _lease, _store
 from ._errors import CheckpointExistsError, SaveInProgressError, TsckptError
-from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_PENDING, format_version, group_metadata
+from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
 from ._arrays import MANIFEST
 from ._root import root_state
 from ._store import Location
@@ -73,21 +74,45 @@ def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | No
     if current.state == "value" or _store.has_any_key(loc):
         _refuse_unless_free(loc, overwrite, current.value if current.state == "value" else None)
         if current.state == "value":
-            # uncommit first, so a crash below leaves no valid checkpoint; conditional,
-            # so a saver that replaced the root since we read it is not undone
-            missing = kv.write(ROOT_KEY, None, if_equal=current.stamp.generation).result().generation
-            if not missing:
-                raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
+            missing = _uncommit(loc, bytes(current.stamp.generation))
         _store.delete_all(loc)
     body = lease.root() if lease is not None else pending_root(layout)(_lease.new_claim())
-    claimed = _store.durable_kvstore(loc).write(ROOT_KEY, body, if_equal=missing).result()
-    if not claimed.generation:
+    try:
+        claimed, _ = _lease.write_root(loc, body, if_equal=bytes(missing))
+    except ValueError as e:
+        if not _vanished(loc, e):
+            raise
+        claimed = b""
+    if not claimed:
         raise CheckpointExistsError(
             f"{loc}: another save into this directory started at the same time and claimed it first; "
             "nothing was written. Save each checkpoint from one job, or use distinct directories"
         )
     if lease is not None:
-        lease.start(bytes(claimed.generation))
+        lease.start(claimed)
+
+
+def _vanished(loc: Location, err: ValueError) -> bool:
+    """Whether a failed claim on a local disk means the directory was removed under it
+    (ENOENT renaming TensorStore's lock file into place): another saver, or a manager
+    clearing the step for its own save, got there first, so this save lost the race."""
+    fault = _store.storage_problem(loc, err, doing="writing")
+    return loc.local is not None and fault is not None and fault.errno == errno.ENOENT
+
+
+def _uncommit(loc: Location, generation: bytes) -> bytes:
+    """Remove the root of generation ``generation`` first, so a crash below leaves no
+    valid checkpoint; conditional, so a saver that replaced the root since it was read is
+    not undone. Returns the generation of the missing root (the claim's condition). A
+    failed condition that finds no root is this removal's own retry (its response lost)
+    or another saver's removal: either way the claim that follows decides, conditionally."""
+    missing = _store.write_durable(loc, ROOT_KEY, None, if_equal=generation)
+    if not missing:
+        found = _lease.read_root(loc)
+        if found.value is not None:
+            raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
+        missing = bytes(loc.kvstore().read(ROOT_KEY).result().stamp.generation)
+    return missing
 
 
 def _refuse_unless_free(loc: Location, overwrite: bool, value: bytes | None) -> None:
@@ -133,22 +158,39 @@ def merge_databases(loc: Location, root: dict[str, Any], databases: Sequence[dic
     _store.sync_paths(loc, [MANIFEST, "d"])
 
 
-def commit(loc: Location, body: bytes, lease: _lease.Lease | None = None) -> None:
-    """Step 7, rank 0: the one atomic write of the committed root ``body`` that makes the
-    checkpoint visible, if the pending root is still this save's (``lease``: its
-    renewals stop first)."""
+def commit(loc: Location, meta: dict[str, Any], layout: str, lease: _lease.Lease | None = None) -> None:
+    """Step 7, rank 0: the one atomic write of the committed root (tsckpt metadata
+    ``meta``) that makes the checkpoint visible, if the pending root is still this
+    save's (``lease``: its renewals stop first). The root records the save's id, so
+    that a commit whose response was lost is recognised as landed (_lease.write_root)."""
     if lease is not None:
         lease.stop_renewals()
+    save_id = lease.save_id if lease is not None else _lease.new_claim()["id"]
+    body = root_json(STATE_COMMITTED, {**meta, "save_id": save_id}, layout=layout)
     with _store.storage_errors(loc):
         if lease is None:
             _store.write_durable(loc, ROOT_KEY, body)
-        elif lease.lost or not _store.write_durable(loc, ROOT_KEY, body, if_equal=lease.generation):
+        elif lease.lost or not _commit_root(loc, body, lease):
             lease.lost = True
             raise CheckpointExistsError(
                 f"{loc}: the pending root of this save was replaced or removed by another process while it ran "
                 "(a save with overwrite=True, or a manager's clean-up, that judged this save dead); nothing was "
                 "committed. Save again, to a directory no other job uses"
             )
+
+
+def _commit_root(loc: Location, body: bytes, lease: _lease.Lease) -> bool:
+    """Write the committed root ``body`` over this save's pending root; whether it landed.
+    A failed condition that finds this save's pending root rewritten by a renewal whose
+    outcome went unheard is retried on that generation (renewals have stopped)."""
+    for _ in range(3):
+        generation, found = _lease.write_root(loc, body, if_equal=lease.generation or b"")
+        if generation:
+            lease.generation = generation
+            return True
+        if found is None or not lease.adopt(found):
+            return False
+    return False
 
 
 def abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool) -> None:

@@ -44,6 +44,12 @@ class LeafTypeError(TsckptError, TypeError):
     """A leaf has a type tsckpt cannot store or restore into."""
 
 
+class CheckpointReplacedError(TsckptError, RuntimeError):
+    """The checkpoint being read was replaced (another save with ``overwrite=True``) or
+    deleted (retention, a clean-up) while it was being read: what was read may mix two
+    checkpoints, so none of it is returned. Open or restore it again."""
+
+
 class CorruptCheckpointError(TsckptError, OSError):
     """Stored bytes fail their checksum, are truncated, or are missing."""
 
@@ -104,6 +110,7 @@ class StorageFullError(StorageError):
 __all__ = [
     "CheckpointExistsError",
     "CheckpointIncompleteError",
+    "CheckpointReplacedError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DistributedError",

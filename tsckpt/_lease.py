@@ -17,6 +17,14 @@ A pending root without a claim (written by an older tsckpt) is a dead save. The
 commit is conditional on the generation of the last renewal, so a save whose
 directory was taken over meanwhile fails instead of committing into it.
 
+Every conditional write of a root (the claim, each renewal, the commit) names
+its save: the claim's ``id`` while pending, ``save_id`` once committed. On an
+object store a write can land while its response is lost; the client's retry
+then finds the object changed and reports a failed condition. So a failed
+condition is never taken at its word: :func:`write_root` reads the root back,
+and the write landed when the root holds what it wrote, or (:func:`save_id_of`)
+names this save.
+
 :func:`save_running` is the one test of whether a pending root's save may
 still be running: the claim of a new save, a manager's clean-up and its
 saves all ask it before they remove or replace a pending checkpoint.
@@ -24,6 +32,7 @@ saves all ask it before they remove or replace a pending checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,14 +40,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _store
-from ._format import ROOT_KEY, STATE_PENDING
+from ._format import ROOT_KEY, STATE_COMMITTED, STATE_PENDING
+from ._root import RootState, root_state
 from ._store import Location
-
-if TYPE_CHECKING:
-    from ._root import RootState
 
 log = logging.getLogger("tsckpt")
 
@@ -153,6 +160,54 @@ def _claim_running(claim: Any, now: float | None = None) -> bool:
     return (time.time() if now is None else now) - renewed < lease
 
 
+def save_id_of(root: RootState) -> str | None:
+    """The id of the save that wrote ``root``: its claim's while pending, its ``save_id``
+    once committed (None for a root that names none: an older tsckpt's, a deletion's)."""
+    meta = root.meta or {}
+    if root.state == STATE_PENDING:
+        claim = meta.get("claim")
+        found = claim.get("id") if isinstance(claim, Mapping) else None
+    else:
+        found = meta.get("save_id") if root.state == STATE_COMMITTED else None
+    return found if isinstance(found, str) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A root ``zarr.json`` as read: its generation and bytes (empty and None when there is none)."""
+
+    generation: bytes
+    value: bytes | None
+
+    @property
+    def root(self) -> RootState:
+        return root_state(self.value)
+
+
+def read_root(loc: Location) -> Stored:
+    """The root at ``loc`` now, read through the durable kvstore that writes it."""
+    found = _store.durable_kvstore(loc).read(ROOT_KEY).result()
+    value = bytes(found.value) if found.state == "value" else None
+    return Stored(bytes(found.stamp.generation) if value is not None else b"", value)
+
+
+def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, Stored | None]:
+    """Write the root ``body`` if the root's generation is still ``if_equal`` (the empty
+    generation of a missing root for a create). Returns the generation written and None;
+    or, when the condition failed, an empty generation and the root found instead.
+
+    A failed condition may be a retry's view of this very write, landed with its
+    response lost: the root is then read back, and it is this write's when it holds
+    ``body``, which names its save (and, for a renewal, the time of the renewal)."""
+    generation = _store.write_durable(loc, ROOT_KEY, body, if_equal=if_equal)
+    if generation:
+        return generation, None
+    found = read_root(loc)
+    if found.value == body:
+        return found.generation, None
+    return b"", found
+
+
 class Lease:
     """Rank 0 of a save: its claim, counted as running in this process from creation
     until :meth:`end`, and renewed in the pending root once :meth:`start` is called."""
@@ -177,20 +232,39 @@ class Lease:
         self._thread = threading.Thread(target=self._renew_loop, name="tsckpt-lease", daemon=True)
         self._thread.start()
 
+    @property
+    def save_id(self) -> str:
+        """The token naming this save in every root it writes."""
+        return str(self.claim["id"])
+
     def _renew_loop(self) -> None:
-        kv = _store.durable_kvstore(self.loc)
         while not self._stop.wait(RENEW_SECONDS):
             claim = {**self.claim, "renewed": time.time()}
             try:
-                done = kv.write(ROOT_KEY, self._root(claim), if_equal=self.generation).result()
+                generation, found = write_root(self.loc, self._root(claim), if_equal=self.generation or b"")
             except Exception as e:  # noqa: BLE001 - a missed renewal is retried; the save reports its own faults
                 log.debug("%s: renewing the save's lease failed: %s", self.loc, e)
                 continue
-            if not done.generation:
+            if found is not None and self.adopt(found):
+                continue
+            if not generation:
                 self.lost = True
                 log.warning("%s: the pending root of this save was replaced or removed by another process", self.loc)
                 return
-            self.claim, self.generation = claim, bytes(done.generation)
+            self.claim, self.generation = claim, generation
+
+    def adopt(self, found: Stored) -> bool:
+        """Whether ``found`` (the root read after a failed condition) is still this save's
+        pending root, rewritten by a renewal whose outcome was not heard (it raised, its
+        response lost): if so, it is the generation to condition on from now on."""
+        root = found.root
+        if root.state != STATE_PENDING or save_id_of(root) != self.save_id:
+            return False
+        self.generation = found.generation
+        claim = claim_of(root)
+        if isinstance(claim, Mapping):
+            self.claim = dict(claim)
+        return True
 
     def stop_renewals(self) -> None:
         """Stop renewing, waiting for a renewal in flight (before the commit)."""

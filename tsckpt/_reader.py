@@ -15,7 +15,7 @@ from . import _dtypes, _fork
 from ._backing import check_backed
 from ._checkpoint import Checkpoint, Opening
 from ._formats import lazy
-from ._readerrors import corrupt_error, node_error
+from ._readerrors import corrupt_error, node_error, unchanged
 from .tree import ROOT_LEAF_PATH, child
 
 
@@ -96,12 +96,14 @@ class LazyArray:
         whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
         if self._ck.sources is not None:  # another format's array: only the box's bytes are read
             return lazy.read(self._ck.sources[self.path], tuple(slice(b.start, max(b.start, b.stop)) for b in whole))
-        check_backed(self._ck, [self.path], whole)
-        store = self.tensorstore()
-        try:
-            return store[box].read().result() if box else store.read().result()
-        except ValueError as e:
-            raise corrupt_error(self._ck, self.path, e) from e
+        with unchanged(self._ck):  # never data of a checkpoint that replaced the one opened
+            check_backed(self._ck, [self.path], whole)
+            store = self.tensorstore()
+            try:
+                data = store[box].read().result() if box else store.read().result()
+            except ValueError as e:
+                raise corrupt_error(self._ck, self.path, e) from e
+        return data
 
     def __getitem__(self, index: Any) -> np.ndarray:
         """numpy array in the storage dtype (complex32 comes back as float16 (..., 2) pairs)."""

@@ -1,12 +1,19 @@
 """What a failed read of stored data means: TensorStore's errors classified once, in the
-words every read path (lazy reads, restore, verify, the own shard reader) uses."""
+words every read path (lazy reads, restore, verify, the own shard reader) uses; and
+whether the checkpoint read is still the one that was opened (:func:`unchanged`)."""
 
 from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
 
 from . import _store
 from ._arrays import MANIFEST
 from ._checkpoint import Checkpoint
-from ._errors import CorruptCheckpointError, TsckptError
+from ._errors import CheckpointReplacedError, CorruptCheckpointError, TsckptError
+from ._format import ROOT_KEY
+from ._store import Location
 
 # What a failed chunk read means.
 CHECKSUM_MISMATCH = "checksum mismatch: stored bytes were altered"
@@ -61,3 +68,52 @@ def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     else:
         what = f"{path}/zarr.json cannot be read"
     return CorruptCheckpointError(f"'{path}' in {ck.location}: {what}; restore from another checkpoint. ({msg})")
+
+
+def replaced(loc: Location, generation: bytes | None) -> CheckpointReplacedError | None:
+    """The error of a checkpoint at ``loc`` whose root is no longer the one of ``generation``
+    that was opened (None: it still is, or cannot be told). One conditional read of the
+    root: nothing is transferred while it is unchanged (an object store answers 304)."""
+    if generation is None:
+        return None
+    try:
+        found = loc.kvstore().read(ROOT_KEY, if_not_equal=generation).result()
+    except ValueError:  # the storage fails: the read's own error stands
+        return None
+    if found.state == "unspecified":
+        return None
+    now = _now(bytes(found.value)) if found.state == "value" else " (its root zarr.json is gone)"
+    return CheckpointReplacedError(
+        f"{loc}: the checkpoint was replaced or deleted while it was being read (by another save with "
+        "overwrite=True, or a manager's retention or clean-up); nothing read since it was opened is "
+        f"returned, as it could mix two checkpoints{now}. Open or restore it again (a manager: pick the "
+        "step again), and keep steps being read out of retention"
+    )
+
+
+def _now(value: bytes) -> str:
+    """What the root that replaced the opened one says, for the message."""
+    try:
+        state = json.loads(value)["attributes"]["tsckpt"]["state"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return ""
+    return f" (its root now says {state!r})" if isinstance(state, str) else ""
+
+
+@contextlib.contextmanager
+def unchanged(ck: Checkpoint) -> Iterator[None]:
+    """Reads of ``ck`` inside the block come from the checkpoint that was opened, or raise
+    CheckpointReplacedError. Checked after the reads: a save replacing a checkpoint, and a
+    deletion, remove its root before any of its data (tsckpt/_commit.py, tsckpt/_manager.py),
+    so a root unchanged after the reads was unchanged during them. A read that fails while
+    the root changed (a file gone, a database replaced) raises the same error, from it."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        err = replaced(ck.location, ck.root_generation)
+        if err is not None:
+            raise err from e
+        raise
+    err = replaced(ck.location, ck.root_generation)
+    if err is not None:
+        raise err

@@ -35,7 +35,7 @@ from ._checkpoint import Checkpoint
 from ._formats import lazy
 from ._formats.sources import open_checkpoint
 from ._reader import LazyArray
-from ._readerrors import corrupt_error
+from ._readerrors import corrupt_error, unchanged
 from ._codec.shardread import read_sharded
 from ._store import Directory
 from ._types import ArraySpec, Dest, ReadItem
@@ -380,7 +380,7 @@ def restore(
     def run() -> Any:
         ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
         ck.check_links()
-        with Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
+        with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:
                 return _restore_saved(ck, as_saved, reader)

@@ -29,6 +29,7 @@ from ._errors import (
     count_and_list,
     short_repr,
 )
+from ._readerrors import replaced
 from ._format import (
     FORMAT_VERSION,
     LAYOUT_COMPACT,
@@ -87,8 +88,9 @@ def load(loc: Location, *, keep_bad: bool = False) -> Checkpoint:
     Every leaf's entry and the tree structure are checked before anything is opened. A bad
     one raises a CorruptCheckpointError naming it, unless ``keep_bad`` (verify): then the bad
     leaves are left out of the checkpoint and listed in ``Checkpoint.bad``."""
-    meta = _committed_meta(loc, _read_root(loc))
-    _check_layout(loc, meta)
+    root, generation = _read_root(loc)
+    meta = _committed_meta(loc, root)
+    _check_layout(loc, meta, generation)
     found = _leaf_records(loc, meta)
     structure = meta.get("structure")
     tree_problem = structure_problem(structure, found.leaves)
@@ -106,21 +108,23 @@ def load(loc: Location, *, keep_bad: bool = False) -> Checkpoint:
         found.aliases,
         bad=found.bad,
         tree_problem=tree_problem,
+        root_generation=generation,
     )
 
 
 # ---- the root itself ---------------------------------------------------------------------
 
 
-def _read_root(loc: Location) -> RootState:
-    """The root's state; a missing directory or an empty location is not found."""
+def _read_root(loc: Location) -> tuple[RootState, bytes]:
+    """The root's state and generation; a missing directory or an empty location is not found."""
     if loc.local is not None and not os.path.isdir(loc.local):
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
     kv = loc.kvstore()
-    root = read_root_states(kv, [ROOT_KEY])[ROOT_KEY]
+    found = kv.read(ROOT_KEY).result()
+    root = root_state(found.value if found.state == "value" else None)
     if root.state is None and loc.local is None and not kv.list().result():
         raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
-    return root
+    return root, bytes(found.stamp.generation)
 
 
 def _committed_meta(loc: Location, root: RootState) -> Mapping[str, Any]:
@@ -162,8 +166,9 @@ def _check_version(loc: Location, meta: Mapping[str, Any]) -> None:
         )
 
 
-def _check_layout(loc: Location, meta: Mapping[str, Any]) -> None:
-    """A known layout, and a compact checkpoint with arrays has its database."""
+def _check_layout(loc: Location, meta: Mapping[str, Any], generation: bytes) -> None:
+    """A known layout, and a compact checkpoint with arrays has its database (unless the
+    root of ``generation`` was replaced or deleted meanwhile: that is said instead)."""
     if meta.get("layout", LAYOUT_PLAIN) not in LAYOUTS:
         raise CorruptCheckpointError(
             f"{loc}: root metadata names an unknown layout {short_repr(meta.get('layout'))} "
@@ -174,6 +179,9 @@ def _check_layout(loc: Location, meta: Mapping[str, Any]) -> None:
         and meta.get("arrays")
         and loc.kvstore().read(MANIFEST).result().state != "value"
     ):
+        gone = replaced(loc, generation)
+        if gone is not None:
+            raise gone
         raise CorruptCheckpointError(
             f"{loc}: the array database of this compact checkpoint is missing ({MANIFEST} does not exist); "
             "restore from another checkpoint"

@@ -32,7 +32,7 @@ from ._codec.route import setting as codec_setting
 from ._chunking import intersect, shard_boxes
 # steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
 from ._commit import abandon as _abandon, begin as _begin, commit as _commit_root, merge_databases
-from ._commit import pending_root as _pending_root, root_json as _root
+from ._commit import pending_root as _pending_root
 from ._descs import ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
 from ._errors import DistributedError, LeafTypeError
 from ._format import (
@@ -40,7 +40,6 @@ from ._format import (
     LAYOUT_PLAIN,
     ArrayRecord,
     ROOT_KEY,
-    STATE_COMMITTED,
     group_metadata,
 )
 from ._arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
@@ -621,4 +620,4 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _store.storage_errors(loc):
             merge_databases(loc, _write_spec(loc, layout), databases)
-    _commit_root(loc, _root(STATE_COMMITTED, c.metadata(world_size), layout=layout), lease)
+    _commit_root(loc, c.metadata(world_size), layout, lease)

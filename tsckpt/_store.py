@@ -31,14 +31,43 @@ from ._errors import StorageError, StorageFullError, TsckptError
 
 Directory = Union[str, "os.PathLike[str]", dict]
 
-# TensorStore's default for s3 (32 attempts, backoff up to 32 s) turns an
-# unreachable endpoint into a wait of many minutes; this gives up after about 10 s.
+# How long one request to an object store may take, retries included. TensorStore's s3
+# driver sets no deadline on a request (no curl timeout), so a request is bounded by two
+# settings: its retry policy (context resource ``s3_request_retries``; TensorStore's
+# default, 32 attempts with backoff up to 32 s, waits many minutes) and the stall limit
+# (``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``: an attempt that moves no byte for this
+# long fails and is retried; read by TensorStore once, at its first HTTP request). These
+# defaults give 7 attempts of at most 6 s, with at most 12.75 s of backoff between them:
+# a request fails within about 55 s (request_seconds()), a failing request answered at
+# once within about 13 s. A spec's ``context`` overrides the retries; the environment
+# variable, set before the first request, the stall limit.
 S3_REQUEST_RETRIES = {"max_retries": 6, "initial_delay": "0.25s", "max_delay": "4s"}
-
-# An HTTP transfer that moves no byte for this long fails (and is retried) rather
-# than hanging forever. TensorStore reads these once, at its first HTTP request.
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
+STALL_SECONDS = 6
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALL_SECONDS))
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+
+def _seconds(text: Any) -> float:
+    """A duration of a TensorStore context ("250ms", "0.25s", "4s", "1m") in seconds."""
+    m = re.fullmatch(r"([0-9.]+)(ms|s|m|h)", str(text).strip())
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (expected e.g. '250ms', '4s')")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2)]
+
+
+def request_seconds(retries: dict[str, Any] | None = None, stall: float | None = None) -> float:
+    """The longest one object-store request may take under retry policy ``retries`` (default
+    tsckpt's) and stall limit ``stall`` (default the environment's): each attempt ends after
+    ``stall`` seconds without a byte, and TensorStore
+    waits ``min(initial_delay * (2**k + 1), max_delay)`` at most before retry ``k``."""
+    policy = {**S3_REQUEST_RETRIES, **(retries or {})}
+    if stall is None:
+        stall = float(os.environ.get("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", STALL_SECONDS))
+    tries = int(policy["max_retries"]) + 1
+    first, most = _seconds(policy["initial_delay"]), _seconds(policy["max_delay"])
+    backoff = sum(min(first * (2**k + 1), most) for k in range(tries - 1))
+    return tries * stall + backoff
+
 
 # Chunk files are written without a per-file fsync; sync_data() makes them
 # durable in bulk before the commit object is written (see _save.py).
@@ -266,11 +295,19 @@ def storage_problem(
     if "CURL error" in msg or "retry attempts failed" in msg:
         fix = "AWS_ENDPOINT_URL (or the spec's 'endpoint')" if aws else "the spec's endpoint"
         return StorageError(
-            f"{loc}: cannot reach {where} ({detail}); check {fix} and the network. Retries are bounded by "
-            "the context resource 's3_request_retries'",
+            f"{loc}: cannot reach {where} ({detail}); check {fix} and the network. A request gives up after "
+            f"at most about {request_seconds(_retries_of(loc)):.0f} s (the context resource 's3_request_retries' "
+            "and TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS set the bound)",
             filename=str(loc),
         )
     return None
+
+
+def _retries_of(loc: Location) -> dict[str, Any] | None:
+    """The retry policy a location's spec sets in its own context, if any."""
+    context = loc.spec.get("context")
+    found = context.get("s3_request_retries") if isinstance(context, dict) else None
+    return found if isinstance(found, dict) else None
 
 
 @contextlib.contextmanager
