@@ -39,8 +39,8 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
     rel = {os.path.relpath(p, d) for p in synced}
     assert data_files <= rel, data_files - rel
     assert {"a", "a/w", "a/w/c", "c/c/0", "."} <= rel  # new directories too
-    # the commit is written once, after every data file was synced
-    assert committed_after == [len(synced)]
+    # the claim (the pending root) before anything else, the commit once, after every data file was synced
+    assert committed_after == [0, len(synced)]
 
 
 def test_many_files_use_one_filesystem_sync(tmp_path, monkeypatch):

@@ -39,7 +39,8 @@ def describe(path: str, leaf: Any) -> Local:
         raise LeafTypeError(
             f"'{path}': leaf of type {type(leaf).__module__}.{type(leaf).__qualname__} cannot be stored; "
             "supported leaves are torch.Tensor, numpy arrays and scalars, tsckpt.ShardedArray, "
-            "int, float, bool, str, bytes and None (register containers with tsckpt.tree.register_node)"
+            "int, float, bool, str, bytes and None, and objects with state_dict() and load_state_dict() "
+            "(register containers with tsckpt.tree.register_node)"
         )
     return Local(LeafDesc(path=path, kind="value", value=value))
 
