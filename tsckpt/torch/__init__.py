@@ -2,15 +2,21 @@
 
 ``get_state_dict`` / ``set_state_dict`` mirror ``torch.distributed.checkpoint.state_dict``
 and work with or without torch.distributed (plain, DDP, FSDP2, torch.compile models).
-``save`` / ``restore`` handle a whole training state in place: model, optimizers,
-LR schedulers and other stateful objects, step counters, per-rank data samplers,
-values and RNG states. They take the options of :func:`tsckpt.save` and
+``TrainState`` holds a whole training state (model, optimizers, LR schedulers and other
+stateful objects, step counters, per-rank data samplers and values, RNG states) as one
+object that ``tsckpt.save``, ``save_async``, ``restore`` and ``CheckpointManager`` save
+and restore in place. ``save`` / ``save_async`` / ``restore`` take its parts as arguments,
+with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
 :func:`tsckpt.restore` under the same names.
 
-    import tsckpt.torch
+    import tsckpt, tsckpt.torch
+    manager = tsckpt.CheckpointManager("ckpt", keep_last=3)
+    state = tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched}, per_rank={"sampler": sampler})
+    manager.save_async(step, state)           # every rank; returns once the state is staged
+    step = manager.restore(target=state)      # the latest complete step, into the live objects
+
     tsckpt.torch.save("ckpt/100", model, opt, extra={"scheduler": sched, "step": 100},
                       per_rank={"sampler": sampler, "seen": seen})
-    ...
     out = tsckpt.torch.restore("ckpt/100", model, opt, extra={"scheduler": sched, "step": 0},
                                per_rank={"sampler": sampler, "seen": 0})
     step, seen = out["step"], out.per_rank["seen"]

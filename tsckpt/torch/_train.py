@@ -1,7 +1,9 @@
 """Whole training state: model, optimizers, schedulers and other stateful objects,
-per-rank state (data samplers, RNG), saved with one call and restored in place.
+per-rank state (data samplers, RNG), as one :class:`TrainState` that every verb and the
+manager save and restore in place; :func:`save`, :func:`save_async` and :func:`restore`
+on its parts.
 
-Checkpoint tree written by :func:`save`::
+Checkpoint tree of a TrainState (what :func:`save` writes)::
 
     model/<name>                         parameters and buffers (DTensors: each rank its shards)
     optim/state/<name>/<key>             per-parameter optimizer state, by parameter name
