@@ -167,3 +167,67 @@ def test_parts_of_a_cast_share_one_check(ckdir):
                                  jax.ShapeDtypeStruct((2, 2), jnp.int8, sharding=NamedSharding(MESH, BOTH)),
                                  False, "unsafe")
     assert len(dest.parts) == 4 and len({id(p.cast) for p in dest.parts}) == 1
+
+
+# ---- typed PRNG keys ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_keys_round_trip(ckdir, impl):
+    keys = jax.random.split(jax.random.key(7, impl=impl), 4)
+    tsckpt.save(ckdir, {"k": keys, "one": jax.random.key(3, impl=impl)})
+    rec = tsckpt.open(ckdir).checkpoint.arrays["k"]
+    assert (rec.kind, rec.dtype, rec.shape) == (f"jax_key:{impl}", "uint32", tuple(jax.random.key_data(keys).shape))
+    target = {"k": jax.random.split(jax.random.key(0, impl=impl), 4), "one": jax.random.key(0, impl=impl)}
+    out = tsckpt.restore(ckdir, target)
+    assert jax.dtypes.issubdtype(out["k"].dtype, jax.dtypes.prng_key) and str(jax.random.key_impl(out["k"])) == impl
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(keys))
+    abstract = tsckpt.restore(ckdir, jax.eval_shape(lambda: target))
+    assert np.array_equal(jax.random.key_data(abstract["one"]), jax.random.key_data(jax.random.key(3, impl=impl)))
+    raw = tsckpt.restore(ckdir)["k"]  # no target: the key data
+    assert raw.dtype == np.uint32 and np.array_equal(raw, jax.random.key_data(keys))
+
+
+def test_sharded_keys(ckdir):
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(MESH, ROWS))
+    tsckpt.save(ckdir, {"k": keys})
+    sharding = NamedSharding(MESH, ROWS)
+    out = tsckpt.restore(ckdir, {"k": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=sharding)})["k"]
+    assert out.sharding == sharding and np.array_equal(jax.random.key_data(out), jax.random.key_data(keys))
+
+
+def test_key_target_takes_raw_key_data(ckdir):
+    """Orbax stores typed keys as their raw uint32 key data: a typed-key target reads it as keys."""
+    tsckpt.save(ckdir, {"k": np.asarray(jax.random.key_data(jax.random.key(5)))})
+    out = tsckpt.restore(ckdir, {"k": jax.random.key(0)})["k"]
+    assert np.array_equal(jax.random.key_data(out), jax.random.key_data(jax.random.key(5)))
+    with pytest.raises(tsckpt.ShapeMismatchError, match=r"^'k': the target is threefry2x32 PRNG keys of shape \[3\], "
+                       r"whose key data is uint32\[3, 2\], but the checkpoint stores uint32\[2\]"):
+        tsckpt.restore(ckdir, {"k": jax.random.split(jax.random.key(0), 3)})
+
+
+def test_orbax_written_key(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "ob", {"k": jax.random.key(9), "w": jnp.ones(3)})
+    ck.wait_until_finished()
+    out = tsckpt.restore(tmp_path / "ob", {"k": jax.random.key(0), "w": jnp.zeros(3)})
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(jax.random.key(9)))
+
+
+def test_key_of_another_or_unknown_implementation(ckdir):
+    from tests.stored import read_key, write_key
+    import json
+
+    tsckpt.save(ckdir, {"k": jax.random.key(1)})
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'k': the checkpoint stores PRNG keys of the implementation "
+                       r"'threefry2x32' but the target's keys are 'rbg'"):
+        tsckpt.restore(ckdir, {"k": jax.random.key(0, impl="rbg")})
+    root = json.loads(read_key(ckdir, "zarr.json"))
+    meta = root["attributes"]["tsckpt"]
+    meta["arrays"][0]["kind"] = "jax_key:future_impl"
+    write_key(ckdir, "zarr.json", json.dumps(root).encode())
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'k': the checkpoint stores PRNG keys of the implementation "
+                       r"'future_impl'"):
+        tsckpt.restore(ckdir, {"k": jax.random.key(0)})
+    assert tsckpt.restore(ckdir)["k"].dtype == np.uint32
