@@ -113,6 +113,14 @@ def _touch(state: Any) -> None:
             np.asarray(shard.data)
 
 
+def _trim() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _nbytes(state: Any) -> int:
     import jax
 
@@ -145,8 +153,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         return {"time": elapsed, "peak_extra": rss("VmHWM:") - base, "nbytes": _nbytes(state)}
     abstract = jax.eval_shape(lambda: state)  # ShapeDtypeStructs with the saved shardings
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding), abstract, state)
-    expected = jax.tree.map(np.asarray, state)
+    expected = jax.tree.map(lambda a: np.array(a, copy=True), state)
     del state
+    _trim()  # the freed device buffers go back to the system, not into the restore's allocations
     base = rss()
     reset_peak()
     start = time.perf_counter()

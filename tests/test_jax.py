@@ -231,3 +231,23 @@ def test_key_of_another_or_unknown_implementation(ckdir):
                        r"'future_impl'"):
         tsckpt.restore(ckdir, {"k": jax.random.key(0)})
     assert tsckpt.restore(ckdir)["k"].dtype == np.uint32
+
+
+def test_readme_jax_example(tmp_path, monkeypatch):
+    """The README's JAX section: a Flax NNX model saved, restored abstractly (sharded), read by PyTorch."""
+    pytest.importorskip("flax")
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## JAX\n"): readme.index("## Orbax checkpoints")]
+    jax_part, torch_part = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    saved: dict = {}
+    exec(jax_part, saved)  # noqa: S102 - the README's own code
+    assert saved["state"]["model"]["fc1"]["kernel"].sharding.spec == P("x")
+    read: dict = {}
+    exec(torch_part, read)  # noqa: S102
+    x = np.linspace(-1, 1, 784, dtype=np.float32)[None]
+    want = np.asarray(saved["model"](jnp.asarray(x)))
+    assert np.allclose(read["net"](torch.from_numpy(x)).detach().numpy(), want, atol=1e-5)
