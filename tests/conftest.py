@@ -37,6 +37,8 @@ from hypothesis import settings
 from tests.dist_helpers import LAYOUT_ENV
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests that use jax run it on the CPU, quietly
+# ... on 4 CPU devices, so that sharded jax.Arrays are tested in this process (set before jax starts)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 # ---- Hypothesis profiles ---------------------------------------------------------------
 

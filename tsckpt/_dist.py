@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._coord import Coordinator, Solo
+from ._jaxcoord import coordinator as jax_coordinator
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -108,8 +109,8 @@ def is_distributed() -> bool:
 def coordinator_for(
     group: Any = None, timeout: datetime.timedelta | None = None, *, channel: str | None = None
 ) -> Coordinator:
-    """Solo when torch.distributed is not initialized; otherwise the ranks of ``group``
-    (default: the default process group).
+    """The ranks of ``group`` (default: the default process group) when torch.distributed is
+    initialized; else the processes of a jax.distributed job (tsckpt._jaxcoord); else Solo.
 
     Each ``channel`` has its own gloo group; by default saves from the main
     thread use "main" and saves from other threads (async saves) "background",
@@ -119,7 +120,7 @@ def coordinator_for(
     if not _initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
-        return Solo()
+        return jax_coordinator(timeout or DEFAULT_TIMEOUT) or Solo()
     if channel is None:
         channel = "main" if threading.current_thread() is threading.main_thread() else "background"
     return DistCoordinator(group, timeout or DEFAULT_TIMEOUT, channel)

@@ -6,6 +6,7 @@ import base64
 import binascii
 import dataclasses
 import math
+import re
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -59,7 +60,7 @@ class ArrayRecord:
     path: str
     shape: tuple[int, ...]  # logical shape (complex32 adds a trailing 2 in storage)
     dtype: str  # logical dtype name
-    kind: str  # "torch" | "numpy" | "numpy_scalar": what restore(target=None) returns
+    kind: str  # "torch" | "numpy" | "numpy_scalar" | "jax_key:<impl>": what restore(target=None) returns
     chunking: Chunking
 
     def to_json(self) -> dict[str, Any]:
@@ -85,6 +86,21 @@ class ArrayRecord:
 
 
 KINDS = ("torch", "numpy", "numpy_scalar")
+# Typed JAX PRNG keys: their uint32 key data, with the name of the key implementation
+# (jax.random.key_impl) that gives them back as keys, e.g. "jax_key:threefry2x32".
+KEY_KIND_PREFIX = "jax_key:"
+_KEY_KIND = re.compile(re.escape(KEY_KIND_PREFIX) + r"[A-Za-z0-9_]{1,64}")
+
+
+def known_kind(kind: Any) -> bool:
+    """Whether ``kind`` is a kind of array record this tsckpt reads."""
+    return kind in KINDS or (isinstance(kind, str) and _KEY_KIND.fullmatch(kind) is not None)
+
+
+def key_impl(kind: str) -> str | None:
+    """The PRNG key implementation a record of ``kind`` holds the key data of, None for other kinds."""
+    return kind[len(KEY_KIND_PREFIX):] if kind.startswith(KEY_KIND_PREFIX) else None
+
 # The most dimensions of an array: TensorStore (and so the zarr readers built on it) opens
 # no array of higher rank.
 MAX_NDIM = 32
@@ -123,8 +139,8 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     why = path_problem(j.get("path"))
     if why is not None:
         return f"'path' {why}"
-    if j.get("kind") not in KINDS:
-        return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)}"
+    if not known_kind(j.get("kind")):
+        return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)} or '{KEY_KIND_PREFIX}<impl>'"
     if not known_dtype(j.get("dtype")):
         return f"'dtype' {short_repr(j.get('dtype'))} is not a dtype this tsckpt reads (written by a newer tsckpt?)"
     shape: Any = j.get("shape")

@@ -79,8 +79,9 @@ def _user_stacklevel() -> int:
 
 
 def warn_lost_values(checks: list[Any]) -> None:
-    """One warning per leaf that casting="unsafe" changed values of (see ``CastCheck``)."""
-    for check in checks:
+    """One warning per leaf that casting="unsafe" changed values of (see ``CastCheck``); a leaf
+    read in parts (:attr:`Dest.parts`) shares one check among them."""
+    for check in {id(c): c for c in checks}.values():
         message = None if check is None else check.warning()
         if message is not None:
             warnings.warn(message, RestoreWarning, stacklevel=_user_stacklevel())
@@ -432,6 +433,7 @@ def _fill(
     to (in place: the target's own leaf, whose memory was filled)."""
     out: list[Any] = []
     dests: list[tuple[int, Dest]] = []
+    finishing: list[tuple[int, Dest]] = []  # leaves whose result is made after the read
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
     check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))  # before allocating any
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
@@ -445,19 +447,21 @@ def _fill(
             out.append(ck.values[path])
         elif path in ck.arrays:
             dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
-            mem = (path, dest.item.storage_offsets, dest.item.lengths, memory(dest.tensor))
-            if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
-                filled.add(mem)
-                dests.append((i, dest))
+            if dest.finish is not None:
+                finishing.append((i, dest))
+            for part in dest.parts or (dest,):
+                mem = (path, part.item.storage_offsets, part.item.lengths, memory(part.tensor))
+                if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
+                    filled.add(mem)
+                    dests.append((i, part))
             out.append(dest.result)
         else:
             out.append(leaf)
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests])
-    for i, dest in dests:
-        if dest.finish is not None:
-            out[i] = dest.restored()
+    for i, dest in finishing:
+        out[i] = dest.restored()
     for i, j in (ties or {}).items():
         out[i] = leaves[i] if inplace else out[j]
     return out

@@ -96,6 +96,9 @@ class Dest:
     result: Any
     finish: Any = None  # called with ``tensor`` after the read, returns the result (jax arrays, numpy scalars)
     cast: Any = None  # a CastCheck of the values read, when casting into ``tensor`` may lose some
+    # A leaf read as several regions (a jax.Array's device slices): each part is read as a
+    # destination of its own, and ``finish`` (which knows the parts) builds the result.
+    parts: tuple[Dest, ...] = ()
 
     def restored(self) -> Any:
         return self.result if self.finish is None else self.finish(self.tensor)

@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple, cast
 import optree
 from optree import PyTreeKind
 
+from . import _jaxtree
 from ._errors import LeafTypeError, short_repr
 from ._types import ArraySpec, LazySource, ShardedArray
 
@@ -69,6 +70,8 @@ def _component(entry: Any, prefix: str) -> str:
         key = entry.name
     else:
         key = entry.entry
+    if key is _jaxtree.BOX:
+        return ""  # a box around one value (a Flax Variable) adds no component
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise LeafTypeError(
             f"at '{prefix or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
@@ -81,8 +84,9 @@ def join(components: list[str]) -> str:
     return "/".join(components) if components else ROOT_LEAF_PATH
 
 
-# Dataclasses are pytree nodes in tsckpt (as in equinox/flax); optree needs a
-# registration per class, done lazily the first time one is met.
+# Dataclasses are pytree nodes in tsckpt (as in equinox/flax), and so are the
+# containers of JAX's registry when jax is imported (tsckpt._jaxtree); optree needs
+# a registration per class, done lazily the first time one is met.
 _registered: set[type] = set()
 
 
@@ -105,6 +109,9 @@ def _register_dataclasses(node: Any) -> bool:
     if isinstance(node, (ArraySpec, ShardedArray, LazySource)):
         return True  # tsckpt's own leaf dataclasses are leaves, not containers
     cls = type(node)
+    if cls not in _registered and _jaxtree.node_type(node):  # JAX's registry first: it knows static fields
+        optree.register_pytree_node(cls, _jaxtree.flatten_one, _jaxtree.unflatten_one, namespace=NAMESPACE)
+        _registered.add(cls)
     if cls not in _registered and dataclasses.is_dataclass(node) and not isinstance(node, type):
         optree.register_pytree_node(
             cls, _dataclass_flatten, _make_dataclass_unflatten(cls), namespace=NAMESPACE
@@ -139,7 +146,9 @@ def flatten(tree: Any) -> Flat:
     for acc in accessors:
         comps: list[str] = []
         for entry in acc:
-            comps.append(_component(entry, "/".join(comps)))
+            component = _component(entry, "/".join(comps))
+            if component:
+                comps.append(component)
         paths.append(join(comps))
     return Flat(paths, leaves, spec)
 
@@ -191,6 +200,8 @@ def structure_to_json(spec: optree.PyTreeSpec) -> Any:
     if kind in (PyTreeKind.NAMEDTUPLE, PyTreeKind.STRUCTSEQUENCE):
         fields = [getattr(acc[0], "field") for acc in cast(optree.PyTreeSpec, spec.one_level()).accessors()]
         return {"type": "namedtuple", "name": cast(type, spec.type).__name__, "keys": fields, "children": children}
+    if list(spec.entries()) == [_jaxtree.BOX]:  # a box adds no level, as it adds no path component
+        return children[0]
     cls = cast(type, spec.type)
     return {
         "type": "custom",

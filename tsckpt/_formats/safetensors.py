@@ -36,7 +36,7 @@ from .. import _dtypes
 from .._arrays import parse_node as parse_json
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
 from .._errors import NotACheckpointError, short_repr
-from .._format import KINDS, MAX_NDIM, dims_ok, decode_value
+from .._format import KINDS, MAX_NDIM, dims_ok, decode_value, known_kind
 from .._links import confined
 from .._types import LazySource
 from ..tree import escape, from_paths, structure_from_json, structure_problem
@@ -289,7 +289,7 @@ def _info_problem(info: Any, sources: dict[str, tuple[TensorEntry, str]]) -> str
     if not isinstance(aliases, dict):
         return f"'aliases' is {short_repr(aliases)}, expected an object"
     for path, kind in kinds.items():
-        if kind not in KINDS:
+        if not known_kind(kind):
             return f"'kinds' of leaf '{path}' is {short_repr(kind)}, expected one of {list(KINDS)}"
         if kind == "numpy_scalar" and path in sources and sources[path][0].shape:
             return f"'kinds' of leaf '{path}' is 'numpy_scalar', but its tensor has shape {list(sources[path][0].shape)}"

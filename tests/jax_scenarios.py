@@ -1,0 +1,112 @@
+"""Scenarios of a multi-process JAX job (2 processes x 2 CPU devices on 127.0.0.1), run by
+tests/test_jaxcoord.py as ``python -m tests.jax_scenarios SCENARIO PROCESS PORT DIRECTORY``.
+
+Each process prints one line, ``ok`` or the error's type and message, so the test can
+assert what every process raised."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import tsckpt  # noqa: E402
+
+SHAPE = (8, 12)
+SPECS = {"rows": P(("p", "d")), "cols": P(None, ("p", "d")), "grid": P("p", "d"), "replicated": P()}
+
+
+def values(name: str) -> np.ndarray:
+    return np.arange(96, dtype=np.float32).reshape(SHAPE) * (1 + list(SPECS).index(name))
+
+
+def mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(2, 2), ("p", "d"))  # process-major: a row per process
+
+
+def sharded(name: str) -> jax.Array:
+    x = values(name)
+    return jax.make_array_from_callback(SHAPE, NamedSharding(mesh(), SPECS[name]), lambda idx: x[idx])
+
+
+def targets() -> dict:
+    return {name: jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=NamedSharding(mesh(), spec))
+            for name, spec in SPECS.items()}
+
+
+def check(out: dict) -> None:
+    for name in SPECS:
+        arr = out[name]
+        assert arr.sharding == NamedSharding(mesh(), SPECS[name]), name
+        for shard in arr.addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), values(name)[shard.index]), name
+
+
+def save(directory: str) -> None:
+    tree = {name: sharded(name) for name in SPECS}
+    tree["key"] = jax.random.key(4)
+    tree["step"] = 3
+    tsckpt.save(directory, tree)
+    out = tsckpt.restore(directory, {**targets(), "key": jax.random.key(0), "step": 0})
+    check(out)
+    assert out["step"] == 3 and np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(jax.random.key(4)))
+
+
+def restore(directory: str) -> None:
+    check(tsckpt.restore(directory, {**targets(), "key": jax.random.key(0), "step": 0}))
+
+
+def restore_cols(directory: str) -> None:
+    """The column-sharded array alone (what the DTensor scenario wrote)."""
+    out = tsckpt.restore(directory, {"cols": targets()["cols"]})
+    for shard in out["cols"].addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), values("cols")[shard.index])
+
+
+def main() -> None:
+    scenario, process, port, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
+                               initialization_timeout=60)
+    try:
+        {"save": save, "restore": restore, "restore_cols": restore_cols}[scenario](directory)
+        print("ok", flush=True)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+    jax.distributed.shutdown()  # a barrier: the process serving the coordination service ends last
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ---- torch.distributed ranks (tests.dist_helpers.run_ranks) reading and writing the same checkpoints ----
+
+
+def _dtensor_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2,))
+
+
+def dtensor_restore_cols(rank: int, world: int, directory: str) -> None:
+    """The column-sharded array the JAX processes wrote, into a DTensor sharded by columns."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    target = distribute_tensor(torch.zeros(SHAPE), _dtensor_mesh(), [Shard(1)])
+    out = tsckpt.restore(directory, {"cols": target}, strict=False)["cols"]
+    assert torch.equal(out.to_local(), torch.from_numpy(values("cols"))[:, rank * 6 : rank * 6 + 6])
+
+
+def dtensor_save_cols(rank: int, world: int, directory: str) -> None:
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tsckpt.save(directory, {"cols": distribute_tensor(torch.from_numpy(values("cols")), _dtensor_mesh(), [Shard(1)])})

@@ -1,0 +1,134 @@
+"""Multi-process JAX (tsckpt._jaxcoord): 2 processes x 2 CPU devices coordinated through
+jax.distributed alone, and their checkpoints read by torch.distributed ranks, and back."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tsckpt
+from tests.dist_helpers import free_port, run_ranks
+
+pytest.importorskip("jax")
+
+from tests import jax_scenarios  # noqa: E402
+from tsckpt import _jaxcoord  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job(scenario: str, directory) -> list[str]:
+    """Run a scenario of tests/jax_scenarios.py on 2 processes; each one's last line."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.jax_scenarios", scenario, str(p), str(port), str(directory)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         stdin=subprocess.DEVNULL)
+        for p in range(2)
+    ]
+    lines = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            lines.append(out.strip().splitlines()[-1] if out.strip() else f"no output: {err[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return lines
+
+
+def test_two_jax_processes_save_and_restore(tmp_path):
+    ck = tmp_path / "ck"
+    assert _job("save", ck) == ["ok", "ok"]
+    out = tsckpt.restore(ck)
+    for name in jax_scenarios.SPECS:
+        assert np.array_equal(out[name], jax_scenarios.values(name)), name
+    assert out["step"] == 3 and tsckpt.open(ck).checkpoint.arrays["key"].kind == "jax_key:threefry2x32"
+
+
+def test_each_process_reads_only_its_devices_slices(tmp_path):
+    """With the file of process 1's columns deleted, process 0 reads its own columns (it fails
+    only because process 1 did), and process 1 names the leaf and the missing file."""
+    ck = tmp_path / "ck"
+    assert _job("save", ck) == ["ok", "ok"]
+    assert sorted(os.listdir(ck / "cols" / "c" / "0")) == ["0", "1"]  # columns 0..5 and 6..11
+    os.remove(ck / "cols" / "c" / "0" / "1")
+    first, second = _job("restore", ck)
+    assert first.startswith("DistributedError: restore failed on rank(s) [1]: rank 1: CorruptCheckpointError: 'cols'")
+    assert second.startswith("CorruptCheckpointError: 'cols' in ") and "cols/c/0/1" in second
+
+
+def test_jax_processes_and_torch_ranks_read_each_other(tmp_path):
+    assert _job("save", tmp_path / "from-jax") == ["ok", "ok"]
+    run_ranks(jax_scenarios.dtensor_restore_cols, 2, str(tmp_path / "from-jax"))
+    run_ranks(jax_scenarios.dtensor_save_cols, 2, str(tmp_path / "from-torch"))
+    assert _job("restore_cols", tmp_path / "from-torch") == ["ok", "ok"]
+
+
+# ---- the coordinator over a stand-in key-value store (no processes) ------------------------------
+
+
+class _Store:
+    """The coordination service client's key-value calls over a dict; a missing key times out."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value):
+        self.kv[key] = value
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.kv:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.kv[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_delete(self, key):
+        del self.kv[key]
+
+
+def _coords(store, world):
+    """``world`` coordinators of one job, each with its own operation numbers (as processes have)."""
+    coords = []
+    for r in range(world):
+        c = object.__new__(_jaxcoord.JaxCoordinator)
+        c.rank, c.world_size, c._client, c._ms, c._channel, c._counters = r, world, store, 1000, "main", {}
+        coords.append(c)
+    return coords
+
+
+def test_gather_and_scatter_in_pieces_leave_no_keys(monkeypatch):
+    store = _Store()
+    monkeypatch.setattr(_jaxcoord, "PIECE_BYTES", 10)
+    zero, one, two = _coords(store, 3)
+    big = b"x" * 95
+    assert one.gather({"r": 1, "big": big}) is None and two.gather({"r": 2}) is None
+    assert zero.gather({"r": 0}) == [{"r": 0}, {"r": 1, "big": big}, {"r": 2}]
+    assert zero.scatter(["a", "b" * 30, "c"]) == "a"
+    assert one.scatter(None) == "b" * 30 and two.scatter(None) == "c"
+    assert store.kv == {}
+    sent = np.arange(6, dtype=np.float32)
+    assert one.exchange([(2, 5, sent)], []) == {}
+    got = two.exchange([], [(1, 5, sent.nbytes)])
+    assert np.array_equal(got[5].view(np.float32), sent) and store.kv == {}
+
+
+def test_a_silent_peer_is_a_distributed_error():
+    zero, _ = _coords(_Store(), 2)
+    with pytest.raises(tsckpt.DistributedError, match=r"^process 0: no answer from process 1 of the jax.distributed "
+                       r"job within 1 s .*did every process call the same tsckpt verb\?$"):
+        zero.gather("x")
+
+
+def test_no_coordinator_without_jax_distributed():
+    assert _jaxcoord.coordinator(datetime.timedelta(seconds=1)) is None
