@@ -70,12 +70,27 @@ def restore_cols(directory: str) -> None:
         assert np.array_equal(np.asarray(shard.data), values("cols")[shard.index])
 
 
+def manager(directory: str) -> None:
+    """The manager under jax.distributed: async saves, retention by process 0, the latest step restored."""
+    tree = {name: sharded(name) for name in SPECS}
+    with tsckpt.CheckpointManager(directory, keep_last=1) as m:
+        # one process (0) deletes and cleans: every process knows its own rank
+        assert m._rank == jax.process_index(), (m._rank, jax.process_index())
+        m.save_async(1, {**tree, "step": 1})
+        m.save_async(2, {**tree, "step": 2}).result()
+        m.wait()
+        out = m.restore(target={**targets(), "step": 0})
+        assert m.all_steps() == [2], m.all_steps()
+    check(out)
+    assert out["step"] == 2
+
+
 def main() -> None:
     scenario, process, port, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
                                initialization_timeout=60)
     try:
-        {"save": save, "restore": restore, "restore_cols": restore_cols}[scenario](directory)
+        {"save": save, "restore": restore, "restore_cols": restore_cols, "manager": manager}[scenario](directory)
         print("ok", flush=True)
     except Exception as e:  # noqa: BLE001 - reported to the test
         print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)

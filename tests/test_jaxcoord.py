@@ -53,6 +53,11 @@ def test_two_jax_processes_save_and_restore(tmp_path):
     assert out["step"] == 3 and tsckpt.open(ck).checkpoint.arrays["key"].kind == "jax_key:threefry2x32"
 
 
+def test_the_manager_under_jax_distributed(tmp_path):
+    assert _job("manager", tmp_path) == ["ok", "ok"]
+    assert sorted(os.listdir(tmp_path)) == ["00000002"]  # step 1 expired, deleted once (process 0)
+
+
 def test_each_process_reads_only_its_devices_slices(tmp_path):
     """With the file of process 1's columns deleted, process 0 reads its own columns (it fails
     only because process 1 did), and process 1 names the leaf and the missing file."""

@@ -89,18 +89,21 @@ def _initialized() -> bool:
 
 
 def rank_of(group: Any = None) -> int:
-    """This process's rank in ``group`` (default: the default group); 0 without torch.distributed."""
+    """This process's rank in ``group`` (default: the default group); without torch.distributed,
+    its process index in a jax.distributed job, else 0."""
     if not _initialized():
-        return 0
+        jax = jax_coordinator(DEFAULT_TIMEOUT)
+        return jax.rank if jax is not None else 0
     import torch.distributed as dist
 
     return dist.get_rank(group) if group is not None else dist.get_rank()
 
 
 def is_distributed() -> bool:
-    """torch.distributed is initialized with more than one rank."""
+    """torch.distributed is initialized with more than one rank, or a jax.distributed job has
+    more than one process."""
     if not _initialized():
-        return False
+        return jax_coordinator(DEFAULT_TIMEOUT) is not None
     import torch.distributed as dist
 
     return dist.get_world_size() > 1
