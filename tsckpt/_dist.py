@@ -105,7 +105,7 @@ class DistCoordinator:
                 lost.append(r)
         for r, work in works:
             try:
-                if not work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))):
+                if work is None or not work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))):
                     lost.append(r)
             except Exception:  # noqa: BLE001 - its connection broke, or no answer in time
                 lost.append(r)
