@@ -2,14 +2,17 @@
 
 Scenarios are plain module-level functions ``fn(rank, world_size, *args)``;
 their return values come back to the test, and an exception on any rank fails
-the test with that rank's traceback. A hung rank is killed after ``timeout``.
+the test with that rank's traceback, and a rank that dies without reporting (killed by a
+signal) fails it as such. A hung rank is killed after ``timeout``.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -80,11 +83,7 @@ def run_ranks(
         p.start()
     results: dict[int, tuple[str, Any]] = {}
     try:
-        for _ in range(world):
-            rank, status, value = q.get(timeout=timeout)
-            results[rank] = (status, value)
-    except Exception as e:  # queue.Empty: some rank hung or died
-        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s") from e
+        _collect(q, procs, results, timeout)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -92,13 +91,35 @@ def run_ranks(
                 p.kill()
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
-        raise RankError(errors)
+        raise RankError(errors, {r: v for r, (s, v) in results.items() if s == "ok"})
     return [results[r][1] for r in range(world)]
 
 
-class RankError(Exception):
-    """One or more ranks raised; ``errors`` maps rank -> message with traceback."""
+def _collect(q: Any, procs: list[Any], results: dict[int, tuple[str, Any]], timeout: float) -> None:
+    """Fill ``results`` with each rank's report; a rank that exited without one (killed by
+    a signal) is reported as an error; raise TimeoutError when some rank hangs."""
+    deadline = time.monotonic() + timeout
+    gone: set[int] = set()  # ranks seen exited without a report, one poll ago
+    while len(results) < len(procs):
+        try:
+            rank, status, value = q.get(timeout=0.2)
+            results[rank] = (status, value)
+            continue
+        except queue.Empty:
+            pass
+        for r in gone - set(results):  # exited a whole poll ago: its report, if any, has arrived
+            results[r] = ("error", f"died without reporting (exit code {procs[r].exitcode})")
+        gone = {r for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - set(results))
+            raise TimeoutError(f"ranks {missing} did not finish in {timeout}s")
 
-    def __init__(self, errors: dict[int, str]) -> None:
+
+class RankError(Exception):
+    """One or more ranks raised or died; ``errors`` maps rank -> message with traceback,
+    ``results`` the ranks that finished to what they returned."""
+
+    def __init__(self, errors: dict[int, str], results: dict[int, Any] | None = None) -> None:
         self.errors = errors
+        self.results = results or {}
         super().__init__("\n".join(f"--- rank {r}: {m}" for r, m in sorted(errors.items())))

@@ -147,6 +147,57 @@ def failing_save(rank: int, world: int, directory: str) -> None:
     tsckpt.save(directory, {"w": dtensor(global_tensor((8, 2)), m, parse("S0"))}, layout=rank_layout())
 
 
+def _rows(rank: int, world: int) -> tuple[torch.Tensor, Any]:
+    """This rank's rows of a (6 * world, 4) array, as a ShardedArray, and the whole array."""
+    full = global_tensor((6 * world, 4))
+    local = full[6 * rank : 6 * (rank + 1)].clone()
+    return full, tsckpt.ShardedArray(local, tuple(full.shape), (6 * rank, 0))
+
+
+def _raised(verb: Any) -> tuple[float, str, str]:
+    """How long ``verb()`` took to raise, its exception's type name and message."""
+    import time
+
+    start = time.monotonic()
+    try:
+        verb()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return time.monotonic() - start, type(e).__name__, str(e)
+    raise AssertionError("it succeeded although a rank was killed")
+
+
+def killed_mid_write(rank: int, world: int, directory: str, victim: int) -> tuple[float, str, str]:
+    """Rank ``victim`` is SIGKILLed in the write step, its files written but its status not
+    sent; the others return what their save raised (:func:`_raised`)."""
+    import signal
+
+    import tsckpt._save as save_mod
+
+    if rank == victim:
+        real = save_mod._write_regions
+
+        def write_then_die(*a: Any, **k: Any) -> Any:
+            real(*a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        save_mod._write_regions = write_then_die  # type: ignore[assignment]
+    _, mine = _rows(rank, world)
+    return _raised(lambda: tsckpt.save(directory, {"w": mine}, layout=rank_layout()))
+
+
+def killed_before_restore(rank: int, world: int, directory: str, victim: int) -> tuple[float, str, str]:
+    """Every rank saves; then rank ``victim`` is SIGKILLed while the others restore, and they
+    return what their restore raised (:func:`_raised`)."""
+    import signal
+
+    _, mine = _rows(rank, world)
+    tsckpt.save(directory, {"w": mine}, layout=rank_layout())
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    target = tsckpt.ShardedArray(torch.empty_like(mine.local), mine.global_shape, mine.offsets)
+    return _raised(lambda: tsckpt.restore(directory, {"w": target}))
+
+
 def sharded_arrays(rank: int, world: int, directory: str, splits: list[int], cols: int) -> None:
     """Hand-made row shards of a (sum(splits), cols) array, one per rank."""
     full = global_tensor((sum(splits), cols))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -177,3 +178,46 @@ def test_bad_leaf_on_one_rank_fails_every_rank_before_anything_is_written(tmp_pa
     assert "LeafTypeError" in e.value.errors[1] and "'oops'" in e.value.errors[1]
     assert "DistributedError" in e.value.errors[0] and "save (describe) failed on rank(s) [1]" in e.value.errors[0]
     assert not os.path.exists(d)
+
+
+# A rank lost (its process SIGKILLed, as when its host dies) is told to the survivors by gloo
+# at once; they raise within seconds, far below the 10 minutes of the collectives' timeout.
+LOST_WITHIN_S = 30
+
+
+def _named_lost(message: str, phase: str, rank: int) -> set[int]:
+    """The ranks a survivor's DistributedError names as lost in ``phase``: the killed rank,
+    and sometimes a survivor that did not answer the probe in time (never ``rank`` itself)."""
+    match = re.match(rf"{re.escape(phase)} failed: lost contact with rank\(s\) \[([0-9, ]+)\], ", message)
+    assert match is not None, message
+    named = {int(r) for r in match.group(1).split(",")}
+    assert rank not in named, message
+    return named
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_killed_mid_write_survivors_raise_and_rank_0_cleans_up(tmp_path, layout, world):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.killed_mid_write, world, d, 1, timeout=90)
+    assert e.value.errors == {1: "died without reporting (exit code -9)"}
+    for rank, (elapsed, kind, message) in e.value.results.items():
+        assert kind == "DistributedError", (rank, kind, message)
+        assert _named_lost(message, "save (write)", rank) >= {1}, (rank, message)
+        assert "Connection" in message and elapsed < LOST_WITHIN_S, (rank, elapsed, message)
+    assert "the partial checkpoint was removed, so saving again needs no overwrite=True" in e.value.results[0][2]
+    assert not os.path.exists(os.path.join(d, "zarr.json"))  # no pending root left behind
+    tsckpt.save(d, {"w": np.arange(4)}, layout=layout)  # saving again needs no overwrite=True
+    assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_rank_killed_during_restore_survivors_raise(tmp_path):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.killed_before_restore, 3, d, 2, timeout=90)
+    assert e.value.errors == {2: "died without reporting (exit code -9)"}
+    for rank, (elapsed, kind, message) in e.value.results.items():
+        assert kind == "DistributedError", (rank, kind, message)
+        assert _named_lost(message, "restore", rank) >= {2}, (rank, message)
+        assert elapsed < LOST_WITHIN_S, (rank, elapsed, message)
+    assert tsckpt.open(d)["w"].shape == (18, 4)  # the checkpoint restored from is untouched

@@ -170,13 +170,15 @@ def commit(loc: Location, meta: dict[str, Any], layout: str, lease: _lease.Lease
     with _store.storage_errors(loc):
         if lease is None:
             _store.write_durable(loc, ROOT_KEY, body)
-        elif lease.lost or not _commit_root(loc, body, lease):
+            return
+        if lease.lost or not _commit_root(loc, body, lease):
             lease.lost = True
             raise CheckpointExistsError(
                 f"{loc}: the pending root of this save was replaced or removed by another process while it ran "
                 "(a save with overwrite=True, or a manager's clean-up, that judged this save dead); nothing was "
                 "committed. Save again, to a directory no other job uses"
             )
+        lease.committed = True
 
 
 def _commit_root(loc: Location, body: bytes, lease: _lease.Lease) -> bool:
@@ -196,8 +198,13 @@ def _commit_root(loc: Location, body: bytes, lease: _lease.Lease) -> bool:
 def abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool) -> None:
     """Step 8, rank 0 after a failed save that claimed ``loc``: remove the partial
     checkpoint (best effort; only when every rank knows of the failure, ``agreed``)
-    and say in ``err`` whether saving again needs overwrite=True."""
+    and say in ``err`` whether saving again needs overwrite=True. A save that failed
+    after its commit landed (a peer lost in the commit's last agreement) is complete
+    and left alone."""
     lease.end()
+    if lease.committed:
+        _amend(err, f"the checkpoint at {loc} was committed before the failure and is complete")
+        return
     if not agreed:
         _amend(err, (
             f"the partial checkpoint at {loc} was left in place, as other ranks may still be writing to it; "

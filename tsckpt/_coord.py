@@ -3,6 +3,13 @@
 ``Solo`` is the single-process case. The torch.distributed implementation lives
 in ``_dist.py``; both offer the same operations, so save and restore are
 written once.
+
+A rank lost meanwhile (its process killed, its host gone) breaks the collective
+every surviving rank is in, or enters next: the communication library raises its
+own error (gloo: "Connection closed by peer"). Every collective here turns that
+into a :class:`DistributedError` naming the phase and the ranks that no longer
+answer (:meth:`Coordinator.unreachable`), so survivors raise tsckpt's error and
+clean up what they can (a save's rank 0 removes its pending root).
 """
 
 from __future__ import annotations
@@ -32,6 +39,11 @@ class Coordinator(Protocol):
 
     def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]: ...
 
+    def unreachable(self) -> list[int]:
+        """After a collective failed: the other ranks that do not answer within a bounded
+        wait (their process or host gone, or stuck elsewhere), as far as can be told."""
+        ...
+
 
 class Solo:
     rank = 0
@@ -49,12 +61,37 @@ class Solo:
     def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]:
         raise RuntimeError("a single process has no peers to exchange data with")
 
+    def unreachable(self) -> list[int]:
+        return []
+
 
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
     try:
         return fn(), None
     except BaseException as e:  # noqa: BLE001 - reported to peers, then re-raised
         return None, e
+
+
+def _collective(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
+    """Run the collective ``fn`` of the phase ``what``; if it fails (a peer lost, a wait on
+    one timed out), raise a DistributedError naming the phase and the unreachable ranks."""
+    try:
+        return fn()
+    except TsckptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the communication library's own error, e.g. gloo's RuntimeError
+        raise DistributedError(_lost_message(what, coord.unreachable(), e)) from e
+
+
+def _lost_message(what: str, lost: list[int], cause: BaseException) -> str:
+    """What a rank that lost contact with its peers says: the phase, who is gone, and the cause."""
+    first = (str(cause).splitlines() or [""])[0]
+    cause_text = f"{type(cause).__name__}: {first[:300]}"
+    who = f"rank(s) {lost}" if lost else "another rank (which one could not be told)"
+    return (
+        f"{what} failed: lost contact with {who}, whose process or host is gone or which stopped "
+        f"answering ({cause_text}); the job cannot go on: restart it and restore the last committed checkpoint"
+    )
 
 
 def _report(error: BaseException | None) -> str | None:
@@ -95,7 +132,7 @@ def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int]
     if coord.world_size == 1:
         _settle(what, error, [])
         return result
-    _settle(what, error, coord.all_gather(_report(error)))
+    _settle(what, error, _collective(coord, what, lambda: coord.all_gather(_report(error))))
     return result
 
 
@@ -121,7 +158,7 @@ def ask_root(
     """
     out, error = _attempt(fn)
     result, payload = out if out is not None else (None, None)
-    gathered = coord.gather((_report(error), payload))
+    gathered = _collective(coord, what, lambda: coord.gather((_report(error), payload)))
     replies: list[Any] | None = None
     mine: Any = None
     if coord.rank == 0:
@@ -140,7 +177,8 @@ def ask_root(
         mine = replies[0]
         replies = [None, *replies[1:]]  # rank 0 keeps its own reply: never pickled, never padded into others'
     if coord.world_size > 1:
-        got = coord.scatter(replies)
+        sent = replies
+        got = _collective(coord, what, lambda: coord.scatter(sent))
         mine = mine if coord.rank == 0 else got
     if error is not None:
         raise error

@@ -18,6 +18,11 @@ from ._coord import Coordinator, Solo
 from ._jaxcoord import coordinator as jax_coordinator
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+# After a collective failed: how long a rank waits for each peer to answer its probe
+# (a peer whose process is gone fails at once; a surviving peer answers as soon as its
+# own collective fails too), and the tag the probes use, apart from exchange()'s.
+PROBE_SECONDS = 5.0
+PROBE_TAG = 0x75C6
 
 _groups: dict[tuple[Any, float, str], Any] = {}
 
@@ -35,6 +40,7 @@ class DistCoordinator:
             # save/restore, so every rank reaches this line in the same order.
             _groups[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout)
         self.group = _groups[key]
+        self.timeout = timeout
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
 
@@ -78,6 +84,33 @@ class DistCoordinator:
             if w is not None:
                 w.wait()
         return {tag: t.numpy() for tag, t in out.items()}
+
+    def unreachable(self) -> list[int]:
+        """Every other rank is sent one byte and expected to send one back (see
+        :meth:`Coordinator.unreachable`): those whose answer fails or does not come within
+        ``PROBE_SECONDS`` (at most the group's timeout)."""
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        wait = min(PROBE_SECONDS, self.timeout.total_seconds())
+        deadline = time.monotonic() + wait
+        lost, works, sends = [], [], []  # the sends kept until the end: a dropped one is cancelled
+        for r in (r for r in range(self.world_size) if r != self.rank):
+            peer = dist.get_global_rank(self.group, r)
+            try:
+                sends.append(dist.isend(torch.ones(1, dtype=torch.uint8), dst=peer, group=self.group, tag=PROBE_TAG))
+                works.append((r, dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=self.group, tag=PROBE_TAG)))
+            except Exception:  # noqa: BLE001 - the connection to that peer is already broken
+                lost.append(r)
+        for r, work in works:
+            try:
+                if work is None or not work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))):
+                    lost.append(r)
+            except Exception:  # noqa: BLE001 - its connection broke, or no answer in time
+                lost.append(r)
+        return sorted(lost)
 
 
 def _initialized() -> bool:

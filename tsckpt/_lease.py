@@ -217,6 +217,7 @@ class Lease:
         self.claim = new_claim()
         self.generation: bytes | None = None  # of the pending root last written; None before the claim
         self.lost = False  # the pending root was replaced or removed by someone else
+        self.committed = False  # the committed root landed: nothing is to be cleaned up any more
         self._root = pending_root
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
