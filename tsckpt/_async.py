@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import datetime
+import os
 import sys
 import threading
 import time
@@ -318,7 +319,9 @@ class AsyncSaver:
                     leaves[i] = copy if where is None else ShardedArray(copy, *where)
                 staged = unflatten(flat.spec, leaves)
                 if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tsckpt-save")
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="tsckpt-save", initializer=_yield_to_training
+                    )
                 handle = AsyncSave(label, nbytes)
                 self._executor.submit(handle.run, job, staged)
             self._inflight = handle
@@ -333,6 +336,20 @@ class AsyncSaver:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+# The nice value of the background save's thread, and so of the writer threads it starts
+# (Linux threads inherit it): where the CPUs are busy, the training loop goes first. Measured
+# by benchmarks/bench_train.py (RESULTS.md, "Training loop").
+BACKGROUND_NICE = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: per thread); elsewhere, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _least(*limits: int | None) -> int | None:

@@ -3,7 +3,7 @@ written without TensorStore where that is faster, byte for byte as TensorStore d
 
 - :mod:`.route`: the one rule saying which arrays the own codec handles (both directions),
   and the switch ``TSCKPT_CODEC=tensorstore`` that sends all I/O through TensorStore.
-- :mod:`.crc`: crc32c through google-crc32c's public API.
+- :mod:`.crc`: crc32c through the crc32c package's public API (the GIL released).
 - :mod:`.files`: an array's stored shapes, and the shard index (:class:`.files.ShardIndex`).
 - :mod:`.encode`: unsharded chunk files (one kvstore read or write each).
 - :mod:`.chunkread`: restore's reads of unsharded chunk files into CPU memory.

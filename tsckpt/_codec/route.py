@@ -3,7 +3,7 @@
 One rule, used by save and restore alike, so the own writer and the own reader handle
 the same arrays (:func:`route`):
 
-- nothing is own when the switch says ``tensorstore``, google-crc32c lacks its C
+- nothing is own when the switch says ``tensorstore``, the crc32c package lacks the CPU's crc32c
   extension, the host is big-endian, or the arrays are another format's (opened
   through their own TensorStore specs); nor for an empty array (it has no files);
 - an array without inner chunks: each chunk file is one kvstore read or write by the
@@ -91,7 +91,7 @@ def place(spec: Mapping[str, Any], layout: str, *, foreign: bool = False, shard_
     if setting() == TENSORSTORE:
         why = f"{ENV}={TENSORSTORE}"
     elif not crc.fast():
-        why = "google-crc32c has no C extension here (its pure-Python crc32c is about 6 MB/s)"
+        why = "the CPU has no crc32c instruction crc32c can use (its table-driven crc32c is no faster than TensorStore's)"
         if why not in _told:
             _told.add(why)
             log.warning("tsckpt: %s; every file is read and written through TensorStore", why)

@@ -7,7 +7,7 @@ bottleneck of large restores. Here each shard file's index is read and checked
 once, and runs of adjacent inner chunks are read with one ``os.preadv`` (no
 extra copy, the GIL released) straight into the destination where a chunk's
 region of it is contiguous (whole-row chunks, 1-D arrays), else into a reused
-buffer from which numpy copies the needed block. google-crc32c verifies each
+buffer from which numpy copies the needed block. crc32c verifies each
 chunk (about 13 GB/s); the destination holds unverified bytes only until its
 check, and a mismatch fails the restore.
 

@@ -4,7 +4,7 @@ TensorStore writes them.
 Why not TensorStore: its 0.1.86 wheel computes crc32c with a portable table
 (about 1 GB/s) and gathers every inner chunk out of the source into a new
 buffer before writing it. Here every inner chunk is checksummed by
-google-crc32c's hardware crc32c. Where the file system allows direct I/O the
+the crc32c package's hardware crc32c. Where the file system allows direct I/O the
 file is packed into an aligned buffer (column pieces of a row-major array and
 padded edge chunks are gathered straight into it) whose whole blocks go to
 storage with ``O_DIRECT``; elsewhere chunks contiguous in the source are handed
