@@ -201,13 +201,7 @@ class TrainState:
     def __tsckpt_tree__(self, rank: int) -> dict[str, Any]:
         """The tree this rank saves (module docstring); the save stores each stateful object's
         state in its place."""
-        tree: dict[str, Any] = get_state_dict(self.model, self.optimizers)
-        if self.extra:
-            tree[EXTRA] = dict(self.extra)
-        mine = {**self.per_rank, **({RNG: _RngSlot()} if self.rng else {})}
-        if mine:
-            tree[RANKS] = {rank: mine}
-        return tree
+        return {**get_state_dict(self.model, self.optimizers), **_others(self, rank)}
 
     def __tsckpt_restore__(self, directory: Directory, options: RestoreOptions) -> TrainState:
         """Restore in place (see the class docstring); returns this state."""
