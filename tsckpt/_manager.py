@@ -227,9 +227,7 @@ class CheckpointManager:
                 # a running save found meanwhile is left alone: save() then refuses on every rank
                 if clear and not _lease.save_running(self._roots([name])[name]):
                     self._delete(name)
-                if self._loc.local is None:
-                    _steps.mark(self._loc, name)
-            save(self.directory(step), tree, **kwargs)
+            save(self.directory(step), tree, **kwargs)  # lists the step in the root's index first
             if self._rank == 0:
                 self._after_commit()
 
