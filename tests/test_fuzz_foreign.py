@@ -40,7 +40,7 @@ import tsckpt
 from tests.conftest import examples
 from tests.foreign import zstd_zeros
 from tests.strategies import HUGE_AND_NEGATIVE, dumps, json_mutations, mutate
-from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, reader_call
+from tests.test_fuzz_metadata import RSS_GROWTH_LIMIT, Worker, read_leaf, reader_call
 
 CANARY = -7777.25  # a float32 no checkpoint here holds: a value read outside the checkpoint
 FORMATS = ("safetensors", "hf", "dcp", "orbax", "orbax-ocdbt", "torch", "torch-legacy")
@@ -199,7 +199,7 @@ def _read_orbax(path: str, call: Any, failures: list[str]) -> None:
     """The read verbs on an Orbax checkpoint: lazy reads of every leaf, restore, metadata, verify."""
     ok, reader = call("open", lambda: tsckpt.open(path))
     for leaf in list(reader) if ok else []:
-        ok, got = call(f"open(...)['{leaf}']", lambda: _read(reader, leaf))
+        ok, got = call(f"open(...)['{leaf}']", lambda: read_leaf(reader, leaf))
         if ok and _canary_values({"x": got}):
             failures.append(f"a lazy read of '{leaf}' returned values from outside the checkpoint")
     ok, restored = call("restore", lambda: tsckpt.restore(path, progress=False))
@@ -207,15 +207,6 @@ def _read_orbax(path: str, call: Any, failures: list[str]) -> None:
         failures.append("restore returned values from outside the checkpoint")
     call("metadata", lambda: tsckpt.metadata(path))
     call("verify", lambda: tsckpt.verify(path, progress=False))
-
-
-def _read(reader: Any, leaf: str) -> Any:
-    value = reader[leaf]
-    if not isinstance(value, tsckpt.LazyArray):
-        return value
-    if value.metadata.nbytes <= 1 << 20:
-        return value[...]
-    return value[(slice(0, 1),) * min(1, len(value.shape))]
 
 
 def worker() -> None:

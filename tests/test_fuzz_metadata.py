@@ -201,7 +201,7 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
     ok, reader = call("open", lambda: tsckpt.open(path))
     want = _leaves(original)
     for leaf in list(reader) if ok else []:
-        ok, got = call(f"open(...)['{leaf}']", lambda: _read(reader, leaf))
+        ok, got = call(f"open(...)['{leaf}']", lambda: read_leaf(reader, leaf))
         if ok and leaf in job["unchanged"]:
             expect(f"lazy read of '{leaf}'", lambda: _same_leaf(got, want[leaf]))
     verified, report = call("verify", lambda: tsckpt.verify(path, progress=False))
@@ -221,7 +221,8 @@ def check(path: str, job: dict[str, Any]) -> list[str]:
     return failures
 
 
-def _read(reader: Any, leaf: str) -> Any:
+def read_leaf(reader: Any, leaf: str) -> Any:
+    """A leaf's value, or (an array) its first row, or all of it up to 1 MiB."""
     value = reader[leaf]
     if not isinstance(value, tsckpt.LazyArray):
         return value
