@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import torch.distributed as dist
 
+from tests.dist_helpers import run_ranks
 from tsckpt import _dist
 
 
@@ -32,3 +35,29 @@ def test_coordination_group_is_gloo_when_the_default_group_is_nccl(monkeypatch):
     t.start()
     t.join()
     assert found == ["group2"] and [m["backend"] for m in made] == ["gloo", "gloo"]
+
+
+# ---- the probe of lost ranks (DistCoordinator.unreachable) --------------------------------
+
+
+def probe_live_ranks(rank: int, world: int, rounds: int, seed: int) -> list[list[int]]:
+    """Every rank probes its peers ``rounds`` times, entering each probe after a random
+    pause of up to 30 ms (so ranks enter in every order and overlap rounds); what each
+    probe named as lost."""
+    import random
+    import time
+
+    coord = _dist.coordinator_for()
+    pause = random.Random(seed * 100 + rank)
+    named = []
+    for _ in range(rounds):
+        time.sleep(pause.uniform(0, 0.03))
+        named.append(coord.unreachable())
+    return named
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_probe_names_no_live_rank(world):
+    rounds = 40
+    for rank, named in enumerate(run_ranks(probe_live_ranks, world, rounds, world, timeout=120)):
+        assert named == [[]] * rounds, (rank, named)

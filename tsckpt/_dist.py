@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -86,31 +87,61 @@ class DistCoordinator:
         return {tag: t.numpy() for tag, t in out.items()}
 
     def unreachable(self) -> list[int]:
-        """Every other rank is sent one byte and expected to send one back (see
-        :meth:`Coordinator.unreachable`): those whose answer fails or does not come within
-        ``PROBE_SECONDS`` (at most the group's timeout)."""
-        import time
+        """The other ranks whose connection to this one is gone (see
+        :meth:`Coordinator.unreachable`): each is sent one byte and expected to send one
+        back; a peer whose process or host is gone fails at once (its connection closed),
+        a live one answers as soon as it probes too (its own collective failed). Waits at
+        most ``PROBE_SECONDS`` (and the group's timeout); a peer silent until then (busy
+        elsewhere, or its host cut off without closing the connection) is not named.
 
+        Why not gloo's own timed wait: a wait that times out makes gloo close every
+        connection of the group ("Application timeout caused pair closure"), so every live
+        peer still probing would then find this rank gone and name it. The waits here
+        are unbounded ones in helper threads, which this rank stops waiting for at the
+        bound; each also waits for its own byte to be taken, since gloo drops a send whose
+        work is freed before the peer asked for it (the peer would then wait in vain)."""
+        wait = min(PROBE_SECONDS, self.timeout.total_seconds())
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        outcome: dict[int, BaseException | None] = {}  # peer -> None (it answered) or the error
+
+        def probe(r: int, works: list[Any]) -> None:
+            try:
+                for work in works:
+                    work.wait()
+                outcome[r] = None
+            except Exception as e:  # noqa: BLE001 - its connection broke
+                outcome[r] = e
+
+        threads = []
+        for r in peers:
+            try:
+                works = self._probe(r)
+            except Exception as e:  # noqa: BLE001 - the connection to that peer is already broken
+                outcome[r] = e
+                continue
+            threads.append(threading.Thread(target=probe, args=(r, works), name=f"tsckpt-probe-{r}", daemon=True))
+            threads[-1].start()
+        deadline = time.monotonic() + wait
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sorted(r for r, e in dict(outcome).items() if e is not None and _closed_by_peer(e))
+
+    def _probe(self, r: int) -> list[Any]:
+        """The probe's send to and receive from rank ``r``, started."""
         import torch
         import torch.distributed as dist
 
-        wait = min(PROBE_SECONDS, self.timeout.total_seconds())
-        deadline = time.monotonic() + wait
-        lost, works, sends = [], [], []  # the sends kept until the end: a dropped one is cancelled
-        for r in (r for r in range(self.world_size) if r != self.rank):
-            peer = dist.get_global_rank(self.group, r)
-            try:
-                sends.append(dist.isend(torch.ones(1, dtype=torch.uint8), dst=peer, group=self.group, tag=PROBE_TAG))
-                works.append((r, dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=self.group, tag=PROBE_TAG)))
-            except Exception:  # noqa: BLE001 - the connection to that peer is already broken
-                lost.append(r)
-        for r, work in works:
-            try:
-                if work is None or not work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))):
-                    lost.append(r)
-            except Exception:  # noqa: BLE001 - its connection broke, or no answer in time
-                lost.append(r)
-        return sorted(lost)
+        peer = dist.get_global_rank(self.group, r)
+        send = dist.isend(torch.ones(1, dtype=torch.uint8), dst=peer, group=self.group, tag=PROBE_TAG)
+        recv = dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=self.group, tag=PROBE_TAG)
+        return [w for w in (recv, send) if w is not None]
+
+
+def _closed_by_peer(error: BaseException) -> bool:
+    """Whether a probe's error says the peer is gone, rather than that this rank's own
+    gloo closed its connections after one of its waits timed out (which tells nothing
+    about the peer)."""
+    return "Application timeout caused pair closure" not in str(error)
 
 
 def _initialized() -> bool:
