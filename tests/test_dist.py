@@ -52,7 +52,7 @@ def probe_live_ranks(rank: int, world: int, rounds: int, seed: int) -> list[list
     named = []
     for _ in range(rounds):
         time.sleep(pause.uniform(0, 0.03))
-        named.append(coord.unreachable())
+        named.append(coord.probe())
     return named
 
 

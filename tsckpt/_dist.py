@@ -8,7 +8,9 @@ or interleaves with the training loop's own collectives.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import threading
 import time
 from typing import Any
@@ -24,6 +26,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 # own collective fails too), and the tag the probes use, apart from exchange()'s.
 PROBE_SECONDS = 5.0
 PROBE_TAG = 0x75C6
+LEAVE_TAG = 0x75C7  # the receive that closes a rank's connections when it leaves (DistCoordinator.leave)
 
 _groups: dict[tuple[Any, float, str], Any] = {}
 
@@ -87,12 +90,20 @@ class DistCoordinator:
         return {tag: t.numpy() for tag, t in out.items()}
 
     def unreachable(self) -> list[int]:
-        """The other ranks whose connection to this one is gone (see
-        :meth:`Coordinator.unreachable`): each is sent one byte and expected to send one
-        back; a peer whose process or host is gone fails at once (its connection closed),
-        a live one answers as soon as it probes too (its own collective failed). Waits at
-        most ``PROBE_SECONDS`` (and the group's timeout); a peer silent until then (busy
-        elsewhere, or its host cut off without closing the connection) is not named.
+        """After a collective of this rank failed (see :meth:`Coordinator.unreachable`): the
+        other ranks known to be gone (:meth:`probe`); then this rank leaves the group
+        (:meth:`leave`), so that no surviving peer waits on it until the timeout."""
+        lost = self.probe()
+        self.leave(lost)
+        return lost
+
+    def probe(self) -> list[int]:
+        """The other ranks whose connection to this one is gone, leaving aside those that
+        left the group themselves (:meth:`leave`): each is sent one byte and expected to
+        send one back; a peer whose process or host is gone fails at once (its connection
+        closed), a live one answers as soon as it probes too (its own collective failed).
+        Waits at most ``PROBE_SECONDS`` (and the group's timeout); a peer silent until then
+        (busy elsewhere, or its host cut off without closing the connection) is not named.
 
         Why not gloo's own timed wait: a wait that times out makes gloo close every
         connection of the group ("Application timeout caused pair closure"), so every live
@@ -101,10 +112,9 @@ class DistCoordinator:
         bound; each also waits for its own byte to be taken, since gloo drops a send whose
         work is freed before the peer asked for it (the peer would then wait in vain)."""
         wait = min(PROBE_SECONDS, self.timeout.total_seconds())
-        peers = [r for r in range(self.world_size) if r != self.rank]
         outcome: dict[int, BaseException | None] = {}  # peer -> None (it answered) or the error
 
-        def probe(r: int, works: list[Any]) -> None:
+        def answered(r: int, works: list[Any]) -> None:
             try:
                 for work in works:
                     work.wait()
@@ -113,18 +123,36 @@ class DistCoordinator:
                 outcome[r] = e
 
         threads = []
-        for r in peers:
+        for r in self._peers():
             try:
                 works = self._probe(r)
             except Exception as e:  # noqa: BLE001 - the connection to that peer is already broken
                 outcome[r] = e
                 continue
-            threads.append(threading.Thread(target=probe, args=(r, works), name=f"tsckpt-probe-{r}", daemon=True))
+            threads.append(threading.Thread(target=answered, args=(r, works), name=f"tsckpt-probe-{r}", daemon=True))
             threads[-1].start()
         deadline = time.monotonic() + wait
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        return sorted(r for r, e in dict(outcome).items() if e is not None and _closed_by_peer(e))
+        closed = [r for r, e in dict(outcome).items() if e is not None and _closed_by_peer(e)]
+        return sorted(r for r in closed if not self._left(r))
+
+    def leave(self, lost: list[int]) -> None:
+        """Leave the group after a failure that ends the job: record in the job's store that
+        this rank left (and whom it found ``lost``), then close this rank's connections in
+        the group, so a peer still waiting on it in a collective (e.g. a gather it already
+        sent its part of) fails at once instead of after the timeout; its probe then finds
+        this rank's connection closed, and the record tells it that this rank left rather
+        than died. The group is the coordination's own, not the training loop's, and no
+        later collective on it can succeed with a rank lost."""
+        store = _job_store()
+        if store is not None:
+            with contextlib.suppress(Exception):  # the store's host may be the one lost
+                store.set(self._left_key(self.rank), json.dumps(lost))
+        self._close()
+
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
 
     def _probe(self, r: int) -> list[Any]:
         """The probe's send to and receive from rank ``r``, started."""
@@ -136,12 +164,55 @@ class DistCoordinator:
         recv = dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=self.group, tag=PROBE_TAG)
         return [w for w in (recv, send) if w is not None]
 
+    def _close(self) -> None:
+        """Close every connection of this rank in the group. gloo offers no call for it but
+        does it when a wait times out, so: a receive nobody sends to, given a 1 ms wait (on
+        the first peer whose connection is still open; none open, nothing to close)."""
+        import torch
+        import torch.distributed as dist
+
+        for r in self._peers():
+            try:
+                work = dist.irecv(
+                    torch.zeros(1, dtype=torch.uint8), src=dist.get_global_rank(self.group, r), group=self.group,
+                    tag=LEAVE_TAG,
+                )
+            except Exception:  # noqa: BLE001 - that connection is closed already
+                continue
+            if work is None:
+                continue
+            with contextlib.suppress(Exception):  # the timeout that closes them all
+                work.wait(datetime.timedelta(milliseconds=1))
+            return
+
+    def _left_key(self, r: int) -> str:
+        return f"tsckpt/left/{self.group.group_name}/{r}"
+
+    def _left(self, r: int) -> bool:
+        """Whether rank ``r`` recorded that it left the group (:meth:`leave`)."""
+        store = _job_store()
+        try:
+            return store is not None and bool(store.check([self._left_key(r)]))
+        except Exception:  # noqa: BLE001 - no store to ask: as far as can be told, it did not
+            return False
+
 
 def _closed_by_peer(error: BaseException) -> bool:
     """Whether a probe's error says the peer is gone, rather than that this rank's own
     gloo closed its connections after one of its waits timed out (which tells nothing
     about the peer)."""
     return "Application timeout caused pair closure" not in str(error)
+
+
+def _job_store() -> Any:
+    """The key-value store the job rendezvoused through (torchrun's, or the one of
+    init_process_group's init_method), or None. torch has no public accessor for it."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without it
+        return None
 
 
 def _initialized() -> bool:
