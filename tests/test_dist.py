@@ -61,3 +61,32 @@ def test_probe_names_no_live_rank(world):
     rounds = 40
     for rank, named in enumerate(run_ranks(probe_live_ranks, world, rounds, world, timeout=120)):
         assert named == [[]] * rounds, (rank, named)
+
+
+def lost_then_linger(rank: int, world: int, directory: str, victim: int, linger: float) -> tuple[float, str, str]:
+    """Rank ``victim`` is SIGKILLed mid-save (tests.dist_scenarios.killed_mid_write); each
+    survivor reports what its save raised, after staying alive ``linger`` seconds (as a
+    training process that handles the error does), so no survivor is freed by another's exit."""
+    import time
+
+    from tests import dist_scenarios
+
+    raised = dist_scenarios.killed_mid_write(rank, world, directory, victim)
+    time.sleep(linger)
+    return raised
+
+
+def test_a_survivor_waiting_on_another_is_freed_when_that_one_leaves(tmp_path):
+    """On 4 ranks with rank 1 lost in the write's all-gather (a ring), rank 3 still waits for
+    rank 2's part, which rank 2 will not send: it is freed by rank 2 leaving the group
+    (DistCoordinator.leave), not by rank 2's process ending, and names rank 1 alone."""
+    from tests.dist_helpers import RankError
+
+    linger = 40.0
+    with pytest.raises(RankError) as e:
+        run_ranks(lost_then_linger, 4, str(tmp_path / "ck"), 1, linger, timeout=120)
+    assert e.value.errors == {1: "died without reporting (exit code -9)"}
+    for rank, (elapsed, kind, message) in e.value.results.items():
+        assert kind == "DistributedError", (rank, kind, message)
+        assert message.startswith("save (write) failed: lost contact with rank(s) [1], "), (rank, message)
+        assert elapsed < linger / 2, (rank, elapsed, message)

@@ -7,9 +7,10 @@ written once.
 A rank lost meanwhile (its process killed, its host gone) breaks the collective
 every surviving rank is in, or enters next: the communication library raises its
 own error (gloo: "Connection closed by peer"). Every collective here turns that
-into a :class:`DistributedError` naming the phase and the ranks that no longer
-answer (:meth:`Coordinator.unreachable`), so survivors raise tsckpt's error and
-clean up what they can (a save's rank 0 removes its pending root).
+into a :class:`DistributedError` naming the phase and the ranks that are gone
+(:meth:`Coordinator.unreachable`, which also lets peers still waiting on this
+rank go), so survivors raise tsckpt's error and clean up what they can (a save's
+rank 0 removes its pending root).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class Coordinator(Protocol):
     def exchange(self, sends: list[Any], recvs: list[Any]) -> dict[int, Any]: ...
 
     def unreachable(self) -> list[int]:
-        """After a collective failed: the other ranks that do not answer within a bounded
-        wait (their process or host gone, or stuck elsewhere), as far as can be told."""
+        """After a collective of this rank failed, which ends the job: the other ranks
+        known to be gone (their process or host), never a live one; a rank silent within
+        a bounded wait is not named. The rank may also leave the coordination here, so
+        that no surviving peer waits on it until the timeout."""
         ...
 
 
@@ -87,10 +90,13 @@ def _lost_message(what: str, lost: list[int], cause: BaseException) -> str:
     """What a rank that lost contact with its peers says: the phase, who is gone, and the cause."""
     first = (str(cause).splitlines() or [""])[0]
     cause_text = f"{type(cause).__name__}: {first[:300]}"
-    who = f"rank(s) {lost}" if lost else "another rank (which one could not be told)"
+    who = (
+        f"rank(s) {lost}, whose process or host is gone" if lost
+        else "another rank (none is known to be gone: one stopped answering, or its host was cut off)"
+    )
     return (
-        f"{what} failed: lost contact with {who}, whose process or host is gone or which stopped "
-        f"answering ({cause_text}); the job cannot go on: restart it and restore the last committed checkpoint"
+        f"{what} failed: lost contact with {who} ({cause_text}); the job cannot go on: restart it and restore "
+        "the last committed checkpoint"
     )
 
 
