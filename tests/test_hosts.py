@@ -152,20 +152,28 @@ def _job(tmp_path: Path) -> Any:
 LOST = re.compile(r"save \((?P<phase>[a-z ]+)\) failed: lost contact with rank\(s\) \[(?P<ranks>[0-9, ]+)\], ")
 
 
-@pytest.mark.parametrize("when", ["claimed", "writing"])
-@pytest.mark.parametrize("lost", ["host", "rank"])
-def test_host_lost_mid_save_survivors_raise_and_clean_up(tmp_path, lost, when):
+def _lose(hosts: netns.Hosts, out: Path, lost: str) -> tuple[list[int], list[int]]:
+    """Kill ``lost`` ("host": the second host, "rank": rank 2 alone, "first host": the one
+    of rank 0 and of the job's store); the ranks gone and the survivors."""
+    if lost == "rank":
+        os.kill(json.loads((out / "pid-2.json").read_text())["pid"], signal.SIGKILL)
+        return [2], [0, 1, 3]
+    first = lost == "first host"
+    assert len(hosts.kill_all(hosts.first if first else hosts.second)) >= 3, _logs(out)  # torchrun, 2 ranks
+    return ([0, 1], [2, 3]) if first else ([2, 3], [0, 1])
+
+
+def _run_and_lose(tmp_path: Path, lost: str, when: str) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """Start the job, lose ``lost`` once the save is ``when``; the directory and the
+    survivors' reports, checked: each raised DistributedError naming exactly the ranks
+    gone, within RAISE_WITHIN_S."""
     in_flight = {"claimed": _pending, "writing": _writing}[when]
     with _job(tmp_path) as (hosts, procs, directory, out):
         _wait_for(f"a save {when}", lambda: in_flight(directory), procs, out, START_S)
-        if lost == "host":
-            assert len(hosts.kill_all(hosts.second)) >= 3, _logs(out)  # its torchrun and its two ranks
-            gone, survivors = [2, 3], [0, 1]
-        else:
-            os.kill(json.loads((out / "pid-2.json").read_text())["pid"], signal.SIGKILL)
-            gone, survivors = [2], [0, 1, 3]
+        gone, survivors = _lose(hosts, out, lost)
         killed_at = time.time()
-        reports = _wait_for("reports of the survivors", lambda: _reports(out, survivors), procs[:1], out, REPORT_S)
+        alive = procs[1:] if lost == "first host" else procs[:1]
+        reports = _wait_for("reports of the survivors", lambda: _reports(out, survivors), alive, out, REPORT_S)
     for rank, report in reports.items():
         assert report["kind"] == "DistributedError", (rank, report)
         match = LOST.match(report["message"])
@@ -173,6 +181,13 @@ def test_host_lost_mid_save_survivors_raise_and_clean_up(tmp_path, lost, when):
         assert [int(r) for r in match["ranks"].split(",")] == gone, (rank, report["message"])
         assert re.search(r"\(RuntimeError: .*Connection (closed|reset) by peer", report["message"]), (rank, report)
         assert report["at"] - killed_at < RAISE_WITHIN_S, (rank, report["at"] - killed_at, report["message"])
+    return directory, reports
+
+
+@pytest.mark.parametrize("when", ["claimed", "writing"])
+@pytest.mark.parametrize("lost", ["host", "rank"])
+def test_host_lost_mid_save_survivors_raise_and_clean_up(tmp_path, lost, when):
+    directory, reports = _run_and_lose(tmp_path, lost, when)
     assert "the partial checkpoint was removed, so saving again needs no overwrite=True" in reports[0]["message"]
     assert not (directory / "zarr.json").exists()  # no pending root left behind
 
@@ -180,6 +195,21 @@ def test_host_lost_mid_save_survivors_raise_and_clean_up(tmp_path, lost, when):
 
     again = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
     tsckpt.save(str(directory), again)  # no overwrite=True needed
+    np.testing.assert_array_equal(tsckpt.restore(str(directory))["w"], again["w"])
+
+
+def test_host_of_rank_0_lost_mid_save_survivors_raise_and_the_save_is_dead(tmp_path):
+    """Rank 0's host lost (with the job's store): the survivors raise; the pending root stays
+    (no survivor can remove it, docs/format.md), no reader takes it for a checkpoint, and
+    rank 0's process being gone makes it a dead save that overwrite=True replaces."""
+    import tsckpt
+
+    directory, _ = _run_and_lose(tmp_path, "first host", "writing")
+    assert _pending(directory)
+    with pytest.raises(tsckpt.CheckpointIncompleteError):
+        tsckpt.open(str(directory))
+    again = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    tsckpt.save(str(directory), again, overwrite=True)
     np.testing.assert_array_equal(tsckpt.restore(str(directory))["w"], again["w"])
 
 
