@@ -210,6 +210,22 @@ def test_rank_killed_mid_write_survivors_raise_and_rank_0_cleans_up(tmp_path, la
     assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3]
 
 
+def test_rank_0_killed_mid_write_the_lowest_survivor_cleans_up(tmp_path, layout):
+    d = str(tmp_path / "ck")
+    with pytest.raises(RankError) as e:
+        run_ranks(sc.killed_mid_write, 3, d, 0, timeout=90)
+    assert e.value.errors == {0: "died without reporting (exit code -9)"}
+    for rank, (elapsed, kind, message) in e.value.results.items():
+        assert kind == "DistributedError", (rank, kind, message)
+        assert _named_lost(message, "save (write)", rank) == {0}, (rank, message)
+        assert elapsed < LOST_WITHIN_S, (rank, elapsed, message)
+    assert "rank 0 was lost, and this rank removed the partial checkpoint" in e.value.results[1][2]
+    assert "removed" not in e.value.results[2][2]
+    assert not os.path.exists(os.path.join(d, "zarr.json"))  # no pending root left behind
+    tsckpt.save(d, {"w": np.arange(4)}, layout=layout)  # saving again needs no overwrite=True
+    assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3]
+
+
 def test_rank_killed_during_restore_survivors_raise(tmp_path):
     d = str(tmp_path / "ck")
     with pytest.raises(RankError) as e:

@@ -198,18 +198,17 @@ def test_host_lost_mid_save_survivors_raise_and_clean_up(tmp_path, lost, when):
     np.testing.assert_array_equal(tsckpt.restore(str(directory))["w"], again["w"])
 
 
-def test_host_of_rank_0_lost_mid_save_survivors_raise_and_the_save_is_dead(tmp_path):
-    """Rank 0's host lost (with the job's store): the survivors raise; the pending root stays
-    (no survivor can remove it, docs/format.md), no reader takes it for a checkpoint, and
-    rank 0's process being gone makes it a dead save that overwrite=True replaces."""
+def test_host_of_rank_0_lost_mid_save_survivors_raise_and_clean_up(tmp_path):
+    """Rank 0's host lost (with the job's store): the survivors raise, and the lowest of
+    them removes the save's pending root and data, so saving again needs no overwrite=True."""
     import tsckpt
 
-    directory, _ = _run_and_lose(tmp_path, "first host", "writing")
-    assert _pending(directory)
-    with pytest.raises(tsckpt.CheckpointIncompleteError):
-        tsckpt.open(str(directory))
+    directory, reports = _run_and_lose(tmp_path, "first host", "writing")
+    assert "rank 0 was lost, and this rank removed the partial checkpoint" in reports[2]["message"], reports[2]
+    assert "removed" not in reports[3]["message"], reports[3]
+    assert not (directory / "zarr.json").exists()
     again = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    tsckpt.save(str(directory), again, overwrite=True)
+    tsckpt.save(str(directory), again)
     np.testing.assert_array_equal(tsckpt.restore(str(directory))["w"], again["w"])
 
 

@@ -83,7 +83,10 @@ def _collective(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
     except TsckptError:
         raise
     except Exception as e:  # noqa: BLE001 - the communication library's own error, e.g. gloo's RuntimeError
-        raise DistributedError(_lost_message(what, coord.unreachable(), e)) from e
+        lost = coord.unreachable()
+        error = DistributedError(_lost_message(what, lost, e))
+        error.lost = tuple(lost)
+        raise error from e
 
 
 def _lost_message(what: str, lost: list[int], cause: BaseException) -> str:

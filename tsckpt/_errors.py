@@ -61,6 +61,8 @@ class LayoutError(TsckptError, ValueError):
 class DistributedError(TsckptError, RuntimeError):
     """Another rank failed or disagreed during a collective save or restore."""
 
+    lost: tuple[int, ...] = ()  # the ranks found gone (process or host), when a peer was lost
+
 
 class SaveInProgressError(TsckptError, RuntimeError):
     """A save is still running: an asynchronous save the caller asked not to wait for, or

@@ -32,6 +32,7 @@ saves all ask it before they remove or replace a pending checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -206,6 +207,34 @@ def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, S
     if found.value == body:
         return found.generation, None
     return b"", found
+
+
+def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
+    """A surviving rank after rank 0 of save ``save_id`` was lost: remove that save's
+    partial checkpoint (best effort), saying in ``err`` what became of it. The pending root
+    goes only while it is still that save's (as just read, removed conditionally on that
+    generation: rank 0 is gone, so nothing renews it; a root committed, replaced or removed
+    meanwhile is left alone), then every key below ``loc``."""
+    try:
+        with _store.storage_errors(loc, doing="writing"):
+            found = read_root(loc)
+            if found.value is None or found.root.state != STATE_PENDING or save_id_of(found.root) != save_id:
+                return  # rank 0 finished or cleaned up before it was lost, or another save took over
+            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=found.generation):
+                return
+            _store.delete_all(loc)
+        if loc.local is not None:
+            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
+                os.rmdir(loc.local)
+    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
+        _note(err, f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again")
+        return
+    _note(err, "rank 0 was lost, and this rank removed the partial checkpoint, so saving again needs no overwrite=True")
+
+
+def _note(err: BaseException, text: str) -> None:
+    if len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}; {text}",)
 
 
 class Lease:

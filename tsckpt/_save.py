@@ -412,9 +412,10 @@ def save(
        the root ``zarr.json`` with state "committed" and the tree metadata: a
        single atomic object write, conditional on the pending root being still
        this save's, so readers see either no checkpoint or a complete one.
-    8. Clean-up (rank 0, only after a failure once every rank knows of it):
-       the partial checkpoint is removed (the pending root first, if still
-       this save's), so saving again needs no ``overwrite=True``.
+    8. Clean-up (rank 0, only after a failure once every rank knows of it;
+       the lowest surviving rank when rank 0 was lost): the partial checkpoint
+       is removed (the pending root first, if still this save's), so saving
+       again needs no ``overwrite=True``.
 
     Every step ends with every rank knowing the outcome (steps 1-4 through the
     replies of rank 0, the others by exchanging a status), so a failure on one
@@ -438,6 +439,7 @@ def save(
 
         return run
 
+    job: _Job | None = None
     try:
         job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
         received: dict[int, np.ndarray] = {}
@@ -450,10 +452,17 @@ def save(
         if lease is not None and lease.generation is not None:
             agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
             _abandon(loc, lease, e, agreed)
+        elif job is not None and job.save_id and isinstance(e, DistributedError) and _cleans_for_rank_0(coord, e.lost):
+            _lease.abandon_lost(loc, job.save_id, e)
         raise
     finally:
         if lease is not None:
             lease.end()
+
+
+def _cleans_for_rank_0(coord: Any, lost: tuple[int, ...]) -> bool:
+    """Whether this rank cleans up after a save whose rank 0 was lost: the lowest rank not lost."""
+    return 0 in lost and coord.rank == min(r for r in range(coord.world_size) if r not in lost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,6 +496,7 @@ class Part:
     plan: RankPlan
     window: int  # bytes of source data in flight while writing: the least of any rank's
     commit: _Commit | None = None  # rank 0 only; never sent
+    save_id: str | None = None  # its claim's: a survivor removes the pending root if rank 0 is lost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +517,7 @@ class _Job:
     local: dict[str, Local]  # this rank's leaves, by path
     window: int
     commit: _Commit | None
+    save_id: str | None = None  # the save's claim (Part.save_id)
 
 
 def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Payload]:
@@ -570,7 +581,7 @@ def _plan_job(
         parts = _parts(d)
         mark_if_managed(loc)  # a manager's step on an object store: listed before anything is written
         _begin(loc, overwrite, layout, lease)
-        return parts
+        return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
 
     def describe_mine() -> tuple[dict[str, Local], Payload]:
         return _describe(expand(tree, rank=coord.rank).tree, window, layout)
@@ -583,7 +594,7 @@ def _plan_job(
             return None, {p: checksum(local[p].data) for p in asked}
 
         _, reply = ask_root(coord, "save (replica checksums)", sums, second)
-    return _Job(reply.plan, local, reply.window, reply.commit)
+    return _Job(reply.plan, local, reply.window, reply.commit, reply.save_id)
 
 
 def _write(
