@@ -46,10 +46,18 @@ def _rank_main(directory: str, out: str) -> None:
     import torch.distributed as dist
 
     import tsckpt
+    import tsckpt._save as save_mod
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     _write(Path(out) / f"pid-{rank}.json", {"pid": os.getpid()})
+    write_regions = save_mod._write_regions
+
+    def writing(*args: Any, **kwargs: Any) -> Any:  # the rank has its part of the plan, and writes
+        _write(Path(out) / f"writing-{rank}.json", {"at": time.time()})
+        return write_regions(*args, **kwargs)
+
+    save_mod._write_regions = writing  # type: ignore[assignment]
     local = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(rank))
     state = {"w": tsckpt.ShardedArray(local, (ROWS * world, COLS), (ROWS * rank, 0))}
     report: dict[str, Any] = {"kind": None}
@@ -109,9 +117,9 @@ def _pending(directory: Path) -> bool:
         return False
 
 
-def _writing(directory: Path) -> bool:
-    """Whether the save writes data: a file beyond the pending root (an array node, a shard)."""
-    return _pending(directory) and any(p.name != "zarr.json" for p in directory.rglob("*") if p.is_file())
+def _writing(out: Path) -> bool:
+    """Whether every rank has its part of the plan and writes its data."""
+    return all((out / f"writing-{r}.json").exists() for r in range(4))
 
 
 def _reports(out: Path, ranks: list[int]) -> dict[int, dict[str, Any]] | None:
@@ -167,9 +175,9 @@ def _run_and_lose(tmp_path: Path, lost: str, when: str) -> tuple[Path, dict[int,
     """Start the job, lose ``lost`` once the save is ``when``; the directory and the
     survivors' reports, checked: each raised DistributedError naming exactly the ranks
     gone, within RAISE_WITHIN_S."""
-    in_flight = {"claimed": _pending, "writing": _writing}[when]
     with _job(tmp_path) as (hosts, procs, directory, out):
-        _wait_for(f"a save {when}", lambda: in_flight(directory), procs, out, START_S)
+        in_flight = {"claimed": lambda: _pending(directory), "writing": lambda: _writing(out)}[when]
+        _wait_for(f"a save {when}", in_flight, procs, out, START_S)
         gone, survivors = _lose(hosts, out, lost)
         killed_at = time.time()
         alive = procs[1:] if lost == "first host" else procs[:1]
