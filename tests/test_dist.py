@@ -63,17 +63,22 @@ def test_probe_names_no_live_rank(world):
         assert named == [[]] * rounds, (rank, named)
 
 
-def lost_then_linger(rank: int, world: int, directory: str, victim: int, linger: float) -> tuple[float, str, str]:
+def lost_then_linger(rank: int, world: int, directory: str, victim: int, linger: float) -> list[tuple[float, str, str]]:
     """Rank ``victim`` is SIGKILLed mid-save (tests.dist_scenarios.killed_mid_write); each
-    survivor reports what its save raised, after staying alive ``linger`` seconds (as a
-    training process that handles the error does), so no survivor is freed by another's exit."""
+    survivor reports what its save raised, then what a second save raises, after staying
+    alive ``linger`` seconds (as a training process that handles the error does), so no
+    survivor is freed by another's exit."""
     import time
 
+    import numpy as np
+
+    import tsckpt
     from tests import dist_scenarios
 
     raised = dist_scenarios.killed_mid_write(rank, world, directory, victim)
+    again = dist_scenarios._raised(lambda: tsckpt.save(directory + "-again", {"w": np.zeros(2)}))
     time.sleep(linger)
-    return raised
+    return [raised, again]
 
 
 def test_a_survivor_waiting_on_another_is_freed_when_that_one_leaves(tmp_path):
@@ -86,7 +91,12 @@ def test_a_survivor_waiting_on_another_is_freed_when_that_one_leaves(tmp_path):
     with pytest.raises(RankError) as e:
         run_ranks(lost_then_linger, 4, str(tmp_path / "ck"), 1, linger, timeout=120)
     assert e.value.errors == {1: "died without reporting (exit code -9)"}
-    for rank, (elapsed, kind, message) in e.value.results.items():
+    for rank, (raised, again) in e.value.results.items():
+        elapsed, kind, message = raised
         assert kind == "DistributedError", (rank, kind, message)
         assert message.startswith("save (write) failed: lost contact with rank(s) [1], "), (rank, message)
         assert elapsed < linger / 2, (rank, elapsed, message)
+        elapsed, kind, message = again  # the group was left: a later save fails at once, naming the same
+        assert kind == "DistributedError", (rank, kind, message)
+        assert message.startswith("save (describe) failed: lost contact with rank(s) [1], "), (rank, message)
+        assert elapsed < 2, (rank, elapsed, message)

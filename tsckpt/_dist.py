@@ -29,6 +29,7 @@ PROBE_TAG = 0x75C6
 LEAVE_TAG = 0x75C7  # the receive that closes a rank's connections when it leaves (DistCoordinator.leave)
 
 _groups: dict[tuple[Any, float, str], Any] = {}
+_departed: dict[int, list[int]] = {}  # id of each group this process left -> the ranks it found lost then
 
 
 class DistCoordinator:
@@ -92,7 +93,10 @@ class DistCoordinator:
     def unreachable(self) -> list[int]:
         """After a collective of this rank failed (see :meth:`Coordinator.unreachable`): the
         other ranks known to be gone (:meth:`probe`); then this rank leaves the group
-        (:meth:`leave`), so that no surviving peer waits on it until the timeout."""
+        (:meth:`leave`), so that no surviving peer waits on it until the timeout. In a group
+        left before (every later collective on it fails at once), the ranks found lost then."""
+        if id(self.group) in _departed:
+            return _departed[id(self.group)]
         lost = self.probe()
         self.leave(lost)
         return lost
@@ -149,6 +153,7 @@ class DistCoordinator:
         if store is not None:
             with contextlib.suppress(Exception):  # the store's host may be the one lost
                 store.set(self._left_key(self.rank), json.dumps(lost))
+        _departed[id(self.group)] = lost
         self._close()
 
     def _peers(self) -> list[int]:
