@@ -21,7 +21,10 @@ Rule (docs/format.md, "Chunking"):
 
 Regions (:data:`tsckpt._types.Box`) meet the shard grid in :func:`shard_boxes`
 (a region's piece in each shard file) and :func:`intersect` (a shard's piece of
-a region).
+a region). A region a rank holds in separate pieces (a jax.Array's device shards,
+:attr:`tsckpt._types.LeafDesc.cuts`) is cut into them by :func:`pieces`; the
+planner counts each piece as a region, so no shard file spans two pieces and
+each file is written from one piece's memory.
 """
 
 from __future__ import annotations
@@ -136,6 +139,23 @@ def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunki
     out: list[Box] = [((), ())]
     for dim in ranges:
         out = [(off + (s,), ln + (n,)) for off, ln in out for s, n in dim]
+    return out
+
+
+def pieces(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
+    """The cells of ``region`` cut, in each dimension, at the offsets ``cuts[d]`` (global
+    coordinates; those not strictly inside the region are ignored), in C order. No cuts:
+    the region itself."""
+    if not cuts:
+        return [region]
+    ranges = []
+    for d, (o, n) in enumerate(zip(*region)):
+        inner = sorted({c for c in (cuts[d] if d < len(cuts) else ()) if o < c < o + n})
+        edges = [o, *inner, o + n]
+        ranges.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+    out: list[Box] = [((), ())]
+    for dim in ranges:
+        out = [(off + (s,), ln + (m,)) for off, ln in out for s, m in dim]
     return out
 
 

@@ -3,9 +3,12 @@
 Saving: a jax.Array is the region of one global array that this process's devices
 hold (all of it in a single process; its own part in a multi-process job). The
 region is handed to the save plan as a lazy source whose boxes are read from the
-device shards themselves, one write at a time: a box inside one shard is a view of
-that shard's memory (zero-copy on CPU devices), a box across shards is assembled
-from their parts; replicated shards are read once. Nothing gathers the whole array.
+device shards themselves, one write at a time, with the offsets where its device
+shards begin (:attr:`LeafDesc.cuts`): the planner cuts shard files there too, so
+each file lies in one shard and is written from a view of that shard's memory
+(zero-copy on CPU devices). Only a shard file of an irregular split (which the
+planner cuts by the shortest region) is assembled from the shards' parts; replicated
+shards are read once. Nothing gathers the whole array.
 
 Restoring: a jax.Array or ``jax.ShapeDtypeStruct`` target is read device slice by
 device slice: each distinct slice its sharding gives this process's devices is a
@@ -93,6 +96,15 @@ class _Shards:
         self.shards = shards
         self.region = self._bounding_region()
 
+    def cuts(self) -> tuple[tuple[int, ...], ...]:
+        """Per dimension, the offsets inside this process's region where a shard begins
+        (:attr:`LeafDesc.cuts`); () when one shard holds all of it."""
+        if len(self.shards) < 2:
+            return ()
+        return tuple(
+            tuple(sorted({b[0][d] for b in self.shards} - {self.region[0][d]})) for d in range(len(self.shape))
+        )
+
     def _bounding_region(self) -> Box:
         boxes = list(self.shards)
         lo = tuple(min(b[0][d] for b in boxes) for d in range(len(self.shape)))
@@ -113,6 +125,11 @@ class _Shards:
         parts = [(b, data) for b, data in self.shards.items() if _inside((off, ln), b)]
         if parts:  # one shard holds all of the box: a view of it (no copy on a CPU device)
             return _shard_part(parts[0][1], parts[0][0], (off, ln))
+        return self._assemble((off, ln))
+
+    def _assemble(self, box: Box) -> np.ndarray:
+        """A box across shards (global coordinates), copied together from their parts."""
+        off, ln = box
         out = np.empty(ln, self.dtype)
         for b, data in self.shards.items():
             common = intersect((off, ln), b)
@@ -236,7 +253,8 @@ class JaxKind(LeafKind):
         shards = _Shards(path, leaf)
         (offsets, lengths) = shards.region
         source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
-        return region_leaf(path, source, shards.shape, offsets, kind)
+        local = region_leaf(path, source, shards.shape, offsets, kind)
+        return Local(local.desc._replace(cuts=shards.cuts()), local.data)
 
     def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         if inplace:
