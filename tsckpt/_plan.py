@@ -242,8 +242,8 @@ def _check(g: Gathered) -> _Checked:
         if not regions.replicated:
             mine = owned.get((h.given, h.ranks))
             if mine is None:
-                boxes, cuts = h.boxes(), h.cuts()
-                held = tuple((piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], cuts[i]))
+                boxes, held_cuts = h.boxes(), h.cuts()
+                held = tuple((piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i]))
                 mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
             arrays.append(_Array(path, first, mine))
             continue
@@ -251,8 +251,7 @@ def _check(g: Gathered) -> _Checked:
         if h.given not in covered:  # the same regions: the same cover
             check_exact_cover(path, first.global_shape, list(replicas))
             covered.add(h.given)
-        cuts = {r: c for r, c in zip(h.ranks, h.cuts()) if c}
-        arrays.append(_Array(path, first, _Replicas(replicas, cuts)))
+        arrays.append(_Array(path, first, _Replicas(replicas, {r: c for r, c in zip(h.ranks, h.cuts()) if c})))
     return _Checked(tuple(values), tuple(arrays))
 
 
