@@ -170,6 +170,37 @@ def test_abstract_target_without_sharding_is_one_device(ckdir):
         tsckpt.restore(ckdir, {"w": jax.ShapeDtypeStruct((5, 3), jnp.float32), "b": jnp.zeros(2, jnp.int32)})
 
 
+@pytest.mark.filterwarnings("ignore:.*target tree and checkpoint differ")  # each case restores one leaf
+def test_plain_numbers_restore_into_scalar_jax_targets(ckdir):
+    """A step saved as a Python int restores into jax.eval_shape's abstract state (a shape-()
+    ShapeDtypeStruct) as a jax scalar of the target's dtype and sharding, its cast checked."""
+    tsckpt.save(ckdir, {"step": 5, "lr": 0.5, "done": True, "big": 2**40, "name": "run", "w": _values((2, 2))})
+    abstract = jax.eval_shape(lambda: {"step": 0, "lr": 0.0, "done": False, "w": jnp.zeros((2, 2))})
+    replicated = NamedSharding(MESH, P())
+    abstract["step"] = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    out = tsckpt.restore(ckdir, abstract, strict=False)
+    assert [(out[k].dtype, out[k].item()) for k in ("step", "lr", "done")] == [
+        (jnp.int32, 5), (jnp.float32, 0.5), (jnp.bool_, True)]
+    assert out["step"].sharding == replicated and isinstance(out["lr"], jax.Array)
+    with pytest.raises(tsckpt.LossyCastError, match=r"^'big': stored int64 values do not fit the int32 target"):
+        tsckpt.restore(ckdir, {"big": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False)
+    with pytest.warns(tsckpt.RestoreWarning, match=r"'big': casting=\"unsafe\" changed 1 of the 1 stored int64"):
+        assert tsckpt.restore(ckdir, {"big": jnp.int32(1)}, strict=False, casting="unsafe")["big"].item() == 0
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'name': the checkpoint stores a plain value \(str\) but "
+                       r"the target leaf is a jax int32\[\] array; .* give a target of shape \(\) for a number, "
+                       r"or the plain value itself \(e.g. the saved one, 'run'\) as this target leaf$"):
+        tsckpt.restore(ckdir, {"name": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': the checkpoint stores a plain value \(int\) but the "
+                       r"target leaf is a jax int32\[3\] array"):
+        tsckpt.restore(ckdir, {"step": jax.ShapeDtypeStruct((3,), jnp.int32)}, strict=False)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': a jax.ShapeDtypeStruct target cannot be filled in place"):
+        tsckpt.restore(ckdir, {"step": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False, inplace=True)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': the checkpoint stores a plain value \(int\) but the "
+                       r"target leaf is ndarray, which takes an array; give a plain value as this target leaf "
+                       r"\(e.g. the saved one, 5\)"):
+        tsckpt.restore(ckdir, {"step": np.zeros(())}, strict=False)
+
+
 def test_jax_targets_are_not_filled_in_place(ckdir):
     tsckpt.save(ckdir, {"w": _values((2, 2))})
     with pytest.raises(tsckpt.LeafTypeError, match=r"^'w': a jax.Array target cannot be filled in place \(jax arrays "

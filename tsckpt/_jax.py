@@ -20,6 +20,10 @@ without a sharding gives an array on the default device.
 Typed PRNG keys (``jax.random.key``) are stored as their uint32 key data under the
 kind ``jax_key:<impl>``; a typed-key target takes that kind of the same
 implementation, or raw uint32 key data (what Orbax writes), and gets typed keys.
+
+A plain number or bool stored where the target has a shape-() jax leaf (a step saved
+as a Python int, restored into ``jax.eval_shape``'s abstract state) becomes a jax
+scalar of the target's dtype, its cast checked as an array's.
 dtype names match tsckpt's (bfloat16, int4 and float8 through ml_dtypes, as in jax).
 """
 
@@ -32,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _dtypes
 from ._casting import check_cast
 from ._chunking import intersect
 from ._errors import LeafTypeError, ShapeMismatchError
 from ._format import KEY_KIND_PREFIX, ArrayRecord, key_impl
-from ._kinds import LeafKind, check_shape, host_empty, region_leaf, whole
+from ._kinds import LeafKind, check_shape, host_empty, region_leaf, short_repr, whole
 from ._types import Box, Dest, LazySource, Local, ReadItem
 
 
@@ -237,6 +242,30 @@ def _key_dest(rec: ArrayRecord, path: str, leaf: Any) -> Dest:
     return Dest(whole(rec, path), host_empty(rec.shape, np.uint32), None, finish=finish)
 
 
+def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any]:
+    """A plain number or bool the checkpoint stores (a step counter saved as a Python int)
+    as a jax scalar of a shape-() target's dtype and sharding, the value's cast checked as
+    an array's would be; anything else is refused naming what the target would need."""
+    import jax
+
+    what = f"{np.dtype(leaf.dtype)}{list(leaf.shape)}"
+    if isinstance(value, (bool, int, float)) and not _is_key(leaf):
+        a = np.asarray(value)
+        stored = _dtypes.numpy_name(a.dtype) if a.dtype.kind in "biuf" else None
+        if stored is not None and tuple(leaf.shape) == ():
+            cast = check_cast(path, stored, np.dtype(leaf.dtype), casting=casting)
+            if cast is not None:
+                cast.check(a.reshape(1), ())
+            with np.errstate(all="ignore"):
+                return jax.device_put(a.astype(leaf.dtype), _sharding(leaf)), cast
+    raise LeafTypeError(
+        f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is a jax {what} "
+        "array; a plain value restores into a jax target only as a number or bool into shape (); give a target of "
+        f"shape () for a number, or the plain value itself (e.g. the saved one, {short_repr(value)}) as this "
+        "target leaf"
+    )
+
+
 class JaxKind(LeafKind):
     def owns(self, leaf: Any) -> bool:
         return is_jax_array(leaf) or _is_abstract(leaf)
@@ -255,6 +284,11 @@ class JaxKind(LeafKind):
         source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
         local = region_leaf(path, source, shards.shape, offsets, kind)
         return Local(local.desc._replace(cuts=shards.cuts()), local.data)
+
+    def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
+        if inplace:
+            _refuse_inplace(path, leaf)
+        return _scalar_of(path, value, leaf, casting)
 
     def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         if inplace:
