@@ -5,7 +5,7 @@ Rule (docs/format.md, "Chunking"):
 1. Every dimension has a *step*: the gcd of the offsets where writers' regions
    start in that dimension, or the full extent when one writer covers it. A
    shard (one file) never crosses a step boundary, so each file has exactly one
-   writer.
+   writer. A region its writer holds in separate pieces counts as those pieces.
 2. Inner chunks (the unit of partial reads) are filled in C order up to
    ``INNER_CHUNK_BYTES``: trailing dimensions whole, then as many rows of the
    next dimension as fit. The last dimension of a 2-D or larger array is first
