@@ -6,11 +6,13 @@ import dataclasses
 import itertools
 import math
 import pickle
+import unittest.mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tsckpt._chunking as chunking
 from tsckpt import LayoutError
 from tsckpt._chunking import shard_boxes
 from tsckpt._descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
@@ -18,8 +20,8 @@ from tsckpt._plan import RankPlan, plan_save, split_plan
 from tsckpt._types import LeafDesc
 
 
-def desc(path, shape, off, ln, itemsize=4, checksum=None):
-    return LeafDesc(path, "torch", "float32", itemsize, tuple(shape), tuple(off), tuple(ln), checksum)
+def desc(path, shape, off, ln, itemsize=4, checksum=None, cuts=()):
+    return LeafDesc(path, "torch", "float32", itemsize, tuple(shape), tuple(off), tuple(ln), checksum, cuts=cuts)
 
 
 @st.composite
@@ -320,7 +322,7 @@ def held_in_pieces(draw):
     for a, b in zip(bounds, bounds[1:]):
         top, bottom = a * h, min(b * h, rows)
         cuts = (tuple(range(top + h, bottom, h)), tuple(range(w, cols, w)))
-        d = desc("a", (rows, cols), (top, 0), (bottom - top, cols), checksum=1)._replace(cuts=cuts)
+        d = desc("a", (rows, cols), (top, 0), (bottom - top, cols), checksum=1, cuts=cuts)
         per_rank += [[d]] * replicas
     return (rows, cols), per_rank
 
@@ -328,14 +330,22 @@ def held_in_pieces(draw):
 def _pieces_of(d):
     from tsckpt._chunking import pieces
 
-    return pieces((d.offsets, d.lengths), d.cuts)
+    return pieces((d.offsets, d.lengths), d.cuts, d.itemsize)
 
 
 @settings(max_examples=200, deadline=None)
 @given(held_in_pieces())
 def test_no_file_spans_two_pieces_of_its_writer(case):
     shape, per_rank = case
-    plan = plan_save(per_rank)
+    with unittest.mock.patch.object(chunking, "INNER_CHUNK_BYTES", 64):  # small regions held in pieces count too
+        plan = plan_save(per_rank)
+        tables = [pack_descs(d) for d in per_rank]
+        assert planned(gather_alike(tables)) == planned(gather_by_rank(tables))
+        _check_pieces(shape, per_rank, plan)
+    assert [list(t) for t in tables] == per_rank  # the cuts travel with the descriptors
+
+
+def _check_pieces(shape, per_rank, plan):
     (rec,) = plan.arrays
     assert plan.transfers == () and not any(w.assembled for w in plan.writes)
     writers: dict[tuple, set[int]] = {}
@@ -348,20 +358,20 @@ def test_no_file_spans_two_pieces_of_its_writer(case):
             writers.setdefault(tuple(o // g for o, g in zip(cell[0], rec.chunking.shard_shape)), set()).add(w.rank)
     assert covered == math.prod(shape)  # replicas written once
     assert all(len(r) == 1 for r in writers.values()) and len(writers) == len(cells(shape, rec.chunking))
-    tables = [pack_descs(d) for d in per_rank]
-    assert planned(gather_alike(tables)) == planned(gather_by_rank(tables))
-    assert [list(t) for t in tables] == per_rank  # the cuts travel with the descriptors
 
 
 def test_arrays_alike_but_for_their_pieces_are_laid_out_apart():
     """One rank holding two arrays of the same region, one cut by rows, one by columns: each is
     laid out by its own pieces (the layout is not shared), and a region in one piece is not cut."""
-    whole = desc("a", (8, 8), (0, 0), (8, 8))
-    plan = plan_save([[whole, whole._replace(path="b", cuts=((4,), ())), whole._replace(path="c", cuts=((), (4,)))]])
+    whole = desc("a", (1024, 1024), (0, 0), (1024, 1024))  # 4 MiB
+    small = desc("s", (8, 8), (0, 0), (8, 8), cuts=((4,), ()))  # one inner chunk: kept whole, one file
+    plan = plan_save([[whole, whole._replace(path="b", cuts=((512,), ())), whole._replace(path="c", cuts=((), (512,))),
+                       small]])
     shards = {r.path: r.chunking.shard_shape for r in plan.arrays}
-    assert shards == {"a": (8, 8), "b": (4, 8), "c": (8, 4)}
+    assert shards == {"a": (1024, 1024), "b": (512, 1024), "c": (1024, 512), "s": (8, 8)}
     assert [(w.path, w.offsets, w.lengths) for w in plan.writes] == [
-        ("a", (0, 0), (8, 8)), ("b", (0, 0), (4, 8)), ("b", (4, 0), (4, 8)), ("c", (0, 0), (8, 4)), ("c", (0, 4), (8, 4)),
+        ("a", (0, 0), (1024, 1024)), ("b", (0, 0), (512, 1024)), ("b", (512, 0), (512, 1024)),
+        ("c", (0, 0), (1024, 512)), ("c", (0, 512), (1024, 512)), ("s", (0, 0), (8, 8)),
     ]
 
 
@@ -369,7 +379,7 @@ def test_irregular_pieces_of_one_rank_are_assembled_by_that_rank_alone():
     """Pieces of an irregular split (rows 26, 25, 25, 25) are cut by the shortest, as regions of
     several ranks are: a file straddling two of one rank's pieces is that rank's to assemble, with
     nothing sent (one writer per file still)."""
-    d = desc("a", (101, 8), (0, 0), (101, 8))._replace(cuts=((26, 51, 76), ()))
+    d = desc("a", (101, 2048), (0, 0), (101, 2048), cuts=((26, 51, 76), ()))  # 808 KiB
     plan = plan_save([[d]])
-    assert plan.transfers == () and plan.arrays[0].chunking.shard_shape == (25, 8)
+    assert plan.transfers == () and plan.arrays[0].chunking.shard_shape == (25, 2048)
     assert [(w.rank, w.offsets, w.assembled) for w in plan.writes] == [(0, (r, 0), True) for r in range(0, 101, 25)]

@@ -142,11 +142,12 @@ def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunki
     return out
 
 
-def pieces(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
+def pieces(region: Box, cuts: Sequence[Sequence[int]], itemsize: int) -> list[Box]:
     """The cells of ``region`` cut, in each dimension, at the offsets ``cuts[d]`` (global
     coordinates; those not strictly inside the region are ignored), in C order. No cuts:
-    the region itself."""
-    if not cuts:
+    the region itself. A region of at most ``INNER_CHUNK_BYTES`` is kept whole too: it is
+    one small file, whose copy out of its pieces costs less than a file for each."""
+    if not cuts or math.prod(region[1]) * itemsize <= INNER_CHUNK_BYTES:
         return [region]
     ranges = []
     for d, (o, n) in enumerate(zip(*region)):

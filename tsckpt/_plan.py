@@ -243,7 +243,9 @@ def _check(g: Gathered) -> _Checked:
             mine = owned.get((h.given, h.ranks))
             if mine is None:
                 boxes, held_cuts = h.boxes(), h.cuts()
-                held = tuple((piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i]))
+                held = tuple(
+                    (piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i], first.itemsize)
+                )
                 mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
             arrays.append(_Array(path, first, mine))
             continue
@@ -312,7 +314,7 @@ def _lay_out(
         if isinstance(a.regions, _Owned):
             key, written = a.regions, a.regions.regions
         else:
-            written = _written(a.path, a.regions, writers)
+            written = _written(a.path, a.regions, writers, d.itemsize)
             key = (d.global_shape, d.itemsize, written)
         layout = layouts.get(key)
         if layout is None:
@@ -327,14 +329,16 @@ def _lay_out(
     return SavePlan(tuple(records), checked.values, groups, tuple(transfers), world)
 
 
-def _written(path: str, regions: _Replicas, writers: Mapping[tuple[str, Box], int]) -> tuple[tuple[Box, int], ...]:
+def _written(
+    path: str, regions: _Replicas, writers: Mapping[tuple[str, Box], int], itemsize: int
+) -> tuple[tuple[Box, int], ...]:
     """The non-empty regions of a replicated array with their writers, each region cut into
     the pieces its writer holds."""
     out = []
     for box in regions.holders:
         if math.prod(box[1]) > 0:
             rank = writers[(path, box)]
-            out += [(piece, rank) for piece in pieces(box, regions.cuts.get(rank, ()))]
+            out += [(piece, rank) for piece in pieces(box, regions.cuts.get(rank, ()), itemsize)]
     return tuple(out)
 
 
