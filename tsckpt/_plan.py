@@ -21,7 +21,8 @@ process). Rank 0 runs all of it, in the numbering of save()'s protocol
       :class:`ArrayGroup`. A region its writer holds in separate pieces
       (:attr:`LeafDesc.cuts`: a jax.Array's device shards) is laid out as
       those pieces, each a region of its own: no shard file spans two, so
-      every file is written from one piece's memory, never assembled.
+      every file is written from one piece's memory, never assembled (a
+      region of one inner chunk or less stays whole: :func:`pieces`).
 
    Then :func:`split_plan`: each rank's part, the only part sent to it.
 
