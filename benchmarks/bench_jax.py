@@ -17,15 +17,18 @@ Systems (each save and each restore in a fresh process)
   the saved state: nothing is allocated before the restore.
 
 Measures
-  time    wall time of the call (best of --repeats)
+  time    wall time of the call (median of --repeats)
   peak    peak RSS during the call above the RSS just before it (VmHWM after clear_refs);
           the saved state is in the baseline of a save (its device buffers touched first),
           the restored state counts as extra in a restore
-  Restored values are checked against the saved ones after measuring.
+  Restored values are checked against the saved ones after measuring. Both medians; --raw
+  appends every run as a JSON line (to compare two trees run in turn, e.g. before and after
+  a change, each with PYTHONPATH pointing at its tree).
 
 Usage
   python benchmarks/bench_jax.py --quick          # small smoke run
   python benchmarks/bench_jax.py --write-results  # full run, rewrite the '## JAX' section
+  python benchmarks/bench_jax.py --workloads rows,cols --repeats 3 --raw runs.jsonl
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -170,7 +174,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     p = bench_parser(__doc__, repeats=1)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
+    p.add_argument("--raw", default=None, help="append every run to this file as a JSON line")
     args = p.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if not set(args.workloads) <= set(WORKLOADS):
+        p.error(f"--workloads: one of {', '.join(WORKLOADS)}")
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -178,7 +187,7 @@ def main() -> None:
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     try:
         for _ in range(args.repeats):
-            for workload in WORKLOADS:
+            for workload in args.workloads:
                 for system in SYSTEMS:
                     path = os.path.join(base, f"{workload}-{system}")
                     for op in ("save", "restore"):
@@ -188,6 +197,9 @@ def main() -> None:
                         got = run_child(__file__, spec, args.timeout, env=ENV)
                         runs.setdefault((workload, system, op), []).append(got)
                         print(f"{workload} {system} {op}: {got}", file=sys.stderr)
+                        if args.raw:
+                            with open(args.raw, "a") as f:
+                                f.write(json.dumps({"workload": workload, "system": system, "op": op, **got}) + "\n")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report(runs, args)
@@ -198,7 +210,7 @@ def report(runs: dict[tuple[str, str, str], list[dict[str, Any]]], args: Any) ->
     lines = [
         SECTION,
         "",
-        f"4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4); best of {args.repeats} run(s), each "
+        f"4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4); medians of {args.repeats} run(s), each "
         f"save and restore in a fresh process, page cache warm. {info['date']}, {info['nproc']} CPUs "
         f"({info['cpu']}), load average before {info['load_avg'][0]:.1f}, tensorstore {info['tensorstore']}, "
         f"tsckpt {info['tsckpt_rev']}. Restores are into jax.ShapeDtypeStruct targets with the saved shardings.",
@@ -207,11 +219,11 @@ def report(runs: dict[tuple[str, str, str], list[dict[str, Any]]], args: Any) ->
         "| orbax peak extra RSS (MiB) | values |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for workload in WORKLOADS:
+    for workload in args.workloads:
         nbytes = runs[(workload, "tsckpt", "save")][0]["nbytes"]
         for op in ("save", "restore"):
-            t = {s: min(r["time"] for r in runs[(workload, s, op)]) for s in SYSTEMS}
-            peak = {s: max(r["peak_extra"] for r in runs[(workload, s, op)]) / MiB for s in SYSTEMS}
+            t = {s: statistics.median(r["time"] for r in runs[(workload, s, op)]) for s in SYSTEMS}
+            peak = {s: statistics.median(r["peak_extra"] for r in runs[(workload, s, op)]) / MiB for s in SYSTEMS}
             ok = "" if op == "save" else (
                 "exact" if all(r["ok"] for s in SYSTEMS for r in runs[(workload, s, op)]) else "WRONG"
             )

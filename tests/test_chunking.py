@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import tsckpt
 from tsckpt._format import Chunking
-from tsckpt._chunking import choose_chunking, largest_divisor_at_most, steps_from_cuts
+import tsckpt._chunking as chunking
+from tsckpt._chunking import choose_chunking, largest_divisor_at_most, pieces, steps_from_cuts
 from tests.conftest import examples
 
 
@@ -30,6 +31,17 @@ def test_steps_from_cuts():
     assert steps_from_cuts((12,), [[0, 4, 6]]) == ([2], [True])  # gcd of interior starts
     assert steps_from_cuts((12,), [[0, 12]]) == ([12], [False])  # 12 is the end, not an interior start
     assert steps_from_cuts((0, 3), []) == ([1, 3], [False, False])  # zero-size dims still get a step of 1
+
+
+def test_pieces_are_the_cells_of_the_cuts_inside_the_region():
+    region, big = ((4, 0), (8, 6)), 1 << 20  # 48 MiB of 1 MiB items
+    assert pieces(region, (), big) == [region]
+    # cuts at or outside the region's edges are ignored; a dimension without cuts stays whole
+    assert pieces(region, ((0, 4, 8, 12, 20), ()), big) == [((4, 0), (4, 6)), ((8, 0), (4, 6))]
+    assert pieces(region, ((8,), (3,)), big) == [((4, 0), (4, 3)), ((4, 3), (4, 3)), ((8, 0), (4, 3)), ((8, 3), (4, 3))]
+    # a region of at most one inner chunk stays one piece (one small file)
+    assert pieces(region, ((8,), (3,)), chunking.INNER_CHUNK_BYTES // 48) == [region]
+    assert len(pieces(region, ((8,), (3,)), chunking.INNER_CHUNK_BYTES // 48 + 1)) == 4
 
 
 def test_scalar_and_small_arrays_are_one_plain_chunk():

@@ -126,6 +126,40 @@ def test_save_reads_shards_not_the_gathered_array(ckdir, monkeypatch):
     assert np.array_equal(tsckpt.restore(ckdir)["a"], _values((8, 12)))
 
 
+@pytest.mark.parametrize("spec", [ROWS, COLS, BOTH, REPLICATED], ids=["rows", "cols", "2d", "replicated"])
+def test_save_writes_each_file_from_one_device_shard(ckdir, spec, monkeypatch, small_chunks):
+    """Shard files are cut at the device shards' boundaries: every file's source is a view of one
+    device shard's memory, nothing is assembled, and the bytes round-trip."""
+    from tsckpt import _jax
+
+    x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)  # 24 KiB: files of 4 KiB
+    a = _sharded(x, spec)
+    buffers = [np.asarray(s.data) for s in a.addressable_shards]
+    sources = []
+    read = _jax._Shards.read
+
+    def spy(self, box):
+        out = read(self, box)
+        sources.append(out)
+        return out
+
+    def refuse(self, box):
+        raise AssertionError(f"assembled a copy of {box}")
+
+    monkeypatch.setattr(_jax._Shards, "read", spy)
+    monkeypatch.setattr(_jax._Shards, "_assemble", refuse)
+    tsckpt.save(ckdir, {"a": a})
+    monkeypatch.undo()
+    rec = tsckpt.open(ckdir).checkpoint.arrays["a"]
+    distinct = {str(s.index) for s in a.addressable_shards}
+    assert rec.chunking.chunk_shape is not None and len(sources) >= 2 * len(distinct)  # several files per shard
+    assert all(any(np.shares_memory(src, b) for b in buffers) for src in sources)
+    assert sum(src.size for src in sources) == x.size  # replicas once, every element once
+    assert np.array_equal(tsckpt.restore(ckdir)["a"].view(np.uint32), x.view(np.uint32))
+    back = tsckpt.restore(ckdir, {"a": jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=NamedSharding(MESH, spec))})
+    assert np.array_equal(np.asarray(back["a"]).view(np.uint32), x.view(np.uint32))
+
+
 def test_abstract_target_without_sharding_is_one_device(ckdir):
     tsckpt.save(ckdir, {"w": _values((3, 5)), "b": np.ones(2, np.int32)})
     out = tsckpt.restore(ckdir, jax.eval_shape(lambda: {"w": jnp.zeros((3, 5), jnp.bfloat16), "b": jnp.zeros(2, jnp.int32)}))
@@ -134,6 +168,37 @@ def test_abstract_target_without_sharding_is_one_device(ckdir):
     assert out["b"].tolist() == [1, 1]
     with pytest.raises(tsckpt.ShapeMismatchError, match=r"'w': target shape \[5, 3\]"):
         tsckpt.restore(ckdir, {"w": jax.ShapeDtypeStruct((5, 3), jnp.float32), "b": jnp.zeros(2, jnp.int32)})
+
+
+@pytest.mark.filterwarnings("ignore:.*target tree and checkpoint differ")  # each case restores one leaf
+def test_plain_numbers_restore_into_scalar_jax_targets(ckdir):
+    """A step saved as a Python int restores into jax.eval_shape's abstract state (a shape-()
+    ShapeDtypeStruct) as a jax scalar of the target's dtype and sharding, its cast checked."""
+    tsckpt.save(ckdir, {"step": 5, "lr": 0.5, "done": True, "big": 2**40, "name": "run", "w": _values((2, 2))})
+    abstract = jax.eval_shape(lambda: {"step": 0, "lr": 0.0, "done": False, "w": jnp.zeros((2, 2))})
+    replicated = NamedSharding(MESH, P())
+    abstract["step"] = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    out = tsckpt.restore(ckdir, abstract, strict=False)
+    assert [(out[k].dtype, out[k].item()) for k in ("step", "lr", "done")] == [
+        (jnp.int32, 5), (jnp.float32, 0.5), (jnp.bool_, True)]
+    assert out["step"].sharding == replicated and isinstance(out["lr"], jax.Array)
+    with pytest.raises(tsckpt.LossyCastError, match=r"^'big': stored int64 values do not fit the int32 target"):
+        tsckpt.restore(ckdir, {"big": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False)
+    with pytest.warns(tsckpt.RestoreWarning, match=r"'big': casting=\"unsafe\" changed 1 of the 1 stored int64"):
+        assert tsckpt.restore(ckdir, {"big": jnp.int32(1)}, strict=False, casting="unsafe")["big"].item() == 0
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'name': the checkpoint stores a plain value \(str\) but "
+                       r"the target leaf is a jax int32\[\] array; .* give a target of shape \(\) for a number, "
+                       r"or the plain value itself \(e.g. the saved one, 'run'\) as this target leaf$"):
+        tsckpt.restore(ckdir, {"name": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': the checkpoint stores a plain value \(int\) but the "
+                       r"target leaf is a jax int32\[3\] array"):
+        tsckpt.restore(ckdir, {"step": jax.ShapeDtypeStruct((3,), jnp.int32)}, strict=False)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': a jax.ShapeDtypeStruct target cannot be filled in place"):
+        tsckpt.restore(ckdir, {"step": jax.ShapeDtypeStruct((), jnp.int32)}, strict=False, inplace=True)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^'step': the checkpoint stores a plain value \(int\) but the "
+                       r"target leaf is ndarray, which takes an array; give a plain value as this target leaf "
+                       r"\(e.g. the saved one, 5\)"):
+        tsckpt.restore(ckdir, {"step": np.zeros(())}, strict=False)
 
 
 def test_jax_targets_are_not_filled_in_place(ckdir):

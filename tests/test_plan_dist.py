@@ -6,11 +6,13 @@ import dataclasses
 import itertools
 import math
 import pickle
+import unittest.mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tsckpt._chunking as chunking
 from tsckpt import LayoutError
 from tsckpt._chunking import shard_boxes
 from tsckpt._descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
@@ -18,8 +20,8 @@ from tsckpt._plan import RankPlan, plan_save, split_plan
 from tsckpt._types import LeafDesc
 
 
-def desc(path, shape, off, ln, itemsize=4, checksum=None):
-    return LeafDesc(path, "torch", "float32", itemsize, tuple(shape), tuple(off), tuple(ln), checksum)
+def desc(path, shape, off, ln, itemsize=4, checksum=None, cuts=()):
+    return LeafDesc(path, "torch", "float32", itemsize, tuple(shape), tuple(off), tuple(ln), checksum, cuts=cuts)
 
 
 @st.composite
@@ -298,3 +300,86 @@ def test_ranks_that_disagree_are_gathered_one_by_one_and_raise():
     assert got == want
     got, want = both([[desc("a", (4,), (0,), (2,))], [desc("b", (2,), (0,), (2,))]])
     assert got == want and "'a': shards cover 2 of 4 elements" in got
+
+
+# ---- regions held in pieces (a jax.Array's device shards) -------------------------------------
+
+
+@st.composite
+def held_in_pieces(draw):
+    """An array sharded as jax shards it: a grid of device shards of (h, w) elements (the last
+    row and column of the grid possibly shorter), each rank holding a block of whole grid rows
+    as its region, in pieces (its device shards); with replicas, two ranks hold each region."""
+    grid_rows, grid_cols = draw(st.integers(1, 6)), draw(st.integers(1, 4))
+    h, w = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    rows = draw(st.integers((grid_rows - 1) * h + 1, grid_rows * h))
+    cols = draw(st.integers((grid_cols - 1) * w + 1, grid_cols * w))
+    k = draw(st.integers(1, grid_rows))
+    inner = sorted(draw(st.sets(st.integers(1, grid_rows - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
+    bounds = [0, *inner, grid_rows]
+    replicas = draw(st.integers(1, 2))
+    per_rank = []
+    for a, b in zip(bounds, bounds[1:]):
+        top, bottom = a * h, min(b * h, rows)
+        cuts = (tuple(range(top + h, bottom, h)), tuple(range(w, cols, w)))
+        d = desc("a", (rows, cols), (top, 0), (bottom - top, cols), checksum=1, cuts=cuts)
+        per_rank += [[d]] * replicas
+    return (rows, cols), per_rank
+
+
+def _pieces_of(d):
+    from tsckpt._chunking import pieces
+
+    return pieces((d.offsets, d.lengths), d.cuts, d.itemsize)
+
+
+@settings(max_examples=200, deadline=None)
+@given(held_in_pieces())
+def test_no_file_spans_two_pieces_of_its_writer(case):
+    shape, per_rank = case
+    with unittest.mock.patch.object(chunking, "INNER_CHUNK_BYTES", 64):  # small regions held in pieces count too
+        plan = plan_save(per_rank)
+        tables = [pack_descs(d) for d in per_rank]
+        assert planned(gather_alike(tables)) == planned(gather_by_rank(tables))
+        _check_pieces(shape, per_rank, plan)
+    assert [list(t) for t in tables] == per_rank  # the cuts travel with the descriptors
+
+
+def _check_pieces(shape, per_rank, plan):
+    (rec,) = plan.arrays
+    assert plan.transfers == () and not any(w.assembled for w in plan.writes)
+    writers: dict[tuple, set[int]] = {}
+    covered = 0
+    for w in plan.writes:
+        (mine,) = per_rank[w.rank]
+        assert ((w.offsets, w.lengths)) in _pieces_of(mine)  # each write is one piece of its writer
+        covered += math.prod(w.lengths)
+        for cell in shard_boxes(w.offsets, w.lengths, rec.chunking):
+            writers.setdefault(tuple(o // g for o, g in zip(cell[0], rec.chunking.shard_shape)), set()).add(w.rank)
+    assert covered == math.prod(shape)  # replicas written once
+    assert all(len(r) == 1 for r in writers.values()) and len(writers) == len(cells(shape, rec.chunking))
+
+
+def test_arrays_alike_but_for_their_pieces_are_laid_out_apart():
+    """One rank holding two arrays of the same region, one cut by rows, one by columns: each is
+    laid out by its own pieces (the layout is not shared), and a region in one piece is not cut."""
+    whole = desc("a", (1024, 1024), (0, 0), (1024, 1024))  # 4 MiB
+    small = desc("s", (8, 8), (0, 0), (8, 8), cuts=((4,), ()))  # one inner chunk: kept whole, one file
+    plan = plan_save([[whole, whole._replace(path="b", cuts=((512,), ())), whole._replace(path="c", cuts=((), (512,))),
+                       small]])
+    shards = {r.path: r.chunking.shard_shape for r in plan.arrays}
+    assert shards == {"a": (1024, 1024), "b": (512, 1024), "c": (1024, 512), "s": (8, 8)}
+    assert [(w.path, w.offsets, w.lengths) for w in plan.writes] == [
+        ("a", (0, 0), (1024, 1024)), ("b", (0, 0), (512, 1024)), ("b", (512, 0), (512, 1024)),
+        ("c", (0, 0), (1024, 512)), ("c", (0, 512), (1024, 512)), ("s", (0, 0), (8, 8)),
+    ]
+
+
+def test_irregular_pieces_of_one_rank_are_assembled_by_that_rank_alone():
+    """Pieces of an irregular split (rows 26, 25, 25, 25) are cut by the shortest, as regions of
+    several ranks are: a file straddling two of one rank's pieces is that rank's to assemble, with
+    nothing sent (one writer per file still)."""
+    d = desc("a", (101, 2048), (0, 0), (101, 2048), cuts=((26, 51, 76), ()))  # 808 KiB
+    plan = plan_save([[d]])
+    assert plan.transfers == () and plan.arrays[0].chunking.shard_shape == (25, 2048)
+    assert [(w.rank, w.offsets, w.assembled) for w in plan.writes] == [(0, (r, 0), True) for r in range(0, 101, 25)]

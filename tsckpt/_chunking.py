@@ -5,7 +5,7 @@ Rule (docs/format.md, "Chunking"):
 1. Every dimension has a *step*: the gcd of the offsets where writers' regions
    start in that dimension, or the full extent when one writer covers it. A
    shard (one file) never crosses a step boundary, so each file has exactly one
-   writer.
+   writer. A region its writer holds in separate pieces counts as those pieces.
 2. Inner chunks (the unit of partial reads) are filled in C order up to
    ``INNER_CHUNK_BYTES``: trailing dimensions whole, then as many rows of the
    next dimension as fit. The last dimension of a 2-D or larger array is first
@@ -21,7 +21,10 @@ Rule (docs/format.md, "Chunking"):
 
 Regions (:data:`tsckpt._types.Box`) meet the shard grid in :func:`shard_boxes`
 (a region's piece in each shard file) and :func:`intersect` (a shard's piece of
-a region).
+a region). A region a rank holds in separate pieces (a jax.Array's device shards,
+:attr:`tsckpt._types.LeafDesc.cuts`) is cut into them by :func:`pieces`; the
+planner counts each piece as a region, so no shard file spans two pieces and
+each file is written from one piece's memory.
 """
 
 from __future__ import annotations
@@ -136,6 +139,24 @@ def shard_boxes(offsets: Sequence[int], lengths: Sequence[int], chunking: Chunki
     out: list[Box] = [((), ())]
     for dim in ranges:
         out = [(off + (s,), ln + (n,)) for off, ln in out for s, n in dim]
+    return out
+
+
+def pieces(region: Box, cuts: Sequence[Sequence[int]], itemsize: int) -> list[Box]:
+    """The cells of ``region`` cut, in each dimension, at the offsets ``cuts[d]`` (global
+    coordinates; those not strictly inside the region are ignored), in C order. No cuts:
+    the region itself. A region of at most ``INNER_CHUNK_BYTES`` is kept whole too: it is
+    one small file, whose copy out of its pieces costs less than a file for each."""
+    if not cuts or math.prod(region[1]) * itemsize <= INNER_CHUNK_BYTES:
+        return [region]
+    ranges = []
+    for d, (o, n) in enumerate(zip(*region)):
+        inner = sorted({c for c in (cuts[d] if d < len(cuts) else ()) if o < c < o + n})
+        edges = [o, *inner, o + n]
+        ranges.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+    out: list[Box] = [((), ())]
+    for dim in ranges:
+        out = [(off + (s,), ln + (m,)) for off, ln in out for s, m in dim]
     return out
 
 

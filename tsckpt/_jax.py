@@ -3,9 +3,12 @@
 Saving: a jax.Array is the region of one global array that this process's devices
 hold (all of it in a single process; its own part in a multi-process job). The
 region is handed to the save plan as a lazy source whose boxes are read from the
-device shards themselves, one write at a time: a box inside one shard is a view of
-that shard's memory (zero-copy on CPU devices), a box across shards is assembled
-from their parts; replicated shards are read once. Nothing gathers the whole array.
+device shards themselves, one write at a time, with the offsets where its device
+shards begin (:attr:`LeafDesc.cuts`): the planner cuts shard files there too, so
+each file lies in one shard and is written from a view of that shard's memory
+(zero-copy on CPU devices). Only a shard file of an irregular split (which the
+planner cuts by the shortest region) is assembled from the shards' parts; replicated
+shards are read once. Nothing gathers the whole array.
 
 Restoring: a jax.Array or ``jax.ShapeDtypeStruct`` target is read device slice by
 device slice: each distinct slice its sharding gives this process's devices is a
@@ -17,6 +20,10 @@ without a sharding gives an array on the default device.
 Typed PRNG keys (``jax.random.key``) are stored as their uint32 key data under the
 kind ``jax_key:<impl>``; a typed-key target takes that kind of the same
 implementation, or raw uint32 key data (what Orbax writes), and gets typed keys.
+
+A plain number or bool stored where the target has a shape-() jax leaf (a step saved
+as a Python int, restored into ``jax.eval_shape``'s abstract state) becomes a jax
+scalar of the target's dtype, its cast checked as an array's.
 dtype names match tsckpt's (bfloat16, int4 and float8 through ml_dtypes, as in jax).
 """
 
@@ -29,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _dtypes
 from ._casting import check_cast
 from ._chunking import intersect
 from ._errors import LeafTypeError, ShapeMismatchError
 from ._format import KEY_KIND_PREFIX, ArrayRecord, key_impl
-from ._kinds import LeafKind, check_shape, host_empty, region_leaf, whole
+from ._kinds import LeafKind, check_shape, host_empty, region_leaf, short_repr, whole
 from ._types import Box, Dest, LazySource, Local, ReadItem
 
 
@@ -93,6 +101,15 @@ class _Shards:
         self.shards = shards
         self.region = self._bounding_region()
 
+    def cuts(self) -> tuple[tuple[int, ...], ...]:
+        """Per dimension, the offsets inside this process's region where a shard begins
+        (:attr:`LeafDesc.cuts`); () when one shard holds all of it."""
+        if len(self.shards) < 2:
+            return ()
+        return tuple(
+            tuple(sorted({b[0][d] for b in self.shards} - {self.region[0][d]})) for d in range(len(self.shape))
+        )
+
     def _bounding_region(self) -> Box:
         boxes = list(self.shards)
         lo = tuple(min(b[0][d] for b in boxes) for d in range(len(self.shape)))
@@ -113,6 +130,11 @@ class _Shards:
         parts = [(b, data) for b, data in self.shards.items() if _inside((off, ln), b)]
         if parts:  # one shard holds all of the box: a view of it (no copy on a CPU device)
             return _shard_part(parts[0][1], parts[0][0], (off, ln))
+        return self._assemble((off, ln))
+
+    def _assemble(self, box: Box) -> np.ndarray:
+        """A box across shards (global coordinates), copied together from their parts."""
+        off, ln = box
         out = np.empty(ln, self.dtype)
         for b, data in self.shards.items():
             common = intersect((off, ln), b)
@@ -220,6 +242,30 @@ def _key_dest(rec: ArrayRecord, path: str, leaf: Any) -> Dest:
     return Dest(whole(rec, path), host_empty(rec.shape, np.uint32), None, finish=finish)
 
 
+def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any]:
+    """A plain number or bool the checkpoint stores (a step counter saved as a Python int)
+    as a jax scalar of a shape-() target's dtype and sharding, the value's cast checked as
+    an array's would be; anything else is refused naming what the target would need."""
+    import jax
+
+    what = f"{np.dtype(leaf.dtype)}{list(leaf.shape)}"
+    if isinstance(value, (bool, int, float)) and not _is_key(leaf):
+        a = np.asarray(value)
+        stored = _dtypes.numpy_name(a.dtype) if a.dtype.kind in "biuf" else None
+        if stored is not None and tuple(leaf.shape) == ():
+            cast = check_cast(path, stored, np.dtype(leaf.dtype), casting=casting)
+            if cast is not None:
+                cast.check(a.reshape(1), ())
+            with np.errstate(all="ignore"):
+                return jax.device_put(a.astype(leaf.dtype), _sharding(leaf)), cast
+    raise LeafTypeError(
+        f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is a jax {what} "
+        "array; a plain value restores into a jax target only as a number or bool into shape (); give a target of "
+        f"shape () for a number, or the plain value itself (e.g. the saved one, {short_repr(value)}) as this "
+        "target leaf"
+    )
+
+
 class JaxKind(LeafKind):
     def owns(self, leaf: Any) -> bool:
         return is_jax_array(leaf) or _is_abstract(leaf)
@@ -236,7 +282,13 @@ class JaxKind(LeafKind):
         shards = _Shards(path, leaf)
         (offsets, lengths) = shards.region
         source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
-        return region_leaf(path, source, shards.shape, offsets, kind)
+        local = region_leaf(path, source, shards.shape, offsets, kind)
+        return Local(local.desc._replace(cuts=shards.cuts()), local.data)
+
+    def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
+        if inplace:
+            _refuse_inplace(path, leaf)
+        return _scalar_of(path, value, leaf, casting)
 
     def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
         if inplace:

@@ -112,6 +112,12 @@ def _check_storable(path: str, t: torch.Tensor) -> None:
         )
 
 
+def short_repr(value: Any, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a plain value named in an error)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialized numpy array in memory from torch's CPU allocator.
 
@@ -172,6 +178,15 @@ class LeafKind:
         raise LeafTypeError(
             f"'{path}': a {type(leaf).__name__} cannot be a restore target; use a tensor, numpy array, "
             "tsckpt.ArraySpec or ShardedArray"
+        )
+
+    def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
+        """The restored leaf for a plain value the checkpoint stores where the target has this
+        array leaf, and the CastCheck of the value (None: none); refused unless a kind takes it."""
+        raise LeafTypeError(
+            f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is "
+            f"{type(leaf).__name__}, which takes an array; give a plain value as this target leaf (e.g. the saved "
+            f"one, {short_repr(value)}), or restore with target=None to see what is stored"
         )
 
     def memory(self, leaf: Any) -> Memory | None:

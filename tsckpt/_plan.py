@@ -18,7 +18,11 @@ process). Rank 0 runs all of it, in the numbering of save()'s protocol
       of its holders, balancing bytes;
    c. lay out (:func:`_lay_out`): chunking, writes and transfers, once per
       distinct layout, with the arrays stored and written alike in one
-      :class:`ArrayGroup`.
+      :class:`ArrayGroup`. A region its writer holds in separate pieces
+      (:attr:`LeafDesc.cuts`: a jax.Array's device shards) is laid out as
+      those pieces, each a region of its own: no shard file spans two, so
+      every file is written from one piece's memory, never assembled (a
+      region of one inner chunk or less stays whole: :func:`pieces`).
 
    Then :func:`split_plan`: each rank's part, the only part sent to it.
 
@@ -33,7 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._chunking import choose_chunking, intersect, shard_boxes, shard_count
+from ._chunking import choose_chunking, intersect, pieces, shard_boxes, shard_count
 from ._descs import Gathered, Holders, gather_descs, pack_descs
 from ._format import ArrayRecord, Chunking
 from ._regions import agreed_value, check_agreement, check_exact_cover, replica_groups
@@ -161,7 +165,7 @@ class _Owned:
     """The non-empty regions of arrays given alike by the same ranks, every region held
     by one rank, which writes it."""
 
-    regions: tuple[tuple[Box, int], ...]  # (region, its holder)
+    regions: tuple[tuple[Box, int], ...]  # (region, its holder); a region held in pieces: each piece
     itemsize: int
 
 
@@ -170,6 +174,7 @@ class _Replicas:
     """The regions of an array some of whose regions several ranks hold (each gets one writer)."""
 
     holders: Mapping[Box, list[int]]  # region -> the ranks holding it, ascending
+    cuts: Mapping[int, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)  # rank -> its cuts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +243,10 @@ def _check(g: Gathered) -> _Checked:
         if not regions.replicated:
             mine = owned.get((h.given, h.ranks))
             if mine is None:
-                boxes = h.boxes()
-                held = tuple((boxes[i], h.ranks[i]) for i in regions.live)
+                boxes, held_cuts = h.boxes(), h.cuts()
+                held = tuple(
+                    (piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i], first.itemsize)
+                )
                 mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
             arrays.append(_Array(path, first, mine))
             continue
@@ -247,7 +254,7 @@ def _check(g: Gathered) -> _Checked:
         if h.given not in covered:  # the same regions: the same cover
             check_exact_cover(path, first.global_shape, list(replicas))
             covered.add(h.given)
-        arrays.append(_Array(path, first, _Replicas(replicas)))
+        arrays.append(_Array(path, first, _Replicas(replicas, {r: c for r, c in zip(h.ranks, h.cuts()) if c})))
     return _Checked(tuple(values), tuple(arrays))
 
 
@@ -308,7 +315,7 @@ def _lay_out(
         if isinstance(a.regions, _Owned):
             key, written = a.regions, a.regions.regions
         else:
-            written = tuple((box, writers[(a.path, box)]) for box in a.regions.holders if math.prod(box[1]) > 0)
+            written = _written(a.path, a.regions, writers, d.itemsize)
             key = (d.global_shape, d.itemsize, written)
         layout = layouts.get(key)
         if layout is None:
@@ -323,10 +330,24 @@ def _lay_out(
     return SavePlan(tuple(records), checked.values, groups, tuple(transfers), world)
 
 
+def _written(
+    path: str, regions: _Replicas, writers: Mapping[tuple[str, Box], int], itemsize: int
+) -> tuple[tuple[Box, int], ...]:
+    """The non-empty regions of a replicated array with their writers, each region cut into
+    the pieces its writer holds."""
+    out = []
+    for box in regions.holders:
+        if math.prod(box[1]) > 0:
+            rank = writers[(path, box)]
+            out += [(piece, rank) for piece in pieces(box, regions.cuts.get(rank, ()), itemsize)]
+    return tuple(out)
+
+
 def _plan_array(
     shape: tuple[int, ...], itemsize: int, owned: tuple[tuple[Box, int], ...], shard_bytes: int | None = None
 ) -> _Layout:
-    """The layout of one array whose non-empty regions ``owned`` are written by the given ranks.
+    """The layout of one array whose non-empty regions ``owned`` are written by the given ranks
+    (a rank may own several: the pieces it holds a region in).
 
     Shards follow the region starts when that keeps them reasonably large. An
     irregular split (e.g. rows 3,3,2,2, or 12565,12564,... from array_split)

@@ -435,16 +435,17 @@ def _fill(
     dests: list[tuple[int, Dest]] = []
     finishing: list[tuple[int, Dest]] = []  # leaves whose result is made after the read
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
+    value_casts: list[Any] = []  # the casts of plain values into array targets
     check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))  # before allocating any
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.values:
-            if kind_of(leaf) is not None:
-                raise LeafTypeError(
-                    f"'{path}': the checkpoint stores a plain value ({type(ck.values[path]).__name__}) but the "
-                    f"target leaf is {type(leaf).__name__}"
-                )
-            out.append(ck.values[path])
+            kind = kind_of(leaf)  # an array target of a plain value: its kind takes the value or refuses it
+            value, cast = (ck.values[path], None) if kind is None else kind.from_value(
+                path, ck.values[path], leaf, inplace, reader.casting
+            )
+            out.append(value)
+            value_casts.append(cast)
         elif path in ck.arrays:
             dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
             if dest.finish is not None:
@@ -459,7 +460,7 @@ def _fill(
             out.append(leaf)
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
-    warn_lost_values([d.cast for _, d in dests])
+    warn_lost_values([d.cast for _, d in dests] + value_casts)
     for i, dest in finishing:
         out[i] = dest.restored()
     for i, j in (ties or {}).items():

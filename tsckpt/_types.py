@@ -30,6 +30,10 @@ class LeafDesc(NamedTuple):
     lengths: tuple[int, ...] = ()
     checksum: int | None = None  # of the local region, compared across replicas
     value: Any = None  # JSON of a plain value
+    # The rank holds its region as separate pieces (a jax.Array's device shards): per
+    # dimension, the offsets inside the region where pieces begin; the pieces are the cells
+    # of that grid. () when the region is one piece. The planner cuts shard files there too.
+    cuts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
