@@ -19,16 +19,14 @@ numbering of save()'s protocol (tsckpt/_save.py), all on rank 0:
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorstore as ts
 
 from . import _lease, _store
-from ._errors import CheckpointExistsError, SaveInProgressError, TsckptError
+from ._errors import CheckpointExistsError, SaveInProgressError, amend
 from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
 from ._arrays import MANIFEST
 from ._root import root_state
@@ -203,37 +201,19 @@ def abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool
     and left alone."""
     lease.end()
     if lease.committed:
-        _amend(err, f"the checkpoint at {loc} was committed before the failure and is complete")
+        amend(err, f"the checkpoint at {loc} was committed before the failure and is complete")
         return
     if not agreed:
-        _amend(err, (
+        amend(err, (
             f"the partial checkpoint at {loc} was left in place, as other ranks may still be writing to it; "
             "once the job has stopped, save again with overwrite=True"
         ))
         return
     if lease.lost:
-        _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+        amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
         return
-    try:
-        with _store.storage_errors(loc, doing="writing"):
-            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=lease.generation):
-                _amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
-                return
-            _store.delete_all(loc)
-        if loc.local is not None:
-            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
-                os.rmdir(loc.local)
-    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
-        _amend(err, (
-            f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again"
-        ))
-        return
-    _amend(err, "the partial checkpoint was removed, so saving again needs no overwrite=True")
-
-
-def _amend(err: BaseException, text: str) -> None:
-    """Add ``text`` to the message of ``err`` (a note where the message cannot be changed)."""
-    if isinstance(err, TsckptError) and len(err.args) == 1 and isinstance(err.args[0], str):
-        err.args = (f"{err.args[0]}; {text}",)
-    elif hasattr(err, "add_note"):  # Python 3.11+
-        err.add_note(text)
+    removed = _lease.remove_partial(loc, lease.generation, err)
+    if removed is False:
+        amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
+    elif removed:
+        amend(err, "the partial checkpoint was removed, so saving again needs no overwrite=True")

@@ -144,3 +144,12 @@ def short_repr(value: object, width: int = 60) -> str:
     except Exception:  # noqa: BLE001 - e.g. a torch.Size holding an int beyond 64 bits
         text = f"<a {type(value).__name__} without a repr>"
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def amend(err: BaseException, text: str) -> None:
+    """Add ``text`` to the message of ``err`` (a note where the message cannot be changed):
+    what a failed save did about its partial checkpoint, said in the error the caller gets."""
+    if isinstance(err, TsckptError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}; {text}",)
+    elif hasattr(err, "add_note"):  # Python 3.11+
+        err.add_note(text)

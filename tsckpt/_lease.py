@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _store
+from ._errors import amend
 from ._format import ROOT_KEY, STATE_COMMITTED, STATE_PENDING
 from ._root import RootState, root_state
 from ._store import Location
@@ -209,6 +210,26 @@ def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, S
     return b"", found
 
 
+def remove_partial(loc: Location, generation: bytes | None, err: BaseException) -> bool | None:
+    """Remove a failed save's partial checkpoint: its pending root, conditionally on
+    ``generation`` (the version this save last wrote or read), then every key below ``loc``
+    and, on a local disk, the directory when nothing else is in it. True: removed; False: the
+    root had changed (another save took over, and the checkpoint is left to it); None: the
+    removal failed, as said in ``err``."""
+    try:
+        with _store.storage_errors(loc, doing="writing"):
+            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=generation):
+                return False
+            _store.delete_all(loc)
+        if loc.local is not None:
+            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
+                os.rmdir(loc.local)
+    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
+        amend(err, f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again")
+        return None
+    return True
+
+
 def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
     """A surviving rank after rank 0 of save ``save_id`` was lost: remove that save's
     partial checkpoint (best effort), saying in ``err`` what became of it. The pending root
@@ -216,25 +237,15 @@ def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
     generation: rank 0 is gone, so nothing renews it; a root committed, replaced or removed
     meanwhile is left alone), then every key below ``loc``."""
     try:
-        with _store.storage_errors(loc, doing="writing"):
+        with _store.storage_errors(loc, doing="reading"):
             found = read_root(loc)
-            if found.value is None or found.root.state != STATE_PENDING or save_id_of(found.root) != save_id:
-                return  # rank 0 finished or cleaned up before it was lost, or another save took over
-            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=found.generation):
-                return
-            _store.delete_all(loc)
-        if loc.local is not None:
-            with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
-                os.rmdir(loc.local)
-    except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
-        _note(err, f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again")
+    except Exception as failed:  # noqa: BLE001 - reported in the save's own error
+        amend(err, f"the partial checkpoint at {loc} could not be removed ({failed}); pass overwrite=True when saving again")
         return
-    _note(err, "rank 0 was lost, and this rank removed the partial checkpoint, so saving again needs no overwrite=True")
-
-
-def _note(err: BaseException, text: str) -> None:
-    if len(err.args) == 1 and isinstance(err.args[0], str):
-        err.args = (f"{err.args[0]}; {text}",)
+    if found.value is None or found.root.state != STATE_PENDING or save_id_of(found.root) != save_id:
+        return  # rank 0 finished or cleaned up before it was lost, or another save took over
+    if remove_partial(loc, found.generation, err):
+        amend(err, "rank 0 was lost, and this rank removed the partial checkpoint, so saving again needs no overwrite=True")
 
 
 class Lease:
