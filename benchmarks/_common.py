@@ -247,12 +247,14 @@ class LocalS3:
 
     A client can switch the phase itself with a GET of ``<url>/_bench/phase/<name>`` (answered
     here, never passed to the server), so a multi-rank job can separate its save from its restore.
+    ``delay``: seconds added before serving each request, as the round trip to a store in another
+    zone would (requests are served concurrently, each in its own thread).
     """
 
     BUCKET = "bench"
     CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         import logging
         import threading
 
@@ -276,6 +278,8 @@ class LocalS3:
                 if self.phase is not None:
                     c = self.counts.setdefault(self.phase, {})
                     c[environ["REQUEST_METHOD"]] = c.get(environ["REQUEST_METHOD"], 0) + 1
+            if delay:
+                time.sleep(delay)
             return app(environ, start_response)
 
         self.port = free_port()
