@@ -23,7 +23,7 @@ MANIFEST = "manifest.ocdbt"
 # which a save writes next to each other, come back in a few requests instead of two
 # per leaf. Local disks and memory read without it (a request there costs no round
 # trip, and the millisecond would only add latency).
-COALESCE = {
+COALESCE: dict[str, Any] = {
     "experimental_read_coalescing_threshold_bytes": 1 << 20,
     "experimental_read_coalescing_merged_bytes": 64 << 20,
     "experimental_read_coalescing_interval": "1ms",
@@ -40,7 +40,7 @@ def data_spec(loc: Location, layout: str, *, writer: int | None = None) -> dict[
     if layout == LAYOUT_PLAIN:
         return loc.spec
     base = loc.spec if writer is None else loc.sub(f"{OCDBT_PREFIX}{writer}")
-    spec = {"driver": "ocdbt", "base": base, "cache_pool": "cache_pool#ocdbt"}
+    spec: dict[str, Any] = {"driver": "ocdbt", "base": base, "cache_pool": _store.READ_CACHE_POOL}
     if writer is None and loc.local is None and loc.spec.get("driver") != "memory":
         spec.update(COALESCE)
     return spec
@@ -185,7 +185,8 @@ def open_array(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -
 
 
 def open_array_future(
-    data: dict[str, Any], rec: ArrayRecord, *, write: bool = False, checked: bool = False
+    data: dict[str, Any], rec: ArrayRecord, *, write: bool = False, checked: bool = False,
+    context: ts.Context | None = None,
 ) -> ts.Future:
     """Open ``rec`` in the kvstore ``data`` (see :func:`data_spec`), with missing
     chunks reported as errors rather than read as fill values.
@@ -196,6 +197,7 @@ def open_array_future(
     dtype, chunking, codecs), so metadata that disagrees with the data is an error
     rather than a silent misreading. ``checked``: the caller has read the node and
     found it agrees with the record (:func:`stored_node_problem`), so it is not read again.
+    ``context``: the opened checkpoint's (:func:`_store.reader_context`), default the process's.
     """
     meta = array_node(rec)
     del meta["attributes"]
@@ -209,4 +211,4 @@ def open_array_future(
         "fill_missing_data_reads": False,
         "store_data_equal_to_fill_value": True,
     }
-    return ts.open(spec, context=_store.CONTEXT, read=not write, write=write)
+    return ts.open(spec, context=context or _store.CONTEXT, read=not write, write=write)

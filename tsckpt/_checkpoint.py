@@ -81,10 +81,18 @@ class Checkpoint:
         ``open``, verify) asks the source for the regions it needs and nothing more."""
         return self.sources is not None
 
+    def context(self) -> ts.Context:
+        """The TensorStore context its arrays are read in: one of its own, made once
+        (:func:`_store.reader_context`: the replaced database of a checkpoint saved again
+        in its place is never read for it, nor it for the replaced one)."""
+        if "context" not in self._cache:
+            self._cache["context"] = _store.reader_context()
+        return cast(ts.Context, self._cache["context"])
+
     def kvstore(self) -> ts.KvStore:
         """The kvstore of :meth:`data`, opened once."""
         if "kv" not in self._cache:
-            self._cache["kv"] = ts.KvStore.open(self.data(), context=_store.CONTEXT).result()
+            self._cache["kv"] = ts.KvStore.open(self.data(), context=self.context()).result()
         return cast(ts.KvStore, self._cache["kv"])
 
     @property
@@ -154,5 +162,5 @@ class Opening:
                     "restore from another checkpoint"
                 ) from None
             if node_problem(node, rec) is None:
-                return open_array_future(ck.data(), rec, checked=True).result()
-        return open_array_future(ck.data(), rec).result()  # missing or different: TensorStore says how
+                return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
+        return open_array_future(ck.data(), rec, context=ck.context()).result()  # missing or different: TensorStore says how

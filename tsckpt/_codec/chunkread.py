@@ -14,9 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import tensorstore as ts
 
-from .. import _store
 from .._arrays import chunk_key, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord
 from .._chunking import shard_boxes
@@ -51,7 +49,7 @@ def read_chunks(
     as a writable view in the stored dtype and shape (``view_of``); returns those left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
     TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight."""
-    kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
+    kv = ck.kvstore()
     nodes: dict[str, Any] = {}  # path: the read of its zarr.json (None once checked, so its memory goes)
     node_ok: dict[str, bool] = {}
     left: dict[int, Dest] = {}
