@@ -181,7 +181,7 @@ def measure(args: Any) -> dict[str, Any]:
         systems.remove("DCP")
         dcp_note = f"DCP skipped: s3fs is not installed for {sys.executable} (pip install s3fs, see this script's docstring)"
         log(dcp_note)
-    s3 = LocalS3(delay=args.latency_ms / 1000)
+    s3 = LocalS3(delay=args.latency_ms / 1000, ranges=True)
     try:
         results = {"machine": machine_info(), "latency_ms": args.latency_ms, "dcp_note": dcp_note, "workloads": {}}
         for workload in args.workloads:

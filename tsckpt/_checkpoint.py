@@ -16,7 +16,7 @@ from typing import Any, cast
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._arrays import data_spec, node_problem, open_array_future, parse_node
+from ._arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 from ._links import refuse_links
@@ -143,7 +143,7 @@ class Opening:
 
     def __init__(self, ck: Checkpoint, path: str) -> None:
         self._ck, self._path = ck, path
-        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}")
+        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
 
     def result(self) -> ts.TensorStore:
         ck, path = self._ck, self._path
