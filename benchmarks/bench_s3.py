@@ -70,7 +70,8 @@ def make_tree(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(SEED)
-    return {k: torch.empty(s).uniform_(-1, 1, generator=g) for k, s in shapes(spec["workload"], spec["mib"], spec["leaves"])}
+    return {k: torch.empty(s).uniform_(-1, 1, generator=g)
+            for k, s in shapes(spec["workload"], spec["mib"], spec["leaves"])}
 
 
 def has_s3fs() -> bool:
@@ -179,7 +180,8 @@ def measure(args: Any) -> dict[str, Any]:
     dcp_note = None
     if not has_s3fs():
         systems.remove("DCP")
-        dcp_note = f"DCP skipped: s3fs is not installed for {sys.executable} (pip install s3fs, see this script's docstring)"
+        dcp_note = (f"DCP skipped: s3fs is not installed for {sys.executable} (pip install s3fs, see this "
+                    "script's docstring)")
         log(dcp_note)
     s3 = LocalS3(delay=args.latency_ms / 1000, ranges=True)
     try:
@@ -212,8 +214,8 @@ def report(results: dict[str, Any], args: Any) -> str:
         f"moto's S3 server on 127.0.0.1 with {results['latency_ms']:g} ms added before every request; each call in a "
         "fresh process, one run each; requests counted at the server by method. Restores are in place into zero "
         "tensors made before the timer; every value is checked after timing. \"compact, before\": the same compact "
-        f"checkpoint restored by tsckpt as of {args.before_rev or 'the --before checkout'} (before its readers coalesced "
-        "reads). Ranged GETs are served from the range (moto itself reads the whole object for each).",
+        f"checkpoint restored by tsckpt as of {args.before_rev or 'the --before checkout'} (before its readers "
+        "coalesced reads). Ranged GETs are served from the range (moto itself reads the whole object for each).",
     ]
     if results.get("dcp_note"):
         lines += ["", f"**{results['dcp_note']}.**"]
@@ -232,7 +234,8 @@ def report(results: dict[str, Any], args: Any) -> str:
                      else "(the compact save) | | ")
             restored = f"{r['time']:.2f}" + ("" if r["exact"] else " (WRONG VALUES)")
             ratio = f"{r['time'] / dcp:.2f}x" if dcp else "-"
-            lines.append(f"| {system} | {saved} | {restored} | {fmt_requests(r['requests'])} | {per100:.1f} | {ratio} |")
+            requests = fmt_requests(r["requests"])
+            lines.append(f"| {system} | {saved} | {restored} | {requests} | {per100:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

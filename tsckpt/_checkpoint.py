@@ -163,4 +163,5 @@ class Opening:
                 ) from None
             if node_problem(node, rec) is None:
                 return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
-        return open_array_future(ck.data(), rec, context=ck.context()).result()  # missing or different: TensorStore says how
+        # missing or different: TensorStore says how
+        return open_array_future(ck.data(), rec, context=ck.context()).result()
