@@ -176,9 +176,9 @@ def _gets(proxy) -> int:
 def test_compact_restore_reads_by_few_requests(s3_server, prefix, counted, leaves, coalesced, monkeypatch):
     """A compact restore from an object store: OCDBT merges the reads of the arrays' nodes and
     chunks into a few ranged GETs of its data files; without coalescing, about two GETs per
-    leaf. 1,000 leaves: 7-21 GETs here (reads started within a millisecond are merged, so the
-    count grows with the time it takes to start them, on a loaded machine too); the bound is
-    3 per 100 leaves (benchmarks/bench_s3.py measures the target, 2 per 100, at 10,000)."""
+    leaf. The reads that wait for one in flight are merged, so the count grows with the time
+    it takes to start them (on a loaded machine too); the bound is 3 per 100 leaves
+    (benchmarks/bench_s3.py measures the target, 2 per 100, at 10,000 leaves)."""
     if not coalesced:
         monkeypatch.setattr(tsckpt._arrays, "COALESCE", {})
     url = f"s3://{BUCKET}/{prefix}"

@@ -16,20 +16,20 @@ from ._store import Location
 # The compact layout's per-rank databases: ``ocdbt.r<rank>/`` below the root.
 OCDBT_PREFIX = "ocdbt.r"
 MANIFEST = "manifest.ocdbt"
-# Readers of a compact checkpoint on an object store let OCDBT merge their reads: reads of
-# one data file that start within 50 ms of each other and lie less than 1 MiB apart
-# become one ranged GET of at most 64 MiB. A restore starts the reads of its leaves (up
-# to its window of bytes in flight) as fast as it can, so the arrays' nodes and chunks,
-# which a save writes next to each other, come back in a few requests instead of two per
-# leaf. The wait bounds the requests by the time a restore takes to start its reads: with
-# 1 ms, a restore of 10,000 small leaves made 1,739 GETs, with 20 ms 200, with 50 ms 75
-# (20 ms added to every request; benchmarks/bench_s3.py). A lazy read of tsckpt.open waits
-# as long before its request. Local disks and memory read without it (a request there
-# costs no round trip).
+# Readers of a compact checkpoint on an object store let OCDBT merge their reads: while a
+# read of one data file is in flight, the reads of that file that follow wait, and when it
+# completes those less than 1 MiB apart become one ranged GET of at most 64 MiB. A restore
+# starts the reads of its leaves (up to its window of bytes in flight) as fast as it can,
+# so the arrays' nodes and chunks, which a save writes next to each other, come back in a
+# few requests instead of two per leaf, and a lone read (a lazy read of tsckpt.open) is
+# sent at once. A timer instead (``experimental_read_coalescing_interval``) sends what has
+# arrived every interval: for a restore of 10,000 small leaves with 20 ms added to every
+# request, 1 ms made 1,739 GETs, 20 ms 141-200, 50 ms 75 (each lazy read 100 ms slower),
+# none 74-83 (benchmarks/bench_s3.py's setup). Local disks and memory read without it (a
+# request there costs no round trip).
 COALESCE: dict[str, Any] = {
     "experimental_read_coalescing_threshold_bytes": 1 << 20,
     "experimental_read_coalescing_merged_bytes": 64 << 20,
-    "experimental_read_coalescing_interval": "50ms",
 }
 # The staleness bound of readers' reads of a compact database: anything its cache holds.
 # Each opened checkpoint has a cache of its own (_store.reader_context), so the manifest is
