@@ -247,12 +247,17 @@ class LocalS3:
 
     A client can switch the phase itself with a GET of ``<url>/_bench/phase/<name>`` (answered
     here, never passed to the server), so a multi-rank job can separate its save from its restore.
+    ``delay``: seconds added before serving each request, as the round trip to a store in another
+    zone would (requests are served concurrently, each in its own thread). ``ranges``: serve
+    unconditional ranged GETs here, from moto's stored object, reading just the range: moto
+    itself reads the whole object for each one and then slices it, so a ranged read of a large
+    object costs the server the object's size (a real store reads the range).
     """
 
     BUCKET = "bench"
     CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0, ranges: bool = False) -> None:
         import logging
         import threading
 
@@ -276,6 +281,12 @@ class LocalS3:
                 if self.phase is not None:
                     c = self.counts.setdefault(self.phase, {})
                     c[environ["REQUEST_METHOD"]] = c.get(environ["REQUEST_METHOD"], 0) + 1
+            if delay:
+                time.sleep(delay)
+            if ranges:
+                served = _serve_range(environ, start_response)
+                if served is not None:
+                    return served
             return app(environ, start_response)
 
         self.port = free_port()
@@ -325,6 +336,42 @@ class LocalS3:
     def close(self) -> None:
         self._server.shutdown()
         self._thread.join()
+
+
+_CONDITIONS = ("HTTP_IF_MATCH", "HTTP_IF_NONE_MATCH", "HTTP_IF_MODIFIED_SINCE", "HTTP_IF_UNMODIFIED_SINCE")
+
+
+def _serve_range(environ: dict[str, Any], start_response: Any) -> Any:
+    """An unconditional path-style GET of ``bytes=a-b`` or ``bytes=a-`` answered from moto's
+    stored object, reading only the range; None for anything else (moto answers it)."""
+    import re
+    import urllib.parse
+
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    m = re.fullmatch(r"bytes=(\d+)-(\d*)", environ.get("HTTP_RANGE", ""))
+    if (environ["REQUEST_METHOD"] != "GET" or m is None or environ.get("QUERY_STRING")
+            or any(h in environ for h in _CONDITIONS)):
+        return None
+    bucket, _, name = urllib.parse.unquote(environ.get("PATH_INFO", "")).lstrip("/").partition("/")
+    try:
+        key = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, name)
+    except Exception:  # noqa: BLE001 - no such bucket or key: moto answers
+        return None
+    if key is None or int(m.group(1)) >= key.size:
+        return None
+    begin = int(m.group(1))
+    end = min(int(m.group(2)) if m.group(2) else key.size - 1, key.size - 1)
+    with key.lock:
+        key._value_buffer.seek(begin)
+        body = key._value_buffer.read(end - begin + 1)
+    start_response("206 Partial Content", [
+        ("Content-Type", "binary/octet-stream"), ("Content-Length", str(len(body))),
+        ("Content-Range", f"bytes {begin}-{end}/{key.size}"), ("Accept-Ranges", "bytes"),
+        ("ETag", key.etag), ("Last-Modified", key.last_modified_RFC1123),
+    ])
+    return [body]
 
 
 def make_resident(path: str, buf: bytearray) -> int:

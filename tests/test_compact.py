@@ -124,6 +124,32 @@ def test_overwrite_across_layouts_leaves_nothing_stale(tmp_path, first, second):
     assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("replaced_open", [True, False])
+def test_saved_again_in_place_is_read_anew_in_the_same_process(tmp_path, replaced_open):
+    """A compact checkpoint saved again with overwrite=True has a new database; opening and
+    restoring it again in the same process reads that one (a reader of the replaced one, kept
+    open or not, once made TensorStore refuse it: "Configuration mismatch on uuid"), and a
+    reader still holding the replaced one gets the replaced error, never a mix."""
+    d = tmp_path / "c"
+
+    def tree(v: float) -> dict:
+        return {"w": torch.full((4, 3), v), "b": np.arange(5) + int(v)}
+
+    tsckpt.save(d, tree(1), layout="compact")
+    old = tsckpt.open(d)
+    assert old["w"][...].tolist() == [[1.0] * 3] * 4
+    assert_same(tsckpt.restore(d, tree(0)), tree(1))
+    if not replaced_open:
+        del old
+    tsckpt.save(d, tree(2), layout="compact", overwrite=True)
+    assert tsckpt.open(d)["w"][...].tolist() == [[2.0] * 3] * 4
+    assert_same(tsckpt.restore(d, tree(0)), tree(2))
+    assert tsckpt.verify(d).ok
+    if replaced_open:
+        with pytest.raises(tsckpt.CheckpointReplacedError, match="replaced or deleted while it was being read"):
+            old["b"][...]
+
+
 def test_a_memory_store(tmp_path):
     loc = "memory://compact/ck"
     tsckpt.save(loc, _tree(30), layout="compact")

@@ -16,7 +16,7 @@ from typing import Any, cast
 import tensorstore as ts
 
 from . import _dtypes, _store
-from ._arrays import data_spec, node_problem, open_array_future, parse_node
+from ._arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
 from ._errors import CorruptCheckpointError
 from ._format import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 from ._links import refuse_links
@@ -81,10 +81,18 @@ class Checkpoint:
         ``open``, verify) asks the source for the regions it needs and nothing more."""
         return self.sources is not None
 
+    def context(self) -> ts.Context:
+        """The TensorStore context its arrays are read in: one of its own, made once
+        (:func:`_store.reader_context`: the replaced database of a checkpoint saved again
+        in its place is never read for it, nor it for the replaced one)."""
+        if "context" not in self._cache:
+            self._cache["context"] = _store.reader_context()
+        return cast(ts.Context, self._cache["context"])
+
     def kvstore(self) -> ts.KvStore:
         """The kvstore of :meth:`data`, opened once."""
         if "kv" not in self._cache:
-            self._cache["kv"] = ts.KvStore.open(self.data(), context=_store.CONTEXT).result()
+            self._cache["kv"] = ts.KvStore.open(self.data(), context=self.context()).result()
         return cast(ts.KvStore, self._cache["kv"])
 
     @property
@@ -135,7 +143,7 @@ class Opening:
 
     def __init__(self, ck: Checkpoint, path: str) -> None:
         self._ck, self._path = ck, path
-        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}")
+        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
 
     def result(self) -> ts.TensorStore:
         ck, path = self._ck, self._path
@@ -154,5 +162,6 @@ class Opening:
                     "restore from another checkpoint"
                 ) from None
             if node_problem(node, rec) is None:
-                return open_array_future(ck.data(), rec, checked=True).result()
-        return open_array_future(ck.data(), rec).result()  # missing or different: TensorStore says how
+                return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
+        # missing or different: TensorStore says how
+        return open_array_future(ck.data(), rec, context=ck.context()).result()

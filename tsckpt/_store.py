@@ -76,14 +76,27 @@ def request_seconds(retries: dict[str, Any] | None = None, stall: float | None =
 # nothing cached once a save is done: a save that replaces a database at the same
 # location in this process would otherwise build on the replaced one's nodes.
 WRITE_CACHE_POOL = "cache_pool#ocdbt-write"
+READ_CACHE_POOL = "cache_pool#ocdbt"
+READ_CACHE_BYTES = 100_000_000
 CONTEXT = ts.Context(
     {
         "file_io_sync": False,
         "s3_request_retries": S3_REQUEST_RETRIES,
-        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        READ_CACHE_POOL: {"total_bytes_limit": READ_CACHE_BYTES},
         WRITE_CACHE_POOL: {"total_bytes_limit": 0},
     }
 )
+
+
+def reader_context() -> ts.Context:
+    """A context for reading one opened checkpoint: :data:`CONTEXT`'s, with a cache pool of
+    its own. TensorStore keeps one OCDBT driver per spec and cache pool, and a driver
+    remembers the database it first read (its uuid): a checkpoint saved again in its
+    place (overwrite=True) has a new database, which a driver shared with a reader of the
+    replaced one refuses ("Configuration mismatch on uuid"). Each opened checkpoint gets
+    its own driver, so a new open reads the new database, and a reader of the replaced
+    one fails (reported as the checkpoint replaced while it was read)."""
+    return ts.Context({READ_CACHE_POOL: {"total_bytes_limit": READ_CACHE_BYTES}}, parent=CONTEXT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import tensorstore as ts
-
-from . import _dtypes, _store
+from . import _dtypes
 from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
 from ._chunking import shard_boxes
@@ -70,7 +68,7 @@ class _Reads:
 
 def _check_nodes(ck: Checkpoint) -> _Nodes:
     """zarr.json of every array and group below the root."""
-    kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
+    kv = ck.kvstore()
     groups = sorted({"/".join(p.split("/")[:i]) for p in ck.arrays for i in range(1, len(p.split("/")))})
     futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays}
     group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups}

@@ -14,10 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import tensorstore as ts
 
-from .. import _store
-from .._arrays import chunk_key, stored_node_problem
+from .._arrays import CACHED, chunk_key, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord
 from .._chunking import shard_boxes
 from .._progress import Progress
@@ -51,7 +49,7 @@ def read_chunks(
     as a writable view in the stored dtype and shape (``view_of``); returns those left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
     TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight."""
-    kv = ts.KvStore.open(ck.data(), context=_store.CONTEXT).result()
+    kv = ck.kvstore()
     nodes: dict[str, Any] = {}  # path: the read of its zarr.json (None once checked, so its memory goes)
     node_ok: dict[str, bool] = {}
     left: dict[int, Dest] = {}
@@ -85,12 +83,13 @@ def read_chunks(
         rec = ck.arrays[item.path]
         view = view_of(dest)
         if rec.path not in nodes:
-            nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}")
+            nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}", staleness_bound=CACHED)
         chunk = stored_shapes(rec).shard
         element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
         for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):
             nbytes = math.prod(ln) * element
-            in_flight.add(_Read(dest, view, chunk, kv.read(chunk_key(rec, off)), src, dst, nbytes), nbytes)
+            read = kv.read(chunk_key(rec, off), staleness_bound=CACHED)
+            in_flight.add(_Read(dest, view, chunk, read, src, dst, nbytes), nbytes)
     in_flight.drain()
     return list(left.values())
 
