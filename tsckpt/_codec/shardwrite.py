@@ -268,6 +268,8 @@ def make_parents(root: str, keys: Iterable[str], made: set[str]) -> None:
         except FileExistsError:
             if not os.path.isdir(path):
                 raise
+        except FileNotFoundError:  # ``root`` itself is missing: make it too
+            os.makedirs(path, exist_ok=True)
         made.add(d)
 
 
