@@ -395,13 +395,13 @@ def _all_files(root) -> dict[str, bytes]:
 
 
 def test_make_parents_makes_each_directory_once(tmp_path, monkeypatch):
+    (tmp_path / "old").mkdir()  # made by another rank: fine
     made = []
     real_mkdir = os.mkdir
     monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(os.fspath(path)) or real_mkdir(path, *a, **k))
-    (tmp_path / "old").mkdir()  # made by another rank: fine
     known = {"k"}  # known to exist: not asked again
     _shardwrite.make_parents(str(tmp_path), ["a/c/0", "a/c/1", "a/zarr.json", "old/c/0", "b/x/y/c/0/0", "k/c"], known)
-    want = ["a", "a/c", "b", "b/x", "b/x/y", "b/x/y/c", "old", "old/c"]
+    want = ["a", "a/c", "b", "b/x", "b/x/y", "b/x/y/c", "b/x/y/c/0", "old", "old/c"]
     assert made == [str(tmp_path / d) for d in want]  # parents first, each once
     assert all((tmp_path / d).is_dir() for d in want)
     assert known == {"k", *want}
