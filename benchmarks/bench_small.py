@@ -15,7 +15,8 @@ timer starts; dirty pages synced before every save):
            preallocated target; every tensor is summed afterwards (timed), as bench_core does
 
 A/B: ``--base DIR`` also runs every tsckpt case with the tsckpt checkout at DIR (on
-PYTHONPATH), alternating with this one case by case. Rounds rotate the case order.
+PYTHONPATH), alternating with this one case by case (which goes first alternates by
+round). Rounds rotate the case order.
 The report gives medians of wall and CPU seconds (user + system, this process and its
 threads) and, per round, tsckpt over DCP; the load average is printed beside each round,
 as the CPU seconds are steadier than wall time on a shared machine.
@@ -157,6 +158,12 @@ def run(script_env: dict[str, str] | None, spec: dict[str, Any], timeout: float)
     return run_child(os.path.abspath(__file__), spec, timeout, env=script_env)
 
 
+def order(trees: dict[str, Any], rnd: int) -> list[str]:
+    """The A/B pair in round ``rnd``: this checkout first in even rounds, the base first in odd ones."""
+    names = list(trees)
+    return names if rnd % 2 == 0 else names[::-1]
+
+
 def measure(args: Any) -> dict[str, Any]:
     cases = args.cases.split(",") if args.cases else [f"save:{s}" for s in SAVES] + [f"restore:{r}" for r in RESTORES]
     trees = {"this": {"PYTHONPATH": os.path.dirname(HERE)}}
@@ -172,7 +179,7 @@ def measure(args: Any) -> dict[str, Any]:
             load = os.getloadavg()[0]
             k = rnd % max(len(saves), 1)
             for lib in saves[k:] + saves[:k]:
-                for tree_name in trees if lib.startswith("tsckpt") else ["this"]:
+                for tree_name in (order(trees, rnd) if lib.startswith("tsckpt") else ["this"]):
                     path = os.path.join(base, f"{tree_name}-{lib}")
                     shutil.rmtree(path, ignore_errors=True)
                     r = run(trees[tree_name], {"op": "save", "lib": lib, "path": path, "quick": args.quick}, args.timeout)
@@ -183,7 +190,7 @@ def measure(args: Any) -> dict[str, Any]:
                           file=sys.stderr, flush=True)
             k = rnd % max(len(restores), 1)
             for lib in restores[k:] + restores[:k]:
-                for tree_name in trees if lib.startswith("tsckpt") else ["this"]:
+                for tree_name in (order(trees, rnd) if lib.startswith("tsckpt") else ["this"]):
                     src = os.path.join(base, f"this-{SOURCE[lib]}")
                     make_resident(src, buf)
                     r = run(trees[tree_name], {"op": "restore", "lib": lib, "path": src, "quick": args.quick},

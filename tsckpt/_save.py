@@ -163,24 +163,24 @@ def _write_place(data: dict[str, Any], compact: bool) -> Place:
 class _Batch:
     """Unsharded chunk files of a local plain checkpoint written by one worker task (a
     task per file cost more Python, in a future, a lock and a thread switch, than the
-    file's own three system calls). Every write of the batch shares this handle as its
+    file's own three system calls), their directories made by that task. Every write of the batch shares this handle as its
     future: waiting on it hands the batch to the workers if it is still being filled."""
 
-    def __init__(self, pool: Workers) -> None:
-        self.pool = pool
+    def __init__(self, pool: Workers, directory: str, made: set[str]) -> None:
+        self.pool, self.directory, self.made = pool, directory, made
         self.files: list[tuple[str, np.ndarray, tuple[int, ...]]] = []
         self.nbytes = 0
         self.future: Any = None
 
-    def add(self, path: str, src: np.ndarray, chunk: tuple[int, ...]) -> None:
-        self.files.append((path, src, chunk))
+    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...]) -> None:
+        self.files.append((key, src, chunk))
         self.nbytes += src.nbytes
 
     def submit(self) -> None:
         """Hand the batch to the workers (once); nothing may be added after."""
         if self.future is None:
             files = self.files
-            self.future = self.pool.submit(_write_chunk_files, files)
+            self.future = self.pool.submit(_write_chunk_files, self.directory, files, self.made)
 
     def result(self) -> None:
         """Wait until every file of the batch is written; raise the first failure."""
@@ -188,9 +188,12 @@ class _Batch:
         self.future.result()
 
 
-def _write_chunk_files(files: list[tuple[str, np.ndarray, tuple[int, ...]]]) -> None:
-    for path, src, chunk in files:
-        shardwrite.write_chunk(path, src, chunk)
+def _write_chunk_files(directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...]]], made: set[str]) -> None:
+    """One batch: the directories of its files not yet made (on this worker, so that the
+    directories are made while the main thread reads the next sources), then the files."""
+    shardwrite.make_parents(directory, (key for key, _, _ in files), made)
+    for key, src, chunk in files:
+        shardwrite.write_chunk(os.path.join(directory, key), src, chunk)
 
 
 def _write_small_files(files: list[tuple[str, bytes]]) -> None:
@@ -208,29 +211,33 @@ class _Writers:
     one kvstore write of an own-encoded chunk, or a TensorStore array write (compact
     layout: all in the window's transaction). Started writes are (future, bytes).
 
-    The own file writers expect their directories made (:meth:`make_dirs`, once for all
-    of a rank's files)."""
+    The directories of the files are made once each: those of shard files before any is
+    written (:meth:`make_dirs`), those of unsharded chunk files by their batch's task;
+    ``made`` holds those known to exist."""
 
-    def __init__(self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool) -> None:
+    def __init__(
+        self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None
+    ) -> None:
         self.data, self.directory, self.progress = data, where.directory, progress
+        self.made: set[str] = set() if made is None else made
         self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
         self.batch: _Batch | None = None  # unsharded chunk files not yet handed to the workers
 
-    def make_dirs(self, keys: Iterable[str], made: set[str]) -> None:
-        """Create the directories of the files at ``keys`` that the own writers write
-        (TensorStore makes its own), skipping those in ``made``, which gains the rest."""
+    def make_dirs(self, files: Iterable[_ShardWrite]) -> None:
+        """Create the directories of the shard files the own writer writes (TensorStore
+        makes its own; unsharded chunk files' are made by their batch)."""
         if self.directory is not None:
-            shardwrite.make_parents(self.directory, keys, made)
+            shardwrite.make_parents(self.directory, (w.key for w in files if w.route is Route.SHARD), self.made)
 
     def start(self, w: _ShardWrite, src: np.ndarray, done: Callable[[], None] | None = None) -> _Started:
         """Start writing ``src``; ``done`` runs once the write has finished with it."""
         if w.route is Route.SHARD:
             fut = self._shard_file(w, src)
         elif w.route is Route.CHUNK and self.directory is not None:
-            fut = self._chunk_file(os.path.join(self.directory, w.key), src, w.shapes.shard)
+            fut = self._chunk_file(self.directory, w.key, src, w.shapes.shard)
         elif w.route is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
             fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
@@ -238,11 +245,11 @@ class _Writers:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes, done
 
-    def _chunk_file(self, path: str, src: np.ndarray, chunk: tuple[int, ...]) -> _Batch:
+    def _chunk_file(self, directory: str, key: str, src: np.ndarray, chunk: tuple[int, ...]) -> _Batch:
         batch = self.batch
         if batch is None or batch.future is not None:
-            batch = self.batch = _Batch(self.pool)
-        batch.add(path, src, chunk)
+            batch = self.batch = _Batch(self.pool, directory, self.made)
+        batch.add(key, src, chunk)
         if batch.nbytes >= BATCH_BYTES or len(batch.files) >= BATCH_FILES:
             batch.submit()
         return batch
@@ -293,9 +300,9 @@ def _write_regions(
     *, compact: bool, progress: Progress, made: set[str] | None = None,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
-    window in flight: plan each file's writer (:func:`_shard_writes`), make the
-    directories of all of them at once (``made``: those known to exist, to which the
-    new ones are added), then start each write as its source is read. Returns the keys
+    window in flight: plan each file's writer (:func:`_shard_writes`), then start each
+    write as its source is read. Each directory of the files is made once (``made``:
+    those known to exist, to which the new ones are added). Returns the keys
     written.
 
     TensorStore may encode straight from the source memory (no staging copy): save()
@@ -306,9 +313,9 @@ def _write_regions(
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = _write_place(data, compact)
-    writers = _Writers(data, where, progress, compact=compact)
+    writers = _Writers(data, where, progress, compact=compact, made=made)
     files = list(_shard_writes(writes, {a.path: a for a in plan.arrays}, where))
-    writers.make_dirs((w.key for w in files), set() if made is None else made)
+    writers.make_dirs(files)
     in_flight: Window[_Started] = (
         Window(window, batch=writers.commit) if compact else Window(window, writers.settle)
     )
