@@ -101,7 +101,7 @@ class Seen(dict):
 def own_io(monkeypatch):
     """Counts what the own codec writes and reads, and the arrays TensorStore opens to read."""
     seen = Seen({name: [] for name in ("shard files", "chunk files", "read chunks", "read shards", "tensorstore")})
-    write_shard, encode = shardwrite.write_shard, _save.encode_chunk
+    write_shard, encode, write_chunk = shardwrite.write_shard, _save.encode_chunk, shardwrite.write_chunk
     read_chunks, read_sharded, open_all = _restore.read_chunks, _restore.read_sharded, _restore._open_all
 
     def spy(name, real, count=lambda *a: 1):
@@ -112,7 +112,8 @@ def own_io(monkeypatch):
         return run
 
     monkeypatch.setattr(shardwrite, "write_shard", spy("shard files", write_shard))
-    monkeypatch.setattr(_save, "encode_chunk", spy("chunk files", encode))
+    monkeypatch.setattr(_save, "encode_chunk", spy("chunk files", encode))  # into a kvstore
+    monkeypatch.setattr(shardwrite, "write_chunk", spy("chunk files", write_chunk))  # a local file
     monkeypatch.setattr(_restore, "read_chunks", spy("read chunks", read_chunks, lambda ck, dests, *a: len(dests)))
     monkeypatch.setattr(_restore, "read_sharded", spy("read shards", read_sharded, lambda ck, directory, dests, *a: len(dests)))
     monkeypatch.setattr(_restore, "_open_all", spy("tensorstore", open_all, lambda ck, paths: list(paths)))

@@ -270,6 +270,40 @@ def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypa
     (one rank after the other, in one process); every file equals TensorStore's."""
     monkeypatch.setattr(_chunking, "INNER_CHUNK_BYTES", 512)
     monkeypatch.setattr(_chunking, "SHARD_BYTES", 2048)
+    rec, mine, theirs, calls = _several_writers(tmp_path, monkeypatch, shape, dtype, regions, "write_shard")
+    assert rec.chunking.chunk_shape is not None
+    assert len(calls) == len(mine) >= {"rows": 3, "cols": 2, "grid": 4}[regions]  # every file by the own writer
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert mine[key] == theirs[key], key
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, regions",
+    [
+        ((50, 40), "float32", "rows"),  # 3 writers of 17, 17 and 16 rows: the last chunk padded
+        ((9, 7), "float64", "grid"),  # padded in both dims
+        ((10, 7), "bool", "cols"),
+        ((32, 4, 3), "bfloat16", "rows"),
+    ],
+)
+def test_unsharded_files_of_several_writers_are_tensorstores(tmp_path, monkeypatch, shape, dtype, regions):
+    """Writers of small regions store each as one unsharded chunk file (padded at the
+    array's edge), written into the local directory by the own writer's batches; every
+    file equals TensorStore's."""
+    monkeypatch.setattr(_chunking, "INNER_CHUNK_BYTES", 1 << 20)
+    rec, mine, theirs, calls = _several_writers(tmp_path, monkeypatch, shape, dtype, regions, "write_chunk")
+    assert rec.chunking.chunk_shape is None
+    assert any(s % g for s, g in zip(rec.shape, rec.chunking.shard_shape))  # an edge chunk is padded
+    assert len(calls) == len(mine) == {"rows": 3, "cols": 2, "grid": 4}[regions]
+    assert mine == theirs
+
+
+def _several_writers(tmp_path, monkeypatch, shape, dtype, regions, writer):
+    """Save's plan and writes of ``shape`` held by several writers as ``regions`` (rows,
+    cols or a grid), one writer after the other; returns the record, the files written
+    (by key below the array), TensorStore's files of the whole array, and the calls of
+    the own ``writer`` (a function of tsckpt/_codec/shardwrite.py)."""
     full = _data(shape, dtype, seed=3)
     n = {"rows": (3, 1), "cols": (1, 2), "grid": (2, 2)}[regions]
     starts = [[-(-shape[0] * i // n[0]) for i in range(n[0])], [-(-shape[1] * j // n[1]) for j in range(n[1])]]
@@ -286,21 +320,17 @@ def test_files_of_several_writers_are_tensorstores(tmp_path, writer_io, monkeypa
     plan = plan_save(gather_descs([pack_descs([d.desc]) for d in described]))
     assert not plan.transfers
     (rec,) = plan.arrays
-    assert rec.chunking.chunk_shape is not None
     mine_root = str(tmp_path / "mine")
     calls = []
-    real = _shardwrite.write_shard
-    monkeypatch.setattr(_shardwrite, "write_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(_shardwrite, writer)
+    monkeypatch.setattr(_shardwrite, writer, lambda *a, **k: calls.append(1) or real(*a, **k))
     for rank, part in enumerate(split_plan(plan)):
         progress = Progress("save", mine_root, show=False, rank=rank)
         _write_regions({"driver": "file", "path": mine_root + "/"}, part, {"x": described[rank]}, {}, 1 << 20,
                        compact=False, progress=progress)
     theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
     mine = {k.removeprefix("x" + os.sep): v for k, v in _files(mine_root).items()}
-    assert len(calls) == len(mine) >= len(locals_)  # every file by the own writer
-    assert mine.keys() == theirs.keys()
-    for key in mine:
-        assert mine[key] == theirs[key], key
+    return rec, mine, theirs, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.complex32])
@@ -322,3 +352,64 @@ def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunk
     if dtype != torch.bfloat16:  # zarr-python has no bfloat16
         z = zarr.open_array(str(tmp_path / "ck" / "x"), mode="r")[...]
         assert z.tobytes() == want.tobytes() and z.shape == want.shape
+
+
+# ---- unsharded chunk files and nodes of a local plain checkpoint ----------------------------
+
+
+def test_small_leaves_saved_as_tensorstore_saves_them(tmp_path, monkeypatch):
+    """Every file of a plain checkpoint of small leaves in nested groups (chunk files and
+    array and group zarr.json) equals the file TensorStore writes for it, and each
+    directory is made with one mkdir."""
+    tree = {
+        "a": {"w": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int16), "s": torch.tensor(2.5)},
+        "m": {"deep": {"x": torch.randn(4).to(torch.bfloat16), "y": torch.rand(3) > 0.5}},
+        "z": torch.randn(2, 2, dtype=torch.complex64),
+    }
+    monkeypatch.setenv(_route.ENV, _route.TENSORSTORE)
+    tsckpt.save(str(tmp_path / "ref"), tree)
+    monkeypatch.delenv(_route.ENV)
+    made = []
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(os.fspath(path)) or real_mkdir(path, *a, **k))
+    tsckpt.save(str(tmp_path / "mine"), tree)
+    theirs, mine = _all_files(tmp_path / "ref"), _all_files(tmp_path / "mine")
+    assert mine.keys() == theirs.keys() and len(mine) == 6 + 6 + 3  # chunk files, array and group nodes
+    for key in mine:
+        assert mine[key] == theirs[key], key
+    dirs = [os.path.join(d, n) for d, names, _ in os.walk(tmp_path / "mine") for n in names]
+    assert len(dirs) == 3 + 6 + 5 + 2  # groups, arrays, their "c" (a scalar's file is "c"), 2-D arrays' "c/0"
+    assert sorted(made) == sorted(dirs)  # each once
+
+
+def _all_files(root) -> dict[str, bytes]:
+    """Every file below ``root`` but the root's own zarr.json (its time stamp differs)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), root)
+            if rel != "zarr.json":
+                with open(os.path.join(d, n), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def test_make_parents_makes_each_directory_once(tmp_path, monkeypatch):
+    (tmp_path / "old").mkdir()  # made by another rank: fine
+    made = []
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(os.fspath(path)) or real_mkdir(path, *a, **k))
+    known = {"k"}  # known to exist: not asked again
+    _shardwrite.make_parents(str(tmp_path), ["a/c/0", "a/c/1", "a/zarr.json", "old/c/0", "b/x/y/c/0/0", "k/c"], known)
+    want = ["a", "a/c", "b", "b/x", "b/x/y", "b/x/y/c", "b/x/y/c/0", "old", "old/c"]
+    assert made == [str(tmp_path / d) for d in want]  # parents first, each once
+    assert all((tmp_path / d).is_dir() for d in want)
+    assert known == {"k", *want}
+    made.clear()
+    _shardwrite.make_parents(str(tmp_path), ["a/c/2", "b/x/y/c/0/1"], known)
+    assert made == []
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(FileExistsError):  # a file where a directory belongs
+        _shardwrite.make_parents(str(tmp_path), ["f/c/0"], set())
+    _shardwrite.make_parents(str(tmp_path / "new" / "root"), ["q/c/0"], set())  # the root too, when missing
+    assert (tmp_path / "new" / "root" / "q" / "c").is_dir()

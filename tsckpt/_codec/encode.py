@@ -22,15 +22,22 @@ from . import crc
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def encode_chunk(src: np.ndarray, chunk: tuple[int, ...]) -> bytes:
-    """One chunk file: the C-order bytes of ``src`` placed at the start of a zero array of
-    shape ``chunk`` (``src`` is that chunk's part inside the array), then their crc32c."""
+def chunk_parts(src: np.ndarray, chunk: tuple[int, ...]) -> tuple[np.ndarray, bytes]:
+    """One chunk file as its two parts: the C-order bytes of ``src`` placed at the start of
+    a zero array of shape ``chunk`` (``src`` is that chunk's part inside the array; a view
+    of it, no copy, when it is the whole chunk and contiguous), then their crc32c."""
     if src.shape != chunk:
         full = np.zeros(chunk, src.dtype)
         full[tuple(slice(0, n) for n in src.shape)] = src
         src = full
-    data = np.ascontiguousarray(src).tobytes()
-    return data + crc.encoded(data)
+    data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+    return data, crc.encoded(data)
+
+
+def encode_chunk(src: np.ndarray, chunk: tuple[int, ...]) -> bytes:
+    """One chunk file (:func:`chunk_parts`) as one bytes object, for a kvstore write."""
+    data, checksum = chunk_parts(src, chunk)
+    return data.tobytes() + checksum
 
 
 def decode_chunk(data: bytes, dtype: np.dtype, chunk: tuple[int, ...]) -> np.ndarray | None:

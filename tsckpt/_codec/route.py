@@ -8,7 +8,8 @@ the same arrays (:func:`route`):
   through their own TensorStore specs); nor for an empty array (it has no files);
 - an array without inner chunks: each chunk file is one kvstore read or write by the
   own codec (:mod:`.encode`), in any kvstore (local, object store, memory, and the
-  compact layout's database);
+  compact layout's database); on a local disk (a plain checkpoint) save writes the
+  file itself, with one open, write and close (:func:`.shardwrite.write_chunk`);
 - a sharded array of a plain checkpoint on a local file system: each shard file is
   read and written with positional I/O by the own codec (:mod:`.shardread`,
   :mod:`.shardwrite`);

@@ -26,13 +26,14 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._arrays import CRC_BYTES
 from . import crc
+from .encode import chunk_parts
 from .files import ShardIndex
 from .pagecache import ALIGN, set_direct
 
@@ -219,6 +220,57 @@ def _open(path: str, chunk_bytes: int) -> _File | _DirectFile:
         else:
             return _DirectFile(fd, path, chunk_bytes)
     return _File(path, chunk_bytes)
+
+
+def write_chunk(path: str, src: np.ndarray, chunk: tuple[int, ...]) -> None:
+    """The unsharded chunk file whose in-bounds part is ``src`` (:func:`.encode.chunk_parts`),
+    written from the source memory: one open, one ``pwritev``, one close, where
+    TensorStore's file kvstore takes about 13 system calls (a lock file, a temporary
+    file, a rename); its parent directory exists (:func:`make_parents`)."""
+    data, checksum = chunk_parts(src, chunk)
+    f = _File(path, 0)
+    try:
+        f.add(data, data.nbytes)
+        f.add(checksum, len(checksum))
+    finally:
+        f.close(writeback=False)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """A small file (a node's zarr.json) written as :func:`write_chunk` writes a chunk file."""
+    f = _File(path, 0)
+    try:
+        f.add(data, len(data))
+    finally:
+        f.close(writeback=False)
+
+
+def make_parents(root: str, keys: Iterable[str], made: set[str]) -> None:
+    """Create the directories below ``root`` that hold the files at ``keys`` ('/'-separated,
+    relative to ``root``), each once, parents first. ``made`` holds the directories
+    known to exist (relative to ``root``); those created are added to it.
+
+    One pass over the distinct directories of a rank's files: creating them as each
+    file is written (``os.makedirs`` per file, or TensorStore's ``mkdir`` of every
+    level on every write) asked for each directory once per file below it. A
+    directory another rank made meanwhile is fine; a file where a directory belongs
+    raises (FileExistsError)."""
+    dirs: set[str] = set()
+    for key in keys:
+        d = key.rpartition("/")[0]
+        while d and d not in dirs and d not in made:
+            dirs.add(d)
+            d = d.rpartition("/")[0]
+    for d in sorted(dirs):  # a parent sorts before its children
+        path = os.path.join(root, d)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+        except FileNotFoundError:  # ``root`` itself is missing: make it too
+            os.makedirs(path, exist_ok=True)
+        made.add(d)
 
 
 def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequence[int], *, writeback: bool = False) -> None:
