@@ -43,9 +43,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._arrays import CRC_BYTES, chunk_key, stored_node_problem
+from .._arrays import CRC_BYTES, chunk_key
 from .._errors import CorruptCheckpointError
-from .._format import ROOT_KEY, ArrayRecord
+from .._format import ArrayRecord
 from .._chunking import shard_boxes
 from .._progress import Progress
 from .._checkpoint import Checkpoint
@@ -53,7 +53,7 @@ from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
 from .._window import Window
 from . import crc
-from .files import ShardIndex, StoredShapes, storage_box, stored_shapes
+from .files import ShardIndex, StoredShapes, node_agrees, storage_box, stored_shapes
 from .pagecache import ALIGN, resident_fraction, set_direct
 from .threads import Workers
 
@@ -120,7 +120,7 @@ def read_sharded(
         item = dest.item
         rec = ck.arrays[item.path]
         if rec.path not in node_ok:
-            node_ok[rec.path] = _node_ok(directory, rec)
+            node_ok[rec.path] = node_agrees(directory, rec)
         if not node_ok[rec.path]:
             rest.append(dest)
             continue
@@ -132,16 +132,6 @@ def read_sharded(
             jobs.append(_Job(dest, view, rec, shapes, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
     fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
     return rest + [dest for dest in dests if id(dest) in fell_back]
-
-
-def _node_ok(directory: str, rec: ArrayRecord) -> bool:
-    """The array's zarr.json exists and agrees with its root record (as TensorStore's open checks)."""
-    try:
-        with open(os.path.join(directory, rec.path, ROOT_KEY), "rb") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    return stored_node_problem(raw, rec) is None
 
 
 @dataclasses.dataclass(frozen=True)
