@@ -28,6 +28,7 @@ from .._window import Window
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, stored_shapes
+from .threads import Workers
 
 
 class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,000 small leaves
@@ -122,18 +123,44 @@ def read_local_chunks(
     a buffer handed to Python, a copy out of it) cost more than the read itself; here a leaf
     is an open, one ``preadv`` (data into the destination, crc32c after it) and a close.
     The array's zarr.json is still checked against its root record (:func:`node_agrees`).
+    The leaves are split among :data:`LOCAL_THREADS` threads (the opens and reads release the GIL).
     """
+    parts = [list(dests[i::LOCAL_THREADS]) for i in range(LOCAL_THREADS)] if len(dests) >= _SPLIT_FROM else [list(dests)]
+    pool = Workers(len(parts) - 1, "tsckpt-read") if len(parts) > 1 else None
+    try:
+        started = [pool.submit(_read_locals, ck, directory, part, view_of) for part in parts[1:]] if pool else []
+        done = [_read_locals(ck, directory, parts[0], view_of), *(f.result() for f in started)]
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    if progress is not None:
+        progress.update(sum(nbytes for _, nbytes, _ in done), sum(n for _, _, n in done))
+    return [dest for left, _, _ in done for dest in left]
+
+
+# Threads reading one-chunk arrays, and the fewest leaves worth a second thread. 10,000 leaves
+# of 1-64 KiB, warm, on 2 CPUs: the same CPU time with 2 threads as with 1, less wall time.
+LOCAL_THREADS = 2
+_SPLIT_FROM = 64
+
+
+def _read_locals(
+    ck: Checkpoint, directory: str, dests: list[Dest], view_of: Callable[[Dest], np.ndarray]
+) -> tuple[list[Dest], int, int]:
+    """:func:`read_local_chunks` of ``dests`` in one thread: those left, then the bytes and
+    the number of the leaves read."""
     left: list[Dest] = []
+    nbytes = count = 0
     tail = bytearray(CRC_BYTES + 1)  # the crc32c, and one byte more: a longer file is not as written
     for dest in dests:
         rec = ck.arrays[dest.item.path]
-        view = view_of(dest)
-        flat = _whole_chunk(rec, dest, view)
+        flat = _whole_chunk(rec, dest, view_of(dest))
         if flat is None or not node_agrees(directory, rec) or not _read_whole(directory, rec, flat, tail):
             left.append(dest)
-        elif progress is not None:
-            progress.update(flat.nbytes, 1)
-    return left
+        else:
+            nbytes += flat.nbytes
+            count += 1
+    return left, nbytes, count
 
 
 def _whole_chunk(rec: ArrayRecord, dest: Dest, view: np.ndarray) -> np.ndarray | None:
