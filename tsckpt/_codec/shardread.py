@@ -289,25 +289,44 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
 
 
 def _read_mapped(ck: Checkpoint, job: _Job, fd: int, plan: list[_Chunk], room: _Room, data_bytes: int) -> bool:
-    """Verify and copy the chunks straight out of the page cache through a read-only mapping of
+    """Verify and copy the chunks straight out of the page cache through read-only mappings of
     the file; False when the file cannot be mapped (the caller reads it instead).
 
     For a file the page cache holds entirely: a read into a buffer copies every byte once more
     (the kernel's copy out of the cache) before a chunk that is not contiguous in the
-    destination is copied in; through the mapping each chunk is checked where it lies and
-    copied once. The mapping spans only the chunks wanted and is populated up front (no
-    faults, and no I/O: every page is cached).
+    destination is copied in; through a mapping each chunk is checked where it lies and
+    copied once. Each mapping spans at most ``room.cap`` bytes of wanted chunks (mapped
+    pages count in the process's resident memory while mapped, so the window still bounds
+    what a restore adds) and is populated up front (no faults, and no I/O: every page is cached).
     """
     stride = data_bytes + CRC_BYTES
-    first = plan[0].start - plan[0].start % mmap.ALLOCATIONGRANULARITY
-    end = plan[-1].start + stride
+    limit = max(room.cap, stride + mmap.ALLOCATIONGRANULARITY)
+    group: list[_Chunk] = []
+    for c in plan:
+        if group and c.start + stride - _mapped_from(group[0].start) > limit:
+            if not _map_and_copy(ck, job, fd, group, room, data_bytes):
+                return False
+            group = []
+        group.append(c)
+    return _map_and_copy(ck, job, fd, group, room, data_bytes)
+
+
+def _mapped_from(start: int) -> int:
+    """Where a mapping that starts with the chunk at file offset ``start`` begins (mmap's offsets are aligned)."""
+    return start - start % mmap.ALLOCATIONGRANULARITY
+
+
+def _map_and_copy(ck: Checkpoint, job: _Job, fd: int, group: list[_Chunk], room: _Room, data_bytes: int) -> bool:
+    """Map the span of ``group`` (chunks in file order), check and copy each in; False when it cannot be mapped."""
+    first = _mapped_from(group[0].start)
+    end = group[-1].start + data_bytes + CRC_BYTES
     try:
         mm = mmap.mmap(fd, end - first, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ, offset=first)
     except (OSError, ValueError):
         return False
     try:
         with room.busy:
-            _copy_mapped(ck, job, np.frombuffer(mm, np.uint8), first, plan, data_bytes)
+            _copy_mapped(ck, job, np.frombuffer(mm, np.uint8), first, group, data_bytes)
     finally:
         with contextlib.suppress(BufferError):  # an error's traceback still views it: unmapped when freed
             mm.close()
