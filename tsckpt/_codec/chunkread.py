@@ -183,8 +183,9 @@ def _read_whole(directory: str, rec: ArrayRecord, flat: np.ndarray, tail: bytear
         fd = os.open(os.path.join(directory, key), os.O_RDONLY)
     except OSError:
         return False
+    buffers: list[Any] = [flat, tail]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
     try:
-        got = os.preadv(fd, [flat, tail], 0)
+        got = os.preadv(fd, buffers, 0)
     except OSError:
         return False
     finally:
