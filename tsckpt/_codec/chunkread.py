@@ -133,9 +133,11 @@ def read_local_chunks(
     finally:
         if pool is not None:
             pool.shutdown()
-    if progress is not None:
-        progress.update(sum(nbytes for _, nbytes, _ in done), sum(n for _, _, n in done))
-    return [dest for left, _, _ in done for dest in left]
+    if progress is not None:  # one update per file read, as the other readers report
+        for _, sizes in done:
+            for nbytes in sizes:
+                progress.update(nbytes, 1)
+    return [dest for left, _ in done for dest in left]
 
 
 # Threads reading one-chunk arrays, and the fewest leaves worth a second thread. 10,000 leaves
@@ -146,11 +148,10 @@ _SPLIT_FROM = 64
 
 def _read_locals(
     ck: Checkpoint, directory: str, dests: list[Dest], view_of: Callable[[Dest], np.ndarray]
-) -> tuple[list[Dest], int, int]:
-    """:func:`read_local_chunks` of ``dests`` in one thread: those left, then the bytes and
-    the number of the leaves read."""
+) -> tuple[list[Dest], list[int]]:
+    """:func:`read_local_chunks` of ``dests`` in one thread: those left, and the bytes of each file read."""
     left: list[Dest] = []
-    nbytes = count = 0
+    sizes: list[int] = []
     tail = bytearray(CRC_BYTES + 1)  # the crc32c, and one byte more: a longer file is not as written
     for dest in dests:
         rec = ck.arrays[dest.item.path]
@@ -158,9 +159,8 @@ def _read_locals(
         if flat is None or not node_agrees(directory, rec) or not _read_whole(directory, rec, flat, tail):
             left.append(dest)
         else:
-            nbytes += flat.nbytes
-            count += 1
-    return left, nbytes, count
+            sizes.append(flat.nbytes)
+    return left, sizes
 
 
 def _whole_chunk(rec: ArrayRecord, dest: Dest, view: np.ndarray) -> np.ndarray | None:
