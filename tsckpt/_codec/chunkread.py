@@ -4,7 +4,9 @@ Each array's zarr.json is read once and checked against its root record, as Tens
 would check it, and each chunk file is one kvstore read, checked by its crc32c and
 copied into the destination: opening a TensorStore array per leaf dominated restores of
 thousands of small leaves. Works in any kvstore (local, object stores, memory, the
-compact layout's database). Which arrays are read here is :func:`.route.route`'s rule.
+compact layout's database). In the local directory of a plain checkpoint, a whole array
+stored as one chunk file is read with one positional read straight into its memory
+instead (:func:`read_local_chunks`). Which arrays are read here is :func:`.route.route`'s rule.
 """
 
 from __future__ import annotations
