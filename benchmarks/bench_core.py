@@ -13,15 +13,24 @@ Every measurement runs in a fresh subprocess, so peak RSS (ru_maxrss) is per
 case and no library benefits from another's warm state. Every library is
 imported, and the data or target built, before the timer starts. Dirty pages
 are synced (and, as root, the page cache dropped) right before every save.
-Restores are timed with a cold and/or a warm page cache (--cache):
-  cold  right before the timed call the child drops the whole page cache
-        (/proc/sys/vm/drop_caches, needs root); without root it can only evict
-        the checkpoint's own files (posix_fadvise), and the report says so
-  warm  nothing is dropped; right before starting the child, the parent reads
-        every file the restore will read into a reused buffer, so they are resident
+Restores treat every library alike:
+  targets  a library that restores into a target (tsckpt with a target, dcp) gets
+        one allocated as torch.empty_like would (memory never touched, so the
+        restore pays its first-touch page faults, as a restore into a freshly
+        built model does); --pretouched adds tsckpt in place and dcp into zeroed
+        targets (pages already faulted in: what this harness measured before)
+  cache    timed with a cold and/or a warm page cache (--cache), prepared by the
+        child right before the timed call:
+        cold  every file of that checkpoint evicted (fdatasync + posix_fadvise
+              DONTNEED; the whole page cache cannot be dropped without root)
+        warm  every file of that checkpoint read just before, into a reused buffer
 Restores "touch the data": every restored tensor is summed, and the sum is
 checked against the one computed at save time, so mmap-based loaders pay for
 the bytes they hand out.
+Limits, measured in the same rounds on the same bytes (one thread): memcpy of
+the tensors into untouched and into pre-touched memory, and crc32c over them in
+chunk-sized calls (tsckpt/_codec/crc.py); each restore is reported against
+memcpy + crc32c.
 
 Rounds: each case runs once per round (--repeats rounds). Saves run first,
 round after round, then restores; within a round the case order is rotated by
@@ -37,6 +46,8 @@ Usage
   python benchmarks/bench_core.py --only large --cache both --repeats 5
                                                            # the large-workload targets only
   python benchmarks/bench_core.py --only large --large-mib 512   # a 512 MiB large workload
+  python benchmarks/bench_core.py --only large --large-mib 512 --large-shape 2048x2048 --repeats 7 \
+      --savers tsckpt,dcp,safetensors --pretouched              # the restore comparison of issue 24
   python benchmarks/bench_core.py --cache warm             # warm page cache only (or: cold)
   python benchmarks/bench_core.py --write-results          # also update benchmarks/RESULTS.md
   python benchmarks/bench_core.py --json out.json          # raw measurements (every run)
@@ -92,31 +103,44 @@ FLOOR = "read(), 1 thread (reference)"
 AB_LOADER = "tsckpt (inplace, page-cache reads)"
 # restore name -> (saver whose output it reads, description)
 LOADERS = {
+    "tsckpt (fresh target)": ("tsckpt", "tsckpt.restore(dir, target): new tensors shaped like the target's"),
     "tsckpt (target=None)": ("tsckpt", "tsckpt.restore(dir) -> numpy arrays"),
-    "tsckpt (inplace)": ("tsckpt", "tsckpt.restore(dir, target, inplace=True), target preallocated"),
+    "tsckpt (inplace)": ("tsckpt", "tsckpt.restore(dir, target, inplace=True), target from torch.empty_like"),
     # --ab only: the same restore with every shard file read through the page cache (no direct I/O)
     AB_LOADER: ("tsckpt", "tsckpt (inplace) with shard files read through the page cache, cached or not"),
     "torch.load(mmap)": ("torch.save", "torch.load(file, mmap=True, weights_only=True)"),
     "safetensors": ("safetensors", "safetensors.torch.load_file"),
-    "dcp": ("dcp", "dcp.load(target), target preallocated, no process group"),
+    "dcp": ("dcp", "dcp.load(target) (always in place), target from torch.empty_like, no process group"),
+    # --pretouched only: the targets zeroed before the timer (their pages faulted in)
+    "tsckpt (inplace, zeroed target)": ("tsckpt", "tsckpt (inplace) into torch.zeros targets"),
+    "dcp (zeroed target)": ("dcp", "dcp.load into torch.zeros targets"),
     # a reference, not a peer: one thread reading the safetensors file into one reused buffer
     FLOOR: ("safetensors", "read() the safetensors file in 64 MiB pieces into one reused buffer, no decoding"),
 }
-TS_LOADERS = ("tsckpt (inplace)", "tsckpt (target=None)")
+PRETOUCHED = ("tsckpt (inplace, zeroed target)", "dcp (zeroed target)")
+TARGETED = ("tsckpt (fresh target)", "tsckpt (inplace)", AB_LOADER, "dcp")  # given an empty_like target
+TS_LOADERS = ("tsckpt (fresh target)", "tsckpt (inplace)", "tsckpt (target=None)")
 MODES = ("warm", "cold")  # the order of the report; a round runs cold first (run_modes)
-DCP_LIMIT = {"warm": 0.8, "cold": 0.6}  # large restore targets: tsckpt / dcp at most this
+# large restore targets: tsckpt / dcp at most this, by cache mode and restore
+DCP_LIMIT = {
+    ("warm", "tsckpt (fresh target)"): 0.8, ("warm", "tsckpt (inplace)"): 0.7, ("warm", "tsckpt (target=None)"): 0.8,
+    ("cold", "tsckpt (fresh target)"): 0.6, ("cold", "tsckpt (inplace)"): 0.6, ("cold", "tsckpt (target=None)"): 0.6,
+}
+LIMITS = ("memcpy, untouched destination", "memcpy, pre-touched destination", "crc32c")
 
 
 # --------------------------------------------------------------------------
 # workloads (shared by parent and children; torch imported lazily)
 
 
-def shapes(workload: str, quick: bool, large_mib: int = 1024) -> list[tuple[str, tuple[int, ...]]]:
+def shapes(workload: str, quick: bool, large_mib: int = 1024,
+           large_shape: tuple[int, int] = (LARGE_ROWS, LARGE_COLS)) -> list[tuple[str, tuple[int, ...]]]:
     if workload == "large":
-        n = large_mib * MiB // (LARGE_ROWS * LARGE_COLS * 4)
-        rows = QUICK_ROWS if quick else LARGE_ROWS
+        full_rows, cols = large_shape
+        n = large_mib * MiB // (full_rows * cols * 4)
+        rows = max(1, full_rows * QUICK_ROWS // LARGE_ROWS) if quick else full_rows
         width = max(2, len(str(n - 1)))
-        return [(f"t{i:0{width}d}", (rows, LARGE_COLS)) for i in range(n)]
+        return [(f"t{i:0{width}d}", (rows, cols)) for i in range(n)]
     if workload == "small":
         import numpy as np
 
@@ -128,7 +152,8 @@ def shapes(workload: str, quick: bool, large_mib: int = 1024) -> list[tuple[str,
 
 def spec_shapes(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """The shapes of a child's (or a results entry's) workload."""
-    return shapes(spec["workload"], spec["quick"], spec.get("large_mib", 1024))
+    return shapes(spec["workload"], spec["quick"], spec.get("large_mib", 1024),
+                  tuple(spec.get("large_shape", (LARGE_ROWS, LARGE_COLS))))
 
 
 def row_shape(quick: bool) -> tuple[int, int]:
@@ -142,10 +167,12 @@ def make_tree(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.empty(s, dtype=torch.float32).uniform_(-1, 1, generator=g) for k, s in spec_shapes(spec)}
 
 
-def zeros_tree(spec: dict[str, Any]) -> dict[str, Any]:
+def target_tree(spec: dict[str, Any], zeroed: bool) -> dict[str, Any]:
+    """A restore target: torch.empty_like's memory (never touched), or zeroed (pages faulted in)."""
     import torch
 
-    return {k: torch.zeros(s, dtype=torch.float32) for k, s in spec_shapes(spec)}
+    make = torch.zeros if zeroed else torch.empty
+    return {k: make(s, dtype=torch.float32) for k, s in spec_shapes(spec)}
 
 
 def touch(values: Any) -> float:
@@ -197,10 +224,9 @@ def preimport() -> dict[str, float]:
 
 
 def go_cold(path: str) -> str:
-    """Empty the page cache before a timed read: all of it when allowed (root), else the
-    pages of the files under ``path``. Returns which of the two it did."""
-    if drop_caches():
-        return "drop_caches"
+    """Evict the files under ``path`` from the page cache before a timed read (the same
+    for every library; the whole cache is not dropped, which would also evict the
+    libraries' own code). Returns what it did."""
     evict(path)
     return "evict"
 
@@ -276,16 +302,24 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
 
     lib, path = spec["lib"], spec["path"]
     preimport()
-    target = zeros_tree(spec) if lib in ("tsckpt (inplace)", AB_LOADER, "dcp") else None
+    target = target_tree(spec, lib in PRETOUCHED) if lib in (*TARGETED, *PRETOUCHED) else None
     names = [k for k, _ in spec_shapes(spec)]
     rss0 = rss_now()
-    emptied = go_cold(path) if spec["cache"] == "cold" else None
+    emptied = None
+    if spec["cache"] == "cold":
+        emptied = go_cold(path)
+    else:
+        make_resident(path, bytearray(64 * MiB))
     io0, c0, t0 = proc_io(), cpu_s(), time.perf_counter()
     if lib == "tsckpt (target=None)":
         import tsckpt
 
         out = tsckpt.restore(path)
-    elif lib in ("tsckpt (inplace)", AB_LOADER):
+    elif lib == "tsckpt (fresh target)":
+        import tsckpt
+
+        out = tsckpt.restore(path, target)
+    elif lib in ("tsckpt (inplace)", AB_LOADER, "tsckpt (inplace, zeroed target)"):
         import tsckpt
         import tsckpt._codec.shardread
 
@@ -298,7 +332,7 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         out = load_file(os.path.join(path, "ckpt.safetensors"))
-    elif lib == "dcp":
+    elif lib in ("dcp", "dcp (zeroed target)"):
         import torch.distributed.checkpoint as dcp
 
         dcp.load(target, storage_reader=dcp.FileSystemReader(path))
@@ -325,6 +359,37 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         "checksum": checksum,
         "emptied": emptied,
     }
+
+
+def child_limits(spec: dict[str, Any]) -> dict[str, Any]:
+    """What moving and checking the workload's bytes costs at least, on one thread: memcpy
+    into untouched memory (a fresh target's page faults included) and into pre-touched
+    memory, and crc32c over the bytes in calls of one inner chunk (512 KiB)."""
+    import torch
+
+    from tsckpt._codec import crc
+
+    preimport()
+    tree = make_tree(spec)
+    out: dict[str, Any] = {}
+    src = {k: v.numpy() for k, v in tree.items()}  # numpy copies on one thread (torch's copy_ uses its pool)
+    c0, t0 = cpu_s(), time.perf_counter()
+    fresh = {k: torch.empty_like(v).numpy() for k, v in tree.items()}
+    for k, v in src.items():
+        np.copyto(fresh[k], v)
+    out["memcpy, untouched destination"] = {"time": time.perf_counter() - t0, "cpu": cpu_s() - c0}
+    c0, t0 = cpu_s(), time.perf_counter()
+    for k, v in src.items():
+        np.copyto(fresh[k], v)
+    out["memcpy, pre-touched destination"] = {"time": time.perf_counter() - t0, "cpu": cpu_s() - c0}
+    piece = 512 << 10
+    c0, t0 = cpu_s(), time.perf_counter()
+    for v in tree.values():
+        raw = v.numpy().reshape(-1).view("u1")
+        for at in range(0, raw.size, piece):
+            crc.value(raw[at : at + piece])
+    out["crc32c"] = {"time": time.perf_counter() - t0, "cpu": cpu_s() - c0}
+    return out
 
 
 def child_row_save(spec: dict[str, Any]) -> dict[str, Any]:
@@ -380,7 +445,8 @@ def child_main(spec: dict[str, Any]) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")  # dcp warns that it runs without a process group
-    fn = {"save": child_save, "restore": child_restore, "row_save": child_row_save, "row_read": child_row_read}[spec["op"]]
+    fn = {"save": child_save, "restore": child_restore, "limits": child_limits, "row_save": child_row_save,
+          "row_read": child_row_read}[spec["op"]]
     res = fn(spec)
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -419,7 +485,7 @@ def run_modes(cache: str) -> list[str]:
 
 def workload_spec(wl: str, args: argparse.Namespace) -> dict[str, Any]:
     """What a child needs to rebuild workload ``wl`` (also kept in the results)."""
-    return {"workload": wl, "quick": args.quick, "large_mib": args.large_mib}
+    return {"workload": wl, "quick": args.quick, "large_mib": args.large_mib, "large_shape": list(args.large_shape)}
 
 
 def savers_to_run(args: argparse.Namespace) -> list[str]:
@@ -439,10 +505,8 @@ def save_case(ws: dict[str, Any], lib: str, root: str, rnd: int, args: argparse.
 
 
 def restore_case(ws: dict[str, Any], lib: str, root: str, mode: str, rnd: int, args: argparse.Namespace,
-                 checksum: float, buf: bytearray) -> dict[str, Any]:
+                 checksum: float) -> dict[str, Any]:
     path = os.path.join(root, LOADERS[lib][0])
-    if mode == "warm":
-        make_resident(path, buf)
     r = run_child({"op": "restore", "lib": lib, "path": path, "cache": mode, **ws}, args.timeout)
     r.update(round=rnd, cache=mode)
     r["ok"] = lib == FLOOR or math.isclose(r["checksum"], checksum, rel_tol=1e-9, abs_tol=1e-6)
@@ -461,19 +525,24 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace) -> dict[str, An
                            "restore": {mode: {} for mode in run_modes(args.cache)}}
     root = os.path.join(base, wl)
     savers = savers_to_run(args)
-    loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers and (args.ab or lib != AB_LOADER)]
+    loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers and (args.ab or lib != AB_LOADER)
+               and (args.pretouched or lib not in PRETOUCHED)]
     checksum = float("nan")
     for rnd in range(args.repeats):
         for lib in rotated(savers, rnd):
             r = save_case(ws, lib, root, rnd, args)
             checksum = r["checksum"]
             out["save"].setdefault(lib, []).append(r)
-    buf = bytearray(64 * MiB)
+    out["limits"] = {}
     for rnd in range(args.repeats):
         for mode in run_modes(args.cache):
             for lib in rotated(loaders, rnd):
-                r = restore_case(ws, lib, root, mode, rnd, args, checksum, buf)
+                r = restore_case(ws, lib, root, mode, rnd, args, checksum)
                 out["restore"][mode].setdefault(lib, []).append(r)
+        lim = run_child({"op": "limits", **ws}, args.timeout)
+        for name, r in lim.items():
+            out["limits"].setdefault(name, []).append({**r, "round": rnd})
+        log(f"[{ws['workload']}] limits round {rnd}: " + ", ".join(f"{k} {v['time']:.3f} s" for k, v in lim.items()))
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -531,7 +600,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not can_drop:
             log("cannot drop the page cache (not root?): cold restores only evict the checkpoint's files")
         results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "repeats": args.repeats,
-                                   "cache": args.cache, "can_drop": can_drop, "large_mib": args.large_mib}
+                                   "cache": args.cache, "can_drop": can_drop, "large_mib": args.large_mib,
+                                   "harness": 2}
         for part in parts:
             t = time.time()
             results[part] = bench_row(base, args) if part == "row" else bench_workload(part, base, args)
@@ -650,16 +720,43 @@ def save_table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def floor_runs(res: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per round: memcpy into untouched memory + crc32c (the least a verified restore into a
+    fresh target does), as runs that :func:`compare` takes."""
+    lim = res.get("limits") or {}
+    copy, check = by_round(lim.get(LIMITS[0], [])), by_round(lim.get("crc32c", []))
+    runs = [{"round": k, "time": copy[k]["time"] + check[k]["time"], "cpu": copy[k]["cpu"] + check[k]["cpu"]}
+            for k in copy if k in check]
+    return runs or None
+
+
 def restore_table(res: dict[str, Any], mode: str) -> list[str]:
     nb, cases = res["nbytes"], res["restore"][mode]
     refs = ("safetensors", "dcp")
-    lines = md_head(["restore (data touched)", *TIME_HEAD, *(f"vs {r}" for r in refs), "load / touch (s)",
-                     "from storage (MiB)", *CPU_HEAD, *MEM_HEAD], 1)
+    floor = floor_runs(res)
+    lines = md_head(["restore (data touched)", *TIME_HEAD, *(f"vs {r}" for r in refs), "load vs memcpy+crc32c",
+                     "load / touch (s)", "from storage (MiB)", *CPU_HEAD, *MEM_HEAD], 1)
     for lib, runs in ordered(cases, LOADERS):
+        loads = [{**r, "time": r["load_s"]} for r in runs]
         lines.append(md_row([lib, *time_cells(runs, nb), *(fmt_cmp(compare(runs, cases.get(r))) for r in refs),
-                             f"{med(runs, 'load_s'):.3f} / {med(runs, 'touch_s'):.3f}",
+                             fmt_cmp(compare(loads, floor)), f"{med(runs, 'load_s'):.3f} / {med(runs, 'touch_s'):.3f}",
                              storage_cell(runs), *cpu_cells(runs, nb), *mem_cells(runs)]))
     return lines
+
+
+def limits_table(res: dict[str, Any]) -> list[str]:
+    """The limits measured in the same rounds (:func:`child_limits`)."""
+    nb, lim = res["nbytes"], res.get("limits") or {}
+    if not lim:
+        return []
+    lines = ["#### Limits (one thread, the same bytes, measured in the same rounds)", "",
+             *md_head(["operation", *TIME_HEAD, *CPU_HEAD], 1)]
+    floor = floor_runs(res)
+    rows = [(name, lim[name]) for name in LIMITS if name in lim]
+    rows += [("memcpy (untouched) + crc32c", floor)] if floor else []
+    for name, runs in rows:
+        lines.append(md_row([name, *time_cells(runs, nb), *cpu_cells(runs, nb)]))
+    return [*lines, ""]
 
 
 def modes_of(res: dict[str, Any]) -> list[str]:
@@ -668,17 +765,14 @@ def modes_of(res: dict[str, Any]) -> list[str]:
 
 def cache_note(mode: str, can_drop: bool) -> str:
     if mode == "warm":
-        return ("warm: nothing dropped; right before starting the child, the parent read every file the restore "
-                "reads into a reused 64 MiB buffer, so they are in the page cache")
-    if can_drop:
-        return ("cold: right before the timed call the child synced and dropped the whole page cache, so the data "
-                "(and library code not run before) came from storage")
-    return ("cold for the checkpoint only: the page cache could not be dropped (not root), so right before the "
-            "timed call the child evicted the checkpoint's files (fdatasync + posix_fadvise DONTNEED)")
+        return ("warm: right before the timed call the child read every file of that checkpoint into a reused "
+                "64 MiB buffer, so they are in the page cache")
+    return ("cold: right before the timed call the child evicted every file of that checkpoint (fdatasync + "
+            "posix_fadvise DONTNEED; the rest of the page cache, library code included, is left alone)")
 
 
 def workload_section(res: dict[str, Any], title: str) -> list[str]:
-    lines = [title, "", *save_table(res), ""]
+    lines = [title, "", *save_table(res), "", *limits_table(res)]
     for mode in modes_of(res):
         lines += [f"#### Restore, {mode} cache", "", *restore_table(res, mode), ""]
     return lines
@@ -744,9 +838,9 @@ def large_targets(L: dict[str, Any]) -> list[str]:
     out = [ratio_row(f"{size} save: tsckpt <= 1.1x safetensors+fsync", save.get("tsckpt"),
                      save.get("safetensors+fsync"), 1.1)]
     for mode in modes_of(L):
-        cases, lim = rest[mode], DCP_LIMIT[mode]
-        out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= {lim}x dcp", cases.get(lib), cases.get("dcp"), lim)
-                for lib in TS_LOADERS]
+        cases = rest[mode]
+        out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= {DCP_LIMIT[mode, lib]}x dcp", cases.get(lib),
+                          cases.get("dcp"), DCP_LIMIT[mode, lib]) for lib in TS_LOADERS]
         out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= 1.0x safetensors load_file", cases.get(lib),
                           cases.get("safetensors"), 1.0) for lib in TS_LOADERS]
     out.append(ratio_row(f"{size} save: tsckpt CPU s/GB below dcp's", save.get("tsckpt"), save.get("dcp"), 1.0,
@@ -814,6 +908,10 @@ def intro(results: dict[str, Any]) -> str:
         "1e9 bytes of tensor data. Peak RSS is the child's ru_maxrss (includes the tree or target); "
         "'over baseline' subtracts the RSS just before the timed call. Libraries are imported before the timer; "
         f"torch.distributed.tensor too (dcp imports it; tsckpt imports it lazily on its first save/restore{imp_note}). "
+        "Targets (tsckpt with a target, dcp) come from torch.empty_like: their pages are faulted in by the restore "
+        "(see the module docstring; 'zeroed target' rows, with --pretouched, had theirs faulted in before the timer). "
+        "'load vs memcpy+crc32c' = the restore call without the touch against memcpy into untouched memory plus "
+        "crc32c over the same bytes, one thread, per round (the limits table). "
         "Restore times include summing every tensor (the 'touch'); 'load / touch' splits the medians; 'from storage' "
         "is the median of the bytes the child read from the block device during the call (/proc/self/io read_bytes; "
         "about 0 when warm; when cold it includes library code paged in again after the drop). "
@@ -844,6 +942,10 @@ def main() -> None:
                     help="page cache for restores: dropped, resident, or both in every round (default)")
     ap.add_argument("--large-mib", type=int, default=1024,
                     help="size of the large workload in MiB, a multiple of 16 (default 1024: 64 tensors)")
+    ap.add_argument("--large-shape", default="4096x1024", type=lambda v: tuple(int(x) for x in v.split("x")),
+                    help="ROWSxCOLS of one large-workload tensor (default 4096x1024; 2048x2048 is also 16 MiB)")
+    ap.add_argument("--pretouched", action="store_true",
+                    help="also restore in place (tsckpt, dcp) into zeroed targets, as this harness did before")
     ap.add_argument("--dir", default=None, help="where to write checkpoints (default: a new temporary directory)")
     ap.add_argument("--json", default=None, help="write raw measurements here")
     ap.add_argument("--write-results", action="store_true", help=f"replace the '{SECTION}' section of RESULTS.md")
@@ -865,8 +967,9 @@ def main() -> None:
             ap.error(f"{args.from_json} was written before --cache existed; measure again")
         args.json = None
     else:
-        if args.large_mib < 16 or args.large_mib % 16:
-            ap.error("--large-mib: a multiple of 16 (one tensor is 16 MiB)")
+        rows, cols = args.large_shape
+        if args.large_mib * MiB < rows * cols * 4 or args.large_mib * MiB % (rows * cols * 4):
+            ap.error(f"--large-mib: a multiple of one tensor ({rows} x {cols} float32: {rows * cols * 4 / MiB:g} MiB)")
         if args.repeats is None:
             args.repeats = 1 if args.quick else 5
         results = measure(args)

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,7 +106,7 @@ def child(args: argparse.Namespace) -> None:
     baseline = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), sum(os.times()[:2])
     if system == "tsckpt":
         import tsckpt.torch
 
@@ -123,14 +124,15 @@ def child(args: argparse.Namespace) -> None:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, sum(os.times()[:2]) - c0
     peak = _status("VmHWM")
     ref_model, ref_opt = build(args.layers, args.width, seed=0, stepped=True)
     ok = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
     for p, q in zip(model.parameters(), ref_model.parameters()):
         s, r = opt.state[p], ref_opt.state[q]
         ok = ok and all(torch.equal(s[k], r[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
-    print(json.dumps({"baseline": baseline, "peak": peak, "seconds": seconds, "state_bytes": state_bytes, "ok": bool(ok)}))
+    print(json.dumps({"baseline": baseline, "peak": peak, "seconds": seconds, "cpu": cpu, "state_bytes": state_bytes,
+                      "ok": bool(ok)}))
 
 
 def run_child(system: str, directory: str, live: bool, args: argparse.Namespace, malloc: bool = False) -> dict:
@@ -177,7 +179,28 @@ def machine() -> str:
     )
 
 
-def report(rows: list[dict], args: argparse.Namespace, scale: list[dict]) -> str:
+def rounds_table(rounds: list[dict]) -> list[str]:
+    """The live restores timed round after round (--rounds): medians, and tsckpt / dcp per round."""
+    if not rounds:
+        return []
+    by = {s: [r for r in rounds if r["system"] == s] for s in ("tsckpt", "dcp")}
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(by["tsckpt"], by["dcp"])]
+    lines = [
+        "",
+        f"Time, live optimizer, default allocator, {len(ratios)} rounds (tsckpt and dcp each once a round, their order "
+        "alternating; files read into the page cache right before each): medians.",
+        "",
+        "| system | time (s) | CPU (s) | tsckpt / dcp, median of the rounds |",
+        "|---|---:|---:|---:|",
+    ]
+    for system, runs in by.items():
+        ratio = f"{statistics.median(ratios):.2f}x" if system == "tsckpt" else "-"
+        lines.append(f"| {system} | {statistics.median(r['seconds'] for r in runs):.3f} "
+                     f"| {statistics.median(r['cpu'] for r in runs):.2f} | {ratio} |")
+    return lines
+
+
+def report(rows: list[dict], args: argparse.Namespace, scale: list[dict], rounds: list[dict] | None = None) -> str:
     n = args.layers * args.width * args.width
     state = rows[0]["state_bytes"]
     lines = [
@@ -207,6 +230,7 @@ def report(rows: list[dict], args: argparse.Namespace, scale: list[dict]) -> str
             f"| {extra / MiB:,.0f} | {extra / state:.2f} | {r['seconds']:.2f} |"
         )
     small = {r["system"]: r for r in rows if r["live"] and not r["malloc"]}
+    lines += rounds_table(rounds or [])
     lines += [
         "",
         f"Scaling, live optimizer, default allocator: the same with {scale[0]['layers']} layers (model + optimizer "
@@ -240,6 +264,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="4 layers of 512")
     ap.add_argument("--write-results", action="store_true", help=f"replace the '{SECTION}' section of RESULTS.md")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds timing the live restores of tsckpt and dcp again, order alternating (default 5)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
@@ -267,6 +293,13 @@ def main() -> None:
             print(f"{system:12s} {'live' if live else 'fresh'}{' mmap' if malloc else ''}: baseline {r['baseline'] / MiB:7.0f} MiB  peak "
                   f"{r['peak'] / MiB:7.0f} MiB  extra {(r['peak'] - r['baseline']) / MiB:6.0f} MiB  {r['seconds']:.2f} s",
                   flush=True)
+        rounds = []
+        for rnd in range(args.rounds):
+            for system in ("tsckpt", "dcp")[:: 1 if rnd % 2 == 0 else -1]:
+                make_resident(dirs["dcp" if system == "dcp" else "tsckpt"], buf)
+                r = run_child(system, dirs["dcp" if system == "dcp" else "tsckpt"], True, args)
+                rounds.append({"system": system, "round": rnd, **r})
+                print(f"{system:12s} live, round {rnd}: {r['seconds']:.3f} s, cpu {r['cpu']:.2f} s", flush=True)
         # three times the state: does the extra memory grow with it?
         big = argparse.Namespace(**{**vars(args), "layers": args.layers * 3})
         shutil.rmtree(root, ignore_errors=True)
@@ -281,7 +314,7 @@ def main() -> None:
             print(f"{system:12s} x3: extra {(r['peak'] - r['baseline']) / MiB:6.0f} MiB  {r['seconds']:.2f} s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    section = report(rows, args, scale)
+    section = report(rows, args, scale, rounds)
     print()
     print(section)
     if args.write_results:

@@ -5,6 +5,8 @@ bytes and read by TensorStore."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 
@@ -21,9 +23,9 @@ import tsckpt._plan as plan
 from tsckpt import _restore, _save
 from tsckpt._arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
-from tsckpt._codec import shardwrite
+from tsckpt._codec import chunkread, shardwrite
 from tsckpt._codec.encode import decode_chunk, encode_chunk
-from tsckpt._codec.files import ShardIndex, stored_shapes
+from tsckpt._codec.files import ShardIndex, node_agrees, stored_shapes, written_node
 from tsckpt._codec.route import Place, Route, place, route
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._formats.sources import open_checkpoint
@@ -318,3 +320,65 @@ def test_edge_chunks_are_padded_with_zero_bytes():
 def test_stored_shapes_of_complex32():
     r = rec((6, 10), (4, 10), (2, 5), "complex32")
     assert stored_shapes(r) == ((4, 10, 2), (2, 5, 2), (6, 10, 2)) and stored_shapes(r).grid == (2, 2, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 1, 3)])
+def test_written_node_is_the_zarr_json_tsckpt_writes(tmp_path, dtype, shape):
+    """The template of a one-chunk array's node gives the bytes save wrote, for every dtype and rank."""
+    tsckpt.save(tmp_path / "ck", {"x": values(shape, dtype)})
+    rec = open_checkpoint(tmp_path / "ck").arrays["x"]
+    assert rec.chunking.chunk_shape is None and tuple(rec.chunking.shard_shape) == shape
+    assert written_node(rec) == (tmp_path / "ck" / "x" / "zarr.json").read_bytes()
+    assert node_agrees(str(tmp_path / "ck"), rec)
+
+
+def test_written_node_only_for_one_chunk_arrays():
+    assert written_node(ArrayRecord("x", (8, 8), "float32", "numpy", Chunking((4, 8), None))) is None  # two files
+    assert written_node(ArrayRecord("x", (8, 8), "float32", "numpy", Chunking((8, 8), (4, 8)))) is None  # sharded
+    assert written_node(ArrayRecord("x", (), "float32", "numpy", Chunking((), None))) is None  # rank 0: parsed
+
+
+def test_node_agrees_parses_a_node_written_otherwise(tmp_path):
+    """A node with other formatting is parsed and compared field by field; one that disagrees is refused."""
+    tsckpt.save(tmp_path / "ck", {"x": np.arange(6, dtype=np.int64)})
+    rec = open_checkpoint(tmp_path / "ck").arrays["x"]
+    node = tmp_path / "ck" / "x" / "zarr.json"
+    node.write_text(json.dumps(array_node(rec), indent=2))
+    assert node.read_bytes() != written_node(rec) and node_agrees(str(tmp_path / "ck"), rec)
+    assert not node_agrees(str(tmp_path / "ck"), dataclasses.replace(rec, dtype="float64"))  # same size, misread
+    node.unlink()
+    assert not node_agrees(str(tmp_path / "ck"), rec)
+
+
+@pytest.mark.parametrize("change", ["longer", "shorter", "flipped"])
+def test_one_chunk_files_not_as_written_are_left_to_the_kvstore_path(tmp_path, own_io, change):
+    """A one-chunk file of another length or failing its crc32c is not taken by the positional read:
+    the kvstore path and then TensorStore read it, and damage is reported as before."""
+    x = np.arange(100, dtype=np.float32)
+    tsckpt.save(tmp_path / "ck", {"x": x})
+    f = tmp_path / "ck" / "x" / "c" / "0"
+    data = f.read_bytes()
+    f.write_bytes({"longer": data + b"\0", "shorter": data[:-1], "flipped": data[:7] + bytes([data[7] ^ 1]) + data[8:]}[change])
+    if change == "longer":  # TensorStore reads the chunk and its crc32c at the start of the file, as before
+        target = np.zeros_like(x)
+        tsckpt.restore(tmp_path / "ck", {"x": target}, inplace=True)
+        assert np.array_equal(target, x) and own_io["tensorstore"] == [["x"]]
+        own_io.reset()
+    else:
+        with pytest.raises(tsckpt.CorruptCheckpointError, match="'x' in "):
+            tsckpt.restore(tmp_path / "ck", {"x": np.zeros_like(x)}, inplace=True)
+        own_io.reset()
+    f.write_bytes(data)
+    target = np.zeros_like(x)
+    tsckpt.restore(tmp_path / "ck", {"x": target}, inplace=True)
+    assert np.array_equal(target, x) and own_io["tensorstore"] == []  # the intact file: read without TensorStore
+
+
+def test_many_one_chunk_leaves_read_by_the_threads(tmp_path, monkeypatch):
+    """Enough leaves to split among the threads: every one lands in its own target."""
+    xs = {f"t{i}": np.full(i + 1, i, dtype=np.int32) for i in range(3 * chunkread._SPLIT_FROM)}
+    tsckpt.save(tmp_path / "ck", xs)
+    targets = {k: np.zeros_like(v) for k, v in xs.items()}
+    tsckpt.restore(tmp_path / "ck", targets, inplace=True)
+    assert all(np.array_equal(targets[k], v) for k, v in xs.items())

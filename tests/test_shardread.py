@@ -40,10 +40,12 @@ def values(shape, dtype, seed=0):
     return (x > 0) if dtype == np.bool_ else x.astype(dtype)
 
 
-@pytest.fixture(autouse=True, params=["buffered", "direct"])
+@pytest.fixture(autouse=True, params=["buffered", "direct", "mapped"])
 def io_mode(request, monkeypatch):
-    """Read every file through the page cache, or with direct I/O where the file system has it."""
-    monkeypatch.setattr(_shardread, "DIRECT_BELOW", 0.0 if request.param == "buffered" else 2.0)
+    """Read every file through the page cache, with direct I/O where the file system has it, or
+    through a mapping of the file."""
+    monkeypatch.setattr(_shardread, "DIRECT_BELOW", 2.0 if request.param == "direct" else 0.0)
+    monkeypatch.setattr(_shardread, "MAPPED_FROM", 0.0 if request.param == "mapped" else 2.0)
     return request.param
 
 
@@ -391,8 +393,8 @@ def test_unreadable_file_is_left_to_tensorstore(damaged, calls):
 @pytest.fixture
 def reads(monkeypatch):
     """Runs read with direct I/O and through the page cache."""
-    seen = {"direct": 0, "buffered": 0}
-    direct, buffered = _shardread._preadv_direct, _shardread._preadv_buffered
+    seen = {"direct": 0, "buffered": 0, "mapped": 0}
+    direct, buffered, mapped = _shardread._preadv_direct, _shardread._preadv_buffered, _shardread._copy_mapped
 
     def counting_direct(*args):
         seen["direct"] += 1
@@ -402,6 +404,11 @@ def reads(monkeypatch):
         seen["buffered"] += 1
         return buffered(*args)
 
+    def counting_mapped(*args):
+        seen["mapped"] += 1
+        return mapped(*args)
+
+    monkeypatch.setattr(_shardread, "_copy_mapped", counting_mapped)
     monkeypatch.setattr(_shardread, "_preadv_direct", counting_direct)
     monkeypatch.setattr(_shardread, "_preadv_buffered", counting_buffered)
     return seen
@@ -448,27 +455,29 @@ def fs_type(path: Path) -> str:
 
 
 def test_cold_files_read_with_direct_io(tmp_path, layout_of, reads, monkeypatch, io_mode):
-    """With the default threshold, files out of the cache are read directly, cached ones through it."""
+    """With the default thresholds, files out of the cache are read directly, cached ones through
+    a mapping of the file, files partly cached through the cache."""
     monkeypatch.setattr(_shardread, "DIRECT_BELOW", 0.5)
+    monkeypatch.setattr(_shardread, "MAPPED_FROM", 1.0)
     ck, x = saved(tmp_path, layout_of, "columns", np.float32)
     for f in ck.rglob("*"):
         if f.is_file():
             f.read_bytes()
     same(tsckpt.restore(ck)["w"], x)
-    assert reads == {"direct": 0, "buffered": 4}  # every page cached
+    assert reads == {"direct": 0, "buffered": 0, "mapped": 4}  # every page cached
     evict(ck)
     if not direct_io_works(ck / "w/c/0/0") or cached(ck / "w/c/0/0") == 1.0:
         pytest.skip("this file system has no direct I/O, or keeps evicted pages: reads stay buffered (checked above)")
     target = np.zeros_like(x)
     tsckpt.restore(ck, {"w": target}, inplace=True)
     same(target, x)
-    assert reads == {"direct": 4, "buffered": 4}
+    assert reads == {"direct": 4, "buffered": 0, "mapped": 4}
 
 
 def test_direct_io_refused_at_read_time_falls_back(tmp_path, layout_of, reads, monkeypatch, io_mode):
     """A file system that takes O_DIRECT but fails its reads with EINVAL is read through the cache."""
     ck, x = saved(tmp_path, layout_of, "rows", np.float32)
-    if io_mode == "buffered":
+    if io_mode != "direct":
         pytest.skip("refused direct reads need reads that try direct I/O")
     if not direct_io_works(ck / "w/c/0/0"):
         pytest.skip("this file system has no direct I/O")

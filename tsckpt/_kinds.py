@@ -208,8 +208,9 @@ class TorchKind(LeafKind):
         return Dest(whole(rec, path), t, t, cast=cast)
 
     def memory(self, leaf: torch.Tensor) -> Memory:
-        return (str(leaf.device), leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape),
-                tuple(leaf.stride()), str(leaf.dtype))
+        # data_ptr() is the storage's address plus the offset, without making a storage object
+        # (which cost 10 us a leaf)
+        return ("torch", leaf.device, leaf.data_ptr(), tuple(leaf.shape), leaf.stride(), leaf.dtype)
 
 
 class NumpyKind(LeafKind):

@@ -24,9 +24,18 @@ KINDS: tuple[LeafKind, ...] = (
 )
 
 
+_BY_TYPE: dict[type, LeafKind | None] = {}  # every kind's owns() looks at the leaf's type only
+
+
 def kind_of(leaf: Any) -> LeafKind | None:
-    """The adapter of an array leaf, None for anything else (plain values)."""
-    return next((k for k in KINDS if k.owns(leaf)), None)
+    """The adapter of an array leaf, None for anything else (plain values). Remembered per
+    type: a restore of 10,000 leaves asked each kind in turn several times per leaf."""
+    t = type(leaf)
+    try:
+        return _BY_TYPE[t]
+    except KeyError:
+        kind = _BY_TYPE[t] = next((k for k in KINDS if k.owns(leaf)), None)
+        return kind
 
 
 def describe(path: str, leaf: Any) -> Local:

@@ -186,7 +186,7 @@ def _read_host(ck: Checkpoint, dests: list[Dest], progress: Progress | None, win
         _read_sources(ck, plan.sources, progress)
     left: list[Dest] = []
     if plan.chunks:
-        left += read_chunks(ck, plan.chunks, _view, progress, window)
+        left += read_chunks(ck, plan.chunks, _view, progress, window, directory=plan.place.directory)
     if plan.shards and plan.place.directory is not None:
         left += read_sharded(ck, plan.place.directory, plan.shards, _view, progress, window)
     if plan.into or left or plan.copied:
@@ -408,15 +408,15 @@ def tied_to_stored(ck: Checkpoint, paths: list[str], leaves: list[Any]) -> dict[
     """Target leaves the checkpoint lacks that view the same memory as a target leaf it stores
     as an array (a weight tied to another, which Hugging Face files leave out): index of each
     -> index of the stored leaf it shares memory with. Restoring the stored one restores both."""
+    missing = [i for i, path in enumerate(paths) if not ck.is_array(path) and path not in ck.values]
+    if not missing:  # the usual case: no leaf's memory needs to be looked up
+        return {}
     stored: dict[Any, int] = {}
-    missing: list[int] = []
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         if ck.is_array(path):
             key = memory(leaf)
             if key is not None:
                 stored.setdefault(key, i)
-        elif path not in ck.values:
-            missing.append(i)
     ties: dict[int, int] = {}
     for i in missing:
         key = memory(leaves[i])
@@ -451,10 +451,12 @@ def _fill(
             if dest.finish is not None:
                 finishing.append((i, dest))
             for part in dest.parts or (dest,):
-                mem = (path, part.item.storage_offsets, part.item.lengths, memory(part.tensor))
-                if not inplace or mem not in filled:  # a target whose tied leaves share memory reads once
+                if inplace:  # a target whose tied leaves share memory reads once
+                    mem = (path, part.item.storage_offsets, part.item.lengths, memory(part.tensor))
+                    if mem in filled:
+                        continue
                     filled.add(mem)
-                    dests.append((i, part))
+                dests.append((i, part))
             out.append(dest.result)
         else:
             out.append(leaf)

@@ -36,6 +36,7 @@ NAMESPACE = "tsckpt"
 ROOT_LEAF_PATH = "%root"
 
 _SAFE = re.compile(r"[A-Za-z0-9._-]")
+_SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+")
 _INTLIKE = re.compile(r"-?[0-9]+")
 _RESERVED = {".", "..", "zarr.json"}
 
@@ -44,7 +45,10 @@ def escape(key: str) -> str:
     """One path component for a str key (injective, a valid zarr node name)."""
     if key == "":
         return "%"
-    out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if _SAFE_KEY.fullmatch(key):  # most keys: no character to encode (one match, not one per character)
+        out = key
+    else:
+        out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
     if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__") or not key.strip("."):
         out = f"%{ord(key[0]):02X}" + out[1:]
     return out

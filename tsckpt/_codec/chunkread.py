@@ -4,26 +4,31 @@ Each array's zarr.json is read once and checked against its root record, as Tens
 would check it, and each chunk file is one kvstore read, checked by its crc32c and
 copied into the destination: opening a TensorStore array per leaf dominated restores of
 thousands of small leaves. Works in any kvstore (local, object stores, memory, the
-compact layout's database). Which arrays are read here is :func:`.route.route`'s rule.
+compact layout's database). In the local directory of a plain checkpoint, a whole array
+stored as one chunk file is read with one positional read straight into its memory
+instead (:func:`read_local_chunks`). Which arrays are read here is :func:`.route.route`'s rule.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._arrays import CACHED, chunk_key, stored_node_problem
+from .._arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord
 from .._chunking import shard_boxes
 from .._progress import Progress
 from .._checkpoint import Checkpoint
 from .._types import Dest
 from .._window import Window
+from . import crc
 from .encode import decode_chunk
-from .files import stored_shapes
+from .files import node_agrees, stored_shapes
+from .threads import Workers
 
 
 class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,000 small leaves
@@ -44,11 +49,19 @@ def read_chunks(
     view_of: Callable[[Dest], np.ndarray],
     progress: Progress | None,
     window: int,
+    *,
+    directory: str | None = None,
 ) -> list[Dest]:
     """Read each destination of ``dests``, an array without inner chunks, into its memory
     as a writable view in the stored dtype and shape (``view_of``); returns those left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
-    TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight."""
+    TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight.
+    ``directory``: the local directory of a plain checkpoint, whose whole one-chunk arrays
+    are read with positional reads (:func:`read_local_chunks`); the rest through the kvstore."""
+    if directory is not None:
+        dests = read_local_chunks(ck, directory, dests, view_of, progress)
+        if not dests:
+            return []
     kv = ck.kvstore()
     nodes: dict[str, Any] = {}  # path: the read of its zarr.json (None once checked, so its memory goes)
     node_ok: dict[str, bool] = {}
@@ -92,6 +105,93 @@ def read_chunks(
             in_flight.add(_Read(dest, view, chunk, read, src, dst, nbytes), nbytes)
     in_flight.drain()
     return list(left.values())
+
+
+def read_local_chunks(
+    ck: Checkpoint,
+    directory: str,
+    dests: Sequence[Dest],
+    view_of: Callable[[Dest], np.ndarray],
+    progress: Progress | None,
+) -> list[Dest]:
+    """Read each destination of ``dests`` that is a whole array stored as one chunk file of
+    the plain checkpoint in the local ``directory`` (most small leaves) with one positional
+    read straight into its memory, then check the crc32c there; returns the destinations
+    left for :func:`read_chunks` (other boxes, and any file not exactly as expected, so that
+    the usual path reports the damage).
+
+    Why not a kvstore read: for thousands of small leaves the per-read machinery (a future,
+    a buffer handed to Python, a copy out of it) cost more than the read itself; here a leaf
+    is an open, one ``preadv`` (data into the destination, crc32c after it) and a close.
+    The array's zarr.json is still checked against its root record (:func:`node_agrees`).
+    The leaves are split among :data:`LOCAL_THREADS` threads (the opens and reads release the GIL).
+    """
+    parts = [list(dests[i::LOCAL_THREADS]) for i in range(LOCAL_THREADS)] if len(dests) >= _SPLIT_FROM else [list(dests)]
+    pool = Workers(len(parts) - 1, "tsckpt-read") if len(parts) > 1 else None
+    try:
+        started = [pool.submit(_read_locals, ck, directory, part, view_of) for part in parts[1:]] if pool else []
+        done = [_read_locals(ck, directory, parts[0], view_of), *(f.result() for f in started)]
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    if progress is not None:  # one update per file read, as the other readers report
+        for _, sizes in done:
+            for nbytes in sizes:
+                progress.update(nbytes, 1)
+    return [dest for left, _ in done for dest in left]
+
+
+# Threads reading one-chunk arrays, and the fewest leaves worth a second thread. 10,000 leaves
+# of 1-64 KiB, warm, on 2 CPUs: the same CPU time with 2 threads as with 1, less wall time.
+LOCAL_THREADS = 2
+_SPLIT_FROM = 64
+
+
+def _read_locals(
+    ck: Checkpoint, directory: str, dests: list[Dest], view_of: Callable[[Dest], np.ndarray]
+) -> tuple[list[Dest], list[int]]:
+    """:func:`read_local_chunks` of ``dests`` in one thread: those left, and the bytes of each file read."""
+    left: list[Dest] = []
+    sizes: list[int] = []
+    tail = bytearray(CRC_BYTES + 1)  # the crc32c, and one byte more: a longer file is not as written
+    for dest in dests:
+        rec = ck.arrays[dest.item.path]
+        flat = _whole_chunk(rec, dest, view_of(dest))
+        if flat is None or not node_agrees(directory, rec) or not _read_whole(directory, rec, flat, tail):
+            left.append(dest)
+        else:
+            sizes.append(flat.nbytes)
+    return left, sizes
+
+
+def _whole_chunk(rec: ArrayRecord, dest: Dest, view: np.ndarray) -> np.ndarray | None:
+    """The destination as flat bytes when it is the whole array, the array is one chunk file
+    with no padding, and the memory is contiguous; else None."""
+    item = dest.item
+    if tuple(rec.chunking.shard_shape) != tuple(rec.shape) or tuple(item.lengths) != tuple(rec.shape):
+        return None
+    if any(item.storage_offsets) or not view.flags.c_contiguous or view.size == 0:
+        return None
+    return view.reshape(-1).view(np.uint8)
+
+
+def _read_whole(directory: str, rec: ArrayRecord, flat: np.ndarray, tail: bytearray) -> bool:
+    """Read the array's one chunk file into ``flat`` and check its crc32c; False when the file
+    is missing, of another length, or fails its check (``flat`` then holds unverified bytes,
+    which the caller's fallback overwrites)."""
+    key = chunk_key(rec, (0,) * len(rec.shape))
+    try:
+        fd = os.open(os.path.join(directory, key), os.O_RDONLY)
+    except OSError:
+        return False
+    buffers: list[Any] = [flat, tail]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
+    try:
+        got = os.preadv(fd, buffers, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return got == flat.nbytes + CRC_BYTES and crc.value(flat) == int.from_bytes(tail[:CRC_BYTES], "little")
 
 
 def _pieces(

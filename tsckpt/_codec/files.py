@@ -12,15 +12,18 @@ shape at the array's edges, followed by its crc32c.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from .. import _dtypes
-from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK
-from .._format import ArrayRecord
+from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, array_node, stored_node_problem
+from .._format import ROOT_KEY, ArrayRecord, Chunking
+from .._store import encode_json
 from . import crc
 
 
@@ -89,3 +92,51 @@ class ShardIndex:
         """The index as stored: its bytes (a view, no copy), then their crc32c."""
         raw = np.ascontiguousarray(self.entries).reshape(-1).view(np.uint8)
         return raw, crc.encoded(raw)
+
+
+def node_agrees(directory: str, rec: ArrayRecord) -> bool:
+    """The array's zarr.json in the local ``directory`` exists and agrees with its root record
+    (as TensorStore's open checks: a root record edited to another dtype of the same size would
+    otherwise misread the data silently). A node byte for byte as tsckpt writes it
+    (:func:`written_node`) agrees without being parsed; any other is parsed and compared
+    field by field (:func:`stored_node_problem`)."""
+    try:
+        fd = os.open(os.path.join(directory, rec.path, ROOT_KEY), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        raw = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return raw == written_node(rec) or stored_node_problem(raw, rec) is None
+
+
+def written_node(rec: ArrayRecord) -> bytes | None:
+    """The bytes of the zarr.json tsckpt writes for ``rec`` (``encode_json(array_node(rec))``),
+    made from a template per dtype, kind and rank when the array is one chunk file (most small
+    leaves: building and encoding the node per leaf cost as much as reading it); None for other
+    arrays."""
+    shape, chunking = rec.shape, rec.chunking
+    if chunking.chunk_shape is not None or tuple(chunking.shard_shape) != tuple(shape):
+        return None
+    parts = _one_chunk_template(rec.dtype, rec.kind, len(shape))
+    if parts is None:
+        return None
+    dims = encode_json(list(_dtypes.storage_shape(rec.dtype, shape)))
+    return dims.join(parts)
+
+
+_SENTINEL = 7_654_321_987  # a length no real array has: marks where a template's shape goes
+
+
+@functools.lru_cache(maxsize=256)
+def _one_chunk_template(dtype: str, kind: str, ndim: int) -> list[bytes] | None:
+    """The node of a one-chunk array of this dtype, kind and rank, split around its two shape
+    lists (the array's, and its chunk grid's, which is the same); None when the split does not
+    find exactly those two (a rank-0 array's ``[]``)."""
+    shape = tuple(_SENTINEL + i for i in range(ndim))
+    raw = encode_json(array_node(ArrayRecord("", shape, dtype, kind, Chunking(shape, None))))
+    parts = raw.split(encode_json(list(_dtypes.storage_shape(dtype, shape))))
+    return parts if len(parts) == 3 and ndim > 0 else None
