@@ -194,45 +194,43 @@ def _named_lost(message: str, phase: str, rank: int) -> set[int]:
     return named
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rank_killed_mid_write_survivors_raise_and_rank_0_cleans_up(tmp_path, layout, world):
-    d = str(tmp_path / "ck")
+def _run_losing(scenario, world: int, d: str, killed: int, phase: str) -> dict[int, str]:
+    """Run ``scenario`` on ``world`` ranks, rank ``killed`` SIGKILLed in it: every survivor
+    raises DistributedError naming exactly that rank lost in ``phase``, in time; returns each
+    survivor's message."""
     with pytest.raises(RankError) as e:
-        run_ranks(sc.killed_mid_write, world, d, 1, timeout=90)
-    assert e.value.errors == {1: "died without reporting (exit code -9)"}
+        run_ranks(scenario, world, d, killed, timeout=90)
+    assert e.value.errors == {killed: "died without reporting (exit code -9)"}
     for rank, (elapsed, kind, message) in e.value.results.items():
         assert kind == "DistributedError", (rank, kind, message)
-        assert _named_lost(message, "save (write)", rank) == {1}, (rank, message)
+        assert _named_lost(message, phase, rank) == {killed}, (rank, message)
         assert "Connection" in message and elapsed < LOST_WITHIN_S, (rank, elapsed, message)
-    assert "the partial checkpoint was removed, so saving again needs no overwrite=True" in e.value.results[0][2]
+    return {rank: message for rank, (_, _, message) in e.value.results.items()}
+
+
+def _saves_again(d: str, layout: str) -> None:
     assert not os.path.exists(os.path.join(d, "zarr.json"))  # no pending root left behind
     tsckpt.save(d, {"w": np.arange(4)}, layout=layout)  # saving again needs no overwrite=True
     assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_killed_mid_write_survivors_raise_and_rank_0_cleans_up(tmp_path, layout, world):
+    d = str(tmp_path / "ck")
+    messages = _run_losing(sc.killed_mid_write, world, d, 1, "save (write)")
+    assert "the partial checkpoint was removed, so saving again needs no overwrite=True" in messages[0]
+    _saves_again(d, layout)
 
 
 def test_rank_0_killed_mid_write_the_lowest_survivor_cleans_up(tmp_path, layout):
     d = str(tmp_path / "ck")
-    with pytest.raises(RankError) as e:
-        run_ranks(sc.killed_mid_write, 3, d, 0, timeout=90)
-    assert e.value.errors == {0: "died without reporting (exit code -9)"}
-    for rank, (elapsed, kind, message) in e.value.results.items():
-        assert kind == "DistributedError", (rank, kind, message)
-        assert _named_lost(message, "save (write)", rank) == {0}, (rank, message)
-        assert elapsed < LOST_WITHIN_S, (rank, elapsed, message)
-    assert "rank 0 was lost, and this rank removed the partial checkpoint" in e.value.results[1][2]
-    assert "removed" not in e.value.results[2][2]
-    assert not os.path.exists(os.path.join(d, "zarr.json"))  # no pending root left behind
-    tsckpt.save(d, {"w": np.arange(4)}, layout=layout)  # saving again needs no overwrite=True
-    assert tsckpt.restore(d)["w"].tolist() == [0, 1, 2, 3]
+    messages = _run_losing(sc.killed_mid_write, 3, d, 0, "save (write)")
+    assert "rank 0 was lost, and this rank removed the partial checkpoint" in messages[1]
+    assert "removed" not in messages[2]
+    _saves_again(d, layout)
 
 
 def test_rank_killed_during_restore_survivors_raise(tmp_path):
     d = str(tmp_path / "ck")
-    with pytest.raises(RankError) as e:
-        run_ranks(sc.killed_before_restore, 3, d, 2, timeout=90)
-    assert e.value.errors == {2: "died without reporting (exit code -9)"}
-    for rank, (elapsed, kind, message) in e.value.results.items():
-        assert kind == "DistributedError", (rank, kind, message)
-        assert _named_lost(message, "restore", rank) == {2}, (rank, message)
-        assert elapsed < LOST_WITHIN_S, (rank, elapsed, message)
+    _run_losing(sc.killed_before_restore, 3, d, 2, "restore")
     assert tsckpt.open(d)["w"].shape == (18, 4)  # the checkpoint restored from is untouched
