@@ -35,7 +35,7 @@ from ._types import ArraySpec, LazySource, ShardedArray
 NAMESPACE = "tsckpt"
 ROOT_LEAF_PATH = "%root"
 
-_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+")
 _INTLIKE = re.compile(r"-?[0-9]+")
 _RESERVED = {".", "..", "zarr.json"}
@@ -48,10 +48,15 @@ def escape(key: str) -> str:
     if _SAFE_KEY.fullmatch(key):  # most keys: no character to encode (one match, not one per character)
         out = key
     else:
-        out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+        out = _UNSAFE.sub(_percent, key)  # one call per run of characters to encode
     if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__") or not key.strip("."):
         out = f"%{ord(key[0]):02X}" + out[1:]
     return out
+
+
+def _percent(run: re.Match[str]) -> str:
+    """``%XX`` for every UTF-8 byte of a run of characters (UnicodeEncodeError for a lone surrogate)."""
+    return "".join(f"%{b:02X}" for b in run.group().encode())
 
 
 def unescape(component: str) -> str | int:
