@@ -286,18 +286,25 @@ _KEYED = ("dict", "ordereddict", "namedtuple", "custom")
 _NODE_TYPES = ("none", "list", "tuple", "deque", *_KEYED)
 
 
-def _key_problem(kind: str, keys: list[Any]) -> str | None:
+def _key_components(kind: str, keys: list[Any]) -> list[str] | str:
+    """The path components of a keyed node's keys (each escaped once, here), or why one of
+    the keys cannot name a path, or two are the same."""
     ok = (str,) if kind == "namedtuple" else (str, int)
+    components: list[str] = []
     for k in keys:
-        if isinstance(k, bool) or not isinstance(k, ok) or _path_component(k) is None:
+        component = None if isinstance(k, bool) or not isinstance(k, ok) else _path_component(k)
+        if component is None:
             expected = "a str" if kind == "namedtuple" else "a str or int"
             return f"a {kind} node with the key {short_repr(k)} ({expected} expected)"
+        components.append(component)
     if len(set(keys)) != len(keys):
         return f"a {kind} node with a repeated key"
-    return None
+    return components
 
 
-def _node_problem(node: Any) -> str | None:
+def _node_problem(node: Any) -> str | list[str] | None:
+    """Why ``node`` is not a node of the structure (a str), or the path components of its
+    children (a list; None for a node without keys)."""
     if not isinstance(node, dict) or node.get("type") not in _NODE_TYPES:
         kind = node.get("type") if isinstance(node, dict) else type(node).__name__
         return f"a node of unknown type {kind!r}"
@@ -310,9 +317,9 @@ def _node_problem(node: Any) -> str | None:
         keys = node.get("keys")
         if not isinstance(keys, list) or len(keys) != len(children):
             return f"a {node['type']} node whose keys do not match its {len(children)} children"
-        why = _key_problem(node["type"], keys)
-        if why is not None:
-            return why
+        components = _key_components(node["type"], keys)
+        if isinstance(components, str):
+            return components
         order = node.get("order")
         if order is not None and (
             not isinstance(order, list)
@@ -324,7 +331,7 @@ def _node_problem(node: Any) -> str | None:
         name = node.get("name")
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             return f"a namedtuple node named {name!r}, not an identifier"
-    return None
+    return components if node["type"] in _KEYED else None
 
 
 def _path_component(key: str | int) -> str | None:
@@ -355,11 +362,11 @@ def structure_problem(structure: Any, leaves: list[str] | tuple[str, ...]) -> st
             found += 1
             continue
         why = _node_problem(node)
-        if why is not None:
+        if isinstance(why, str):
             return f"it has {why}"
         children = node.get("children", ())
-        keys = node.get("keys") if node["type"] in _KEYED else range(len(children))
-        stack.extend((c, path, str(_path_component(k)), depth + 1) for k, c in reversed(list(zip(keys, children))))
+        components = why if why is not None else [str(i) for i in range(len(children))]
+        stack.extend((c, path, k, depth + 1) for k, c in reversed(list(zip(components, children))))
     if found != len(leaves):
         return f"it has {found} leaves but the checkpoint lists {len(leaves)}"
     return None
