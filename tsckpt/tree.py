@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import keyword
 import re
 import urllib.parse
@@ -41,8 +42,10 @@ _INTLIKE = re.compile(r"-?[0-9]+")
 _RESERVED = {".", "..", "zarr.json"}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def escape(key: str) -> str:
-    """One path component for a str key (injective, a valid zarr node name)."""
+    """One path component for a str key (injective, a valid zarr node name). Remembered:
+    a restore escapes the stored tree's keys and then the same keys of its target."""
     if key == "":
         return "%"
     if _SAFE_KEY.fullmatch(key):  # most keys: no character to encode (one match, not one per character)
@@ -68,7 +71,11 @@ def unescape(component: str) -> str | int:
     return urllib.parse.unquote(component, errors="strict")
 
 
-def _component(entry: Any, prefix: str) -> str:
+def _component(entry: Any, comps: list[str]) -> str:
+    """The path component of one accessor entry; ``comps``, the components above it, name
+    the place of a key that cannot be one (joined only then)."""
+    if type(entry) is optree.MappingEntry and type(entry.key) is str:  # most entries: a dict's str key
+        return escape(entry.key)
     if isinstance(entry, (optree.NamedTupleEntry, optree.DataclassEntry, optree.StructSequenceEntry)):
         key = entry.field
     elif isinstance(entry, optree.SequenceEntry):
@@ -83,7 +90,7 @@ def _component(entry: Any, prefix: str) -> str:
         return ""  # a box around one value (a Flax Variable) adds no component
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise LeafTypeError(
-            f"at '{prefix or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
+            f"at '{'/'.join(comps) or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
             "checkpoint path; use str or int keys"
         )
     return str(key) if isinstance(key, int) else escape(key)
@@ -155,7 +162,7 @@ def flatten(tree: Any) -> Flat:
     for acc in accessors:
         comps: list[str] = []
         for entry in acc:
-            component = _component(entry, "/".join(comps))
+            component = _component(entry, comps)
             if component:
                 comps.append(component)
         paths.append(join(comps))
