@@ -352,28 +352,37 @@ def _path_component(key: str | int) -> str | None:
 def structure_problem(structure: Any, leaves: list[str] | tuple[str, ...]) -> str | None:
     """Why ``structure`` (from the root metadata) does not hold exactly the leaf paths
     ``leaves`` in order, or None. Iterative, so a hostile structure cannot exhaust the stack;
-    siblings share their parent's path, so memory stays linear in the structure's size."""
+    one frame per container on the way down (its children's components, its children, the
+    next one's index, its path, its depth), none per leaf: a structure of 10,000 leaves made
+    20,000 tuples here, and their garbage collections cost 0.1 s in a fresh process."""
     if structure is None:
         return paths_problem(leaves)
     found = 0
-    # (node, its parent's path, its own component, depth); the root has no component
-    stack: list[tuple[Any, str, str | None, int]] = [(structure, "", None, 1)]
-    while stack:
-        node, parent, component, depth = stack.pop()
+    frames: list[list[Any]] = []
+    node, path, depth = structure, "", 1
+    while True:
         if depth > MAX_STRUCTURE_DEPTH:
             return f"it is nested more than {MAX_STRUCTURE_DEPTH} levels deep"
-        path = parent if component is None else f"{parent}/{component}" if parent else component
         if node is None:
             if found < len(leaves) and path != leaves[found]:
                 return f"its leaf '{path}' is listed in 'leaves' as {short_repr(leaves[found])}"
             found += 1
-            continue
-        why = _node_problem(node)
-        if isinstance(why, str):
-            return f"it has {why}"
-        children = node.get("children", ())
-        components = why if why is not None else [str(i) for i in range(len(children))]
-        stack.extend((c, path, k, depth + 1) for k, c in reversed(list(zip(components, children))))
+        else:
+            why = _node_problem(node)
+            if isinstance(why, str):
+                return f"it has {why}"
+            children = () if node["type"] == "none" else node["children"]  # a None has no children (as built)
+            components = why if why is not None else [str(i) for i in range(len(children))]
+            frames.append([components, children, 0, path, depth])
+        while frames and frames[-1][2] >= min(len(frames[-1][0]), len(frames[-1][1])):
+            frames.pop()  # every child of the innermost container walked
+        if not frames:
+            break
+        frame = frames[-1]
+        components, children, i, parent, depth = frame
+        frame[2] = i + 1
+        node, depth = children[i], depth + 1
+        path = f"{parent}/{components[i]}" if parent else components[i]
     if found != len(leaves):
         return f"it has {found} leaves but the checkpoint lists {len(leaves)}"
     return None
