@@ -382,3 +382,29 @@ def test_many_one_chunk_leaves_read_by_the_threads(tmp_path, monkeypatch):
     targets = {k: np.zeros_like(v) for k, v in xs.items()}
     tsckpt.restore(tmp_path / "ck", targets, inplace=True)
     assert all(np.array_equal(targets[k], v) for k, v in xs.items())
+
+
+@pytest.mark.parametrize("through_fd", [False, True])
+def test_node_agrees_reads_past_the_written_node(tmp_path, through_fd):
+    """The written node is read with one read of one byte more: a longer file is read whole and
+    parsed (trailing space: still the same node; trailing bytes that are not JSON: refused),
+    whether opened by path or relative to an open descriptor of the checkpoint."""
+    tsckpt.save(tmp_path / "ck", {"x": np.arange(6, dtype=np.int64)})
+    rec = open_checkpoint(tmp_path / "ck").arrays["x"]
+    node = tmp_path / "ck" / "x" / "zarr.json"
+    written = node.read_bytes()
+    fd = os.open(tmp_path / "ck", os.O_RDONLY | os.O_DIRECTORY) if through_fd else None
+    try:
+        agrees = lambda r: node_agrees(str(tmp_path / "ck"), r, dir_fd=fd)  # noqa: E731
+        assert agrees(rec)
+        node.write_bytes(written + b" " * 70_000)  # longer than one read of 64 KiB
+        assert agrees(rec) and not agrees(dataclasses.replace(rec, dtype="float64"))
+        node.write_bytes(written + b"x")
+        assert not agrees(rec)
+        node.write_bytes(written[:-1])
+        assert not agrees(rec)
+        node.unlink()
+        assert not agrees(rec)
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -27,7 +27,7 @@ from .._types import Dest
 from .._window import Window
 from . import crc
 from .encode import decode_chunk
-from .files import node_agrees, stored_shapes
+from .files import node_agrees, open_in, stored_shapes
 from .threads import Workers
 
 
@@ -154,13 +154,25 @@ def _read_locals(
     left: list[Dest] = []
     sizes: list[int] = []
     tail = bytearray(CRC_BYTES + 1)  # the crc32c, and one byte more: a longer file is not as written
-    for dest in dests:
-        rec = ck.arrays[dest.item.path]
-        flat = _whole_chunk(rec, dest, view_of(dest))
-        if flat is None or not node_agrees(directory, rec) or not _read_whole(directory, rec, flat, tail):
-            left.append(dest)
-        else:
-            sizes.append(flat.nbytes)
+    try:
+        dir_fd: int | None = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        dir_fd = None  # each open then reports what is wrong with its own path
+    try:
+        for dest in dests:
+            rec = ck.arrays[dest.item.path]
+            flat = _whole_chunk(rec, dest, view_of(dest))
+            if (
+                flat is None
+                or not node_agrees(directory, rec, dir_fd=dir_fd)
+                or not _read_whole(directory, rec, flat, tail, dir_fd)
+            ):
+                left.append(dest)
+            else:
+                sizes.append(flat.nbytes)
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
     return left, sizes
 
 
@@ -175,13 +187,13 @@ def _whole_chunk(rec: ArrayRecord, dest: Dest, view: np.ndarray) -> np.ndarray |
     return view.reshape(-1).view(np.uint8)
 
 
-def _read_whole(directory: str, rec: ArrayRecord, flat: np.ndarray, tail: bytearray) -> bool:
+def _read_whole(directory: str, rec: ArrayRecord, flat: np.ndarray, tail: bytearray, dir_fd: int | None = None) -> bool:
     """Read the array's one chunk file into ``flat`` and check its crc32c; False when the file
     is missing, of another length, or fails its check (``flat`` then holds unverified bytes,
     which the caller's fallback overwrites)."""
     key = chunk_key(rec, (0,) * len(rec.shape))
     try:
-        fd = os.open(os.path.join(directory, key), os.O_RDONLY)
+        fd = open_in(directory, key, dir_fd)
     except OSError:
         return False
     buffers: list[Any] = [flat, tail]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
