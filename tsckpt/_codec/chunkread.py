@@ -124,7 +124,9 @@ def read_local_chunks(
     a buffer handed to Python, a copy out of it) cost more than the read itself; here a leaf
     is an open, one ``preadv`` (data into the destination, crc32c after it) and a close.
     The array's zarr.json is still checked against its root record (:func:`node_agrees`).
-    The leaves are split among :data:`LOCAL_THREADS` threads (the opens and reads release the GIL).
+    The leaves are split among :data:`LOCAL_THREADS` threads (the opens and reads release the GIL)
+    when some of their files may be on the disk only (:func:`_cached`); one thread reads files
+    the page cache holds, as a second only contends with it.
     """
     threads = LOCAL_THREADS if len(dests) >= _SPLIT_FROM and not _cached(ck, directory, dests) else 1
     parts = [list(dests[i::threads]) for i in range(threads)]
