@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 
 import crc32c
 import google_crc32c  # an independent crc32c to check the stored bytes against
@@ -382,3 +383,69 @@ def test_many_one_chunk_leaves_read_by_the_threads(tmp_path, monkeypatch):
     targets = {k: np.zeros_like(v) for k, v in xs.items()}
     tsckpt.restore(tmp_path / "ck", targets, inplace=True)
     assert all(np.array_equal(targets[k], v) for k, v in xs.items())
+
+
+@pytest.mark.parametrize("through_fd", [False, True])
+def test_node_agrees_reads_past_the_written_node(tmp_path, through_fd):
+    """The written node is read with one read of one byte more: a longer file is read whole and
+    parsed (trailing space: still the same node; trailing bytes that are not JSON: refused),
+    whether opened by path or relative to an open descriptor of the checkpoint."""
+    tsckpt.save(tmp_path / "ck", {"x": np.arange(6, dtype=np.int64)})
+    rec = open_checkpoint(tmp_path / "ck").arrays["x"]
+    node = tmp_path / "ck" / "x" / "zarr.json"
+    written = node.read_bytes()
+    fd = os.open(tmp_path / "ck", os.O_RDONLY | os.O_DIRECTORY) if through_fd else None
+    try:
+        agrees = lambda r: node_agrees(str(tmp_path / "ck"), r, dir_fd=fd)  # noqa: E731
+        assert agrees(rec)
+        node.write_bytes(written + b" " * 70_000)  # longer than one read of 64 KiB
+        assert agrees(rec) and not agrees(dataclasses.replace(rec, dtype="float64"))
+        node.write_bytes(written + b"x")
+        assert not agrees(rec)
+        node.write_bytes(written[:-1])
+        assert not agrees(rec)
+        node.unlink()
+        assert not agrees(rec)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def test_local_reads_take_a_second_thread_only_when_the_files_are_not_all_cached(tmp_path, monkeypatch):
+    """Files just written are in the page cache: one thread reads them. Without RWF_NOWAIT,
+    or when a probed file is missing, the reads keep their threads; the values are right either way."""
+    tree = {f"t{i}": torch.arange(i, i + 16, dtype=torch.float32) for i in range(80)}
+    tsckpt.save(tmp_path / "ck", tree)
+    target = {k: torch.empty_like(v) for k, v in tree.items()}
+    threads: list[int] = []
+    real = chunkread.Workers
+
+    def counting(n, *args, **kwargs):
+        threads.append(n + 1)
+        return real(n, *args, **kwargs)
+
+    monkeypatch.setattr(chunkread, "Workers", counting)
+    out = tsckpt.restore(tmp_path / "ck", target)
+    assert all(torch.equal(out[k], v) for k, v in tree.items())
+    if hasattr(os, "RWF_NOWAIT") and sys.platform == "linux":
+        assert threads == []  # one thread: no pool made
+    monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+    out = tsckpt.restore(tmp_path / "ck", target)
+    assert all(torch.equal(out[k], v) for k, v in tree.items()) and threads == [chunkread.LOCAL_THREADS]
+
+
+def test_the_cache_probe_is_false_for_a_missing_file(tmp_path):
+    tree = {f"t{i}": torch.arange(16.0) for i in range(16)}
+    tsckpt.save(tmp_path / "ck", tree)
+    ck = open_checkpoint(tmp_path / "ck")
+    dests = [_kinds_whole_dest(ck, p) for p in tree]
+    os.remove(tmp_path / "ck" / "t0" / "c" / "0")
+    assert not chunkread._cached(ck, str(tmp_path / "ck"), dests)
+    if hasattr(os, "RWF_NOWAIT") and sys.platform == "linux":
+        assert chunkread._cached(ck, str(tmp_path / "ck"), dests[1:])  # just written: cached
+
+
+def _kinds_whole_dest(ck, path):
+    from tsckpt._leaves import destination
+
+    return destination(ck.arrays[path], path, torch.empty(16), False)

@@ -305,3 +305,36 @@ def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, 
     assert torch.equal(out["big"], tree["big"]) and np.array_equal(out["small"], tree["small"])
     assert torch.equal(out["bf"], tree["bf"]) and out["flag"] == np.array(True)
     assert torch.equal(out["cast"], tree["cast"].double())
+
+
+def test_the_collector_is_paused_during_a_restore_and_its_setting_restored(tmp_path, monkeypatch):
+    import gc
+
+    from tsckpt import _restore
+
+    tsckpt.save(tmp_path / "c", {"a": torch.arange(4.0)})
+    seen: list[bool] = []
+    real = _restore.open_checkpoint
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_restore, "open_checkpoint", spy)
+    assert gc.isenabled()
+    assert torch.equal(tsckpt.restore(tmp_path / "c", {"a": torch.empty(4)})["a"], torch.arange(4.0))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(tsckpt.StructureMismatchError):  # a failed restore re-enables it too
+        tsckpt.restore(tmp_path / "c", {"b": torch.empty(4)})
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller who disabled it keeps it disabled
+        tsckpt.restore(tmp_path / "c", {"a": torch.empty(4)})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with _restore.collector_paused():  # nested (restores in threads): enabled again only by the last
+        with _restore.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()

@@ -281,3 +281,26 @@ def test_own_order_lists_leaves_as_the_tree_was_built():
     order = tree.own_order(structure_to_json(flat.spec))
     assert [flat.leaves[i] for i in order] == [1, 2, 3, 4, 5, 6]
     assert tree.own_order(structure_to_json(flatten(7).spec)) == [0]
+
+
+def test_structure_problem_walks_children_in_order_and_names_the_first_misplaced_leaf():
+    node = {"type": "dict", "keys": ["a", "b/c"], "children": [None, {"type": "list", "children": [None, None]}]}
+    assert tree.structure_problem(node, ["a", "b%2Fc/0", "b%2Fc/1"]) is None
+    assert tree.structure_problem(node, ["a", "b%2Fc/0", "b%2Fc/2"]) == "its leaf 'b%2Fc/1' is listed in 'leaves' as 'b%2Fc/2'"
+    assert tree.structure_problem(node, ["a"]) == "it has 3 leaves but the checkpoint lists 1"
+
+
+def test_structure_problem_counts_no_leaves_below_a_none_node():
+    # a None is rebuilt without its "children": counting them would misplace every later leaf
+    node = {"type": "dict", "keys": ["a", "b"], "children": [{"type": "none", "children": [None]}, None]}
+    assert tree.structure_problem(node, ["b"]) is None
+    assert tree.structure_problem({"type": "dict", "keys": ["a"], "children": [{"type": "none", "children": 5}]}, []) is None
+
+
+def test_structure_problem_refuses_deep_nesting_without_recursion():
+    node: object = None
+    for _ in range(tree.MAX_STRUCTURE_DEPTH + 1):
+        node = {"type": "list", "children": [node]}
+    assert tree.structure_problem(node, ["/".join(["0"] * (tree.MAX_STRUCTURE_DEPTH + 1))]) == (
+        f"it is nested more than {tree.MAX_STRUCTURE_DEPTH} levels deep"
+    )

@@ -121,13 +121,17 @@ def extent_problem(shape: Sequence[int]) -> str | None:
 
 
 def dims_ok(value: Any, *, positive: bool) -> bool:
+    """Whether ``value`` is a list of at most MAX_NDIM integers (not bools), each at least 1
+    (``positive``) or 0, whose extents pass :func:`extent_problem`. One loop, no generator:
+    a root holds one to three of these per array record."""
     least = 1 if positive else 0
-    return (
-        isinstance(value, list)
-        and len(value) <= MAX_NDIM
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value)
-        and extent_problem(value) is None
-    )
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        return False
+    for n in value:
+        if not isinstance(n, int) or isinstance(n, bool) or n < least:
+            return False
+    n = math.prod(value)
+    return (0 < n < MAX_ELEMENTS) or extent_problem(value) is None
 
 
 def record_problem(j: Any, known_dtype: Any) -> str | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import keyword
 import re
 import urllib.parse
@@ -35,23 +36,30 @@ from ._types import ArraySpec, LazySource, ShardedArray
 NAMESPACE = "tsckpt"
 ROOT_LEAF_PATH = "%root"
 
-_SAFE = re.compile(r"[A-Za-z0-9._-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+")
 _INTLIKE = re.compile(r"-?[0-9]+")
 _RESERVED = {".", "..", "zarr.json"}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def escape(key: str) -> str:
-    """One path component for a str key (injective, a valid zarr node name)."""
+    """One path component for a str key (injective, a valid zarr node name). Remembered:
+    a restore escapes the stored tree's keys and then the same keys of its target."""
     if key == "":
         return "%"
     if _SAFE_KEY.fullmatch(key):  # most keys: no character to encode (one match, not one per character)
         out = key
     else:
-        out = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+        out = _UNSAFE.sub(_percent, key)  # one call per run of characters to encode
     if _INTLIKE.fullmatch(key) or key in _RESERVED or key.startswith("__") or not key.strip("."):
         out = f"%{ord(key[0]):02X}" + out[1:]
     return out
+
+
+def _percent(run: re.Match[str]) -> str:
+    """``%XX`` for every UTF-8 byte of a run of characters (UnicodeEncodeError for a lone surrogate)."""
+    return "".join(f"%{b:02X}" for b in run.group().encode())
 
 
 def unescape(component: str) -> str | int:
@@ -63,7 +71,11 @@ def unescape(component: str) -> str | int:
     return urllib.parse.unquote(component, errors="strict")
 
 
-def _component(entry: Any, prefix: str) -> str:
+def _component(entry: Any, comps: list[str]) -> str:
+    """The path component of one accessor entry; ``comps``, the components above it, name
+    the place of a key that cannot be one (joined only then)."""
+    if type(entry) is optree.MappingEntry and type(entry.key) is str:  # most entries: a dict's str key
+        return escape(entry.key)
     if isinstance(entry, (optree.NamedTupleEntry, optree.DataclassEntry, optree.StructSequenceEntry)):
         key = entry.field
     elif isinstance(entry, optree.SequenceEntry):
@@ -78,7 +90,7 @@ def _component(entry: Any, prefix: str) -> str:
         return ""  # a box around one value (a Flax Variable) adds no component
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise LeafTypeError(
-            f"at '{prefix or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
+            f"at '{'/'.join(comps) or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
             "checkpoint path; use str or int keys"
         )
     return str(key) if isinstance(key, int) else escape(key)
@@ -150,7 +162,7 @@ def flatten(tree: Any) -> Flat:
     for acc in accessors:
         comps: list[str] = []
         for entry in acc:
-            component = _component(entry, "/".join(comps))
+            component = _component(entry, comps)
             if component:
                 comps.append(component)
         paths.append(join(comps))
@@ -281,18 +293,25 @@ _KEYED = ("dict", "ordereddict", "namedtuple", "custom")
 _NODE_TYPES = ("none", "list", "tuple", "deque", *_KEYED)
 
 
-def _key_problem(kind: str, keys: list[Any]) -> str | None:
+def _key_components(kind: str, keys: list[Any]) -> list[str] | str:
+    """The path components of a keyed node's keys (each escaped once, here), or why one of
+    the keys cannot name a path, or two are the same."""
     ok = (str,) if kind == "namedtuple" else (str, int)
+    components: list[str] = []
     for k in keys:
-        if isinstance(k, bool) or not isinstance(k, ok) or _path_component(k) is None:
+        component = None if isinstance(k, bool) or not isinstance(k, ok) else _path_component(k)
+        if component is None:
             expected = "a str" if kind == "namedtuple" else "a str or int"
             return f"a {kind} node with the key {short_repr(k)} ({expected} expected)"
+        components.append(component)
     if len(set(keys)) != len(keys):
         return f"a {kind} node with a repeated key"
-    return None
+    return components
 
 
-def _node_problem(node: Any) -> str | None:
+def _node_problem(node: Any) -> str | list[str] | None:
+    """Why ``node`` is not a node of the structure (a str), or the path components of its
+    children (a list; None for a node without keys)."""
     if not isinstance(node, dict) or node.get("type") not in _NODE_TYPES:
         kind = node.get("type") if isinstance(node, dict) else type(node).__name__
         return f"a node of unknown type {kind!r}"
@@ -305,9 +324,9 @@ def _node_problem(node: Any) -> str | None:
         keys = node.get("keys")
         if not isinstance(keys, list) or len(keys) != len(children):
             return f"a {node['type']} node whose keys do not match its {len(children)} children"
-        why = _key_problem(node["type"], keys)
-        if why is not None:
-            return why
+        components = _key_components(node["type"], keys)
+        if isinstance(components, str):
+            return components
         order = node.get("order")
         if order is not None and (
             not isinstance(order, list)
@@ -319,7 +338,7 @@ def _node_problem(node: Any) -> str | None:
         name = node.get("name")
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             return f"a namedtuple node named {name!r}, not an identifier"
-    return None
+    return components if node["type"] in _KEYED else None
 
 
 def _path_component(key: str | int) -> str | None:
@@ -333,28 +352,37 @@ def _path_component(key: str | int) -> str | None:
 def structure_problem(structure: Any, leaves: list[str] | tuple[str, ...]) -> str | None:
     """Why ``structure`` (from the root metadata) does not hold exactly the leaf paths
     ``leaves`` in order, or None. Iterative, so a hostile structure cannot exhaust the stack;
-    siblings share their parent's path, so memory stays linear in the structure's size."""
+    one frame per container on the way down (its children's components, its children, the
+    next one's index, its path, its depth), none per leaf: a structure of 10,000 leaves made
+    20,000 tuples here, and their garbage collections cost 0.1 s in a fresh process."""
     if structure is None:
         return paths_problem(leaves)
     found = 0
-    # (node, its parent's path, its own component, depth); the root has no component
-    stack: list[tuple[Any, str, str | None, int]] = [(structure, "", None, 1)]
-    while stack:
-        node, parent, component, depth = stack.pop()
+    frames: list[list[Any]] = []
+    node, path, depth = structure, "", 1
+    while True:
         if depth > MAX_STRUCTURE_DEPTH:
             return f"it is nested more than {MAX_STRUCTURE_DEPTH} levels deep"
-        path = parent if component is None else f"{parent}/{component}" if parent else component
         if node is None:
             if found < len(leaves) and path != leaves[found]:
                 return f"its leaf '{path}' is listed in 'leaves' as {short_repr(leaves[found])}"
             found += 1
-            continue
-        why = _node_problem(node)
-        if why is not None:
-            return f"it has {why}"
-        children = node.get("children", ())
-        keys = node.get("keys") if node["type"] in _KEYED else range(len(children))
-        stack.extend((c, path, str(_path_component(k)), depth + 1) for k, c in reversed(list(zip(keys, children))))
+        else:
+            why = _node_problem(node)
+            if isinstance(why, str):
+                return f"it has {why}"
+            children = () if node["type"] == "none" else node["children"]  # a None has no children (as built)
+            components = why if why is not None else [str(i) for i in range(len(children))]
+            frames.append([components, children, 0, path, depth])
+        while frames and frames[-1][2] >= min(len(frames[-1][0]), len(frames[-1][1])):
+            frames.pop()  # every child of the innermost container walked
+        if not frames:
+            break
+        frame = frames[-1]
+        components, children, i, parent, depth = frame
+        frame[2] = i + 1
+        node, depth = children[i], depth + 1
+        path = f"{parent}/{components[i]}" if parent else components[i]
     if found != len(leaves):
         return f"it has {found} leaves but the checkpoint lists {len(leaves)}"
     return None

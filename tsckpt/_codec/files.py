@@ -94,23 +94,38 @@ class ShardIndex:
         return raw, crc.encoded(raw)
 
 
-def node_agrees(directory: str, rec: ArrayRecord) -> bool:
+def node_agrees(directory: str, rec: ArrayRecord, *, dir_fd: int | None = None) -> bool:
     """The array's zarr.json in the local ``directory`` exists and agrees with its root record
     (as TensorStore's open checks: a root record edited to another dtype of the same size would
     otherwise misread the data silently). A node byte for byte as tsckpt writes it
-    (:func:`written_node`) agrees without being parsed; any other is parsed and compared
-    field by field (:func:`stored_node_problem`)."""
+    (:func:`written_node`) agrees without being parsed, read with one ``read`` of one byte
+    more than it (a longer file is not as written); any other is read whole, parsed and
+    compared field by field (:func:`stored_node_problem`). ``dir_fd``: see :func:`open_in`."""
     try:
-        fd = os.open(os.path.join(directory, rec.path, ROOT_KEY), os.O_RDONLY)
+        fd = open_in(directory, f"{rec.path}/{ROOT_KEY}", dir_fd)
     except OSError:
         return False
+    expected = written_node(rec)
     try:
-        raw = b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
+        raw = os.read(fd, 1 << 16 if expected is None else len(expected) + 1)
+        if raw == expected:
+            return True
+        raw += b"".join(iter(lambda: os.read(fd, 1 << 16), b""))
     except OSError:
         return False
     finally:
         os.close(fd)
-    return raw == written_node(rec) or stored_node_problem(raw, rec) is None
+    return stored_node_problem(raw, rec) is None
+
+
+def open_in(directory: str, rel: str, dir_fd: int | None = None) -> int:
+    """A descriptor of the file ``rel`` (``/``-separated) of the local ``directory``, opened for
+    reading. With ``dir_fd``, an open descriptor of ``directory``, the kernel resolves only
+    ``rel`` from it rather than the whole path again: for 10,000 small leaves (two opens
+    each) 20,000 walks of the directory's own path saved."""
+    if dir_fd is None:
+        return os.open(os.path.join(directory, rel), os.O_RDONLY)
+    return os.open(rel, os.O_RDONLY, dir_fd=dir_fd)
 
 
 def written_node(rec: ArrayRecord) -> bytes | None:
