@@ -365,6 +365,7 @@ def child_limits(spec: dict[str, Any]) -> dict[str, Any]:
     """What moving and checking the workload's bytes costs at least, on one thread: memcpy
     into untouched memory (a fresh target's page faults included) and into pre-touched
     memory, and crc32c over the bytes in calls of one inner chunk (512 KiB)."""
+    import numpy as np
     import torch
 
     from tsckpt._codec import crc

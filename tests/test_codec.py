@@ -26,7 +26,7 @@ from tsckpt._arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
 from tsckpt._codec import chunkread, shardwrite
 from tsckpt._codec.encode import decode_chunk, encode_chunk
-from tsckpt._codec.files import ShardIndex, node_agrees, stored_shapes, written_node
+from tsckpt._codec.files import ShardIndex, node_agrees, opened_directory, stored_shapes, written_node
 from tsckpt._codec.route import Place, Route, place, route
 from tsckpt._format import ArrayRecord, Chunking
 from tsckpt._formats.sources import open_checkpoint
@@ -331,7 +331,12 @@ def test_written_node_is_the_zarr_json_tsckpt_writes(tmp_path, dtype, shape):
     rec = open_checkpoint(tmp_path / "ck").arrays["x"]
     assert rec.chunking.chunk_shape is None and tuple(rec.chunking.shard_shape) == shape
     assert written_node(rec) == (tmp_path / "ck" / "x" / "zarr.json").read_bytes()
-    assert node_agrees(str(tmp_path / "ck"), rec)
+    assert _agrees(tmp_path / "ck", rec)
+
+
+def _agrees(directory, rec) -> bool:
+    with opened_directory(str(directory)) as fd:
+        return node_agrees(fd, rec)
 
 
 def test_written_node_only_for_one_chunk_arrays():
@@ -346,10 +351,10 @@ def test_node_agrees_parses_a_node_written_otherwise(tmp_path):
     rec = open_checkpoint(tmp_path / "ck").arrays["x"]
     node = tmp_path / "ck" / "x" / "zarr.json"
     node.write_text(json.dumps(array_node(rec), indent=2))
-    assert node.read_bytes() != written_node(rec) and node_agrees(str(tmp_path / "ck"), rec)
-    assert not node_agrees(str(tmp_path / "ck"), dataclasses.replace(rec, dtype="float64"))  # same size, misread
+    assert node.read_bytes() != written_node(rec) and _agrees(tmp_path / "ck", rec)
+    assert not _agrees(tmp_path / "ck", dataclasses.replace(rec, dtype="float64"))  # same size, misread
     node.unlink()
-    assert not node_agrees(str(tmp_path / "ck"), rec)
+    assert not _agrees(tmp_path / "ck", rec)
 
 
 @pytest.mark.parametrize("change", ["longer", "shorter", "flipped"])
@@ -385,30 +390,22 @@ def test_many_one_chunk_leaves_read_by_the_threads(tmp_path, monkeypatch):
     assert all(np.array_equal(targets[k], v) for k, v in xs.items())
 
 
-@pytest.mark.parametrize("through_fd", [False, True])
-def test_node_agrees_reads_past_the_written_node(tmp_path, through_fd):
+def test_node_agrees_reads_past_the_written_node(tmp_path):
     """The written node is read with one read of one byte more: a longer file is read whole and
-    parsed (trailing space: still the same node; trailing bytes that are not JSON: refused),
-    whether opened by path or relative to an open descriptor of the checkpoint."""
+    parsed (trailing space: still the same node; trailing bytes that are not JSON: refused)."""
     tsckpt.save(tmp_path / "ck", {"x": np.arange(6, dtype=np.int64)})
     rec = open_checkpoint(tmp_path / "ck").arrays["x"]
     node = tmp_path / "ck" / "x" / "zarr.json"
     written = node.read_bytes()
-    fd = os.open(tmp_path / "ck", os.O_RDONLY | os.O_DIRECTORY) if through_fd else None
-    try:
-        agrees = lambda r: node_agrees(str(tmp_path / "ck"), r, dir_fd=fd)  # noqa: E731
-        assert agrees(rec)
-        node.write_bytes(written + b" " * 70_000)  # longer than one read of 64 KiB
-        assert agrees(rec) and not agrees(dataclasses.replace(rec, dtype="float64"))
-        node.write_bytes(written + b"x")
-        assert not agrees(rec)
-        node.write_bytes(written[:-1])
-        assert not agrees(rec)
-        node.unlink()
-        assert not agrees(rec)
-    finally:
-        if fd is not None:
-            os.close(fd)
+    assert _agrees(tmp_path / "ck", rec)
+    node.write_bytes(written + b" " * 70_000)  # longer than one read of 64 KiB
+    assert _agrees(tmp_path / "ck", rec) and not _agrees(tmp_path / "ck", dataclasses.replace(rec, dtype="float64"))
+    node.write_bytes(written + b"x")
+    assert not _agrees(tmp_path / "ck", rec)
+    node.write_bytes(written[:-1])
+    assert not _agrees(tmp_path / "ck", rec)
+    node.unlink()
+    assert not _agrees(tmp_path / "ck", rec)
 
 
 def test_local_reads_take_a_second_thread_only_when_the_files_are_not_all_cached(tmp_path, monkeypatch):

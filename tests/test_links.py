@@ -1,5 +1,6 @@
 """Symbolic links inside a local checkpoint are refused by every reader of its data."""
 
+import errno
 import os
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt._links import owner, symlinks
+from tsckpt import _links
+from tsckpt._links import confined_opens, open_beneath, owner, symlinks
 
 
 @pytest.fixture
@@ -83,3 +85,70 @@ def test_owner_is_the_longest_array_prefix():
     assert owner("m/c/0", arrays) == "m"
     assert owner("mx/zarr.json", arrays) == "mx"
     assert owner("other/file", arrays) is None
+
+
+needs_openat2 = pytest.mark.skipif(not confined_opens(), reason="openat2 (Linux 5.6) is refused or missing here")
+
+
+@needs_openat2
+def test_open_beneath_refuses_links_and_escapes(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"inside")
+    (tmp_path / "secret").write_bytes(b"outside")
+    os.symlink(tmp_path / "secret", tmp_path / "d" / "file_link")
+    os.symlink(tmp_path, tmp_path / "d" / "dir_link")
+    fd = os.open(tmp_path / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        f = open_beneath(fd, "f")
+        assert os.read(f, 10) == b"inside"
+        os.close(f)
+        for rel, code in (("file_link", errno.ELOOP), ("dir_link/secret", errno.ELOOP), ("../secret", errno.EXDEV)):
+            with pytest.raises(OSError) as info:
+                open_beneath(fd, rel)
+            assert info.value.errno == code and info.value.filename == rel
+        with pytest.raises(FileNotFoundError):
+            open_beneath(fd, "missing")
+    finally:
+        os.close(fd)
+
+
+@needs_openat2
+def test_a_restore_read_whole_by_the_own_readers_walks_nothing(tmp_path, small_chunks, monkeypatch):
+    """Own readers refuse links as they open, so the walk waits for TensorStore, which is never needed here."""
+    tree = {"m": {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(3)}}
+    tsckpt.save(tmp_path / "ck", tree)
+    walks: list[str] = []
+    real = _links.symlinks
+    monkeypatch.setattr(_links, "symlinks", lambda root: walks.append(root) or real(root))
+    out = tsckpt.restore(tmp_path / "ck", {"m": {"w": torch.zeros(64, 64), "b": torch.zeros(3)}})
+    assert torch.equal(out["m"]["w"], tree["m"]["w"]) and torch.equal(out["m"]["b"], tree["m"]["b"])
+    assert walks == []
+    tsckpt.open(tmp_path / "ck")  # a lazy reader reads through TensorStore: it walks up front
+    assert walks == [str(tmp_path / "ck")]
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "walk-first"])
+@pytest.mark.parametrize("linked_part", ["shard", "node", "directory"])
+def test_restore_refuses_links_into_a_sharded_array(tmp_path, small_chunks, monkeypatch, openat2, linked_part):
+    """A link met by the shard reader is reported as the walk reports it, with or without openat2;
+    nothing from outside lands in an in-place target."""
+    if openat2 and not confined_opens():
+        pytest.skip("openat2 (Linux 5.6) is refused or missing here")
+    if not openat2:
+        monkeypatch.setattr(_links, "_openat2", lambda: None)
+    w = torch.arange(4096.0).reshape(64, 64)
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, {"w": w, "b": torch.ones(3)})
+    rel = {"shard": "w/c/1/0", "node": "w/zarr.json", "directory": "w/c"}[linked_part]
+    moved = tmp_path / "outside"
+    os.rename(os.path.join(path, rel), moved)
+    os.symlink(moved, os.path.join(path, rel))
+    target = {"w": torch.zeros(64, 64), "b": torch.zeros(3)}
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.restore(path, target, inplace=True)
+    assert str(info.value) == (
+        f"{path}: leaf 'w': {rel} is a symbolic link (to {moved}); a checkpoint holds its own files and tsckpt "
+        "does not follow links out of it: replace each link with a copy of its file (`tsckpt verify` lists them)"
+    )
+    if linked_part != "node":  # the linked shard's rows were not read from outside
+        assert not torch.equal(target["w"][16:32], w[16:32])

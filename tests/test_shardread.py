@@ -87,9 +87,9 @@ def calls(monkeypatch):
     seen: dict[str, list] = {"fast": [], "tensorstore": []}
     read_shard, open_all = _shardread._read_shard, _restore._open_all
 
-    def counting_read(ck, job, *args):
+    def counting_read(ck, dir_fd, job, *args):
         seen["fast"].append((job.rec.path, job.offsets, job.lengths))
-        return read_shard(ck, job, *args)
+        return read_shard(ck, dir_fd, job, *args)
 
     def counting_open(ck, paths):
         seen["tensorstore"] += paths

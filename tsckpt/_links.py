@@ -8,15 +8,21 @@ path is checked here, by one rule, before anything is opened: :func:`path_proble
 
 TensorStore's file kvstore follows links and has no option not to, so a link
 planted in a checkpoint could make a reader return data from anywhere on the
-machine. Readers therefore look for links before reading a local checkpoint's
-data. The walk reads directory entries only (their type comes with the entry:
-no stat per file), which keeps it to about 30 microseconds per leaf. The
-checkpoint itself (the directory or file the caller names) may be a link.
+machine. Readers therefore look for links before TensorStore reads a local
+checkpoint's data. The walk reads directory entries only (their type comes with
+the entry: no stat per file), about 16 microseconds per leaf of one chunk file.
+tsckpt's own readers open files with :func:`open_beneath`, where the kernel
+refuses a link on the way (``openat2``, Linux 5.6), so a restore they read whole
+needs no walk (``Checkpoint.check_links(deferred=True)``). The checkpoint itself
+(the directory or file the caller names) may be a link.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 from typing import Any
 
 from ._errors import CorruptCheckpointError, short_repr
@@ -79,6 +85,69 @@ def symlinks(root: str) -> dict[str, str]:
             elif e.is_dir(follow_symlinks=False):
                 stack.append(e.path)
     return dict(sorted(found.items()))
+
+
+# openat2(2): its number (the same on every Linux architecture), and struct open_how's
+# resolve flags: no symbolic link anywhere on the path, no /proc magic link, and never
+# above the directory the path is resolved from.
+_SYS_OPENAT2 = 437
+_RESOLVE = 0x04 | 0x02 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+@functools.lru_cache(maxsize=1)
+def _openat2() -> Any:
+    """libc's ``syscall`` bound for openat2 with a read-only, link-refusing ``open_how``, or
+    None where that does not work here (another system, a kernel before 5.6, a sandbox
+    that filters the call): found by opening ``/`` through it once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE)
+    bound = functools.partial(call, _SYS_OPENAT2)
+    try:
+        root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fd = bound(root, b".", ctypes.byref(how), ctypes.sizeof(how))
+    finally:
+        os.close(root)
+    if fd < 0:
+        return None
+    os.close(fd)
+    return lambda dir_fd, rel: bound(dir_fd, rel, ctypes.byref(how), ctypes.sizeof(how))
+
+
+def confined_opens() -> bool:
+    """Whether :func:`open_beneath` refuses links here (else it follows them, as ``open`` does)."""
+    return _openat2() is not None
+
+
+def open_beneath(dir_fd: int, rel: str) -> int:
+    """A descriptor, for reading, of the file ``rel`` (``/``-separated) below the open
+    directory ``dir_fd``. Where :func:`confined_opens`, the kernel resolves it refusing a
+    symbolic link anywhere on the way and any path leading above ``dir_fd`` (OSError ELOOP
+    or EXDEV, as any failed open); elsewhere a plain ``openat``, which follows links, so
+    its callers walk for links first. Each resolves only ``rel``: for 10,000 small leaves
+    (two opens each), 20,000 walks of the directory's own path saved."""
+    openat2 = _openat2()
+    if openat2 is None:
+        return os.open(rel, os.O_RDONLY, dir_fd=dir_fd)
+    fd = openat2(dir_fd, rel.encode())
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), rel)  # ENOENT: a FileNotFoundError, as os.open raises
+    return int(fd)
 
 
 def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | None:

@@ -386,7 +386,7 @@ def restore(
 
     def read() -> Any:
         ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
-        ck.check_links()
+        ck.check_links(deferred=True)
         with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
             reader = _Reader(bar, max_inflight_bytes, casting)
             if target is None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord
+from .._links import open_beneath
 from .._chunking import shard_boxes
 from .._progress import Progress
 from .._checkpoint import Checkpoint
@@ -27,7 +28,7 @@ from .._types import Dest
 from .._window import Window
 from . import crc
 from .encode import decode_chunk
-from .files import node_agrees, open_in, stored_shapes
+from .files import node_agrees, opened_directory, stored_shapes
 from .threads import Workers
 
 
@@ -164,19 +165,22 @@ def _cached(ck: Checkpoint, directory: str, dests: Sequence[Dest]) -> bool:
     if nowait is None:
         return False
     byte = bytearray(1)
-    for dest in [dests[i * len(dests) // _PROBES] for i in range(_PROBES)]:
-        rec = ck.arrays[dest.item.path]
-        try:
-            fd = os.open(os.path.join(directory, chunk_key(rec, (0,) * len(rec.shape))), os.O_RDONLY)
-        except OSError:
+    with opened_directory(directory) as dir_fd:
+        if dir_fd is None:
             return False
-        try:
-            if os.preadv(fd, [byte], 0, nowait) != 1:
+        for dest in [dests[i * len(dests) // _PROBES] for i in range(_PROBES)]:
+            rec = ck.arrays[dest.item.path]
+            try:
+                fd = open_beneath(dir_fd, chunk_key(rec, (0,) * len(rec.shape)))
+            except OSError:
                 return False
-        except OSError:  # BlockingIOError: not cached; EOPNOTSUPP, EINVAL: the flag refused
-            return False
-        finally:
-            os.close(fd)
+            try:
+                if os.preadv(fd, [byte], 0, nowait) != 1:
+                    return False
+            except OSError:  # BlockingIOError: not cached; EOPNOTSUPP, EINVAL: the flag refused
+                return False
+            finally:
+                os.close(fd)
     return True
 
 
@@ -184,28 +188,19 @@ def _read_locals(
     ck: Checkpoint, directory: str, dests: list[Dest], view_of: Callable[[Dest], np.ndarray]
 ) -> tuple[list[Dest], list[int]]:
     """:func:`read_local_chunks` of ``dests`` in one thread: those left, and the bytes of each file read."""
-    left: list[Dest] = []
     sizes: list[int] = []
     tail = bytearray(CRC_BYTES + 1)  # the crc32c, and one byte more: a longer file is not as written
-    try:
-        dir_fd: int | None = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        dir_fd = None  # each open then reports what is wrong with its own path
-    try:
+    with opened_directory(directory) as dir_fd:
+        if dir_fd is None:
+            return list(dests), sizes
+        left: list[Dest] = []
         for dest in dests:
             rec = ck.arrays[dest.item.path]
             flat = _whole_chunk(rec, dest, view_of(dest))
-            if (
-                flat is None
-                or not node_agrees(directory, rec, dir_fd=dir_fd)
-                or not _read_whole(directory, rec, flat, tail, dir_fd)
-            ):
+            if flat is None or not node_agrees(dir_fd, rec) or not _read_whole(dir_fd, rec, flat, tail):
                 left.append(dest)
             else:
                 sizes.append(flat.nbytes)
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
     return left, sizes
 
 
@@ -220,13 +215,12 @@ def _whole_chunk(rec: ArrayRecord, dest: Dest, view: np.ndarray) -> np.ndarray |
     return view.reshape(-1).view(np.uint8)
 
 
-def _read_whole(directory: str, rec: ArrayRecord, flat: np.ndarray, tail: bytearray, dir_fd: int | None = None) -> bool:
+def _read_whole(dir_fd: int, rec: ArrayRecord, flat: np.ndarray, tail: bytearray) -> bool:
     """Read the array's one chunk file into ``flat`` and check its crc32c; False when the file
-    is missing, of another length, or fails its check (``flat`` then holds unverified bytes,
-    which the caller's fallback overwrites)."""
-    key = chunk_key(rec, (0,) * len(rec.shape))
+    is missing, of another length, behind a link, or fails its check (``flat`` then holds
+    unverified bytes, which the caller's fallback overwrites)."""
     try:
-        fd = open_in(directory, key, dir_fd)
+        fd = open_beneath(dir_fd, chunk_key(rec, (0,) * len(rec.shape)))
     except OSError:
         return False
     buffers: list[Any] = [flat, tail]  # a numpy array: a writable buffer (not typed as such before Python 3.12)

@@ -11,11 +11,12 @@ shape at the array's edges, followed by its crc32c.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from .. import _dtypes
 from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, array_node, stored_node_problem
 from .._format import ROOT_KEY, ArrayRecord, Chunking
+from .._links import open_beneath
 from .._store import encode_json
 from . import crc
 
@@ -94,15 +96,32 @@ class ShardIndex:
         return raw, crc.encoded(raw)
 
 
-def node_agrees(directory: str, rec: ArrayRecord, *, dir_fd: int | None = None) -> bool:
-    """The array's zarr.json in the local ``directory`` exists and agrees with its root record
-    (as TensorStore's open checks: a root record edited to another dtype of the same size would
-    otherwise misread the data silently). A node byte for byte as tsckpt writes it
-    (:func:`written_node`) agrees without being parsed, read with one ``read`` of one byte
-    more than it (a longer file is not as written); any other is read whole, parsed and
-    compared field by field (:func:`stored_node_problem`). ``dir_fd``: see :func:`open_in`."""
+@contextlib.contextmanager
+def opened_directory(directory: str) -> Iterator[int | None]:
+    """A descriptor of the local checkpoint ``directory`` while the block runs (which may be
+    a link: the checkpoint itself may be one), for :func:`open_beneath`; None when it cannot
+    be opened, and its readers then leave every file to the usual path, which reports why."""
     try:
-        fd = open_in(directory, f"{rec.path}/{ROOT_KEY}", dir_fd)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def node_agrees(dir_fd: int, rec: ArrayRecord) -> bool:
+    """The array's zarr.json below the open checkpoint directory ``dir_fd`` exists and agrees
+    with its root record (as TensorStore's open checks: a root record edited to another dtype
+    of the same size would otherwise misread the data silently). A node byte for byte as
+    tsckpt writes it (:func:`written_node`) agrees without being parsed, read with one
+    ``read`` of one byte more than it (a longer file is not as written); any other is read
+    whole, parsed and compared field by field (:func:`stored_node_problem`). Opened with
+    :func:`open_beneath`: a link on the way is a failed open."""
+    try:
+        fd = open_beneath(dir_fd, f"{rec.path}/{ROOT_KEY}")
     except OSError:
         return False
     expected = written_node(rec)
@@ -116,16 +135,6 @@ def node_agrees(directory: str, rec: ArrayRecord, *, dir_fd: int | None = None) 
     finally:
         os.close(fd)
     return stored_node_problem(raw, rec) is None
-
-
-def open_in(directory: str, rel: str, dir_fd: int | None = None) -> int:
-    """A descriptor of the file ``rel`` (``/``-separated) of the local ``directory``, opened for
-    reading. With ``dir_fd``, an open descriptor of ``directory``, the kernel resolves only
-    ``rel`` from it rather than the whole path again: for 10,000 small leaves (two opens
-    each) 20,000 walks of the directory's own path saved."""
-    if dir_fd is None:
-        return os.open(os.path.join(directory, rel), os.O_RDONLY)
-    return os.open(rel, os.O_RDONLY, dir_fd=dir_fd)
 
 
 def written_node(rec: ArrayRecord) -> bytes | None:

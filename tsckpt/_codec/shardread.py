@@ -46,6 +46,7 @@ import numpy as np
 from .._arrays import CRC_BYTES, chunk_key
 from .._errors import CorruptCheckpointError
 from .._format import ArrayRecord
+from .._links import open_beneath
 from .._chunking import shard_boxes
 from .._progress import Progress
 from .._checkpoint import Checkpoint
@@ -53,7 +54,7 @@ from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._types import Dest
 from .._window import Window
 from . import crc
-from .files import ShardIndex, StoredShapes, node_agrees, storage_box, stored_shapes
+from .files import ShardIndex, StoredShapes, node_agrees, opened_directory, storage_box, stored_shapes
 from .pagecache import ALIGN, resident_fraction, set_direct
 from .threads import Workers
 
@@ -80,8 +81,7 @@ class _Job:
     view: np.ndarray  # the destination memory in the stored dtype and shape
     rec: ArrayRecord
     shapes: StoredShapes
-    key: str  # the shard file's key, and its path
-    file: str
+    key: str  # the shard file's key: its path in the checkpoint directory
     offsets: tuple[int, ...]  # the box of the stored array read from this file
     lengths: tuple[int, ...]
     base: tuple[int, ...]  # where the destination starts in the stored array
@@ -113,24 +113,27 @@ def read_sharded(
     record, so that TensorStore reports it as usual, and files that cannot be read for a
     reason other than damage. Damaged shard data raises CorruptCheckpointError.
     """
-    rest: list[Dest] = []
-    jobs: list[_Job] = []
-    node_ok: dict[str, bool] = {}
-    for dest in dests:
-        item = dest.item
-        rec = ck.arrays[item.path]
-        if rec.path not in node_ok:
-            node_ok[rec.path] = node_agrees(directory, rec)
-        if not node_ok[rec.path]:
-            rest.append(dest)
-            continue
-        view = view_of(dest)
-        shapes = stored_shapes(rec)
-        base, _ = storage_box(rec, item.storage_offsets, item.lengths)
-        for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
-            key = chunk_key(rec, off)
-            jobs.append(_Job(dest, view, rec, shapes, key, os.path.join(directory, key), *storage_box(rec, off, ln), base))
-    fell_back = _run(ck, jobs, progress, window, max(1, READ_THREADS if threads is None else threads))
+    with opened_directory(directory) as dir_fd:
+        if dir_fd is None:
+            return list(dests)
+        rest: list[Dest] = []
+        jobs: list[_Job] = []
+        node_ok: dict[str, bool] = {}
+        for dest in dests:
+            item = dest.item
+            rec = ck.arrays[item.path]
+            if rec.path not in node_ok:
+                node_ok[rec.path] = node_agrees(dir_fd, rec)
+            if not node_ok[rec.path]:
+                rest.append(dest)
+                continue
+            view = view_of(dest)
+            shapes = stored_shapes(rec)
+            base, _ = storage_box(rec, item.storage_offsets, item.lengths)
+            for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
+                jobs.append(_Job(dest, view, rec, shapes, chunk_key(rec, off), *storage_box(rec, off, ln), base))
+        threads = max(1, READ_THREADS if threads is None else threads)
+        fell_back = _run(ck, dir_fd, jobs, progress, window, threads)
     return rest + [dest for dest in dests if id(dest) in fell_back]
 
 
@@ -143,8 +146,11 @@ class _Room:
     busy: threading.Semaphore  # held while copying or checking bytes (shared by the threads)
 
 
-def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: int, threads: int) -> set[int]:
-    """Run the jobs on ``threads`` threads; returns ids of destinations to leave to TensorStore."""
+def _run(
+    ck: Checkpoint, dir_fd: int, jobs: list[_Job], progress: Progress | None, window: int, threads: int
+) -> set[int]:
+    """Run the jobs on ``threads`` threads, opening files below ``dir_fd``; returns ids of
+    destinations to leave to TensorStore."""
     fell_back: set[int] = set()
     local = threading.local()
     busy = threading.Semaphore(BUSY_THREADS)
@@ -159,7 +165,7 @@ def _run(ck: Checkpoint, jobs: list[_Job], progress: Progress | None, window: in
             start = -raw.ctypes.data % ALIGN
             room = local.room = _Room(raw[start : start + cap + 2 * ALIGN], cap, busy)
         try:
-            _read_shard(ck, job, dataclasses.replace(room, cap=cap))
+            _read_shard(ck, dir_fd, job, dataclasses.replace(room, cap=cap))
         except _Fallback:
             return False
         return True
@@ -195,10 +201,12 @@ def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpo
     return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 
 
-def _read_shard(ck: Checkpoint, job: _Job, room: _Room) -> None:
-    """Read the part ``job`` needs of one shard file into its destination, verifying every chunk."""
+def _read_shard(ck: Checkpoint, dir_fd: int, job: _Job, room: _Room) -> None:
+    """Read the part ``job`` needs of one shard file into its destination, verifying every
+    chunk. Opened with :func:`open_beneath`: a link on the way is left to TensorStore's
+    path, whose walk for links reports it."""
     try:
-        fd = os.open(job.file, os.O_RDONLY)
+        fd = open_beneath(dir_fd, job.key)
     except FileNotFoundError:
         raise _damage(ck, job, CHUNK_MISSING, f"{job.key} does not exist") from None
     except OSError as e:
