@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 import google_crc32c
@@ -492,3 +493,26 @@ def test_direct_io_refused_at_read_time_falls_back(tmp_path, layout_of, reads, m
     monkeypatch.setattr(_shardread, "RUN_BYTES", 3 * 644)  # several runs per file: later ones stay buffered
     same(tsckpt.restore(ck)["w"], x)
     assert reads["direct"] == 4 and reads["buffered"] > 4, reads
+
+
+def test_files_the_page_cache_holds_are_read_by_one_thread_per_cpu(tmp_path, small_chunks, monkeypatch):
+    """Shard files the page cache holds (read just before): CACHED_THREADS threads (more than the
+    CPUs only contend); where the page cache cannot be asked, READ_THREADS, which wait for storage
+    in turn."""
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    tsckpt.save(tmp_path / "ck", {"x": x})
+    for f in (tmp_path / "ck" / "x" / "c").rglob("*"):
+        if f.is_file():
+            f.read_bytes()
+    used: list[int] = []
+    real = _shardread._run
+    monkeypatch.setattr(_shardread, "_run", lambda *a: used.append(a[-1]) or real(*a))
+    for libc in ("real", None):
+        if libc is None:
+            monkeypatch.setattr(_pagecache, "_LIBC", None)
+        target = np.zeros_like(x)
+        tsckpt.restore(tmp_path / "ck", {"x": target}, inplace=True)
+        assert np.array_equal(target, x)
+    expected_cached = _shardread.CACHED_THREADS if sys.platform == "linux" else _shardread.READ_THREADS
+    assert used == [expected_cached, _shardread.READ_THREADS]
+    assert _shardread.CACHED_THREADS == min(_shardread.READ_THREADS, len(os.sched_getaffinity(0)))

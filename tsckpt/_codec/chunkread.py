@@ -29,6 +29,7 @@ from .._window import Window
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, opened_directory, stored_shapes
+from .pagecache import PROBES, files_cached
 from .threads import Workers
 
 
@@ -129,7 +130,7 @@ def read_local_chunks(
     when some of their files may be on the disk only (:func:`_cached`); one thread reads files
     the page cache holds, as a second only contends with it.
     """
-    threads = LOCAL_THREADS if len(dests) >= _SPLIT_FROM and not _cached(ck, directory, dests) else 1
+    threads = LOCAL_THREADS if len(dests) >= _SPLIT_FROM and not _cached(directory, ck, dests) else 1
     parts = [list(dests[i::threads]) for i in range(threads)]
     pool = Workers(len(parts) - 1, "tsckpt-read") if len(parts) > 1 else None
     try:
@@ -152,36 +153,13 @@ def read_local_chunks(
 # two (nothing to wait for: the threads only contend for the interpreter and the page tables).
 LOCAL_THREADS = 2
 _SPLIT_FROM = 64
-_PROBES = 8  # leaves whose chunk file's first page is looked up in the page cache
 
 
-def _cached(ck: Checkpoint, directory: str, dests: Sequence[Dest]) -> bool:
-    """Whether the page cache holds the first page of the chunk file of each of up to
-    :data:`_PROBES` leaves spread over ``dests``: a one-byte read with ``RWF_NOWAIT``, which
-    fails rather than wait for the disk. False where that flag is missing or refused (other
-    systems, some file systems) or a probe fails for any reason: the reads then keep their
-    threads. A wrong guess costs time, never a result."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None:
-        return False
-    byte = bytearray(1)
+def _cached(directory: str, ck: Checkpoint, dests: Sequence[Dest]) -> bool:
+    """Whether the page cache holds the chunk files of ``dests`` (:func:`.pagecache.files_cached`)."""
+    picked = [ck.arrays[dests[i * len(dests) // PROBES].item.path] for i in range(PROBES)]
     with opened_directory(directory) as dir_fd:
-        if dir_fd is None:
-            return False
-        for dest in [dests[i * len(dests) // _PROBES] for i in range(_PROBES)]:
-            rec = ck.arrays[dest.item.path]
-            try:
-                fd = open_beneath(dir_fd, chunk_key(rec, (0,) * len(rec.shape)))
-            except OSError:
-                return False
-            try:
-                if os.preadv(fd, [byte], 0, nowait) != 1:
-                    return False
-            except OSError:  # BlockingIOError: not cached; EOPNOTSUPP, EINVAL: the flag refused
-                return False
-            finally:
-                os.close(fd)
-    return True
+        return dir_fd is not None and files_cached(dir_fd, [chunk_key(rec, (0,) * len(rec.shape)) for rec in picked])
 
 
 def _read_locals(

@@ -14,8 +14,11 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from collections.abc import Sequence
 
 import numpy as np
+
+from .._links import open_beneath
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (a multiple of every common block size)
 _FAILED = ctypes.c_void_p(-1).value
@@ -60,6 +63,33 @@ def resident_fraction(fd: int, start: int, stop: int) -> float | None:
         return float(np.count_nonzero(np.frombuffer(vec.raw, np.uint8) & 1)) / pages
     finally:
         _LIBC.munmap(addr, length)
+
+
+PROBES = 8  # files looked up by :func:`files_cached`
+
+
+def files_cached(dir_fd: int, keys: Sequence[str]) -> bool:
+    """Whether the page cache holds the files ``keys`` (below the open checkpoint directory
+    ``dir_fd``) whole, judged by up to :data:`PROBES` of them spread over the list
+    (:func:`resident_fraction` of each). False where that cannot be told or a probe fails
+    for any reason: readers then read as from storage. It only chooses how many threads
+    read: a wrong guess costs time, never a result."""
+    if not keys:
+        return False
+    for key in dict.fromkeys(keys[i * len(keys) // PROBES] for i in range(PROBES)):
+        try:
+            fd = open_beneath(dir_fd, key)
+        except OSError:
+            return False
+        try:
+            whole = resident_fraction(fd, 0, os.fstat(fd).st_size)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if whole is None or whole < 1.0:
+            return False
+    return True
 
 
 def set_direct(fd: int, *, on: bool = True) -> bool:

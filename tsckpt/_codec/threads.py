@@ -8,7 +8,15 @@ write its files all the same: such work runs in the calling thread instead.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, Callable
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 class Workers:
