@@ -39,6 +39,7 @@ from ._errors import SaveInProgressError
 from ._format import LAYOUT_PLAIN
 from ._jax import is_jax_array
 from ._leaves import describe, memory
+from ._memory import BACKGROUND_SAVE_THREAD
 from ._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
 from ._stateful import expand
 from ._types import LazySource, ShardedArray
@@ -320,7 +321,7 @@ class AsyncSaver:
                 staged = unflatten(flat.spec, leaves)
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="tsckpt-save", initializer=_yield_to_training
+                        1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
                     )
                 handle = AsyncSave(label, nbytes)
                 self._executor.submit(handle.run, job, staged)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import gc
 import math
 import os
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +25,7 @@ from ._codec.route import setting as codec_setting
 from ._errors import LeafTypeError, StructureMismatchError, count_and_list
 from ._format import ArrayRecord
 from ._leaves import destination, kind_of, memory
-from ._memory import release_free_memory
+from ._memory import collector_paused, release_free_memory
 from ._chunking import shard_boxes
 from ._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from ._progress import Progress
@@ -398,35 +396,6 @@ def restore(
         return run()
     # every rank reads its own regions; the shared outcome makes all ranks raise together
     return phase(coord, "restore", run)
-
-
-_paused_lock = threading.Lock()
-_paused = [0, False]  # restores running with the collector paused; whether it was enabled before the first
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the body runs, then restore its setting.
-
-    Why: a restore allocates a few long-lived objects per leaf (the root's records, one
-    destination and one result per leaf) and makes no reference cycles, yet those objects
-    trigger full collections, each walking every object of the process (torch's modules,
-    the caller's model). Measured on 10,000 small leaves: one to two full collections of
-    0.11-0.15 s each per restore, 10-25% of it. Reference counting still frees everything
-    the restore drops; the collector runs again as soon as the last restore in progress
-    (threads may restore at once) ends."""
-    with _paused_lock:
-        if _paused[0] == 0:
-            _paused[1] = gc.isenabled()
-            gc.disable()
-        _paused[0] += 1
-    try:
-        yield
-    finally:
-        with _paused_lock:
-            _paused[0] -= 1
-            if _paused[0] == 0 and _paused[1]:
-                gc.enable()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,7 @@ from ._format import (
 from ._arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
 from ._kinds import checksum, storage_numpy
 from ._leaves import describe, memory
+from ._memory import collector_paused
 from ._types import Box, LazySource, Local
 from ._plan import RankPlan, WriteItem, plan_aliases, plan_save, split_plan
 from ._options import WRITE_WINDOW_BYTES, SaveOptions, verb
@@ -530,25 +531,26 @@ def save(
 
         return run
 
-    job: _Job | None = None
-    try:
-        job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
-        received: dict[int, np.ndarray] = {}
-        if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
-            received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
-        with Progress("save", loc, show=progress, rank=coord.rank) as bar:
-            phase(coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar)))
-            phase(coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease)), ranks={0})
-    except BaseException as e:
-        if lease is not None and lease.generation is not None:
-            agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
-            _abandon(loc, lease, e, agreed)
-        elif job is not None and job.save_id and isinstance(e, DistributedError) and _cleans_for_rank_0(coord, e.lost):
-            _lease.abandon_lost(loc, job.save_id, e)
-        raise
-    finally:
-        if lease is not None:
-            lease.end()
+    with collector_paused():  # why: see there
+        job: _Job | None = None
+        try:
+            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
+            received: dict[int, np.ndarray] = {}
+            if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
+                received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
+            with Progress("save", loc, show=progress, rank=coord.rank) as bar:
+                phase(coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar)))
+                phase(coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease)), ranks={0})
+        except BaseException as e:
+            if lease is not None and lease.generation is not None:
+                agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
+                _abandon(loc, lease, e, agreed)
+            elif job is not None and job.save_id and isinstance(e, DistributedError) and _cleans_for_rank_0(coord, e.lost):
+                _lease.abandon_lost(loc, job.save_id, e)
+            raise
+        finally:
+            if lease is not None:
+                lease.end()
 
 
 def _cleans_for_rank_0(coord: Any, lost: tuple[int, ...]) -> bool:
