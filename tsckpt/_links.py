@@ -143,7 +143,7 @@ def open_beneath(dir_fd: int, rel: str) -> int:
     openat2 = _openat2()
     if openat2 is None:
         return os.open(rel, os.O_RDONLY, dir_fd=dir_fd)
-    fd = openat2(dir_fd, rel.encode())
+    fd = openat2(dir_fd, os.fsencode(rel))
     if fd < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), rel)  # ENOENT: a FileNotFoundError, as os.open raises
