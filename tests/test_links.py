@@ -152,3 +152,18 @@ def test_restore_refuses_links_into_a_sharded_array(tmp_path, small_chunks, monk
     )
     if linked_part != "node":  # the linked shard's rows were not read from outside
         assert not torch.equal(target["w"][16:32], w[16:32])
+
+
+@needs_openat2
+def test_a_link_the_restore_never_meets_is_left_to_open_and_verify(linked):
+    """Restoring only 'm/w' opens nothing of 'm/b', whose chunk file is a link: the restore reads
+    nothing through it and succeeds; open and verify still report it."""
+    path, outside = linked
+    with pytest.warns(tsckpt.RestoreWarning):
+        out = tsckpt.restore(path, {"m": {"w": torch.zeros(64, 64)}}, strict=False)
+    assert torch.equal(out["m"]["w"], torch.arange(4096.0).reshape(64, 64))
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.open(path)
+    assert str(info.value) == _message(path, outside)
+    report = tsckpt.verify(path)
+    assert not report.ok and "m/b/c/0 is a symbolic link" in report.bad["m/b"]
