@@ -39,9 +39,9 @@ import numpy as np
 from . import _dtypes
 from ._casting import check_cast
 from ._chunking import intersect
-from ._errors import LeafTypeError, ShapeMismatchError
+from ._errors import LeafTypeError, ShapeMismatchError, short_repr
 from ._format import KEY_KIND_PREFIX, ArrayRecord, key_impl
-from ._kinds import LeafKind, check_shape, host_empty, region_leaf, short_repr, whole
+from ._kinds import LeafKind, check_shape, host_empty, region_leaf, whole
 from ._types import Box, Dest, LazySource, Local, ReadItem
 
 
@@ -261,7 +261,7 @@ def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any
     raise LeafTypeError(
         f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is a jax {what} "
         "array; a plain value restores into a jax target only as a number or bool into shape (); give a target of "
-        f"shape () for a number, or the plain value itself (e.g. the saved one, {short_repr(value)}) as this "
+        f"shape () for a number, or the plain value itself (e.g. the saved one, {short_repr(value, 40)}) as this "
         "target leaf"
     )
 

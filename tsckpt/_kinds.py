@@ -23,7 +23,7 @@ import torch
 
 from . import _dtypes
 from ._casting import check_cast
-from ._errors import LeafTypeError, ShapeMismatchError
+from ._errors import LeafTypeError, ShapeMismatchError, short_repr
 from ._format import ArrayRecord, extent_problem
 from ._plan import plan_read
 from ._types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
@@ -112,12 +112,6 @@ def _check_storable(path: str, t: torch.Tensor) -> None:
         )
 
 
-def short_repr(value: Any, limit: int = 40) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a plain value named in an error)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialized numpy array in memory from torch's CPU allocator.
 
@@ -186,7 +180,7 @@ class LeafKind:
         raise LeafTypeError(
             f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is "
             f"{type(leaf).__name__}, which takes an array; give a plain value as this target leaf (e.g. the saved "
-            f"one, {short_repr(value)}), or restore with target=None to see what is stored"
+            f"one, {short_repr(value, 40)}), or restore with target=None to see what is stored"
         )
 
     def memory(self, leaf: Any) -> Memory | None:
