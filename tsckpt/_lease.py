@@ -225,9 +225,14 @@ def remove_partial(loc: Location, generation: bytes | None, err: BaseException) 
             with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
                 os.rmdir(loc.local)
     except Exception as cleanup:  # noqa: BLE001 - reported in the save's own error
-        amend(err, f"the partial checkpoint at {loc} could not be removed ({cleanup}); pass overwrite=True when saving again")
+        _not_removed(loc, err, cleanup)
         return None
     return True
+
+
+def _not_removed(loc: Location, err: BaseException, cause: BaseException) -> None:
+    """Say in ``err`` that the partial checkpoint at ``loc`` could not be removed, and why."""
+    amend(err, f"the partial checkpoint at {loc} could not be removed ({cause}); pass overwrite=True when saving again")
 
 
 def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
@@ -240,7 +245,7 @@ def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
         with _store.storage_errors(loc, doing="reading"):
             found = read_root(loc)
     except Exception as failed:  # noqa: BLE001 - reported in the save's own error
-        amend(err, f"the partial checkpoint at {loc} could not be removed ({failed}); pass overwrite=True when saving again")
+        _not_removed(loc, err, failed)
         return
     if found.value is None or found.root.state != STATE_PENDING or save_id_of(found.root) != save_id:
         return  # rank 0 finished or cleaned up before it was lost, or another save took over
