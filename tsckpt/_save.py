@@ -164,8 +164,9 @@ def _write_place(data: dict[str, Any], compact: bool) -> Place:
 class _Batch:
     """Unsharded chunk files of a local plain checkpoint written by one worker task (a
     task per file cost more Python, in a future, a lock and a thread switch, than the
-    file's own three system calls), their directories made by that task. Every write of the batch shares this handle as its
-    future: waiting on it hands the batch to the workers if it is still being filled."""
+    file's own three system calls), their directories made by that task. Every write of
+    the batch shares this handle as its future: waiting on it hands the batch to the
+    workers if it is still being filled."""
 
     def __init__(self, pool: Workers, directory: str, made: set[str]) -> None:
         self.pool, self.directory, self.made = pool, directory, made
