@@ -118,8 +118,8 @@ def test_a_restore_read_whole_by_the_own_readers_walks_nothing(tmp_path, small_c
     tree = {"m": {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(3)}}
     tsckpt.save(tmp_path / "ck", tree)
     walks: list[str] = []
-    real = _links.symlinks
-    monkeypatch.setattr(_links, "symlinks", lambda root: walks.append(root) or real(root))
+    real = _links.odd_files
+    monkeypatch.setattr(_links, "odd_files", lambda root: walks.append(root) or real(root))
     out = tsckpt.restore(tmp_path / "ck", {"m": {"w": torch.zeros(64, 64), "b": torch.zeros(3)}})
     assert torch.equal(out["m"]["w"], tree["m"]["w"]) and torch.equal(out["m"]["b"], tree["m"]["b"])
     assert walks == []
@@ -167,3 +167,28 @@ def test_a_link_the_restore_never_meets_is_left_to_open_and_verify(linked):
     assert str(info.value) == _message(path, outside)
     report = tsckpt.verify(path)
     assert not report.ok and "m/b/c/0 is a symbolic link" in report.bad["m/b"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fifo", ["b/c/0", "w/c/1/0", "w/zarr.json"])
+def test_a_fifo_in_a_checkpoint_is_refused_never_waited_on(tmp_path, small_chunks, fifo):
+    """Opening a FIFO waits for a writer forever: restore and open refuse it, naming it, and
+    verify lists it without reading it (nor anything else of its array)."""
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(3)})
+    os.remove(os.path.join(path, fifo))
+    os.mkfifo(os.path.join(path, fifo))
+    leaf = fifo.split("/")[0]
+    expected = (
+        f"{path}: leaf '{leaf}': {fifo} is a FIFO, not a regular file; a checkpoint holds only directories and "
+        "regular files: replace it with a copy of its file (`tsckpt verify` lists them)"
+    )
+    for read in (lambda: tsckpt.restore(path), lambda: tsckpt.open(path)):
+        with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+            read()
+        assert str(info.value) == expected
+    report = tsckpt.verify(path)
+    assert report.bad == {
+        leaf: f"{fifo} is a FIFO, not a regular file; a checkpoint holds only directories and regular files: "
+        "replace it with a copy of its file"
+    }

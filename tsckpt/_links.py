@@ -22,8 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import stat
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import CorruptCheckpointError, short_repr
 
@@ -69,9 +70,19 @@ def confined(root: str, rel: Any, *, where: str, field: str) -> str:
     return path
 
 
-def symlinks(root: str) -> dict[str, str]:
-    """Relative path (with ``/``) -> link target, for every symbolic link below ``root``."""
-    found: dict[str, str] = {}
+class Odd(NamedTuple):
+    """An entry of a checkpoint directory that is neither a directory nor a regular file."""
+
+    what: str  # "a symbolic link", or what the special file is ("a FIFO", "a socket", "a device")
+    target: str | None  # a link's target
+
+
+def odd_files(root: str) -> dict[str, Odd]:
+    """Relative path (with ``/``) -> :class:`Odd`, for every symbolic link and every special
+    file (FIFO, socket, device) below ``root``: readers refuse both, as a link could lead
+    anywhere and opening a FIFO would wait for a writer forever. One walk of directory
+    entries, whose type comes with the entry; only an odd one is looked at further."""
+    found: dict[str, Odd] = {}
     stack = [root]
     while stack:
         top = stack.pop()
@@ -80,11 +91,42 @@ def symlinks(root: str) -> dict[str, str]:
         except OSError:
             continue  # unreadable directories are reported by the read that needs them
         for e in entries:
-            if e.is_symlink():
-                found[os.path.relpath(e.path, root).replace(os.sep, "/")] = os.readlink(e.path)
-            elif e.is_dir(follow_symlinks=False):
+            if e.is_dir(follow_symlinks=False):
                 stack.append(e.path)
+            elif not e.is_file(follow_symlinks=False):
+                rel = os.path.relpath(e.path, root).replace(os.sep, "/")
+                found[rel] = Odd("a symbolic link", os.readlink(e.path)) if e.is_symlink() else Odd(_special(e), None)
     return dict(sorted(found.items()))
+
+
+def _special(entry: os.DirEntry[str]) -> str:
+    """What a special file is, for a message."""
+    try:
+        mode = entry.stat(follow_symlinks=False).st_mode
+    except OSError:
+        return "a special file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
+
+
+def symlinks(root: str) -> dict[str, str]:
+    """Relative path (with ``/``) -> link target, for every symbolic link below ``root``."""
+    return {rel: odd.target for rel, odd in odd_files(root).items() if odd.target is not None}
+
+
+def odd_problem(rel: str, odd: Odd) -> tuple[str, str]:
+    """What is wrong with the odd entry ``rel``, and the fix, as every reader says them."""
+    if odd.target is not None:
+        return f"{rel} is a symbolic link (to {odd.target})", _LINK_FIX
+    return (
+        f"{rel} is {odd.what}, not a regular file",
+        "a checkpoint holds only directories and regular files: replace it with a copy of its file",
+    )
 
 
 # openat2(2): its number (the same on every Linux architecture), and struct open_how's
@@ -92,6 +134,12 @@ def symlinks(root: str) -> dict[str, str]:
 # above the directory the path is resolved from.
 _SYS_OPENAT2 = 437
 _RESOLVE = 0x04 | 0x02 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
+
+
+# Opens for reading never wait: O_NONBLOCK makes a FIFO planted in a checkpoint open at
+# once (its read then fails, and the reader leaves the file to the walk that names it)
+# rather than wait for a writer forever; it changes nothing for a regular file.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 
 
 class _OpenHow(ctypes.Structure):
@@ -112,7 +160,7 @@ def _openat2() -> Any:
         return None
     call.restype = ctypes.c_long
     call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE)
+    how = _OpenHow(_READ_FLAGS, 0, _RESOLVE)
     bound = functools.partial(call, _SYS_OPENAT2)
     try:
         root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
@@ -134,15 +182,15 @@ def confined_opens() -> bool:
 
 
 def open_beneath(dir_fd: int, rel: str) -> int:
-    """A descriptor, for reading, of the file ``rel`` (``/``-separated) below the open
-    directory ``dir_fd``. Where :func:`confined_opens`, the kernel resolves it refusing a
-    symbolic link anywhere on the way and any path leading above ``dir_fd`` (OSError ELOOP
-    or EXDEV, as any failed open); elsewhere a plain ``openat``, which follows links, so
-    its callers walk for links first. Each resolves only ``rel``: for 10,000 small leaves
+    """A descriptor, for reading (without waiting: :data:`_READ_FLAGS`), of the file ``rel``
+    (``/``-separated) below the open directory ``dir_fd``. Where :func:`confined_opens`, the
+    kernel resolves it refusing a symbolic link anywhere on the way and any path leading
+    above ``dir_fd`` (OSError ELOOP or EXDEV, as any failed open); elsewhere a plain
+    ``openat``, which follows links, so its callers walk for links first. Each resolves only ``rel``: for 10,000 small leaves
     (two opens each), 20,000 walks of the directory's own path saved."""
     openat2 = _openat2()
     if openat2 is None:
-        return os.open(rel, os.O_RDONLY, dir_fd=dir_fd)
+        return os.open(rel, _READ_FLAGS, dir_fd=dir_fd)
     fd = openat2(dir_fd, os.fsencode(rel))
     if fd < 0:
         code = ctypes.get_errno()
@@ -156,16 +204,15 @@ def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | Non
 
 
 def refuse_links(root: str | None, where: str, arrays: list[str] | tuple[str, ...] | set[str] = ()) -> None:
-    """Raise if the local checkpoint at ``root`` holds a symbolic link (None: not local)."""
+    """Raise if the local checkpoint at ``root`` holds a symbolic link or a special file
+    (:func:`odd_files`; None: not local)."""
     if root is None:
         return
-    found = symlinks(root)
+    found = odd_files(root)
     if not found:
         return
-    rel, target = next(iter(found.items()))
+    rel, odd = next(iter(found.items()))
     leaf = owner(rel, arrays)
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    raise CorruptCheckpointError(
-        f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{rel} is a symbolic link (to {target}){more}; {_LINK_FIX} "
-        "(`tsckpt verify` lists them)"
-    )
+    what, fix = odd_problem(rel, odd)
+    raise CorruptCheckpointError(f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{what}{more}; {fix} (`tsckpt verify` lists them)")

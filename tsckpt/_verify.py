@@ -13,7 +13,7 @@ from ._arrays import stored_node_problem
 from ._format import ROOT_KEY
 from ._chunking import shard_boxes
 from ._progress import Progress
-from ._links import owner, symlinks
+from ._links import odd_files, odd_problem, owner
 from ._backing import backing_problems
 from ._checkpoint import TSCKPT, Checkpoint
 from ._formats import lazy
@@ -66,12 +66,13 @@ class _Reads:
     files_read: int
 
 
-def _check_nodes(ck: Checkpoint) -> _Nodes:
-    """zarr.json of every array and group below the root."""
+def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
+    """zarr.json of every array and group below the root, but for those on the way to which
+    ``linked`` (:func:`_links`) names a link or special file: they are not read."""
     kv = ck.kvstore()
     groups = sorted({"/".join(p.split("/")[:i]) for p in ck.arrays for i in range(1, len(p.split("/")))})
-    futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays}
-    group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups}
+    futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays if not _meets(p, linked)}
+    group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups if not _meets(g, linked)}
     bad: dict[str, str] = {}
     for p, fut in futures.items():
         try:
@@ -166,17 +167,28 @@ def _open(ck: Checkpoint, path: str, bad: dict[str, str]) -> Any:
         return None
 
 
+def _meets(path: str, linked: Mapping[str, str]) -> bool:
+    """Whether reading the node or data of the array or group ``path`` would meet an entry
+    ``linked`` names: an array path (its files), or the relative path of a link or special
+    file no array owns (a directory on the way, or a group's own node)."""
+    return any(k == path or path.startswith(f"{k}/") or k == f"{path}/{ROOT_KEY}" for k in linked)
+
+
 def _links(ck: Checkpoint) -> dict[str, str]:
-    """Local checkpoints: array path -> why one of its files is a symbolic link (readers
-    refuse such a checkpoint; verify lists every link)."""
+    """Local checkpoints: array path -> why one of its files is a symbolic link or a special
+    file (readers refuse such a checkpoint; verify lists every one, and reads none of those
+    arrays: a link could lead anywhere, and a FIFO would never answer)."""
     if ck.location.local is None or ck.foreign:
         return {}
     found: dict[str, str] = {}
-    for rel, target in symlinks(ck.location.local).items():
-        why = (
-            f"{rel} is a symbolic link (to {target}); a checkpoint holds its own files: "
-            "replace the link with a copy of the file"
-        )
+    for rel, odd in odd_files(ck.location.local).items():
+        if odd.target is not None:
+            why = (
+                f"{rel} is a symbolic link (to {odd.target}); a checkpoint holds its own files: "
+                "replace the link with a copy of the file"
+            )
+        else:
+            why = "; ".join(odd_problem(rel, odd))
         found.setdefault(owner(rel, tuple(ck.arrays)) or rel, why)
     return found
 
@@ -206,18 +218,20 @@ def verify(
     metadata as it is parsed, every array read whole from its files."""
     RestoreOptions.of(locals())
     ck = open_checkpoint(directory, keep_bad=True, format=format, allow_pickle=allow_pickle)
+    linked = _links(ck)  # before anything is read: these arrays are not
     with storage_errors(ck.location):
-        nodes = _check_nodes(ck) if not ck.foreign else _Nodes({}, ())  # another library's nodes: opened and read
+        nodes = _check_nodes(ck, linked) if not ck.foreign else _Nodes({}, ())  # another library's: opened and read
+    skip = {**nodes.bad, **{p: "" for p in ck.arrays if _meets(p, linked)}}
     with Progress("verify", ck.location, show=progress) as bar:
-        bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in nodes.bad))
-        reads = _read_all(ck, nodes.bad, bar)
+        bar.set_total(sum(ck.array_metadata(p).nbytes for p in ck.arrays if p not in skip))
+        reads = _read_all(ck, skip, bar)
     arrays = _record_paths(ck)
     return VerifyReport(
         location=str(ck.location),
         leaves=ck.leaves,
         n_arrays=len(arrays),
         n_values=len(ck.values),
-        bad=_all_bad(ck, nodes, reads),
+        bad=_all_bad(ck, nodes, reads, linked),
         group_problems=nodes.group_problems,
         bytes_read=reads.bytes_read,
         files_read=reads.files_read,
@@ -228,11 +242,11 @@ def verify(
     )
 
 
-def _all_bad(ck: Checkpoint, nodes: _Nodes, reads: _Reads) -> dict[str, str]:
+def _all_bad(ck: Checkpoint, nodes: _Nodes, reads: _Reads, linked: Mapping[str, str]) -> dict[str, str]:
     """Every bad leaf (sorted) with all that is wrong with it: its entry, node, data or links;
     a tied leaf is as bad as the array it reads."""
     bad = {**ck.bad, **nodes.bad}
-    for path, why in [*reads.bad.items(), *_links(ck).items()]:
+    for path, why in [*reads.bad.items(), *linked.items()]:
         bad[path] = f"{bad[path]}; {why}" if path in bad else why
     for alias, stored in ck.aliases.items():
         if stored in bad:
