@@ -483,3 +483,16 @@ def test_convert_dtype_checks_the_values(tmp_path, capsys):
     ]
     assert tsckpt.open(dst)["w"][...].tolist() == [1.0, float("inf")]
     assert tsckpt.open(dst)["b"][...].tolist() == [float(np.float16(1.1))]
+
+
+def test_the_shortcut_for_the_stored_dtype_itself_agrees_with_the_full_check(monkeypatch):
+    """check_cast answers a target of the stored dtype itself at once (no cast, nothing to
+    check): the full check, run without the shortcut, says the same for every dtype torch has
+    and every casting."""
+    same = dict(casting_mod._TORCH_DTYPES)
+    assert {"float32", "bfloat16", "complex32", "float8_e4m3fn", "bool"} <= same.keys()
+    monkeypatch.setattr(casting_mod, "_TORCH_DTYPES", {})
+    for name, dtype in same.items():
+        for casting in casting_mod.CASTINGS:
+            assert casting_mod.check_cast("w", name, dtype, casting=casting) is None, (name, casting)
+    assert casting_mod.check_cast("w", "float64", torch.float32, casting="same_kind") is not None

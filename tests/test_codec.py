@@ -433,6 +433,43 @@ def test_local_reads_take_a_second_thread_only_when_the_files_are_not_all_cached
     assert all(torch.equal(out[k], v) for k, v in tree.items()) and threads == [chunkread.LOCAL_THREADS]
 
 
+@pytest.mark.parametrize("target", ["fresh", "none", "inplace"])
+def test_one_reading_thread_has_its_destinations_prefaulted_beside_it(tmp_path, monkeypatch, target):
+    """Cached files, one reading thread and a spare CPU: the memory of every destination, in
+    the order read, goes to the prefaulting helper; with one CPU, none does. The values are
+    right either way."""
+    tree = {f"t{i:03d}": torch.arange(i, i + 16 + i, dtype=torch.float32) for i in range(80)}
+    tsckpt.save(tmp_path / "ck", tree)
+    given: list[list[tuple[int, int]]] = []
+    real = chunkread.prefaulted
+
+    def recording(buffers):
+        given.append(list(buffers))
+        return real(buffers)
+
+    monkeypatch.setattr(chunkread, "prefaulted", recording)
+    monkeypatch.setattr(chunkread, "cpus", lambda: 2)
+    targets = {k: torch.empty_like(v) for k, v in tree.items()}
+
+    def restore():
+        if target == "none":
+            return tsckpt.restore(tmp_path / "ck")
+        return tsckpt.restore(tmp_path / "ck", targets, inplace=target == "inplace")
+
+    out = restore()
+    assert all(np.array_equal(np.asarray(out[k]), v.numpy()) for k, v in tree.items())
+    if sys.platform == "linux":  # the cache probe: one thread
+        memory = [(np.asarray(out[k]).ctypes.data, v.nbytes) for k, v in sorted(tree.items())]
+        assert len(given) == 1 and sorted(given[0]) == sorted(memory)
+        if target == "inplace":
+            assert [a for a, _ in memory] == [t.data_ptr() for _, t in sorted(targets.items())]
+    monkeypatch.setattr(chunkread, "cpus", lambda: 1)
+    given.clear()
+    out = restore()
+    assert all(np.array_equal(np.asarray(out[k]), v.numpy()) for k, v in tree.items())
+    assert given == [[]]  # one CPU: nothing to prefault on
+
+
 def test_the_cache_probe_is_false_for_a_missing_file(tmp_path):
     tree = {f"t{i}": torch.arange(16.0) for i in range(16)}
     tsckpt.save(tmp_path / "ck", tree)

@@ -1,19 +1,24 @@
 """Freed heap memory of worker threads goes back to the system; the cyclic collector
-is paused while a save or restore runs in the caller's thread."""
+is paused while a save or restore runs in the caller's thread; fresh memory is faulted
+in beside the reads, its data unchanged."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
+import mmap
 import sys
 import threading
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 import tsckpt
-from tsckpt import _save
-from tsckpt._memory import collector_paused, release_free_memory
+from tsckpt import _memory, _save
+from tsckpt._memory import collector_paused, page_spans, prefaulted, release_free_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
@@ -66,3 +71,74 @@ def test_a_save_pauses_the_collector_but_not_in_the_background(tmp_path, monkeyp
     tsckpt.save_async(tmp_path / "b", {"w": torch.arange(4.0)}).result()
     assert seen[-1] == ("tsckpt-save", True) and gc.isenabled()
     assert torch.equal(tsckpt.restore(tmp_path / "b", {"w": torch.empty(4)})["w"], torch.arange(4.0))
+
+
+P = 4096
+
+
+def test_page_spans_join_buffers_whose_pages_touch_in_their_order():
+    """Only pages holding some buffer's bytes are in a span; a span grows while the next
+    buffer starts on its pages or the one after, and keeps the buffers' order."""
+    assert page_spans([(3 * P + 10, 5000), (5 * P + 1, 10), (0x100000 + 1, 1), (7 * P, 0)]) == [
+        (3 * P, 3 * P),
+        (0x100000, P),
+    ]
+    assert page_spans([(8 * P, 10), (0, 10)]) == [(8 * P, P), (0, P)]  # in order, not sorted
+    assert page_spans([(0, 2 * P), (100, 50), (2 * P - 1, 2)]) == [(0, 3 * P)]
+    assert page_spans([(5 * P, 1), (7 * P, 1)]) == [(5 * P, P), (7 * P, P)]  # an untouched page between
+    assert page_spans([]) == []
+
+
+def _resident_pages(address: int, length: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(length // P)
+    if libc.mincore(address, length, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE)")
+def test_prefaulted_memory_is_resident_with_its_data_unchanged():
+    region = mmap.mmap(-1, 64 * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = np.frombuffer(region, dtype=np.uint8)
+    address = data.ctypes.data
+    data[5 * P : 5 * P + 3] = [7, 8, 9]  # one page written before
+    assert _resident_pages(address, 64 * P) == 1
+    with prefaulted([(address + P + 1, 10 * P), (address + 40 * P, 1)]):
+        pass
+    if not _memory._prefault_works[0]:
+        pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert _resident_pages(address, 64 * P) == 12  # pages 1-11 and 40: only those holding the buffers' bytes
+    assert _resident_pages(address + P, 11 * P) == 11 and _resident_pages(address + 40 * P, P) == 1
+    assert list(data[5 * P : 5 * P + 4]) == [7, 8, 9, 0] and not data[: 5 * P].any() and not data[5 * P + 3 :].any()
+    del data
+    region.close()
+
+
+def test_prefaulting_stops_for_good_on_a_kernel_without_it(monkeypatch):
+    """madvise refused as unknown (EINVAL, before Linux 5.14): no helper is started again, and
+    the body runs all the same. Any other failure only leaves the pages to the reads."""
+    calls: list[tuple[int, int, int]] = []
+
+    class Refusing:
+        def madvise(self, start, length, advice):
+            calls.append((start, length, advice))
+            ctypes.set_errno(self.errno)
+            return -1
+
+    libc = Refusing()
+    libc.errno = errno.ENOMEM
+    monkeypatch.setattr(_memory, "_libc", libc)
+    monkeypatch.setattr(_memory, "_prefault_works", [True])
+    with prefaulted([(0, 1), (5 * P, 1)]):
+        ran = True
+    assert ran and len(calls) == 2 and _memory._prefault_works == [True]  # ENOMEM: the next span is tried
+    libc.errno = errno.EINVAL
+    with prefaulted([(0, 1), (5 * P, 1)]):
+        pass
+    assert len(calls) == 3 and _memory._prefault_works == [False]  # EINVAL: stops at once
+    started = threading.active_count()
+    with prefaulted([(0, 1)]):
+        assert threading.active_count() == started  # no helper
+    assert len(calls) == 3

@@ -56,12 +56,20 @@ _RAW_BITS = {
     "bits2x4": "uint8",
     "bits4x2": "uint8",
 }
+# Every logical dtype name this tsckpt reads (:func:`is_known`).
+LOGICAL_NAMES = (*_NATIVE, "complex32", *_RAW_BITS)
 _UINT_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
+_TORCH_NAMES: dict[torch.dtype, str] = {}  # filled as dtypes are met: asked several times per leaf
+
+
 def torch_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _TORCH_NAMES.get(dtype)
+    if name is None:
+        name = _TORCH_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def numpy_name(dtype: np.dtype) -> str | None:

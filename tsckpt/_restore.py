@@ -172,11 +172,13 @@ def read_into(
     """
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
-    device = [d for d in dests if _devicecopy.on_device(d.tensor)]
+    host: list[Dest] = []
+    device: list[Dest] = []
+    for d in dests:
+        (device if _devicecopy.on_device(d.tensor) else host).append(d)
     if device:
         _read_device(ck, device, progress, window)
-        dests = [d for d in dests if not _devicecopy.on_device(d.tensor)]
-    _read_host(ck, dests, progress, window)
+    _read_host(ck, host, progress, window)
 
 
 def _read_host(ck: Checkpoint, dests: list[Dest], progress: Progress | None, window: int) -> None:
