@@ -73,15 +73,15 @@ def test_a_save_pauses_the_collector_but_not_in_the_background(tmp_path, monkeyp
     assert torch.equal(tsckpt.restore(tmp_path / "b", {"w": torch.empty(4)})["w"], torch.arange(4.0))
 
 
-P = 4096
+P = mmap.PAGESIZE
 
 
 def test_page_spans_join_buffers_whose_pages_touch_in_their_order():
     """Only pages holding some buffer's bytes are in a span; a span grows while the next
     buffer starts on its pages or the one after, and keeps the buffers' order."""
-    assert page_spans([(3 * P + 10, 5000), (5 * P + 1, 10), (0x100000 + 1, 1), (7 * P, 0)]) == [
+    assert page_spans([(3 * P + 10, P + 900), (5 * P + 1, 10), (100 * P + 1, 1), (7 * P, 0)]) == [
         (3 * P, 3 * P),
-        (0x100000, P),
+        (100 * P, P),
     ]
     assert page_spans([(8 * P, 10), (0, 10)]) == [(8 * P, P), (0, P)]  # in order, not sorted
     assert page_spans([(0, 2 * P), (100, 50), (2 * P - 1, 2)]) == [(0, 3 * P)]
@@ -120,21 +120,19 @@ def test_prefaulting_stops_for_good_on_a_kernel_without_it(monkeypatch):
     """madvise refused as unknown (EINVAL, before Linux 5.14): no helper is started again, and
     the body runs all the same. Any other failure only leaves the pages to the reads."""
     calls: list[tuple[int, int, int]] = []
+    failing = [errno.ENOMEM]
 
-    class Refusing:
-        def madvise(self, start, length, advice):
-            calls.append((start, length, advice))
-            ctypes.set_errno(self.errno)
-            return -1
+    def refusing(start, length, advice):
+        calls.append((start, length, advice))
+        ctypes.set_errno(failing[0])
+        return -1
 
-    libc = Refusing()
-    libc.errno = errno.ENOMEM
-    monkeypatch.setattr(_memory, "_libc", libc)
+    monkeypatch.setattr(_memory, "_madvise", refusing)
     monkeypatch.setattr(_memory, "_prefault_works", [True])
     with prefaulted([(0, 1), (5 * P, 1)]):
         ran = True
     assert ran and len(calls) == 2 and _memory._prefault_works == [True]  # ENOMEM: the next span is tried
-    libc.errno = errno.EINVAL
+    failing[0] = errno.EINVAL
     with prefaulted([(0, 1), (5 * P, 1)]):
         pass
     assert len(calls) == 3 and _memory._prefault_works == [False]  # EINVAL: stops at once

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import errno
 import gc
+import mmap
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -33,12 +34,10 @@ if sys.platform.startswith("linux"):
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, without writing them
-_PAGE = 4096
-if _libc is not None:
-    try:
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except AttributeError:
-        _libc = None
+_PAGE = mmap.PAGESIZE  # madvise takes page-aligned spans (4 KiB on x86-64, up to 64 KiB on arm64)
+_madvise: Any = getattr(_libc, "madvise", None)
+if _madvise is not None:
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def release_free_memory() -> None:
@@ -113,7 +112,7 @@ def page_spans(buffers: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _populate(spans: Sequence[tuple[int, int]]) -> None:
     for start, length in spans:
-        if _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+        if _madvise(start, length, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
             _prefault_works[0] = False  # a kernel without it; any other failure only leaves the pages to the reads
             return
 
@@ -134,7 +133,7 @@ def prefaulted(buffers: Sequence[tuple[int, int]]) -> Iterator[None]:
     faults move to the other CPU; the CPU time stays). The data is unchanged: populating a
     page present already does nothing, and only pages holding the buffers' bytes are touched.
     Without the call (not Linux 5.14+, no glibc) the body runs alone, as before."""
-    spans = page_spans(buffers)[:PREFAULT_SPANS] if _libc is not None and _prefault_works[0] else []
+    spans = page_spans(buffers)[:PREFAULT_SPANS] if _madvise is not None and _prefault_works[0] else []
     if not spans:
         yield
         return
