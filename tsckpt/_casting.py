@@ -353,18 +353,12 @@ class CastCheck:
         return self.first
 
 
-# Each stored dtype name torch has a dtype of, and that dtype.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: dt for name in _dtypes.LOGICAL_NAMES if isinstance(dt := getattr(torch, name, None), torch.dtype)
-}
-
-
 def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastCheck | None:
     """Whether ``casting`` lets a restore cast the stored dtype into ``target`` (a torch or
     numpy dtype): raises :class:`LeafTypeError` before anything is read when it does not.
     Returns the check to run on the values read when the cast may lose some, None when it
     cannot (same dtype, or a cast that keeps every value up to a float's rounding)."""
-    if target is _TORCH_DTYPES.get(stored):  # the stored dtype itself, the usual case: no cast
+    if target is _dtypes.TORCH_DTYPES.get(stored):  # the stored dtype itself, the usual case: no cast
         return None
     if isinstance(target, torch.dtype):
         name = _dtypes.torch_name(target) if _dtypes.is_supported_torch(target) else None

@@ -120,11 +120,22 @@ def numpy_dtype(logical: str) -> np.dtype:
     return _NATIVE[storage_dtype(logical)]
 
 
-def torch_dtype(logical: str) -> torch.dtype:
+def _torch_dtype_or_none(logical: str) -> torch.dtype | None:
     dt = getattr(torch, logical, None)
-    if not isinstance(dt, torch.dtype):
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def torch_dtype(logical: str) -> torch.dtype:
+    dt = _torch_dtype_or_none(logical)
+    if dt is None:
         raise KeyError(logical)
     return dt
+
+
+# torch's dtype of each logical name that has one (:func:`torch_dtype`), looked up once.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: dt for name in LOGICAL_NAMES if (dt := _torch_dtype_or_none(name)) is not None
+}
 
 
 _TORCH_NUMPY_OK = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

@@ -170,7 +170,8 @@ def _openat2() -> Any:
     if fd < 0:
         return None
     os.close(fd)
-    return lambda dir_fd, rel: bound(dir_fd, rel, ctypes.byref(how), ctypes.sizeof(how))
+    ref, size = ctypes.byref(how), ctypes.sizeof(how)  # made once: each open passes the same struct
+    return lambda dir_fd, rel: bound(dir_fd, rel, ref, size)
 
 
 def confined_opens() -> bool:
@@ -183,8 +184,9 @@ def open_beneath(dir_fd: int, rel: str) -> int:
     (``/``-separated) below the open directory ``dir_fd``. Where :func:`confined_opens`, the
     kernel resolves it refusing a symbolic link anywhere on the way and any path leading
     above ``dir_fd`` (OSError ELOOP or EXDEV, as any failed open); elsewhere a plain
-    ``openat``, which follows links, so its callers walk for links first. Each resolves only ``rel``: for 10,000 small leaves
-    (two opens each), 20,000 walks of the directory's own path saved."""
+    ``openat``, which follows links, so its callers walk for links first. Each resolves
+    only ``rel``: for 10,000 small leaves (two opens each), 20,000 walks of the directory's
+    own path saved."""
     openat2 = _openat2()
     if openat2 is None:
         return os.open(rel, _READ_FLAGS, dir_fd=dir_fd)
