@@ -46,10 +46,20 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "tensorstore": version("tensorstore"),
         "safetensors": st_version,
-        "tsckpt": version("tsckpt"),
+        "tsckpt": _tsckpt_version(),
         "tsckpt_rev": rev,
         "load_avg": os.getloadavg(),
     }
+
+
+def _tsckpt_version() -> str:
+    """The installed distribution's version, or the package's own where it runs from a checkout."""
+    try:
+        return version("tsckpt")
+    except PackageNotFoundError:
+        import tsckpt
+
+        return tsckpt.__version__
 
 
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
