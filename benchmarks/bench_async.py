@@ -48,7 +48,7 @@ from _common import write_section
 import torch
 
 import tsckpt
-from tsckpt._async import AsyncSaver
+from tsckpt._save.background import AsyncSaver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Async save"
@@ -79,7 +79,7 @@ def run(n_tensors: int, repeats: int, base: str) -> dict[str, Any]:
     state = make_state(n_tensors)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
 
-    from tsckpt._save import save
+    from tsckpt._save.protocol import save
 
     saver = AsyncSaver()
     memcpy, fresh, sync, blocked, total = [], [], [], [], []

@@ -254,14 +254,14 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     c0, t0 = cpu_s(), time.perf_counter()
     if lib.startswith("tsckpt"):
         import tsckpt
-        import tsckpt._chunking
-        import tsckpt._save
+        import tsckpt._ondisk.chunking
+        import tsckpt._save.protocol
         import tsckpt._codec.shardwrite
 
         if lib == "tsckpt (TensorStore writer)":
-            tsckpt._save.WRITE_THREADS = 0
+            tsckpt._save.protocol.WRITE_THREADS = 0
         elif lib == "tsckpt (whole-row chunks)":
-            tsckpt._chunking.TRAILING_PIECES = 1
+            tsckpt._ondisk.chunking.TRAILING_PIECES = 1
         elif lib == "tsckpt (page-cache writer)":
             tsckpt._codec.shardwrite.DIRECT = False
         tsckpt.save(path, tree)

@@ -299,10 +299,10 @@ def bench_system(system: str, base: str, args: argparse.Namespace, can_drop: boo
 
 
 def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
-    from tsckpt._plan import plan_save
-    from tsckpt._types import LeafDesc
-    from tsckpt._commit import root_json as _root
-    from tsckpt._format import STATE_COMMITTED
+    from tsckpt._save.plan import plan_save
+    from tsckpt._base.types import LeafDesc
+    from tsckpt._save.commit import root_json as _root
+    from tsckpt._ondisk.records import STATE_COMMITTED
     from tsckpt.tree import flatten, structure_to_json
 
     # a transformer-like tree: 4 weight matrices per layer, 4096 x 1024 float32, Shard(0)
@@ -344,8 +344,8 @@ def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     root = _root(STATE_COMMITTED, meta)
     encode_s = time.perf_counter() - t0
-    from tsckpt._arrays import array_node
-    from tsckpt._store import encode_json
+    from tsckpt._ondisk.arrays import array_node
+    from tsckpt._storage.store import encode_json
 
     node = len(encode_json(array_node(plan.arrays[0])))
     return {

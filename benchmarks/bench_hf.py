@@ -161,7 +161,7 @@ def check(directory: str, state: dict[str, Any]) -> None:
     import torch
     from safetensors import safe_open
 
-    from tsckpt._dtensor import region
+    from tsckpt._leaves.dtensor import region
 
     with open(os.path.join(directory, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]

@@ -87,7 +87,7 @@ def shard_groups(names: list[str], sizes: dict[str, int], limit: int) -> list[li
 def save_shards(tensors: dict[str, Any], directory: str, quick: bool) -> None:
     from safetensors.torch import save_file
 
-    from tsckpt._formats.convert import parse_size
+    from tsckpt._convert import parse_size
 
     os.makedirs(directory, exist_ok=True)
     names = sorted(tensors)

@@ -36,12 +36,12 @@ from typing import Any
 
 from _common import bench_parser, machine_info, write_section
 
-from tsckpt._chunking import SHARD_BYTES
-from tsckpt._descs import ChecksumRequest, Payload, gather_descs, shared_regions, with_checksums, without
-from tsckpt._plan import plan_aliases, plan_save, split_plan
+from tsckpt._ondisk.chunking import SHARD_BYTES
+from tsckpt._save.descs import ChecksumRequest, Payload, gather_descs, shared_regions, with_checksums, without
+from tsckpt._save.plan import plan_aliases, plan_save, split_plan
 from tsckpt._options import WRITE_WINDOW_BYTES
-from tsckpt._save import Part
-from tsckpt._types import LeafDesc
+from tsckpt._save.protocol import Part
+from tsckpt._base.types import LeafDesc
 from tsckpt.tree import flatten, structure_to_json
 
 LEAVES = 1000

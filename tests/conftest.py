@@ -199,7 +199,7 @@ def ckdir(tmp_path):
 def small_chunks(monkeypatch):
     """Tiny chunk and shard targets (1 KiB inner chunks, 4 KiB shards), so small
     arrays get several shard files, each with several inner chunks."""
-    import tsckpt._chunking as chunking
+    import tsckpt._ondisk.chunking as chunking
 
     monkeypatch.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
     monkeypatch.setattr(chunking, "SHARD_BYTES", 4096)

@@ -136,7 +136,7 @@ def partial_save(rank: int, world: int, directory: str) -> None:
 
 def failing_save(rank: int, world: int, directory: str) -> None:
     """Rank 1 fails while writing its data; every rank must raise."""
-    import tsckpt._save as save_mod
+    import tsckpt._save.protocol as save_mod
 
     if rank == 1:
         def boom(*a: Any, **k: Any) -> Any:
@@ -171,7 +171,7 @@ def killed_mid_write(rank: int, world: int, directory: str, victim: int) -> tupl
     sent; the others return what their save raised (:func:`_raised`)."""
     import signal
 
-    import tsckpt._save as save_mod
+    import tsckpt._save.protocol as save_mod
 
     if rank == victim:
         real = save_mod._write_regions

@@ -8,7 +8,7 @@ def race_two_saves(monkeypatch, save_one) -> tuple[int, BaseException]:
     free before either claims it; returns (the winner, the loser's error)."""
     import threading
 
-    import tsckpt._save as save_module
+    import tsckpt._save.protocol as save_module
 
     both_checked = threading.Barrier(2, timeout=30)
     real = save_module._store.has_any_key

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._save as save_module
-from tsckpt._async import AsyncSaver
+import tsckpt._save.protocol as save_module
+from tsckpt._save.background import AsyncSaver
 
 
 def _tree():

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._casting as casting_mod
-from tsckpt import _dtypes
+import tsckpt._base.casting as casting_mod
+from tsckpt._base import dtypes as _dtypes
 import tsckpt.torch
-from tsckpt._casting import level
-from tsckpt._format import ArrayRecord
-from tsckpt._leaves import destination
+from tsckpt._base.casting import level
+from tsckpt._ondisk.records import ArrayRecord
+from tsckpt._leaves.registry import destination
 from tests.dist_helpers import run_ranks
 
 F16_1E6 = (

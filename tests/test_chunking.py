@@ -1,4 +1,4 @@
-"""Chunk and shard shapes (tsckpt._chunking): pure functions, plus what save writes."""
+"""Chunk and shard shapes (tsckpt._ondisk.chunking): pure functions, plus what save writes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tsckpt
-from tsckpt._format import Chunking
-import tsckpt._chunking as chunking
-from tsckpt._chunking import choose_chunking, largest_divisor_at_most, pieces, steps_from_cuts
+from tsckpt._ondisk.records import Chunking
+import tsckpt._ondisk.chunking as chunking
+from tsckpt._ondisk.chunking import choose_chunking, largest_divisor_at_most, pieces, steps_from_cuts
 from tests.conftest import examples
 
 

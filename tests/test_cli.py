@@ -405,8 +405,8 @@ def test_verify_uncommitted(ck, capsys):
 
 def _damage_record(ck: str, leaf: str, **fields) -> None:
     """Change fields of ``leaf``'s record and rewrite its array node to agree."""
-    from tsckpt._arrays import array_node
-    from tsckpt._format import ArrayRecord
+    from tsckpt._ondisk.arrays import array_node
+    from tsckpt._ondisk.records import ArrayRecord
 
     root_path = os.path.join(ck, "zarr.json")
     root = json.load(open(root_path))

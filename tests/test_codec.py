@@ -20,16 +20,17 @@ import tensorstore as ts
 import torch
 
 import tsckpt
-import tsckpt._plan as plan
-from tsckpt import _restore, _save
-from tsckpt._arrays import MISSING_CHUNK, array_node
+import tsckpt._save.plan as plan
+from tsckpt._read import restore as _restore
+from tsckpt._save import protocol as _save
+from tsckpt._ondisk.arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
 from tsckpt._codec import chunkread, shardwrite
 from tsckpt._codec import pagecache as _pagecache
 from tsckpt._codec.encode import decode_chunk, encode_chunk
 from tsckpt._codec.files import ShardIndex, node_agrees, opened_directory, stored_shapes, written_node
 from tsckpt._codec.route import Place, Route, place, route
-from tsckpt._format import ArrayRecord, Chunking
+from tsckpt._ondisk.records import ArrayRecord, Chunking
 from tsckpt._formats.sources import open_checkpoint
 
 LOCAL = {"driver": "file", "path": "/ck/"}
@@ -184,7 +185,7 @@ def values(shape, dtype, seed=0):
 
 def raw(a) -> np.ndarray:
     """The bytes of a restored or original leaf, with its shape."""
-    a = tsckpt._dtypes.tensor_to_numpy(a) if isinstance(a, torch.Tensor) else np.asarray(a)
+    a = tsckpt._base.dtypes.tensor_to_numpy(a) if isinstance(a, torch.Tensor) else np.asarray(a)
     return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape + (-1,))
 
 
@@ -482,6 +483,6 @@ def test_the_cache_probe_is_false_for_a_missing_file(tmp_path):
 
 
 def _kinds_whole_dest(ck, path):
-    from tsckpt._leaves import destination
+    from tsckpt._leaves.registry import destination
 
     return destination(ck.arrays[path], path, torch.empty(16), False)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 import tsckpt
 from tsckpt import CheckpointNotFoundError, NotACheckpointError
 from tsckpt._cli import main
-from tsckpt._formats.sources import detect, open_source
+from tsckpt._convert import open_source
+from tsckpt._formats.sources import detect
 
 from .dist_helpers import run_ranks
 

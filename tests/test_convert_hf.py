@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import tsckpt
 import tsckpt.torch
 from tsckpt._cli import main
-from tsckpt._formats import convert as convert_module
+from tsckpt import _convert as convert_module
 
 
 def gpt2_like() -> dict:

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 import tsckpt
-import tsckpt._save as save_module
-from tsckpt._commit import root_json
-from tsckpt._format import ROOT_KEY
-from tsckpt._store import Location, resolve
+import tsckpt._save.protocol as save_module
+from tsckpt._save.commit import root_json
+from tsckpt._ondisk.records import ROOT_KEY
+from tsckpt._storage.store import Location, resolve
 
 KILLS = 24
 KEEP_LAST = 2

@@ -17,7 +17,7 @@ import tsckpt._formats.dcp as dcp_mod
 from tsckpt._formats.dcp import PICKLE_WARNING, read_dcp
 from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from tsckpt._errors import short_repr
-from tsckpt._types import LazySource
+from tsckpt._base.types import LazySource
 from tests.strategies import assert_same
 
 

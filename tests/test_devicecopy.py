@@ -1,4 +1,4 @@
-"""Copies between device and host memory (tsckpt/_devicecopy.py).
+"""Copies between device and host memory (tsckpt/_runtime/devicecopy.py).
 
 The pipeline runs here on the CPU: the ``cpu_as_device`` fixture makes tsckpt treat CPU
 tensors as device tensors and replaces the device steps (page-locked allocation,
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt import _devicecopy
-from tsckpt._async import AsyncSaver
-from tsckpt._devicecopy import HostRing, batches, pieces
+from tsckpt._runtime import devicecopy as _devicecopy
+from tsckpt._save.background import AsyncSaver
+from tsckpt._runtime.devicecopy import HostRing, batches, pieces
 from tests.dist_helpers import run_ranks
 
 KiB = 1 << 10
@@ -361,7 +361,7 @@ def _dtensor_on_cuda(rank: int, world: int, directory: str) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tsckpt._dist import coordinator_for
+    from tsckpt._coord.torchdist import coordinator_for
 
     mesh = init_device_mesh("cuda", (world,))
     full = torch.arange(64 * 48, dtype=torch.float32, device="cuda").reshape(64, 48).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""tsckpt's coordination group (tsckpt/_dist.py): always gloo, whatever the default group's backend."""
+"""tsckpt's coordination group (tsckpt/_coord/torchdist.py): always gloo, whatever the default group's backend."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist_helpers import run_ranks
-from tsckpt import _dist
+from tsckpt._coord import torchdist as _dist
 
 
 def test_coordination_group_is_gloo_when_the_default_group_is_nccl(monkeypatch):

@@ -17,18 +17,18 @@ import torch
 import zarr
 
 import tsckpt
-from tsckpt import _chunking
+from tsckpt._ondisk import chunking as _chunking
 from tsckpt._codec import route as _route
 from tsckpt._codec import shardwrite as _shardwrite
 from tsckpt._codec.files import stored_shapes
-from tsckpt._arrays import array_node, chunk_key
-from tsckpt._format import ArrayRecord, Chunking
-from tsckpt._leaves import describe
-from tsckpt._descs import gather_descs, pack_descs
-from tsckpt._plan import plan_save, split_plan
-from tsckpt._progress import Progress
+from tsckpt._ondisk.arrays import array_node, chunk_key
+from tsckpt._ondisk.records import ArrayRecord, Chunking
+from tsckpt._leaves.registry import describe
+from tsckpt._save.descs import gather_descs, pack_descs
+from tsckpt._save.plan import plan_save, split_plan
+from tsckpt._runtime.progress import Progress
 from tsckpt._formats.sources import open_checkpoint
-from tsckpt._save import _whole_shard, _write_regions
+from tsckpt._save.protocol import _whole_shard, _write_regions
 
 
 def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
@@ -59,7 +59,7 @@ def _same_as_tensorstore(tmp_path, t: torch.Tensor) -> tsckpt.ArrayMetadata:
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": ref_dir}, "metadata": array_node(rec), "create": True,
             "store_data_equal_to_fill_value": True}
     ref = ts.open(spec).result()
-    ref.write(tsckpt._dtypes.tensor_to_numpy(t)).result()
+    ref.write(tsckpt._base.dtypes.tensor_to_numpy(t)).result()
     mine, theirs = _files(os.path.join(d, "x")), _files(ref_dir)
     assert mine.keys() == theirs.keys()
     for key in mine:
@@ -337,7 +337,7 @@ def _several_writers(tmp_path, monkeypatch, shape, dtype, regions, writer):
 def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunks, monkeypatch, dtype):
     """tsckpt.save writes sharded arrays with its own writer (TensorStore opens no array
     for writing), the files equal TensorStore's, and zarr-python reads them."""
-    import tsckpt._save as save_mod
+    import tsckpt._save.protocol as save_mod
 
     def no_tensorstore(*args, **kwargs):
         raise AssertionError("TensorStore was asked to write")
@@ -346,9 +346,9 @@ def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunk
     t = (torch.randn(67, 45) * 100).to(dtype) if dtype != torch.complex32 else torch.randn(67, 45, dtype=torch.complex32)
     md = _same_as_tensorstore(tmp_path, t)
     assert md.shard_shape != md.chunk_shape
-    want = tsckpt._dtypes.tensor_to_numpy(t)
+    want = tsckpt._base.dtypes.tensor_to_numpy(t)
     out = tsckpt.restore(str(tmp_path / "ck"), {"x": torch.zeros_like(t)})["x"]
-    assert tsckpt._dtypes.tensor_to_numpy(out).tobytes() == want.tobytes()
+    assert tsckpt._base.dtypes.tensor_to_numpy(out).tobytes() == want.tobytes()
     if dtype != torch.bfloat16:  # zarr-python has no bfloat16
         z = zarr.open_array(str(tmp_path / "ck" / "x"), mode="r")[...]
         assert z.tobytes() == want.tobytes() and z.shape == want.shape

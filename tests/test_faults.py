@@ -27,12 +27,12 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._commit as commit_module
-import tsckpt._lease as lease_module
-import tsckpt._restore as restore_module
-import tsckpt._save as save_module
-import tsckpt._store as store
-from tsckpt._format import ROOT_KEY
+import tsckpt._save.commit as commit_module
+import tsckpt._save.lease as lease_module
+import tsckpt._read.restore as restore_module
+import tsckpt._save.protocol as save_module
+import tsckpt._storage.store as store
+from tsckpt._ondisk.records import ROOT_KEY
 
 ROOT_DIR = str(Path(tsckpt.__file__).resolve().parent.parent)  # this tsckpt, for child processes
 
@@ -330,7 +330,7 @@ def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
     assert (e.value.errno, e.value.filename, e.value.leaf) == (errno.EACCES, file, "a")
     assert str(e.value).startswith(f"{ckdir}: permission denied (EACCES) while reading leaf 'a' (")
     assert f"give the user running this process read access to {file}" in str(e.value)
-    monkeypatch.setattr(tsckpt._reader.LazyArray, "tensorstore", lambda self: Unreadable())
+    monkeypatch.setattr(tsckpt._read.reader.LazyArray, "tensorstore", lambda self: Unreadable())
     with pytest.raises(tsckpt.StorageError, match="permission denied .* while reading leaf 'a'") as e:
         tsckpt.open(ckdir)["a"][:3]
     assert e.value.errno == errno.EACCES
@@ -380,7 +380,7 @@ def test_refused_save_leaves_nothing_and_a_corrected_retry_works(ckdir, bad, why
 
 _BLOCKED_SAVER = """
 import sys, time, numpy as np
-import tsckpt, tsckpt._lease as lease, tsckpt._save as save_module
+import tsckpt, tsckpt._save.lease as lease, tsckpt._save.protocol as save_module
 lease.RENEW_SECONDS = 0.2
 lease.LEASE_SECONDS = float(sys.argv[3])
 

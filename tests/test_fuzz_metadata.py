@@ -38,9 +38,9 @@ import tsckpt
 from tests.conftest import examples
 from tests.stored import read_key, write_key
 from tests.strategies import assert_same, bits, dumps, json_mutations, mutate, record_edits
-from tsckpt._arrays import array_node
-from tsckpt._dtypes import is_known
-from tsckpt._format import ArrayRecord, record_problem
+from tsckpt._ondisk.arrays import array_node
+from tsckpt._base.dtypes import is_known
+from tsckpt._ondisk.records import ArrayRecord, record_problem
 from tsckpt.tree import flatten
 
 ANSWER_TIMEOUT = 60  # seconds the worker may take for one example before it counts as hung
@@ -93,7 +93,7 @@ def target_tree() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, str]:
     """The checkpoint of :func:`original_tree` in each layout."""
-    import tsckpt._chunking as chunking
+    import tsckpt._ondisk.chunking as chunking
 
     out = {}
     for layout in ("plain", "compact"):

@@ -46,7 +46,7 @@ def _rank_main(directory: str, out: str) -> None:
     import torch.distributed as dist
 
     import tsckpt
-    import tsckpt._save as save_mod
+    import tsckpt._save.protocol as save_mod
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

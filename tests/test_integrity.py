@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._chunking as chunking
-from tsckpt._format import ROOT_KEY
+import tsckpt._ondisk.chunking as chunking
+from tsckpt._ondisk.records import ROOT_KEY
 from tests.stored import chunk_keys, delete_prefix, read_key, write_key
 
 
@@ -157,7 +157,7 @@ def test_damaged_root_metadata(ck):
 def test_flipped_byte_in_a_memory_store():
     loc = "memory://integrity/ck"
     tsckpt.save(loc, {"w": np.arange(100, dtype=np.float32)})
-    kv = tsckpt._store.resolve(loc).kvstore()
+    kv = tsckpt._storage.store.resolve(loc).kvstore()
     key = next(k for k in kv.list().result() if k.startswith(b"w/c/"))
     data = bytearray(kv.read(key).result().value)
     data[7] ^= 0x01

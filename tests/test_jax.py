@@ -1,4 +1,4 @@
-"""jax.Array leaves (tsckpt._jax): a JAX program writes what PyTorch restores, and back."""
+"""jax.Array leaves (tsckpt._leaves.jaxarray): a JAX program writes what PyTorch restores, and back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt import _restore
-from tsckpt._jax import JaxKind
+from tsckpt._read import restore as _restore
+from tsckpt._leaves.jaxarray import JaxKind
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -130,7 +130,7 @@ def test_save_reads_shards_not_the_gathered_array(ckdir, monkeypatch):
 def test_save_writes_each_file_from_one_device_shard(ckdir, spec, monkeypatch, small_chunks):
     """Shard files are cut at the device shards' boundaries: every file's source is a view of one
     device shard's memory, nothing is assembled, and the bytes round-trip."""
-    from tsckpt import _jax
+    from tsckpt._leaves import jaxarray as _jax
 
     x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)  # 24 KiB: files of 4 KiB
     a = _sharded(x, spec)

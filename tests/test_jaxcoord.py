@@ -1,4 +1,4 @@
-"""Multi-process JAX (tsckpt._jaxcoord): 2 processes x 2 CPU devices coordinated through
+"""Multi-process JAX (tsckpt._coord.jaxdist): 2 processes x 2 CPU devices coordinated through
 jax.distributed alone, and their checkpoints read by torch.distributed ranks, and back."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.dist_helpers import free_port, run_ranks
 pytest.importorskip("jax")
 
 from tests import jax_scenarios  # noqa: E402
-from tsckpt import _jaxcoord  # noqa: E402
+from tsckpt._coord import jaxdist as _jaxcoord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

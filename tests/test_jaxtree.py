@@ -1,4 +1,4 @@
-"""JAX's pytree registry (tsckpt._jaxtree): Flax and optax containers flatten and rebuild as JAX says."""
+"""JAX's pytree registry (tsckpt._base.jaxtree): Flax and optax containers flatten and rebuild as JAX says."""
 
 from __future__ import annotations
 

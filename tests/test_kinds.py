@@ -1,4 +1,4 @@
-"""Leaf kinds (tsckpt._kinds, _leaves): one adapter per array type, tested without I/O; and what save refuses."""
+"""Leaf kinds (tsckpt._leaves.kinds, _leaves): one adapter per array type, tested without I/O; and what save refuses."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt._format import ArrayRecord, Chunking
-from tsckpt._kinds import LazyKind, NumpyKind, ShardedKind, SpecKind, TorchKind
-from tsckpt._leaves import describe, destination, kind_of, memory
-from tsckpt._types import LazySource
+from tsckpt._ondisk.records import ArrayRecord, Chunking
+from tsckpt._leaves.kinds import LazyKind, NumpyKind, ShardedKind, SpecKind, TorchKind
+from tsckpt._leaves.registry import describe, destination, kind_of, memory
+from tsckpt._base.types import LazySource
 
 
 def rec(shape, dtype="float32", kind="torch"):
@@ -123,7 +123,7 @@ def test_describe_refuses_more_dimensions_than_readers_open():
 
 
 def test_save_and_restore_share_one_definition_of_the_limits():
-    from tsckpt._format import MAX_ELEMENTS, MAX_NDIM, extent_problem, record_problem
+    from tsckpt._ondisk.records import MAX_ELEMENTS, MAX_NDIM, extent_problem, record_problem
 
     def problem(shape):
         j = {"path": "w", "kind": "torch", "dtype": "float32", "shape": list(shape),

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt import _links
-from tsckpt._links import confined_opens, open_beneath, owner, symlinks
+from tsckpt._storage import confine as _links
+from tsckpt._storage.confine import confined_opens, odd_files, open_beneath, owner
+
+
+def symlinks(root: str) -> dict[str, str]:
+    """Relative path -> link target, for every symbolic link the walk finds below ``root``."""
+    return {rel: odd.target for rel, odd in odd_files(root).items() if odd.target is not None}
 
 
 @pytest.fixture

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt import _memory, _save
-from tsckpt._memory import collector_paused, page_spans, prefaulted, release_free_memory
+from tsckpt._runtime import memory as _memory
+from tsckpt._save import protocol as _save
+from tsckpt._runtime.memory import collector_paused, page_spans, prefaulted, release_free_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")

@@ -19,14 +19,14 @@ ocp = pytest.importorskip("orbax.checkpoint")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from tsckpt._formats import orbax as _orbax  # noqa: E402
-from tsckpt._errors import (  # noqa: E402
+from tsckpt._formats import orbax as _orbax
+from tsckpt._errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from tsckpt.tree import escape  # noqa: E402
+from tsckpt.tree import escape
 
 DEFAULT_OCDBT_ZARR2 = "standard"
 

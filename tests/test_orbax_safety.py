@@ -17,8 +17,8 @@ ocp = pytest.importorskip("orbax.checkpoint")
 
 import tsckpt  # noqa: E402
 from tests.foreign import run_capped, zstd_zeros  # noqa: E402
-from tsckpt._errors import CorruptCheckpointError  # noqa: E402
-from tsckpt._formats import orbax as _orbax  # noqa: E402
+from tsckpt._errors import CorruptCheckpointError
+from tsckpt._formats import orbax as _orbax
 
 
 def _tree() -> dict:

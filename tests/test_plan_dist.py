@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tsckpt._chunking as chunking
+import tsckpt._ondisk.chunking as chunking
 from tsckpt import LayoutError
-from tsckpt._chunking import shard_boxes
-from tsckpt._descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
-from tsckpt._plan import RankPlan, plan_save, split_plan
-from tsckpt._types import LeafDesc
+from tsckpt._ondisk.chunking import shard_boxes
+from tsckpt._save.descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
+from tsckpt._save.plan import RankPlan, plan_save, split_plan
+from tsckpt._base.types import LeafDesc
 
 
 def desc(path, shape, off, ln, itemsize=4, checksum=None, cuts=()):
@@ -220,7 +220,7 @@ def test_single_holder_regions_count_before_replicas_are_assigned():
 
 
 def test_ask_root_alone_answers_and_raises_the_roots_error():
-    from tsckpt._coord import Solo, ask_root
+    from tsckpt._coord.protocol import Solo, ask_root
 
     assert ask_root(Solo(), "x", lambda: (1, "p"), lambda got: [got]) == (1, ["p"])
 
@@ -328,7 +328,7 @@ def held_in_pieces(draw):
 
 
 def _pieces_of(d):
-    from tsckpt._chunking import pieces
+    from tsckpt._ondisk.chunking import pieces
 
     return pieces((d.offsets, d.lengths), d.cuts, d.itemsize)
 

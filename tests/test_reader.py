@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import tsckpt
 from tests.stored import array_store, read_key, write_key
-from tsckpt._arrays import array_node, stored_files, stored_size
-from tsckpt._format import ArrayRecord
+from tsckpt._ondisk.arrays import array_node, stored_files, stored_size
+from tsckpt._ondisk.records import ArrayRecord
 
 X = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)  # small_chunks: 2 shards of 4 rows, 1-row inner chunks
 
@@ -311,7 +311,7 @@ def test_extents_too_large_for_any_array_are_an_invalid_record(two, shape):
 def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, layout, monkeypatch):
     """The sizes the check expects are exactly those TensorStore writes: full and edge shards,
     inner chunks past the array's end, complex32's extra dimension, 0-d and bool arrays."""
-    import tsckpt._backing as backing
+    import tsckpt._ondisk.backing as backing
 
     tree = {
         "edge": np.arange(10 * 300, dtype=np.float32).reshape(10, 300),  # shards (3, 300) of (1, 150) chunks
@@ -342,7 +342,7 @@ def test_probes_agree_with_the_files_of_a_valid_checkpoint(ckdir, small_chunks, 
 
 
 def test_a_read_checks_only_the_files_it_touches(two, monkeypatch):
-    import tsckpt._backing as backing
+    import tsckpt._ondisk.backing as backing
 
     monkeypatch.setattr(backing, "UNCHECKED_BYTES", 0)
     write_key(two, "x/c/1/0", None)  # rows 4..7
@@ -519,7 +519,7 @@ def test_a_reader_of_a_deleted_checkpoint(ckdir, layout):
 def test_a_restore_overtaken_by_an_overwrite_raises(ckdir, layout, monkeypatch):
     """The overwrite lands between the restore's opening and its reads (plain: the new files
     would be read under the old records; compact: the old database is gone)."""
-    import tsckpt._restore as restore_module
+    import tsckpt._read.restore as restore_module
 
     tsckpt.save(ckdir, _leaves(1), layout=layout)
     real = restore_module._restore_saved
@@ -536,7 +536,7 @@ def test_a_restore_overtaken_by_an_overwrite_raises(ckdir, layout, monkeypatch):
 
 
 def test_a_restore_of_a_step_retention_deletes(tmp_path, layout, monkeypatch):
-    import tsckpt._restore as restore_module
+    import tsckpt._read.restore as restore_module
 
     m = tsckpt.CheckpointManager(str(tmp_path / "run"), keep_last=1, layout=layout)
     m.save(0, _leaves(0))

@@ -254,7 +254,7 @@ def test_reversed_numpy_target(saved):
 
 @pytest.mark.parametrize("window", [1, 4096, 64 << 20])
 def test_read_window_is_an_option_and_changes_no_value(ckdir, small_chunks, dirty_empty, window, monkeypatch):
-    import tsckpt._restore as restore_mod
+    import tsckpt._read.restore as restore_mod
 
     tree = {"w": torch.randn(64, 32), "b": np.arange(100, dtype=np.int16), "c": torch.randn(8).to(torch.bfloat16)}
     tsckpt.save(ckdir, tree)
@@ -282,7 +282,7 @@ def test_read_window_is_an_option_and_changes_no_value(ckdir, small_chunks, dirt
 def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, monkeypatch, layout):
     """One plain chunk each: decoded by tsckpt (node checked, crc32c checked); the rest
     (but sharded arrays of the plain layout), and any target needing a cast, go through TensorStore."""
-    import tsckpt._restore as restore_mod
+    import tsckpt._read.restore as restore_mod
 
     tree = {
         "big": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32),  # sharded: several files
@@ -310,7 +310,7 @@ def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, 
 def test_the_collector_is_paused_during_a_restore_and_its_setting_restored(tmp_path, monkeypatch):
     import gc
 
-    from tsckpt import _restore
+    from tsckpt._read import restore as _restore
 
     tsckpt.save(tmp_path / "c", {"a": torch.arange(4.0)})
     seen: list[bool] = []

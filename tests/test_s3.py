@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._save as save_module
+import tsckpt._save.protocol as save_module
 from tests import dist_scenarios as sc
 from tests.races import race_two_saves
 from tests.dist_helpers import free_port, run_ranks
@@ -152,7 +152,7 @@ def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch):
     spec = {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": s3_server}
     tsckpt.save(spec, _tree(1))
     _assert_tree(tsckpt.restore(spec), 1)
-    assert tsckpt._store.resolve(spec).spec["endpoint"] == s3_server
+    assert tsckpt._storage.store.resolve(spec).spec["endpoint"] == s3_server
 
 
 def test_compact_layout_on_s3(s3_server, prefix):
@@ -180,7 +180,7 @@ def test_compact_restore_reads_by_few_requests(s3_server, prefix, counted, leave
     it takes to start them (on a loaded machine too); the bound is 3 per 100 leaves
     (benchmarks/bench_s3.py measures the target, 2 per 100, at 10,000 leaves)."""
     if not coalesced:
-        monkeypatch.setattr(tsckpt._arrays, "COALESCE", {})
+        monkeypatch.setattr(tsckpt._ondisk.arrays, "COALESCE", {})
     url = f"s3://{BUCKET}/{prefix}"
     tree = {f"l{i:04d}": torch.full((16 + i % 300,), float(i)) for i in range(leaves)}
     tsckpt.save(url, tree, layout="compact")
@@ -474,7 +474,7 @@ def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
     import sys
 
     quick = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}
-    bound = tsckpt._store.request_seconds(quick, 1)
+    bound = tsckpt._storage.store.request_seconds(quick, 1)
     assert bound == pytest.approx(3 * 1 + 0.02 + 0.02)  # 3 attempts of 1 s; backoff up to 2 x 20 ms
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -496,11 +496,11 @@ def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
 def test_default_request_bound_is_at_most_60_s(monkeypatch):
     """tsckpt's defaults: 7 attempts of at most 6 s each, and at most 12.75 s of backoff."""
     monkeypatch.delenv("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", raising=False)
-    assert tsckpt._store.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
-    assert tsckpt._store.request_seconds() <= 60
-    assert tsckpt._store.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
+    assert tsckpt._storage.store.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
+    assert tsckpt._storage.store.request_seconds() <= 60
+    assert tsckpt._storage.store.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
     with pytest.raises(ValueError, match="not a duration"):
-        tsckpt._store.request_seconds({"initial_delay": "soon"})
+        tsckpt._storage.store.request_seconds({"initial_delay": "soon"})
 
 
 # ---- lost responses of conditional writes ------------------------------------------------
@@ -556,7 +556,7 @@ def test_a_lost_response_of_the_claim_or_commit_is_recognised(s3_server, prefix,
 
 @pytest.mark.no_checkpoint_root  # on S3: the layout is checked here
 def test_a_lost_response_of_a_renewal_keeps_the_lease(s3_server, prefix, lossy, layout, monkeypatch):
-    import tsckpt._lease as lease_module
+    import tsckpt._save.lease as lease_module
 
     url = f"s3://{BUCKET}/{prefix}"
     monkeypatch.setattr(lease_module, "RENEW_SECONDS", 0.05)
@@ -613,7 +613,7 @@ def test_a_reader_never_mixes_two_checkpoints_on_s3(s3_server, prefix, layout):
 
 @pytest.mark.no_checkpoint_root  # on S3
 def test_a_restore_of_a_step_retention_deletes_on_s3(s3_server, prefix, layout, monkeypatch):
-    import tsckpt._restore as restore_module
+    import tsckpt._read.restore as restore_module
 
     m = tsckpt.CheckpointManager(f"s3://{BUCKET}/{prefix}", keep_last=1, layout=layout)
     m.save(0, _big_tree(0))

@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
 from tsckpt import NotACheckpointError
-from tsckpt import _dtypes
+from tsckpt._base import dtypes as _dtypes
 from tsckpt._errors import short_repr
-from tsckpt._format import MAX_NDIM
+from tsckpt._ondisk.records import MAX_NDIM
 from tsckpt._formats import safetensors as _safetensors
 from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
-from tsckpt._types import LazySource
+from tsckpt._base.types import LazySource
 
 
 def tensors() -> dict[str, torch.Tensor]:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._plan as plan
-from tsckpt import _restore
+import tsckpt._save.plan as plan
+from tsckpt._read import restore as _restore
 from tsckpt._codec import pagecache as _pagecache
 from tsckpt._codec import shardread as _shardread
-from tsckpt._format import Chunking
+from tsckpt._ondisk.records import Chunking
 
 LAYOUTS = {
     # name: (shape, shard_shape, chunk_shape); edges are not multiples of either
@@ -203,7 +203,7 @@ def test_threads_window_and_progress(tmp_path, layout_of, monkeypatch, threads):
     monkeypatch.setattr(_shardread, "RUN_BYTES", 3 * 324)  # three inner chunks a read
     ckpt = tsckpt._formats.sources.open_checkpoint(ck)
     target = np.zeros_like(x)
-    dest = tsckpt._leaves.destination(ckpt.arrays["w"], "w", target, True)
+    dest = tsckpt._leaves.registry.destination(ckpt.arrays["w"], "w", target, True)
 
     class Count:
         nbytes = files = 0

@@ -11,7 +11,7 @@ import torch
 
 import tsckpt
 import tsckpt.torch as tt
-from tsckpt._stateful import expand, is_stateful
+from tsckpt._leaves.stateful import expand, is_stateful
 
 
 class Counter:

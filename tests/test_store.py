@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import tsckpt
-import tsckpt._store as store
+import tsckpt._storage.store as store
 
 
 def _files(root: str) -> set[str]:

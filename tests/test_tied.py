@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tsckpt
-import tsckpt._restore as restore_mod
-from tsckpt._plan import plan_aliases
-from tsckpt._types import LeafDesc
+import tsckpt._read.restore as restore_mod
+from tsckpt._save.plan import plan_aliases
+from tsckpt._base.types import LeafDesc
 
 
 def _meta(d: str) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tsckpt
-from tsckpt._reader import read_subtree
+from tsckpt._read.reader import read_subtree
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_a_tree_that_does_not_give_the_listed_leaves_is_reported(ck):
 
 
 def test_a_record_larger_than_its_files_is_reported_per_leaf(ck, monkeypatch):
-    import tsckpt._backing as backing
+    import tsckpt._ondisk.backing as backing
 
     monkeypatch.setattr(backing, "UNCHECKED_BYTES", 0)
 

@@ -1,4 +1,4 @@
-"""The bounded window of work in flight (tsckpt/_window.py)."""
+"""The bounded window of work in flight (tsckpt/_runtime/window.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tsckpt._window import Window
+from tsckpt._runtime.window import Window
 
 
 def test_settles_oldest_first_until_within_the_limit():

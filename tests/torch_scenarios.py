@@ -147,7 +147,7 @@ def train(
 
 
 def full_params(model: nn.Module) -> dict[str, np.ndarray]:
-    from tsckpt._dtensor import is_dtensor
+    from tsckpt._leaves.dtensor import is_dtensor
 
     out = {}
     for name, v in model.state_dict().items():
@@ -157,7 +157,7 @@ def full_params(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def full_optim(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, np.ndarray]:
-    from tsckpt._dtensor import is_dtensor
+    from tsckpt._leaves.dtensor import is_dtensor
     from tsckpt.torch._state import param_names
 
     names = param_names(model)
@@ -174,7 +174,7 @@ def fill_nan(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     def fill(t: torch.Tensor) -> None:
-        from tsckpt._dtensor import is_dtensor
+        from tsckpt._leaves.dtensor import is_dtensor
 
         t = t.to_local() if is_dtensor(t) else t
         t.fill_(float("nan") if t.is_floating_point() else -1)
@@ -191,7 +191,7 @@ def fill_nan(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
 
 
 def nan_left(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[str]:
-    from tsckpt._dtensor import is_dtensor
+    from tsckpt._leaves.dtensor import is_dtensor
 
     def bad(t: torch.Tensor) -> bool:
         t = t.to_local() if is_dtensor(t) else t

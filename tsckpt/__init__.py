@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._version import __version__
-
+from ._base.types import ArraySpec, ShardedArray
+from ._convert import ConvertReport, convert
 from ._errors import (
     CheckpointExistsError,
     CheckpointIncompleteError,
@@ -24,16 +24,15 @@ from ._errors import (
     StructureMismatchError,
     TsckptError,
 )
-from ._async import AsyncSave, save_async
-from ._formats.convert import ConvertReport, convert
 from ._manager import CheckpointManager
-from ._checkpoint import ArrayMetadata
-from ._open import metadata, open
-from ._reader import LazyArray, Reader
-from ._restore import RestoreWarning, restore
-from ._save import save
-from ._types import ArraySpec, ShardedArray
-from ._verify import VerifyReport, verify
+from ._ondisk.checkpoint import ArrayMetadata
+from ._read.open import metadata, open
+from ._read.reader import LazyArray, Reader
+from ._read.restore import RestoreWarning, restore
+from ._read.verify import VerifyReport, verify
+from ._save.background import AsyncSave, save_async
+from ._save.protocol import save
+from ._version import __version__
 from .tree import register_node
 
 __all__ = [

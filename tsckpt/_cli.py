@@ -21,21 +21,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import _dtypes
-from ._version import __version__
-from ._casting import CASTINGS
+from ._base import dtypes as _dtypes
+from ._base.casting import CASTINGS
+from ._convert import TARGETS, parse_size
 from ._errors import CheckpointExistsError, TsckptError
-from ._formats.convert import TARGETS, parse_size
-from ._format import LAYOUT_PLAIN, LAYOUTS
 from ._formats.dcp import PICKLE_WARNING
 from ._formats.sources import FORMATS, open_checkpoint
-from ._open import open as open_reader
+from ._ondisk.records import LAYOUT_PLAIN, LAYOUTS
 from ._options import READ_WINDOW_BYTES
-from ._reader import LazyArray, normalize_index
-from ._progress import human_bytes
+from ._read.open import open as open_reader
+from ._read.reader import LazyArray, normalize_index
+from ._runtime.progress import human_bytes
+from ._version import __version__
 
 if TYPE_CHECKING:
-    from ._verify import VerifyReport
+    from ._read.verify import VerifyReport
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -268,7 +268,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from ._read.verify import verify
 
     report = verify(args.dir, progress=False if args.verbose else None, **_opened(args))
     if args.verbose:
@@ -317,7 +317,7 @@ def _verified(report: VerifyReport) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ._formats.convert import convert
+    from ._convert import convert
 
     try:
         window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")

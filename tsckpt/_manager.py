@@ -16,7 +16,7 @@ logger naming it, retention never counts it, and saving that step is refused.
 
 Several managers (or jobs) may save under one root, each its own steps. A
 pending step whose save may still be running (its claim's lease is fresh and,
-on this machine, its process is alive; see tsckpt/_lease.py) is never deleted by
+on this machine, its process is alive; see tsckpt/_save/lease.py) is never deleted by
 clean-up or retention, and saving a step that another save is writing is
 refused, so one manager never destroys another's save in progress. Retention
 applies to all complete steps under the root, whichever manager wrote them.
@@ -28,7 +28,7 @@ the middle of a deletion never leaves a damaged step that looks complete, nor
 one clean-up cannot identify as tsckpt's. With several ranks, only rank 0 deletes.
 
 On object stores the steps are listed through an index of marker objects
-(tsckpt/_steps.py), which a step saved under the root without the manager
+(tsckpt/_ondisk/stepindex.py), which a step saved under the root without the manager
 (``tsckpt.save`` on ``directory(step)``) joins too; a marker is only a hint and
 never makes a step look complete. Local disks are listed directly.
 """
@@ -46,22 +46,17 @@ from typing import Any
 
 import tensorstore as ts
 
-from . import _dist, _lease, _steps, _store
-from ._async import AsyncSave, AsyncSaver, prepare_group
+from ._coord import torchdist as _dist
 from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
-from ._format import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING
-from ._options import (
-    READ_WINDOW_BYTES,
-    WRITE_WINDOW_BYTES,
-    AsyncOptions,
-    IfBusy,
-    RestoreOptions,
-    SaveOptions,
-    verb,
-)
-from ._root import RootState, read_root_states
-from ._stateful import is_stateful, is_whole_state
-from ._store import Directory, fsync_path, resolve, storage_errors
+from ._leaves.stateful import is_stateful, is_whole_state
+from ._ondisk import stepindex as _steps
+from ._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
+from ._ondisk.root import RootState, read_root_states
+from ._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
+from ._save import lease as _lease
+from ._save.background import AsyncSave, AsyncSaver, prepare_group
+from ._storage import store as _store
+from ._storage.store import Directory, fsync_path, resolve, storage_errors
 
 log = logging.getLogger("tsckpt")
 
@@ -216,7 +211,7 @@ class CheckpointManager:
         return _store.has_any_key(resolve(self._loc.sub(name)))
 
     def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
-        from ._save import save
+        from ._save.protocol import save
 
         # the manager cleared the step where it had to (``clear``): the save itself never replaces one
         kwargs = dataclasses.replace(options, overwrite=False).kwargs()
@@ -326,7 +321,7 @@ class CheckpointManager:
         ``state_dict()``/``load_state_dict()``), it returns the step restored, where
         the training loop resumes: ``step = manager.restore(target=state)``."""
         options = RestoreOptions.of(locals(), self._reading)
-        from ._restore import restore
+        from ._read.restore import restore
 
         if _dist.is_distributed():
             # the background save and restore talk over the same gloo group
@@ -396,7 +391,7 @@ class CheckpointManager:
             fsync_path(self._loc.local)
             shutil.rmtree(trash, ignore_errors=True)
             return
-        from ._commit import pending_root
+        from ._save.commit import pending_root
 
         kv = self._loc.kvstore()
         root = f"{name}/{ROOT_KEY}"

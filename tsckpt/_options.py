@@ -52,9 +52,9 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
-from . import _fork
-from ._casting import check_casting
-from ._format import LAYOUT_PLAIN, check_layout
+from ._base.casting import check_casting
+from ._ondisk.records import LAYOUT_PLAIN, check_layout
+from ._runtime import fork as _fork
 
 # Bytes of source data handed to storage but not yet written; bounds the
 # extra host memory a save needs beyond the state itself.
@@ -132,7 +132,7 @@ def _if_busy(name: str, value: Any) -> None:
 
 
 def _format(name: str, value: Any) -> None:
-    from ._formats.sources import FORMATS  # the formats package sits above the options
+    from ._formats.sources import FORMATS
 
     if value is not None and value not in FORMATS:
         raise ValueError(f"{name} must be None (detected) or one of {', '.join(FORMATS)}, not {value!r}")
@@ -394,19 +394,11 @@ def _parameter_problems(
 
 
 def verb(name: str) -> Callable[[_F], _F]:
-    """Declare ``fn`` the verb ``name`` of :data:`VERBS`. Raises TypeError (when tsckpt is
-    imported) if its signature drifted from its options, so twins cannot drift apart. Every
-    call first passes tsckpt/_fork.py's check (a child forked after tsckpt ran refuses)."""
+    """Declare ``fn`` the verb ``name`` of :data:`VERBS`: every call first passes the fork
+    check (a child forked after tsckpt ran refuses). That its signature agrees with its
+    options (:func:`signature_problems`) is checked by the tests, not at every import."""
 
     def declare(fn: _F) -> _F:
-        problems = signature_problems(fn, name)
-        if problems:
-            raise TypeError(
-                f"{name}: the signature differs from its options in tsckpt/_options.py: {'; '.join(problems)}. "
-                "Give it the option's name, default and annotation, or list the option under the verb in "
-                "VERBS with the reason it makes no sense there"
-            )
-
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             _fork.enter(name)

@@ -29,9 +29,9 @@ from typing import Any, Callable, NamedTuple, cast
 import optree
 from optree import PyTreeKind
 
-from . import _jaxtree
+from ._base import jaxtree as _jaxtree
+from ._base.types import ArraySpec, LazySource, ShardedArray
 from ._errors import LeafTypeError, short_repr
-from ._types import ArraySpec, LazySource, ShardedArray
 
 NAMESPACE = "tsckpt"
 ROOT_LEAF_PATH = "%root"
@@ -101,7 +101,7 @@ def join(components: list[str]) -> str:
 
 
 # Dataclasses are pytree nodes in tsckpt (as in equinox/flax), and so are the
-# containers of JAX's registry when jax is imported (tsckpt._jaxtree); optree needs
+# containers of JAX's registry when jax is imported (tsckpt._base.jaxtree); optree needs
 # a registration per class, done lazily the first time one is met.
 _registered: set[type] = set()
 

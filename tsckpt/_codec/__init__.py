@@ -1,6 +1,8 @@
 """tsckpt's own zarr v3 codec: the chunk and shard files of tsckpt's format, read and
 written without TensorStore where that is faster, byte for byte as TensorStore does.
 
+Owns:
+
 - :mod:`.route`: the one rule saying which arrays the own codec handles (both directions),
   and the switch ``TSCKPT_CODEC=tensorstore`` that sends all I/O through TensorStore.
 - :mod:`.crc`: crc32c through the crc32c package's public API (the GIL released).
@@ -11,4 +13,8 @@ written without TensorStore where that is faster, byte for byte as TensorStore d
   positional I/O (direct I/O where the file system has it).
 - :mod:`.pagecache`: how much of a file the page cache holds; switching direct I/O on.
 - :mod:`.threads`: the I/O worker pool, which keeps working while the interpreter exits.
+
+May import: :mod:`tsckpt._ondisk`, :mod:`tsckpt._runtime`, :mod:`tsckpt._storage` and the
+foundations; never :mod:`tsckpt._leaves` or :mod:`tsckpt._coord` (its neighbours in the
+layer) or anything above.
 """

@@ -18,15 +18,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
-from .._format import ROOT_KEY, ArrayRecord
-from .._memory import prefaulted
-from .._links import open_beneath
-from .._chunking import shard_boxes
-from .._progress import Progress
-from .._checkpoint import Checkpoint
-from .._types import Dest
-from .._window import Window
+from .._base.types import Dest
+from .._ondisk.arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.chunking import shard_boxes
+from .._ondisk.records import ROOT_KEY, ArrayRecord
+from .._runtime.memory import prefaulted
+from .._runtime.progress import Progress
+from .._runtime.window import Window
+from .._storage.confine import open_beneath
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, opened_directory, stored_shapes

@@ -18,7 +18,7 @@ from typing import Any
 
 import crc32c
 
-from .._arrays import CRC_BYTES
+from .._ondisk.arrays import CRC_BYTES
 
 # The crc32c of any message followed by its own crc32c (little endian): a constant, so
 # a chunk is checked without splitting off its checksum.

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .._arrays import CRC_BYTES
+from .._ondisk.arrays import CRC_BYTES
 from . import crc
 
 LITTLE_ENDIAN = sys.byteorder == "little"

@@ -21,11 +21,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import _dtypes
-from .._arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, array_node, stored_node_problem
-from .._format import ROOT_KEY, ArrayRecord, Chunking
-from .._links import open_beneath
-from .._store import encode_json
+from .._base import dtypes as _dtypes
+from .._ondisk.arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, array_node, stored_node_problem
+from .._ondisk.records import ROOT_KEY, ArrayRecord, Chunking
+from .._storage.confine import open_beneath
+from .._storage.store import encode_json
 from . import crc
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._links import open_beneath
+from .._storage.confine import open_beneath
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (a multiple of every common block size)
 _FAILED = ctypes.c_void_p(-1).value

@@ -36,7 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .._format import LAYOUT_PLAIN, ArrayRecord
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord
 from . import crc
 from .encode import LITTLE_ENDIAN
 

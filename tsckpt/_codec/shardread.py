@@ -43,16 +43,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._arrays import CRC_BYTES, chunk_key
+from .._base.types import Dest
 from .._errors import CorruptCheckpointError
-from .._format import ArrayRecord
-from .._links import open_beneath
-from .._chunking import shard_boxes
-from .._progress import Progress
-from .._checkpoint import Checkpoint
-from .._readerrors import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
-from .._types import Dest
-from .._window import Window
+from .._ondisk.arrays import CRC_BYTES, chunk_key
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.chunking import shard_boxes
+from .._ondisk.readfaults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
+from .._ondisk.records import ArrayRecord
+from .._runtime.progress import Progress
+from .._runtime.window import Window
+from .._storage.confine import open_beneath
 from . import crc
 from .files import ShardIndex, StoredShapes, node_agrees, opened_directory, storage_box, stored_shapes
 from .pagecache import ALIGN, files_cached, resident_fraction, set_direct

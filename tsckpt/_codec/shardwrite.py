@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import CRC_BYTES
+from .._ondisk.arrays import CRC_BYTES
 from . import crc
 from .encode import chunk_parts
 from .files import ShardIndex

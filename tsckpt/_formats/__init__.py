@@ -1,8 +1,21 @@
-"""Checkpoint formats: which one a location holds, each one's reader, and convert.
+"""Other libraries' checkpoint formats: which one a location holds, and each one's reader.
 
-``sources`` is the one place that tells a checkpoint's format (:func:`sources.detect`)
-and opens it: :func:`sources.open_checkpoint` as a ``Checkpoint`` for the read verbs,
-:func:`sources.open_source` as a tree of lazy sources for convert. Each format module
-(``orbax``, ``safetensors``, ``torchfile``, ``dcp``) knows only its own marker files
-and reads only its own format; ``convert`` streams a source into tsckpt or safetensors.
+Owns:
+
+- :mod:`.sources`: the one place that tells a checkpoint's format (``detect``) and opens
+  it for the read verbs (``open_checkpoint``), whatever the format.
+- :mod:`.lazy`: another library's checkpoint as a ``Checkpoint`` of lazy sources (ties
+  stored once), and the one way to read a region of such an array.
+- :mod:`.safetensors`: safetensors files and Hugging Face directories, headers and
+  indexes checked field by field, read and written in blocks.
+- :mod:`.torchfile`: ``torch.save`` files, loaded with ``weights_only=True``.
+- :mod:`.dcp`: torch.distributed.checkpoint directories (pickled metadata only with
+  ``allow_pickle``).
+- :mod:`.orbax`: Orbax item and step directories, through TensorStore alone.
+
+Each format module knows only its own marker files and reads only its own format;
+``convert`` (one layer up) streams any of them into tsckpt or safetensors.
+
+May import: :mod:`tsckpt._leaves`, :mod:`tsckpt._ondisk` and the packages below them;
+never the verbs (``_read``, ``_save``) or anything above.
 """

@@ -23,14 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _dtypes
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from .._errors import short_repr
-from .._format import MAX_ELEMENTS, MAX_NDIM
-from .._links import confined
-from .torchfile import plain_tree, reason, weights_only_refusal
-from .._types import LazySource
+from .._base import dtypes as _dtypes
+from .._base.types import LazySource
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError, short_repr
+from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
+from .._storage.confine import confined
 from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
+from .torchfile import plain_tree, reason, weights_only_refusal
 
 # The pickled metadata file dcp.save writes last: its presence marks a DCP directory.
 METADATA_FILE = ".metadata"

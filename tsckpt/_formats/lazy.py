@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _dtypes
-from .._checkpoint import Checkpoint
-from .._format import ArrayRecord, Chunking
-from .._kinds import logical_dtype
-from .._leaves import memory
-from .._store import Location
-from .._types import LazySource
+from .._base import dtypes as _dtypes
+from .._base.types import LazySource
+from .._leaves.kinds import logical_dtype
+from .._leaves.registry import memory
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.records import ArrayRecord, Chunking
+from .._storage.store import Location
 from ..tree import flatten, structure_to_json
 
 # Bytes of one block a reader asks a source for: restore and verify read an array's region

@@ -40,16 +40,22 @@ from typing import Any
 
 import tensorstore as ts
 
-from .. import _dtypes
-from .._arrays import MANIFEST
-from .._arrays import parse_node as parse_json
-from .._backing import UNCHECKED_BYTES
-from .._checkpoint import Checkpoint
-from .._errors import CheckpointIncompleteError, CheckpointNotFoundError, CorruptCheckpointError
-from .._errors import LeafTypeError, NotACheckpointError, short_repr
-from .._format import ArrayRecord, Chunking
-from .._links import confined, refuse_links
-from .._store import Location
+from .._base import dtypes as _dtypes
+from .._errors import (
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    NotACheckpointError,
+    short_repr,
+)
+from .._ondisk.arrays import MANIFEST
+from .._ondisk.arrays import parse_node as parse_json
+from .._ondisk.backing import UNCHECKED_BYTES
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.records import ArrayRecord, Chunking
+from .._storage.confine import confined, refuse_links
+from .._storage.store import Location
 from ..tree import MAX_STRUCTURE_DEPTH, ROOT_LEAF_PATH, escape, paths_problem, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"

@@ -25,20 +25,25 @@ import glob
 import json
 import math
 import os
-import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from .. import _dtypes
-from .._arrays import parse_node as parse_json
-from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
-from .._errors import NotACheckpointError, short_repr
-from .._format import KINDS, MAX_NDIM, dims_ok, decode_value, known_kind
-from .._links import confined
-from .._types import LazySource
+from .._base import dtypes as _dtypes
+from .._base.types import LazySource
+from .._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    NotACheckpointError,
+    short_repr,
+)
+from .._ondisk.arrays import parse_node as parse_json
+from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
+from .._storage.confine import confined
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -59,7 +64,6 @@ DTYPES = {
     "F8_E8M0": "float8_e8m0fnu",
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
 
 @dataclasses.dataclass(frozen=True)

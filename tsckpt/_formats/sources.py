@@ -16,16 +16,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from .. import _dtypes, _root
-from . import dcp, lazy, orbax, safetensors, torchfile
-from .._checkpoint import TSCKPT, Checkpoint
 from .._errors import CheckpointNotFoundError, NotACheckpointError
-from .._format import ROOT_KEY
-from .._reader import LazyArray
-from .._store import Directory, Location, resolve, storage_errors
-from .._types import LazySource
+from .._ondisk import root as _root
+from .._ondisk.checkpoint import TSCKPT, Checkpoint
+from .._ondisk.records import ROOT_KEY
+from .._storage.store import Directory, Location, resolve, storage_errors
+from . import dcp, lazy, orbax, safetensors, torchfile
 
 FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")
 # The formats read through TensorStore, which a kvstore spec or URL may hold.
@@ -134,67 +132,11 @@ def open_checkpoint(
     with storage_errors(loc):
         fmt = format or (detect(loc.local) if loc.local is not None else TSCKPT)
         if fmt is None and loc.local is not None and os.path.isfile(loc.local):
-            _unknown(loc.local)
+            unknown_format(loc.local)
         return OPENERS[fmt or TSCKPT](loc, Reading(keep_bad, allow_pickle))
 
 
-# ---- convert: a source tree -------------------------------------------------------------
-
-
-def checkpoint_tree(ck: Checkpoint) -> Any:
-    """An opened checkpoint's tree, arrays as lazy sources read chunk by chunk."""
-    made: dict[str, LazySource] = {}
-
-    def leaf(path: str) -> Any:
-        stored = ck.aliases.get(path, path)
-        if stored in ck.values:
-            return ck.values[stored]
-        if stored not in made and ck.sources is not None:  # another format's: its own source
-            made[stored] = ck.sources[stored]
-        if stored not in made:
-            rec = ck.arrays[stored]
-            dtype: Any = _dtypes.torch_dtype(rec.dtype) if rec.kind == "torch" else _dtypes.numpy_dtype(rec.dtype)
-            made[stored] = LazySource(rec.shape, dtype, LazyArray(ck, stored).read_box, kind=rec.kind)
-        return made[stored]
-
-    return ck.build([leaf(p) for p in ck.leaves])
-
-
-def open_source(src: Directory, fmt: str | None = None, *, allow_pickle: bool = False) -> tuple[str, Any]:
-    """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
-    format read through TensorStore); ``fmt`` overrides detection and is checked. The tree is
-    the one the read verbs read (:func:`open_checkpoint`, then :func:`checkpoint_tree`).
-    ``allow_pickle``: a format whose metadata is a pickle (DCP) may be unpickled, which can run
-    code; without it such a source is refused, saying how to opt in."""
-    if isinstance(src, dict):
-        if fmt is not None and fmt not in KVSTORE_FORMATS:
-            raise ValueError(
-                f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
-                "from a local path; pass the path instead of the spec"
-            )
-        return _checkpoint_source(src, fmt, allow_pickle)
-    path = os.fspath(src)
-    fmt = fmt or detect(path) or _unknown(path)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown source format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return _checkpoint_source(path, fmt, allow_pickle)
-
-
-def _checkpoint_source(src: str | dict[str, Any], fmt: str | None, allow_pickle: bool) -> tuple[str, Any]:
-    """(format, source tree) of a checkpoint, which must be of ``fmt`` when given (a path is
-    opened as ``fmt``; a spec dict is detected, then compared)."""
-    ck = open_checkpoint(src, format=None if isinstance(src, dict) else fmt, allow_pickle=allow_pickle)
-    if fmt is not None and ck.format != fmt:
-        if isinstance(src, dict):
-            where, hint = str(ck.location), f"from_format={ck.format!r}"
-        else:
-            where, hint = src, f"--from {ck.format}"
-        raise NotACheckpointError(f"{where}: a {ck.format} checkpoint, not {fmt}; pass {hint}")
-    ck.check_links()
-    return ck.format, checkpoint_tree(ck)
-
-
-def _unknown(src: str) -> NoReturn:
+def unknown_format(src: str) -> NoReturn:
     """Raise why the format of ``src`` cannot be told."""
     if os.path.isdir(src):
         raise NotACheckpointError(

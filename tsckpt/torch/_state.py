@@ -18,12 +18,12 @@ from typing import Any, Union, cast
 import numpy as np
 import torch
 
-from .. import _dtypes
-from .._casting import check_cast, check_casting
-from .._dtensor import is_dtensor
+from .._base import dtypes as _dtypes
+from .._base.casting import check_cast, check_casting
 from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
-from .._leaves import memory
-from .._restore import cast_warnings_off, warn_lost_values
+from .._leaves.dtensor import is_dtensor
+from .._leaves.registry import memory
+from .._read.restore import cast_warnings_off, warn_lost_values
 
 MODEL = "model"
 OPTIM = "optim"
@@ -169,7 +169,7 @@ def as_tensor(value: Any, path: str) -> torch.Tensor:
 def region_of(dst: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local lengths) of the part of ``dst`` this rank holds."""
     if is_dtensor(dst):
-        from .._dtensor import region
+        from .._leaves.dtensor import region
 
         return region(path, dst)
     return (0,) * dst.dim(), tuple(dst.shape)

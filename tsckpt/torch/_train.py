@@ -26,31 +26,24 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import _dtypes
-from .._async import AsyncSave
-from .._async import save_async as core_save_async
-from .._casting import check_cast
-from .._coord import phase
-from .._dist import coordinator_for
+from .._base import dtypes as _dtypes
+from .._base.casting import check_cast
+from .._coord.protocol import phase
+from .._coord.torchdist import coordinator_for
 from .._errors import StructureMismatchError
-from .._format import LAYOUT_PLAIN
-from .._checkpoint import Checkpoint
 from .._formats.sources import open_checkpoint
-from .._reader import LazyArray, read_subtree
-from .._options import (
-    READ_WINDOW_BYTES,
-    WRITE_WINDOW_BYTES,
-    AsyncOptions,
-    IfBusy,
-    RestoreOptions,
-    SaveOptions,
-    verb,
-)
-from .._restore import RestoreWarning, cast_warnings_off, warn_lost_values
-from .._restore import restore as core_restore
-from .._save import save as core_save
-from .._stateful import Expanded, expand
-from .._store import Directory
+from .._leaves.stateful import Expanded, expand
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.records import LAYOUT_PLAIN
+from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
+from .._read.reader import LazyArray, read_subtree
+from .._read.restore import RestoreWarning, cast_warnings_off, warn_lost_values
+from .._read.restore import restore as core_restore
+from .._save.background import AsyncSave
+from .._save.background import save_async as core_save_async
+from .._save.protocol import save as core_save
+from .._storage.store import Directory
+from ..tree import escape, flatten, unescape
 from ._state import (
     ARCH_HINT,
     GROUPS,
@@ -60,6 +53,7 @@ from ._state import (
     TYPES,
     Optimizers,
     apply_optimizer,
+    as_list,
     check_names,
     check_optimizer_types,
     check_state_keys,
@@ -67,13 +61,11 @@ from ._state import (
     live_state,
     local_of,
     match_groups,
-    as_list,
     optimizer_tuple,
     param_names,
     region_of,
     shape_error,
 )
-from ..tree import escape, flatten, unescape
 
 EXTRA = "extra"
 RANKS = "ranks"

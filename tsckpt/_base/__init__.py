@@ -1,0 +1,14 @@
+"""Foundations every layer uses: plain data types, dtypes and the casting rules, and
+JAX's pytree registry for :mod:`tsckpt.tree`.
+
+Owns:
+
+- :mod:`.types`: ``ShardedArray``, ``ArraySpec``, ``LazySource``, the descriptor
+  ``LeafDesc``, ``ReadItem``, a region (``Box``).
+- :mod:`.dtypes`: dtype names, storage dtypes, itemsizes, zero-copy torch/numpy views.
+- :mod:`.casting`: each dtype's place in the ``casting=`` order, which casts a policy
+  allows, and the check of the values a cast would lose.
+- :mod:`.jaxtree`: JAX's pytree registry when jax is imported.
+
+May import: :mod:`tsckpt._errors` only.
+"""

@@ -1,0 +1,298 @@
+"""jax.Array leaves, when jax is installed (it is never imported by tsckpt itself).
+
+Saving: a jax.Array is the region of one global array that this process's devices
+hold (all of it in a single process; its own part in a multi-process job). The
+region is handed to the save plan as a lazy source whose boxes are read from the
+device shards themselves, one write at a time, with the offsets where its device
+shards begin (:attr:`LeafDesc.cuts`): the planner cuts shard files there too, so
+each file lies in one shard and is written from a view of that shard's memory
+(zero-copy on CPU devices). Only a shard file of an irregular split (which the
+planner cuts by the shortest region) is assembled from the shards' parts; replicated
+shards are read once. Nothing gathers the whole array.
+
+Restoring: a jax.Array or ``jax.ShapeDtypeStruct`` target is read device slice by
+device slice: each distinct slice its sharding gives this process's devices is a
+destination of its own (:attr:`Dest.parts`), read by restore's ordinary readers
+(only the chunks overlapping it), then handed to its devices with
+``jax.make_array_from_callback`` (zero-copy on CPU devices). A ShapeDtypeStruct
+without a sharding gives an array on the default device.
+
+Typed PRNG keys (``jax.random.key``) are stored as their uint32 key data under the
+kind ``jax_key:<impl>``; a typed-key target takes that kind of the same
+implementation, or raw uint32 key data (what Orbax writes), and gets typed keys.
+
+A plain number or bool stored where the target has a shape-() jax leaf (a step saved
+as a Python int, restored into ``jax.eval_shape``'s abstract state) becomes a jax
+scalar of the target's dtype, its cast checked as an array's.
+dtype names match tsckpt's (bfloat16, int4 and float8 through ml_dtypes, as in jax).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._base import dtypes as _dtypes
+from .._base.casting import check_cast
+from .._base.types import Box, Dest, LazySource, Local, ReadItem
+from .._errors import LeafTypeError, ShapeMismatchError, short_repr
+from .._ondisk.chunking import intersect
+from .._ondisk.records import KEY_KIND_PREFIX, ArrayRecord, key_impl
+from .kinds import LeafKind, check_shape, host_empty, region_leaf, whole
+
+
+def is_jax_array(x: Any) -> bool:
+    mod = sys.modules.get("jax")
+    return mod is not None and isinstance(x, mod.Array)
+
+
+def _is_abstract(x: Any) -> bool:
+    mod = sys.modules.get("jax")
+    return mod is not None and isinstance(x, mod.ShapeDtypeStruct)
+
+
+def _is_key(leaf: Any) -> bool:
+    import jax
+
+    return bool(jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
+def _key_impl_name(leaf: Any) -> str:
+    """The implementation name of typed keys (an array, or a ShapeDtypeStruct: jax names the
+    implementation of arrays only, so an abstract one is traced to ask it)."""
+    import jax
+
+    if isinstance(leaf, jax.Array):
+        return str(jax.random.key_impl(leaf))
+    found: list[str] = []
+
+    def ask(k: Any) -> Any:
+        found.append(str(jax.random.key_impl(k)))
+        return k
+
+    jax.eval_shape(ask, leaf)
+    return found[0]
+
+
+def index_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+    """A device's index (a tuple of slices, as jax gives them) as a region of ``shape``."""
+    ranges = [sl.indices(n) for sl, n in zip(index, shape)]
+    ranges += [(0, n, 1) for n in shape[len(ranges):]]
+    return tuple(a for a, _, _ in ranges), tuple(max(b - a, 0) for a, b, _ in ranges)
+
+
+# ---- saving: the process's region, read shard by shard ---------------------------------
+
+
+class _Shards:
+    """The distinct shards this process holds of one array (replicas once), read box by box."""
+
+    def __init__(self, path: str, arr: Any) -> None:
+        self.path = path
+        self.shape = tuple(arr.shape)
+        self.dtype = np.dtype(arr.dtype)
+        shards: dict[Box, Any] = {}
+        for s in arr.addressable_shards:
+            shards.setdefault(index_box(s.index, self.shape), s.data)
+        self.shards = shards
+        self.region = self._bounding_region()
+
+    def cuts(self) -> tuple[tuple[int, ...], ...]:
+        """Per dimension, the offsets inside this process's region where a shard begins
+        (:attr:`LeafDesc.cuts`); () when one shard holds all of it."""
+        if len(self.shards) < 2:
+            return ()
+        return tuple(
+            tuple(sorted({b[0][d] for b in self.shards} - {self.region[0][d]})) for d in range(len(self.shape))
+        )
+
+    def _bounding_region(self) -> Box:
+        boxes = list(self.shards)
+        lo = tuple(min(b[0][d] for b in boxes) for d in range(len(self.shape)))
+        hi = tuple(max(b[0][d] + b[1][d] for b in boxes) for d in range(len(self.shape)))
+        region = (lo, tuple(h - o for o, h in zip(lo, hi)))
+        if sum(math.prod(b[1]) for b in boxes) != math.prod(region[1]):
+            raise LeafTypeError(
+                f"'{self.path}': this process's shards of the jax.Array ({[list(b[0]) for b in boxes]} at offsets) do "
+                "not form one box of the array, which tsckpt saves as this process's region; use a sharding whose "
+                "mesh puts each process's devices on one contiguous block (e.g. jax.make_mesh), or reshard first"
+            )
+        return region
+
+    def read(self, box: tuple[slice, ...]) -> np.ndarray:
+        """The elements of ``box`` (relative to this process's region) as numpy."""
+        off = tuple(o + (s.start or 0) for o, s in zip(self.region[0], box))
+        ln = tuple((s.stop if s.stop is not None else n) - (s.start or 0) for s, n in zip(box, self.region[1]))
+        parts = [(b, data) for b, data in self.shards.items() if _inside((off, ln), b)]
+        if parts:  # one shard holds all of the box: a view of it (no copy on a CPU device)
+            return _shard_part(parts[0][1], parts[0][0], (off, ln))
+        return self._assemble((off, ln))
+
+    def _assemble(self, box: Box) -> np.ndarray:
+        """A box across shards (global coordinates), copied together from their parts."""
+        off, ln = box
+        out = np.empty(ln, self.dtype)
+        for b, data in self.shards.items():
+            common = intersect((off, ln), b)
+            if common is not None:
+                out[tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(common[0], off, common[1]))] = _shard_part(
+                    data, b, common
+                )
+        return out
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(o <= i and i + n <= o + m for i, n, o, m in zip(inner[0], inner[1], outer[0], outer[1]))
+
+
+def _shard_part(data: Any, shard: Box, box: Box) -> np.ndarray:
+    """The part ``box`` (global coordinates) of one shard's single-device array, as numpy.
+    On a CPU device numpy views the device buffer itself; elsewhere only the part is
+    copied to the host (numpy of the whole shard would be cached for the array's life)."""
+    sel = tuple(slice(o - so, o - so + n) for o, so, n in zip(box[0], shard[0], box[1]))
+    if data.device.platform == "cpu":
+        return np.asarray(data)[sel]
+    return np.asarray(data[sel])
+
+
+# ---- restoring: each device slice a destination of its own -------------------------------
+
+
+def _sharding(leaf: Any) -> Any:
+    import jax
+
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _device_boxes(path: str, sharding: Any, shape: tuple[int, ...]) -> dict[Any, Box]:
+    """Each of this process's devices -> the region of ``shape`` the sharding puts there."""
+    try:
+        indices = sharding.addressable_devices_indices_map(shape)
+    except Exception as e:  # noqa: BLE001 - jax raises its own error types (IndivisibleError, ValueError)
+        raise LeafTypeError(
+            f"'{path}': the target's sharding {sharding} cannot lay out the stored shape {list(shape)}: {e}; "
+            "give a sharding whose shard shapes divide the stored shape"
+        ) from e
+    return {dev: index_box(idx, shape) for dev, idx in indices.items()}
+
+
+def _refuse_inplace(path: str, leaf: Any) -> None:
+    raise LeafTypeError(
+        f"'{path}': a {'jax.Array' if is_jax_array(leaf) else 'jax.ShapeDtypeStruct'} target cannot be filled "
+        "in place (jax arrays are immutable); "
+        "pass inplace=False: restore then returns new jax arrays with the target's sharding"
+    )
+
+
+def _array_dest(rec: ArrayRecord, path: str, leaf: Any, casting: str) -> Dest:
+    """Each distinct device slice of the target a destination (read alone, into its own host
+    buffer), made one jax.Array on the target's devices once read."""
+    import jax
+
+    check_shape(path, tuple(leaf.shape), rec.shape)
+    dtype = np.dtype(leaf.dtype)
+    cast = check_cast(path, rec.dtype, dtype, casting=casting)
+    sharding = _sharding(leaf)
+    parts: dict[Box, Dest] = {}
+    for box in _device_boxes(path, sharding, rec.shape).values():
+        if box not in parts:
+            parts[box] = Dest(ReadItem(path, *box), host_empty(box[1], dtype), None, cast=cast)
+    shape = rec.shape
+
+    def piece(index: Any) -> np.ndarray:
+        return parts[index_box(index, shape)].tensor
+
+    def finish(_: Any) -> Any:
+        return jax.make_array_from_callback(shape, sharding, piece)
+
+    return Dest(whole(rec, path), None, None, finish=finish, parts=tuple(parts.values()))
+
+
+def _key_dest(rec: ArrayRecord, path: str, leaf: Any) -> Dest:
+    """Typed keys from their stored key data (of the same implementation) or from raw uint32
+    key data (Orbax's), with the target's sharding. Key data is small: read whole."""
+    import jax
+
+    impl = _key_impl_name(leaf)
+    stored = key_impl(rec.kind)
+    if stored is not None and stored != impl:
+        raise LeafTypeError(
+            f"'{path}': the checkpoint stores PRNG keys of the implementation {stored!r} but the target's keys are "
+            f"{impl!r}; make the target with jax.random.key(..., impl={stored!r}) (an implementation this jax "
+            "lacks cannot be restored as keys: restore with target=None for the raw key data)"
+        )
+    data = jax.eval_shape(jax.random.key_data, leaf)
+    if rec.dtype != "uint32" or tuple(rec.shape) != tuple(data.shape):
+        raise ShapeMismatchError(
+            f"'{path}': the target is {impl} PRNG keys of shape {list(leaf.shape)}, whose key data is "
+            f"uint32{list(data.shape)}, but the checkpoint stores {rec.dtype}{list(rec.shape)}; "
+            "give a key target of the stored shape, or a uint32 array target for the raw data"
+        )
+    sharding = getattr(leaf, "sharding", None)
+
+    def finish(buf: Any) -> Any:
+        keys = jax.random.wrap_key_data(buf, impl=impl)
+        return keys if sharding is None else jax.device_put(keys, sharding)
+
+    return Dest(whole(rec, path), host_empty(rec.shape, np.uint32), None, finish=finish)
+
+
+def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any]:
+    """A plain number or bool the checkpoint stores (a step counter saved as a Python int)
+    as a jax scalar of a shape-() target's dtype and sharding, the value's cast checked as
+    an array's would be; anything else is refused naming what the target would need."""
+    import jax
+
+    what = f"{np.dtype(leaf.dtype)}{list(leaf.shape)}"
+    if isinstance(value, (bool, int, float)) and not _is_key(leaf):
+        a = np.asarray(value)
+        stored = _dtypes.numpy_name(a.dtype) if a.dtype.kind in "biuf" else None
+        if stored is not None and tuple(leaf.shape) == ():
+            cast = check_cast(path, stored, np.dtype(leaf.dtype), casting=casting)
+            if cast is not None:
+                cast.check(a.reshape(1), ())
+            with np.errstate(all="ignore"):
+                return jax.device_put(a.astype(leaf.dtype), _sharding(leaf)), cast
+    raise LeafTypeError(
+        f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is a jax {what} "
+        "array; a plain value restores into a jax target only as a number or bool into shape (); give a target of "
+        f"shape () for a number, or the plain value itself (e.g. the saved one, {short_repr(value, 40)}) as this "
+        "target leaf"
+    )
+
+
+class JaxKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return is_jax_array(leaf) or _is_abstract(leaf)
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        if _is_abstract(leaf):
+            return super().describe(path, leaf)
+        kind = "numpy"
+        if _is_key(leaf):
+            import jax
+
+            kind = KEY_KIND_PREFIX + str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        shards = _Shards(path, leaf)
+        (offsets, lengths) = shards.region
+        source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
+        local = region_leaf(path, source, shards.shape, offsets, kind)
+        return Local(local.desc._replace(cuts=shards.cuts()), local.data)
+
+    def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
+        if inplace:
+            _refuse_inplace(path, leaf)
+        return _scalar_of(path, value, leaf, casting)
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
+        if inplace:
+            _refuse_inplace(path, leaf)
+        if _is_key(leaf):
+            return _key_dest(rec, path, leaf)
+        return _array_dest(rec, path, leaf, casting)

@@ -1,0 +1,295 @@
+"""Leaf kinds: one adapter per type of array leaf.
+
+Each :class:`LeafKind` answers, for the leaves it owns, the four questions
+save and restore ask: how to describe the leaf for the save plan (its global
+array and local region), where a restore puts its data, which memory it views
+(tied weights share it), and how to read its local data. Saving and restoring
+never branch on leaf types themselves; they ask :func:`tsckpt._leaves.registry.kind_of`.
+
+This module holds the base class and the kinds that need nothing beyond torch
+and numpy; DTensors live in ``_dtensor.py`` (the one home of torch's private
+sharding helpers) and jax arrays in ``_jax.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._base import dtypes as _dtypes
+from .._base.casting import check_cast
+from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
+from .._errors import LeafTypeError, ShapeMismatchError, short_repr
+from .._ondisk.records import ArrayRecord, extent_problem
+
+Memory = tuple[Any, ...]
+
+
+# ---- checks shared by the kinds ---------------------------------------------------
+
+
+def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> None:
+    if tuple(want) != tuple(stored):
+        raise ShapeMismatchError(
+            f"'{path}': target shape {list(want)} but the checkpoint stores {list(stored)}; resize the target, "
+            "or read a slice with tsckpt.open(...)[path][...] and copy it in yourself"
+        )
+
+
+def writable(arr: np.ndarray, path: str) -> np.ndarray:
+    """A numpy destination; numpy assignment casts, so any numeric dtype will do."""
+    if not arr.flags.writeable:
+        raise LeafTypeError(f"'{path}': target numpy array is read-only; pass a writable array or inplace=False")
+    return arr
+
+
+def logical_dtype(path: str, dtype: Any) -> str:
+    """tsckpt's dtype name for a torch or numpy dtype, or a precise error."""
+    if isinstance(dtype, torch.dtype):
+        if not _dtypes.is_supported_torch(dtype):
+            raise LeafTypeError(
+                f"'{path}': torch dtype {dtype} cannot be stored; convert it first "
+                "(e.g. dequantize a quantized tensor)"
+            )
+        return _dtypes.torch_name(dtype)
+    name = _dtypes.numpy_name(np.dtype(dtype))
+    if name is None:
+        raise LeafTypeError(
+            f"'{path}': numpy dtype {dtype} cannot be stored (no zarr v3 data type); "
+            "convert it to a numeric dtype first"
+        )
+    return name
+
+
+def region_leaf(
+    path: str, data: Any, global_shape: Sequence[int], offsets: Sequence[int], kind: str
+) -> Local:
+    """A leaf that is the region of a global array starting at ``offsets``; tensors
+    without plain readable memory are refused here, before a save claims its directory."""
+    if isinstance(data, torch.Tensor):
+        _check_storable(path, data)
+    check_extents(path, global_shape)
+    dtype = logical_dtype(path, data.dtype)
+    desc = LeafDesc(
+        path=path,
+        kind=kind,
+        dtype=dtype,
+        itemsize=_dtypes.itemsize(dtype),
+        global_shape=tuple(global_shape),
+        offsets=tuple(offsets),
+        lengths=tuple(int(s) for s in data.shape),
+    )
+    return Local(desc, data)
+
+
+def check_extents(path: str, shape: Sequence[int]) -> None:
+    """Refuse, before a save claims its directory, an array restore would refuse (see
+    :func:`tsckpt._ondisk.records.extent_problem`), rather than commit a checkpoint nothing reads."""
+    problem = extent_problem(shape)
+    if problem is not None:
+        raise LeafTypeError(
+            f"'{path}': an array of shape {list(shape)} has {problem}, so the checkpoint could not be read back; "
+            "reshape it (merge dimensions, or give an empty array smaller extents) before saving"
+        )
+
+
+def _check_storable(path: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise LeafTypeError(
+            f"'{path}': a tensor on the meta device has no data to save; materialize the module first "
+            "(e.g. module.to_empty(device='cpu') and initialize or load its weights)"
+        )
+    if t.layout != torch.strided:
+        raise LeafTypeError(
+            f"'{path}': a {t.layout} tensor cannot be saved (tsckpt stores dense arrays); "
+            "save t.to_dense(), or its indices and values as separate leaves"
+        )
+
+
+def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialized numpy array in memory from torch's CPU allocator.
+
+    Restores write every byte of a fresh destination once, so its cost is
+    dominated by first-touch page faults; torch's allocator asks the kernel for
+    transparent huge pages on large blocks (about 5x fewer faults per GiB than
+    numpy's allocations where THP is opt-in, as on most distributions)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < (2 << 20):
+        return np.empty(shape, dtype)
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+def whole(rec: ArrayRecord, path: str) -> ReadItem:
+    return ReadItem(path, (0,) * len(rec.shape), tuple(rec.shape))
+
+
+def storage_numpy(data: Any) -> np.ndarray:
+    """Local data as a CPU numpy array in its storage dtype (a view when possible)."""
+    if isinstance(data, LazySource):
+        data = data[tuple(slice(0, n) for n in data.shape)]
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            data = data.detach().cpu()
+        return _dtypes.tensor_to_numpy(data)
+    return np.asarray(data)
+
+
+def checksum(data: Any) -> int:
+    """Cheap content checksum of a local region, compared across replicas."""
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        flat = data.detach().contiguous().view(-1)
+        if flat.numel() == 1:  # a size-1 dim may keep any stride, which view(uint8) rejects
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = flat.view(torch.uint8)
+        return int(flat.to(torch.int64).sum().item()) ^ (flat.numel() << 40)
+    buf = np.ascontiguousarray(storage_numpy(data)).view(np.uint8).reshape(-1)
+    return zlib.crc32(buf.data)
+
+
+# ---- the kinds ----------------------------------------------------------------------
+
+
+class LeafKind:
+    """Adapter for one type of array leaf (see the module docstring)."""
+
+    def owns(self, leaf: Any) -> bool:
+        raise NotImplementedError
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        """The leaf's descriptor for the save plan, and its local data."""
+        raise LeafTypeError(f"'{path}': a {type(leaf).__name__} is a restore target only; it cannot be saved")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
+        """Where a restore writes this target leaf's data, and what it returns for the leaf
+        (``casting``: see :func:`check_cast`)."""
+        raise LeafTypeError(
+            f"'{path}': a {type(leaf).__name__} cannot be a restore target; use a tensor, numpy array, "
+            "tsckpt.ArraySpec or ShardedArray"
+        )
+
+    def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
+        """The restored leaf for a plain value the checkpoint stores where the target has this
+        array leaf, and the CastCheck of the value (None: none); refused unless a kind takes it."""
+        raise LeafTypeError(
+            f"'{path}': the checkpoint stores a plain value ({type(value).__name__}) but the target leaf is "
+            f"{type(leaf).__name__}, which takes an array; give a plain value as this target leaf (e.g. the saved "
+            f"one, {short_repr(value, 40)}), or restore with target=None to see what is stored"
+        )
+
+    def memory(self, leaf: Any) -> Memory | None:
+        """Identity of the memory the leaf views (equal for tied leaves), None if it has none."""
+        return None
+
+
+class TorchKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, torch.Tensor)
+
+    def describe(self, path: str, leaf: torch.Tensor) -> Local:
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: torch.Tensor, inplace: bool, casting: str) -> Dest:
+        check_shape(path, tuple(leaf.shape), rec.shape)
+        cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
+        t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
+        return Dest(whole(rec, path), t, t, cast=cast)
+
+    def memory(self, leaf: torch.Tensor) -> Memory:
+        # data_ptr() is the storage's address plus the offset, without making a storage object
+        # (which cost 10 us a leaf)
+        return ("torch", leaf.device, leaf.data_ptr(), tuple(leaf.shape), leaf.stride(), leaf.dtype)
+
+
+class NumpyKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, (np.ndarray, np.generic))
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        if isinstance(leaf, np.generic):
+            return region_leaf(path, np.asarray(leaf), (), (), "numpy_scalar")
+        if not leaf.dtype.isnative:  # stored little-endian; a byte-swapped copy keeps the values
+            leaf = leaf.astype(leaf.dtype.newbyteorder("="))
+        return region_leaf(path, leaf, leaf.shape, (0,) * leaf.ndim, "numpy")
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: Any, inplace: bool, casting: str) -> Dest:
+        check_shape(path, np.shape(leaf), rec.shape)
+        cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
+        if isinstance(leaf, np.generic):  # immutable: a 0-d buffer, made a scalar after the read
+            return Dest(whole(rec, path), np.empty((), dtype=leaf.dtype), None, finish=lambda a: a[()], cast=cast)
+        a = leaf if inplace else host_empty(rec.shape, leaf.dtype)
+        return Dest(whole(rec, path), writable(a, path), a, cast=cast)
+
+    def memory(self, leaf: Any) -> Memory | None:
+        if not isinstance(leaf, np.ndarray):
+            return None
+        return ("numpy", leaf.__array_interface__["data"][0], leaf.shape, leaf.strides, leaf.dtype.str)
+
+
+class ShardedKind(LeafKind):
+    """:class:`ShardedArray`: a hand-made region; its local array is a tensor or numpy array."""
+
+    def __init__(self, local_kinds: Sequence[LeafKind]) -> None:
+        self._local_kinds = local_kinds
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, ShardedArray)
+
+    def describe(self, path: str, leaf: ShardedArray) -> Local:
+        kind = "torch" if isinstance(leaf.local, torch.Tensor) else "numpy"
+        return region_leaf(path, leaf.local, leaf.global_shape, leaf.offsets, kind)
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool, casting: str) -> Dest:
+        local = leaf.local
+        check_shape(path, leaf.global_shape, rec.shape)
+        cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
+        item = ReadItem(path, leaf.offsets, tuple(local.shape))
+        t: Any
+        if isinstance(local, torch.Tensor):
+            t = local if inplace else torch.empty_like(local)
+        else:
+            t = writable(local if inplace else host_empty(local.shape, local.dtype), path)
+        return Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets), cast=cast)
+
+    def memory(self, leaf: ShardedArray) -> Memory | None:
+        return next((k.memory(leaf.local) for k in self._local_kinds if k.owns(leaf.local)), None)
+
+
+class SpecKind(LeafKind):
+    """:class:`ArraySpec`: a restore target that names only shape, dtype and device."""
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, ArraySpec)
+
+    def destination(self, rec: ArrayRecord, path: str, leaf: ArraySpec, inplace: bool, casting: str) -> Dest:
+        if leaf.shape is not None:
+            check_shape(path, tuple(leaf.shape), rec.shape)
+        if isinstance(leaf.dtype, torch.dtype):
+            cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
+            t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
+            return Dest(whole(rec, path), t, t, cast=cast)
+        if leaf.dtype is None:  # the stored dtype (complex32, which numpy lacks, is a torch dtype above)
+            a = host_empty(rec.shape, _dtypes.numpy_dtype(rec.dtype))
+            return Dest(whole(rec, path), a, a)
+        dtype = np.dtype(leaf.dtype)
+        cast = check_cast(path, rec.dtype, dtype, casting=casting)
+        a = host_empty(rec.shape, dtype)
+        return Dest(whole(rec, path), a, a, cast=cast)
+
+
+class LazyKind(LeafKind):
+    """:class:`LazySource`: data read from another file only when written."""
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, LazySource)
+
+    def describe(self, path: str, leaf: LazySource) -> Local:
+        return region_leaf(path, leaf, leaf.shape, (0,) * len(leaf.shape), leaf.kind)
+
+    def memory(self, leaf: LazySource) -> Memory:
+        return ("lazy", id(leaf))  # one source given under several paths is stored once (tied)

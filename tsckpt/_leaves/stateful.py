@@ -1,0 +1,111 @@
+"""Stateful objects anywhere in a tree: saved as their state, restored by ``load_state_dict``.
+
+DCP's convention: an object with ``state_dict()`` and ``load_state_dict()`` (a
+module, an optimizer, an LR scheduler, a data sampler, a GradScaler) may stand
+anywhere in a tree given to ``save``, ``save_async``, ``restore`` or the
+manager. A save stores what its ``state_dict()`` returns at its place (stateful
+objects in that state in turn); a restore takes its current state as the
+target of that place, and hands what was read back to ``load_state_dict``. A
+``torch.Generator`` is stored as its state (``get_state`` / ``set_state``).
+
+A *whole state* (``tsckpt.torch.TrainState``) saves and restores itself as the
+whole tree of a checkpoint: ``__tsckpt_tree__(rank)`` is the tree this rank
+saves, ``__tsckpt_restore__(directory, options)`` restores it in place and
+returns what the restore returns. It stands only at the root of a tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .._errors import StructureMismatchError
+from ..tree import flatten, leaves, unflatten
+
+# Leaves and containers that are never stateful objects, told apart by one isinstance check.
+_PLAIN = (torch.Tensor, np.ndarray, np.generic, dict, list, tuple, str, bytes, int, float, type(None))
+
+
+def is_stateful(obj: Any) -> bool:
+    """Has ``state_dict()`` and ``load_state_dict()`` (or is a ``torch.Generator``)."""
+    if isinstance(obj, _PLAIN) or isinstance(obj, Mapping):
+        return False
+    if isinstance(obj, torch.Generator):
+        return True
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def is_whole_state(obj: Any) -> bool:
+    """Saves and restores itself as a whole checkpoint's tree (``tsckpt.torch.TrainState``)."""
+    return callable(getattr(type(obj), "__tsckpt_tree__", None)) and callable(
+        getattr(type(obj), "__tsckpt_restore__", None)
+    )
+
+
+def _is_object(node: Any) -> bool:
+    """A stateful object or a whole state: a leaf of the traversal that finds them."""
+    return not isinstance(node, _PLAIN) and (is_stateful(node) or is_whole_state(node))
+
+
+def state_of(obj: Any) -> Any:
+    """The state a save stores for a stateful object."""
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def load_state(obj: Any, state: Any) -> Any:
+    """Load ``state`` into a stateful object; returns the object."""
+    if isinstance(obj, torch.Generator):
+        data = state if isinstance(state, torch.Tensor) else torch.from_numpy(np.asarray(state))
+        obj.set_state(data.to(torch.uint8).cpu().contiguous())
+    else:
+        obj.load_state_dict(state)
+    return obj
+
+
+def _same(restored: Any) -> Any:
+    return restored
+
+
+@dataclasses.dataclass(frozen=True)
+class Expanded:
+    """A tree with every stateful object replaced by its state (``tree``), and how to hand a
+    restore of that tree back to the objects (``load``: the restored tree with each object,
+    loaded, at its place)."""
+
+    tree: Any
+    load: Callable[[Any], Any] = _same
+
+
+def expand(tree: Any, *, rank: int = 0) -> Expanded:
+    """``tree`` with each stateful object replaced by its state; a whole state (at the root
+    only) by the tree it saves on ``rank``. A tree without stateful objects comes back as is."""
+    if is_whole_state(tree):
+        return Expanded(expand(tree.__tsckpt_tree__(rank), rank=rank).tree)
+    if is_stateful(tree):
+        inner = expand(state_of(tree), rank=rank)
+        return Expanded(inner.tree, lambda restored: load_state(tree, inner.load(restored)))
+    found, spec = leaves(tree, stop=_is_object)
+    objects = {i: leaf for i, leaf in enumerate(found) if _is_object(leaf)}
+    if not objects:
+        return Expanded(tree)
+    whole = [i for i, leaf in objects.items() if is_whole_state(leaf)]
+    if whole:
+        paths = flatten(tree).paths
+        path = paths[whole[0]] if len(paths) == len(found) else "<inside the tree>"
+        raise StructureMismatchError(
+            f"at '{path}': a {type(objects[whole[0]]).__name__} is a whole checkpoint's state; give it as the "
+            "whole tree (save(directory, state), restore(directory, state)), not inside another tree"
+        )
+    parts = {i: expand(obj, rank=rank) for i, obj in objects.items()}
+
+    def load(restored: Any) -> Any:
+        subtrees = spec.flatten_up_to(restored)
+        for i, part in parts.items():
+            subtrees[i] = part.load(subtrees[i])
+        return unflatten(spec, subtrees)
+
+    return Expanded(unflatten(spec, [parts[i].tree if i in parts else leaf for i, leaf in enumerate(found)]), load)

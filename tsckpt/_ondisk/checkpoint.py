@@ -1,0 +1,185 @@
+"""An opened checkpoint, whatever its format: the leaves, array records and plain values
+every read verb works from, and how each array is opened.
+
+A :class:`Checkpoint` is made by a format's opener (tsckpt's own root metadata in
+``_root.py``, another library's metadata in ``_formats/``); readers never parse a
+format themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, cast
+
+import tensorstore as ts
+
+from .._base import dtypes as _dtypes
+from .._errors import CorruptCheckpointError
+from .._storage import store as _store
+from .._storage.confine import confined_opens, refuse_links
+from .._storage.store import Location
+from ..tree import from_paths, structure_from_json
+from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
+from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
+
+# The format of a checkpoint tsckpt wrote; any other is another library's.
+TSCKPT = "tsckpt"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What is known about a stored array without reading its data."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]  # unit of partial reads
+    shard_shape: tuple[int, ...]  # one file per shard
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The parsed metadata of a committed checkpoint."""
+
+    location: Location
+    leaves: tuple[str, ...]
+    arrays: Mapping[str, ArrayRecord]
+    values: Mapping[str, Any]  # path -> decoded plain value
+    structure: Any
+    raw: Mapping[str, Any]  # the root metadata as stored (empty for another library's checkpoint)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # alias path -> stored array path
+    # arrays of a checkpoint written by another library (Orbax): path -> TensorStore spec
+    specs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # opened with keep_bad=True (verify): leaves left out because their entry in the root metadata is invalid
+    bad: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tree_problem: str | None = None  # and why the structure cannot rebuild the tree
+    # "tsckpt", or the library that wrote a checkpoint tsckpt reads directly ("orbax"); set by
+    # the opener that parsed it, never read from the stored metadata
+    format: str = TSCKPT
+    # arrays of another format read from its own files region by region (safetensors, torch.save,
+    # DCP): stored array path -> its LazySource (tsckpt._formats.lazy); None for the formats
+    # whose arrays open through TensorStore
+    sources: Mapping[str, Any] | None = None
+    # the generation of the root zarr.json that was opened (tsckpt's format): readers check that
+    # it is still the root after reading (_readerrors.unchanged); None for another library's
+    root_generation: bytes | None = dataclasses.field(default=None, compare=False)
+    # the arrays whose files were found to back their records (see _backing.py)
+    backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
+    _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the kvstore
+
+    @property
+    def foreign(self) -> bool:
+        """Written by another library: its arrays open through their own specs, and its files
+        (nodes, shards, links) are that library's to check. The one place this is asked."""
+        return self.format != TSCKPT
+
+    @property
+    def lazy(self) -> bool:
+        """Its arrays are read through :attr:`sources`, not TensorStore: every reader (restore,
+        ``open``, verify) asks the source for the regions it needs and nothing more."""
+        return self.sources is not None
+
+    def context(self) -> ts.Context:
+        """The TensorStore context its arrays are read in: one of its own, made once
+        (:func:`_store.reader_context`: the replaced database of a checkpoint saved again
+        in its place is never read for it, nor it for the replaced one)."""
+        if "context" not in self._cache:
+            self._cache["context"] = _store.reader_context()
+        return cast(ts.Context, self._cache["context"])
+
+    def kvstore(self) -> ts.KvStore:
+        """The kvstore of :meth:`data`, opened once. Every read of the checkpoint's files by
+        TensorStore goes through it or follows it (:class:`Opening`), so a walk for links put
+        off by :meth:`check_links` runs here, before TensorStore reads anything."""
+        if self._cache.get("links") == "deferred":
+            self.check_links()
+        if "kv" not in self._cache:
+            self._cache["kv"] = ts.KvStore.open(self.data(), context=self.context()).result()
+        return cast(ts.KvStore, self._cache["kv"])
+
+    @property
+    def layout(self) -> str:
+        """Where the array data lives: "plain" (a file per shard) or "compact" (OCDBT)."""
+        return str(self.raw.get("layout", LAYOUT_PLAIN))
+
+    def data(self) -> dict[str, Any]:
+        """kvstore spec holding the array nodes and chunks."""
+        return data_spec(self.location, self.layout)
+
+    def open_array_future(self, path: str) -> Opening:
+        """Open a stored array for reading; its zarr.json is checked against the root metadata."""
+        return Opening(self, path)
+
+    def check_links(self, *, deferred: bool = False) -> None:
+        """Refuse a local checkpoint that holds a symbolic link before reading its data
+        (docs/security.md); another library's checkpoint (Orbax) is left to that library.
+
+        ``deferred`` (restore): where tsckpt's own readers open files refusing links
+        (:func:`_links.confined_opens`) and the checkpoint is of the plain layout, the walk
+        waits until TensorStore is about to read (:meth:`kvstore`), which follows links.
+        A restore that the own readers read whole then needs no walk: for 10,000 small
+        leaves the walk took 0.13-0.16 s of a 0.9 s restore. A link met by an own reader
+        fails its open, and that leaf goes to TensorStore's path, so the walk runs and
+        names it, as it would have up front."""
+        if self.foreign or self._cache.get("links") == "checked":
+            return
+        if deferred and self.location.local is not None and self.layout == LAYOUT_PLAIN and confined_opens():
+            self._cache["links"] = "deferred"
+            return
+        refuse_links(self.location.local, str(self.location), tuple(self.arrays))
+        self._cache["links"] = "checked"
+
+    def is_array(self, path: str) -> bool:
+        return path in self.arrays or path in self.aliases
+
+    def array_metadata(self, path: str) -> ArrayMetadata:
+        rec = self.arrays[self.aliases.get(path, path)]
+        return ArrayMetadata(
+            path=path,
+            shape=rec.shape,
+            dtype=rec.dtype,
+            chunk_shape=rec.chunking.chunk_shape or rec.chunking.shard_shape,
+            shard_shape=rec.chunking.shard_shape,
+            nbytes=math.prod(rec.shape) * _dtypes.itemsize(rec.dtype),
+        )
+
+    def build(self, leaves: list[Any]) -> Any:
+        """Arrange per-leaf objects (in ``self.leaves`` order) into the saved tree."""
+        if self.structure is not None:
+            return structure_from_json(self.structure, leaves)
+        return from_paths(self.leaves, leaves)  # saved by ranks with different trees
+
+
+class Opening:
+    """A stored array being opened (``result()`` is the TensorStore). Its zarr.json is read
+    and parsed here first, as TensorStore crashes the process on JSON nested deeply enough;
+    a node that agrees with the record is then not read again, and any other is left to
+    TensorStore, which names what differs. Reads start at once, so arrays open concurrently."""
+
+    def __init__(self, ck: Checkpoint, path: str) -> None:
+        self._ck, self._path = ck, path
+        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
+
+    def result(self) -> ts.TensorStore:
+        ck, path = self._ck, self._path
+        if ck.lazy:
+            raise TypeError(f"'{path}' in {ck.location}: a {ck.format} array is read through its source, not TensorStore")
+        if self._node is None:
+            return ts.open(ck.specs[path], read=True, context=_store.CONTEXT).result()
+        found = self._node.result()
+        rec = ck.arrays[path]
+        if found.state == "value":
+            try:
+                node = parse_node(found.value)
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); "
+                    "restore from another checkpoint"
+                ) from None
+            if node_problem(node, rec) is None:
+                return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
+        # missing or different: TensorStore says how
+        return open_array_future(ck.data(), rec, context=ck.context()).result()

@@ -1,0 +1,250 @@
+"""The on-disk format: version, node JSON, and per-leaf records (docs/format.md)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import math
+import re
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import short_repr
+from .._storage.confine import path_problem
+
+# The newest version this tsckpt reads. Plain checkpoints are written as 1, so
+# older readers still read them; compact ones as 2 (older readers refuse them).
+FORMAT_VERSION = 2
+ROOT_KEY = "zarr.json"
+STATE_PENDING = "pending"
+STATE_COMMITTED = "committed"
+
+# Where array data lives (docs/format.md, "Layouts"): a file per shard, or one
+# OCDBT database per writing rank merged into one at the commit.
+LAYOUT_PLAIN = "plain"
+LAYOUT_COMPACT = "compact"
+LAYOUTS = (LAYOUT_PLAIN, LAYOUT_COMPACT)
+
+
+def check_layout(layout: str) -> None:
+    """Refuse a ``layout=`` option tsckpt does not write."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, not {layout!r}")
+
+
+def format_version(layout: str) -> int:
+    """The format version a checkpoint of ``layout`` is written with."""
+    return 2 if layout == LAYOUT_COMPACT else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+    """How one global array is cut into files.
+
+    ``shard_shape`` is the zarr chunk grid: one file per grid cell, written by
+    exactly one rank. ``chunk_shape`` is the inner chunk grid inside each file
+    (zarr ``sharding_indexed``), the unit of partial reads; ``None`` means the
+    file holds a single chunk (used for arrays smaller than one inner chunk).
+    """
+
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRecord:
+    """One array leaf as recorded in the root metadata."""
+
+    path: str
+    shape: tuple[int, ...]  # logical shape (complex32 adds a trailing 2 in storage)
+    dtype: str  # logical dtype name
+    kind: str  # "torch" | "numpy" | "numpy_scalar" | "jax_key:<impl>": what restore(target=None) returns
+    chunking: Chunking
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.chunking.shard_shape),
+            "chunk_shape": None if self.chunking.chunk_shape is None else list(self.chunking.chunk_shape),
+        }
+
+    @staticmethod
+    def from_json(j: dict[str, Any]) -> ArrayRecord:
+        chunk = j.get("chunk_shape")
+        return ArrayRecord(
+            path=j["path"],
+            shape=tuple(j["shape"]),
+            dtype=j["dtype"],
+            kind=j["kind"],
+            chunking=Chunking(tuple(j["shard_shape"]), None if chunk is None else tuple(chunk)),
+        )
+
+
+KINDS = ("torch", "numpy", "numpy_scalar")
+# Typed JAX PRNG keys: their uint32 key data, with the name of the key implementation
+# (jax.random.key_impl) that gives them back as keys, e.g. "jax_key:threefry2x32".
+KEY_KIND_PREFIX = "jax_key:"
+_KEY_KIND = re.compile(re.escape(KEY_KIND_PREFIX) + r"[A-Za-z0-9_]{1,64}")
+
+
+def known_kind(kind: Any) -> bool:
+    """Whether ``kind`` is a kind of array record this tsckpt reads."""
+    return kind in KINDS or (isinstance(kind, str) and _KEY_KIND.fullmatch(kind) is not None)
+
+
+def key_impl(kind: str) -> str | None:
+    """The PRNG key implementation a record of ``kind`` holds the key data of, None for other kinds."""
+    return kind[len(KEY_KIND_PREFIX):] if kind.startswith(KEY_KIND_PREFIX) else None
+
+# The most dimensions of an array: TensorStore (and so the zarr readers built on it) opens
+# no array of higher rank.
+MAX_NDIM = 32
+# numpy and TensorStore count bytes in signed 64-bit integers: an array, shard or chunk of
+# 16-byte elements whose extents (a zero counted as one) multiply to 2**59 is too big for them.
+MAX_ELEMENTS = 2**59
+
+
+def extent_problem(shape: Sequence[int]) -> str | None:
+    """Why an array, shard or chunk of ``shape`` (non-negative extents) is beyond what tsckpt
+    reads back, or None. The one definition of these limits: save refuses what restore would."""
+    if len(shape) > MAX_NDIM:
+        return f"{len(shape)} dimensions, more than the {MAX_NDIM} zarr readers open"
+    n = math.prod(max(int(s), 1) for s in shape)
+    if n >= MAX_ELEMENTS:
+        return f"extents whose product (a zero counted as one) is {n} (2**{math.log2(n):.1f}), not under 2**59"
+    return None
+
+
+def dims_ok(value: Any, *, positive: bool) -> bool:
+    """Whether ``value`` is a list of at most MAX_NDIM integers (not bools), each at least 1
+    (``positive``) or 0, whose extents pass :func:`extent_problem`. One loop, no generator:
+    a root holds one to three of these per array record."""
+    least = 1 if positive else 0
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        return False
+    for n in value:
+        if not isinstance(n, int) or isinstance(n, bool) or n < least:
+            return False
+    n = math.prod(value)
+    return (0 < n < MAX_ELEMENTS) or extent_problem(value) is None
+
+
+def record_problem(j: Any, known_dtype: Any) -> str | None:
+    """Why an array record of the root metadata cannot be read, or None. Checked before
+    anything is opened or allocated; ``known_dtype(name)`` tells the dtype names this
+    tsckpt reads."""
+    if not isinstance(j, dict):
+        return "the record is not a JSON object"
+    why = path_problem(j.get("path"))
+    if why is not None:
+        return f"'path' {why}"
+    if not known_kind(j.get("kind")):
+        return f"'kind' is {short_repr(j.get('kind'))}, expected one of {list(KINDS)} or '{KEY_KIND_PREFIX}<impl>'"
+    if not known_dtype(j.get("dtype")):
+        return f"'dtype' {short_repr(j.get('dtype'))} is not a dtype this tsckpt reads (written by a newer tsckpt?)"
+    shape: Any = j.get("shape")
+    shard: Any = j.get("shard_shape")
+    chunk: Any = j.get("chunk_shape")
+    if not dims_ok(shape, positive=False):
+        return f"'shape' {short_repr(shape)} is not a list of non-negative integers with a product under 2**59"
+    if not dims_ok(shard, positive=True) or len(shard) != len(shape):
+        return (
+            f"'shard_shape' {short_repr(shard)} is not a list of {len(shape)} positive integers with a product "
+            "under 2**59"
+        )
+    if chunk is not None and (
+        not dims_ok(chunk, positive=True) or len(chunk) != len(shape) or any(s % c for s, c in zip(shard, chunk))
+    ):
+        return f"'chunk_shape' {short_repr(chunk)} does not divide 'shard_shape' {short_repr(shard)}"
+    if j["kind"] == "numpy_scalar" and shape:
+        return f"'shape' {shape!r} is not [] although 'kind' is 'numpy_scalar'"
+    return None
+
+
+def array_metadata(storage_shape: tuple[int, ...], data_type: str, chunking: Chunking, attrs: dict[str, Any]) -> dict[str, Any]:
+    """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index."""
+    checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    if chunking.chunk_shape is None:
+        codecs: list[Any] = checked
+    else:
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(chunking.chunk_shape),
+                    "codecs": checked,
+                    "index_codecs": checked,
+                    "index_location": "end",
+                },
+            }
+        ]
+    fill: Any = False if data_type == "bool" else [0, 0] if data_type.startswith("complex") else 0
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(storage_shape),
+        "data_type": data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunking.shard_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attrs,
+    }
+
+
+def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attrs or {}}
+
+
+# ---- non-array leaves as JSON ------------------------------------------------
+
+
+def encode_value(v: Any) -> dict[str, Any] | None:
+    """JSON for a plain Python leaf, exact (floats keep their bits), or None if unsupported."""
+    if isinstance(v, bool):
+        return {"type": "bool", "value": v}
+    if isinstance(v, int):
+        return {"type": "int", "value": int(v)}
+    if isinstance(v, float):
+        bits = struct.pack("<d", v).hex()
+        return {"type": "float", "value": v if math.isfinite(v) else repr(v), "bits": bits}
+    if isinstance(v, str):
+        return {"type": "str", "value": v}
+    if isinstance(v, (bytes, bytearray)):
+        return {"type": "bytes", "value": base64.b64encode(bytes(v)).decode("ascii")}
+    return None
+
+
+_VALUE_TYPES = {"bool": bool, "int": int, "str": str}
+_JSON_NAMES = {"bool": "true or false", "int": "an integer", "str": "a string"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def decode_value(j: Any) -> Any:
+    """The plain value of :func:`encode_value`'s JSON; ValueError naming what is wrong."""
+    if not isinstance(j, dict):
+        raise ValueError(f"expected an object with 'type' and 'value', found {type(j).__name__}")
+    t, v = j.get("type"), j.get("value")
+    if t == "float":
+        b = j.get("bits")
+        if not isinstance(b, str) or len(b) != 16 or not set(b) <= _HEX:
+            raise ValueError(f"'bits' of a float must be 16 hex digits, found {short_repr(b)}")
+        return struct.unpack("<d", bytes.fromhex(b))[0]
+    if t == "bytes":
+        if not isinstance(v, str):
+            raise ValueError(f"'value' of bytes must be a base64 string, found {short_repr(v)}")
+        try:
+            return base64.b64decode(v, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"'value' of bytes is not base64 ({e})") from None
+    if isinstance(t, str) and t in _VALUE_TYPES:
+        want = _VALUE_TYPES[t]
+        if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ValueError(f"'value' must be {_JSON_NAMES[t]} for type {t!r}, found {short_repr(v)}")
+        return v
+    raise ValueError(f"unknown value type {short_repr(t)}")

@@ -1,0 +1,14 @@
+"""Reading: the read verbs over a checkpoint of any format.
+
+Owns:
+
+- :mod:`.open`: ``open`` and ``metadata``: a checkpoint as a lazy ``Reader``.
+- :mod:`.reader`: lazy reads of an opened checkpoint: ``LazyArray``, the ``Reader``
+  mapping, index normalisation, ``read_subtree``.
+- :mod:`.restore`: ``restore``: matching a target to a checkpoint, each destination's
+  reader planned (the own codec's tiers, TensorStore), the reads executed.
+- :mod:`.verify`: ``verify``: node checks and a windowed read of every chunk.
+
+May import: :mod:`tsckpt._options`, :mod:`tsckpt._formats` and the packages below them;
+never :mod:`tsckpt._save` (a sibling) or anything above.
+"""

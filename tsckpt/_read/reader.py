@@ -1,0 +1,182 @@
+"""Lazy reads of an opened checkpoint: :class:`LazyArray` (indexing reads only the chunks
+the index touches) and the :class:`Reader` mapping of leaf paths to arrays and values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
+
+import numpy as np
+import optree
+import tensorstore as ts
+import torch
+
+from .._base import dtypes as _dtypes
+from .._formats import lazy
+from .._ondisk.backing import check_backed
+from .._ondisk.checkpoint import Checkpoint, Opening
+from .._ondisk.readfaults import corrupt_error, node_error, unchanged
+from .._runtime import fork as _fork
+from ..tree import ROOT_LEAF_PATH, child
+
+
+def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
+    """numpy-style basic index -> (bounding box to read, index applied to what was read); raises
+    IndexError or TypeError, as numpy would, for an index the shape does not admit."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in index:
+        e = index.index(Ellipsis)
+        index = index[:e] + (slice(None),) * (len(shape) - len(index) + 1) + index[e + 1 :]
+    if len(index) > len(shape):
+        raise IndexError(f"too many indices: array is {len(shape)}-dimensional, but {len(index)} were indexed")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    box: list[slice] = []
+    post: list[Any] = []
+    for i, n in zip(index, shape):
+        if isinstance(i, (int, np.integer)):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise IndexError(f"index {int(i)} is out of bounds for axis with size {n}")
+            box.append(slice(j, j + 1))
+            post.append(0)
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step > 0:
+                lo, hi = start, max(start, stop)
+            else:
+                lo, hi = (stop + 1, start + 1) if start > stop else (0, 0)
+            box.append(slice(lo, hi))
+            post.append(slice(None, None, step))
+        else:
+            raise TypeError(f"only integers, slices and '...' are valid indices, not {type(i).__name__}")
+    return tuple(box), tuple(post)
+
+
+class LazyArray:
+    """A stored array; indexing reads only the chunks the index touches."""
+
+    def __init__(self, ck: Checkpoint, path: str) -> None:
+        self._ck = ck
+        self.path = path
+        self.metadata = ck.array_metadata(path)
+        self._store: ts.TensorStore | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.metadata.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.metadata.dtype
+
+    def __repr__(self) -> str:
+        return f"LazyArray('{self.path}', shape={list(self.shape)}, dtype={self.dtype})"
+
+    def open_future(self) -> Opening:
+        return self._ck.open_array_future(self.path)
+
+    def set_store(self, future: Opening) -> None:
+        try:
+            self._store = future.result()
+        except ValueError as e:
+            raise node_error(self._ck, self.path, e) from e
+
+    def tensorstore(self) -> ts.TensorStore:
+        """The opened TensorStore array (opened on first use)."""
+        if self._store is None:
+            self.set_store(self.open_future())
+        return cast(ts.TensorStore, self._store)
+
+    def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
+        """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
+        _fork.enter(f"reading '{self.path}'")
+        bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
+        whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
+        if self._ck.sources is not None:  # another format's array: only the box's bytes are read
+            return lazy.read(self._ck.sources[self.path], tuple(slice(b.start, max(b.start, b.stop)) for b in whole))
+        with unchanged(self._ck):  # never data of a checkpoint that replaced the one opened
+            check_backed(self._ck, [self.path], whole)
+            store = self.tensorstore()
+            try:
+                data = store[box].read().result() if box else store.read().result()
+            except ValueError as e:
+                raise corrupt_error(self._ck, self.path, e) from e
+        return data
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """numpy array in the storage dtype (complex32 comes back as float16 (..., 2) pairs)."""
+        box, post = normalize_index(index, self.shape)
+        data = self.read_box(box)
+        if self.dtype == "complex32":
+            post = post + (slice(None),)
+        return data[post] if post else data
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def torch(self) -> _TorchView:
+        """``arr.torch[idx]`` returns a torch tensor of the logical dtype."""
+        return _TorchView(self)
+
+
+class _TorchView:
+    def __init__(self, arr: LazyArray) -> None:
+        self._arr = arr
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        data = np.asarray(self._arr[index])  # a full integer index gives a numpy scalar
+        if any(s < 0 for s in data.strides):
+            data = np.ascontiguousarray(data)
+        return _dtypes.numpy_to_tensor(data, self._arr.dtype)
+
+
+class Reader(Mapping[str, Any]):
+    """Mapping from leaf path to :class:`LazyArray` (arrays) or the saved value."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.checkpoint = ck
+
+    def __getitem__(self, path: str) -> Any:
+        ck = self.checkpoint
+        if path == "" and ROOT_LEAF_PATH in ck.arrays:
+            path = ROOT_LEAF_PATH
+        path = ck.aliases.get(path, path)  # a tied leaf reads its stored array
+        if path in ck.arrays:
+            return LazyArray(ck, path)
+        if path in ck.values:
+            return ck.values[path]
+        close = [p for p in ck.leaves if p.startswith(path.rstrip("/") + "/")][:5]
+        hint = f"; leaves below it: {close}" if close else "; `tsckpt ls` lists the paths"
+        raise KeyError(f"'{path}' is not a leaf of {ck.location}{hint}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checkpoint.leaves)
+
+    def __len__(self) -> int:
+        return len(self.checkpoint.leaves)
+
+    def metadata(self) -> Any:
+        ck = self.checkpoint
+        return ck.build([ck.array_metadata(p) if ck.is_array(p) else ck.values[p] for p in ck.leaves])
+
+
+def read_subtree(ck: Checkpoint, prefix: str) -> Any:
+    """The saved subtree at ``prefix``: values as saved, arrays read whole (numpy), containers
+    as saved; None when there is no such subtree."""
+    node = ck.build(list(ck.leaves))
+    for component in (c for c in prefix.strip("/").split("/") if c):
+        try:
+            node = child(node, component)
+        except (KeyError, IndexError):
+            return None
+
+    def read_whole(path: str) -> Any:
+        stored = ck.aliases.get(path, path)
+        return ck.values[stored] if stored in ck.values else LazyArray(ck, stored)[...]
+
+    return optree.tree_map(read_whole, node, none_is_leaf=False)

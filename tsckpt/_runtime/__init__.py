@@ -1,0 +1,14 @@
+"""The process's resources while a verb runs: memory, device copies, work in flight.
+
+Owns:
+
+- :mod:`.memory`: heap pages given back to the system, the cyclic collector paused
+  during a save or restore, fresh destination memory faulted in on a spare CPU.
+- :mod:`.devicecopy`: copies between CUDA and host memory through reused page-locked
+  memory (the bounded ring, ``save_async``'s slab).
+- :mod:`.window`: ``Window``, the one bound on reads, writes and probes in flight.
+- :mod:`.fork`: refusing to run in a child forked after tsckpt was used.
+- :mod:`.progress`: progress bars (rank 0) and each verb's closing log line.
+
+May import: :mod:`tsckpt._storage` and the foundations.
+"""

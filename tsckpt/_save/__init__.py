@@ -1,0 +1,21 @@
+"""Saving: the save protocol and everything only a save needs.
+
+Owns:
+
+- :mod:`.protocol`: ``save``, the protocol's numbered steps (describe, plan, exchange,
+  write, commit), and the write engine that runs a rank's plan.
+- :mod:`.descs`: what each rank sends rank 0 (its leaves' descriptors, packed), and rank
+  0's view of them.
+- :mod:`.plan`: the pure save plan (frozen dataclasses): who writes what, laid out how.
+- :mod:`.regions`: the planner's checks of what ranks give for one path (agreement,
+  exact cover, replicas).
+- :mod:`.commit`: the root ``zarr.json`` of a save: its claim, the compact layout's
+  merge, the commit, the clean-up after a failure.
+- :mod:`.lease`: the pending root's lease: who is saving, whether that save may still
+  run, a survivor's removal of a save whose rank 0 was lost.
+- :mod:`.background`: ``save_async``: staging to host memory and the background worker.
+
+May import: :mod:`tsckpt._options`, the packages below it (``_formats`` excepted),
+``tree`` and the foundations; never :mod:`tsckpt._read` (a sibling) or anything above.
+The layers are contracts in ``pyproject.toml`` (import-linter).
+"""

@@ -1,0 +1,428 @@
+"""save_async(): copy the state to host memory, then save it in a background thread.
+
+The caller is held only while the leaves are copied into staging buffers
+(training mutates its tensors, so even CPU tensors are copied). Writing,
+syncing and the commit then run in one worker thread through the ordinary
+:func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
+guarantees are exactly those of a synchronous save.
+
+Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
+a training loop that saves the same state repeatedly allocates (and page-faults)
+host memory once; buffers for leaves that disappeared are released before new
+ones are allocated, so staging never holds more than one copy of the state.
+Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_runtime/devicecopy.py),
+made again only when the device tensors change; their device-to-host copies are
+issued asynchronously and awaited once. A state larger than ``max_staging_bytes``
+is saved synchronously, whose copies from the device go through host memory of the
+write window only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import datetime
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .._base.types import LazySource, ShardedArray
+from .._coord.torchdist import rank_of
+from .._errors import SaveInProgressError
+from .._leaves.jaxarray import is_jax_array
+from .._leaves.registry import describe, memory
+from .._leaves.stateful import expand
+from .._ondisk.records import LAYOUT_PLAIN
+from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
+from .._runtime import devicecopy as _devicecopy
+from .._runtime.memory import BACKGROUND_SAVE_THREAD
+from .._storage.store import Directory, resolve
+from ..tree import flatten, unflatten
+
+# Failed saves whose outcome nobody has asked for yet.
+_failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
+
+
+@atexit.register
+def _report_unchecked_failures() -> None:
+    """At exit (after pending saves finished), say which failed unseen: no one else will."""
+    for handle in list(_failed):
+        if not handle.retrieved:
+            err = concurrent.futures.Future.exception(handle)
+            sys.stderr.write(
+                f"tsckpt: the asynchronous save to {handle.directory} failed and its result() was never "
+                f"checked: {type(err).__name__}: {err}\n"
+            )
+
+
+class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
+    """Handle of a save that continues in the background: a :class:`concurrent.futures.Future`.
+
+    ``result(timeout)`` waits for the commit and re-raises a background failure
+    (``timeout``: a :class:`datetime.timedelta` as on every tsckpt verb, or float
+    seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
+    is how long the call that started it held the caller, ``staged_bytes`` how
+    much array data it copied.
+    """
+
+    def __init__(self, directory: str, staged_bytes: int) -> None:
+        super().__init__()
+        self.directory = directory
+        self.staged_bytes = staged_bytes
+        self.blocked_s = 0.0
+        self.retrieved = False  # result() or exception() has reported the outcome
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if super().exception() else "committed")
+        return f"AsyncSave({self.directory!r}, {state})"
+
+    def result(self, timeout: datetime.timedelta | float | None = None) -> None:
+        """Wait until the checkpoint is committed; re-raise the background error if the save failed.
+
+        Raises TimeoutError if it is still running after ``timeout`` (a timedelta, or
+        seconds; None waits as long as it takes)."""
+        seconds = timeout_seconds(timeout)
+        try:
+            super().result(seconds)
+        except concurrent.futures.TimeoutError:
+            raise self._still_running(seconds) from None
+        finally:
+            self.retrieved = self.retrieved or self.done()
+
+    def exception(self, timeout: datetime.timedelta | float | None = None) -> BaseException | None:
+        """The background error (None on success), waiting up to ``timeout`` (a timedelta, or seconds)."""
+        seconds = timeout_seconds(timeout)
+        try:
+            err = super().exception(seconds)
+        except concurrent.futures.TimeoutError:
+            raise self._still_running(seconds) from None
+        self.retrieved = True
+        return err
+
+    def _still_running(self, seconds: float | None) -> TimeoutError:
+        return TimeoutError(f"asynchronous save to {self.directory} still running after {seconds:g} s")
+
+    def run(self, job: Callable[[Any], None], tree: Any) -> None:
+        """Run ``job(tree)`` and settle this future with its outcome (in the worker thread)."""
+        if not self.set_running_or_notify_cancel():
+            return
+        try:
+            job(tree)
+        except BaseException as e:  # noqa: BLE001 - delivered through result()
+            self.set_exception(e)
+            _failed.add(self)
+        else:
+            self.set_result(None)
+
+
+class _Staging:
+    """Reusable host buffers, keyed by (path, kind, shape, dtype, pinned)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    @staticmethod
+    def _key(path: str, data: Any) -> tuple[Any, ...]:
+        if isinstance(data, torch.Tensor):
+            return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
+        return (path, "numpy", tuple(data.shape), data.dtype.str)
+
+    def stage(self, regions: list[tuple[str, Any]]) -> list[Any]:
+        """Copy each ``(path, data)`` into its buffer; returns the copies in order.
+
+        Regions that are the same memory (tied weights) share one copy, so the
+        save that follows still sees them tied and stores them once. Device tensors
+        are copied asynchronously into one page-locked slab and awaited once."""
+        keys = [self._key(p, d) for p, d in regions]
+        wanted = set(keys)
+        # release what this tree no longer has before allocating what it gained
+        kept = {k: b for k, b in self._buffers.items() if k in wanted}
+        self._buffers = kept
+        staged: list[int | None] = []  # per region: None where it is staged, else the region it is tied to
+        first: dict[Any, int] = {}  # memory -> index of the region that staged it (tied leaves)
+        for i, (_, data) in enumerate(regions):
+            mem = memory(data) if _nbytes(data) else None
+            staged.append(first.get(mem) if mem is not None else None)
+            if mem is not None:
+                first.setdefault(mem, i)
+        self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
+        out: list[Any] = []
+        copies: list[Any] = []  # the device-to-host copies started
+        for key, (_, data), tied in zip(keys, regions, staged):
+            if tied is not None:
+                out.append(out[tied])
+                continue
+            buf = kept.get(key)
+            if isinstance(data, torch.Tensor):
+                src = data.detach()
+                if _devicecopy.on_device(src):
+                    buf = kept[key]  # made by _pin
+                    copies.append(_devicecopy.ops().to_host(src, buf))
+                else:
+                    if buf is None:
+                        buf = torch.empty(src.shape, dtype=src.dtype)
+                    buf.copy_(src)
+            else:
+                if buf is None:
+                    buf = np.empty(data.shape, dtype=data.dtype)
+                np.copyto(buf, data, casting="no")
+            kept[key] = buf
+            out.append(buf)
+        for started in copies:
+            _devicecopy.ops().wait(started)
+        return out
+
+    def _pin(self, keys: list[tuple[Any, ...]]) -> None:
+        """Buffers for the device tensors: kept from the last save when every one of them is,
+        else all made again in one page-locked slab (the old ones released first, so staging
+        never holds the device tensors twice; a slab is freed only with all its buffers)."""
+        if all(k in self._buffers for k in keys):
+            return
+        for k in keys:
+            self._buffers.pop(k, None)
+        slab = _devicecopy.PinnedSlab([(k[3], k[2]) for k in keys])
+        self._buffers.update(zip(keys, slab.views()))
+
+
+def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, str, Any, Any]]]:
+    """Validate every leaf (errors surface in the caller) and pick out the array data to copy.
+
+    Returns the leaves with plain values already final, and for each array leaf
+    ``(index, path, data, where)``: ``where`` is None for a whole array, else the
+    ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard)."""
+    out: list[Any] = []
+    regions: list[tuple[int, str, Any, Any]] = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        local = describe(path, leaf)  # raises LeafTypeError for unsupported leaves
+        if local.desc.kind == "value":
+            out.append(bytes(leaf) if isinstance(leaf, bytearray) else leaf)
+            continue
+        if isinstance(leaf, (np.generic, LazySource)) or is_jax_array(leaf):  # immutable
+            out.append(leaf)
+            continue
+        out.append(None)
+        if local.data is leaf:  # a whole tensor or numpy array
+            regions.append((i, path, leaf, None))
+        else:  # ShardedArray, DTensor: a region, kept at its place in the global array
+            regions.append((i, path, local.data, (local.desc.global_shape, local.desc.offsets)))
+    return out, regions
+
+
+class AsyncSaver:
+    """One background worker with its staging buffers; at most one save in flight.
+
+    ``max_staging_bytes`` bounds every save it stages (None: no bound); a call may
+    bound its own save further."""
+
+    def __init__(self, *, max_staging_bytes: int | None = None) -> None:
+        self.max_staging_bytes = max_staging_bytes
+        self._staging = _Staging()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._inflight: AsyncSave | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory currently held by staging buffers."""
+        return self._staging.nbytes
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and re-raise its failure."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.result()
+
+    def _settle(self, if_busy: IfBusy) -> None:
+        """Wait for (or refuse next to) the save in flight; warn about an unchecked failure."""
+        if if_busy not in ("wait", "error"):
+            raise ValueError(f"if_busy must be 'wait' or 'error', not {if_busy!r}")
+        prev = self._inflight
+        if prev is None:
+            return
+        if not prev.done():
+            if if_busy == "error":
+                raise SaveInProgressError(
+                    f"an asynchronous save to {prev.directory} is still running; wait for it with "
+                    ".result(), or pass if_busy='wait'"
+                )
+            concurrent.futures.wait([prev])
+        err = concurrent.futures.Future.exception(prev)
+        if err is not None and not prev.retrieved:
+            warnings.warn(
+                f"the asynchronous save to {prev.directory} failed and its result() was never checked: "
+                f"{type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        prev.retrieved = True
+        self._inflight = None
+
+    def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait") -> None:
+        """Run a synchronous save in the caller, after (or refusing) the one in flight."""
+        with self._lock:
+            self._settle(if_busy)
+            fn()
+
+    def submit(
+        self,
+        label: str,
+        tree: Any,
+        job: Callable[[Any], None],
+        *,
+        if_busy: IfBusy = "wait",
+        prepare: Callable[[], None] | None = None,
+        max_staging_bytes: int | None = None,
+        rank: int = 0,
+    ) -> AsyncSave:
+        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
+
+        ``prepare`` runs in the caller once any previous save has finished (for
+        checks whose errors belong to the caller, and collective setup). Stateful
+        objects in ``tree`` give their state then, in the caller (``rank``: this
+        process's rank, for a whole state's per-rank part). A state
+        with more array bytes than ``max_staging_bytes`` or the saver's own bound
+        (the smaller applies) is saved in the caller instead, with a RuntimeWarning."""
+        limit = _least(self.max_staging_bytes, max_staging_bytes)
+        start = time.perf_counter()
+        with self._lock:
+            self._settle(if_busy)
+            if prepare is not None:
+                prepare()
+            tree = expand(tree, rank=rank).tree
+            flat = flatten(tree)
+            leaves, regions = _array_regions(flat.paths, flat.leaves)
+            nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
+            if limit is not None and nbytes > limit:
+                warnings.warn(
+                    f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "
+                    f"max_staging_bytes={limit}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                handle = AsyncSave(label, 0)
+                handle.run(job, tree)
+                handle.retrieved = True
+                handle.result()
+            else:
+                copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
+                for (i, _, _, where), copy in zip(regions, copies):
+                    leaves[i] = copy if where is None else ShardedArray(copy, *where)
+                staged = unflatten(flat.spec, leaves)
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
+                    )
+                handle = AsyncSave(label, nbytes)
+                self._executor.submit(handle.run, job, staged)
+            self._inflight = handle
+        handle.blocked_s = time.perf_counter() - start
+        return handle
+
+    def close(self) -> None:
+        """Wait for the save in flight (re-raising its failure) and stop the worker."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+# The nice value of the background save's thread, and so of the writer threads it starts
+# (Linux threads inherit it): where the CPUs are busy, the training loop goes first. Measured
+# by benchmarks/bench_train.py (RESULTS.md, "Training loop").
+BACKGROUND_NICE = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: per thread); elsewhere, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+def _least(*limits: int | None) -> int | None:
+    """The smallest of the bounds given (None: no bound)."""
+    given = [n for n in limits if n is not None]
+    return min(given) if given else None
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return int(data.nbytes)
+
+
+def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
+    """Under torch.distributed, create the gloo group save() coordinates over now, in the
+    caller's thread: creating a group is a collective on the default group, which must
+    never run in the background next to the training loop's own collectives."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        from .._coord.torchdist import coordinator_for
+
+        coordinator_for(group, timeout, channel="background")
+
+
+_default = AsyncSaver()
+
+
+@verb("tsckpt.save_async")
+def save_async(
+    directory: Directory,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    group: Any = None,
+    check_replicas: bool = True,
+    timeout: datetime.timedelta | None = None,
+    max_inflight_bytes: int = WRITE_WINDOW_BYTES,
+    layout: str = LAYOUT_PLAIN,
+    progress: bool | None = None,
+    if_busy: IfBusy = "wait",
+    max_staging_bytes: int | None = None,
+) -> AsyncSave:
+    """Start saving ``tree`` and return as soon as it is copied to host memory.
+
+    Writing, syncing and the commit continue in a background thread; the result
+    is the same checkpoint :func:`tsckpt.save` writes, with the same options
+    (``overwrite``, ``group``, ``check_replicas``, ``timeout``,
+    ``max_inflight_bytes``, ``layout``, ``progress``: see there; a bad value
+    raises here, in the caller), and the returned handle's ``result()`` waits
+    for it and re-raises a failure. A save still in flight from an earlier call
+    is waited for first (``if_busy="error"`` raises SaveInProgressError
+    instead). Staging buffers are reused between calls; a state with more array
+    bytes than ``max_staging_bytes`` is saved synchronously instead, with a
+    RuntimeWarning. Under torch.distributed every rank calls save_async; the
+    background commit talks over a gloo group of its own, never the training
+    loop's group nor the one a synchronous tsckpt.save or restore uses
+    meanwhile. A pending save is finished at interpreter exit.
+    """
+    options = SaveOptions.of(locals())
+    background = AsyncOptions.of(locals())
+    label = str(resolve(directory))
+
+    def job(staged: Any) -> None:
+        from .protocol import save
+
+        save(directory, staged, **options.kwargs())
+
+    return _default.submit(
+        label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
+        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
+    )
