@@ -145,6 +145,15 @@ def test_pieces_cover_the_box_once_within_the_limit(lengths, itemsize, limit):
     assert (got == []) == (0 in lengths)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_pieces_follow_the_inner_chunk_rows_where_the_limit_holds_them(rows):
+    got = pieces((8, 0), (40, 10), 2, 20 * 7, rows=rows)  # the limit holds 7 rows of 10
+    steps = [ln[0] for _, ln in got]
+    assert sum(steps) == 40 and [off[0] for off, _ in got] == [8 + sum(steps[:i]) for i in range(len(got))]
+    want = 7 if rows > 7 else 7 - 7 % rows  # whole multiples of the chunk's rows, else as many rows as fit
+    assert steps[:-1] == [want] * (len(got) - 1) and 0 < steps[-1] <= want
+
+
 def test_batches_keep_order_and_bound():
     assert list(batches([3, 3, 3, 9, 1], lambda n: n, 6)) == [[3, 3], [3], [9], [1]]
     assert list(batches([], lambda n: n, 6)) == []

@@ -56,7 +56,7 @@ from .._storage.confine import open_beneath
 from . import crc
 from .files import ShardIndex, StoredShapes, node_agrees, opened_directory, storage_box, stored_shapes
 from .pagecache import ALIGN, files_cached, resident_fraction, set_direct
-from .threads import Workers, cpus
+from .threads import Workers, cpus, shared
 
 # Threads reading shard files, and how many of them may copy or check bytes at once (a
 # buffered read is a copy too). On 2 CPUs, 1 GiB in 64 shard files: warm, 1, 2 and 4 busy
@@ -187,7 +187,8 @@ def _run(
         for job in jobs:
             settle(job, work(job))
         return fell_back
-    pool = Workers(threads, "tsckpt-read")
+    pool = shared(threads, "tsckpt-read")
+    futures: list[concurrent.futures.Future[bool]] = []
 
     def finish(started: tuple[_Job, concurrent.futures.Future[bool]]) -> None:
         settle(started[0], started[1].result())
@@ -195,10 +196,11 @@ def _run(
     in_flight: Window[tuple[_Job, concurrent.futures.Future[bool]]] = Window(2 * threads, finish)  # jobs queued
     try:
         for job in jobs:
-            in_flight.add((job, pool.submit(work, job)))
+            futures.append(pool.submit(work, job))
+            in_flight.add((job, futures[-1]))
         in_flight.drain()
     finally:
-        pool.shutdown()
+        Workers.settle(futures)
     return fell_back
 
 

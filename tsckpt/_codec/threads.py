@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 from typing import Any, Callable
 
 
@@ -46,3 +47,26 @@ class Workers:
         """Wait for the work in flight; drop what has not started."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def settle(futures: list[concurrent.futures.Future[Any]]) -> None:
+        """Drop those of ``futures`` that have not started and wait for the others: what
+        :meth:`shutdown` does for one caller's work in a pool that others go on using."""
+        for fut in futures:
+            fut.cancel()
+        concurrent.futures.wait(futures)
+
+
+_SHARED: dict[tuple[str, int], Workers] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(threads: int, name: str) -> Workers:
+    """The process's pool of ``threads`` threads named ``name``, made once and kept: a
+    restore that reads in many small calls (a device target's batches) starts no threads
+    per call. Callers never shut it down; they :meth:`Workers.settle` their own work."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get((name, threads))
+        if pool is None:
+            pool = _SHARED[(name, threads)] = Workers(threads, name)
+        return pool

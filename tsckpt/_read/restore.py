@@ -21,7 +21,7 @@ from .._base.types import ArraySpec, Dest, ReadItem
 from .._codec.chunkread import read_chunks
 from .._codec.route import Place, Route, place, route
 from .._codec.route import setting as codec_setting
-from .._codec.shardread import read_sharded
+from .._codec.shardread import READ_THREADS, read_sharded
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
 from .._errors import StructureMismatchError, count_and_list
@@ -199,8 +199,8 @@ def _read_host(ck: Checkpoint, dests: list[Dest], progress: Progress | None, win
 def _read_device(ck: Checkpoint, dests: list[Dest], progress: Progress | None, window: int) -> None:
     """Read into destinations in device memory through host memory of ``window`` bytes at
     most (a :class:`_devicecopy.ToDevice` ring): each destination is cut into pieces
-    (within its shards, at most half the window each), a batch of pieces of half the
-    window is read into host memory in the target's dtype by the host tiers (casts and
+    (within its shards, on their inner chunk grid, small enough that a batch holds a piece
+    for each reading thread), a batch of pieces of half the window is read into host memory in the target's dtype by the host tiers (casts and
     their checks included), then copied to the device asynchronously while the next
     batch is read."""
     half = max(1, window // 2)
@@ -208,8 +208,12 @@ def _read_device(ck: Checkpoint, dests: list[Dest], progress: Progress | None, w
     for dest in dests:
         rec, item = ck.arrays[dest.item.path], dest.item
         itemsize = dest.tensor.element_size()
+        inner = rec.chunking.chunk_shape or rec.chunking.shard_shape
+        rows = inner[0] if inner else 1
+        chunk = math.prod(inner) * itemsize
+        limit = max(chunk, half // READ_THREADS)  # a batch of ``half`` keeps every reading thread busy
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
-            parts += [(dest, o, n) for o, n in _devicecopy.pieces(off, ln, itemsize, half)]
+            parts += [(dest, o, n) for o, n in _devicecopy.pieces(off, ln, itemsize, min(limit, half), rows=rows)]
     copier = _devicecopy.ToDevice(window)
     try:
         for batch in _devicecopy.batches(parts, lambda p: _devicecopy.align(math.prod(p[2]) * p[0].tensor.element_size()), half):

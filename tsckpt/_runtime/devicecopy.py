@@ -263,11 +263,13 @@ class ToDevice(_Copier):
         return True
 
 
-def pieces(offsets: Sequence[int], lengths: Sequence[int], itemsize: int, limit: int) -> list[Box]:
+def pieces(offsets: Sequence[int], lengths: Sequence[int], itemsize: int, limit: int, *, rows: int = 1) -> list[Box]:
     """The box (``offsets``, ``lengths``) split into pieces of at most ``limit`` bytes, in C
     order: runs of whole rows along the first dimension, a row itself split the same way
     along the next when it alone is larger (each piece is contiguous in a C-contiguous
-    array). A single element larger than ``limit`` is a piece of its own."""
+    array). A single element larger than ``limit`` is a piece of its own. Runs of rows
+    are a multiple of ``rows`` where ``limit`` holds that many (a box starting on the inner
+    chunk grid is then cut on it, so no two pieces read the same chunk)."""
     if 0 in lengths:
         return []
     if not lengths or math.prod(lengths) * itemsize <= limit:
@@ -276,6 +278,8 @@ def pieces(offsets: Sequence[int], lengths: Sequence[int], itemsize: int, limit:
     o0, n0 = offsets[0], lengths[0]
     if row <= limit:
         step = max(1, limit // row)
+        if step >= rows:
+            step -= step % rows
         return [((o0 + i, *offsets[1:]), (min(step, n0 - i), *lengths[1:])) for i in range(0, n0, step)]
     out: list[Box] = []
     for i in range(n0):
