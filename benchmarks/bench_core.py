@@ -255,11 +255,11 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
     if lib.startswith("tsckpt"):
         import tsckpt
         import tsckpt._ondisk.chunking
-        import tsckpt._save.protocol
+        import tsckpt._save.write
         import tsckpt._codec.shardwrite
 
         if lib == "tsckpt (TensorStore writer)":
-            tsckpt._save.protocol.WRITE_THREADS = 0
+            tsckpt._save.write.OWN_SHARD_FILES = False
         elif lib == "tsckpt (whole-row chunks)":
             tsckpt._ondisk.chunking.TRAILING_PIECES = 1
         elif lib == "tsckpt (page-cache writer)":

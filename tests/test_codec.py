@@ -22,7 +22,7 @@ import torch
 import tsckpt
 import tsckpt._save.plan as plan
 from tsckpt._read import restore as _restore
-from tsckpt._save import protocol as _save
+from tsckpt._save import write as _save
 from tsckpt._ondisk.arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
 from tsckpt._codec import chunkread, shardwrite
@@ -60,7 +60,7 @@ def test_route_by_chunking_and_place():
     foreign = place(LOCAL, "plain", foreign=True)
     assert foreign == Place(False, None, "arrays of another format")
     assert route(sharded, foreign) is Route.TENSORSTORE and route(rec((5,), (5,)), foreign) is Route.TENSORSTORE
-    assert place(LOCAL, "plain", shard_files=False) == Place(True, None)  # save's WRITE_THREADS = 0
+    assert place(LOCAL, "plain", shard_files=False) == Place(True, None)  # save's OWN_SHARD_FILES off
     assert place({**LOCAL, "file_io_sync": False}, "plain") == Place(True, None)  # options: TensorStore's files
 
 

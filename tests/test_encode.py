@@ -28,7 +28,8 @@ from tsckpt._save.descs import gather_descs, pack_descs
 from tsckpt._save.plan import plan_save, split_plan
 from tsckpt._runtime.progress import Progress
 from tsckpt._formats.sources import open_checkpoint
-from tsckpt._save.protocol import _whole_shard, _write_regions
+from tsckpt._save.write import whole_shard as _whole_shard
+from tsckpt._save.write import write_regions as _write_regions
 
 
 def _file_writer(rec: ArrayRecord, offsets: tuple[int, ...], src: np.ndarray):
@@ -337,7 +338,7 @@ def _several_writers(tmp_path, monkeypatch, shape, dtype, regions, writer):
 def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunks, monkeypatch, dtype):
     """tsckpt.save writes sharded arrays with its own writer (TensorStore opens no array
     for writing), the files equal TensorStore's, and zarr-python reads them."""
-    import tsckpt._save.protocol as save_mod
+    import tsckpt._save.write as save_mod
 
     def no_tensorstore(*args, **kwargs):
         raise AssertionError("TensorStore was asked to write")

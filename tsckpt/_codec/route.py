@@ -86,7 +86,7 @@ def place(spec: Mapping[str, Any], layout: str, *, foreign: bool = False, shard_
 
     ``foreign``: the arrays are another format's, opened through their own specs.
     ``shard_files=False`` leaves shard files to TensorStore even on a local disk (save's
-    WRITE_THREADS = 0). Reads the switch, so call it once per save or restore.
+    ``OWN_SHARD_FILES`` off). Reads the switch, so call it once per save or restore.
     """
     why = ""
     if setting() == TENSORSTORE:

@@ -62,6 +62,8 @@ from .threads import Workers, cpus, shared
 # buffered read is a copy too). On 2 CPUs, 1 GiB in 64 shard files: warm, 1, 2 and 4 busy
 # threads used the same CPU time and 8 were slower (0.41-0.53 s against 0.39-0.40 s);
 # cold, 8 threads with 4 MiB direct reads waited less (0.77-0.96 s against 1.0-1.3 s with 4).
+# On 16 CPUs, warm, 8 threads were as fast as 16 and faster than 2 or 4 (benchmarks/RESULTS.md,
+# "Threads by CPUs"), so the count stays 8 rather than one per CPU.
 READ_THREADS = 8
 BUSY_THREADS = 4
 # Threads reading files the page cache holds whole (:func:`.pagecache.files_cached`): one per

@@ -60,7 +60,7 @@ def read_dcp(path: str, *, allow_pickle: bool = False) -> Any:
     meta = _read_metadata(path, allow_pickle)
     _check_entries(path, meta)
     _check_files(path, meta)
-    reader = _Reader(path, meta)
+    reader = _RegionReader(path, meta)
     entries = meta.state_dict_metadata
     values = reader.values([k for k, md in entries.items() if not isinstance(md, TensorStorageMetadata)])
     leaves: dict[str, Any] = {}
@@ -227,7 +227,7 @@ def _check_files(path: str, meta: Any) -> None:
             )
 
 
-class _Reader:
+class _RegionReader:
     """Reads DCP entries through FileSystemReader, keeping the last tensor region read."""
 
     def __init__(self, path: str, meta: Any) -> None:

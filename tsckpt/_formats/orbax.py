@@ -301,7 +301,7 @@ class _Pending:
         return f"{self.item}: leaf '{self.path}'"
 
 
-class _Reader:
+class _LeafCollector:
     """Collects the leaves of one Orbax checkpoint; arrays are opened together at the end."""
 
     def __init__(self, location: Path) -> None:
@@ -535,7 +535,7 @@ def load(directory: str) -> ForeignCheckpoint:
     if not d.is_dir():
         raise CheckpointNotFoundError(f"{d}: no such directory: expected an Orbax checkpoint directory; check the path")
     refuse_links(str(d), str(d))  # TensorStore follows links: none may lead out of the checkpoint
-    reader = _Reader(d)
+    reader = _LeafCollector(d)
     if (d / TREE_METADATA).is_file() or TMP_SUFFIX in d.name:
         reader.add_item(d, [])
     elif items := _items(d) if (d / STEP_METADATA).is_file() else []:
@@ -547,7 +547,7 @@ def load(directory: str) -> ForeignCheckpoint:
     return reader.finish()
 
 
-def _add_step(reader: _Reader, step: Path, items: list[str]) -> None:
+def _add_step(reader: _LeafCollector, step: Path, items: list[str]) -> None:
     """The items of a committed step; a lone ``default`` item's leaves are not prefixed by its name."""
     _check_committed(step)
     for name in items:

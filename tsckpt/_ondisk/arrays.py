@@ -101,7 +101,7 @@ def _grid(rec: ArrayRecord, box: tuple[slice, ...] | None) -> list[tuple[int, in
     return dims
 
 
-class Stored(NamedTuple):
+class StoredSize(NamedTuple):
     """What the shard files of (part of) an array hold when written as its record says."""
 
     files: int
@@ -109,20 +109,20 @@ class Stored(NamedTuple):
     nbytes: int
 
 
-def stored_size(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Stored:
+def stored_size(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> StoredSize:
     """What the shard files touched by ``box`` (default: the whole array) hold when written
     as the record says: every chunk inside the array at its decoded size plus its crc32c,
     and each shard's index. Closed form: nothing is enumerated."""
     dims = _grid(rec, box)
     if dims is None:
-        return Stored(0, 0, 0)
+        return StoredSize(0, 0, 0)
     files = math.prod(hi - lo for lo, hi, _, _ in dims)
     itemsize = _dtypes.itemsize(rec.dtype)
     if rec.chunking.chunk_shape is None:
-        return Stored(files, files, files * (math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES))
+        return StoredSize(files, files, files * (math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES))
     index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
     inner = math.prod(min(hi * per, total) - lo * per for lo, hi, per, total in dims)
-    return Stored(files, inner, files * index + inner * (math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES))
+    return StoredSize(files, inner, files * index + inner * (math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES))
 
 
 def _cells(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, ...]]:

@@ -3,7 +3,9 @@
 Owns:
 
 - :mod:`.protocol`: ``save``, the protocol's numbered steps (describe, plan, exchange,
-  write, commit), and the write engine that runs a rank's plan.
+  write, commit) and the messages between them.
+- :mod:`.write`: the write engine: a rank's part of the plan executed (the exchange of
+  straddling pieces, shard and chunk files, the arrays' nodes).
 - :mod:`.descs`: what each rank sends rank 0 (its leaves' descriptors, packed), and rank
   0's view of them.
 - :mod:`.plan`: the pure save plan (frozen dataclasses): who writes what, laid out how.
