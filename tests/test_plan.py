@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tsckpt import LayoutError
 from tsckpt._chunking import shard_boxes
 from tsckpt._format import Chunking
-from tsckpt._plan import WriteItem, plan_read, plan_save
-from tsckpt._types import LeafDesc, ReadItem
+from tsckpt._plan import WriteItem, plan_save
+from tsckpt._types import LeafDesc
 
 
 def region(path, offsets, lengths, global_shape=(8, 4), *, dtype="float32", itemsize=4, checksum=None, kind="torch"):
@@ -147,10 +147,6 @@ def test_shard_boxes_tile_the_region_within_single_shards(data):
         cells |= set(itertools.product(*(range(o, o + n) for o, n in zip(off, ln))))
     assert sum(math.prod(ln) for _, ln in boxes) == len(cells)  # no overlap
     assert cells == set(itertools.product(*(range(o, o + n) for o, n in zip(offsets, lengths))))
-
-
-def test_plan_read():
-    assert plan_read("x", (2, 3), (4, 5)) == ReadItem("x", (2, 3), (4, 5))
 
 
 @settings(max_examples=50, deadline=None)
