@@ -459,11 +459,16 @@ def test_elsewhere_a_save_is_dead_once_its_lease_expires(ckdir, saver, monkeypat
     proc = saver("save", ckdir)
     monkeypatch.setattr(lease_module, "_machine", lambda: "another machine")  # its pid tells us nothing
     _kill(proc)
-    age = time.time() - _root(ckdir)["claim"]["renewed"]
-    if age < LEASE_S - 0.5:  # a slow machine may have spent the lease already
-        with pytest.raises(tsckpt.SaveInProgressError, match="another save into this directory is still running"):
-            tsckpt.save(ckdir, _tree(), overwrite=True)
-    time.sleep(max(0.0, LEASE_S - (time.time() - _root(ckdir)["claim"]["renewed"])) + 0.2)
+    renewed = _root(ckdir)["claim"]["renewed"]  # its last renewal
+    clock = [renewed + LEASE_S - 0.01]  # the time the lease is judged at (_claim_running's now), not the wall's
+    judge = lease_module._claim_running
+    monkeypatch.setattr(
+        lease_module, "_claim_running", lambda claim, now=None: judge(claim, clock[0] if now is None else now)
+    )
+    with pytest.raises(tsckpt.SaveInProgressError, match="another save into this directory is still running"):
+        tsckpt.save(ckdir, _tree(), overwrite=True)  # the lease has not expired yet
+    assert _root(ckdir)["state"] == "pending" and _root(ckdir)["claim"]["renewed"] == renewed  # untouched
+    clock[0] = renewed + LEASE_S  # expired: the save is dead
     tsckpt.save(ckdir, _tree(2), overwrite=True)
     _check(tsckpt.restore(ckdir), 2)
 
