@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import tsckpt
@@ -121,6 +122,7 @@ def _check_latest(m: tsckpt.CheckpointManager, committed_ever: int | None, begun
         assert latest is None or latest <= begun[-1], context
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(tmp_path, layout):
     ctx = _context()
     rng = random.Random(20240611)
@@ -186,6 +188,7 @@ def _race(directory: str, value: int, barrier: Any, delay: float, result: str) -
     Path(result).write_text(outcome)
 
 
+@pytest.mark.slow
 def test_two_processes_save_to_one_directory(tmp_path):
     ctx = _context()
     for trial, delay in enumerate([0.0, 0.0, 0.0, 0.0, 0.002, 0.01, 0.05]):
@@ -298,6 +301,7 @@ def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
     from tests.dist_helpers import free_port
 

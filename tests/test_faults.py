@@ -182,6 +182,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_small_tmpfs(small_tmpfs):
     ckdir = str(small_tmpfs / "ck")
     with pytest.raises(OSError) as e:
@@ -290,6 +291,7 @@ def _unprivileged(what: str, directory: str, probe: str) -> dict:
     return got
 
 
+@pytest.mark.slow
 def test_unreadable_chunk_file_on_restore(ckdir):
     tsckpt.save(ckdir, _tree())
     file = os.path.join(ckdir, "a", "c", "0")
@@ -336,6 +338,7 @@ def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
     assert e.value.errno == errno.EACCES
 
 
+@pytest.mark.slow
 def test_directory_without_write_permission(tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -432,6 +435,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_a_save_running_in_another_process(ckdir, saver):
     proc = saver("save", ckdir)
     claim = _root(ckdir)["claim"]
@@ -455,6 +459,7 @@ def test_overwrite_refuses_a_save_running_in_another_process(ckdir, saver):
     _check(tsckpt.restore(ckdir), 1)
 
 
+@pytest.mark.slow
 def test_elsewhere_a_save_is_dead_once_its_lease_expires(ckdir, saver, monkeypatch):
     proc = saver("save", ckdir)
     monkeypatch.setattr(lease_module, "_machine", lambda: "another machine")  # its pid tells us nothing
@@ -528,6 +533,7 @@ def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
 # ---- two managers on one root ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
     run = tmp_path / "run"
     proc = saver("manager", str(run))

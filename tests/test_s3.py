@@ -463,6 +463,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
     """A server that accepts connections and never answers: each attempt ends at the stall
