@@ -277,11 +277,10 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
 
 def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
     """One of 2 gloo ranks saving step after step (rows of 'w' sharded by rank) until killed."""
-    import torch.distributed as dist
+    from tests.dist_helpers import join
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(port, rank, 2)
     fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
     latest = m.latest_step()
@@ -303,7 +302,7 @@ def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
-    from tests.dist_helpers import free_port
+    from tests.dist_helpers import rendezvous
 
     ctx = _context()
     rng = random.Random(7)
@@ -312,8 +311,11 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
     interrupted = 0
     for kill in range(20):
         log = tmp_path / f"log{kill}"
-        port = free_port()
-        procs = [ctx.Process(target=_dist_saver, args=(r, port, str(root), str(log), layout), daemon=True) for r in (0, 1)]
+        store = rendezvous()  # the ranks' store, served here: it outlives the kill
+        procs = [
+            ctx.Process(target=_dist_saver, args=(r, store.port, str(root), str(log), layout), daemon=True)
+            for r in (0, 1)
+        ]
         for p in procs:
             p.start()
         try:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tsckpt
-from tests.dist_helpers import free_port, run_ranks
+from tests.dist_helpers import reserved_port, run_ranks
 
 pytest.importorskip("jax")
 
@@ -24,8 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _job(scenario: str, directory) -> list[str]:
     """Run a scenario of tests/jax_scenarios.py on 2 processes; each one's last line."""
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with reserved_port() as port:  # held until the job is done
+        return _run_job(scenario, directory, port, env)
+
+
+def _run_job(scenario: str, directory, port: int, env: dict[str, str]) -> list[str]:
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.jax_scenarios", scenario, str(p), str(port), str(directory)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
