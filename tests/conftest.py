@@ -1,18 +1,14 @@
 """Fixtures, markers and Hypothesis settings shared by the test suite.
 
 Tiers. ``python -m pytest -m "not slow"`` runs the fast tier: everything but the
-tests marked ``slow``. :func:`pytest_collection_modifyitems` marks a test slow when
-
-* it uses the ``s3_server`` fixture, directly or through another fixture (moto's
-  S3 server, started once per session); or
-* the test function, a fixture it uses, or a function, class or module of this
-  tests package that one of them names (followed transitively) names a helper
-  that starts processes: ``run_ranks`` (gloo ranks), ``run_solo`` (a fresh
-  process), ``get_context`` (multiprocessing: the crash tests' savers killed at
-  random moments, racing savers), ``subprocess`` (the command line, scripts,
-  examples, a blocked saver, the fuzzers' worker) or ``torchrun``.
-
-Everything else runs in this process and is fast.
+tests marked ``slow``, those that start processes (gloo ranks, a fresh interpreter, the
+command line, killed or racing savers, the fuzzers' worker, torchrun) or a server. They
+are marked in the source: ``pytestmark = pytest.mark.slow`` in a module whose every test
+starts processes, ``@pytest.mark.slow`` on a test elsewhere, and here, at collection
+(:func:`pytest_collection_modifyitems`), every test that uses a fixture of
+:data:`SLOW_FIXTURES` (moto's S3 server), directly or through another fixture.
+``tests/test_suite_rules.py`` checks, from the tests' source, that every test that starts
+processes is marked so. Everything else runs in this process and is fast.
 
 Hypothesis. Example counts come from the profile, chosen by the environment
 variable ``HYPOTHESIS_PROFILE``, else ``full`` where ``CI=true`` (as ``.ci/run``
@@ -22,9 +18,7 @@ the others (a fuzzer) asks for :func:`examples` ``(k)``: ``k`` times the profile
 
 from __future__ import annotations
 
-import dis
 import os
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,80 +63,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
 
 
-PROCESS_HELPERS = frozenset({"run_ranks", "run_solo", "get_context", "subprocess", "torchrun"})
-SERVER_FIXTURES = frozenset({"s3_server"})
-
-
-def _names(code: types.CodeType) -> Iterator[str]:
-    """The global, attribute and imported names ``code`` and the code nested in it use."""
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "IMPORT_NAME", "IMPORT_FROM"):
-            yield str(ins.argval).split(".")[0] if ins.opname == "IMPORT_NAME" else str(ins.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _names(const)
-
-
-def _ours(obj: Any) -> bool:
-    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
-    return isinstance(name, str) and (name == "tests" or name.startswith("tests."))
-
-
-def _named(obj: Any) -> tuple[bool, list[Any]]:
-    """Whether function or class ``obj`` names a process helper itself, and the functions,
-    classes and modules of this package it names."""
-    if isinstance(obj, types.ModuleType):
-        return False, []  # only the members its users name are followed (see below)
-    if isinstance(obj, type):
-        return False, [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
-    fn = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # a @given test: the test itself
-    fn = getattr(fn, "__wrapped__", fn)  # a fixture: its function
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return False, []
-    names = set(_names(code))
-    scope = getattr(fn, "__globals__", {})
-    targets = [scope[n] for n in names if n in scope]
-    # members of modules of this package the code names (sc.save_dtensors)
-    targets += [getattr(m, n) for m in list(targets) if isinstance(m, types.ModuleType) and _ours(m)
-                for n in names if hasattr(m, n)]
-    return bool(names & PROCESS_HELPERS), [t for t in targets if _ours(t)]
-
-
-_NAMED: dict[int, tuple[Any, bool, list[Any]]] = {}  # id -> (the object, kept alive; _named(it))
-
-
-def starts_processes(obj: Any) -> bool:
-    """Whether function, class or fixture ``obj`` names a process helper, itself or through
-    the functions, classes and modules of this package it names, transitively."""
-    stack, visited = [obj], set()
-    while stack:
-        o = stack.pop()
-        if id(o) in visited:
-            continue
-        visited.add(id(o))
-        if id(o) not in _NAMED:
-            _NAMED[id(o)] = (o, *_named(o))
-        _, direct, targets = _NAMED[id(o)]
-        if direct:
-            return True
-        stack.extend(targets)
-    return False
-
-
-def _slow(item: pytest.Item) -> bool:
-    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return True
-    if starts_processes(getattr(item, "function", None)):
-        return True
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(_ours(d.func) and starts_processes(d.func) for ds in defs for d in ds)
+# a test that uses one of these fixtures (directly or through another) is slow: they start a server
+SLOW_FIXTURES = frozenset({"s3_server"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # at collection, so that -m "not slow" deselects them; fixturenames: the fixtures' closure
     for item in items:
-        if _slow(item):
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -8,12 +8,14 @@ signal) fails it as such. A hung rank is killed after ``timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable
 
 # forkserver: torch and tsckpt are imported once in the server, then each rank
@@ -32,10 +34,37 @@ def rank_layout() -> str:
     return os.environ[LAYOUT_ENV]
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port for a server that cannot be given port 0 (jax.distributed's coordinator, a gRPC
+    server), reserved while the context lasts: bound here with SO_REUSEPORT and never listened
+    on, so only another socket of this user that sets SO_REUSEPORT too (as gRPC's do) can bind
+    it, and no other test or job takes it meanwhile. Ranks of torch.distributed rendezvous
+    through :func:`rendezvous` instead."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
+
+
+def rendezvous() -> Any:
+    """The store one job's ranks rendezvous through: a TCPStore this process serves on a
+    port the kernel chose (port 0), held until the store is dropped, so no other job or test
+    can take it (as it could a port found free and bound again later by rank 0). Pass its
+    ``port`` to the ranks, which :func:`join` it; it outlives any rank killed meanwhile."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
+
+
+def join(port: int, rank: int, world: int, backend: str = "gloo") -> None:
+    """In a rank: init_process_group through the :func:`rendezvous` store at ``port``."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def _entry(
@@ -43,17 +72,16 @@ def _entry(
     backend: str = "gloo",
 ) -> None:
     # forked from the fork server, a rank has the server's environment, not the test's
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     os.environ[LAYOUT_ENV] = layout
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch.distributed as dist
 
     try:
         if backend == "nccl":  # one GPU per rank
             import torch
 
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        join(port, rank, world, backend)
         result = fn(rank, world, *args)
         q.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - sent to the parent
@@ -73,7 +101,8 @@ def run_ranks(
     ``backend`` is the default group's (``"nccl"``: rank r uses GPU r).
     ``layout`` is the checkpoint layout scenarios read with :func:`rank_layout` (default: the
     `layout` fixture's, else plain)."""
-    port = free_port()
+    store = rendezvous()  # served until the ranks are done
+    port = store.port
     q = _CTX.Queue()
     layout = layout or os.environ.get(LAYOUT_ENV, "plain")
     procs = [
@@ -89,6 +118,7 @@ def run_ranks(
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        del store
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise RankError(errors, {r: v for r, (s, v) in results.items() if s == "ok"})

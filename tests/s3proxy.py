@@ -14,8 +14,6 @@ import threading
 import urllib.parse
 from collections.abc import Callable
 
-from tests.dist_helpers import free_port
-
 _HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection"}
 
 
@@ -45,7 +43,7 @@ class LossyProxy:
         self._lock = threading.Lock()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", free_port()))
+        self._sock.bind(("127.0.0.1", 0))  # a port the kernel chose, held from now on
         self._sock.listen(64)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._closed = False

@@ -189,6 +189,7 @@ def test_memory_store(tmp_path):
     assert tsckpt.restore("memory://async_test/ck")["w"].tolist() == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_pending_save_finishes_at_interpreter_exit(tmp_path):
     code = (
         "import numpy as np, tsckpt\n"
@@ -247,6 +248,7 @@ def _two_ranks(rank: int, world: int, directory: str) -> tuple:
     return m.all_steps(), out["dt"].tolist(), out["sh"].tolist(), out["rep"].tolist(), out["step"]
 
 
+@pytest.mark.slow
 def test_two_ranks_dtensor_and_sharded_leaves(tmp_path):
     from tests.dist_helpers import run_ranks
     from tests.test_crash import _context
@@ -289,6 +291,7 @@ def test_async_save_is_a_future(tmp_path):
     assert h in done and h.result() is None
 
 
+@pytest.mark.slow
 def test_a_failure_nobody_checked_is_reported_at_exit(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_bytes(b"")

@@ -443,6 +443,7 @@ def _restore_dtensors_cast(rank: int, world: int, directory: str) -> dict[str, o
     return out
 
 
+@pytest.mark.slow
 def test_dtensor_targets_follow_the_policy(ckdir):
     big = np.arange(8, dtype=np.float32)
     big[6] = 1e5

@@ -543,6 +543,7 @@ def test_convert_errors(ck, tmp_path, capsys):
 # ---- the real command ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_subprocess_ls_show_verify(ck):
     r = run_cli("ls", ck)
     assert r.returncode == 0, r.stderr
@@ -557,6 +558,7 @@ def test_subprocess_ls_show_verify(ck):
     assert r.returncode == 0 and r.stdout.startswith("OK: ")
 
 
+@pytest.mark.slow
 def test_subprocess_errors_have_no_traceback(ck, tmp_path):
     os.remove(_files(ck, "model/w")[0])
     r = run_cli("verify", ck)
@@ -577,6 +579,7 @@ def test_subprocess_errors_have_no_traceback(ck, tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == f"tsckpt {tsckpt.__version__}"
 
 
+@pytest.mark.slow
 def test_subprocess_on_a_record_far_larger_than_its_files(ck):
     """TensorStore aborted the process (std::bad_alloc) reading a chunk the record said held 4 PB."""
     _damage_record(ck, "model/b", shape=[10**15], shard_shape=[10**15])
@@ -596,6 +599,7 @@ def test_main_help_and_usage(capsys):
     assert main(["show", "only-one-arg"]) == 2
 
 
+@pytest.mark.slow
 def test_examples_demo_runs():
     """The README's first set-up command ends with this demo; it must keep working."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

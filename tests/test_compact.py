@@ -33,6 +33,7 @@ def test_file_count_does_not_grow_with_leaves(tmp_path):
     assert_same(tsckpt.restore(tmp_path / "c1000", _tree(1000)), _tree(1000))
 
 
+@pytest.mark.slow
 def test_1000_leaves_on_4_ranks_within_4_files_a_rank_plus_16(tmp_path):
     d = str(tmp_path / "ck")
     run_ranks(sc.many_leaves, 4, d, 1000, layout="compact")
@@ -209,6 +210,7 @@ def test_missing_manifest_is_named(tmp_path):
         tsckpt.open(d)
 
 
+@pytest.mark.slow
 def test_ranks_must_agree_on_the_layout(tmp_path):
     from tests.dist_helpers import RankError
 

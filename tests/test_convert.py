@@ -169,6 +169,7 @@ def _save_sharded(rank: int, world: int, directory: str) -> None:
     tsckpt.save(directory, {"w": tsckpt.ShardedArray(local, (64, 4), (rank * rows, 0)), "step": 3})
 
 
+@pytest.mark.slow
 def test_checkpoint_of_four_ranks_exports_without_a_process_group(tmp_path, small_chunks):
     d = str(tmp_path / "ck")
     run_ranks(_save_sharded, 4, d)

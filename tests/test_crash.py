@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import tsckpt
@@ -121,6 +122,7 @@ def _check_latest(m: tsckpt.CheckpointManager, committed_ever: int | None, begun
         assert latest is None or latest <= begun[-1], context
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(tmp_path, layout):
     ctx = _context()
     rng = random.Random(20240611)
@@ -186,6 +188,7 @@ def _race(directory: str, value: int, barrier: Any, delay: float, result: str) -
     Path(result).write_text(outcome)
 
 
+@pytest.mark.slow
 def test_two_processes_save_to_one_directory(tmp_path):
     ctx = _context()
     for trial, delay in enumerate([0.0, 0.0, 0.0, 0.0, 0.002, 0.01, 0.05]):
@@ -274,11 +277,10 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
 
 def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
     """One of 2 gloo ranks saving step after step (rows of 'w' sharded by rank) until killed."""
-    import torch.distributed as dist
+    from tests.dist_helpers import join
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(port, rank, 2)
     fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
     latest = m.latest_step()
@@ -298,8 +300,9 @@ def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
-    from tests.dist_helpers import free_port
+    from tests.dist_helpers import rendezvous
 
     ctx = _context()
     rng = random.Random(7)
@@ -308,8 +311,11 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
     interrupted = 0
     for kill in range(20):
         log = tmp_path / f"log{kill}"
-        port = free_port()
-        procs = [ctx.Process(target=_dist_saver, args=(r, port, str(root), str(log), layout), daemon=True) for r in (0, 1)]
+        store = rendezvous()  # the ranks' store, served here: it outlives the kill
+        procs = [
+            ctx.Process(target=_dist_saver, args=(r, store.port, str(root), str(log), layout), daemon=True)
+            for r in (0, 1)
+        ]
         for p in procs:
             p.start()
         try:

@@ -382,11 +382,13 @@ def _dtensor_on_cuda(rank: int, world: int, directory: str) -> str:
     return dist.get_backend(coordinator_for().group)
 
 
+@pytest.mark.slow
 @cuda
 def test_cuda_dtensor_one_process_nccl(ckdir):
     assert run_ranks(_dtensor_on_cuda, 1, ckdir, backend="nccl", timeout=300) == ["gloo"]
 
 
+@pytest.mark.slow
 @two_gpus
 def test_cuda_dtensor_two_processes_nccl_coordinates_on_gloo(ckdir):
     assert run_ranks(_dtensor_on_cuda, 2, ckdir, backend="nccl", timeout=300) == ["gloo", "gloo"]

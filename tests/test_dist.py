@@ -56,6 +56,7 @@ def probe_live_ranks(rank: int, world: int, rounds: int, seed: int) -> list[list
     return named
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_probe_names_no_live_rank(world):
     rounds = 40
@@ -81,6 +82,7 @@ def lost_then_linger(rank: int, world: int, directory: str, victim: int, linger:
     return [raised, again]
 
 
+@pytest.mark.slow
 def test_a_survivor_waiting_on_another_is_freed_when_that_one_leaves(tmp_path):
     """On 4 ranks with rank 1 lost in the write's all-gather (a ring), rank 3 still waits for
     rank 2's part, which rank 2 will not send: it is freed by rank 2 leaving the group

@@ -15,7 +15,7 @@ from tests.dist_helpers import RankError, run_ranks
 from tests.stored import chunk_keys
 
 # every test on both checkpoint layouts: the ranks save in the test's (dist_helpers.rank_layout)
-pytestmark = pytest.mark.usefixtures("layout")
+pytestmark = [pytest.mark.usefixtures("layout"), pytest.mark.slow]  # every test here starts processes
 
 SPEC = {
     "wte": ((10, 6), "S0"),

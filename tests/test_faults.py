@@ -182,6 +182,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_small_tmpfs(small_tmpfs):
     ckdir = str(small_tmpfs / "ck")
     with pytest.raises(OSError) as e:
@@ -290,6 +291,7 @@ def _unprivileged(what: str, directory: str, probe: str) -> dict:
     return got
 
 
+@pytest.mark.slow
 def test_unreadable_chunk_file_on_restore(ckdir):
     tsckpt.save(ckdir, _tree())
     file = os.path.join(ckdir, "a", "c", "0")
@@ -336,6 +338,7 @@ def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
     assert e.value.errno == errno.EACCES
 
 
+@pytest.mark.slow
 def test_directory_without_write_permission(tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -432,6 +435,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_a_save_running_in_another_process(ckdir, saver):
     proc = saver("save", ckdir)
     claim = _root(ckdir)["claim"]
@@ -455,15 +459,21 @@ def test_overwrite_refuses_a_save_running_in_another_process(ckdir, saver):
     _check(tsckpt.restore(ckdir), 1)
 
 
+@pytest.mark.slow
 def test_elsewhere_a_save_is_dead_once_its_lease_expires(ckdir, saver, monkeypatch):
     proc = saver("save", ckdir)
     monkeypatch.setattr(lease_module, "_machine", lambda: "another machine")  # its pid tells us nothing
     _kill(proc)
-    age = time.time() - _root(ckdir)["claim"]["renewed"]
-    if age < LEASE_S - 0.5:  # a slow machine may have spent the lease already
-        with pytest.raises(tsckpt.SaveInProgressError, match="another save into this directory is still running"):
-            tsckpt.save(ckdir, _tree(), overwrite=True)
-    time.sleep(max(0.0, LEASE_S - (time.time() - _root(ckdir)["claim"]["renewed"])) + 0.2)
+    renewed = _root(ckdir)["claim"]["renewed"]  # its last renewal
+    clock = [renewed + LEASE_S - 0.01]  # the time the lease is judged at (_claim_running's now), not the wall's
+    judge = lease_module._claim_running
+    monkeypatch.setattr(
+        lease_module, "_claim_running", lambda claim, now=None: judge(claim, clock[0] if now is None else now)
+    )
+    with pytest.raises(tsckpt.SaveInProgressError, match="another save into this directory is still running"):
+        tsckpt.save(ckdir, _tree(), overwrite=True)  # the lease has not expired yet
+    assert _root(ckdir)["state"] == "pending" and _root(ckdir)["claim"]["renewed"] == renewed  # untouched
+    clock[0] = renewed + LEASE_S  # expired: the save is dead
     tsckpt.save(ckdir, _tree(2), overwrite=True)
     _check(tsckpt.restore(ckdir), 2)
 
@@ -523,6 +533,7 @@ def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
 # ---- two managers on one root ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
     run = tmp_path / "run"
     proc = saver("manager", str(run))

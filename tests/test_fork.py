@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 SCRIPT = textwrap.dedent(
     """
     import multiprocessing, sys

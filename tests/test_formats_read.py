@@ -245,6 +245,7 @@ def restore_hf_dtensors(rank: int, world: int, directory: str) -> list[tuple[str
     return log
 
 
+@pytest.mark.slow
 def test_two_ranks_restore_dtensors_reading_only_their_byte_ranges(tmp_path):
     state = _hf_dir(tmp_path)
     logs = run_ranks(restore_hf_dtensors, 2, str(tmp_path))

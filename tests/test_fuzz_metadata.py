@@ -43,6 +43,8 @@ from tsckpt._base.dtypes import is_known
 from tsckpt._ondisk.records import ArrayRecord, record_problem
 from tsckpt.tree import flatten
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ANSWER_TIMEOUT = 60  # seconds the worker may take for one example before it counts as hung
 ADDRESS_SPACE_HEADROOM = 3 << 30  # bytes the worker may map beyond what it maps when warm
 RSS_GROWTH_LIMIT = 256 << 20  # bytes of resident memory one example may add at its peak

@@ -33,6 +33,8 @@ import pytest
 
 from tests import netns
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROWS, COLS = 4096, 4096  # float32 rows of each of the 4 ranks: 64 MiB each, 256 MiB in all
 PORT = 29500  # a fresh namespace has nothing listening
 START_S = 240  # four ranks importing torch on a small machine, then planning

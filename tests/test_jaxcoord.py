@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tsckpt
-from tests.dist_helpers import free_port, run_ranks
+from tests.dist_helpers import reserved_port, run_ranks
 
 pytest.importorskip("jax")
 
@@ -24,8 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _job(scenario: str, directory) -> list[str]:
     """Run a scenario of tests/jax_scenarios.py on 2 processes; each one's last line."""
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with reserved_port() as port:  # held until the job is done
+        return _run_job(scenario, directory, port, env)
+
+
+def _run_job(scenario: str, directory, port: int, env: dict[str, str]) -> list[str]:
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests.jax_scenarios", scenario, str(p), str(port), str(directory)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
@@ -44,6 +48,7 @@ def _job(scenario: str, directory) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_two_jax_processes_save_and_restore(tmp_path):
     ck = tmp_path / "ck"
     assert _job("save", ck) == ["ok", "ok"]
@@ -53,11 +58,13 @@ def test_two_jax_processes_save_and_restore(tmp_path):
     assert out["step"] == 3 and tsckpt.open(ck).checkpoint.arrays["key"].kind == "jax_key:threefry2x32"
 
 
+@pytest.mark.slow
 def test_the_manager_under_jax_distributed(tmp_path):
     assert _job("manager", tmp_path) == ["ok", "ok"]
     assert sorted(os.listdir(tmp_path)) == ["00000002"]  # step 1 expired, deleted once (process 0)
 
 
+@pytest.mark.slow
 def test_each_process_reads_only_its_devices_slices(tmp_path):
     """With the file of process 1's columns deleted, process 0 reads its own columns (it fails
     only because process 1 did), and process 1 names the leaf and the missing file."""
@@ -70,6 +77,7 @@ def test_each_process_reads_only_its_devices_slices(tmp_path):
     assert second.startswith("CorruptCheckpointError: 'cols' in ") and "cols/c/0/1" in second
 
 
+@pytest.mark.slow
 def test_jax_processes_and_torch_ranks_read_each_other(tmp_path):
     assert _job("save", tmp_path / "from-jax") == ["ok", "ok"]
     run_ranks(jax_scenarios.dtensor_restore_cols, 2, str(tmp_path / "from-jax"))

@@ -17,6 +17,8 @@ import tsckpt
 from tests import dist_scenarios as sc
 from tests.dist_helpers import run_ranks
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 pytest.importorskip("orbax.checkpoint")
 
 ROWS, COLS = 64, 16

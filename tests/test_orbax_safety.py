@@ -141,6 +141,7 @@ def _bomb_message(ck: str, shape: int, chunk: int) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("shape", [4, 2**30])
 def test_a_chunk_that_decodes_to_gigabytes_is_refused_before_decoding(saved, tmp_path, shape):
@@ -189,6 +190,7 @@ def test_zarr3_shards_and_their_index_are_bounded(saved, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.slow  # starts a process
 def test_array_metadata_nested_too_deeply_is_refused_not_a_crash(saved, tmp_path):
     """TensorStore crashed (SIGSEGV) parsing a .zarray nested 100,000 deep."""

@@ -14,6 +14,7 @@ from tsckpt._ondisk.chunking import shard_boxes
 from tsckpt._ondisk.records import Chunking
 from tsckpt._save.plan import WriteItem, plan_save
 from tsckpt._base.types import LeafDesc
+from tests.conftest import examples
 
 
 def region(path, offsets, lengths, global_shape=(8, 4), *, dtype="float32", itemsize=4, checksum=None, kind="torch"):
@@ -131,7 +132,7 @@ def test_shard_boxes_split_at_shard_boundaries():
     assert shard_boxes((3,), (0,), Chunking((2,), None)) == []
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(2))  # planning only, cheap: more regions
 @given(st.data())
 def test_shard_boxes_tile_the_region_within_single_shards(data):
     ndim = data.draw(st.integers(1, 3))
@@ -149,7 +150,6 @@ def test_shard_boxes_tile_the_region_within_single_shards(data):
     assert cells == set(itertools.product(*(range(o, o + n) for o, n in zip(offsets, lengths))))
 
 
-@settings(max_examples=50, deadline=None)
 @given(st.integers(1, 64), st.integers(1, 8))
 def test_many_ranks_row_sharded_tiles_exactly(world, rows_per_rank):
     n = world * rows_per_rank

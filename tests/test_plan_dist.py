@@ -18,6 +18,7 @@ from tsckpt._ondisk.chunking import shard_boxes
 from tsckpt._save.descs import gather_alike, gather_by_rank, gather_descs, pack_descs, shared_regions, with_checksums
 from tsckpt._save.plan import RankPlan, plan_save, split_plan
 from tsckpt._base.types import LeafDesc
+from tests.conftest import examples
 
 
 def desc(path, shape, off, ln, itemsize=4, checksum=None, cuts=()):
@@ -51,7 +52,7 @@ def cells(shape, layout):
     return shard_boxes((0,) * len(shape), shape, layout)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(2))  # planning only, no I/O: more layouts
 @given(sharded_arrays())
 def test_every_file_has_exactly_one_writer_and_every_element_is_written_once(case):
     shape, per_rank = case
@@ -267,7 +268,7 @@ def planned(per_rank):
     return plan, split_plan(plan)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(3))  # planning only, no I/O: more layouts
 @given(alike_ranks(), st.booleans())
 def test_columns_plan_exactly_like_ranks_gathered_one_by_one(per_rank, differ):
     tables = [pack_descs(d) for d in per_rank]
@@ -333,7 +334,7 @@ def _pieces_of(d):
     return pieces((d.offsets, d.lengths), d.cuts, d.itemsize)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(2))  # planning only, no I/O: more layouts
 @given(held_in_pieces())
 def test_no_file_spans_two_pieces_of_its_writer(case):
     shape, per_rank = case

@@ -39,6 +39,7 @@ def test_no_bar_when_asked_or_not_a_terminal(tmp_path, bars, capsys):
     assert bars == [] and capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("layout")  # the ranks save in it
 def test_only_rank_0_shows_a_bar(tmp_path):
     per_rank = run_ranks(sc.save_and_restore_with_progress, 2, str(tmp_path / "ck"))

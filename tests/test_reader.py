@@ -263,6 +263,7 @@ def two(ckdir, small_chunks, layout):
     return ckdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "leaf, fields, want",
     [
@@ -352,6 +353,7 @@ def test_a_read_checks_only_the_files_it_touches(two, monkeypatch):
         arr[3:5]
 
 
+@pytest.mark.slow
 def test_an_array_node_nested_too_deeply_is_corrupt_not_a_crash(two):
     """TensorStore crashed the process parsing such a node; restore raised RecursionError."""
     for depth in (1000, 100_000):

@@ -6,12 +6,15 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 
 import tsckpt
 import tsckpt.torch as tt
 from tests import torch_scenarios as sc
 from tests.dist_helpers import run_ranks
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 N, M = 5, 4
 

@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ import tsckpt
 import tsckpt._save.protocol as save_module
 from tests import dist_scenarios as sc
 from tests.races import race_two_saves
-from tests.dist_helpers import free_port, run_ranks
+from tests.dist_helpers import run_ranks
 from tests.stored import layout_record, root_layout
 
 BUCKET = "tsckpt-test"
@@ -32,10 +33,9 @@ def s3_server():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # a port the kernel chose
     server.start()
-    url = f"http://127.0.0.1:{port}"
+    url = "http://{}:{}".format(*server.get_host_and_port())
     _client(url).create_bucket(Bucket=BUCKET)
     yield url
     server.stop()
@@ -47,6 +47,15 @@ def _client(url: str):
     return boto3.client(
         "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
     )
+
+
+@pytest.fixture
+def dead_endpoint():
+    """An endpoint URL where nothing listens: its port is bound here and never listened on,
+    so connections are refused, and no other process can take the port meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield "http://{}:{}".format(*s.getsockname())
 
 
 @pytest.fixture
@@ -147,8 +156,8 @@ def test_save_restore_open_metadata_verify(s3_server, prefix, small_chunks, s3_c
     assert report.ok and report.n_arrays == 3 and report.location == f"s3://{BUCKET}/{prefix}/"
 
 
-def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch, dead_endpoint):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead_endpoint)
     spec = {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": s3_server}
     tsckpt.save(spec, _tree(1))
     _assert_tree(tsckpt.restore(spec), 1)
@@ -396,8 +405,8 @@ def test_a_step_saved_without_the_manager_is_listed(s3_server, prefix):
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_endpoint_fails_fast(prefix, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+def test_unreachable_endpoint_fails_fast(prefix, monkeypatch, dead_endpoint):
+    dead = dead_endpoint
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     url = f"s3://{BUCKET}/{prefix}"
     start = time.monotonic()
@@ -463,6 +472,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
     """A server that accepts connections and never answers: each attempt ends at the stall

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import numpy as np
+import pytest
 import torch
 
 import tsckpt
@@ -43,8 +46,39 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
     assert committed_after == [0, len(synced)]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="syncfs is Linux's")
 def test_many_files_use_one_filesystem_sync(tmp_path, monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(store, "fsync_path", calls.append)
-    tsckpt.save(str(tmp_path / "ck"), {f"t{i}": torch.ones(2) for i in range(store.FSYNC_FILES_MAX)})
-    assert calls == []  # 64 chunk files + 64 array nodes: syncfs instead of 128 fsyncs
+    synced: list[str] = []  # the directory of each syncfs() call, through ctypes' libc
+    real_cdll = ctypes.CDLL
+
+    class Libc:  # a library loaded with ctypes; its syncfs records what it syncs
+        def __init__(self, *args, **kwargs):
+            self._lib = real_cdll(*args, **kwargs)
+
+        def __getattr__(self, name):
+            fn = getattr(self._lib, name)
+            if name != "syncfs":
+                return fn
+
+            def syncfs(fd):
+                synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                return fn(fd)
+
+            return syncfs
+
+    monkeypatch.setattr(ctypes, "CDLL", Libc)
+    committed_after: list[int] = []
+    real_durable = store.write_durable
+
+    def durable(loc, key, data, **kwargs):
+        committed_after.append(len(synced))
+        return real_durable(loc, key, data, **kwargs)
+
+    monkeypatch.setattr(store, "write_durable", durable)
+    ck = tmp_path / "ck"
+    tsckpt.save(str(ck), {f"t{i}": torch.ones(2) for i in range(store.FSYNC_FILES_MAX)})
+    assert calls == []  # 64 chunk files + 64 array nodes: syncfs instead of 128 fsyncs ...
+    assert synced == [os.path.realpath(ck)]  # ... one, of the checkpoint's filesystem ...
+    assert committed_after == [0, 1]  # ... after the claim, before the commit

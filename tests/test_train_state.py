@@ -33,6 +33,7 @@ def _state(seed: int) -> tuple[tt.TrainState, torch.nn.Module, torch.optim.Optim
     return state, model, opt, cursor
 
 
+@pytest.mark.slow
 def test_manager_save_async_and_restore_resume_bit_identically(tmp_path):
     ref = sc.run_solo(sc.train_save_continue, str(tmp_path), N, M, False, "adamw", "manager")
     got = sc.run_solo(sc.resume, str(tmp_path), M, False, "adamw", None, "manager")
@@ -45,6 +46,7 @@ def test_manager_save_async_and_restore_resume_bit_identically(tmp_path):
     assert root["aliases"] == {"model/tok.weight": "model/head.weight"}  # tied weights stored once
 
 
+@pytest.mark.slow
 def test_fsdp2_manager_loop_on_2_ranks_resumes_exactly(tmp_path):
     ref = run_ranks(sc.train_save_continue, 2, str(tmp_path), N, M, True, "adamw", "manager")
     got = run_ranks(sc.resume, 2, str(tmp_path), M, True, "adamw", None, "manager")
