@@ -15,19 +15,18 @@ and credentials set here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import json
 import os
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any, Union
 
 import tensorstore as ts
 
 from .._errors import StorageError, StorageFullError, TsckptError
+from . import native
 
 Directory = Union[str, "os.PathLike[str]", dict]
 
@@ -378,19 +377,16 @@ def sync_data(loc: Location, keys: list[str]) -> None:
 
     A rank that wrote few files fsyncs just those and the directories that hold
     them. One that wrote many (thousands of small arrays) uses Linux's
-    syncfs(), which flushes the whole filesystem in one call, far cheaper than
-    an fsync per file; no library wraps it, hence ctypes. Object stores
+    syncfs() (:func:`native.syncfs`), which flushes the whole filesystem in one call,
+    far cheaper than an fsync per file. Object stores
     acknowledge writes durably, so there is nothing to do.
     """
     if loc.local is None or not os.path.isdir(loc.local):
         return
-    if len(keys) > FSYNC_FILES_MAX and sys.platform.startswith("linux"):
+    if len(keys) > FSYNC_FILES_MAX and native.has_syncfs():
         fd = os.open(loc.local, os.O_RDONLY)
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"syncfs failed: {os.strerror(err)}", loc.local)
+            native.syncfs(fd, loc.local)
         finally:
             os.close(fd)
         return
