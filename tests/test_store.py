@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import tsckpt
-import tsckpt._storage.store as store
+import tsckpt._storage.durable as durable
 
 
 def _files(root: str) -> set[str]:
@@ -17,16 +17,16 @@ def _files(root: str) -> set[str]:
 
 def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, monkeypatch):
     synced: list[str] = []
-    real = store.fsync_path
-    monkeypatch.setattr(store, "fsync_path", lambda p: (synced.append(p), real(p)))
+    real = durable.fsync_path
+    monkeypatch.setattr(durable, "fsync_path", lambda p: (synced.append(p), real(p)))
     committed_after: list[int] = []
-    real_durable = store.write_durable
+    real_durable = durable.write_durable
 
-    def durable(loc, key, data, **kwargs):
+    def committing(loc, key, data, **kwargs):
         committed_after.append(len(synced))
         return real_durable(loc, key, data, **kwargs)
 
-    monkeypatch.setattr(store, "write_durable", durable)
+    monkeypatch.setattr(durable, "write_durable", committing)
     d = str(tmp_path / "ck")
     tree = {
         "a": {"w": torch.randn(300, 1000), "scalar": np.float32(2.5)},
@@ -45,6 +45,6 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
 
 def test_many_files_use_one_filesystem_sync(tmp_path, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(store, "fsync_path", calls.append)
-    tsckpt.save(str(tmp_path / "ck"), {f"t{i}": torch.ones(2) for i in range(store.FSYNC_FILES_MAX)})
+    monkeypatch.setattr(durable, "fsync_path", calls.append)
+    tsckpt.save(str(tmp_path / "ck"), {f"t{i}": torch.ones(2) for i in range(durable.FSYNC_FILES_MAX)})
     assert calls == []  # 64 chunk files + 64 array nodes: syncfs instead of 128 fsyncs

@@ -48,12 +48,12 @@ from .._errors import CorruptCheckpointError
 from .._ondisk.arrays import CRC_BYTES, chunk_key
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import shard_boxes
-from .._ondisk.readfaults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._ondisk.records import ArrayRecord
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage import native
 from .._storage.confine import open_beneath
+from .._storage.faults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._storage.native import ALIGN, IOV_MAX
 from . import crc
 from .files import ShardIndex, StoredShapes, node_agrees, opened_directory, storage_box, stored_shapes

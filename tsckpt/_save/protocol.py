@@ -45,8 +45,10 @@ from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import collector_paused
 from .._runtime.progress import Progress
 from .._runtime.window import Window
-from .._storage import store as _store
-from .._storage.store import Directory, Location, resolve
+from .._storage import durable as _durable
+from .._storage import faults as _faults
+from .._storage import locations as _locations
+from .._storage.locations import Directory, Location, resolve
 from ..tree import flatten, structure_to_json
 from . import lease as _lease
 
@@ -224,7 +226,7 @@ class _Writers:
     ) -> None:
         self.data, self.directory, self.progress = data, where.directory, progress
         self.made: set[str] = set() if made is None else made
-        self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+        self.kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
@@ -394,13 +396,13 @@ class _DeviceSources:
 
 def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     """zarr.json of every array and of every intermediate group (root excluded), by key."""
-    nodes = {f"{rec.path}/{ROOT_KEY}": _store.encode_json(array_node(rec)) for rec in arrays}
+    nodes = {f"{rec.path}/{ROOT_KEY}": _durable.encode_json(array_node(rec)) for rec in arrays}
     groups: set[str] = set()
     for rec in arrays:
         parts = rec.path.split("/")
         for i in range(1, len(parts)):
             groups.add("/".join(parts[:i]))
-    body = _store.encode_json(group_metadata())
+    body = _durable.encode_json(group_metadata())
     nodes.update((f"{g}/{ROOT_KEY}", body) for g in sorted(groups))
     return nodes
 
@@ -424,7 +426,7 @@ def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compa
         finally:
             pool.shutdown()
         return list(nodes)
-    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+    kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
     txn = ts.Transaction() if compact else None
     if txn is not None:
         kv = kv.with_transaction(txn)
@@ -699,7 +701,7 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
-    with _store.storage_errors(loc, doing="writing"):
+    with _faults.storage_errors(loc, doing="writing"):
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         keys = _write_regions(
             data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made
@@ -707,16 +709,16 @@ def _write(
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made)
         if compact:
-            _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
+            _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            _store.sync_data(loc, keys)
+            _durable.sync_data(loc, keys)
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
     """:func:`data_spec` for writing: a compact database through the cache pool that keeps
-    nothing between saves (see _store.CONTEXT)."""
+    nothing between saves (see _locations.CONTEXT)."""
     spec = data_spec(loc, layout, writer=writer)
-    return {**spec, "cache_pool": _store.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
+    return {**spec, "cache_pool": _locations.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
 def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
@@ -728,6 +730,6 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
         raise RuntimeError("only rank 0 commits a save")
     if layout == LAYOUT_COMPACT:
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
-        with _store.storage_errors(loc):
+        with _faults.storage_errors(loc):
             merge_databases(loc, _write_spec(loc, layout), databases)
     _commit_root(loc, c.metadata(world_size), layout, lease)
