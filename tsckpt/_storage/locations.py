@@ -11,6 +11,15 @@ s3 locations take their credentials and profile from the AWS environment
 from ``AWS_ENDPOINT_URL`` and ``AWS_REGION``, which TensorStore ignores. Keys of
 a spec dict always win, and a spec's own ``context`` overrides the retry policy
 and credentials set here.
+
+The stall limit of TensorStore's HTTP requests (``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
+and ``TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES``, see :data:`STALL_SECONDS`) is set in
+``os.environ`` when :func:`resolve` first meets a location whose driver talks HTTP
+(s3, gcs, http), before tsckpt's first request to it, and only where the variable is
+unset: a value of the user's wins. Importing tsckpt sets nothing, so a process that
+never uses an object store through tsckpt keeps TensorStore's own defaults. TensorStore
+reads the variables once, at its first HTTP request: one made by the process before
+tsckpt resolved such a location fixes them (without tsckpt's limit).
 """
 
 from __future__ import annotations
@@ -36,8 +45,20 @@ Directory = Union[str, "os.PathLike[str]", dict]
 # variable, set before the first request, the stall limit.
 S3_REQUEST_RETRIES = {"max_retries": 6, "initial_delay": "0.25s", "max_delay": "4s"}
 STALL_SECONDS = 6
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALL_SECONDS))
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+STALL_ENVIRONMENT = {
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": str(STALL_SECONDS),
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
+}
+# TensorStore's kvstore drivers whose requests go through its HTTP transport (curl), and
+# their URLs' schemes.
+CURL_DRIVERS = frozenset({"s3", "gcs", "http"})
+_CURL_SCHEMES = ("s3://", "gs://", "http://", "https://")
+
+
+def set_stall_limit() -> None:
+    """Put :data:`STALL_ENVIRONMENT` in ``os.environ`` where unset (a user's value wins)."""
+    for name, value in STALL_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 def _seconds(text: Any) -> float:
@@ -130,7 +151,18 @@ def resolve(directory: Directory) -> Location:
     local = path.rstrip("/") or "/" if spec.get("driver") == "file" else None
     if spec.get("driver") == "s3":
         _fill_from_environment(spec)
+    if _over_http(spec):
+        set_stall_limit()
     return Location(spec, local)
+
+
+def _over_http(spec: Any) -> bool:
+    """Whether a kvstore spec (a dict or a URL), or one it is layered on (``base``), talks HTTP."""
+    while isinstance(spec, dict):
+        if spec.get("driver") in CURL_DRIVERS:
+            return True
+        spec = spec.get("base")
+    return isinstance(spec, str) and spec.startswith(_CURL_SCHEMES)
 
 
 def _fill_from_environment(spec: dict[str, Any]) -> None:
