@@ -345,7 +345,7 @@ def bench_metadata(n_leaves: int, n_ranks: int, repeats: int) -> dict[str, Any]:
     root = _root(STATE_COMMITTED, meta)
     encode_s = time.perf_counter() - t0
     from tsckpt._ondisk.arrays import array_node
-    from tsckpt._storage.store import encode_json
+    from tsckpt._storage.durable import encode_json
 
     node = len(encode_json(array_node(plan.arrays[0])))
     return {

@@ -8,17 +8,17 @@ def race_two_saves(monkeypatch, save_one) -> tuple[int, BaseException]:
     free before either claims it; returns (the winner, the loser's error)."""
     import threading
 
-    import tsckpt._save.protocol as save_module
+    import tsckpt._storage.durable as durable
 
     both_checked = threading.Barrier(2, timeout=30)
-    real = save_module._store.has_any_key
+    real = durable.has_any_key
 
     def has_any_key(loc):
         found = real(loc)
         both_checked.wait()
         return found
 
-    monkeypatch.setattr(save_module._store, "has_any_key", has_any_key)
+    monkeypatch.setattr(durable, "has_any_key", has_any_key)
     outcome: dict[int, BaseException | None] = {}
 
     def run(i: int) -> None:

@@ -26,12 +26,12 @@ from tsckpt._save import write as _save
 from tsckpt._ondisk.arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route
 from tsckpt._codec import chunkread, shardwrite
-from tsckpt._codec import pagecache as _pagecache
 from tsckpt._codec.encode import decode_chunk, encode_chunk
 from tsckpt._codec.files import ShardIndex, node_agrees, opened_directory, stored_shapes, written_node
 from tsckpt._codec.route import Place, Route, place, route
 from tsckpt._ondisk.records import ArrayRecord, Chunking
 from tsckpt._formats.sources import open_checkpoint
+from tsckpt._storage import native
 
 LOCAL = {"driver": "file", "path": "/ck/"}
 
@@ -429,7 +429,7 @@ def test_local_reads_take_a_second_thread_only_when_the_files_are_not_all_cached
     assert all(torch.equal(out[k], v) for k, v in tree.items())
     if sys.platform == "linux":
         assert threads == []  # one thread: no pool made
-    monkeypatch.setattr(_pagecache, "_LIBC", None)
+    monkeypatch.setattr(native, "has_mincore", lambda: False)
     out = tsckpt.restore(tmp_path / "ck", target)
     assert all(torch.equal(out[k], v) for k, v in tree.items()) and threads == [chunkread.LOCAL_THREADS]
 

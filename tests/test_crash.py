@@ -25,7 +25,8 @@ import tsckpt
 import tsckpt._save.protocol as save_module
 from tsckpt._save.commit import root_json
 from tsckpt._ondisk.records import ROOT_KEY
-from tsckpt._storage.store import Location, resolve
+from tsckpt._storage import durable
+from tsckpt._storage.locations import Location, resolve
 
 KILLS = 24
 KEEP_LAST = 2
@@ -220,14 +221,14 @@ def test_claim_lost_between_check_and_create(tmp_path, monkeypatch):
     from pytest import raises
 
     loc = resolve(tmp_path / "ck")
-    real = save_module._store.has_any_key
+    real = durable.has_any_key
 
     def other_saver_wins(location):
         empty = real(location)
-        save_module._store.write_durable(location, ROOT_KEY, root_json("pending"))
+        durable.write_durable(location, ROOT_KEY, root_json("pending"))
         return empty
 
-    monkeypatch.setattr(save_module._store, "has_any_key", other_saver_wins)
+    monkeypatch.setattr(durable, "has_any_key", other_saver_wins)
     with raises(
         tsckpt.CheckpointExistsError,
         match="another save into this directory started at the same time and claimed it first; nothing was written",
@@ -263,7 +264,7 @@ def test_overwrite_loses_to_a_concurrent_replacement(tmp_path, monkeypatch):
 
         def read(self, key):
             r = self._kv.read(key).result()
-            save_module._store.write_durable(loc, ROOT_KEY, root_json("pending"))
+            durable.write_durable(loc, ROOT_KEY, root_json("pending"))
             return Done(r)
 
         def __getattr__(self, name):

@@ -31,7 +31,9 @@ import tsckpt._save.commit as commit_module
 import tsckpt._save.lease as lease_module
 import tsckpt._read.restore as restore_module
 import tsckpt._save.protocol as save_module
-import tsckpt._storage.store as store
+import tsckpt._storage.durable as durable
+from tsckpt._storage.faults import storage_problem
+from tsckpt._storage.locations import resolve
 from tsckpt._ondisk.records import ROOT_KEY
 
 ROOT_DIR = str(Path(tsckpt.__file__).resolve().parent.parent)  # this tsckpt, for child processes
@@ -116,7 +118,7 @@ def test_storage_error_is_an_oserror_that_keeps_its_message_and_pickles():
 def test_tensorstore_os_errors_become_storage_errors(tmp_path, text, code, cls, fix):
     d = str(tmp_path / "ck")
     f = os.path.join(d, "model", "w", "c", "1", "0")
-    err = store.storage_problem(store.resolve(d), ValueError(text.format(f=f)))
+    err = storage_problem(resolve(d), ValueError(text.format(f=f)))
     assert type(err) is cls and err.errno == code
     assert err.filename == f and err.leaf == "model/w"
     assert str(err).startswith(f"{d}: {os.strerror(code)[0].lower()}{os.strerror(code)[1:]} ({errno.errorcode[code]}) "
@@ -125,11 +127,11 @@ def test_tensorstore_os_errors_become_storage_errors(tmp_path, text, code, cls, 
 
 
 def test_missing_files_stay_damage_not_storage_faults(tmp_path):
-    loc = store.resolve(tmp_path / "ck")
+    loc = resolve(tmp_path / "ck")
     text = "NOT_FOUND: Error reading local file \"/x/w/c/0\": No such file or directory [os_error_code='2']"
-    assert store.storage_problem(loc, ValueError(text)) is None
-    assert store.storage_problem(loc, FileNotFoundError(errno.ENOENT, "gone", "/x")) is None
-    assert store.storage_problem(loc, ValueError("DATA_LOSS: digest mismatch")) is None
+    assert storage_problem(loc, ValueError(text)) is None
+    assert storage_problem(loc, FileNotFoundError(errno.ENOENT, "gone", "/x")) is None
+    assert storage_problem(loc, ValueError("DATA_LOSS: digest mismatch")) is None
 
 
 # ---- a disk that fills up during a save ------------------------------------------------
@@ -198,7 +200,7 @@ def test_failed_sync_is_a_storage_error(ckdir, monkeypatch):
     def eio(fd):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(store.os, "fsync", eio)
+    monkeypatch.setattr(durable.os, "fsync", eio)
     with pytest.raises(tsckpt.StorageError) as e:
         tsckpt.save(ckdir, {"w": np.arange(4.0)})
     assert e.value.errno == errno.EIO and e.value.filename.startswith(ckdir)
@@ -233,7 +235,7 @@ def test_when_removal_fails_the_error_says_overwrite_is_needed(ckdir, monkeypatc
         raise PermissionError(errno.EACCES, "Permission denied", loc.local)
 
     monkeypatch.setattr(save_module, "_write_regions", full)
-    monkeypatch.setattr(store, "delete_all", refused)
+    monkeypatch.setattr(durable, "delete_all", refused)
     with pytest.raises(tsckpt.StorageFullError) as e:
         tsckpt.save(ckdir, _tree())
     msg = str(e.value)
@@ -519,7 +521,7 @@ def test_overwrite_refuses_a_save_running_in_this_process(ckdir, monkeypatch):
 def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
     t, release, outcome = _blocked_in_thread(monkeypatch, ckdir)
     other = commit_module.root_json("pending", {"claim": lease_module.new_claim()})
-    store.write_durable(store.resolve(ckdir), ROOT_KEY, other)  # as a save that judged ours dead would
+    durable.write_durable(resolve(ckdir), ROOT_KEY, other)  # as a save that judged ours dead would
     release.set()
     t.join(60)
     assert len(outcome) == 1 and isinstance(outcome[0], tsckpt.CheckpointExistsError)
@@ -582,7 +584,7 @@ def test_a_claim_whose_directory_vanished_lost_the_race(tmp_path, monkeypatch):
     TensorStore's lock file into place: ENOENT there means the race was lost, and says so."""
     root = str(tmp_path / "run")
     m = tsckpt.CheckpointManager(root)
-    real = store.write_durable
+    real = durable.write_durable
 
     def vanished(loc, key, data, *, if_equal=None):
         if key == ROOT_KEY and if_equal is not None and data is not None and b'"pending"' in data:
@@ -590,10 +592,10 @@ def test_a_claim_whose_directory_vanished_lost_the_race(tmp_path, monkeypatch):
             raise ValueError(f'NOT_FOUND: Error renaming "{lock}": No such file or directory [os_error_code=\'2\']')
         return real(loc, key, data, if_equal=if_equal)
 
-    monkeypatch.setattr(store, "write_durable", vanished)
+    monkeypatch.setattr(durable, "write_durable", vanished)
     with pytest.raises(tsckpt.CheckpointExistsError, match="started at the same time and claimed it first"):
         m.save(3, _tree())
-    monkeypatch.setattr(store, "write_durable", lambda *a, **k: (_ for _ in ()).throw(  # any other fault stays one
+    monkeypatch.setattr(durable, "write_durable", lambda *a, **k: (_ for _ in ()).throw(  # any other fault stays one
         ValueError("PERMISSION_DENIED: Error writing \"/x\": Permission denied [os_error_code='13']")))
     with pytest.raises(tsckpt.StorageError, match="permission denied"):
         m.save(4, _tree())

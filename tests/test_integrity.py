@@ -157,7 +157,7 @@ def test_damaged_root_metadata(ck):
 def test_flipped_byte_in_a_memory_store():
     loc = "memory://integrity/ck"
     tsckpt.save(loc, {"w": np.arange(100, dtype=np.float32)})
-    kv = tsckpt._storage.store.resolve(loc).kvstore()
+    kv = tsckpt._storage.locations.resolve(loc).kvstore()
     key = next(k for k in kv.list().result() if k.startswith(b"w/c/"))
     data = bytearray(kv.read(key).result().value)
     data[7] ^= 0x01

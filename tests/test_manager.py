@@ -117,7 +117,7 @@ def test_retention_on_memory_store():
         m.save_async(step, _state(step))
     m.close()
     assert m.all_steps() == [3, 4]
-    kv = tsckpt._storage.store.resolve(root).kvstore()
+    kv = tsckpt._storage.locations.resolve(root).kvstore()
     keys = kv.list().result()
     assert {k.split(b"/")[0] for k in keys} == {b"00000003", b"00000004", b".tsckpt-steps"}
     assert {k for k in keys if k.startswith(b".tsckpt-steps/")} == {
@@ -137,7 +137,7 @@ def _make_incomplete(m: tsckpt.CheckpointManager, step: int) -> None:
     object store, the step's index marker, written before the save began)."""
     import tsckpt._save.protocol as save_module
     from tsckpt._ondisk.stepindex import mark_if_managed
-    from tsckpt._storage.store import resolve
+    from tsckpt._storage.locations import resolve
 
     loc = resolve(m.directory(step))
     mark_if_managed(loc)  # as every save does first
@@ -156,7 +156,7 @@ def test_incomplete_steps_are_ignored_and_cleaned(root):
     # a fresh manager (a restarted job) removes it
     m2 = tsckpt.CheckpointManager(root)
     assert m2.all_steps() == [1]
-    kv = tsckpt._storage.store.resolve(root).kvstore()
+    kv = tsckpt._storage.locations.resolve(root).kvstore()
     assert not [k for k in kv.list().result() if k.startswith(b"00000002")]
     # so does the next commit
     _make_incomplete(m2, 7)
@@ -269,7 +269,7 @@ def _hold_step(monkeypatch, m: tsckpt.CheckpointManager, step: int, tree: dict):
 
     writing, release = threading.Event(), threading.Event()
     real = save_module._write
-    held = str(tsckpt._storage.store.resolve(m.directory(step)))
+    held = str(tsckpt._storage.locations.resolve(m.directory(step)))
 
     def slow_write(loc, *args, **kwargs):
         if str(loc) == held:
@@ -296,7 +296,7 @@ def test_two_managers_never_remove_each_others_saves_in_progress(root, monkeypat
             b.restore(5)  # still there, still pending
         with pytest.raises(tsckpt.SaveInProgressError) as e:
             b.save(5, _state(50))
-        assert str(e.value).startswith(f"{tsckpt._storage.store.resolve(root)}: step 5 is being saved by another save that "
+        assert str(e.value).startswith(f"{tsckpt._storage.locations.resolve(root)}: step 5 is being saved by another save that "
                                        f"is still running (pid {os.getpid()} on host ")
         assert "wait for it, or save another step" in str(e.value)
         with pytest.raises(tsckpt.SaveInProgressError, match="step 5 is being saved"):
@@ -372,7 +372,7 @@ def test_an_orbax_manager_root_is_never_touched(tmp_path, caplog):
 
 @pytest.mark.parametrize("root", ["file", "memory"], indirect=True)
 def test_an_unidentified_step_holding_a_file_is_kept_and_never_saved_over(root, caplog):
-    loc = tsckpt._storage.store.resolve(root)
+    loc = tsckpt._storage.locations.resolve(root)
     kv = loc.kvstore()
     m = tsckpt.CheckpointManager(root, keep_last=1)
     kv.write("00000007/notes.txt", b"mine").result()

@@ -8,6 +8,7 @@ import ctypes
 import errno
 import gc
 import mmap
+import os
 import sys
 import threading
 
@@ -19,6 +20,7 @@ import torch
 import tsckpt
 from tsckpt._runtime import memory as _memory
 from tsckpt._save import protocol as _save
+from tsckpt._storage import native
 from tsckpt._runtime.memory import collector_paused, page_spans, prefaulted, release_free_memory
 
 
@@ -125,10 +127,10 @@ def test_prefaulting_stops_for_good_on_a_kernel_without_it(monkeypatch):
 
     def refusing(start, length, advice):
         calls.append((start, length, advice))
-        ctypes.set_errno(failing[0])
-        return -1
+        raise OSError(failing[0], os.strerror(failing[0]))
 
-    monkeypatch.setattr(_memory, "_madvise", refusing)
+    monkeypatch.setattr(native, "has_madvise", lambda: True)
+    monkeypatch.setattr(native, "madvise", refusing)
     monkeypatch.setattr(_memory, "_prefault_works", [True])
     with prefaulted([(0, 1), (5 * P, 1)]):
         ran = True

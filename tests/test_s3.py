@@ -161,7 +161,7 @@ def test_spec_dict_wins_over_environment(s3_server, prefix, monkeypatch, dead_en
     spec = {"driver": "s3", "bucket": BUCKET, "path": prefix, "endpoint": s3_server}
     tsckpt.save(spec, _tree(1))
     _assert_tree(tsckpt.restore(spec), 1)
-    assert tsckpt._storage.store.resolve(spec).spec["endpoint"] == s3_server
+    assert tsckpt._storage.locations.resolve(spec).spec["endpoint"] == s3_server
 
 
 def test_compact_layout_on_s3(s3_server, prefix):
@@ -484,7 +484,7 @@ def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
     import sys
 
     quick = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "20ms"}
-    bound = tsckpt._storage.store.request_seconds(quick, 1)
+    bound = tsckpt._storage.locations.request_seconds(quick, 1)
     assert bound == pytest.approx(3 * 1 + 0.02 + 0.02)  # 3 attempts of 1 s; backoff up to 2 x 20 ms
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -506,11 +506,11 @@ def test_stalled_endpoint_gives_up_within_the_stated_bound(tmp_path):
 def test_default_request_bound_is_at_most_60_s(monkeypatch):
     """tsckpt's defaults: 7 attempts of at most 6 s each, and at most 12.75 s of backoff."""
     monkeypatch.delenv("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", raising=False)
-    assert tsckpt._storage.store.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
-    assert tsckpt._storage.store.request_seconds() <= 60
-    assert tsckpt._storage.store.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
+    assert tsckpt._storage.locations.request_seconds() == pytest.approx(7 * 6 + 0.5 + 0.75 + 1.25 + 2.25 + 4 + 4)
+    assert tsckpt._storage.locations.request_seconds() <= 60
+    assert tsckpt._storage.locations.request_seconds({"max_retries": 10, "max_delay": "30s"}, 30) > 300  # a spec may lift it
     with pytest.raises(ValueError, match="not a duration"):
-        tsckpt._storage.store.request_seconds({"initial_delay": "soon"})
+        tsckpt._storage.locations.request_seconds({"initial_delay": "soon"})
 
 
 # ---- lost responses of conditional writes ------------------------------------------------

@@ -38,8 +38,7 @@ from ._read.reader import LazyArray
 from ._read.restore import warn_lost_values
 from ._runtime.progress import Progress
 from ._save.protocol import save
-from ._storage import store as _store
-from ._storage.store import Directory
+from ._storage.locations import Directory, resolve
 from .tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
 
 TARGETS = ("tsckpt", "safetensors")
@@ -339,7 +338,7 @@ def hf_side_files(copy_from: str, dtype: torch.dtype | None) -> list[safetensors
 
 def _name(where: Directory) -> str:
     """How a report names a source or destination: its path, or its location for a spec dict."""
-    return str(_store.resolve(where)) if isinstance(where, dict) else os.fspath(where)
+    return str(resolve(where)) if isinstance(where, dict) else os.fspath(where)
 
 
 def _destination_format(dst: Directory, to_format: str | None) -> str:
@@ -470,7 +469,7 @@ def convert(
     # the bar counts the source bytes read, so the save shows none of its own
     writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
     src_name, dst_name = _name(src), _name(dst)
-    if _store.resolve(src).spec == _store.resolve(dst).spec:
+    if resolve(src).spec == resolve(dst).spec:
         raise ValueError(f"convert: source and destination are the same ({src_name}); convert writes a new copy")
     to = _destination_format(dst, to_format)
     if layout != LAYOUT_PLAIN and to != "tsckpt":

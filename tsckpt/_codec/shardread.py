@@ -48,14 +48,16 @@ from .._errors import CorruptCheckpointError
 from .._ondisk.arrays import CRC_BYTES, chunk_key
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import shard_boxes
-from .._ondisk.readfaults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._ondisk.records import ArrayRecord
 from .._runtime.progress import Progress
 from .._runtime.window import Window
+from .._storage import native
 from .._storage.confine import open_beneath
+from .._storage.faults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
+from .._storage.native import ALIGN, IOV_MAX
 from . import crc
 from .files import ShardIndex, StoredShapes, node_agrees, opened_directory, storage_box, stored_shapes
-from .pagecache import ALIGN, files_cached, resident_fraction, set_direct
+from .pagecache import files_cached, resident_fraction, set_direct
 from .threads import Workers, cpus, shared
 
 # Threads reading shard files, and how many of them may copy or check bytes at once (a
@@ -73,7 +75,6 @@ BUSY_THREADS = 4
 # contend for the process's page tables (each mapping and unmapping).
 CACHED_THREADS = min(READ_THREADS, cpus())
 RUN_BYTES = 4 << 20  # most bytes one preadv reads (measured: 16 MiB used ~10% more CPU than 1-4 MiB)
-_IOV_MAX = 1024  # buffers one preadv takes (Linux's IOV_MAX); two per chunk
 DIRECT_BELOW = 0.5  # a file whose wanted bytes are less cached than this is read with direct I/O
 MAPPED_FROM = 1.0  # a file cached at least this much is read through a mapping (:func:`_read_mapped`)
 _CRC = np.dtype("<u4")  # a stored crc32c (CRC_BYTES)
@@ -170,9 +171,8 @@ def _run(
         cap = max(chunk_bytes, min(RUN_BYTES, window // threads))  # scratch held per thread
         room: _Room | None = getattr(local, "room", None)
         if room is None or room.cap < cap:
-            raw = np.empty(cap + 3 * ALIGN, np.uint8)  # room for a direct read's aligned ends
-            start = -raw.ctypes.data % ALIGN
-            room = local.room = _Room(raw[start : start + cap + 2 * ALIGN], cap, busy)
+            scratch = native.aligned_empty(cap + 2 * ALIGN)  # room for a direct read's aligned ends
+            room = local.room = _Room(scratch, cap, busy)
         try:
             _read_shard(ck, dir_fd, job, dataclasses.replace(room, cap=cap))
         except _Fallback:
@@ -207,7 +207,7 @@ def _run(
 
 
 def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpointError:
-    """The error of damaged shard data, worded as :func:`_readerrors.corrupt_error` words TensorStore's."""
+    """The error of damaged shard data, worded as :func:`tsckpt._ondisk.readfaults.corrupt_error` words TensorStore's."""
     where = f"'{job.rec.path}' in {ck.location}"
     return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 
@@ -297,7 +297,7 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
             c.start != run[-1].start + stride
             or (len(run) + 1) * stride > max(room.cap, RUN_BYTES)
             or scratch_used + need > room.cap
-            or 2 * len(run) + 2 > _IOV_MAX
+            or 2 * len(run) + 2 > IOV_MAX  # two buffers per chunk
         ):
             direct_io = _read_run(ck, job, fd, run, room, data_bytes, direct_io)
             run, scratch_used = [], 0
@@ -441,7 +441,7 @@ def _preadv_direct(
     start = run[0].start
     end = start + len(run) * stride
     first = start - start % ALIGN
-    buf = scratch[: -(-(end - first) // ALIGN) * ALIGN]
+    buf = scratch[: native.aligned_size(end - first)]
     buffers: list[Any] = [buf]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
     got = os.preadv(fd, buffers, first)
     if got < end - first:

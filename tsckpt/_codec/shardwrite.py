@@ -20,22 +20,22 @@ which has no zero, too).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import math
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._ondisk.arrays import CRC_BYTES
+from .._storage import native
+from .._storage.native import ALIGN, IOV_MAX
 from . import crc
 from .encode import chunk_parts
 from .files import ShardIndex
-from .pagecache import ALIGN, set_direct
+from .pagecache import set_direct
 
 # Bytes of gathered (non-contiguous or padded) chunks staged before a pwritev; small, so
 # the kernel copies them out of the CPU cache (measured faster than 8 MiB).
@@ -43,37 +43,15 @@ STAGE_BYTES = 2 << 20
 # Write shard files with direct I/O where the file system allows it, in writes of this size.
 DIRECT = True
 DIRECT_BYTES = 4 << 20
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 _local = threading.local()
-
-
-def _sync_file_range() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except AttributeError:
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn  # type: ignore[no-any-return]
-
-
-# Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writing a file's dirty pages to
-# disk without waiting (no journal commit, unlike fsync), so the disk works while later
-# files are encoded and the final fsync finds little left; Python's os module lacks it.
-_START_WRITEBACK = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _buffer(name: str, nbytes: int, floor: int) -> np.ndarray:
     """This thread's reusable buffer ``name`` of at least ``nbytes``, aligned to ``ALIGN``."""
     buf: np.ndarray | None = getattr(_local, name, None)
     if buf is None or buf.nbytes < nbytes:
-        size = max(nbytes, floor)
-        raw = np.empty(size + ALIGN, np.uint8)
-        start = -raw.ctypes.data % ALIGN
-        buf = raw[start : start + size]
+        buf = native.aligned_empty(max(nbytes, floor))
         setattr(_local, name, buf)
     return buf
 
@@ -101,7 +79,7 @@ class _File:
 
     def space(self, nbytes: int) -> np.ndarray:
         """Memory for the next ``nbytes`` of the file, to be filled before the next call."""
-        if self.used + nbytes > self.stage.nbytes or len(self.bufs) >= _IOV_MAX:
+        if self.used + nbytes > self.stage.nbytes or len(self.bufs) >= IOV_MAX:
             self.flush()  # before reserving: a flush frees the whole stage
         view = self.stage[self.used : self.used + nbytes]
         self.used += nbytes
@@ -110,7 +88,7 @@ class _File:
 
     def add(self, buf: Any, nbytes: int) -> None:
         """Queue ``buf`` (kept unchanged until written) as the next ``nbytes`` of the file."""
-        if len(self.bufs) >= _IOV_MAX:
+        if len(self.bufs) >= IOV_MAX:
             self.flush()
         self.bufs.append(buf)
         self.sizes.append(nbytes)
@@ -134,8 +112,14 @@ class _File:
         """Write what is queued and close; ``writeback`` starts writing the file to disk."""
         try:
             self.flush()
-            if writeback and _START_WRITEBACK is not None:  # a hint: the final fsync reports errors
-                _START_WRITEBACK(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writing the file's dirty
+            # pages to disk without waiting (no journal commit, unlike fsync), so the disk
+            # works while later files are encoded and the final fsync finds little left.
+            if writeback and native.has_sync_file_range():
+                try:
+                    native.sync_file_range(self.fd, 0, 0, native.SYNC_FILE_RANGE_WRITE)
+                except OSError:
+                    pass  # a hint: the final fsync reports errors
         finally:
             os.close(self.fd)
 

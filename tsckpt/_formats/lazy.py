@@ -30,7 +30,7 @@ from .._leaves.kinds import logical_dtype
 from .._leaves.registry import memory
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
-from .._storage.store import Location
+from .._storage.locations import Location
 from ..tree import flatten, structure_to_json
 
 # Bytes of one block a reader asks a source for: restore and verify read an array's region

@@ -55,7 +55,7 @@ from .._ondisk.backing import UNCHECKED_BYTES
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.confine import confined, refuse_links
-from .._storage.store import Location
+from .._storage.locations import Location
 from ..tree import MAX_STRUCTURE_DEPTH, ROOT_LEAF_PATH, escape, paths_problem, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"

@@ -22,7 +22,8 @@ from .._errors import CheckpointNotFoundError, NotACheckpointError
 from .._ondisk import root as _root
 from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.records import ROOT_KEY
-from .._storage.store import Directory, Location, resolve, storage_errors
+from .._storage.faults import storage_errors
+from .._storage.locations import Directory, Location, resolve
 from . import dcp, lazy, orbax, safetensors, torchfile
 
 FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")

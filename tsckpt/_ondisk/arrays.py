@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
-from .._storage import store as _store
-from .._storage.store import Location
+from .._storage import locations as _locations
+from .._storage.locations import Location
 from .records import LAYOUT_PLAIN, ArrayRecord, Chunking, array_metadata
 
 # The compact layout's per-rank databases: ``ocdbt.r<rank>/`` below the root.
@@ -33,7 +33,7 @@ COALESCE: dict[str, Any] = {
     "experimental_read_coalescing_merged_bytes": 64 << 20,
 }
 # The staleness bound of readers' reads of a compact database: anything its cache holds.
-# Each opened checkpoint has a cache of its own (_store.reader_context), so the manifest is
+# Each opened checkpoint has a cache of its own (_locations.reader_context), so the manifest is
 # read once for it, not revalidated by a conditional request every few reads (66 of the
 # 267 GETs of a restore of 10,000 leaves from an object store); a checkpoint replaced
 # meanwhile is caught by the check of its root after the reads (_readerrors.unchanged).
@@ -50,7 +50,7 @@ def data_spec(loc: Location, layout: str, *, writer: int | None = None) -> dict[
     if layout == LAYOUT_PLAIN:
         return loc.spec
     base = loc.spec if writer is None else loc.sub(f"{OCDBT_PREFIX}{writer}")
-    spec: dict[str, Any] = {"driver": "ocdbt", "base": base, "cache_pool": _store.READ_CACHE_POOL}
+    spec: dict[str, Any] = {"driver": "ocdbt", "base": base, "cache_pool": _locations.READ_CACHE_POOL}
     if writer is None and loc.local is None and loc.spec.get("driver") != "memory":
         spec.update(COALESCE)
     return spec
@@ -207,7 +207,7 @@ def open_array_future(
     dtype, chunking, codecs), so metadata that disagrees with the data is an error
     rather than a silent misreading. ``checked``: the caller has read the node and
     found it agrees with the record (:func:`stored_node_problem`), so it is not read again.
-    ``context``: the opened checkpoint's (:func:`_store.reader_context`), default the process's.
+    ``context``: the opened checkpoint's (:func:`_locations.reader_context`), default the process's.
     """
     meta = array_node(rec)
     del meta["attributes"]
@@ -223,4 +223,4 @@ def open_array_future(
     }
     if not write and data.get("driver") == "ocdbt":  # read at :data:`CACHED`
         spec.update({"recheck_cached_data": False, "recheck_cached_metadata": False})
-    return ts.open(spec, context=context or _store.CONTEXT, read=not write, write=write)
+    return ts.open(spec, context=context or _locations.CONTEXT, read=not write, write=write)

@@ -6,13 +6,12 @@ could otherwise claim any amount of memory (docs/format.md, "Validation")."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from .._errors import CorruptCheckpointError, short_repr
 from .._runtime.window import Window
-from .._storage import store as _store
+from .._storage import faults as _faults
 from .arrays import stored_files, stored_size
 from .checkpoint import Checkpoint
 from .records import ArrayRecord
@@ -91,11 +90,11 @@ def _settle(ck: Checkpoint, probe: _Probe, found: dict[str, str]) -> None:
     try:
         got = probe.future.result()
     except ValueError as e:
-        unreachable = _store.storage_problem(ck.location, e)
+        unreachable = _faults.storage_problem(ck.location, e)
         if unreachable is not None:
             raise unreachable from e
-        msg = re.sub(r" \[\w+='.*$", "", " ".join(str(e).split()))  # without a store's response details
-        if "OUT_OF_RANGE" in msg:
+        msg = _faults.without_response(_faults.one_line(e))
+        if _faults.classify(_faults.FILE_END, msg) == _faults.SHORT_FILE:
             found.setdefault(
                 probe.path, f"{probe.key} holds fewer than the {probe.size} bytes that {probe.fields} give it ({msg})"
             )

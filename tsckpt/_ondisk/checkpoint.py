@@ -17,9 +17,9 @@ import tensorstore as ts
 
 from .._base import dtypes as _dtypes
 from .._errors import CorruptCheckpointError
-from .._storage import store as _store
+from .._storage import locations as _locations
 from .._storage.confine import confined_opens, refuse_links
-from .._storage.store import Location
+from .._storage.locations import Location
 from ..tree import from_paths, structure_from_json
 from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
@@ -84,10 +84,10 @@ class Checkpoint:
 
     def context(self) -> ts.Context:
         """The TensorStore context its arrays are read in: one of its own, made once
-        (:func:`_store.reader_context`: the replaced database of a checkpoint saved again
+        (:func:`_locations.reader_context`: the replaced database of a checkpoint saved again
         in its place is never read for it, nor it for the replaced one)."""
         if "context" not in self._cache:
-            self._cache["context"] = _store.reader_context()
+            self._cache["context"] = _locations.reader_context()
         return cast(ts.Context, self._cache["context"])
 
     def kvstore(self) -> ts.KvStore:
@@ -168,7 +168,7 @@ class Opening:
         if ck.lazy:
             raise TypeError(f"'{path}' in {ck.location}: a {ck.format} array is read through its source, not TensorStore")
         if self._node is None:
-            return ts.open(ck.specs[path], read=True, context=_store.CONTEXT).result()
+            return ts.open(ck.specs[path], read=True, context=_locations.CONTEXT).result()
         found = self._node.result()
         rec = ck.arrays[path]
         if found.state == "value":

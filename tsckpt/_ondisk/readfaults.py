@@ -1,6 +1,7 @@
-"""What a failed read of stored data means: TensorStore's errors classified once, in the
-words every read path (lazy reads, restore, verify, the own shard reader) uses; and
-whether the checkpoint read is still the one that was opened (:func:`unchanged`)."""
+"""What a failed read of stored data means, in the words every read path (lazy reads,
+restore, verify, the own shard reader) uses, with TensorStore's errors classified by
+:data:`tsckpt._storage.faults.TABLE`; and whether the checkpoint read is still the one
+that was opened (:func:`unchanged`)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,18 @@ import json
 from collections.abc import Iterator
 
 from .._errors import CheckpointReplacedError, CorruptCheckpointError, TsckptError
-from .._storage import store as _store
-from .._storage.store import Location
+from .._storage import faults as _faults
+from .._storage.faults import UNDECODABLE
+from .._storage.locations import Location
 from .arrays import MANIFEST
 from .checkpoint import Checkpoint
 from .records import ROOT_KEY
 
-# What a failed chunk read means.
-CHECKSUM_MISMATCH = "checksum mismatch: stored bytes were altered"
-CHUNK_MISSING = "a chunk file is missing"
-UNDECODABLE = "stored data could not be decoded (truncated or damaged file)"
-
 
 def _classify_read_error(err: Exception) -> tuple[str, str]:
-    """(what a failed chunk read means, TensorStore's message): the one place that reads it."""
-    msg = " ".join(str(err).split())
-    low = msg.lower()
-    if "digest mismatch" in low or "crc32c" in low or "checksum" in low:
-        return CHECKSUM_MISMATCH, msg
-    if "not_found" in low or "missing" in low or "not found" in low:
-        return CHUNK_MISSING, msg
-    return UNDECODABLE, msg
+    """(what a failed chunk read means, TensorStore's message)."""
+    msg = _faults.one_line(err)
+    return _faults.classify(_faults.CHUNK_READ, msg, UNDECODABLE), msg
 
 
 def describe_read_error(err: Exception) -> str:
@@ -40,7 +32,7 @@ def describe_read_error(err: Exception) -> str:
 
 def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     """The error of a failed chunk read of array ``path``: the storage, or damaged data."""
-    unreachable = _store.storage_problem(ck.location, err, leaf=path)
+    unreachable = _faults.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
     what, msg = _classify_read_error(err)
@@ -49,21 +41,21 @@ def corrupt_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
 
 def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     """Opening an array failed: its zarr.json is missing, unreadable, or disagrees with the root metadata."""
-    unreachable = _store.storage_problem(ck.location, err, leaf=path)
+    unreachable = _faults.storage_problem(ck.location, err, leaf=path)
     if unreachable is not None:
         return unreachable
-    msg = str(err).split(" [tensorstore_spec=")[0]
-    low = msg.lower()
-    if "ocdbt database" in low and any(s in low for s in ("manifest", "byte range", "error decoding", "invalid json")):
+    msg = _faults.without_spec(str(err))
+    kind = _faults.classify(_faults.ARRAY_OPEN, msg)
+    if kind == _faults.DATABASE_DAMAGED:
         what = (
             f"the checkpoint's database could not be read for {path}/zarr.json ({MANIFEST} or a file under d/ "
             "or ocdbt.r*/d/ is damaged or missing)"
         )
-    elif "does not exist" in msg or "not found" in low:
+    elif kind == _faults.ARRAY_MISSING:
         what = f"the array is missing ({path}/zarr.json does not exist)"
-    elif "Cannot create using specified" in msg:
+    elif kind == _faults.BEYOND_LIMITS:
         what = "TensorStore cannot open the array its record describes ('shard_shape' or 'chunk_shape' beyond its limits)"
-    elif "Expected" in msg or "Mismatch" in msg or "Incompatible" in msg:
+    elif kind == _faults.NODE_MISMATCH:
         what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"
     else:
         what = f"{path}/zarr.json cannot be read"

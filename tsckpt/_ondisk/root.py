@@ -27,7 +27,7 @@ from .._errors import (
     count_and_list,
     short_repr,
 )
-from .._storage.store import Location
+from .._storage.locations import Location
 from ..tree import structure_problem
 from .arrays import MANIFEST
 from .checkpoint import Checkpoint

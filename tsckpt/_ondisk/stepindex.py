@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 
-from .._storage.store import Location, resolve, storage_errors
+from .._storage.faults import storage_errors
+from .._storage.locations import Location, resolve
 
 STEP = re.compile(r"[0-9]+")
 INDEX = ".tsckpt-steps/"

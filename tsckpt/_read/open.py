@@ -7,7 +7,7 @@ from typing import Any
 
 from .._formats.sources import open_checkpoint
 from .._options import RestoreOptions, verb
-from .._storage.store import Directory
+from .._storage.locations import Directory
 from .reader import Reader
 
 

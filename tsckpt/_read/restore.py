@@ -39,7 +39,7 @@ from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import collector_paused, release_free_memory
 from .._runtime.progress import Progress
 from .._runtime.window import Window
-from .._storage.store import Directory
+from .._storage.locations import Directory
 from ..tree import flatten, unflatten
 from .reader import LazyArray
 

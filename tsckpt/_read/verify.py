@@ -21,7 +21,8 @@ from .._options import RestoreOptions, verb
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage.confine import odd_files, odd_problem, owner
-from .._storage.store import Directory, storage_errors, storage_problem
+from .._storage.faults import storage_errors, storage_problem
+from .._storage.locations import Directory
 
 # Bytes of reads kept in flight.
 VERIFY_WINDOW_BYTES = 256 << 20

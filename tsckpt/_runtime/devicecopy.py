@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from .._base.types import Box
+from .._storage.native import ALIGN, aligned_size
 
-# Offsets of the pieces in host memory (and of the tensors in a slab): page-aligned, so
-# every dtype is aligned and direct I/O could use them.
-ALIGN = 4096
+# Offsets of the pieces in host memory (and of the tensors in a slab) are multiples of
+# ALIGN (page-aligned, :func:`align`), so every dtype is aligned and direct I/O could use them.
+
 # Tensors on these device types go through this module; CPU tensors never do.
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
@@ -44,8 +45,7 @@ def on_device(data: Any) -> bool:
     return isinstance(data, torch.Tensor) and data.device.type in DEVICE_TYPES
 
 
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+align = aligned_size  # n rounded up to a multiple of ALIGN
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -151,7 +151,7 @@ class HostRing:
         if not self._loans:
             return 0
         tail, last = self._loans[0].start, self._loans[-1]
-        head = align(last.end)
+        head = aligned_size(last.end)
         if last.start >= tail:  # not wrapped: room after the newest loan, else from the start
             if head + size <= self.capacity:
                 return head
@@ -313,7 +313,7 @@ class PinnedSlab:
         end = 0
         for dtype, shape in specs:
             self.offsets.append(end)
-            end = align(end + math.prod(shape) * dtype.itemsize)
+            end = aligned_size(end + math.prod(shape) * dtype.itemsize)
         self.nbytes = end
         self._specs = list(specs)
         self._buffer = (device_ops or ops()).registered(end)

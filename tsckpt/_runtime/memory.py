@@ -6,44 +6,30 @@ TensorStore decodes chunks on its own worker threads, and glibc gives each
 thread its own malloc arena; memory freed there stays in the arena, so a
 restore's resident memory grows by up to a window's worth per worker thread
 even though the bytes in flight are bounded. glibc's ``malloc_trim`` returns
-the free pages of every arena to the system. No library wraps it, hence
-ctypes; elsewhere (musl, macOS) it is a no-op. The same goes for ``madvise``
-(:func:`prefaulted`), which Python offers only on its own mappings.
+the free pages of every arena to the system. No library wraps it
+(:mod:`tsckpt._storage.native` calls it); elsewhere (musl, macOS) this is a no-op. The
+same goes for ``madvise`` (:func:`prefaulted`), which Python offers only on its own
+mappings.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import gc
 import mmap
-import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-_libc: Any = None
-if sys.platform.startswith("linux"):
-    try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.malloc_trim  # noqa: B018 - glibc only
-    except (OSError, AttributeError):
-        _libc = None
+from .._storage import native
 
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, without writing them
 _PAGE = mmap.PAGESIZE  # madvise takes page-aligned spans (4 KiB on x86-64, up to 64 KiB on arm64)
-_madvise: Any = getattr(_libc, "madvise", None)
-if _madvise is not None:
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def release_free_memory() -> None:
     """Return free heap pages of every malloc arena to the system (glibc); cheap, no effect on live data."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
+    if native.has_malloc_trim():
+        native.malloc_trim()
 
 
 # The name save_async's worker threads start with: a save there runs beside the caller's
@@ -112,9 +98,12 @@ def page_spans(buffers: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _populate(spans: Sequence[tuple[int, int]]) -> None:
     for start, length in spans:
-        if _madvise(start, length, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
-            _prefault_works[0] = False  # a kernel without it; any other failure only leaves the pages to the reads
-            return
+        try:
+            native.madvise(start, length, native.MADV_POPULATE_WRITE)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                _prefault_works[0] = False  # a kernel without it; any other failure only leaves the pages to the reads
+                return
 
 
 @contextlib.contextmanager
@@ -132,8 +121,8 @@ def prefaulted(buffers: Sequence[tuple[int, int]]) -> Iterator[None]:
     0.67-0.72 s against 0.79-0.84 s, ``target=None`` 0.50-0.51 s against 0.61-0.62 s (the
     faults move to the other CPU; the CPU time stays). The data is unchanged: populating a
     page present already does nothing, and only pages holding the buffers' bytes are touched.
-    Without the call (not Linux 5.14+, no glibc) the body runs alone, as before."""
-    spans = page_spans(buffers)[:PREFAULT_SPANS] if _madvise is not None and _prefault_works[0] else []
+    Without the call (not Linux 5.14+) the body runs alone, as before."""
+    spans = page_spans(buffers)[:PREFAULT_SPANS] if native.has_madvise() and _prefault_works[0] else []
     if not spans:
         yield
         return

@@ -43,7 +43,7 @@ from .._ondisk.records import LAYOUT_PLAIN
 from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
-from .._storage.store import Directory, resolve
+from .._storage.locations import Directory, resolve
 from ..tree import flatten, unflatten
 
 # Failed saves whose outcome nobody has asked for yet.

@@ -30,7 +30,7 @@ from .._ondisk.arrays import MANIFEST
 from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
 from .._ondisk.root import root_state
 from .._storage import store as _store
-from .._storage.store import Location
+from .._storage.locations import Location
 from .._version import __version__
 from . import lease as _lease
 

@@ -47,7 +47,7 @@ from .._errors import amend
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED, STATE_PENDING
 from .._ondisk.root import RootState, root_state
 from .._storage import store as _store
-from .._storage.store import Location
+from .._storage.locations import Location
 
 log = logging.getLogger("tsckpt")
 

@@ -35,8 +35,10 @@ from .._ondisk.stepindex import mark_if_managed
 from .._options import WRITE_WINDOW_BYTES, SaveOptions, verb
 from .._runtime.memory import collector_paused
 from .._runtime.progress import Progress
-from .._storage import store as _store
-from .._storage.store import Directory, Location, resolve
+from .._storage import durable as _durable
+from .._storage import faults as _faults
+from .._storage import locations as _locations
+from .._storage.locations import Directory, Location, resolve
 from ..tree import flatten, structure_to_json
 from . import lease as _lease
 
@@ -316,7 +318,7 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
-    with _store.storage_errors(loc, doing="writing"):
+    with _faults.storage_errors(loc, doing="writing"):
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         keys = _write_regions(
             data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made
@@ -324,16 +326,16 @@ def _write(
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made)
         if compact:
-            _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
+            _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            _store.sync_data(loc, keys)
+            _durable.sync_data(loc, keys)
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
     """:func:`data_spec` for writing: a compact database through the cache pool that keeps
-    nothing between saves (see _store.CONTEXT)."""
+    nothing between saves (see _locations.CONTEXT)."""
     spec = data_spec(loc, layout, writer=writer)
-    return {**spec, "cache_pool": _store.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
+    return {**spec, "cache_pool": _locations.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
 def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
@@ -345,6 +347,6 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
         raise RuntimeError("only rank 0 commits a save")
     if layout == LAYOUT_COMPACT:
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
-        with _store.storage_errors(loc):
+        with _faults.storage_errors(loc):
             merge_databases(loc, _write_spec(loc, layout), databases)
     _commit_root(loc, c.metadata(world_size), layout, lease)

@@ -34,7 +34,8 @@ from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ROOT_KEY, ArrayRecor
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.progress import Progress
 from .._runtime.window import Window
-from .._storage import store as _store
+from .._storage import durable as _durable
+from .._storage import locations as _locations
 from .plan import RankPlan, WriteItem
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
@@ -206,7 +207,7 @@ class _Writers:
     ) -> None:
         self.data, self.directory, self.progress = data, where.directory, progress
         self.made: set[str] = set() if made is None else made
-        self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+        self.kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
@@ -376,13 +377,13 @@ class DeviceSources:
 
 def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     """zarr.json of every array and of every intermediate group (root excluded), by key."""
-    nodes = {f"{rec.path}/{ROOT_KEY}": _store.encode_json(array_node(rec)) for rec in arrays}
+    nodes = {f"{rec.path}/{ROOT_KEY}": _durable.encode_json(array_node(rec)) for rec in arrays}
     groups: set[str] = set()
     for rec in arrays:
         parts = rec.path.split("/")
         for i in range(1, len(parts)):
             groups.add("/".join(parts[:i]))
-    body = _store.encode_json(group_metadata())
+    body = _durable.encode_json(group_metadata())
     nodes.update((f"{g}/{ROOT_KEY}", body) for g in sorted(groups))
     return nodes
 
@@ -406,7 +407,7 @@ def write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compac
         finally:
             pool.shutdown()
         return list(nodes)
-    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+    kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
     txn = ts.Transaction() if compact else None
     if txn is not None:
         kv = kv.with_transaction(txn)

@@ -19,14 +19,12 @@ needs no walk (``Checkpoint.check_links(deferred=True)``). The checkpoint itself
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import stat
-import sys
 from typing import Any, NamedTuple
 
 from .._errors import CorruptCheckpointError, short_repr
+from . import native
 
 # How every refusal of a link says what to do.
 _LINK_FIX = (
@@ -121,57 +119,21 @@ def odd_problem(rel: str, odd: Odd) -> tuple[str, str]:
     )
 
 
-# openat2(2): its number (the same on every Linux architecture), and struct open_how's
-# resolve flags: no symbolic link anywhere on the path, no /proc magic link, and never
-# above the directory the path is resolved from.
-_SYS_OPENAT2 = 437
-_RESOLVE = 0x04 | 0x02 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH
-
-
 # Opens for reading never wait: O_NONBLOCK makes a FIFO planted in a checkpoint open at
 # once (its read then fails, and the reader leaves the file to the walk that names it)
 # rather than wait for a writer forever; it changes nothing for a regular file.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-@functools.lru_cache(maxsize=1)
-def _openat2() -> Any:
-    """libc's ``syscall`` bound for openat2 with a read-only, link-refusing ``open_how``, or
-    None where that does not work here (another system, a kernel before 5.6, a sandbox
-    that filters the call): found by opening ``/`` through it once."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.syscall
-    except (OSError, AttributeError):
-        return None
-    call.restype = ctypes.c_long
-    call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-    how = _OpenHow(_READ_FLAGS, 0, _RESOLVE)
-    bound = functools.partial(call, _SYS_OPENAT2)
-    try:
-        root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fd = bound(root, b".", ctypes.byref(how), ctypes.sizeof(how))
-    finally:
-        os.close(root)
-    if fd < 0:
-        return None
-    os.close(fd)
-    ref, size = ctypes.byref(how), ctypes.sizeof(how)  # made once: each open passes the same struct
-    return lambda dir_fd, rel: bound(dir_fd, rel, ref, size)
+# How :func:`open_beneath` opens through openat2: no symbolic link anywhere on the path,
+# no /proc magic link, and never above the directory the path is resolved from. Made
+# once: each open passes the same struct.
+_HOW = native.OpenHow(
+    _READ_FLAGS, 0, native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS | native.RESOLVE_BENEATH
+)
 
 
 def confined_opens() -> bool:
     """Whether :func:`open_beneath` refuses links here (else it follows them, as ``open`` does)."""
-    return _openat2() is not None
+    return native.has_openat2()
 
 
 def open_beneath(dir_fd: int, rel: str) -> int:
@@ -181,15 +143,10 @@ def open_beneath(dir_fd: int, rel: str) -> int:
     above ``dir_fd`` (OSError ELOOP or EXDEV, as any failed open); elsewhere a plain
     ``openat``, which follows links, so its callers walk for links first. Each resolves
     only ``rel``: for 10,000 small leaves (two opens each), 20,000 walks of the directory's
-    own path saved."""
-    openat2 = _openat2()
-    if openat2 is None:
+    own path saved. Errors are raised as ``os.open`` raises them (ENOENT: a FileNotFoundError)."""
+    if not native.has_openat2():
         return os.open(rel, _READ_FLAGS, dir_fd=dir_fd)
-    fd = openat2(dir_fd, os.fsencode(rel))
-    if fd < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), rel)  # ENOENT: a FileNotFoundError, as os.open raises
-    return int(fd)
+    return native.openat2(dir_fd, rel, _HOW)
 
 
 def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | None:

@@ -42,7 +42,7 @@ from .._read.restore import restore as core_restore
 from .._save.background import AsyncSave
 from .._save.background import save_async as core_save_async
 from .._save.protocol import save as core_save
-from .._storage.store import Directory
+from .._storage.locations import Directory
 from ..tree import escape, flatten, unescape
 from ._state import (
     ARCH_HINT,
