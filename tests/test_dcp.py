@@ -108,13 +108,13 @@ def test_successive_boxes_of_one_tensor_load_it_once(tmp_path, state, small_chun
     state["model"]["big"] = torch.randn(64, 64)  # 16 KiB: several 4 KiB shards, so several boxes
     _save(state, src)
     loads: list[str] = []
-    run = dcp_mod._Reader._run
+    run = dcp_mod._RegionReader._run
 
     def counted(self, items, tensors, what):
         loads.append(what)
         return run(self, items, tensors, what)
 
-    monkeypatch.setattr(dcp_mod._Reader, "_run", counted)
+    monkeypatch.setattr(dcp_mod._RegionReader, "_run", counted)
     tree = read_dcp(src, allow_pickle=True)
     assert loads == ["values"]
     d = str(tmp_path / "ck")
@@ -148,13 +148,13 @@ def test_sharded_tensor_reads_only_the_chunks_a_box_overlaps(tmp_path, monkeypat
     w = torch.randn(5, 6)
     _two_chunk_checkpoint(src, w)
     regions: list[tuple[int, ...]] = []
-    run = dcp_mod._Reader._run
+    run = dcp_mod._RegionReader._run
 
     def recorded(self, items, tensors, what):
         regions.extend(tuple(t.shape) for t in tensors.values())
         return run(self, items, tensors, what)
 
-    monkeypatch.setattr(dcp_mod._Reader, "_run", recorded)
+    monkeypatch.setattr(dcp_mod._RegionReader, "_run", recorded)
     lazy = read_dcp(src, allow_pickle=True)["w"]
     assert torch.equal(lazy[(slice(3, 5), slice(1, 4))], w[3:5, 1:4])
     assert regions == [(3, 6)]  # the second chunk only
@@ -212,7 +212,7 @@ def test_missing_or_short_data_file_fails_before_reading(tmp_path, state, damage
         os.remove(data)
     else:
         os.truncate(data, os.path.getsize(data) - 1)
-    monkeypatch.setattr(dcp_mod._Reader, "_run", lambda *a: pytest.fail("read data of a damaged checkpoint"))
+    monkeypatch.setattr(dcp_mod._RegionReader, "_run", lambda *a: pytest.fail("read data of a damaged checkpoint"))
     with pytest.raises(CorruptCheckpointError, match="missing" if damage == "delete" else "truncated") as e:
         read_dcp(src, allow_pickle=True)
     assert data in str(e.value) and "\n" not in str(e.value)
@@ -378,7 +378,7 @@ def test_a_chunk_larger_than_its_stored_bytes_is_refused_before_allocating(tmp_p
     huge = torch.Size([1 << 40])
     _rewrite_metadata(src, state_dict_metadata={
         "w": TensorStorageMetadata(w.properties, huge, [ChunkStorageMetadata(torch.Size([0]), huge)])})
-    monkeypatch.setattr(dcp_mod._Reader, "_run", lambda *a: pytest.fail("read data of a damaged checkpoint"))
+    monkeypatch.setattr(dcp_mod._RegionReader, "_run", lambda *a: pytest.fail("read data of a damaged checkpoint"))
     with pytest.raises(CorruptCheckpointError) as e:
         read_dcp(src, allow_pickle=True)
     length = md.storage_data[MetadataIndex("w", [0])].length

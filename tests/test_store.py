@@ -89,6 +89,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_the_stall_limit_is_set_when_an_object_store_location_is_first_resolved(tmp_path):
     """Importing tsckpt leaves TensorStore's HTTP stall limit alone; resolving an s3 location
     (no request is made) sets it, and a local or memory location does not. In a fresh process
