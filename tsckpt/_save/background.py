@@ -1,7 +1,8 @@
 """save_async(): copy the state to host memory, then save it in a background thread.
 
 The caller is held only while the leaves are copied into staging buffers
-(training mutates its tensors, so even CPU tensors are copied). Writing,
+(training mutates its tensors in place, and donates jax arrays to its next
+jitted step, so even CPU tensors and jax arrays are copied). Writing,
 syncing and the commit then run in one worker thread through the ordinary
 :func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
 guarantees are exactly those of a synchronous save.
@@ -12,11 +13,11 @@ host memory once; buffers for leaves that disappeared are released before new
 ones are allocated, so staging never holds more than one copy of the state.
 Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_runtime/devicecopy.py),
 made again only when the device tensors change; their device-to-host copies are
-issued asynchronously and awaited once. A jax.Array is staged the same way, shard by
-shard (each distinct device shard this process holds, replicas once): the copies of
-all shards are started before any is awaited; a shard on a CPU device is copied into
-a reused buffer, one elsewhere is kept as the host copy jax made. A state larger than ``max_staging_bytes``
-is saved synchronously, whose copies from the device go through host memory of the
+issued asynchronously and awaited once. A jax.Array is staged shard by shard (each
+distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray.py):
+the copies of all shards are started before any is awaited; a shard on a CPU device
+is copied into a reused buffer, one elsewhere is kept as the host copy jax made
+(fresh each save). A state larger than ``max_staging_bytes`` is saved synchronously, whose copies from the device go through host memory of the
 write window only.
 """
 
@@ -442,9 +443,12 @@ def save_async(
     raises here, in the caller), and the returned handle's ``result()`` waits
     for it and re-raises a failure. A save still in flight from an earlier call
     is waited for first (``if_busy="error"`` raises SaveInProgressError
-    instead). Staging buffers are reused between calls; a state with more array
-    bytes than ``max_staging_bytes`` is saved synchronously instead, with a
-    RuntimeWarning. Under torch.distributed every rank calls save_async; the
+    instead). Every array of the tree is copied before the call returns (a
+    jax.Array: each distinct shard this process holds, all copies started
+    before any is awaited), so tensors may change in place and jax arrays be
+    donated to the next step at once. Staging buffers are reused between calls;
+    a state with more array bytes to stage than ``max_staging_bytes`` is saved
+    synchronously instead, with a RuntimeWarning. Under torch.distributed every rank calls save_async; the
     background commit talks over a gloo group of its own, never the training
     loop's group nor the one a synchronous tsckpt.save or restore uses
     meanwhile. A pending save is finished at interpreter exit.
