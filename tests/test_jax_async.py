@@ -219,3 +219,17 @@ def test_single_array_async_save(ckdir):
     h.result(timeout=60)
     assert h.staged_bytes == 12  # copied, as any array: the next step may donate it
     assert tsckpt.restore(ckdir)["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_leaf_that_changes_dtype_gets_a_buffer_of_its_own(tmp_path):
+    """Buffers are kept per shard, shape and dtype: float8 formats of one size are not one dtype."""
+    import ml_dtypes
+
+    saver = AsyncSaver()
+    seen = []
+    for dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3b11fnuz, jnp.bfloat16, jnp.float16):
+        x = np.arange(16, dtype=np.float32).astype(dtype)
+        saver.submit("x", {"w": jnp.asarray(x)}, seen.append).result(timeout=60)
+        (host,) = seen[-1]["w"].shards.values()
+        assert host.dtype == np.dtype(dtype) and host.tobytes() == x.tobytes()
+    saver.close()

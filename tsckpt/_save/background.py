@@ -17,8 +17,8 @@ issued asynchronously and awaited once. A jax.Array is staged shard by shard (ea
 distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray.py):
 the copies of all shards are started before any is awaited; a shard on a CPU device
 is copied into a reused buffer, one elsewhere is kept as the host copy jax made
-(fresh each save). A state larger than ``max_staging_bytes`` is saved synchronously, whose copies from the device go through host memory of the
-write window only.
+(fresh each save). A state larger than ``max_staging_bytes`` is saved synchronously,
+whose copies from the device go through host memory of the write window only.
 """
 
 from __future__ import annotations
@@ -140,9 +140,10 @@ class _Staging:
     def _key(path: Any, data: Any) -> tuple[Any, ...]:
         if isinstance(data, torch.Tensor):
             return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
+        # the dtype itself: its .str is '<V1' for several float8 formats alike
         if is_jax_array(data):
-            return (path, "jax", tuple(data.shape), np.dtype(data.dtype).str)
-        return (path, "numpy", tuple(data.shape), data.dtype.str)
+            return (path, "jax", tuple(data.shape), np.dtype(data.dtype))
+        return (path, "numpy", tuple(data.shape), data.dtype)
 
     def stage(self, regions: list[tuple[Any, Any]]) -> list[Any]:
         """Copy each ``(path, data)`` into its buffer; returns the copies in order.
