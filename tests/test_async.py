@@ -172,6 +172,19 @@ def test_staging_buffers_are_reused_and_bounded(tmp_path):
     saver.close()
 
 
+def test_staging_buffers_are_kept_per_dtype_not_per_dtype_string():
+    """float8 formats of one size share a dtype string ('<V1') but not a buffer."""
+    import ml_dtypes
+
+    saver = AsyncSaver()
+    seen = []
+    for dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3b11fnuz):
+        x = np.arange(16, dtype=np.float32).astype(dtype)
+        saver.submit("x", {"w": x}, seen.append).result(timeout=30)
+        assert seen[-1]["w"].dtype == np.dtype(dtype) and seen[-1]["w"].tobytes() == x.tobytes()
+    saver.close()
+
+
 def test_staging_limit_falls_back_to_a_blocking_save(tmp_path):
     saver = AsyncSaver(max_staging_bytes=100)
     done = []

@@ -10,6 +10,11 @@ each file lies in one shard and is written from a view of that shard's memory
 planner cuts by the shortest region) is assembled from the shards' parts; replicated
 shards are read once. Nothing gathers the whole array.
 
+save_async: a jax.Array is staged before the call returns (the next jitted step may
+donate it): :class:`JaxRegion` names the same distinct shards, each copied to host
+memory (:func:`start_host_copy` for all, then :func:`host_copy` for each), and is
+saved exactly as the array would be.
+
 Restoring: a jax.Array or ``jax.ShapeDtypeStruct`` target is read device slice by
 device slice: each distinct slice its sharding gives this process's devices is a
 destination of its own (:attr:`Dest.parts`), read by restore's ordinary readers
@@ -91,15 +96,20 @@ def index_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
 class _Shards:
     """The distinct shards this process holds of one array (replicas once), read box by box."""
 
-    def __init__(self, path: str, arr: Any) -> None:
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, shards: dict[Box, Any]) -> None:
         self.path = path
-        self.shape = tuple(arr.shape)
-        self.dtype = np.dtype(arr.dtype)
+        self.shape = shape
+        self.dtype = dtype
+        self.shards = shards  # box -> a single-device jax.Array, or its host copy (numpy)
+        self.region = self._bounding_region()
+
+    @classmethod
+    def of(cls, path: str, arr: Any) -> _Shards:
+        shape = tuple(arr.shape)
         shards: dict[Box, Any] = {}
         for s in arr.addressable_shards:
-            shards.setdefault(index_box(s.index, self.shape), s.data)
-        self.shards = shards
-        self.region = self._bounding_region()
+            shards.setdefault(index_box(s.index, shape), s.data)
+        return cls(path, shape, np.dtype(arr.dtype), shards)
 
     def cuts(self) -> tuple[tuple[int, ...], ...]:
         """Per dimension, the offsets inside this process's region where a shard begins
@@ -150,10 +160,13 @@ def _inside(inner: Box, outer: Box) -> bool:
 
 
 def _shard_part(data: Any, shard: Box, box: Box) -> np.ndarray:
-    """The part ``box`` (global coordinates) of one shard's single-device array, as numpy.
-    On a CPU device numpy views the device buffer itself; elsewhere only the part is
-    copied to the host (numpy of the whole shard would be cached for the array's life)."""
+    """The part ``box`` (global coordinates) of one shard's single-device array (or of its
+    host copy), as numpy. On a CPU device numpy views the device buffer itself; elsewhere
+    only the part is copied to the host (numpy of the whole shard would be cached for the
+    array's life)."""
     sel = tuple(slice(o - so, o - so + n) for o, so, n in zip(box[0], shard[0], box[1]))
+    if isinstance(data, np.ndarray):
+        return data[sel]
     if data.device.platform == "cpu":
         return np.asarray(data)[sel]
     return np.asarray(data[sel])
@@ -266,24 +279,94 @@ def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any
     )
 
 
-class JaxKind(LeafKind):
-    def owns(self, leaf: Any) -> bool:
-        return is_jax_array(leaf) or _is_abstract(leaf)
+class JaxRegion:
+    """The region of a jax.Array this process holds, as save writes it: the stored kind
+    (``numpy``, or ``jax_key:<impl>`` for typed keys, whose key data the shards are) and
+    each distinct device shard (replicas once) by its box of the global array.
 
-    def describe(self, path: str, leaf: Any) -> Local:
-        if _is_abstract(leaf):
-            return super().describe(path, leaf)
+    ``save_async`` stages a jax.Array leaf as the region :meth:`on_host` gives: every
+    shard a host copy, so the array may be donated or deleted once the call returns,
+    and the save writes the same files as from the device shards (same region, kind
+    and shard cuts)."""
+
+    def __init__(self, kind: str, shards: _Shards) -> None:
+        self.kind = kind
+        self._shards = shards
+
+    @classmethod
+    def of(cls, path: str, leaf: Any) -> JaxRegion:
+        """A jax.Array's region in this process (raises LeafTypeError where its shards there
+        do not form one box)."""
         kind = "numpy"
         if _is_key(leaf):
             import jax
 
             kind = KEY_KIND_PREFIX + str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
-        shards = _Shards(path, leaf)
+        return cls(kind, _Shards.of(path, leaf))
+
+    @property
+    def shards(self) -> dict[Box, Any]:
+        """Box of the global array -> that shard's data (a single-device jax.Array, or numpy)."""
+        return dict(self._shards.shards)
+
+    def on_host(self, copies: Sequence[np.ndarray]) -> JaxRegion:
+        """The same region with the shards' data replaced by ``copies`` (in :attr:`shards`' order)."""
+        old = self._shards
+        boxes = list(old.shards)
+        if len(copies) != len(boxes) or any(tuple(c.shape) != b[1] for c, b in zip(copies, boxes)):
+            raise ValueError(f"'{old.path}': host copies {[c.shape for c in copies]} for shards {boxes}")
+        return JaxRegion(self.kind, _Shards(old.path, old.shape, old.dtype, dict(zip(boxes, copies))))
+
+    def describe(self, path: str) -> Local:
+        shards = self._shards
         (offsets, lengths) = shards.region
         source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
-        local = region_leaf(path, source, shards.shape, offsets, kind)
+        local = region_leaf(path, source, shards.shape, offsets, self.kind)
         return Local(local.desc._replace(cuts=shards.cuts()), local.data)
+
+
+def start_host_copy(shard: Any) -> None:
+    """Start copying one single-device jax.Array to host memory (returns at once; nothing
+    to do for a CPU device)."""
+    shard.copy_to_host_async()
+
+
+def host_copy(shard: Any, buffer: np.ndarray | None) -> tuple[np.ndarray, bool]:
+    """One single-device jax.Array as host memory that no jax array uses, waiting for its
+    copy (:func:`start_host_copy`), and whether it is ``buffer`` (reusable for the next copy).
+    Where numpy views the device buffer itself (a CPU device) it is copied into ``buffer``
+    (a new array when None); elsewhere the host copy jax made is returned as it is."""
+    host = np.asarray(shard)
+    if _views_device_memory(host, shard):
+        if buffer is None or not buffer.flags.writeable:
+            buffer = host_empty(host.shape, host.dtype)
+        np.copyto(buffer, host, casting="no")
+        return buffer, True
+    return host, False
+
+
+def _views_device_memory(host: np.ndarray, shard: Any) -> bool:
+    """Whether ``np.asarray(shard)`` may be the device buffer itself rather than a copy:
+    on CPU devices, or where its address is the buffer's (a host memory kind); when in doubt,
+    yes (a copy too many is safe, a view of memory the next step reuses is not)."""
+    if shard.device.platform == "cpu" or host.size == 0:
+        return True
+    try:
+        return bool(host.ctypes.data == shard.unsafe_buffer_pointer())
+    except Exception:  # noqa: BLE001 - a backend without buffer pointers: copy
+        return True
+
+
+class JaxKind(LeafKind):
+    def owns(self, leaf: Any) -> bool:
+        return is_jax_array(leaf) or _is_abstract(leaf) or isinstance(leaf, JaxRegion)
+
+    def describe(self, path: str, leaf: Any) -> Local:
+        if _is_abstract(leaf):
+            return super().describe(path, leaf)
+        region = leaf if isinstance(leaf, JaxRegion) else JaxRegion.of(path, leaf)
+        return region.describe(path)
 
     def from_value(self, path: str, value: Any, leaf: Any, inplace: bool, casting: str) -> tuple[Any, Any]:
         if inplace:

@@ -1,7 +1,8 @@
 """save_async(): copy the state to host memory, then save it in a background thread.
 
 The caller is held only while the leaves are copied into staging buffers
-(training mutates its tensors, so even CPU tensors are copied). Writing,
+(training mutates its tensors in place, and donates jax arrays to its next
+jitted step, so even CPU tensors and jax arrays are copied). Writing,
 syncing and the commit then run in one worker thread through the ordinary
 :func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
 guarantees are exactly those of a synchronous save.
@@ -12,9 +13,12 @@ host memory once; buffers for leaves that disappeared are released before new
 ones are allocated, so staging never holds more than one copy of the state.
 Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_runtime/devicecopy.py),
 made again only when the device tensors change; their device-to-host copies are
-issued asynchronously and awaited once. A state larger than ``max_staging_bytes``
-is saved synchronously, whose copies from the device go through host memory of the
-write window only.
+issued asynchronously and awaited once. A jax.Array is staged shard by shard (each
+distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray.py):
+the copies of all shards are started before any is awaited; a shard on a CPU device
+is copied into a reused buffer, one elsewhere is kept as the host copy jax made
+(fresh each save). A state larger than ``max_staging_bytes`` is saved synchronously,
+whose copies from the device go through host memory of the write window only.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from .._base.types import LazySource, ShardedArray
 from .._coord.torchdist import rank_of
 from .._errors import SaveInProgressError
-from .._leaves.jaxarray import is_jax_array
+from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_copy
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
@@ -133,17 +137,22 @@ class _Staging:
         return sum(b.nbytes for b in self._buffers.values())
 
     @staticmethod
-    def _key(path: str, data: Any) -> tuple[Any, ...]:
+    def _key(path: Any, data: Any) -> tuple[Any, ...]:
         if isinstance(data, torch.Tensor):
             return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
-        return (path, "numpy", tuple(data.shape), data.dtype.str)
+        # the dtype itself: its .str is '<V1' for several float8 formats alike
+        if is_jax_array(data):
+            return (path, "jax", tuple(data.shape), np.dtype(data.dtype))
+        return (path, "numpy", tuple(data.shape), data.dtype)
 
-    def stage(self, regions: list[tuple[str, Any]]) -> list[Any]:
+    def stage(self, regions: list[tuple[Any, Any]]) -> list[Any]:
         """Copy each ``(path, data)`` into its buffer; returns the copies in order.
 
-        Regions that are the same memory (tied weights) share one copy, so the
+        ``path`` is unique per region (a jax shard's: the leaf path and its box). Regions
+        that are the same memory (tied weights) share one copy, so the
         save that follows still sees them tied and stores them once. Device tensors
-        are copied asynchronously into one page-locked slab and awaited once."""
+        are copied asynchronously into one page-locked slab and awaited once; the
+        copies of all jax shards start before the first is awaited."""
         keys = [self._key(p, d) for p, d in regions]
         wanted = set(keys)
         # release what this tree no longer has before allocating what it gained
@@ -157,6 +166,9 @@ class _Staging:
             if mem is not None:
                 first.setdefault(mem, i)
         self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
+        for key, (_, data), tied in zip(keys, regions, staged):
+            if tied is None and key[1] == "jax":
+                start_host_copy(data)
         out: list[Any] = []
         copies: list[Any] = []  # the device-to-host copies started
         for key, (_, data), tied in zip(keys, regions, staged):
@@ -173,6 +185,12 @@ class _Staging:
                     if buf is None:
                         buf = torch.empty(src.shape, dtype=src.dtype)
                     buf.copy_(src)
+            elif key[1] == "jax":
+                buf, reusable = host_copy(data, buf)
+                if not reusable:  # jax's own host copy: this save's alone, never kept for the next
+                    kept.pop(key, None)
+                    out.append(buf)
+                    continue
             else:
                 if buf is None:
                     buf = np.empty(data.shape, dtype=data.dtype)
@@ -195,28 +213,48 @@ class _Staging:
         self._buffers.update(zip(keys, slab.views()))
 
 
-def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, str, Any, Any]]]:
+def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, Any, Any, Any]]]:
     """Validate every leaf (errors surface in the caller) and pick out the array data to copy.
 
     Returns the leaves with plain values already final, and for each array leaf
-    ``(index, path, data, where)``: ``where`` is None for a whole array, else the
-    ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard)."""
+    ``(index, path, data, where)``: ``where`` is None for a whole array, the
+    ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard), or for a
+    jax.Array its :class:`JaxRegion`, one entry per distinct shard this process holds
+    (``path``: the leaf path and the shard's box)."""
     out: list[Any] = []
-    regions: list[tuple[int, str, Any, Any]] = []
+    regions: list[tuple[int, Any, Any, Any]] = []
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        if is_jax_array(leaf):  # donated or deleted by the next step: its shards are copied
+            leaf = JaxRegion.of(path, leaf)
         local = describe(path, leaf)  # raises LeafTypeError for unsupported leaves
         if local.desc.kind == "value":
             out.append(bytes(leaf) if isinstance(leaf, bytearray) else leaf)
             continue
-        if isinstance(leaf, (np.generic, LazySource)) or is_jax_array(leaf):  # immutable
+        if isinstance(leaf, (np.generic, LazySource)):  # immutable
             out.append(leaf)
             continue
         out.append(None)
-        if local.data is leaf:  # a whole tensor or numpy array
+        if isinstance(leaf, JaxRegion):
+            regions.extend((i, (path, box), data, leaf) for box, data in leaf.shards.items())
+        elif local.data is leaf:  # a whole tensor or numpy array
             regions.append((i, path, leaf, None))
         else:  # ShardedArray, DTensor: a region, kept at its place in the global array
             regions.append((i, path, local.data, (local.desc.global_shape, local.desc.offsets)))
     return out, regions
+
+
+def _place(leaves: list[Any], regions: list[tuple[int, Any, Any, Any]], copies: list[Any]) -> None:
+    """Put the staged copies where their leaves were (a jax.Array's shards: one region of host copies)."""
+    shards: dict[int, tuple[JaxRegion, list[Any]]] = {}
+    for (i, _, _, where), copy in zip(regions, copies):
+        if where is None:
+            leaves[i] = copy
+        elif isinstance(where, JaxRegion):
+            shards.setdefault(i, (where, []))[1].append(copy)
+        else:
+            leaves[i] = ShardedArray(copy, *where)
+    for i, (region, host) in shards.items():
+        leaves[i] = region.on_host(host)
 
 
 class AsyncSaver:
@@ -316,8 +354,8 @@ class AsyncSaver:
                 handle.result()
             else:
                 copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
-                for (i, _, _, where), copy in zip(regions, copies):
-                    leaves[i] = copy if where is None else ShardedArray(copy, *where)
+                _place(leaves, regions, copies)
+                del regions, copies  # no reference to the device arrays outlives the call
                 staged = unflatten(flat.spec, leaves)
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -406,9 +444,12 @@ def save_async(
     raises here, in the caller), and the returned handle's ``result()`` waits
     for it and re-raises a failure. A save still in flight from an earlier call
     is waited for first (``if_busy="error"`` raises SaveInProgressError
-    instead). Staging buffers are reused between calls; a state with more array
-    bytes than ``max_staging_bytes`` is saved synchronously instead, with a
-    RuntimeWarning. Under torch.distributed every rank calls save_async; the
+    instead). Every array of the tree is copied before the call returns (a
+    jax.Array: each distinct shard this process holds, all copies started
+    before any is awaited), so tensors may change in place and jax arrays be
+    donated to the next step at once. Staging buffers are reused between calls;
+    a state with more array bytes to stage than ``max_staging_bytes`` is saved
+    synchronously instead, with a RuntimeWarning. Under torch.distributed every rank calls save_async; the
     background commit talks over a gloo group of its own, never the training
     loop's group nor the one a synchronous tsckpt.save or restore uses
     meanwhile. A pending save is finished at interpreter exit.
