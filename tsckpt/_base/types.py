@@ -7,10 +7,27 @@ planner included) can use these types without an import cycle.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 # A region of a global array: (offsets, lengths), one of each per dimension.
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def box_slices(
+    offsets: Sequence[int], lengths: Sequence[int], origin: Sequence[int] | None = None
+) -> tuple[slice, ...]:
+    """The index of the box (``offsets``, ``lengths``) in an array whose element 0 sits at
+    ``origin`` (default: at 0): the one way a region becomes slices."""
+    if origin is None:
+        return tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+    return tuple(slice(o - z, o - z + n) for o, z, n in zip(offsets, origin, lengths))
+
+
+def span_slices(lo: Sequence[int], hi: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
+    """The index of the span from corner ``lo`` to corner ``hi`` (exclusive) in an array
+    whose element 0 sits at ``origin``."""
+    return tuple(slice(a - z, b - z) for a, b, z in zip(lo, hi, origin))
 
 
 class LeafDesc(NamedTuple):

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._base.types import Dest
+from .._base.types import Dest, box_slices
 from .._ondisk.arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import shard_boxes
@@ -234,9 +234,9 @@ def _pieces(
     if 0 in lengths:
         return
     if all(g >= n for g, n in zip(shard, rec.shape)):  # the whole array is one chunk: most small leaves
-        yield offsets, lengths, tuple(slice(o, o + n) for o, n in zip(offsets, lengths)), ()
+        yield offsets, lengths, box_slices(offsets, lengths), ()
         return
     for off, ln in shard_boxes(offsets, lengths, rec.chunking):
         src = tuple(slice(o % g, o % g + n) for o, g, n in zip(off, shard, ln))
-        dst = tuple(slice(o - b, o - b + n) for o, b, n in zip(off, offsets, ln))
+        dst = box_slices(off, ln, offsets)
         yield off, ln, src, dst

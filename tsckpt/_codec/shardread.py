@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._base.types import Dest
+from .._base.types import Dest, span_slices
 from .._errors import CorruptCheckpointError
 from .._ondisk.arrays import CRC_BYTES, chunk_key
 from .._ondisk.checkpoint import Checkpoint
@@ -365,12 +365,12 @@ def _copy_mapped(ck: Checkpoint, job: _Job, mapped: np.ndarray, first: int, plan
             c.direct[:] = data
         else:
             block = data.view(job.view.dtype).reshape(chunk)
-            job.view[_dest_box(job, c.lo, c.hi)] = block[tuple(slice(a - f, b - f) for a, b, f in zip(c.lo, c.hi, c.first))]
+            job.view[_dest_box(job, c.lo, c.hi)] = block[span_slices(c.lo, c.hi, c.first)]
 
 
 def _dest_box(job: _Job, lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
     """Where the stored array's box [lo, hi) goes in the destination."""
-    return tuple(slice(a - b0, b - b0) for a, b, b0 in zip(lo, hi, job.base))
+    return span_slices(lo, hi, job.base)
 
 
 def _contiguous(region: np.ndarray) -> np.ndarray | None:
@@ -404,7 +404,7 @@ def _read_run(
         for data, c in zip(datas, run):
             if c.direct is None:
                 block = data.view(job.view.dtype).reshape(chunk)
-                src = tuple(slice(a - f, b - f) for a, b, f in zip(c.lo, c.hi, c.first))
+                src = span_slices(c.lo, c.hi, c.first)
                 job.view[_dest_box(job, c.lo, c.hi)] = block[src]
             elif data is not c.direct:
                 c.direct[:] = data

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base.types import box_slices
 from .._ondisk.arrays import CRC_BYTES
 from .._storage import native
 from .._storage.native import ALIGN, IOV_MAX
@@ -270,7 +271,7 @@ def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequenc
             lo = [c * i for c, i in zip(cell, inner)]
             if any(a >= s for a, s in zip(lo, src.shape)):
                 continue  # wholly outside the array: not stored
-            box = src[tuple(slice(a, a + i) for a, i in zip(lo, inner))]
+            box = src[box_slices(lo, inner)]
             index.put(cell, f.end, chunk_bytes + CRC_BYTES)
             if box.shape == inner and box.flags.c_contiguous:
                 flat = box.reshape(-1).view(np.uint8)

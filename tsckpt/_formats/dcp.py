@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._base import dtypes as _dtypes
-from .._base.types import LazySource
+from .._base.types import LazySource, span_slices
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError, short_repr
 from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
 from .._storage.confine import confined
@@ -268,7 +268,7 @@ class _RegionReader:
                 region = ChunkStorageMetadata(offsets=torch.Size(start), sizes=data.shape)
                 self._run(create_read_items_for_chunk_list(key, md, [region]), {key: data}, f"tensor '{key}'")
                 last = self._last = (key, start, data)
-        return last[2][tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, last[1]))]
+        return last[2][span_slices(lo, hi, last[1])]
 
     def _run(self, items: list[Any], tensors: dict[str, torch.Tensor], what: str) -> dict[str, Any]:
         """Read DCP ReadItems into ``tensors``; returns the bytes entries read (values), by key."""

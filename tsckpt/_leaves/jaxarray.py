@@ -43,7 +43,7 @@ import numpy as np
 
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
-from .._base.types import Box, Dest, LazySource, Local, ReadItem
+from .._base.types import Box, Dest, LazySource, Local, ReadItem, box_slices
 from .._errors import LeafTypeError, ShapeMismatchError, short_repr
 from .._ondisk.chunking import intersect
 from .._ondisk.records import KEY_KIND_PREFIX, ArrayRecord, key_impl
@@ -149,7 +149,7 @@ class _Shards:
         for b, data in self.shards.items():
             common = intersect((off, ln), b)
             if common is not None:
-                out[tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(common[0], off, common[1]))] = _shard_part(
+                out[box_slices(common[0], common[1], off)] = _shard_part(
                     data, b, common
                 )
         return out
@@ -164,7 +164,7 @@ def _shard_part(data: Any, shard: Box, box: Box) -> np.ndarray:
     host copy), as numpy. On a CPU device numpy views the device buffer itself; elsewhere
     only the part is copied to the host (numpy of the whole shard would be cached for the
     array's life)."""
-    sel = tuple(slice(o - so, o - so + n) for o, so, n in zip(box[0], shard[0], box[1]))
+    sel = box_slices(box[0], box[1], shard[0])
     if isinstance(data, np.ndarray):
         return data[sel]
     if data.device.platform == "cpu":

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base import dtypes as _dtypes
+from .._base.types import box_slices
 from .._formats import lazy
 from .._formats.sources import open_checkpoint
 from .._ondisk.arrays import stored_node_problem
@@ -130,7 +131,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
             if path in bad:
                 break
-            view = store[tuple(slice(o, o + n) for o, n in zip(off, ln))] if off else store
+            view = store[box_slices(off, ln)] if off else store
             nbytes = math.prod(ln) * _dtypes.itemsize(rec.dtype)
             window.add((view.read(), path, nbytes), nbytes)
             total, files = total + nbytes, files + 1
@@ -147,7 +148,7 @@ def _read_source(ck: Checkpoint, path: str, bad: dict[str, str], progress: Progr
     for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
         n = math.prod(ln) * _dtypes.itemsize(rec.dtype)
         try:
-            lazy.read(src, tuple(slice(o, o + k) for o, k in zip(off, ln)))
+            lazy.read(src, box_slices(off, ln))
         except (ValueError, OSError, RuntimeError) as e:  # tsckpt's read errors have these bases
             bad[path] = f"cannot be read ({' '.join(str(e).split())})"
             break

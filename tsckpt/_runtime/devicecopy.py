@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .._base.types import Box
-from .._storage.native import ALIGN, aligned_size
+from .._storage.native import aligned_size
 
 # Offsets of the pieces in host memory (and of the tensors in a slab) are multiples of
 # ALIGN (page-aligned, :func:`align`), so every dtype is aligned and direct I/O could use them.

@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
-from .._base.types import Box, LazySource, Local
+from .._base.types import Box, LazySource, Local, box_slices
 from .._codec import shardwrite
 from .._codec.encode import encode_chunk
 from .._codec.files import StoredShapes, stored_shapes
@@ -57,7 +57,7 @@ START_WRITEBACK = True
 
 def _box_sel(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[slice, ...]:
     """Where the global box (``offsets``, ``lengths``) lies in a rank's local data."""
-    return tuple(slice(o - lo, o - lo + n) for o, lo, n in zip(offsets, lf.desc.offsets, lengths))
+    return box_slices(offsets, lengths, lf.desc.offsets)
 
 
 def _local_box(lf: Local, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> np.ndarray:
@@ -97,7 +97,7 @@ def _assemble(item: WriteItem, lf: Local, plan: RankPlan, received: dict[int, np
     cell = (item.offsets, item.lengths)
 
     def put(box: Box, data: np.ndarray) -> None:
-        buf[tuple(slice(o - c, o - c + n) for o, c, n in zip(box[0], item.offsets, box[1]))] = data
+        buf[box_slices(box[0], box[1], item.offsets)] = data
 
     mine = intersect(cell, (lf.desc.offsets, lf.desc.lengths))
     if mine is not None:
@@ -253,7 +253,7 @@ class _Writers:
         if w.rec.path not in self.stores:
             self.stores[w.rec.path] = open_array(self.data, w.rec, write=True)
         store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
-        dst = store[tuple(slice(o, o + n) for o, n in zip(w.offsets, w.lengths))] if w.offsets else store
+        dst = store[box_slices(w.offsets, w.lengths)] if w.offsets else store
         written = dst.write(src, can_reference_source_data_indefinitely=True)
         return written.commit if self.txn is None else written.copy
 
