@@ -45,17 +45,17 @@ def node_error(ck: Checkpoint, path: str, err: Exception) -> TsckptError:
     if unreachable is not None:
         return unreachable
     msg = _faults.without_spec(str(err))
-    kind = _faults.classify(_faults.ARRAY_OPEN, msg)
-    if kind == _faults.DATABASE_DAMAGED:
+    fault = _faults.classify(_faults.ARRAY_OPEN, msg)
+    if fault == _faults.DATABASE_DAMAGED:
         what = (
             f"the checkpoint's database could not be read for {path}/zarr.json ({MANIFEST} or a file under d/ "
             "or ocdbt.r*/d/ is damaged or missing)"
         )
-    elif kind == _faults.ARRAY_MISSING:
+    elif fault == _faults.ARRAY_MISSING:
         what = f"the array is missing ({path}/zarr.json does not exist)"
-    elif kind == _faults.BEYOND_LIMITS:
+    elif fault == _faults.BEYOND_LIMITS:
         what = "TensorStore cannot open the array its record describes ('shard_shape' or 'chunk_shape' beyond its limits)"
-    elif kind == _faults.NODE_MISMATCH:
+    elif fault == _faults.NODE_MISMATCH:
         what = f"{path}/zarr.json does not match the root metadata (shape, dtype or chunking differ)"
     else:
         what = f"{path}/zarr.json cannot be read"
