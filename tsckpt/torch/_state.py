@@ -142,7 +142,8 @@ def same_memory(a: Any, b: Any) -> bool:
         return True
     if is_dtensor(a) != is_dtensor(b) or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    return memory(a) == memory(b)
+    key = memory(a)  # None: no memory (a freed storage, no elements), so nothing is shared
+    return key is not None and key == memory(b)
 
 
 def as_tensor(value: Any, path: str) -> torch.Tensor:
