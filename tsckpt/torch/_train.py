@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import random
 import warnings
 from collections.abc import Iterable, Mapping
@@ -30,7 +31,7 @@ from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import StructureMismatchError
+from .._errors import LeafTypeError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
 from .._leaves.stateful import Expanded, expand
 from .._ondisk.checkpoint import Checkpoint
@@ -54,6 +55,7 @@ from ._state import (
     Optimizers,
     apply_optimizer,
     as_list,
+    assign,
     check_names,
     check_optimizer_types,
     check_state_keys,
@@ -61,11 +63,15 @@ from ._state import (
     live_state,
     local_of,
     match_groups,
+    meta_tensors,
+    on_meta,
     optimizer_tuple,
     param_names,
     region_of,
     shape_error,
 )
+
+log = logging.getLogger("tsckpt")
 
 EXTRA = "extra"
 RANKS = "ranks"
@@ -527,12 +533,20 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
 
     def check() -> tuple[Checkpoint, _Plan]:
         ck = open_checkpoint(directory)
+        _check_meta(state)
         live = live_state(state.model, state.optimizers)  # creates never-stepped optimizers' state to read into
         plan = _plan(ck, state, live, coord.rank, strict=options.strict)
         for path, dst in plan.resized:  # refused casts raise before anything is read
+            if on_meta(dst):
+                raise LeafTypeError(
+                    f"'{path}': resize keeps the model's values outside the stored region, and this parameter is "
+                    "on the meta device, with none; materialise it first (model.to_empty(device=...) and "
+                    "initialise it), or restore without resize"
+                )
             check_cast(path, ck.array_metadata(path).dtype, local_of(dst).dtype, casting=casting)
         return ck, plan
 
+    on_meta_before = bool(meta_tensors(state.model))
     ck, plan = cast("tuple[Checkpoint, _Plan]", phase(coord, "restore (check)", check))
     with warnings.catch_warnings():
         # differences were checked above, with better messages (values lost to casting="unsafe" still warn)
@@ -542,6 +556,18 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
         )
 
     def finish() -> dict[str, Any]:
+        meta = {n: restored[MODEL][n] for n, t in plan.target[MODEL].items() if on_meta(t)}
+        if meta:  # a meta model: the new tensors become its parameters and buffers
+            assign(state.model, meta)
+        if meta or on_meta_before:
+            left = meta_tensors(state.model)
+            if left:
+                log.warning(
+                    "%s: %s of the model are still on the meta device after the restore (the checkpoint has no "
+                    "values for them: non-persistent buffers, or names missing under strict=False): %s; "
+                    "initialise them before use",
+                    ck.location, _count(len(left), "tensor"), count_and_list(left),
+                )
         for path, dst in plan.resized:
             _read_overlap(ck, path, dst, casting)
         if state.optimizers:
@@ -558,6 +584,27 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
     if state.rng:
         del mine[RNG]
     return RestoreResult(others.get(EXTRA, {}), mine)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _check_meta(state: TrainState) -> None:
+    """A model with parameters on the meta device is restored by replacing them (they have no
+    memory to copy into); optimizers built over the meta parameters would keep those, and their
+    state, so they are refused before anything is read."""
+    if not state.optimizers:
+        return
+    meta = [n for n, p in state.model.named_parameters() if on_meta(p)]
+    if meta:
+        raise LeafTypeError(
+            f"the model has {_count(len(meta), 'parameter')} on the meta device ({count_and_list(meta)}) and "
+            "optimizers were given: the restore replaces meta parameters by new ones, and an optimizer built over "
+            "the meta ones would keep them. restore the model first (tsckpt.torch.restore(directory, model) "
+            "gives it real parameters), then build the optimizers over model.parameters() and restore again "
+            "with them: tsckpt.torch.restore(directory, model, optimizers, ...)"
+        )
 
 
 # Restore options a TrainState never uses, and why.
