@@ -183,6 +183,78 @@ def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
     return optree.tree_unflatten(spec, leaves)
 
 
+# ---- names shifted by a prefix ------------------------------------------------
+
+
+class PrefixShift(NamedTuple):
+    """Names that match once a common prefix is moved: ``stored`` before every checkpoint name
+    where the target has none (a checkpoint saved as ``{"model": sd}`` restored into ``sd``;
+    ``"model."`` before Hugging Face names), or ``target`` before every target name where the
+    checkpoint has none (the reverse). One of the two is empty."""
+
+    target: str
+    stored: str
+    matched: int  # how many of the names missing from the checkpoint match once the prefix moves
+    missing: int
+
+
+def _cuts(name: str) -> list[int]:
+    """The positions just after each separator ('/' between components, '.' inside a name)."""
+    return [i + 1 for i, c in enumerate(name) if c in "/." and i + 1 < len(name)]
+
+
+def prefix_shift(missing: list[str] | set[str], unexpected: list[str] | set[str]) -> PrefixShift | None:
+    """The prefix that, added to the target's names or taken from them, makes ``missing`` names
+    (in the target, not the checkpoint) ``unexpected`` ones (in the checkpoint, not the target):
+    at least half of each, as when a whole tree moved (a few names that match inside a larger
+    tree, such as 'proj.weight' in 'blocks.0.attn.proj.weight', are another architecture). None
+    when no prefix does; linear in the names' length."""
+    miss, extra = set(missing), set(unexpected)
+    if not miss or not extra:
+        return None
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for u in extra:  # the checkpoint's names have a prefix the target's lack
+        for k in _cuts(u):
+            if u[k:] in miss:
+                counts["", u[:k]] += 1
+    for m in miss:  # the target's names have a prefix the checkpoint's lack
+        for k in _cuts(m):
+            if m[k:] in extra:
+                counts[m[:k], ""] += 1
+    if not counts:
+        return None
+    (target, stored), n = max(counts.items(), key=lambda kv: (kv[1], -len(kv[0][0]) - len(kv[0][1])))
+    if 2 * n < len(miss) or 2 * n < len(extra):
+        return None
+    return PrefixShift(target, stored, n, len(miss))
+
+
+def _subscripts(prefix: str) -> str | None:
+    """``['a']['b']`` for a prefix of whole components ``a/b/``; None for one that cuts a name."""
+    if not prefix.endswith("/"):
+        return None
+    return "".join(f"[{unescape(c)!r}]" for c in prefix[:-1].split("/"))
+
+
+def prefix_advice(shift: PrefixShift, target: str = "target") -> str:
+    """What a restore shaped like ``target`` (the name of the caller's target expression) whose
+    names are shifted as ``shift`` says should be given instead, as Python."""
+    prefix = shift.target or shift.stored
+    sub = _subscripts(prefix)
+    if shift.target and sub is not None:  # the target nests what the checkpoint holds at its top
+        return f"restore that part of the target, tsckpt.restore(directory, {target}{sub})"
+    if shift.stored and sub is not None:  # the checkpoint nests it: wrap the target the same way
+        wrapped = target
+        for c in reversed(prefix[:-1].split("/")):
+            wrapped = f"{{{unescape(c)!r}: {wrapped}}}"
+        return f"nest the target as the checkpoint does, tsckpt.restore(directory, {wrapped}){sub}"
+    if "/" not in prefix:  # a prefix inside the names of one mapping (Hugging Face's "model.")
+        if shift.target:
+            return f"rename the target's keys, {{k.removeprefix({prefix!r}): v for k, v in {target}.items()}}"
+        return f"rename the target's keys, {{{prefix!r} + k: v for k, v in {target}.items()}}"
+    return f"shape the target's names as the checkpoint's ({prefix!r} {'removed' if shift.target else 'added'})"
+
+
 # ---- structure as JSON ------------------------------------------------------
 
 _SEQ = {PyTreeKind.LIST: "list", PyTreeKind.TUPLE: "tuple", PyTreeKind.DEQUE: "deque"}

@@ -40,7 +40,7 @@ from .._runtime.memory import collector_paused, release_free_memory, unwritable
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage.store import Directory
-from ..tree import flatten, unflatten
+from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .reader import LazyArray
 
 
@@ -61,10 +61,28 @@ def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
     if unexpected:
         parts.append(f"in the checkpoint but not in the target: {count_and_list(unexpected)}")
     msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
+    shift = prefix_shift(missing, unexpected)
+    shifted = ""
+    if shift is not None:
+        shifted = (
+            f"{shift.matched} of the {shift.missing} missing leaves are in the checkpoint "
+            + (f"under the prefix {shift.stored!r}" if shift.stored else f"without the prefix {shift.target!r}")
+            + f": the names are shifted, not different; {prefix_advice(shift)}"
+        )
+    if wanted and not wanted & stored:  # even strict=False would restore nothing at all
+        raise StructureMismatchError(
+            f"{msg}. Not one leaf of the target is in the checkpoint, so a restore would load nothing"
+            + ("" if strict else " (strict=False too)")
+            + (f". {shifted}" if shifted else "; check that this is the checkpoint meant, and the target its tree")
+        )
+    if shifted:
+        msg += f". {shifted}"
     if strict:
         raise StructureMismatchError(msg + ". Pass strict=False to restore only the leaves both have.")
+    loaded = len(wanted & stored)
     warnings.warn(
-        msg + ". strict=False: restored the common leaves, kept the target's values for the rest.",
+        msg + f". strict=False: restored the common leaves ({loaded} of the target's {len(wanted)}), kept the "
+        "target's values for the rest.",
         RestoreWarning,
         stacklevel=_user_stacklevel(),
     )

@@ -44,7 +44,7 @@ from .._save.background import AsyncSave
 from .._save.background import save_async as core_save_async
 from .._save.protocol import save as core_save
 from .._storage.store import Directory
-from ..tree import escape, flatten, unescape
+from ..tree import escape, flatten, prefix_advice, prefix_shift, unescape
 from ._state import (
     ARCH_HINT,
     GROUPS,
@@ -334,10 +334,73 @@ class _Shapes:
 
 
 def _match_model(ck: Checkpoint, live: dict[str, Any], shapes: _Shapes, strict: bool) -> dict[str, Any]:
-    """Live model tensors to restore: names first (another architecture), then shapes."""
+    """Live model tensors to restore: names first (another architecture, or the same names
+    shifted by a prefix), then shapes. A model none of whose names the checkpoint has is refused
+    even with strict=False (it would load nothing); strict=False logs what it leaves out."""
     stored_model = {str(unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
-    check_names("model", live, stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
+    missing = sorted(set(live) - set(stored_model))
+    unexpected = sorted(set(stored_model) - set(live))
+    shifted = _shifted_names(ck, missing, unexpected)
+    if live and len(missing) == len(live):
+        listed = f"missing from the checkpoint: {count_and_list(missing, 6)}"
+        if unexpected:
+            listed += f"; in the checkpoint but not in the model: {count_and_list(unexpected, 6)}"
+        raise StructureMismatchError(
+            f"{ck.location}: model and checkpoint differ; not one of the model's {len(live)} names is in the "
+            f"checkpoint, so a restore would load nothing{'' if strict else ' (strict=False too)'} ({listed}). "
+            + (shifted or "Is this a checkpoint of this model written by tsckpt.torch.save (or a TrainState)?")
+        )
+    check_names("model", live, stored_model, strict=strict, hint=shifted or ARCH_HINT, where=str(ck.location))
+    if missing or unexpected:  # strict=False (strict raised above): say what was left out, once
+        log.warning(
+            "%s: strict=False: loaded %d of the model's %d tensors; not in the checkpoint (kept as they are): %s; "
+            "in the checkpoint but not in the model (not loaded): %s",
+            ck.location, len(live) - len(missing), len(live), count_and_list(missing, 10),
+            count_and_list(unexpected, 10),
+        )
     return {n: dst for n, dst in live.items() if n in stored_model and shapes.admit(stored_model[n], dst, n)}
+
+
+_NO_PREFIX_OPTION = "tsckpt.torch.restore has no option to select or strip a prefix"
+_META_NOTE = (
+    " (a model on the meta device: model.load_state_dict(tsckpt.restore(directory, model.state_dict()), "
+    "assign=True))"
+)
+
+
+def _shifted_names(ck: Checkpoint, missing: list[str], unexpected: list[str]) -> str | None:
+    """Why most model names are missing when they are the checkpoint's names shifted by a
+    prefix, and how to restore it; None when they are not."""
+    if not missing:
+        return None
+    inner = prefix_shift(missing, unexpected)  # under model/: e.g. Hugging Face's "model." added or dropped
+    if inner is not None:
+        where = f"under the prefix {inner.stored!r}" if inner.stored else f"without the prefix {inner.target!r}"
+        return (
+            f"{inner.matched} of the {inner.missing} missing names are in the checkpoint {where}: the names are "
+            f"shifted, not another architecture. {_NO_PREFIX_OPTION}; restore the model's state_dict with "
+            f"tsckpt.restore, its names as the checkpoint's: "
+            f"{prefix_advice(inner, 'model.state_dict()')} and give that as the target's '{MODEL}' entry "
+            "(inplace=True loads straight into the model)"
+        )
+    outside = [p for p in ck.leaves if p != MODEL and not p.startswith(MODEL + "/")]
+    whole = prefix_shift([f"{MODEL}/{escape(n)}" for n in missing], outside)
+    if whole is None:
+        return None
+    if whole.target == MODEL + "/":  # a plain state_dict: a Hugging Face directory, tsckpt.save(d, sd)
+        return (
+            f"{whole.matched} of the {whole.missing} missing names are at the top of the checkpoint, without the "
+            f"'{MODEL}/' prefix tsckpt.torch.save writes: it holds a plain state_dict (a Hugging Face directory, "
+            f"or tsckpt.save(directory, model.state_dict())), not a training state. {_NO_PREFIX_OPTION}; restore "
+            f"the state_dict itself: tsckpt.restore(directory, model.state_dict(), inplace=True){_META_NOTE}"
+        )
+    where = f"under the prefix {whole.stored!r}" if whole.stored else f"without the prefix {whole.target!r}"
+    return (
+        f"{whole.matched} of the {whole.missing} missing names are in the checkpoint {where} rather than under "
+        f"'{MODEL}/': the names are shifted, not another architecture. {_NO_PREFIX_OPTION}; restore the state_dict "
+        f"with tsckpt.restore instead: {prefix_advice(whole, repr({MODEL: 0}).replace('0', 'model.state_dict()'))}"
+        f"{_META_NOTE}"
+    )
 
 
 def _match_optimizers(
