@@ -153,11 +153,26 @@ class Flat(NamedTuple):
     spec: optree.PyTreeSpec
 
 
-def flatten(tree: Any) -> Flat:
-    """Leaves in a fixed order, each with its unique path string."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(
-        tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
+def too_deep(where: str = "") -> LeafTypeError:
+    """The error for a tree nested deeper than a checkpoint's structure may be (``where``: the
+    leaf path at which it was found, if known)."""
+    at = f" (at '{where[:60]}...')" if len(where) > 60 else f" (at '{where}')" if where else ""
+    return LeafTypeError(
+        f"the tree nests more than {MAX_STRUCTURE_DEPTH} levels deep{at}: tsckpt's limit on a tree's depth "
+        f"(a checkpoint's structure is at most {MAX_STRUCTURE_DEPTH} levels, so it could not be read back); "
+        "flatten the deep part first (e.g. into a dict keyed by its paths, or a list)"
     )
+
+
+def flatten(tree: Any) -> Flat:
+    """Leaves in a fixed order, each with its unique path string. A tree deeper than a
+    checkpoint's structure may be (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`."""
+    try:
+        accessors, leaves, spec = optree.tree_flatten_with_accessor(
+            tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
+        )
+    except RecursionError:  # optree recurses once per level
+        raise too_deep() from None
     paths = []
     for acc in accessors:
         comps: list[str] = []
@@ -165,6 +180,8 @@ def flatten(tree: Any) -> Flat:
             component = _component(entry, comps)
             if component:
                 comps.append(component)
+        if len(comps) >= MAX_STRUCTURE_DEPTH:  # the leaf is one more level
+            raise too_deep(join(comps))
         paths.append(join(comps))
     return Flat(paths, leaves, spec)
 
@@ -176,7 +193,10 @@ def leaves(tree: Any, *, stop: Callable[[Any], bool] | None = None) -> tuple[lis
     def is_leaf(node: Any) -> bool:
         return (stop is not None and stop(node)) or _register_dataclasses(node)
 
-    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    try:
+        return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    except RecursionError:  # optree recurses once per level
+        raise too_deep() from None
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
@@ -265,14 +285,17 @@ def _json_key(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
 
 
-def structure_to_json(spec: optree.PyTreeSpec) -> Any:
-    """The tree's shape as JSON; leaves are ``null``. No types are imported on load."""
+def structure_to_json(spec: optree.PyTreeSpec, depth: int = 1) -> Any:
+    """The tree's shape as JSON; leaves are ``null``. No types are imported on load. Empty
+    containers nested deeper than :data:`MAX_STRUCTURE_DEPTH` raise :func:`too_deep`."""
     kind = spec.kind
     if kind == PyTreeKind.LEAF:
         return None
     if kind == PyTreeKind.NONE:
         return {"type": "none"}
-    children = [structure_to_json(c) for c in spec.children()]
+    if depth > MAX_STRUCTURE_DEPTH:
+        raise too_deep()
+    children = [structure_to_json(c, depth + 1) for c in spec.children()]
     if kind in _SEQ:
         return {"type": _SEQ[kind], "children": children}
     keys = [_json_key(k) for k in spec.entries()]
