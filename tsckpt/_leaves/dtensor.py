@@ -94,5 +94,6 @@ def _mesh_device(mesh: Any) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
-    return torch.device(kind, index)
+    if module is None or not hasattr(module, "current_device"):
+        return torch.device(kind)
+    return torch.device(kind, int(module.current_device()))

@@ -52,7 +52,7 @@ def extent(t: torch.Tensor) -> int:
     """Bytes of its storage a tensor's elements reach, from its storage's start (0: no elements)."""
     if t.numel() == 0:
         return 0
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    last = int(t.storage_offset()) + sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride()))
     return (last + 1) * t.element_size()
 
 

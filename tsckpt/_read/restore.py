@@ -360,10 +360,18 @@ def restore(
     scalars). Otherwise the result has the target's structure and, leaf by leaf,
     its type, dtype (cast from the stored dtype) and device; ``inplace=True``
     copies straight into the target's tensors and arrays so memory does not double.
+    A target on the meta device (a tensor, or a DTensor or ShardedArray whose local
+    tensor is) has no memory to write: it gets a new tensor on the CPU (a DTensor's
+    local shard on its mesh's device type), read region by region straight into it,
+    which is in the result even with ``inplace=True`` (the target stays on meta), so
+    ``model.load_state_dict(out, assign=True)`` loads a meta model. An in-place
+    target that cannot be written (a storage freed with ``resize_(0)``, memory mapped
+    read-only) raises :class:`LeafTypeError` naming the leaf before anything is read.
     A target whose leaves differ from the checkpoint's raises
-    :class:`StructureMismatchError`; ``strict=False`` restores the leaves both have
+    :class:`StructureMismatchError` (saying so when the names are the same shifted
+    by a prefix, such as ``model/``); ``strict=False`` restores the leaves both have
     instead, keeps the target's values for the others and lists them in a
-    :class:`RestoreWarning`.
+    :class:`RestoreWarning`, and still raises when the two have no leaf in common.
 
     Under torch.distributed every rank of ``group`` (default: the default group)
     calls restore; ``timeout`` (a :class:`datetime.timedelta`, default 10 minutes)
@@ -391,7 +399,8 @@ def restore(
     only the byte ranges of the regions it restores, so Hugging Face weights load straight
     into DTensor (FSDP2) targets. A target leaf the checkpoint lacks but whose memory is
     that of a leaf it has (a weight tied to another, which transformers leaves out of its
-    files) is restored with it, not reported missing.
+    files) is restored with it, not reported missing; only leaves that really share memory
+    are tied (meta tensors: the same storage), never two freed or empty tensors.
     """
     options = RestoreOptions.of(locals())  # a bad option raises here, before any work
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place

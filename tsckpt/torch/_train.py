@@ -573,7 +573,17 @@ def restore(
     restored value (e.g. the step); its ``per_rank`` attribute maps this rank's
     ``per_rank`` names the same way (``out.per_rank["seen"]``).
     ``rng`` restores this rank's RNG states. ``strict`` reports names missing on
-    either side (another architecture, another optimizer type); ``resize`` names
+    either side (another architecture, another optimizer type, or the same names
+    shifted by a prefix: a Hugging Face directory holds a plain state_dict, restored
+    with ``tsckpt.restore(directory, model.state_dict(), inplace=True)``);
+    ``strict=False`` loads the names both have and logs what it left out on the
+    ``tsckpt`` logger, and still raises when the model has no name in the
+    checkpoint. A model on the meta device (parameters and buffers, DTensors under
+    FSDP2 included) ends with real ones: each restored tensor becomes the new
+    parameter (an ``nn.Parameter`` keeping ``requires_grad``; tied parameters stay one
+    parameter) or buffer, as ``load_state_dict(assign=True)`` does, read straight into
+    its memory (peak memory: the model and the read window); give such a model without
+    optimizers, then build them over its real parameters. ``resize`` names
     parameters whose shape changed (a padded vocabulary): their overlapping
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
     is that read buffer's bound, ``casting`` governs tensors whose live dtype
