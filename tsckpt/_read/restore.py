@@ -519,18 +519,19 @@ def _fill(
 
 
 def _host_span(t: Any) -> tuple[int, int] | None:
-    """(address, bytes) of the host memory a destination's elements lie in; None for device memory."""
+    """(address, bytes) of the host memory a destination's elements lie in, where it may be
+    mapped read-only; None for device memory and for memory its library allocated (a torch
+    storage its allocator made, which is resizable; a numpy array owning its data), which is
+    writable: checking only the others keeps this to a microsecond a leaf."""
     if isinstance(t, np.ndarray):
-        if t.size == 0:
-            return (0, 0)
+        if t.size == 0 or t.flags.owndata:
+            return None
         base = t.__array_interface__["data"][0]
         lo = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s < 0)
         hi = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s > 0) + t.itemsize
         return (base + lo, hi - lo)
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+    if not isinstance(t, torch.Tensor) or not t.is_cpu or t.untyped_storage().resizable() or t.numel() == 0:
         return None
-    if t.numel() == 0:
-        return (0, 0)
     return (t.data_ptr(), (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size())
 
 
