@@ -342,3 +342,47 @@ def save_and_restore_with_progress(rank: int, world: int, directory: str) -> lis
 def save_with_layouts(rank: int, world: int, directory: str, layouts: list[str]) -> None:
     """Each rank saves its row block with its own ``layouts[rank]``."""
     tsckpt.save(directory, {"w": tsckpt.ShardedArray(torch.ones(2, 3), (2 * world, 3), (2 * rank, 0))}, layout=layouts[rank])
+
+
+def _meta_fsdp2(world: int) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    model[2].bias.requires_grad_(False)
+    fully_shard(model, mesh=mesh((world,)))
+    if not all(v.to_local().is_meta for v in model.state_dict().values()):
+        raise AssertionError("the test model is not on the meta device")
+    return model
+
+
+def _check_meta_restored(rank: int, model: torch.nn.Module, ref: dict[str, torch.Tensor], how: str) -> None:
+    """Every parameter a real DTensor shard equal to ``ref``, requires_grad kept, and FSDP2 still works."""
+    for name, p in model.named_parameters():
+        if not isinstance(p, torch.nn.Parameter) or p.to_local().device.type != "cpu":
+            raise AssertionError(f"rank {rank} ({how}): {name} is {type(p).__name__} on {p.to_local().device}")
+        if not torch.equal(p.full_tensor(), ref[name]):
+            raise AssertionError(f"rank {rank} ({how}): {name} differs after restore")
+    if model[2].bias.requires_grad or not model[0].weight.requires_grad:
+        raise AssertionError(f"rank {rank} ({how}): requires_grad not kept")
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    y = model(x)
+    plain = tiny_model()
+    if not torch.allclose(y, plain(x)):
+        raise AssertionError(f"rank {rank} ({how}): the sharded model computes other values")
+    y.sum().backward()
+
+
+def restore_fsdp2_meta(rank: int, world: int, directory: str) -> None:
+    """FSDP2's fully_shard on a meta-initialised model, then a restore: real DTensor shards."""
+    import tsckpt.torch
+
+    ref = tiny_model().state_dict()
+    for inplace in (False, True):
+        model = _meta_fsdp2(world)
+        out = tsckpt.restore(directory, {"model": model.state_dict()}, inplace=inplace)
+        model.load_state_dict(out["model"], assign=True)
+        _check_meta_restored(rank, model, ref, f"tsckpt.restore, inplace={inplace}")
+    model = _meta_fsdp2(world)
+    tsckpt.torch.restore(directory, model, rng=False)
+    _check_meta_restored(rank, model, ref, "tsckpt.torch.restore")

@@ -175,7 +175,8 @@ def test_target_tree_of_the_wrong_structure(saved):
     assert str(ei.value) == (
         f"{saved}: target tree and checkpoint differ; missing from the checkpoint: 2 ('0', '1'); "
         "in the checkpoint but not in the target: 3 ('small', 'step', 'x'). "
-        "Pass strict=False to restore only the leaves both have."
+        "Not one leaf of the target is in the checkpoint, so a restore would load nothing; "
+        "check that this is the checkpoint meant, and the target its tree"
     )
     with pytest.raises(KeyError):
         tsckpt.restore(saved, {"x": {"nested": TREE["x"]}, "small": TREE["small"], "step": 1})

@@ -215,8 +215,18 @@ class AsyncOptions(_Options):
 class RestoreOptions(_Options):
     """How a checkpoint is read: the options of every verb that reads one."""
 
-    strict: bool = _option(True, "Raise when the target and the checkpoint have different leaves.", _flag)
-    inplace: bool = _option(False, "Copy straight into the target's tensors and arrays.", _flag)
+    strict: bool = _option(
+        True,
+        "Raise when the target and the checkpoint have different leaves (False: restore the common ones; "
+        "a target with none in common still raises).",
+        _flag,
+    )
+    inplace: bool = _option(
+        False,
+        "Copy straight into the target's tensors and arrays (a meta-device target, which has no memory, "
+        "gets a new tensor in the result).",
+        _flag,
+    )
     as_saved: bool = _option(False, "Without a target: give each array back as the kind it was saved as.", _flag)
     group: Any = _option(
         None, "The torch.distributed process group whose ranks restore together (default: the default group)."

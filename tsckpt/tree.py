@@ -153,11 +153,26 @@ class Flat(NamedTuple):
     spec: optree.PyTreeSpec
 
 
-def flatten(tree: Any) -> Flat:
-    """Leaves in a fixed order, each with its unique path string."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(
-        tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
+def too_deep(where: str = "") -> LeafTypeError:
+    """The error for a tree nested deeper than a checkpoint's structure may be (``where``: the
+    leaf path at which it was found, if known)."""
+    at = f" (at '{where[:60]}...')" if len(where) > 60 else f" (at '{where}')" if where else ""
+    return LeafTypeError(
+        f"the tree nests more than {MAX_STRUCTURE_DEPTH} levels deep{at}: tsckpt's limit on a tree's depth "
+        f"(a checkpoint's structure is at most {MAX_STRUCTURE_DEPTH} levels, so it could not be read back); "
+        "flatten the deep part first (e.g. into a dict keyed by its paths, or a list)"
     )
+
+
+def flatten(tree: Any) -> Flat:
+    """Leaves in a fixed order, each with its unique path string. A tree deeper than a
+    checkpoint's structure may be (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`."""
+    try:
+        accessors, leaves, spec = optree.tree_flatten_with_accessor(
+            tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
+        )
+    except RecursionError:  # optree recurses once per level
+        raise too_deep() from None
     paths = []
     for acc in accessors:
         comps: list[str] = []
@@ -165,6 +180,8 @@ def flatten(tree: Any) -> Flat:
             component = _component(entry, comps)
             if component:
                 comps.append(component)
+        if len(comps) >= MAX_STRUCTURE_DEPTH:  # the leaf is one more level
+            raise too_deep(join(comps))
         paths.append(join(comps))
     return Flat(paths, leaves, spec)
 
@@ -176,11 +193,86 @@ def leaves(tree: Any, *, stop: Callable[[Any], bool] | None = None) -> tuple[lis
     def is_leaf(node: Any) -> bool:
         return (stop is not None and stop(node)) or _register_dataclasses(node)
 
-    return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    try:
+        return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    except RecursionError:  # optree recurses once per level
+        raise too_deep() from None
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
     return optree.tree_unflatten(spec, leaves)
+
+
+# ---- names shifted by a prefix ------------------------------------------------
+
+
+class PrefixShift(NamedTuple):
+    """Names that match once a common prefix is moved: ``stored`` before every checkpoint name
+    where the target has none (a checkpoint saved as ``{"model": sd}`` restored into ``sd``;
+    ``"model."`` before Hugging Face names), or ``target`` before every target name where the
+    checkpoint has none (the reverse). One of the two is empty."""
+
+    target: str
+    stored: str
+    matched: int  # how many of the names missing from the checkpoint match once the prefix moves
+    missing: int
+
+
+def _cuts(name: str) -> list[int]:
+    """The positions just after each separator ('/' between components, '.' inside a name)."""
+    return [i + 1 for i, c in enumerate(name) if c in "/." and i + 1 < len(name)]
+
+
+def prefix_shift(missing: list[str] | set[str], unexpected: list[str] | set[str]) -> PrefixShift | None:
+    """The prefix that, added to the target's names or taken from them, makes ``missing`` names
+    (in the target, not the checkpoint) ``unexpected`` ones (in the checkpoint, not the target):
+    at least half of each, as when a whole tree moved (a few names that match inside a larger
+    tree, such as 'proj.weight' in 'blocks.0.attn.proj.weight', are another architecture). None
+    when no prefix does; linear in the names' length."""
+    miss, extra = set(missing), set(unexpected)
+    if not miss or not extra:
+        return None
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for u in extra:  # the checkpoint's names have a prefix the target's lack
+        for k in _cuts(u):
+            if u[k:] in miss:
+                counts["", u[:k]] += 1
+    for m in miss:  # the target's names have a prefix the checkpoint's lack
+        for k in _cuts(m):
+            if m[k:] in extra:
+                counts[m[:k], ""] += 1
+    if not counts:
+        return None
+    (target, stored), n = max(counts.items(), key=lambda kv: (kv[1], -len(kv[0][0]) - len(kv[0][1])))
+    if 2 * n < len(miss) or 2 * n < len(extra):
+        return None
+    return PrefixShift(target, stored, n, len(miss))
+
+
+def _subscripts(prefix: str) -> str | None:
+    """``['a']['b']`` for a prefix of whole components ``a/b/``; None for one that cuts a name."""
+    if not prefix.endswith("/"):
+        return None
+    return "".join(f"[{unescape(c)!r}]" for c in prefix[:-1].split("/"))
+
+
+def prefix_advice(shift: PrefixShift, target: str = "target") -> str:
+    """What a restore shaped like ``target`` (the name of the caller's target expression) whose
+    names are shifted as ``shift`` says should be given instead, as Python."""
+    prefix = shift.target or shift.stored
+    sub = _subscripts(prefix)
+    if shift.target and sub is not None:  # the target nests what the checkpoint holds at its top
+        return f"restore that part of the target, tsckpt.restore(directory, {target}{sub})"
+    if shift.stored and sub is not None:  # the checkpoint nests it: wrap the target the same way
+        wrapped = target
+        for c in reversed(prefix[:-1].split("/")):
+            wrapped = f"{{{unescape(c)!r}: {wrapped}}}"
+        return f"nest the target as the checkpoint does, tsckpt.restore(directory, {wrapped}){sub}"
+    if "/" not in prefix:  # a prefix inside the names of one mapping (Hugging Face's "model.")
+        if shift.target:
+            return f"rename the target's keys, {{k.removeprefix({prefix!r}): v for k, v in {target}.items()}}"
+        return f"rename the target's keys, {{{prefix!r} + k: v for k, v in {target}.items()}}"
+    return f"shape the target's names as the checkpoint's ({prefix!r} {'removed' if shift.target else 'added'})"
 
 
 # ---- structure as JSON ------------------------------------------------------
@@ -193,14 +285,17 @@ def _json_key(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
 
 
-def structure_to_json(spec: optree.PyTreeSpec) -> Any:
-    """The tree's shape as JSON; leaves are ``null``. No types are imported on load."""
+def structure_to_json(spec: optree.PyTreeSpec, depth: int = 1) -> Any:
+    """The tree's shape as JSON; leaves are ``null``. No types are imported on load. Empty
+    containers nested deeper than :data:`MAX_STRUCTURE_DEPTH` raise :func:`too_deep`."""
     kind = spec.kind
     if kind == PyTreeKind.LEAF:
         return None
     if kind == PyTreeKind.NONE:
         return {"type": "none"}
-    children = [structure_to_json(c) for c in spec.children()]
+    if depth > MAX_STRUCTURE_DEPTH:
+        raise too_deep()
+    children = [structure_to_json(c, depth + 1) for c in spec.children()]
     if kind in _SEQ:
         return {"type": _SEQ[kind], "children": children}
     keys = [_json_key(k) for k in spec.entries()]

@@ -18,7 +18,7 @@ from .._base.casting import check_cast
 from .._base.types import Dest, Local, ReadItem
 from .._errors import LayoutError
 from .._ondisk.records import ArrayRecord
-from .kinds import LeafKind, Memory, TorchKind, check_shape, region_leaf
+from .kinds import LeafKind, Memory, check_shape, region_leaf, tensor_memory, writable_tensor
 
 
 def is_dtensor(x: Any) -> bool:
@@ -68,13 +68,32 @@ class DTensorKind(LeafKind):
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         offsets, lengths = region(path, leaf)
         item = ReadItem(path, offsets, lengths)
-        if inplace:
-            return Dest(item, local, leaf, cast=cast)
-        fresh = torch.empty_like(local)
+        meta = local.device.type == "meta"  # nothing to write into: a new local shard, in place or not
+        if inplace and not meta:
+            return Dest(item, writable_tensor(local, path), leaf, cast=cast)
+        if meta:
+            fresh = torch.empty(local.shape, dtype=local.dtype, device=_mesh_device(leaf.device_mesh))
+        else:
+            fresh = torch.empty_like(local)
         result = DTensor.from_local(
             fresh, leaf.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
         )
         return Dest(item, fresh, result, cast=cast)
 
-    def memory(self, leaf: Any) -> Memory:
-        return TorchKind().memory(leaf.to_local())
+    def memory(self, leaf: Any) -> Memory | None:
+        return tensor_memory(leaf.to_local())
+
+    def materialises(self, leaf: Any) -> bool:
+        return bool(leaf.to_local().device.type == "meta")
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    """Where the local shard of a meta DTensor goes: its mesh's device type (a DTensor's local
+    tensor must live there), the current device of that type (CUDA: torch.cuda.current_device())."""
+    kind = str(mesh.device_type)
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    if module is None or not hasattr(module, "current_device"):
+        return torch.device(kind)
+    return torch.device(kind, int(module.current_device()))

@@ -48,6 +48,43 @@ def writable(arr: np.ndarray, path: str) -> np.ndarray:
     return arr
 
 
+def extent(t: torch.Tensor) -> int:
+    """Bytes of its storage a tensor's elements reach, from its storage's start (0: no elements)."""
+    if t.numel() == 0:
+        return 0
+    last = int(t.storage_offset()) + sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def has_memory(t: torch.Tensor) -> bool:
+    """Whether a tensor's elements lie in memory it holds: not on the meta device, and its
+    storage neither freed (``untyped_storage().resize_(0)``, as FSDP does to unsharded
+    parameters; its data pointer is then 0) nor shrunk below its elements."""
+    if t.device.type == "meta":
+        return False
+    need = extent(t)
+    return need == 0 or (t.data_ptr() != 0 and t.untyped_storage().nbytes() >= need)
+
+
+def writable_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    """A tensor an in-place restore writes into: refused, naming the leaf, when it has no
+    memory to write (a freed or shrunk storage; meta tensors are materialised before this)."""
+    if not has_memory(t):
+        raise LeafTypeError(
+            f"'{path}': the target tensor {_dtypes.torch_name(t.dtype) if _dtypes.is_supported_torch(t.dtype) else t.dtype}"
+            f"{list(t.shape)} has no memory to restore into in place: its storage holds "
+            f"{t.untyped_storage().nbytes()} bytes and its shape needs {extent(t)} (a storage freed with "
+            "untyped_storage().resize_(0), as FSDP does to unsharded parameters); give a tensor with memory, "
+            "or restore with inplace=False to get a new tensor"
+        )
+    return t
+
+
+def materialise_device(t: torch.Tensor) -> torch.device:
+    """Where a restore puts the data of a meta-device target: the CPU (no verb has a device option)."""
+    return torch.device("cpu")
+
+
 def logical_dtype(path: str, dtype: Any) -> str:
     """tsckpt's dtype name for a torch or numpy dtype, or a precise error."""
     if isinstance(dtype, torch.dtype):
@@ -108,6 +145,12 @@ def _check_storable(path: str, t: torch.Tensor) -> None:
         raise LeafTypeError(
             f"'{path}': a {t.layout} tensor cannot be saved (tsckpt stores dense arrays); "
             "save t.to_dense(), or its indices and values as separate leaves"
+        )
+    if not has_memory(t):
+        raise LeafTypeError(
+            f"'{path}': the tensor has no data to save: its storage holds {t.untyped_storage().nbytes()} bytes and "
+            f"its shape {list(t.shape)} needs {extent(t)} (a storage freed with untyped_storage().resize_(0), as "
+            "FSDP does to unsharded parameters); save the sharded parameters (model.state_dict() under FSDP) instead"
         )
 
 
@@ -183,8 +226,14 @@ class LeafKind:
         )
 
     def memory(self, leaf: Any) -> Memory | None:
-        """Identity of the memory the leaf views (equal for tied leaves), None if it has none."""
+        """Identity of the memory the leaf views (equal for tied leaves, and only for leaves that
+        really share memory), None if it has none."""
         return None
+
+    def materialises(self, leaf: Any) -> bool:
+        """Whether the leaf has no memory of its own to restore into (a meta-device tensor): a
+        restore gives a new array for it, in place or not (see :func:`materialise_device`)."""
+        return False
 
 
 class TorchKind(LeafKind):
@@ -197,13 +246,31 @@ class TorchKind(LeafKind):
     def destination(self, rec: ArrayRecord, path: str, leaf: torch.Tensor, inplace: bool, casting: str) -> Dest:
         check_shape(path, tuple(leaf.shape), rec.shape)
         cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
-        t = leaf if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
+        if leaf.device.type == "meta":  # nothing to write into: a new tensor, in place or not
+            t = torch.empty(rec.shape, dtype=leaf.dtype, device=materialise_device(leaf))
+        else:
+            t = writable_tensor(leaf, path) if inplace else torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device)
         return Dest(whole(rec, path), t, t, cast=cast)
 
-    def memory(self, leaf: torch.Tensor) -> Memory:
-        # data_ptr() is the storage's address plus the offset, without making a storage object
-        # (which cost 10 us a leaf)
-        return ("torch", leaf.device, leaf.data_ptr(), tuple(leaf.shape), leaf.stride(), leaf.dtype)
+    def memory(self, leaf: torch.Tensor) -> Memory | None:
+        return tensor_memory(leaf)
+
+    def materialises(self, leaf: torch.Tensor) -> bool:
+        return leaf.device.type == "meta"
+
+
+def tensor_memory(t: torch.Tensor) -> Memory | None:
+    """The memory a tensor views, None where it has none: no elements, or a freed storage (whose
+    data pointer is 0 for every such tensor, so it would make unrelated leaves look tied). Meta
+    tensors have no memory either; they are tied when they share a storage object (a module's
+    tied parameters built on the meta device), which is then named instead of an address."""
+    if t.device.type == "meta":
+        return ("meta", t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    # data_ptr() is the storage's address plus the offset
+    ptr = t.data_ptr()
+    if ptr == 0 or t.numel() == 0:
+        return None
+    return ("torch", t.device, ptr, tuple(t.shape), t.stride(), t.dtype)
 
 
 class NumpyKind(LeafKind):
@@ -226,7 +293,7 @@ class NumpyKind(LeafKind):
         return Dest(whole(rec, path), writable(a, path), a, cast=cast)
 
     def memory(self, leaf: Any) -> Memory | None:
-        if not isinstance(leaf, np.ndarray):
+        if not isinstance(leaf, np.ndarray) or leaf.size == 0:
             return None
         return ("numpy", leaf.__array_interface__["data"][0], leaf.shape, leaf.strides, leaf.dtype.str)
 
@@ -250,14 +317,19 @@ class ShardedKind(LeafKind):
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         item = ReadItem(path, leaf.offsets, tuple(local.shape))
         t: Any
-        if isinstance(local, torch.Tensor):
-            t = local if inplace else torch.empty_like(local)
+        if isinstance(local, torch.Tensor) and local.device.type == "meta":  # a new tensor, in place or not
+            t = torch.empty(local.shape, dtype=local.dtype, device=materialise_device(local))
+        elif isinstance(local, torch.Tensor):
+            t = writable_tensor(local, path) if inplace else torch.empty_like(local)
         else:
             t = writable(local if inplace else host_empty(local.shape, local.dtype), path)
         return Dest(item, t, ShardedArray(t, leaf.global_shape, leaf.offsets), cast=cast)
 
     def memory(self, leaf: ShardedArray) -> Memory | None:
         return next((k.memory(leaf.local) for k in self._local_kinds if k.owns(leaf.local)), None)
+
+    def materialises(self, leaf: ShardedArray) -> bool:
+        return isinstance(leaf.local, torch.Tensor) and leaf.local.device.type == "meta"
 
 
 class SpecKind(LeafKind):

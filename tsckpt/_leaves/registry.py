@@ -67,6 +67,14 @@ def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool, *, castin
 
 
 def memory(x: Any) -> Memory | None:
-    """Identity of the memory an array leaf (or local data) views; tied leaves share it."""
+    """Identity of the memory an array leaf (or local data) views; tied leaves share it. None
+    where it views none (no elements, a freed storage): such leaves are never tied."""
     kind = kind_of(x)
     return None if kind is None else kind.memory(x)
+
+
+def materialises(leaf: Any) -> bool:
+    """Whether a restore gives a new array for this target leaf even in place: it has no memory
+    to write into (a tensor, DTensor or ShardedArray on the meta device)."""
+    kind = kind_of(leaf)
+    return kind is not None and kind.materialises(leaf)

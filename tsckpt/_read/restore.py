@@ -24,10 +24,10 @@ from .._codec.route import setting as codec_setting
 from .._codec.shardread import READ_THREADS, read_sharded
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import StructureMismatchError, count_and_list
+from .._errors import LeafTypeError, StructureMismatchError, count_and_list
 from .._formats import lazy
 from .._formats.sources import open_checkpoint
-from .._leaves.registry import destination, kind_of, memory
+from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.stateful import expand, is_whole_state
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
@@ -36,11 +36,11 @@ from .._ondisk.readfaults import corrupt_error, unchanged
 from .._ondisk.records import ArrayRecord
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from .._runtime import devicecopy as _devicecopy
-from .._runtime.memory import collector_paused, release_free_memory
+from .._runtime.memory import collector_paused, release_free_memory, unwritable
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage.locations import Directory
-from ..tree import flatten, unflatten
+from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .reader import LazyArray
 
 
@@ -61,10 +61,28 @@ def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
     if unexpected:
         parts.append(f"in the checkpoint but not in the target: {count_and_list(unexpected)}")
     msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
+    shift = prefix_shift(missing, unexpected)
+    shifted = ""
+    if shift is not None:
+        shifted = (
+            f"{shift.matched} of the {shift.missing} missing leaves are in the checkpoint "
+            + (f"under the prefix {shift.stored!r}" if shift.stored else f"without the prefix {shift.target!r}")
+            + f": the names are shifted, not different; {prefix_advice(shift)}"
+        )
+    if wanted and not wanted & stored:  # even strict=False would restore nothing at all
+        raise StructureMismatchError(
+            f"{msg}. Not one leaf of the target is in the checkpoint, so a restore would load nothing"
+            + ("" if strict else " (strict=False too)")
+            + (f". {shifted}" if shifted else "; check that this is the checkpoint meant, and the target its tree")
+        )
+    if shifted:
+        msg += f". {shifted}"
     if strict:
         raise StructureMismatchError(msg + ". Pass strict=False to restore only the leaves both have.")
+    loaded = len(wanted & stored)
     warnings.warn(
-        msg + ". strict=False: restored the common leaves, kept the target's values for the rest.",
+        msg + f". strict=False: restored the common leaves ({loaded} of the target's {len(wanted)}), kept the "
+        "target's values for the rest.",
         RestoreWarning,
         stacklevel=_user_stacklevel(),
     )
@@ -346,10 +364,18 @@ def restore(
     scalars). Otherwise the result has the target's structure and, leaf by leaf,
     its type, dtype (cast from the stored dtype) and device; ``inplace=True``
     copies straight into the target's tensors and arrays so memory does not double.
+    A target on the meta device (a tensor, or a DTensor or ShardedArray whose local
+    tensor is) has no memory to write: it gets a new tensor on the CPU (a DTensor's
+    local shard on its mesh's device type), read region by region straight into it,
+    which is in the result even with ``inplace=True`` (the target stays on meta), so
+    ``model.load_state_dict(out, assign=True)`` loads a meta model. An in-place
+    target that cannot be written (a storage freed with ``resize_(0)``, memory mapped
+    read-only) raises :class:`LeafTypeError` naming the leaf before anything is read.
     A target whose leaves differ from the checkpoint's raises
-    :class:`StructureMismatchError`; ``strict=False`` restores the leaves both have
+    :class:`StructureMismatchError` (saying so when the names are the same shifted
+    by a prefix, such as ``model/``); ``strict=False`` restores the leaves both have
     instead, keeps the target's values for the others and lists them in a
-    :class:`RestoreWarning`.
+    :class:`RestoreWarning`, and still raises when the two have no leaf in common.
 
     Under torch.distributed every rank of ``group`` (default: the default group)
     calls restore; ``timeout`` (a :class:`datetime.timedelta`, default 10 minutes)
@@ -377,7 +403,8 @@ def restore(
     only the byte ranges of the regions it restores, so Hugging Face weights load straight
     into DTensor (FSDP2) targets. A target leaf the checkpoint lacks but whose memory is
     that of a leaf it has (a weight tied to another, which transformers leaves out of its
-    files) is restored with it, not reported missing.
+    files) is restored with it, not reported missing; only leaves that really share memory
+    are tied (meta tensors: the same storage), never two freed or empty tensors.
     """
     options = RestoreOptions.of(locals())  # a bad option raises here, before any work
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place
@@ -446,10 +473,19 @@ def _fill(
     dests: list[tuple[int, Dest]] = []
     finishing: list[tuple[int, Dest]] = []  # leaves whose result is made after the read
     filled: set[tuple[Any, ...]] = set()  # in place: (stored path, region, memory) already scheduled
+    made: dict[tuple[str, Any], int] = {}  # (stored path, memory) of a meta target -> the leaf first made for it
+    same_as: dict[int, int] = {}  # a meta target tied to one made already -> that one
     value_casts: list[Any] = []  # the casts of plain values into array targets
     check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))  # before allocating any
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
+        if path in ck.arrays and materialises(leaf):  # tied meta targets get one new tensor
+            key = memory(leaf)
+            first = i if key is None else made.setdefault((path, key), i)
+            if first != i:
+                same_as[i] = first
+                out.append(None)
+                continue
         if path in ck.values:
             kind = kind_of(leaf)  # an array target of a plain value: its kind takes the value or refuses it
             value, cast = (ck.values[path], None) if kind is None else kind.from_value(
@@ -462,8 +498,9 @@ def _fill(
             if dest.finish is not None:
                 finishing.append((i, dest))
             for part in dest.parts or (dest,):
-                if inplace:  # a target whose tied leaves share memory reads once
-                    mem = (path, part.item.storage_offsets, part.item.lengths, memory(part.tensor))
+                key = memory(part.tensor) if inplace else None
+                if key is not None:  # a target whose tied leaves share memory reads once
+                    mem = (path, part.item.storage_offsets, part.item.lengths, key)
                     if mem in filled:
                         continue
                     filled.add(mem)
@@ -471,14 +508,53 @@ def _fill(
             out.append(dest.result)
         else:
             out.append(leaf)
+    if inplace:
+        _refuse_read_only(paths, dests)
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests] + value_casts)
     for i, dest in finishing:
         out[i] = dest.restored()
+    for i, j in same_as.items():
+        out[i] = out[j]
     for i, j in (ties or {}).items():
-        out[i] = leaves[i] if inplace else out[j]
+        out[i] = leaves[i] if inplace and not materialises(leaves[i]) else out[j]
     return out
+
+
+def _host_span(t: Any) -> tuple[int, int] | None:
+    """(address, bytes) of the host memory a destination's elements lie in, where it may be
+    mapped read-only; None for device memory and for memory its library allocated (a torch
+    storage its allocator made, which is resizable; a numpy array owning its data), which is
+    writable: checking only the others keeps this to a microsecond a leaf."""
+    if isinstance(t, np.ndarray):
+        if t.size == 0 or t.flags.owndata:
+            return None
+        base = t.__array_interface__["data"][0]
+        lo = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s < 0)
+        hi = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s > 0) + t.itemsize
+        return (base + lo, hi - lo)
+    if not isinstance(t, torch.Tensor) or not t.is_cpu or t.untyped_storage().resizable() or t.numel() == 0:
+        return None
+    return (t.data_ptr(), (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size())
+
+
+def _refuse_read_only(paths: list[str], dests: list[tuple[int, Dest]]) -> None:
+    """Refuse, before anything is written, in-place targets in memory mapped read-only (a file
+    mapped for reading): writing there kills the process (SIGSEGV). Neither torch nor numpy's
+    ``writeable`` flag tells (torch.from_numpy of a read-only array, t.numpy() of such a tensor)."""
+    spans = [(i, _host_span(d.tensor)) for i, d in dests]
+    host = [(i, s) for i, s in spans if s is not None]
+    bad = unwritable([s for _, s in host])
+    if bad:
+        i = host[bad[0]][0]
+        others = sorted({paths[host[b][0]] for b in bad[1:]} - {paths[i]})
+        also = f" (and {count_and_list(others)})" if others else ""
+        raise LeafTypeError(
+            f"'{paths[i]}'{also}: the target's memory is read-only (mapped from a file for reading, or a read-only "
+            "buffer), so an in-place restore cannot write it; give writable memory (e.g. tensor.clone() or "
+            "np.array(a)), or restore with inplace=False to get new arrays"
+        )
 
 
 def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _Reader) -> Any:

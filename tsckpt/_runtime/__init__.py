@@ -3,7 +3,8 @@
 Owns:
 
 - :mod:`.memory`: heap pages given back to the system, the cyclic collector paused
-  during a save or restore, fresh destination memory faulted in on a spare CPU.
+  during a save or restore, fresh destination memory faulted in on a spare CPU,
+  memory a restore would write checked against the process's read-only mappings.
 - :mod:`.devicecopy`: copies between CUDA and host memory through reused page-locked
   memory (the bounded ring, ``save_async``'s slab).
 - :mod:`.window`: ``Window``, the one bound on reads, writes and probes in flight.

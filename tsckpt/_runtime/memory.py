@@ -14,6 +14,7 @@ mappings.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import gc
@@ -132,3 +133,50 @@ def prefaulted(buffers: Sequence[tuple[int, int]]) -> Iterator[None]:
         yield
     finally:
         helper.join()
+
+
+def _writable_mappings() -> list[tuple[int, int, bool]] | None:
+    """This process's mappings as (start, end, writable), by address (Linux ``/proc/self/maps``);
+    None where they cannot be read."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    out = []
+    for line in text.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) < 2:
+            continue
+        lo, _, hi = fields[0].partition(b"-")
+        try:
+            out.append((int(lo, 16), int(hi, 16), fields[1][1:2] == b"w"))
+        except ValueError:
+            continue
+    out.sort()
+    return out
+
+
+def unwritable(spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The indices of the ``spans`` ((address, nbytes) of host memory about to be written) that
+    do not lie wholly in writable mappings of this process: memory mapped read-only (a file
+    mapped for reading, a read-only ``mmap``), where a write would kill the process with
+    SIGSEGV, or no mapping at all. One read of ``/proc/self/maps`` for all of them; where it
+    cannot be read (not Linux) nothing is reported. Empty spans are never reported."""
+    wanted = [(i, a, n) for i, (a, n) in enumerate(spans) if n > 0]
+    if not wanted:
+        return []
+    maps = _writable_mappings()
+    if maps is None:
+        return []
+    starts = [m[0] for m in maps]
+    bad = []
+    for i, address, nbytes in wanted:
+        at, end = address, address + nbytes
+        k = bisect.bisect_right(starts, at) - 1
+        while at < end:
+            if k < 0 or k >= len(maps) or not (maps[k][0] <= at < maps[k][1]) or not maps[k][2]:
+                bad.append(i)
+                break
+            at, k = maps[k][1], k + 1
+    return bad

@@ -25,11 +25,14 @@ tsckpt resolved such a location fixes them (without tsckpt's limit).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 from typing import Any, Union
 
 import tensorstore as ts
+
+from .._errors import StorageError
 
 Directory = Union[str, "os.PathLike[str]", dict]
 
@@ -138,8 +141,11 @@ def resolve(directory: Directory) -> Location:
     """Accept a local path, a kvstore URL (``memory://``, ``s3://``...) or a kvstore spec dict."""
     if isinstance(directory, dict):
         spec = dict(directory)
+        if isinstance(spec.get("path"), str):
+            _check_path(spec["path"])
     else:
-        text = os.fspath(directory)
+        text = os.fsdecode(directory)  # a bytes path too
+        _check_path(text)
         if "://" not in text:
             spec = {"driver": "file", "path": os.path.abspath(text)}
         else:
@@ -154,6 +160,32 @@ def resolve(directory: Directory) -> Location:
     if _over_http(spec):
         set_stall_limit()
     return Location(spec, local)
+
+
+def _check_path(text: str) -> None:
+    """Refuse a path TensorStore cannot take: its paths are UTF-8 strings, so a name that is not
+    valid UTF-8 (a bytes path, or a str holding the surrogate escapes Python decodes such bytes
+    to) cannot be encoded for it, nor can a NUL byte pass."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        raw = b"".join(  # the bytes Python decoded to surrogate escapes, other surrogates spelled out
+            c.encode("utf-8", "surrogateescape" if "\udc80" <= c <= "\udcff" else "backslashreplace") for c in text
+        )
+        what = f"byte {ord(bad) - 0xDC00:#04x}" if "\udc80" <= bad <= "\udcff" else f"the lone surrogate {ascii(bad)}"
+        raise StorageError(
+            f"{raw!r}: the path cannot be encoded for the storage layer: TensorStore takes paths as UTF-8, and "
+            f"this one is not valid UTF-8 ({what} at character {e.start}); rename or move the checkpoint to a "
+            "UTF-8 path, or reach it through a symbolic link whose path is UTF-8",
+            errno=errno.EILSEQ, filename=repr(raw),
+        ) from None
+    if "\0" in text:
+        raise StorageError(
+            f"{text!r}: the path cannot be encoded for the storage layer: it holds a NUL character, which no file "
+            "name can; remove it",
+            errno=errno.EINVAL, filename=repr(text),
+        )
 
 
 def _over_http(spec: Any) -> bool:

@@ -142,7 +142,8 @@ def same_memory(a: Any, b: Any) -> bool:
         return True
     if is_dtensor(a) != is_dtensor(b) or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    return memory(a) == memory(b)
+    key = memory(a)  # None: no memory (a freed storage, no elements), so nothing is shared
+    return key is not None and key == memory(b)
 
 
 def as_tensor(value: Any, path: str) -> torch.Tensor:
@@ -179,6 +180,41 @@ def local_of(dst: Any) -> torch.Tensor:
     return dst.to_local() if is_dtensor(dst) else dst
 
 
+def on_meta(t: Any) -> bool:
+    """Whether a live tensor (or DTensor's local shard) is on the meta device: no memory to copy into."""
+    return isinstance(t, torch.Tensor) and local_of(t).device.type == "meta"
+
+
+def meta_tensors(model: torch.nn.Module) -> list[str]:
+    """The names of the model's parameters and buffers still on the meta device (tied ones once)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, t in named if on_meta(t)]
+
+
+def assign(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Make the restored ``values`` (name, as :func:`get_state_dict` names it -> tensor or DTensor)
+    the model's parameters and buffers, in place of its meta ones: ``load_state_dict(assign=True)``
+    semantics (so FSDP2 re-points its sharded parameters), each parameter a new
+    ``nn.Parameter`` over the restored tensor (no copy) keeping ``requires_grad``, and one new
+    parameter for all the names of a tied one, so tied parameters stay tied."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    made: dict[int, torch.Tensor] = {}
+    by_raw: dict[str, torch.Tensor] = {}
+    for raw, old in model.state_dict(keep_vars=True).items():
+        name = next((n for n in sorted(_get_fqns(model, raw)) if n in values), None)
+        if name is None or not on_meta(old):
+            continue
+        new = made.get(id(old))
+        if new is None:
+            value = values[name]
+            new = torch.nn.Parameter(value, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else value
+            made[id(old)] = new
+        by_raw[raw] = new
+    if by_raw:
+        model.load_state_dict(by_raw, strict=False, assign=True)
+
+
 def shape_error(
     path: str, want: tuple[int, ...], stored: tuple[int, ...], names: list[str], others: Sequence[str] = ()
 ) -> ShapeMismatchError:
@@ -200,6 +236,12 @@ def copy_into(
     differ: the overlapping leading region is copied. A cast to dst's dtype is
     allowed and its values checked as ``casting`` says (see :func:`tsckpt.restore`).
     """
+    if on_meta(dst):
+        raise LeafTypeError(
+            f"'{path}': the live tensor is on the meta device, with no memory to copy into; restore a meta model "
+            "with tsckpt.torch.restore(directory, model) (which gives it real parameters), or load the values with "
+            "model.load_state_dict(values, assign=True)"
+        )
     if same_memory(dst, src):
         return
     if is_dtensor(dst) and is_dtensor(src) and src.placements == dst.placements and src.shape == dst.shape:
@@ -435,6 +477,13 @@ def set_state_dict(
             f"state has no '{MODEL}' mapping (keys: {sorted(state)}); pass the tree get_state_dict made"
         )
     check_names("model", live[MODEL], stored_model, strict=strict, hint=ARCH_HINT)
+    meta = [f"{MODEL}/{n}" for n, t in live[MODEL].items() if n in stored_model and on_meta(t)]
+    if meta:
+        raise LeafTypeError(
+            f"the model has tensors on the meta device, with no memory to copy into: {count_and_list(meta)}; "
+            "restore a meta model with tsckpt.torch.restore(directory, model) (which gives it real parameters), "
+            "or load the values with model.load_state_dict(values, assign=True)"
+        )
     for name, dst in live[MODEL].items():
         if name in stored_model:
             copy_into(dst, stored_model[name], f"{MODEL}/{name}", name=name, resize=name in resized, casting=casting)

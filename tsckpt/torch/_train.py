@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import random
 import warnings
 from collections.abc import Iterable, Mapping
@@ -30,7 +31,7 @@ from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import StructureMismatchError
+from .._errors import LeafTypeError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
 from .._leaves.stateful import Expanded, expand
 from .._ondisk.checkpoint import Checkpoint
@@ -43,7 +44,7 @@ from .._save.background import AsyncSave
 from .._save.background import save_async as core_save_async
 from .._save.protocol import save as core_save
 from .._storage.locations import Directory
-from ..tree import escape, flatten, unescape
+from ..tree import escape, flatten, prefix_advice, prefix_shift, unescape
 from ._state import (
     ARCH_HINT,
     GROUPS,
@@ -54,6 +55,7 @@ from ._state import (
     Optimizers,
     apply_optimizer,
     as_list,
+    assign,
     check_names,
     check_optimizer_types,
     check_state_keys,
@@ -61,11 +63,15 @@ from ._state import (
     live_state,
     local_of,
     match_groups,
+    meta_tensors,
+    on_meta,
     optimizer_tuple,
     param_names,
     region_of,
     shape_error,
 )
+
+log = logging.getLogger("tsckpt")
 
 EXTRA = "extra"
 RANKS = "ranks"
@@ -328,10 +334,73 @@ class _Shapes:
 
 
 def _match_model(ck: Checkpoint, live: dict[str, Any], shapes: _Shapes, strict: bool) -> dict[str, Any]:
-    """Live model tensors to restore: names first (another architecture), then shapes."""
+    """Live model tensors to restore: names first (another architecture, or the same names
+    shifted by a prefix), then shapes. A model none of whose names the checkpoint has is refused
+    even with strict=False (it would load nothing); strict=False logs what it leaves out."""
     stored_model = {str(unescape(p.split("/", 1)[1])): p for p in _under(ck, MODEL)}
-    check_names("model", live, stored_model, strict=strict, hint=ARCH_HINT, where=str(ck.location))
+    missing = sorted(set(live) - set(stored_model))
+    unexpected = sorted(set(stored_model) - set(live))
+    shifted = _shifted_names(ck, missing, unexpected)
+    if live and len(missing) == len(live):
+        listed = f"missing from the checkpoint: {count_and_list(missing, 6)}"
+        if unexpected:
+            listed += f"; in the checkpoint but not in the model: {count_and_list(unexpected, 6)}"
+        raise StructureMismatchError(
+            f"{ck.location}: model and checkpoint differ; not one of the model's {len(live)} names is in the "
+            f"checkpoint, so a restore would load nothing{'' if strict else ' (strict=False too)'} ({listed}). "
+            + (shifted or "Is this a checkpoint of this model written by tsckpt.torch.save (or a TrainState)?")
+        )
+    check_names("model", live, stored_model, strict=strict, hint=shifted or ARCH_HINT, where=str(ck.location))
+    if missing or unexpected:  # strict=False (strict raised above): say what was left out, once
+        log.warning(
+            "%s: strict=False: loaded %d of the model's %d tensors; not in the checkpoint (kept as they are): %s; "
+            "in the checkpoint but not in the model (not loaded): %s",
+            ck.location, len(live) - len(missing), len(live), count_and_list(missing, 10),
+            count_and_list(unexpected, 10),
+        )
     return {n: dst for n, dst in live.items() if n in stored_model and shapes.admit(stored_model[n], dst, n)}
+
+
+_NO_PREFIX_OPTION = "tsckpt.torch.restore has no option to select or strip a prefix"
+_META_NOTE = (
+    " (a model on the meta device: model.load_state_dict(tsckpt.restore(directory, model.state_dict()), "
+    "assign=True))"
+)
+
+
+def _shifted_names(ck: Checkpoint, missing: list[str], unexpected: list[str]) -> str | None:
+    """Why most model names are missing when they are the checkpoint's names shifted by a
+    prefix, and how to restore it; None when they are not."""
+    if not missing:
+        return None
+    inner = prefix_shift(missing, unexpected)  # under model/: e.g. Hugging Face's "model." added or dropped
+    if inner is not None:
+        where = f"under the prefix {inner.stored!r}" if inner.stored else f"without the prefix {inner.target!r}"
+        return (
+            f"{inner.matched} of the {inner.missing} missing names are in the checkpoint {where}: the names are "
+            f"shifted, not another architecture. {_NO_PREFIX_OPTION}; restore the model's state_dict with "
+            f"tsckpt.restore, its names as the checkpoint's: "
+            f"{prefix_advice(inner, 'model.state_dict()')} and give that as the target's '{MODEL}' entry "
+            "(inplace=True loads straight into the model)"
+        )
+    outside = [p for p in ck.leaves if p != MODEL and not p.startswith(MODEL + "/")]
+    whole = prefix_shift([f"{MODEL}/{escape(n)}" for n in missing], outside)
+    if whole is None:
+        return None
+    if whole.target == MODEL + "/":  # a plain state_dict: a Hugging Face directory, tsckpt.save(d, sd)
+        return (
+            f"{whole.matched} of the {whole.missing} missing names are at the top of the checkpoint, without the "
+            f"'{MODEL}/' prefix tsckpt.torch.save writes: it holds a plain state_dict (a Hugging Face directory, "
+            f"or tsckpt.save(directory, model.state_dict())), not a training state. {_NO_PREFIX_OPTION}; restore "
+            f"the state_dict itself: tsckpt.restore(directory, model.state_dict(), inplace=True){_META_NOTE}"
+        )
+    where = f"under the prefix {whole.stored!r}" if whole.stored else f"without the prefix {whole.target!r}"
+    return (
+        f"{whole.matched} of the {whole.missing} missing names are in the checkpoint {where} rather than under "
+        f"'{MODEL}/': the names are shifted, not another architecture. {_NO_PREFIX_OPTION}; restore the state_dict "
+        f"with tsckpt.restore instead: {prefix_advice(whole, repr({MODEL: 0}).replace('0', 'model.state_dict()'))}"
+        f"{_META_NOTE}"
+    )
 
 
 def _match_optimizers(
@@ -504,7 +573,17 @@ def restore(
     restored value (e.g. the step); its ``per_rank`` attribute maps this rank's
     ``per_rank`` names the same way (``out.per_rank["seen"]``).
     ``rng`` restores this rank's RNG states. ``strict`` reports names missing on
-    either side (another architecture, another optimizer type); ``resize`` names
+    either side (another architecture, another optimizer type, or the same names
+    shifted by a prefix: a Hugging Face directory holds a plain state_dict, restored
+    with ``tsckpt.restore(directory, model.state_dict(), inplace=True)``);
+    ``strict=False`` loads the names both have and logs what it left out on the
+    ``tsckpt`` logger, and still raises when the model has no name in the
+    checkpoint. A model on the meta device (parameters and buffers, DTensors under
+    FSDP2 included) ends with real ones: each restored tensor becomes the new
+    parameter (an ``nn.Parameter`` keeping ``requires_grad``; tied parameters stay one
+    parameter) or buffer, as ``load_state_dict(assign=True)`` does, read straight into
+    its memory (peak memory: the model and the read window); give such a model without
+    optimizers, then build them over its real parameters. ``resize`` names
     parameters whose shape changed (a padded vocabulary): their overlapping
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
     is that read buffer's bound, ``casting`` governs tensors whose live dtype
@@ -527,12 +606,20 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
 
     def check() -> tuple[Checkpoint, _Plan]:
         ck = open_checkpoint(directory)
+        _check_meta(state)
         live = live_state(state.model, state.optimizers)  # creates never-stepped optimizers' state to read into
         plan = _plan(ck, state, live, coord.rank, strict=options.strict)
         for path, dst in plan.resized:  # refused casts raise before anything is read
+            if on_meta(dst):
+                raise LeafTypeError(
+                    f"'{path}': resize keeps the model's values outside the stored region, and this parameter is "
+                    "on the meta device, with none; materialise it first (model.to_empty(device=...) and "
+                    "initialise it), or restore without resize"
+                )
             check_cast(path, ck.array_metadata(path).dtype, local_of(dst).dtype, casting=casting)
         return ck, plan
 
+    on_meta_before = bool(meta_tensors(state.model))
     ck, plan = cast("tuple[Checkpoint, _Plan]", phase(coord, "restore (check)", check))
     with warnings.catch_warnings():
         # differences were checked above, with better messages (values lost to casting="unsafe" still warn)
@@ -542,6 +629,18 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
         )
 
     def finish() -> dict[str, Any]:
+        meta = {n: restored[MODEL][n] for n, t in plan.target[MODEL].items() if on_meta(t)}
+        if meta:  # a meta model: the new tensors become its parameters and buffers
+            assign(state.model, meta)
+        if meta or on_meta_before:
+            left = meta_tensors(state.model)
+            if left:
+                log.warning(
+                    "%s: %s of the model are still on the meta device after the restore (the checkpoint has no "
+                    "values for them: non-persistent buffers, or names missing under strict=False): %s; "
+                    "initialise them before use",
+                    ck.location, _count(len(left), "tensor"), count_and_list(left),
+                )
         for path, dst in plan.resized:
             _read_overlap(ck, path, dst, casting)
         if state.optimizers:
@@ -558,6 +657,27 @@ def _restore_state(directory: Directory, state: TrainState, options: RestoreOpti
     if state.rng:
         del mine[RNG]
     return RestoreResult(others.get(EXTRA, {}), mine)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _check_meta(state: TrainState) -> None:
+    """A model with parameters on the meta device is restored by replacing them (they have no
+    memory to copy into); optimizers built over the meta parameters would keep those, and their
+    state, so they are refused before anything is read."""
+    if not state.optimizers:
+        return
+    meta = [n for n, p in state.model.named_parameters() if on_meta(p)]
+    if meta:
+        raise LeafTypeError(
+            f"the model has {_count(len(meta), 'parameter')} on the meta device ({count_and_list(meta)}) and "
+            "optimizers were given: the restore replaces meta parameters by new ones, and an optimizer built over "
+            "the meta ones would keep them. restore the model first (tsckpt.torch.restore(directory, model) "
+            "gives it real parameters), then build the optimizers over model.parameters() and restore again "
+            "with them: tsckpt.torch.restore(directory, model, optimizers, ...)"
+        )
 
 
 # Restore options a TrainState never uses, and why.
