@@ -19,6 +19,7 @@ import torch
 import tsckpt
 from tsckpt._runtime import devicecopy as _devicecopy
 from tsckpt._save.background import AsyncSaver
+from tsckpt._storage.native import ALIGN
 from tsckpt._runtime.devicecopy import HostRing, batches, pieces
 from tests.dist_helpers import run_ranks
 
@@ -122,7 +123,7 @@ def test_ring_lends_in_order_wraps_and_refuses_when_full():
 def test_ring_offsets_are_aligned():
     ring = HostRing(1 << 20, lambda n: torch.zeros(n, dtype=torch.uint8))
     loans = [ring.take(n) for n in (3, 5000, 1, 7)]
-    assert [x.start % _devicecopy.ALIGN for x in loans] == [0, 0, 0, 0]
+    assert [x.start % ALIGN for x in loans] == [0, 0, 0, 0]
     assert loans[1].start == 4096 and loans[2].start == 3 * 4096
 
 
@@ -274,7 +275,7 @@ def test_async_stages_device_tensors_in_one_reused_slab(cpu_as_device):
     assert len(ops.allocated) == 1 and {k: seen[-1][k].data_ptr() for k in state} == ptrs
     assert same_bits(seen[-1]["a"], state["a"]) and not same_bits(seen[0]["a"], bf16_state(1 << 14, seed=2)["a"])
     saver.submit("x", {"a": torch.ones(3)}, seen.append).result(timeout=30)  # another state: a new slab
-    assert len(ops.allocated) == 2 and ops.allocated[1] == _devicecopy.ALIGN
+    assert len(ops.allocated) == 2 and ops.allocated[1] == ALIGN
     assert saver.staging_bytes == 12
     saver.close()
 

@@ -215,6 +215,7 @@ print((after - before) * 1024)
 """
 
 
+@pytest.mark.slow
 def test_meta_module_restore_peak_memory_is_the_model_and_the_window(tmp_path):
     import subprocess
     import sys
@@ -232,6 +233,7 @@ def test_meta_module_restore_peak_memory_is_the_model_and_the_window(tmp_path):
     assert grew < model_bytes + (96 << 20), f"peak RSS grew {grew >> 20} MiB restoring a {model_bytes >> 20} MiB model"
 
 
+@pytest.mark.slow
 def test_fsdp2_meta_model_restores_real_shards(tmp_path):
     from tests import dist_scenarios as sc
     from tests.dist_helpers import run_ranks

@@ -82,6 +82,7 @@ def test_inplace_into_freed_storage_is_refused_naming_the_leaf(saved):
     assert isinstance(ei.value, TypeError)
 
 
+@pytest.mark.slow
 def test_inplace_with_a_cast_into_freed_storage_is_refused(tmp_path):
     # a cast raised torch's "data is not allocated yet", or crashed the process: in a fresh one
     r = _run(_FREED_CAST, tmp_path)
@@ -158,6 +159,7 @@ _READ_ONLY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["torch", "cast", "view"])
 def test_inplace_into_read_only_memory_is_refused_not_a_crash(tmp_path, how):
     # it crashed the process (SIGSEGV): run in a fresh one
