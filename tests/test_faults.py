@@ -323,9 +323,9 @@ def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
         def result(self):
             raise _eacces_read(file)
 
-    real = restore_module._open_all
+    real = tsckpt._read.engine._open_all
     monkeypatch.setattr(
-        restore_module, "_open_all", lambda ck, paths: {**real(ck, paths), "a": Unreadable()}
+        tsckpt._read.engine, "_open_all", lambda ck, paths: {**real(ck, paths), "a": Unreadable()}
     )
     target = {"a": torch.zeros(600_000, dtype=torch.float64), "b": torch.zeros(10), "step": 0}  # a cast: read whole
     with pytest.raises(tsckpt.StorageError) as e:

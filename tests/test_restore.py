@@ -293,8 +293,8 @@ def test_small_arrays_are_read_without_a_tensorstore_array(ckdir, small_chunks, 
     }
     tsckpt.save(ckdir, tree, layout=layout)
     opened: list[str] = []
-    real = restore_mod._open_all
-    monkeypatch.setattr(restore_mod, "_open_all", lambda ck, paths: (opened.extend(paths), real(ck, paths))[1])
+    real = tsckpt._read.engine._open_all
+    monkeypatch.setattr(tsckpt._read.engine, "_open_all", lambda ck, paths: (opened.extend(paths), real(ck, paths))[1])
     target = {
         "big": torch.zeros(64, 32), "small": np.zeros(10, np.int64), "bf": torch.zeros(7, dtype=torch.bfloat16),
         "flag": np.array(False), "cast": torch.zeros(6, dtype=torch.float64),

@@ -5,8 +5,10 @@ Owns:
 - :mod:`.open`: ``open`` and ``metadata``: a checkpoint as a lazy ``Reader``.
 - :mod:`.reader`: lazy reads of an opened checkpoint: ``LazyArray``, the ``Reader``
   mapping, index normalisation, ``read_subtree``.
-- :mod:`.restore`: ``restore``: matching a target to a checkpoint, each destination's
-  reader planned (the own codec's tiers, TensorStore), the reads executed.
+- :mod:`.restore`: ``restore``: matching a target to a checkpoint, its destinations made
+  (fresh, in place, meta targets materialised) and checked.
+- :mod:`.engine`: the read engine: each destination's reader planned (the own codec's
+  tiers, other formats' sources, TensorStore) and the reads executed within the window.
 - :mod:`.verify`: ``verify``: node checks and a windowed read of every chunk.
 
 May import: :mod:`tsckpt._options`, :mod:`tsckpt._formats` and the packages below them;
