@@ -159,3 +159,34 @@ def test_cuda_rng_states_are_matched_even_before_cuda_is_used(tmp_path, monkeypa
             with pytest.warns(tsckpt.RestoreWarning, match="2 CUDA RNG states were saved, and this process sees 1"):
                 tsckpt.restore(tmp_path, tt.TrainState(torch.nn.Linear(2, 2)))
         assert set_calls == [(i, saved[i].tolist()) for i in range(devices)]
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda: torch.utils.data.RandomSampler(range(10)),
+        lambda: torch.utils.data.distributed.DistributedSampler(range(10), num_replicas=2, rank=0),
+    ],
+)
+def test_a_sampler_without_state_is_refused_when_the_state_is_built(sampler):
+    """torch's own samplers have no state_dict(): refused naming the object and what to pass,
+    when the TrainState is built, not at the first save after training started."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(tsckpt.LeafTypeError) as e:
+        tt.TrainState(model, per_rank={"sampler": sampler()})
+    msg = str(e.value)
+    assert msg.startswith("TrainState(per_rank={'sampler': ...}): a torch.utils.data.")
+    assert "has no state_dict()/load_state_dict()" in msg
+    assert "per_rank={'epoch': epoch}" in msg and "StatefulDataLoader" in msg
+    with pytest.raises(tsckpt.LeafTypeError, match=r"^TrainState\(extra=\{'helper': \.\.\.\}\): a builtins\.object"):
+        tt.TrainState(model, extra={"helper": [1, object()]})
+
+
+def test_plain_values_generators_and_stateful_objects_are_accepted(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    state = tt.TrainState(model, opt, extra={"sched": sched, "step": 3, "cfg": {"a": [1.5, None, "x"]}},
+                       per_rank={"seen": 7, "gen": torch.Generator().manual_seed(1), "buf": torch.zeros(2)})
+    tsckpt.save(str(tmp_path / "ck"), state)
+    assert tsckpt.metadata(str(tmp_path / "ck"))["ranks"][0]["seen"] == 7

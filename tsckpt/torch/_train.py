@@ -33,9 +33,10 @@ from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
 from .._errors import LeafTypeError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
-from .._leaves.stateful import Expanded, expand
+from .._leaves.registry import kind_of
+from .._leaves.stateful import Expanded, expand, is_stateful
 from .._ondisk.checkpoint import Checkpoint
-from .._ondisk.records import LAYOUT_PLAIN
+from .._ondisk.records import LAYOUT_PLAIN, encode_value
 from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
 from .._read.reader import LazyArray, read_subtree
 from .._read.restore import RestoreWarning, cast_warnings_off, warn_lost_values
@@ -138,10 +139,33 @@ def _byte_tensor(x: Any) -> torch.Tensor:
 
 def _check_keys(what: str, objs: Mapping[str, Any] | None) -> dict[str, Any]:
     out = dict(objs or {})
-    for k in out:
+    for k, obj in out.items():
         if not isinstance(k, str):
             raise StructureMismatchError(f"{what} keys must be str names, found {k!r} ({type(k).__name__})")
+        _check_saveable(what, k, obj)
     return out
+
+
+def _check_saveable(what: str, name: str, obj: Any) -> None:
+    """Refuse, when the TrainState is built rather than at its first save, an object of
+    ``extra`` or ``per_rank`` that tsckpt can neither store nor hand its state back to (a
+    torch ``RandomSampler`` or ``DistributedSampler``: no ``state_dict()``)."""
+    for leaf in flatten(obj).leaves:
+        if is_stateful(leaf) or kind_of(leaf) is not None or encode_value(leaf) is not None:
+            continue
+        kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+        advice = (
+            "Pass what resumes it instead: plain values it is rebuilt from (the epoch and seed: "
+            f"{what}={{'epoch': epoch}}, then sampler.set_epoch(epoch) after the restore), or a stateful "
+            "loader such as torchdata's StatefulDataLoader, whose state_dict() tsckpt saves"
+            if "sampler" in kind.lower() or "dataloader" in kind.lower()
+            else "Give it state_dict() and load_state_dict(), or pass the tensors and plain values it is "
+            "rebuilt from"
+        )
+        raise LeafTypeError(
+            f"TrainState({what}={{'{name}': ...}}): a {kind} has no state_dict()/load_state_dict() and is no "
+            f"tensor, array or plain value, so tsckpt can neither save nor restore it. {advice}"
+        )
 
 
 class TrainState:
