@@ -36,7 +36,7 @@ COALESCE: dict[str, Any] = {
 # Each opened checkpoint has a cache of its own (_locations.reader_context), so the manifest is
 # read once for it, not revalidated by a conditional request every few reads (66 of the
 # 267 GETs of a restore of 10,000 leaves from an object store); a checkpoint replaced
-# meanwhile is caught by the check of its root after the reads (_readerrors.unchanged).
+# meanwhile is caught by the check of its root after the reads (readfaults.unchanged).
 CACHED = float("-inf")
 
 

@@ -64,7 +64,7 @@ class Checkpoint:
     # whose arrays open through TensorStore
     sources: Mapping[str, Any] | None = None
     # the generation of the root zarr.json that was opened (tsckpt's format): readers check that
-    # it is still the root after reading (_readerrors.unchanged); None for another library's
+    # it is still the root after reading (readfaults.unchanged); None for another library's
     root_generation: bytes | None = dataclasses.field(default=None, compare=False)
     # the arrays whose files were found to back their records (see _backing.py)
     backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
@@ -118,7 +118,7 @@ class Checkpoint:
         (docs/security.md); another library's checkpoint (Orbax) is left to that library.
 
         ``deferred`` (restore): where tsckpt's own readers open files refusing links
-        (:func:`_links.confined_opens`) and the checkpoint is of the plain layout, the walk
+        (:func:`tsckpt._storage.confine.confined_opens`) and the checkpoint is of the plain layout, the walk
         waits until TensorStore is about to read (:meth:`kvstore`), which follows links.
         A restore that the own readers read whole then needs no walk: for 10,000 small
         leaves the walk took 0.13-0.16 s of a 0.9 s restore. A link met by an own reader
