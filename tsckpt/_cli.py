@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
     p.add_argument("--dtype", metavar="DTYPE",
-                   help="cast floating-point arrays, e.g. bfloat16 or float16 (and name it in a copied config.json)")
+                   help="cast floating-point arrays, e.g. bfloat16 or float16 (a copied config.json names the dtype "
+                   "written)")
     p.add_argument("--casting", choices=CASTINGS, default="same_kind",
                    help="what --dtype may do: same_kind fails on a value beyond the new dtype's range, unsafe "
                    "casts it anyway with a warning (default: same_kind)")
@@ -436,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--copy-from", metavar="DIR",
                    help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
-                   "tokenizer files found in DIR (regular files only)")
+                   "tokenizer files found in DIR (regular files only); config.json's torch_dtype/dtype is set to "
+                   "the dtype of the weights written (several floating-point dtypes: pass --dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "
