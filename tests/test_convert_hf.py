@@ -172,15 +172,16 @@ def test_dtype_names_the_new_dtype_in_the_copied_config(ck, tmp_path, config, wa
 def test_copy_from_refuses_links_and_odd_files_before_writing(ck, base, tmp_path, monkeypatch):
     hf = str(tmp_path / "hf")
 
-    def refused(match: str) -> None:
-        with pytest.raises(ValueError, match=match):
+    def refused(match: str, error: type = ValueError) -> None:
+        with pytest.raises(error, match=match):
             tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", copy_from=str(base))
         assert not os.path.exists(hf)
 
     os.remove(base / "merges.txt")
     os.symlink(base / "README.md", base / "merges.txt")
-    refused(rf"^copy_from: {base / 'merges.txt'} is a symbolic link, and links are not followed; copy from a "
-            r"directory holding the files themselves \(e.g. huggingface-cli download --local-dir DIR\)$")
+    refused(rf"^copy_from: {base / 'merges.txt'} is a symbolic link \(to {base / 'README.md'}\); tsckpt does not "
+            r"follow symbolic links in a checkpoint, which must hold its own files \(a link could lead anywhere; "
+            r"docs/security.md\): replace each link with a copy of its file$", tsckpt.LinkRefusedError)
     os.remove(base / "merges.txt")
     os.mkdir(base / "vocab.json")
     refused(rf"^copy_from: {base / 'vocab.json'} is not a regular file$")

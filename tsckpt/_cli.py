@@ -282,11 +282,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report.tree_problem is not None:
         print(f"FAIL  {report.tree_problem}")
     if not report.ok:
-        arrays = [p for p in report.bad if p in report.arrays]
-        others = [p for p in report.bad if p not in report.arrays]
-        parts = [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not others else []
+        unread = [p for p in report.bad if p in report.unread]
+        arrays = [p for p in report.bad if p in report.arrays and p not in report.unread]
+        others = [p for p in report.bad if p not in report.arrays and p not in report.unread]
+        parts = (
+            [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not (others or unread)
+            else []
+        )
         if others:
             parts.append(f"{_count(len(others), 'other leaf', 'other leaves')} bad ({_names(others)})")
+        if unread:
+            parts.append(
+                f"{len(unread)} not read, as their files include a symbolic link (never followed) or a special "
+                f"file ({_names(unread)})"
+            )
         if report.group_problems:
             parts.append(f"{len(report.group_problems)} group node(s) bad")
         if report.tree_problem is not None:

@@ -38,6 +38,7 @@ from ._read.reader import LazyArray
 from ._read.restore import warn_lost_values
 from ._runtime.progress import Progress
 from ._save.protocol import save
+from ._storage.confine import link_refused
 from ._storage.locations import Directory, resolve
 from .tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
 
@@ -244,14 +245,12 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
 
 
 def _regular_file(path: str) -> os.stat_result:
-    """``path``'s status, refused unless it is a regular file (never a link) of at most
-    :data:`MAX_SIDE_FILE_BYTES`."""
+    """``path``'s status, refused unless it is a regular file (a link: LinkRefusedError) of at
+    most :data:`MAX_SIDE_FILE_BYTES`."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(
-            f"copy_from: {path} is a symbolic link, and links are not followed; copy from a directory "
-            "holding the files themselves (e.g. huggingface-cli download --local-dir DIR)"
-        )
+        target = os.readlink(path)
+        raise link_refused(f"copy_from: {path} is a symbolic link (to {target})", path, target)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"copy_from: {path} is not a regular file")
     if st.st_size > MAX_SIDE_FILE_BYTES:
@@ -540,7 +539,7 @@ def convert(
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
-        sides = hf_side_files(os.fspath(copy_from), side_names, prep.dtypes) if side_names else []
+        sides = hf_side_files(os.fspath(copy_from), side_names, prep.dtypes) if copy_from is not None else []
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst, sel, prep, writing)
