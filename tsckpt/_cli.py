@@ -13,6 +13,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from ._convert import TARGETS, parse_size
 from ._errors import CheckpointExistsError, TsckptError
 from ._formats.dcp import PICKLE_WARNING
 from ._formats.sources import FORMATS, open_checkpoint
+from ._manager import StepListing, list_steps
 from ._ondisk.records import LAYOUT_PLAIN, LAYOUTS
 from ._options import READ_WINDOW_BYTES
 from ._read.open import open as open_reader
@@ -198,7 +200,64 @@ def printable(arr: LazyArray, index: tuple[Any, ...]) -> tuple[np.ndarray, str]:
 # ---- commands ----------------------------------------------------------------
 
 
+def _manager_steps(args: argparse.Namespace) -> list[StepListing] | None:
+    """The steps under DIR when it is a CheckpointManager's root rather than one checkpoint."""
+    if args.from_format not in (None, "tsckpt"):
+        return None
+    return list_steps(args.dir)
+
+
+def _step_path(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _not_one_checkpoint(args: argparse.Namespace, steps: list[StepListing], *rest: str | None) -> UsageError:
+    """A command that reads one checkpoint was given a manager's root: name a step to give instead."""
+    complete = [s for s in steps if s.state == "complete"]
+    if not complete:
+        return UsageError(
+            f"{args.dir} is a CheckpointManager root with no complete step yet, not one checkpoint; "
+            f"`tsckpt ls {shlex.quote(args.dir)}` lists its step directories"
+        )
+    example = " ".join(shlex.quote(a) for a in (_step_path(args.dir, complete[-1].name), *rest) if a)
+    return UsageError(
+        f"{args.dir} is a CheckpointManager root ({_count(len(complete), 'complete step')}, the latest "
+        f"{complete[-1].step}), not one checkpoint; give a step's directory, e.g. tsckpt {args.command} {example}"
+    )
+
+
+def _ls_steps(args: argparse.Namespace, steps: list[StepListing]) -> int:
+    """`tsckpt ls` of a manager's root: its step directories and their states (it writes nothing)."""
+    rows = [["DIRECTORY", "STEP", "STATE", "LEAVES", "SIZE", "NOTE"]]
+    for s in steps:
+        leaves = size = ""
+        note = s.note
+        if s.state == "complete":
+            try:
+                ck = open_checkpoint(s.directory)
+                leaves = str(len(ck.leaves))
+                size = human_bytes(sum(ck.array_metadata(p).nbytes for p in ck.arrays))
+            except TsckptError as e:
+                leaves, note = "?", _one_line(e)
+        rows.append([s.name, str(s.step), s.state, leaves, size, note])
+    for line in _table(rows):
+        print(line)
+    counts: dict[str, int] = {"complete": 0}
+    for s in steps:
+        counts[s.state] = counts.get(s.state, 0) + 1
+    complete = [s for s in steps if s.state == "complete"]
+    latest = f" (latest: tsckpt ls {shlex.quote(_step_path(args.dir, complete[-1].name))})" if complete else ""
+    states = ", ".join(f"{n} {state}" + (latest if state == "complete" else "") for state, n in counts.items())
+    print(f"{args.dir}: a CheckpointManager root, {_count(len(steps), 'step directory', 'step directories')}: {states}")
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    steps = _manager_steps(args)
+    if steps is not None:
+        if args.prefix:
+            raise _not_one_checkpoint(args, steps, args.prefix)
+        return _ls_steps(args, steps)
     ck = open_checkpoint(args.dir, **_opened(args))
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
@@ -232,6 +291,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     name, index, index_text = parse_target(args.target)
+    steps = _manager_steps(args)
+    if steps is not None:
+        raise _not_one_checkpoint(args, steps, args.target)
     reader = open_reader(args.dir, **_opened(args))
     path = resolve_leaf(list(reader), name)
     try:
@@ -270,6 +332,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._read.verify import verify
 
+    steps = _manager_steps(args)
+    if steps is not None:
+        raise _not_one_checkpoint(args, steps)
     report = verify(args.dir, progress=False if args.verbose else None, **_opened(args))
     if args.verbose:
         for p in report.leaves:
