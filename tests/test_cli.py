@@ -297,7 +297,8 @@ def test_ls_prefix_with_slashes_or_dots(named, capsys, prefix, paths):
 
 def test_ls_prefix_stops_at_component_boundaries(named, capsys):
     code, _, err = run_main(capsys, "ls", named, "model.layers.0.mlp.w")
-    assert (code, err) == (2, f"tsckpt ls: error: no leaf at or below 'model.layers.0.mlp.w' in {named}\n")
+    assert (code, err) == (2, f"tsckpt ls: error: no leaf at or below 'model.layers.0.mlp.w' in {named}; did you "
+                              "mean 'model/model.layers.0.mlp.weight'?\n")
     assert _listed(capsys, named, "enc.layers") == [f"enc/layers/{i}/w" for i in range(11)]
 
 
@@ -681,3 +682,31 @@ def test_ls_lists_the_steps_of_a_manager_root_without_writing(tmp_path, capsys):
             f"tsckpt {argv[0]}: error: {run} is a CheckpointManager root (2 complete steps, the latest 200), not one "
             f"checkpoint; give a step's directory, e.g. tsckpt {argv[0]} {run}/00000200{' w' if len(argv) > 2 else ''}\n"
         ), err
+
+
+# ---- did you mean ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["ls", "{d}", "enc.layer"], "no leaf at or below 'enc.layer' in {d}; did you mean 'enc/layers'?"),
+        (["ls", "{d}", "model/model.layers.0.mlp.wieght"],
+         "no leaf at or below 'model/model.layers.0.mlp.wieght' in {d}; did you mean "
+         "'model/model.layers.0.mlp.weight'?"),
+        (["show", "{d}", "enc.layers.3.v[0]"],
+         "'enc.layers.3.v' is not a leaf of {d}; did you mean 'enc/layers/3/w'?"),
+        (["show", "{d}", "model.layers.0.nrom"],
+         "'model.layers.0.nrom' is not a leaf of {d}; did you mean 'model.layers.0.norm'?"),
+        (["show", "{d}", "mlp.weight"], "'mlp.weight' is not a leaf of {d}; did you mean "
+         "'model/model.layers.0.mlp.weight'?"),
+        (["ls", "{d}", "layers.1"], "no leaf at or below 'layers.1' in {d}; did you mean 'enc/layers/1' or "
+         "'enc/layers/10'?"),
+        (["ls", "{d}", "zzz"], "no leaf at or below 'zzz' in {d}; `tsckpt ls {d}` lists every leaf"),
+        (["show", "{d}", "zzz"], "'zzz' is not a leaf of {d}; `tsckpt ls {d}` lists every leaf"),
+    ],
+)
+def test_a_name_that_matches_nothing_suggests_the_closest_leaves(named, capsys, argv, error):
+    code, out, err = run_main(capsys, *[a.format(d=named) for a in argv])
+    assert (code, out) == (2, "")
+    assert err == f"tsckpt {argv[0]}: error: {error.format(d=named)}\n"

@@ -10,6 +10,7 @@ says it is a bug in tsckpt).
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -96,6 +97,39 @@ def _under(path: str, prefix: str | None) -> bool:
         return True
     have = _spelled(path)
     return have == want or have.startswith(want + ".")
+
+
+def _or_list(names: list[str]) -> str:
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def did_you_mean(name: str, leaves: Sequence[str], directory: str, *, prefixes: bool = False) -> str:
+    """What to say after "no leaf ``name``": the leaf paths (and, with ``prefixes``, the
+    prefixes of them ls takes), ``/`` and ``.`` alike, that hold it (the shortest three, none
+    below another), else
+    the closest to it (difflib); else how to list them all."""
+    want = _spelled(name).strip(".")
+    shown: dict[str, str] = {}  # spelled -> as ls writes it (the spelling keeps every position)
+    for p in leaves:
+        spelled = _spelled(p)
+        shown.setdefault(spelled, p)
+        if prefixes:
+            for i, ch in enumerate(spelled):
+                if ch == ".":
+                    shown.setdefault(spelled[:i], p[:i])
+    holding: list[str] = []  # the shortest first, none below another
+    for c in sorted((c for c in shown if want and want in c), key=lambda c: (len(c), c)):
+        if len(holding) < 3 and not any(c.startswith(h + ".") for h in holding):
+            holding.append(c)
+    picked = [shown[c] for c in holding]
+    if not picked:
+        close = difflib.get_close_matches(want, list(shown), n=10, cutoff=0.6)
+        scores = [difflib.SequenceMatcher(None, want, c).ratio() for c in close]
+        picked = [shown[c] for c, score in zip(close, scores) if score >= max(scores) - 0.05][:3]
+    if picked:
+        return f"did you mean {_or_list(picked)}?"
+    return f"`tsckpt ls {shlex.quote(directory)}` lists every leaf"
 
 
 def resolve_leaf(leaves: Sequence[str], name: str) -> str:
@@ -261,7 +295,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ck = open_checkpoint(args.dir, **_opened(args))
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
-        raise UsageError(f"no leaf at or below '{args.prefix}' in {ck.location}")
+        raise UsageError(
+            f"no leaf at or below '{args.prefix}' in {ck.location}; "
+            + did_you_mean(args.prefix, list(ck.leaves), args.dir, prefixes=True)
+        )
     header = ["PATH", "DTYPE", "SHAPE", "SIZE"] + (["CHUNK", "SHARD"] if args.long else []) + ["VALUE"]
     rows = [header]
     total = 0
@@ -298,8 +335,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     path = resolve_leaf(list(reader), name)
     try:
         leaf = reader[path]
-    except KeyError as e:
-        raise UsageError(e.args[0] if e.args else str(e)) from None
+    except KeyError:
+        where = reader.checkpoint.location
+        raise UsageError(f"'{path}' is not a leaf of {where}; {did_you_mean(path, list(reader), args.dir)}") from None
     if not isinstance(leaf, LazyArray):
         if index is not None:
             raise UsageError(f"'{path}' is a plain {type(leaf).__name__} value, not an array; it cannot be indexed")
