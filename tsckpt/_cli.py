@@ -517,13 +517,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="copy a checkpoint into another format (safetensors, Hugging Face, torch.save, DCP, Orbax)",
+        help="write a checkpoint of any format as tsckpt or safetensors (reads tsckpt, safetensors, torch.save, "
+        "DCP and Orbax)",
         description="Stream SRC into DST, reading and writing piece by piece (memory stays bounded). SRC is "
         "detected: a tsckpt checkpoint, a .safetensors file or Hugging Face directory (model.safetensors, or "
-        "shards and model.safetensors.index.json), a torch.save file (loaded with weights_only=True), a "
-        "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint, a "
-        ".safetensors file, or (--to safetensors) a Hugging Face directory, sharded at --max-shard-size. "
-        "Tied leaves stay tied (stored once). Warning: " + PICKLE_WARNING,
+        "shards and model.safetensors.index.json), a torch.save file or a Hugging Face directory of them "
+        "(pytorch_model.bin, or shards and pytorch_model.bin.index.json; loaded with weights_only=True), a "
+        "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint (the "
+        "default) or safetensors: a .safetensors file, or (--to safetensors) a Hugging Face directory, sharded "
+        "at --max-shard-size; convert writes no torch.save, DCP or Orbax checkpoint. Tied leaves stay tied "
+        "(stored once). Warning: " + PICKLE_WARNING,
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")

@@ -498,7 +498,8 @@ def convert(
 
     ``src`` may be a tsckpt checkpoint, a safetensors file or Hugging Face directory
     (``model.safetensors`` or shards with ``model.safetensors.index.json``), a
-    ``torch.save`` file (loaded with ``weights_only=True``), a
+    ``torch.save`` file or a Hugging Face directory of them (``pytorch_model.bin``, or
+    shards with ``pytorch_model.bin.index.json``; loaded with ``weights_only=True``), a
     torch.distributed.checkpoint directory (its metadata is a pickle, which can run code
     when read: refused unless ``allow_pickle=True``, for a checkpoint from a trusted
     source) or an Orbax checkpoint; ``from_format`` overrides detection.
@@ -531,7 +532,14 @@ def convert(
         raise ValueError(f"layout={layout!r} applies to a tsckpt destination, not {to}")
     shard_limit = parse_size(max_shard_size)
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
-        raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
+        what = (
+            "one .safetensors file: give a directory path to write shards" if to == "safetensors"
+            else "a tsckpt checkpoint, whose shard files max_inflight_bytes (--max-inflight-bytes) bounds"
+        )
+        raise ValueError(
+            "max_shard_size (--max-shard-size) applies to a Hugging Face directory destination (--to safetensors); "
+            f"{dst_name} is to be {what}"
+        )
     cast = parse_dtype(dtype)
     side_names = _copied(copy_from, to, dst_name)
     fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
