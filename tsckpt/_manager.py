@@ -421,7 +421,6 @@ def _unidentified(root: RootState) -> str:
     return f"its root is in state {root.state!r} without the claim of a tsckpt save"
 
 
-
 # ---- listing a root's steps, as `tsckpt ls` does --------------------------------------------
 
 
