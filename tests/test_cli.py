@@ -297,7 +297,8 @@ def test_ls_prefix_with_slashes_or_dots(named, capsys, prefix, paths):
 
 def test_ls_prefix_stops_at_component_boundaries(named, capsys):
     code, _, err = run_main(capsys, "ls", named, "model.layers.0.mlp.w")
-    assert (code, err) == (2, f"tsckpt ls: error: no leaf at or below 'model.layers.0.mlp.w' in {named}\n")
+    assert (code, err) == (2, f"tsckpt ls: error: no leaf at or below 'model.layers.0.mlp.w' in {named}; did you "
+                              "mean 'model/model.layers.0.mlp.weight'?\n")
     assert _listed(capsys, named, "enc.layers") == [f"enc/layers/{i}/w" for i in range(11)]
 
 
@@ -628,3 +629,84 @@ def test_ls_and_convert_with_tied_leaves(tmp_path, capsys):
     got = tsckpt.restore(dst)
     np.testing.assert_array_equal(got["wte"], w.numpy())
     np.testing.assert_array_equal(got["head"], w.numpy())
+
+
+# ---- a CheckpointManager's root --------------------------------------------------------------
+
+
+def _pending(step_dir, claim: dict) -> None:
+    """A step directory whose root is tsckpt's pending one recording ``claim`` (a save under way, or
+    one that is over without committing)."""
+    from tsckpt._ondisk.records import LAYOUT_PLAIN
+    from tsckpt._save.commit import pending_root
+
+    os.makedirs(step_dir)
+    with open(os.path.join(step_dir, "zarr.json"), "wb") as f:
+        f.write(pending_root(LAYOUT_PLAIN)(claim))
+
+
+def test_ls_lists_the_steps_of_a_manager_root_without_writing(tmp_path, capsys):
+    import time
+
+    run = str(tmp_path / "run")
+    m = tsckpt.CheckpointManager(run)
+    m.save(100, {"w": np.ones(3)})
+    m.save(200, {"w": np.ones(3), "b": np.zeros(2, np.float32)})
+    _pending(os.path.join(run, "00000300"), {"id": "a", "host": "elsewhere", "pid": 7, "started": "2025-01-01T00:00:00Z",
+                                             "renewed": time.time() + 3600, "lease_s": 60.0})
+    _pending(os.path.join(run, "00000400"), {"id": "b", "host": "elsewhere", "pid": 8, "started": "2025-01-01T00:00:00Z",
+                                             "renewed": 0.0, "lease_s": 60.0})
+    os.makedirs(os.path.join(run, "00000500"))
+    (tmp_path / "run" / "00000500" / "data.bin").write_bytes(b"x")
+    before = sorted((d, tuple(sorted(fs))) for d, _, fs in os.walk(run))
+    code, out, err = run_main(capsys, "ls", run)
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "DIRECTORY  STEP  STATE     LEAVES  SIZE  NOTE",
+        "00000100   100   complete  1       24 B",
+        "00000200   200   complete  2       32 B",
+        "00000300   300   saving                  a save is under way (pid 7 on host 'elsewhere', started "
+        "2025-01-01T00:00:00Z, lease renewed 0 s ago)",
+        "00000400   400   partial                 a save that ended without committing (pid 8 on host 'elsewhere', "
+        "started 2025-01-01T00:00:00Z); a CheckpointManager on this root removes it",
+        "00000500   500   other                   not a checkpoint tsckpt wrote (no tsckpt root zarr.json: another "
+        "library's checkpoint, or other data); a CheckpointManager leaves it alone",
+        f"{run}: a CheckpointManager root, 5 step directories: 2 complete (latest: tsckpt ls {run}/00000200), "
+        "1 saving, 1 partial, 1 other",
+    ]
+    assert sorted((d, tuple(sorted(fs))) for d, _, fs in os.walk(run)) == before  # nothing written or removed
+    for argv in (["ls", run, "w"], ["show", run, "w"], ["verify", run]):
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2 and out == ""
+        assert err == (
+            f"tsckpt {argv[0]}: error: {run} is a CheckpointManager root (2 complete steps, the latest 200), not one "
+            f"checkpoint; give a step's directory, e.g. tsckpt {argv[0]} {run}/00000200{' w' if len(argv) > 2 else ''}\n"
+        ), err
+
+
+# ---- did you mean ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["ls", "{d}", "enc.layer"], "no leaf at or below 'enc.layer' in {d}; did you mean 'enc/layers'?"),
+        (["ls", "{d}", "model/model.layers.0.mlp.wieght"],
+         "no leaf at or below 'model/model.layers.0.mlp.wieght' in {d}; did you mean "
+         "'model/model.layers.0.mlp.weight'?"),
+        (["show", "{d}", "enc.layers.3.v[0]"],
+         "'enc.layers.3.v' is not a leaf of {d}; did you mean 'enc/layers/3/w'?"),
+        (["show", "{d}", "model.layers.0.nrom"],
+         "'model.layers.0.nrom' is not a leaf of {d}; did you mean 'model.layers.0.norm'?"),
+        (["show", "{d}", "mlp.weight"], "'mlp.weight' is not a leaf of {d}; did you mean "
+         "'model/model.layers.0.mlp.weight'?"),
+        (["ls", "{d}", "layers.1"], "no leaf at or below 'layers.1' in {d}; did you mean 'enc/layers/1' or "
+         "'enc/layers/10'?"),
+        (["ls", "{d}", "zzz"], "no leaf at or below 'zzz' in {d}; `tsckpt ls {d}` lists every leaf"),
+        (["show", "{d}", "zzz"], "'zzz' is not a leaf of {d}; `tsckpt ls {d}` lists every leaf"),
+    ],
+)
+def test_a_name_that_matches_nothing_suggests_the_closest_leaves(named, capsys, argv, error):
+    code, out, err = run_main(capsys, *[a.format(d=named) for a in argv])
+    assert (code, out) == (2, "")
+    assert err == f"tsckpt {argv[0]}: error: {error.format(d=named)}\n"

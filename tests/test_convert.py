@@ -127,7 +127,7 @@ def test_subtree_and_prefix_errors(ck, tmp_path):
         tsckpt.convert(ck, str(tmp_path / "a"), subtree="nope")
     with pytest.raises(ValueError, match=r"strip_prefix 'layers\.': 3 leaves do not start with it"):
         tsckpt.convert(ck, str(tmp_path / "a"), subtree="model", strip_prefix="layers.")
-    with pytest.raises(ValueError, match="max_shard_size applies to a safetensors directory"):
+    with pytest.raises(ValueError, match=r"max_shard_size \(--max-shard-size\) applies to a Hugging Face directory"):
         tsckpt.convert(ck, str(tmp_path / "a.safetensors"), max_shard_size="1GB")
     with pytest.raises(ValueError, match="expected a byte count"):
         tsckpt.convert(ck, str(tmp_path / "a"), to_format="safetensors", max_shard_size="lots")
@@ -294,3 +294,33 @@ def test_failed_convert_keeps_what_was_there_before(ck, tmp_path):
     with pytest.raises(tsckpt.CheckpointExistsError):
         tsckpt.convert(ck, str(other))
     assert os.listdir(other) == ["notes.txt"]
+
+
+def test_max_shard_size_error_says_what_the_destination_is(ck, tmp_path, capsys):
+    out, one = str(tmp_path / "out"), str(tmp_path / "one.safetensors")
+    code, err = _cli(capsys, "convert", ck, out, "--max-shard-size", "1GB")
+    assert code == 2 and err == (
+        "tsckpt convert: error: max_shard_size (--max-shard-size) applies to a Hugging Face directory destination "
+        f"(--to safetensors); {out} is to be a tsckpt checkpoint, whose shard files max_inflight_bytes "
+        "(--max-inflight-bytes) bounds\n"
+    )
+    code, err = _cli(capsys, "convert", ck, one, "--max-shard-size", "1GB")
+    assert code == 2 and err == (
+        "tsckpt convert: error: max_shard_size (--max-shard-size) applies to a Hugging Face directory destination "
+        f"(--to safetensors); {one} is to be one .safetensors file: give a directory path to write shards\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_convert_help_says_it_writes_tsckpt_or_safetensors_only(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    block = text[text.index("    convert "):].split("\n\n")[0]  # the command's line, wrapped
+    assert " ".join(block.split()) == (
+        "convert write a checkpoint of any format as tsckpt or safetensors (reads tsckpt, safetensors, torch.save, "
+        "DCP and Orbax)"
+    )
+    assert main(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "DST is a tsckpt checkpoint (the default) or safetensors" in text
+    assert "convert writes no torch.save, DCP or Orbax checkpoint" in text

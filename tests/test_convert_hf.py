@@ -172,15 +172,16 @@ def test_dtype_names_the_new_dtype_in_the_copied_config(ck, tmp_path, config, wa
 def test_copy_from_refuses_links_and_odd_files_before_writing(ck, base, tmp_path, monkeypatch):
     hf = str(tmp_path / "hf")
 
-    def refused(match: str) -> None:
-        with pytest.raises(ValueError, match=match):
+    def refused(match: str, error: type = ValueError) -> None:
+        with pytest.raises(error, match=match):
             tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", copy_from=str(base))
         assert not os.path.exists(hf)
 
     os.remove(base / "merges.txt")
     os.symlink(base / "README.md", base / "merges.txt")
-    refused(rf"^copy_from: {base / 'merges.txt'} is a symbolic link, and links are not followed; copy from a "
-            r"directory holding the files themselves \(e.g. huggingface-cli download --local-dir DIR\)$")
+    refused(rf"^copy_from: {base / 'merges.txt'} is a symbolic link \(to {base / 'README.md'}\); tsckpt does not "
+            r"follow symbolic links in a checkpoint, which must hold its own files \(a link could lead anywhere; "
+            r"docs/security.md\): replace each link with a copy of its file$", tsckpt.LinkRefusedError)
     os.remove(base / "merges.txt")
     os.mkdir(base / "vocab.json")
     refused(rf"^copy_from: {base / 'vocab.json'} is not a regular file$")
@@ -193,7 +194,8 @@ def test_copy_from_refuses_links_and_odd_files_before_writing(ck, base, tmp_path
     with pytest.raises(ValueError, match=r"config.json is not a JSON object, as a model's config.json is$"):
         tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", copy_from=str(base), dtype="float16")
     (base / "config.json").write_text("{oops")
-    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(.*\); fix it, or convert without dtype$"):
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(.*\), so its dtype cannot be set to the "
+                       r"weights' \(float16\); fix it, or convert without copy_from \(--copy-from\)$"):
         tsckpt.convert(ck, hf, to_format="safetensors", subtree="model", copy_from=str(base), dtype="float16")
     assert not os.path.exists(hf)
 
@@ -257,3 +259,64 @@ def test_copy_from_on_the_command_line(ck, base, tmp_path, capsys):
     assert code == 2 and err == (
         "tsckpt convert: error: copy_from applies to a Hugging Face directory destination (--to safetensors, "
         "not a file)\n")
+
+
+# ---- the copied config's dtype follows the weights written -----------------------------------
+
+
+@pytest.fixture
+def bf16_base(tmp_path):
+    """A tiny GPT-2 saved by save_pretrained in bfloat16, and its weights in float32 in a tsckpt checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "base")
+    src = str(tmp_path / "ck")
+    tsckpt.save(src, {"model": {k: v.float() for k, v in model.state_dict().items()}})
+    return src, tmp_path / "base"
+
+
+def test_the_copied_config_names_the_dtype_of_the_weights_written(bf16_base, tmp_path, capsys):
+    """Weights written in float32 beside a bfloat16 model's config: the config says float32, so
+    transformers (dtype="auto", the default of later versions) loads float32."""
+    from transformers import AutoModelForCausalLM
+
+    src, base = bf16_base
+    keys_before = {k for k in json.loads((base / "config.json").read_text()) if k in ("dtype", "torch_dtype")}
+    assert keys_before and all(json.loads((base / "config.json").read_text())[k] == "bfloat16" for k in keys_before)
+    hf = tmp_path / "hf"
+    code = main(["convert", src, str(hf), "--to", "safetensors", "--subtree", "model", "--copy-from", str(base)])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((hf / "config.json").read_text())
+    assert {k: config[k] for k in keys_before} == dict.fromkeys(keys_before, "float32")
+    assert AutoModelForCausalLM.from_pretrained(hf, dtype="auto").dtype == torch.float32
+    # with --dtype, the config names the cast dtype, and transformers loads that
+    code = main(["convert", src, str(tmp_path / "hf16"), "--to", "safetensors", "--subtree", "model",
+                 "--copy-from", str(base), "--dtype", "float16"])
+    assert code == 0, capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", dtype="auto").dtype == torch.float16
+
+
+def test_weights_of_several_dtypes_need_dtype_to_copy_a_config(bf16_base, tmp_path, capsys):
+    src, base = bf16_base
+    mixed = str(tmp_path / "mixed")
+    state = tsckpt.restore(src, as_saved=True)["model"]
+    state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].bfloat16()
+    tsckpt.save(mixed, {"model": state, "step": 7})
+    hf = tmp_path / "hf"
+    code = main(["convert", mixed, str(hf), "--to", "safetensors", "--subtree", "model", "--copy-from", str(base)])
+    err = capsys.readouterr().err
+    assert code == 2 and not hf.exists()
+    assert err.startswith(
+        f"tsckpt convert: error: copy_from: the floating-point weights written are of 2 dtypes (bfloat16: 1 "
+        f"array, e.g. 'transformer.ln_f.weight'; float32: "
+    ), err
+    assert err.endswith(
+        f"so {base / 'config.json'} cannot name one dtype for them (transformers would load them all as "
+        "bfloat16); pass --dtype (dtype=) to cast them to one, or convert without --copy-from and write "
+        "the config yourself\n"
+    ), err
+    assert main(["convert", mixed, str(hf), "--to", "safetensors", "--subtree", "model", "--copy-from", str(base),
+                 "--dtype", "bfloat16"]) == 0
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"

@@ -15,7 +15,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 import tsckpt
 import tsckpt._formats.dcp as dcp_mod
 from tsckpt._formats.dcp import PICKLE_WARNING, read_dcp
-from tsckpt._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from tsckpt._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    LinkRefusedError,
+    NotACheckpointError,
+)
 from tsckpt._errors import short_repr
 from tsckpt._base.types import LazySource
 from tests.strategies import assert_same
@@ -337,7 +343,7 @@ def test_a_data_file_outside_the_directory_is_refused(tmp_path):
     _rewrite_metadata(src, storage_data={index: dataclasses.replace(info, relative_path=os.path.basename(data))})
     os.rename(data, str(outside))
     os.symlink(str(outside), data)
-    with pytest.raises(CorruptCheckpointError, match=r"relative_path '__0_0.distcp': __0_0.distcp is a symbolic link \(to "):
+    with pytest.raises(LinkRefusedError, match=r"relative_path '__0_0.distcp': __0_0.distcp is a symbolic link \(to "):
         read_dcp(src, allow_pickle=True)
 
 
@@ -347,7 +353,7 @@ def test_a_linked_metadata_file_is_refused(tmp_path):
     meta = os.path.join(src, ".metadata")
     os.rename(meta, str(tmp_path / "elsewhere"))
     os.symlink(str(tmp_path / "elsewhere"), meta)
-    with pytest.raises(CorruptCheckpointError, match=r"the DCP metadata file '.metadata': .metadata is a symbolic link"):
+    with pytest.raises(LinkRefusedError, match=r"the DCP metadata file '.metadata': .metadata is a symbolic link"):
         read_dcp(src, allow_pickle=True)
 
 

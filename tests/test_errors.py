@@ -250,6 +250,7 @@ def test_error_hierarchy():
         (tsckpt.ShapeMismatchError, ValueError),
         (tsckpt.LeafTypeError, TypeError),
         (tsckpt.CorruptCheckpointError, OSError),
+        (tsckpt.LinkRefusedError, PermissionError),
         (tsckpt.LayoutError, ValueError),
     ]:
         assert issubclass(cls, tsckpt.TsckptError) and issubclass(cls, builtin), cls

@@ -33,26 +33,26 @@ def linked(tmp_path, small_chunks):
 
 def _message(path: str, outside: str) -> str:
     return (
-        f"{path}: leaf 'm/b': m/b/c/0 is a symbolic link (to {outside}); a checkpoint holds its own files and "
-        "tsckpt does not follow links out of it: replace each link with a copy of its file (`tsckpt verify` "
-        "lists them)"
+        f"{path}: leaf 'm/b': m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a "
+        "checkpoint, which must hold its own files (a link could lead anywhere; docs/security.md): replace each "
+        "link with a copy of its file (`tsckpt verify` lists them)"
     )
 
 
 def test_restore_refuses_a_linked_file(linked):
     path, outside = linked
     for target in (None, {"m": {"w": torch.zeros(64, 64), "b": torch.zeros(3)}, "n": 0}):
-        with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        with pytest.raises(tsckpt.LinkRefusedError) as info:
             tsckpt.restore(path, target)
         assert str(info.value) == _message(path, outside)
 
 
 def test_open_and_convert_refuse_a_linked_file(linked, tmp_path):
     path, outside = linked
-    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
         tsckpt.open(path)
     assert str(info.value) == _message(path, outside)
-    with pytest.raises(tsckpt.CorruptCheckpointError, match="m/b/c/0 is a symbolic link"):
+    with pytest.raises(tsckpt.LinkRefusedError, match="m/b/c/0 is a symbolic link"):
         tsckpt.convert(path, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
@@ -71,7 +71,7 @@ def test_a_linked_directory_is_reported_and_not_followed(tmp_path, small_chunks)
     os.rename(os.path.join(path, "w", "c"), moved)
     os.symlink(moved, os.path.join(path, "w", "c"))
     assert symlinks(path) == {"w/c": str(moved)}  # the walk does not descend into the linked directory
-    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^.*: leaf 'w': w/c is a symbolic link"):
+    with pytest.raises(tsckpt.LinkRefusedError, match=r"^.*: leaf 'w': w/c is a symbolic link"):
         tsckpt.restore(path)
 
 
@@ -150,11 +150,12 @@ def test_restore_refuses_links_into_a_sharded_array(tmp_path, small_chunks, monk
     os.rename(os.path.join(path, rel), moved)
     os.symlink(moved, os.path.join(path, rel))
     target = {"w": torch.zeros(64, 64), "b": torch.zeros(3)}
-    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
         tsckpt.restore(path, target, inplace=True)
     assert str(info.value) == (
-        f"{path}: leaf 'w': {rel} is a symbolic link (to {moved}); a checkpoint holds its own files and tsckpt "
-        "does not follow links out of it: replace each link with a copy of its file (`tsckpt verify` lists them)"
+        f"{path}: leaf 'w': {rel} is a symbolic link (to {moved}); tsckpt does not follow symbolic links in a "
+        "checkpoint, which must hold its own files (a link could lead anywhere; docs/security.md): replace each "
+        "link with a copy of its file (`tsckpt verify` lists them)"
     )
     if linked_part != "node":  # the linked shard's rows were not read from outside
         assert not torch.equal(target["w"][16:32], w[16:32])
@@ -168,7 +169,7 @@ def test_a_link_the_restore_never_meets_is_left_to_open_and_verify(linked):
     with pytest.warns(tsckpt.RestoreWarning):
         out = tsckpt.restore(path, {"m": {"w": torch.zeros(64, 64)}}, strict=False)
     assert torch.equal(out["m"]["w"], torch.arange(4096.0).reshape(64, 64))
-    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
         tsckpt.open(path)
     assert str(info.value) == _message(path, outside)
     report = tsckpt.verify(path)
@@ -198,3 +199,118 @@ def test_a_fifo_in_a_checkpoint_is_refused_never_waited_on(tmp_path, small_chunk
         leaf: f"{fifo} is a FIFO, not a regular file; a checkpoint holds only directories and regular files: "
         "replace it with a copy of its file"
     }
+
+
+# ---- a Hugging Face cache snapshot: an intact download, refused as links, never called corrupt ----
+
+
+HF_REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hf_cache_snapshot(tmp_path, files: dict[str, bytes], repo: str = "models--org--tiny") -> str:
+    """The layout huggingface_hub's cache gives a download: each file of snapshots/<rev>/ a
+    relative link to its content in ../../blobs/<hash>."""
+    import hashlib
+
+    top = tmp_path / "hub" / repo
+    (top / "blobs").mkdir(parents=True)
+    snapshot = top / "snapshots" / HF_REV
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        blob = hashlib.sha256(data).hexdigest()
+        (top / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / name)
+    return str(snapshot)
+
+
+def _safetensors_bytes(tmp_path, tensors: dict) -> bytes:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "made.safetensors"))
+    return (tmp_path / "made.safetensors").read_bytes()
+
+
+HF_FIX = (
+    "tsckpt does not follow symbolic links in a checkpoint, which must hold its own files (a link could lead "
+    "anywhere; docs/security.md): this is a Hugging Face cache snapshot, whose files link into the cache's blobs/ "
+    f"(the download is intact): get a copy that holds the files themselves with `hf download org/tiny --revision "
+    f"{HF_REV} --local-dir DIR` (or huggingface_hub.snapshot_download('org/tiny', revision='{HF_REV}', "
+    "local_dir=DIR)) and give DIR"
+)
+
+
+def test_a_hugging_face_cache_snapshot_is_refused_as_links_never_as_corrupt(tmp_path, capsys):
+    from tsckpt._cli import main
+
+    weights = _safetensors_bytes(tmp_path, {"w": torch.ones(2, 3)})
+    snap = hf_cache_snapshot(tmp_path, {"model.safetensors": weights, "config.json": b'{"dtype": "float32"}'})
+    target = os.readlink(os.path.join(snap, "model.safetensors"))
+    want = (
+        f"{snap}: the weights file 'model.safetensors': model.safetensors is a symbolic link (to {target}); {HF_FIX}"
+    )
+    for read in (tsckpt.open, tsckpt.restore, tsckpt.metadata, tsckpt.verify,
+                 lambda s: tsckpt.convert(s, str(tmp_path / "out"))):
+        with pytest.raises(tsckpt.LinkRefusedError) as info:
+            read(snap)
+        assert not isinstance(info.value, tsckpt.CorruptCheckpointError)
+        assert isinstance(info.value, PermissionError) and str(info.value) == want
+        assert (info.value.link, info.value.target) == (os.path.join(snap, "model.safetensors"), target)
+    assert not os.path.exists(tmp_path / "out")
+    for argv in (["ls", snap], ["verify", snap], ["convert", snap, str(tmp_path / "out")]):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == f"tsckpt {argv[0]}: error: {want}\n"
+    # the file itself may be named: the link is the caller's, not one inside a checkpoint
+    np.testing.assert_array_equal(tsckpt.open(os.path.join(snap, "model.safetensors"))["w"][:], np.ones((2, 3)))
+
+
+def test_a_sharded_hugging_face_cache_snapshot_names_the_download_to_make(tmp_path):
+    import json
+
+    shard = _safetensors_bytes(tmp_path, {"w": torch.ones(2)})
+    index = json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}).encode()
+    snap = hf_cache_snapshot(
+        tmp_path, {"model.safetensors.index.json": index, "model-00001-of-00001.safetensors": shard},
+        repo="datasets--org--tiny",
+    )
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
+        tsckpt.open(snap)
+    assert str(info.value).startswith(f"{snap}: the index file 'model.safetensors.index.json': ")
+    assert str(info.value).endswith(
+        f"`hf download org/tiny --revision {HF_REV} --repo-type dataset --local-dir DIR` (or "
+        f"huggingface_hub.snapshot_download('org/tiny', revision='{HF_REV}', repo_type='dataset', local_dir=DIR)) "
+        "and give DIR"
+    )
+
+
+def test_copy_from_a_hugging_face_cache_snapshot_says_hf_download(tmp_path):
+    src = str(tmp_path / "ck")
+    tsckpt.save(src, {"w": torch.ones(2)})
+    snap = hf_cache_snapshot(tmp_path, {"config.json": b'{"dtype": "float32"}'})
+    target = os.readlink(os.path.join(snap, "config.json"))
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
+        tsckpt.convert(src, str(tmp_path / "hf"), to_format="safetensors", copy_from=snap)
+    assert str(info.value) == f"copy_from: {os.path.join(snap, 'config.json')} is a symbolic link (to {target}); {HF_FIX}"
+    assert "huggingface-cli" not in str(info.value) and not os.path.exists(tmp_path / "hf")
+
+
+def test_a_link_in_a_checkpoint_is_refused_as_a_link_and_verify_says_so(linked, capsys):
+    from tsckpt._cli import main
+
+    path, outside = linked
+    with pytest.raises(tsckpt.LinkRefusedError) as info:
+        tsckpt.open(path)
+    assert not isinstance(info.value, tsckpt.CorruptCheckpointError)
+    assert info.value.link == os.path.join(path, "m", "b", "c", "0") and info.value.target == outside
+    report = tsckpt.verify(path, progress=False)
+    assert report.unread == ("m/b",) and list(report.bad) == ["m/b"]
+    assert main(["verify", path]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        f"FAIL  m/b: m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, "
+        "which must hold its own files (a link could lead anywhere; docs/security.md): replace each link with a copy "
+        "of its file"
+    ]
+    assert err == (
+        f"tsckpt verify: error: verification failed for {path}: 1 not read, as their files include a symbolic link "
+        "(never followed) or a special file ('m/b')\n"
+    )

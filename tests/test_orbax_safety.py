@@ -17,7 +17,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 
 import tsckpt  # noqa: E402
 from tests.foreign import run_capped, zstd_zeros  # noqa: E402
-from tsckpt._errors import CorruptCheckpointError
+from tsckpt._errors import CorruptCheckpointError, LinkRefusedError
 from tsckpt._formats import orbax as _orbax
 
 
@@ -84,11 +84,12 @@ def test_a_linked_array_directory_is_refused(saved, tmp_path):
     shutil.rmtree(os.path.join(ck, "a"))
     os.symlink(tmp_path / "elsewhere", os.path.join(ck, "a"))
     for read in (lambda: tsckpt.open(ck), lambda: tsckpt.verify(ck), lambda: tsckpt.convert(ck, str(tmp_path / "o"))):
-        with pytest.raises(CorruptCheckpointError) as e:
+        with pytest.raises(LinkRefusedError) as e:
             read()
         assert str(e.value) == (
-            f"{ck}: a is a symbolic link (to {tmp_path / 'elsewhere'}); a checkpoint holds its own files and tsckpt "
-            "does not follow links out of it: replace each link with a copy of its file (`tsckpt verify` lists them)"
+            f"{ck}: a is a symbolic link (to {tmp_path / 'elsewhere'}); tsckpt does not follow symbolic links in a "
+            "checkpoint, which must hold its own files (a link could lead anywhere; docs/security.md): replace each "
+            "link with a copy of its file"
         )
     assert not (tmp_path / "o").exists()
 
@@ -97,7 +98,7 @@ def test_a_linked_metadata_file_is_refused(saved, tmp_path):
     ck = _copy(saved, "files-zarr2", tmp_path)
     os.rename(os.path.join(ck, "_METADATA"), tmp_path / "meta")
     os.symlink(tmp_path / "meta", os.path.join(ck, "_METADATA"))
-    with pytest.raises(CorruptCheckpointError, match=r": _METADATA is a symbolic link \(to "):
+    with pytest.raises(LinkRefusedError, match=r": _METADATA is a symbolic link \(to "):
         tsckpt.open(ck)
 
 

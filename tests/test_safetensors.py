@@ -12,7 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tsckpt import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError
+from tsckpt import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    LinkRefusedError,
+)
 from tsckpt import NotACheckpointError
 from tsckpt._base import dtypes as _dtypes
 from tsckpt._errors import short_repr
@@ -374,18 +380,18 @@ def test_a_linked_shard_or_weights_file_is_refused(tmp_path):
     first = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]["emb.weight"]
     os.rename(d / first, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", d / first)
-    with pytest.raises(CorruptCheckpointError) as e:
+    with pytest.raises(LinkRefusedError) as e:
         read_dir(str(d))
     assert str(e.value) == (
         f"{d}/model.safetensors.index.json: weight_map['emb.weight'] {first!r}: {first} is a symbolic link (to "
-        f"{tmp_path / 'elsewhere'}); a checkpoint holds its own files and tsckpt does not follow links out of it: "
-        "replace each link with a copy of its file"
+        f"{tmp_path / 'elsewhere'}); tsckpt does not follow symbolic links in a checkpoint, which must hold its own "
+        "files (a link could lead anywhere; docs/security.md): replace each link with a copy of its file"
     )
     one = tmp_path / "one"
     one.mkdir()
     save_file(tensors(), str(tmp_path / "real.safetensors"))
     os.symlink(tmp_path / "real.safetensors", one / "model.safetensors")
-    with pytest.raises(CorruptCheckpointError, match=r"the weights file 'model.safetensors': model.safetensors is a "
+    with pytest.raises(LinkRefusedError, match=r"the weights file 'model.safetensors': model.safetensors is a "
                        r"symbolic link"):
         read_dir(str(one))
     assert set(read_file(str(one / "model.safetensors"))) == set(tensors())  # the file named itself may be a link

@@ -224,3 +224,94 @@ def test_views_within_their_storage_are_read(tmp_path):
     torch.save(state, src)
     got = read_torch_file(src)
     assert torch.equal(got["position_ids"], state["position_ids"]) and torch.equal(got["every_other"], state["every_other"])
+
+
+# ---- a Hugging Face directory of torch.save shards (pytorch_model-*.bin and their index) ----------
+
+
+@pytest.fixture
+def sharded_bin(tmp_path):
+    """A tiny GPT-2 as save_pretrained(safe_serialization=False) shards it: pytorch_model-0000N-of-0000M.bin
+    files and pytorch_model.bin.index.json."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=32, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    d = tmp_path / "bin"
+    model.save_pretrained(d, safe_serialization=False, max_shard_size="1KB")
+    assert (d / "pytorch_model.bin.index.json").is_file() and len(list(d.glob("pytorch_model-*.bin"))) > 2
+    return str(d), model
+
+
+def test_a_sharded_pytorch_model_bin_directory_is_read_through_its_index(sharded_bin, tmp_path, capsys):
+    import json
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from tsckpt._cli import main
+
+    d, model = sharded_bin
+    state = model.state_dict()
+    names = sorted(json.loads(open(os.path.join(d, "pytorch_model.bin.index.json")).read())["weight_map"])
+    reader = tsckpt.open(d)
+    assert reader.checkpoint.format == "torch" and sorted(reader) == names == sorted(state)
+    for name in names:
+        np.testing.assert_array_equal(reader[name][...], state[name].numpy())
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    out = tsckpt.restore(d, target)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    # into a Hugging Face safetensors directory transformers loads: the same logits
+    hf = str(tmp_path / "hf")
+    r = tsckpt.convert(d, hf, to_format="safetensors", copy_from=d)
+    assert r.src_format == "torch" and r.n_tied == 1  # lm_head.weight is the embedding, in one shard
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits, model(ids).logits)
+    for argv in (["ls", d], ["verify", d], ["convert", d, str(tmp_path / "ck"), "--from", "torch"]):
+        code = main(argv)
+        assert code == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert ["transformer.h.1.mlp.c_proj.weight", "float32", "[32,", "8]"] in [line.split()[:4] for line in out.splitlines()]
+    assert "OK: " in out and "(tied: stored as " in out
+    back = tsckpt.restore(str(tmp_path / "ck"))
+    assert all(torch.equal(torch.as_tensor(back[k]), state[k]) for k in state)
+
+
+def test_a_sharded_bin_index_that_lies_is_named(sharded_bin, capsys):
+    import json
+
+    from tsckpt._cli import main
+
+    d, _ = sharded_bin
+    index_file = os.path.join(d, "pytorch_model.bin.index.json")
+    index = json.loads(open(index_file).read())
+    first = index["weight_map"]["transformer.wte.weight"]
+    index["weight_map"]["ghost"] = first
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(CorruptCheckpointError) as e:
+        tsckpt.open(d)
+    assert str(e.value) == (
+        f"{os.path.join(d, first)}: holds no tensor 'ghost', but pytorch_model.bin.index.json maps it there"
+    )
+    del index["weight_map"]["ghost"]
+    index["weight_map"]["transformer.wte.weight"] = "pytorch_model-99999-of-99999.bin"
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    assert main(["ls", d]) == 1
+    assert capsys.readouterr().err == (
+        f"tsckpt ls: error: {os.path.join(d, 'pytorch_model-99999-of-99999.bin')}: missing, but "
+        "pytorch_model.bin.index.json maps 'transformer.wte.weight' to it\n"
+    )
+    with open(index_file, "w") as f:
+        f.write("{oops")
+    with pytest.raises(CorruptCheckpointError, match=r"pytorch_model.bin.index.json: not a valid index: it is not JSON"):
+        tsckpt.open(d)
+
+
+def test_a_directory_of_one_pytorch_model_bin_is_read(tmp_path):
+    d = tmp_path / "one"
+    d.mkdir()
+    torch.save({"w": torch.arange(3.0)}, d / "pytorch_model.bin")
+    assert tsckpt.restore(str(d), {"w": torch.zeros(3)})["w"].tolist() == [0.0, 1.0, 2.0]

@@ -88,8 +88,9 @@ def test_a_symlinked_chunk_file_is_reported(ck, tmp_path, capsys):
     r = tsckpt.verify(ck, progress=False)
     assert not r.ok and list(r.bad) == ["m/b"]
     assert r.bad["m/b"] == (
-        f"m/b/c/0 is a symbolic link (to {outside}); a checkpoint holds its own files: "
-        "replace the link with a copy of the file"
+        f"m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, which "
+        "must hold its own files (a link could lead anywhere; docs/security.md): replace each link with a copy of "
+        "its file"
     )
     from tsckpt._cli import main
 

@@ -10,9 +10,11 @@ says it is a bug in tsckpt).
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from ._convert import TARGETS, parse_size
 from ._errors import CheckpointExistsError, TsckptError
 from ._formats.dcp import PICKLE_WARNING
 from ._formats.sources import FORMATS, open_checkpoint
+from ._manager import StepListing, list_steps
 from ._ondisk.records import LAYOUT_PLAIN, LAYOUTS
 from ._options import READ_WINDOW_BYTES
 from ._read.open import open as open_reader
@@ -94,6 +97,39 @@ def _under(path: str, prefix: str | None) -> bool:
         return True
     have = _spelled(path)
     return have == want or have.startswith(want + ".")
+
+
+def _or_list(names: list[str]) -> str:
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def did_you_mean(name: str, leaves: Sequence[str], directory: str, *, prefixes: bool = False) -> str:
+    """What to say after "no leaf ``name``": the leaf paths (and, with ``prefixes``, the
+    prefixes of them ls takes), ``/`` and ``.`` alike, that hold it (the shortest three, none
+    below another), else
+    the closest to it (difflib); else how to list them all."""
+    want = _spelled(name).strip(".")
+    shown: dict[str, str] = {}  # spelled -> as ls writes it (the spelling keeps every position)
+    for p in leaves:
+        spelled = _spelled(p)
+        shown.setdefault(spelled, p)
+        if prefixes:
+            for i, ch in enumerate(spelled):
+                if ch == ".":
+                    shown.setdefault(spelled[:i], p[:i])
+    holding: list[str] = []  # the shortest first, none below another
+    for c in sorted((c for c in shown if want and want in c), key=lambda c: (len(c), c)):
+        if len(holding) < 3 and not any(c.startswith(h + ".") for h in holding):
+            holding.append(c)
+    picked = [shown[c] for c in holding]
+    if not picked:
+        close = difflib.get_close_matches(want, list(shown), n=10, cutoff=0.6)
+        scores = [difflib.SequenceMatcher(None, want, c).ratio() for c in close]
+        picked = [shown[c] for c, score in zip(close, scores) if score >= max(scores) - 0.05][:3]
+    if picked:
+        return f"did you mean {_or_list(picked)}?"
+    return f"`tsckpt ls {shlex.quote(directory)}` lists every leaf"
 
 
 def resolve_leaf(leaves: Sequence[str], name: str) -> str:
@@ -198,11 +234,71 @@ def printable(arr: LazyArray, index: tuple[Any, ...]) -> tuple[np.ndarray, str]:
 # ---- commands ----------------------------------------------------------------
 
 
+def _manager_steps(args: argparse.Namespace) -> list[StepListing] | None:
+    """The steps under DIR when it is a CheckpointManager's root rather than one checkpoint."""
+    if args.from_format not in (None, "tsckpt"):
+        return None
+    return list_steps(args.dir)
+
+
+def _step_path(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _not_one_checkpoint(args: argparse.Namespace, steps: list[StepListing], *rest: str | None) -> UsageError:
+    """A command that reads one checkpoint was given a manager's root: name a step to give instead."""
+    complete = [s for s in steps if s.state == "complete"]
+    if not complete:
+        return UsageError(
+            f"{args.dir} is a CheckpointManager root with no complete step yet, not one checkpoint; "
+            f"`tsckpt ls {shlex.quote(args.dir)}` lists its step directories"
+        )
+    example = " ".join(shlex.quote(a) for a in (_step_path(args.dir, complete[-1].name), *rest) if a)
+    return UsageError(
+        f"{args.dir} is a CheckpointManager root ({_count(len(complete), 'complete step')}, the latest "
+        f"{complete[-1].step}), not one checkpoint; give a step's directory, e.g. tsckpt {args.command} {example}"
+    )
+
+
+def _ls_steps(args: argparse.Namespace, steps: list[StepListing]) -> int:
+    """`tsckpt ls` of a manager's root: its step directories and their states (it writes nothing)."""
+    rows = [["DIRECTORY", "STEP", "STATE", "LEAVES", "SIZE", "NOTE"]]
+    for s in steps:
+        leaves = size = ""
+        note = s.note
+        if s.state == "complete":
+            try:
+                ck = open_checkpoint(s.directory)
+                leaves = str(len(ck.leaves))
+                size = human_bytes(sum(ck.array_metadata(p).nbytes for p in ck.arrays))
+            except TsckptError as e:
+                leaves, note = "?", _one_line(e)
+        rows.append([s.name, str(s.step), s.state, leaves, size, note])
+    for line in _table(rows):
+        print(line)
+    counts: dict[str, int] = {"complete": 0}
+    for s in steps:
+        counts[s.state] = counts.get(s.state, 0) + 1
+    complete = [s for s in steps if s.state == "complete"]
+    latest = f" (latest: tsckpt ls {shlex.quote(_step_path(args.dir, complete[-1].name))})" if complete else ""
+    states = ", ".join(f"{n} {state}" + (latest if state == "complete" else "") for state, n in counts.items())
+    print(f"{args.dir}: a CheckpointManager root, {_count(len(steps), 'step directory', 'step directories')}: {states}")
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    steps = _manager_steps(args)
+    if steps is not None:
+        if args.prefix:
+            raise _not_one_checkpoint(args, steps, args.prefix)
+        return _ls_steps(args, steps)
     ck = open_checkpoint(args.dir, **_opened(args))
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
-        raise UsageError(f"no leaf at or below '{args.prefix}' in {ck.location}")
+        raise UsageError(
+            f"no leaf at or below '{args.prefix}' in {ck.location}; "
+            + did_you_mean(args.prefix, list(ck.leaves), args.dir, prefixes=True)
+        )
     header = ["PATH", "DTYPE", "SHAPE", "SIZE"] + (["CHUNK", "SHARD"] if args.long else []) + ["VALUE"]
     rows = [header]
     total = 0
@@ -232,12 +328,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     name, index, index_text = parse_target(args.target)
+    steps = _manager_steps(args)
+    if steps is not None:
+        raise _not_one_checkpoint(args, steps, args.target)
     reader = open_reader(args.dir, **_opened(args))
     path = resolve_leaf(list(reader), name)
     try:
         leaf = reader[path]
-    except KeyError as e:
-        raise UsageError(e.args[0] if e.args else str(e)) from None
+    except KeyError:
+        where = reader.checkpoint.location
+        raise UsageError(f"'{path}' is not a leaf of {where}; {did_you_mean(path, list(reader), args.dir)}") from None
     if not isinstance(leaf, LazyArray):
         if index is not None:
             raise UsageError(f"'{path}' is a plain {type(leaf).__name__} value, not an array; it cannot be indexed")
@@ -270,6 +370,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ._read.verify import verify
 
+    steps = _manager_steps(args)
+    if steps is not None:
+        raise _not_one_checkpoint(args, steps)
     report = verify(args.dir, progress=False if args.verbose else None, **_opened(args))
     if args.verbose:
         for p in report.leaves:
@@ -282,11 +385,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report.tree_problem is not None:
         print(f"FAIL  {report.tree_problem}")
     if not report.ok:
-        arrays = [p for p in report.bad if p in report.arrays]
-        others = [p for p in report.bad if p not in report.arrays]
-        parts = [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not others else []
+        unread = [p for p in report.bad if p in report.unread]
+        arrays = [p for p in report.bad if p in report.arrays and p not in report.unread]
+        others = [p for p in report.bad if p not in report.arrays and p not in report.unread]
+        parts = (
+            [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not (others or unread)
+            else []
+        )
         if others:
             parts.append(f"{_count(len(others), 'other leaf', 'other leaves')} bad ({_names(others)})")
+        if unread:
+            parts.append(
+                f"{len(unread)} not read, as their files include a symbolic link (never followed) or a special "
+                f"file ({_names(unread)})"
+            )
         if report.group_problems:
             parts.append(f"{len(report.group_problems)} group node(s) bad")
         if report.tree_problem is not None:
@@ -405,13 +517,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="copy a checkpoint into another format (safetensors, Hugging Face, torch.save, DCP, Orbax)",
+        help="write a checkpoint of any format as tsckpt or safetensors (reads tsckpt, safetensors, torch.save, "
+        "DCP and Orbax)",
         description="Stream SRC into DST, reading and writing piece by piece (memory stays bounded). SRC is "
         "detected: a tsckpt checkpoint, a .safetensors file or Hugging Face directory (model.safetensors, or "
-        "shards and model.safetensors.index.json), a torch.save file (loaded with weights_only=True), a "
-        "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint, a "
-        ".safetensors file, or (--to safetensors) a Hugging Face directory, sharded at --max-shard-size. "
-        "Tied leaves stay tied (stored once). Warning: " + PICKLE_WARNING,
+        "shards and model.safetensors.index.json), a torch.save file or a Hugging Face directory of them "
+        "(pytorch_model.bin, or shards and pytorch_model.bin.index.json; loaded with weights_only=True), a "
+        "torch.distributed.checkpoint directory, or an Orbax checkpoint. DST is a tsckpt checkpoint (the "
+        "default) or safetensors: a .safetensors file, or (--to safetensors) a Hugging Face directory, sharded "
+        "at --max-shard-size; convert writes no torch.save, DCP or Orbax checkpoint. Tied leaves stay tied "
+        "(stored once). Warning: " + PICKLE_WARNING,
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -424,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="largest safetensors file of a directory destination, e.g. 5GB, 500MB, 2GiB (default: one file)")
     p.add_argument("--dtype", metavar="DTYPE",
-                   help="cast floating-point arrays, e.g. bfloat16 or float16 (and name it in a copied config.json)")
+                   help="cast floating-point arrays, e.g. bfloat16 or float16 (a copied config.json names the dtype "
+                   "written)")
     p.add_argument("--casting", choices=CASTINGS, default="same_kind",
                    help="what --dtype may do: same_kind fails on a value beyond the new dtype's range, unsafe "
                    "casts it anyway with a warning (default: same_kind)")
@@ -436,7 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")
     p.add_argument("--copy-from", metavar="DIR",
                    help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
-                   "tokenizer files found in DIR (regular files only)")
+                   "tokenizer files found in DIR (regular files only); config.json's torch_dtype/dtype is set to "
+                   "the dtype of the weights written (several floating-point dtypes: pass --dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "

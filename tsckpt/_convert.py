@@ -38,6 +38,7 @@ from ._read.reader import LazyArray
 from ._read.restore import warn_lost_values
 from ._runtime.progress import Progress
 from ._save.protocol import save
+from ._storage.confine import link_refused
 from ._storage.locations import Directory, resolve
 from .tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
 
@@ -244,14 +245,12 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
 
 
 def _regular_file(path: str) -> os.stat_result:
-    """``path``'s status, refused unless it is a regular file (never a link) of at most
-    :data:`MAX_SIDE_FILE_BYTES`."""
+    """``path``'s status, refused unless it is a regular file (a link: LinkRefusedError) of at
+    most :data:`MAX_SIDE_FILE_BYTES`."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(
-            f"copy_from: {path} is a symbolic link, and links are not followed; copy from a directory "
-            "holding the files themselves (e.g. huggingface-cli download --local-dir DIR)"
-        )
+        target = os.readlink(path)
+        raise link_refused(f"copy_from: {path} is a symbolic link (to {target})", path, target)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"copy_from: {path} is not a regular file")
     if st.st_size > MAX_SIDE_FILE_BYTES:
@@ -289,20 +288,63 @@ def _read_side(path: str, out: BinaryIO | None = None) -> bytes:
     return b"".join(kept)
 
 
-def _config_with_dtype(path: str, dtype: torch.dtype) -> bytes:
-    """config.json with its dtype key(s) naming ``dtype``: those of :data:`CONFIG_DTYPE_KEYS`
-    already there (``torch_dtype`` if none is), so transformers loads the weights as written."""
+def _config_naming(path: str, dtype: str) -> bytes | None:
+    """config.json with its dtype key(s) naming ``dtype``, the one floating-point dtype of the
+    weights written: those of :data:`CONFIG_DTYPE_KEYS` already there (``torch_dtype`` if none is), so
+    transformers loads the weights as written. None when it names ``dtype`` already (the
+    file is copied byte for byte)."""
     data = _read_side(path)
     try:
         config = json.loads(data)
     except ValueError as e:  # UnicodeDecodeError too
-        raise ValueError(f"copy_from: {path} is not valid JSON ({e}); fix it, or convert without dtype") from None
+        raise ValueError(
+            f"copy_from: {path} is not valid JSON ({e}), so its dtype cannot be set to the weights' ({dtype}); "
+            "fix it, or convert without copy_from (--copy-from)"
+        ) from None
     if not isinstance(config, dict):
         raise ValueError(f"copy_from: {path} is not a JSON object, as a model's config.json is")
-    name = str(dtype).removeprefix("torch.")
-    for key in [k for k in CONFIG_DTYPE_KEYS if k in config] or [CONFIG_DTYPE_KEYS[0]]:
-        config[key] = name
+    keys = [k for k in CONFIG_DTYPE_KEYS if k in config]
+    if keys and all(config[k] == dtype for k in keys):
+        return None
+    for key in keys or [CONFIG_DTYPE_KEYS[0]]:
+        config[key] = dtype
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def floating_dtype(path: str, dtypes: dict[str, str]) -> str | None:
+    """The one floating-point dtype of the weights written (``dtypes``: stored name -> dtype),
+    which the config at ``path`` is to name; None when none is floating. Several: ValueError,
+    as no config can name them (transformers would load every weight as the config's one)."""
+    by_dtype: dict[str, list[str]] = {}
+    for name, dt in dtypes.items():
+        tdt = _dtypes.TORCH_DTYPES.get(dt)
+        if tdt is not None and tdt.is_floating_point:
+            by_dtype.setdefault(dt, []).append(name)
+    if len(by_dtype) <= 1:
+        return next(iter(by_dtype), None)
+    parts = "; ".join(
+        f"{dt}: {len(names)} array{'s' if len(names) > 1 else ''}, e.g. {names[0]!r}"
+        for dt, names in sorted(by_dtype.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    )
+    named = _config_dtype(path)
+    loads = f" (transformers would load them all as {named})" if named else ""
+    raise ValueError(
+        f"copy_from: the floating-point weights written are of {len(by_dtype)} dtypes ({parts}), so {path} "
+        f"cannot name one dtype for them{loads}; pass --dtype (dtype=) to cast them to one, or convert without "
+        "--copy-from and write the config yourself"
+    )
+
+
+def _config_dtype(path: str) -> str | None:
+    """The dtype config.json names now, for a message (None: none, or it cannot be read)."""
+    try:
+        config = json.loads(_read_side(path))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    named = [config[k] for k in CONFIG_DTYPE_KEYS if isinstance(config.get(k), str)]
+    return named[0] if named else None
 
 
 def _side_writer(path: str, data: bytes | None) -> Callable[[BinaryIO], None]:
@@ -317,22 +359,36 @@ def _side_writer(path: str, data: bytes | None) -> Callable[[BinaryIO], None]:
     return write
 
 
-def hf_side_files(copy_from: str, dtype: torch.dtype | None) -> list[safetensors.SideFile]:
+def hf_side_names(copy_from: str) -> list[str]:
     """The Hugging Face side files (:data:`HF_SIDE_FILES`) in the directory ``copy_from``,
-    each checked (a regular file, no link, not too large) before anything is written, with
-    config.json's dtype set to ``dtype`` when given; the others are copied byte for byte."""
+    each checked (a regular file, no link, not too large) before anything is read or written."""
     if not os.path.isdir(copy_from):
         raise ValueError(f"copy_from: {copy_from} is not a directory; give the model directory holding config.json")
-    sides = []
+    names = []
     for name in HF_SIDE_FILES:
         path = os.path.join(copy_from, name)
         if not os.path.lexists(path):
             continue
         _regular_file(path)
-        data = _config_with_dtype(path, dtype) if name == "config.json" and dtype is not None else None
-        sides.append(safetensors.SideFile(name, _side_writer(path, data)))
-    if not sides:
+        names.append(name)
+    if not names:
         raise ValueError(f"copy_from: {copy_from} holds none of the files it copies ({', '.join(HF_SIDE_FILES)})")
+    return names
+
+
+def hf_side_files(copy_from: str, names: list[str], dtypes: dict[str, str]) -> list[safetensors.SideFile]:
+    """The side files ``names`` of ``copy_from`` (:func:`hf_side_names`) to write beside the
+    weights, whose dtypes ``dtypes`` gives (stored name -> dtype): config.json names their one
+    floating-point dtype (:func:`floating_dtype`; several are refused), the others are copied
+    byte for byte."""
+    sides = []
+    for name in names:
+        path = os.path.join(copy_from, name)
+        data = None
+        if name == "config.json":
+            dtype = floating_dtype(path, dtypes)
+            data = None if dtype is None else _config_naming(path, dtype)
+        sides.append(safetensors.SideFile(name, _side_writer(path, data)))
     return sides
 
 
@@ -355,16 +411,14 @@ def _destination_format(dst: Directory, to_format: str | None) -> str:
     return to
 
 
-def _copied(
-    copy_from: str | os.PathLike[str] | None, to: str, dst: str, cast: torch.dtype | None
-) -> list[safetensors.SideFile]:
-    """The side files ``copy_from`` asks for, refused unless the destination is a Hugging
-    Face directory (a .safetensors file or a tsckpt checkpoint holds no side files)."""
+def _copied(copy_from: str | os.PathLike[str] | None, to: str, dst: str) -> list[str]:
+    """The names of the side files ``copy_from`` asks for, refused unless the destination is
+    a Hugging Face directory (a .safetensors file or a tsckpt checkpoint holds no side files)."""
     if copy_from is None:
         return []
     if to != "safetensors" or dst.endswith(".safetensors"):
         raise ValueError("copy_from applies to a Hugging Face directory destination (--to safetensors, not a file)")
-    return hf_side_files(os.fspath(copy_from), cast)
+    return hf_side_names(os.fspath(copy_from))
 
 
 def checkpoint_tree(ck: Checkpoint) -> Any:
@@ -444,7 +498,8 @@ def convert(
 
     ``src`` may be a tsckpt checkpoint, a safetensors file or Hugging Face directory
     (``model.safetensors`` or shards with ``model.safetensors.index.json``), a
-    ``torch.save`` file (loaded with ``weights_only=True``), a
+    ``torch.save`` file or a Hugging Face directory of them (``pytorch_model.bin``, or
+    shards with ``pytorch_model.bin.index.json``; loaded with ``weights_only=True``), a
     torch.distributed.checkpoint directory (its metadata is a pickle, which can run code
     when read: refused unless ``allow_pickle=True``, for a checkpoint from a trusted
     source) or an Orbax checkpoint; ``from_format`` overrides detection.
@@ -462,8 +517,9 @@ def convert(
     ``overwrite`` and ``layout`` are as for :func:`tsckpt.save` (``layout``: a tsckpt destination's).
     ``copy_from`` (a Hugging Face directory destination) names a model directory whose
     config.json, generation_config.json and tokenizer files are written beside the
-    weights, in the same all-or-nothing write; with ``dtype``, the copied config.json
-    names the new dtype (``torch_dtype``/``dtype``).
+    weights, in the same all-or-nothing write; the copied config.json names the dtype of
+    the floating-point weights written (``torch_dtype``/``dtype``, those it has), so
+    transformers loads them as written; weights of several such dtypes need ``dtype``.
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
     # the bar counts the source bytes read, so the save shows none of its own
@@ -476,14 +532,22 @@ def convert(
         raise ValueError(f"layout={layout!r} applies to a tsckpt destination, not {to}")
     shard_limit = parse_size(max_shard_size)
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
-        raise ValueError("max_shard_size applies to a safetensors directory destination (not a .safetensors file)")
+        what = (
+            "one .safetensors file: give a directory path to write shards" if to == "safetensors"
+            else "a tsckpt checkpoint, whose shard files max_inflight_bytes (--max-inflight-bytes) bounds"
+        )
+        raise ValueError(
+            "max_shard_size (--max-shard-size) applies to a Hugging Face directory destination (--to safetensors); "
+            f"{dst_name} is to be {what}"
+        )
     cast = parse_dtype(dtype)
-    sides = _copied(copy_from, to, dst_name, cast)
+    side_names = _copied(copy_from, to, dst_name)
     fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
+        sides = hf_side_files(os.fspath(copy_from), side_names, prep.dtypes) if copy_from is not None else []
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst, sel, prep, writing)

@@ -54,6 +54,25 @@ class CorruptCheckpointError(TsckptError, OSError):
     """Stored bytes fail their checksum, are truncated, or are missing."""
 
 
+class LinkRefusedError(TsckptError, PermissionError):
+    """The checkpoint holds a symbolic link, which tsckpt does not follow (docs/security.md: a
+    link could lead anywhere, so a checkpoint must hold its own files). Nothing is damaged:
+    read a copy that holds the files themselves (a Hugging Face cache snapshot, whose files
+    link into ``blobs/``: ``hf download REPO --local-dir DIR``). ``link`` is the link's path,
+    ``target`` where it points."""
+
+    def __init__(self, message: str, *, link: str | None = None, target: str | None = None) -> None:
+        super().__init__(message)
+        self.link = link
+        self.target = target
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple:  # type: ignore[type-arg]
+        return (type(self), (str(self),), {"link": self.link, "target": self.target})
+
+
 class LayoutError(TsckptError, ValueError):
     """Shards given for one global array overlap, leave holes, or disagree."""
 
@@ -119,6 +138,7 @@ __all__ = [
     "FormatVersionError",
     "LayoutError",
     "LeafTypeError",
+    "LinkRefusedError",
     "LossyCastError",
     "NotACheckpointError",
     "SaveInProgressError",

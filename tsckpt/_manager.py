@@ -421,4 +421,69 @@ def _unidentified(root: RootState) -> str:
     return f"its root is in state {root.state!r} without the claim of a tsckpt save"
 
 
+# ---- listing a root's steps, as `tsckpt ls` does --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepListing:
+    """A step directory under a manager's root, as :func:`list_steps` finds it."""
+
+    name: str  # the directory's name ("00000100")
+    step: int
+    # "complete"; "saving" (a save under way); "partial" (a save over without committing) or
+    # "empty", which a manager's clean-up removes; "other" (not tsckpt's), which it leaves alone
+    state: str
+    note: str  # why it is in that state (empty for a complete step)
+    directory: Directory  # where it is: what the read verbs take
+
+
+def list_steps(root: Directory) -> list[StepListing] | None:
+    """The step directories under ``root`` with their states, if ``root`` is a manager's root
+    (it holds no checkpoint of its own, and a step directory holding a tsckpt root); else
+    None. Reads only: unlike a manager's construction, it cleans nothing up."""
+    loc = resolve(root)
+    with storage_errors(loc):
+        if loc.local is not None:
+            if not os.path.isdir(loc.local) or os.path.lexists(os.path.join(loc.local, ROOT_KEY)):
+                return None  # not a directory, or a checkpoint (or what is left of one)
+        elif loc.kvstore().read(ROOT_KEY).result().state == "value":
+            return None
+        names = _steps.step_names(loc)
+        if not names:
+            return None
+        roots = read_root_states(loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
+    states = {n: roots[f"{n}/{ROOT_KEY}"] for n in sorted(names, key=lambda n: (int(n), n))}
+    if all(r.state is None for r in states.values()):
+        return None  # no step of tsckpt's (none at all, or another library's: Orbax)
+    out = []
+    for name, state in states.items():
+        where = os.path.join(loc.local, name) if loc.local is not None else loc.sub(name)
+        if state.state == STATE_COMMITTED:
+            kind, note = "complete", ""
+        elif _lease.save_running(state):
+            kind, note = "saving", f"a save is under way ({_lease.describe(_lease.claim_of(state))})"
+        elif _abandoned(state):
+            claim = _lease.claim_of(state)
+            who = f"pid {claim.get('pid')} on host {claim.get('host')!r}, started {claim.get('started')}"
+            kind, note = "partial", f"a save that ended without committing ({who}); a CheckpointManager on this root removes it"
+        elif state.state is None and not _holds_anything(where):
+            kind, note = "empty", "holds no checkpoint; a CheckpointManager on this root removes it"
+        else:
+            kind = "other"
+            note = f"not a checkpoint tsckpt wrote ({_unidentified(state)}); a CheckpointManager leaves it alone"
+        out.append(StepListing(name, int(name), kind, note, where))
+    return out
+
+
+
+def _holds_anything(where: Directory) -> bool:
+    """Whether a step directory holds anything but TensorStore's lock file of a root write cut
+    short (as ``CheckpointManager._holds_data`` judges it, for clean-up)."""
+    if isinstance(where, str):
+        if not os.path.isdir(where) or os.path.islink(where):
+            return os.path.lexists(where)
+        return bool(set(os.listdir(where)) - {_ROOT_LOCK})
+    return _store.has_any_key(resolve(where))
+
+
 __all__ = ["CheckpointManager"]

@@ -9,6 +9,8 @@ Owns:
 - :mod:`.safetensors`: safetensors files and Hugging Face directories, headers and
   indexes checked field by field, read and written in blocks.
 - :mod:`.torchfile`: ``torch.save`` files, loaded with ``weights_only=True``.
+- :mod:`.torchdir`: Hugging Face directories of ``torch.save`` files (``pytorch_model.bin``,
+  or shards and ``pytorch_model.bin.index.json``), each file read as :mod:`.torchfile` reads it.
 - :mod:`.dcp`: torch.distributed.checkpoint directories (pickled metadata only with
   ``allow_pickle``).
 - :mod:`.orbax`: Orbax item and step directories, through TensorStore alone.

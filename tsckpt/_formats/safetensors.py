@@ -345,12 +345,13 @@ def read_dir(path: str) -> Any:
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
     confined(path, os.path.basename(index_file), where=path, field="the index file")
-    weight_map, meta = _read_index(index_file)
+    weight_map, meta = read_index(index_file)
     return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
 
 
-def _read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """(weight map: tensor name -> file, metadata) of a sharded directory's index."""
+def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """(weight map: tensor name -> file, metadata) of a sharded directory's index (its JSON
+    parsed with bounds, its fields checked): a safetensors index, or a torch.save one."""
     try:
         with open(index_file, "rb") as f:
             index = parse_json(f.read())

@@ -24,7 +24,7 @@ from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.records import ROOT_KEY
 from .._storage.faults import storage_errors
 from .._storage.locations import Directory, Location, resolve
-from . import dcp, lazy, orbax, safetensors, torchfile
+from . import dcp, lazy, orbax, safetensors, torchdir, torchfile
 
 FORMATS = (TSCKPT, "safetensors", "torch", "dcp", "orbax")
 # The formats read through TensorStore, which a kvstore spec or URL may hold.
@@ -45,6 +45,8 @@ def detect(src: str) -> str | None:
             return "orbax"
         if safetensors.is_hf_dir(src):
             return "safetensors"
+        if torchdir.is_torch_dir(src):
+            return "torch"
         if dcp.is_dcp_dir(src):
             return "dcp"
         return None
@@ -97,7 +99,9 @@ def _open_safetensors(loc: Location, how: Reading) -> Checkpoint:
 
 
 def _open_torch(loc: Location, how: Reading) -> Checkpoint:
-    return lazy.as_checkpoint(loc, "torch", torchfile.read_torch_file(_local(loc, "torch.save")))
+    path = _local(loc, "torch.save")
+    tree = torchdir.read_torch_dir(path) if os.path.isdir(path) else torchfile.read_torch_file(path)
+    return lazy.as_checkpoint(loc, "torch", tree)
 
 
 def _open_dcp(loc: Location, how: Reading) -> Checkpoint:
@@ -141,8 +145,8 @@ def unknown_format(src: str) -> NoReturn:
     """Raise why the format of ``src`` cannot be told."""
     if os.path.isdir(src):
         raise NotACheckpointError(
-            f"{src}: cannot tell what this directory holds (no zarr.json, Orbax metadata, DCP .metadata or "
-            "*.safetensors); pass the format with --from"
+            f"{src}: cannot tell what this directory holds (no zarr.json, Orbax metadata, *.safetensors, "
+            f"{torchdir.INDEX_NAME} or {torchdir.SINGLE_NAME}, or DCP .metadata); pass the format with --from"
         )
     if not os.path.isfile(src):
         raise CheckpointNotFoundError(f"{src}: no such file or directory")

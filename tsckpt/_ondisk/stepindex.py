@@ -9,11 +9,15 @@ The manager writes ``.tsckpt-steps/.root`` when it is created, and any save
 (``tsckpt.save`` too) into a numbered directory right under such a root marks
 its step first, so a step saved without the manager is listed as well. A
 marker is only a hint: each step's root ``zarr.json`` says whether it is complete.
+:func:`step_names` lists a root's step directories, on any storage, reading only.
 """
 
 from __future__ import annotations
 
+import os
 import re
+
+import tensorstore as ts
 
 from .._storage.faults import storage_errors
 from .._storage.locations import Location, resolve
@@ -48,3 +52,16 @@ def mark_if_managed(loc: Location) -> None:
         managed = root.kvstore().read(_ROOT_MARK).result().state == "value"
     if managed:
         mark(root, name)
+
+
+def step_names(root: Location) -> list[str]:
+    """The names of the step directories right under ``root`` (numbered, :data:`STEP`): on a
+    local disk its subdirectories, elsewhere its index's markers; sorted. Reads only."""
+    if root.local is not None:
+        if not os.path.isdir(root.local):
+            return []
+        return sorted(e.name for e in os.scandir(root.local) if e.is_dir() and STEP.fullmatch(e.name))
+    markers = ts.KvStore.KeyRange(INDEX, INDEX[:-1] + "0")  # '0' follows '/'
+    with storage_errors(root):
+        keys = root.kvstore().list(markers, strip_prefix_length=len(INDEX)).result()
+    return sorted(n for n in (k.decode("utf-8", "replace") for k in keys) if STEP.fullmatch(n))

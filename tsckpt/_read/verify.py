@@ -49,6 +49,10 @@ class VerifyReport:
     # own format; False where the format stores none (Orbax), so that damage which still
     # decodes reads back as other values and only unreadable data is found
     checksums: bool = True
+    # the entries of ``bad`` (array paths, or files no array owns) not read only because a file of
+    # theirs is a symbolic link (which tsckpt does not follow) or a special file: a problem of the
+    # checkpoint, not damage of its data
+    unread: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -184,14 +188,7 @@ def _links(ck: Checkpoint) -> dict[str, str]:
         return {}
     found: dict[str, str] = {}
     for rel, odd in odd_files(ck.location.local).items():
-        if odd.target is not None:
-            why = (
-                f"{rel} is a symbolic link (to {odd.target}); a checkpoint holds its own files: "
-                "replace the link with a copy of the file"
-            )
-        else:
-            why = "; ".join(odd_problem(rel, odd))
-        found.setdefault(owner(rel, tuple(ck.arrays)) or rel, why)
+        found.setdefault(owner(rel, tuple(ck.arrays)) or rel, "; ".join(odd_problem(rel, odd, ck.location.local)))
     return found
 
 
@@ -241,6 +238,7 @@ def verify(
         arrays=arrays,
         format=ck.format,
         checksums=not ck.foreign,
+        unread=tuple(sorted(p for p in linked if p not in ck.bad)),
     )
 
 

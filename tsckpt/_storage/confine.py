@@ -20,17 +20,58 @@ needs no walk (``Checkpoint.check_links(deferred=True)``). The checkpoint itself
 from __future__ import annotations
 
 import os
+import re
 import stat
 from typing import Any, NamedTuple
 
-from .._errors import CorruptCheckpointError, short_repr
+from .._errors import CorruptCheckpointError, LinkRefusedError, short_repr
 from . import native
 
-# How every refusal of a link says what to do.
-_LINK_FIX = (
-    "a checkpoint holds its own files and tsckpt does not follow links out of it: replace each link with a "
-    "copy of its file"
+# How every refusal of a link says why, and what to do.
+_LINK_WHY = (
+    "tsckpt does not follow symbolic links in a checkpoint, which must hold its own files (a link could lead "
+    "anywhere; docs/security.md)"
 )
+_LINK_FIX = "replace each link with a copy of its file"
+# A Hugging Face cache snapshot: <cache>/<type>s--<owner>--<name>/snapshots/<revision>/<file>,
+# each file a link to ../../blobs/<hash> (deeper files: more ../).
+_HF_REPO = re.compile(r"(model|dataset|space)s--(.+)")
+_HF_BLOB = re.compile(r"(?:\.\./)+blobs/[0-9a-fA-F]+")
+
+
+def hf_cache_snapshot(path: str) -> tuple[str, str, str] | None:
+    """(repo type, repo id, revision) when ``path`` lies in a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/REV/...``), else None."""
+    for candidate in dict.fromkeys((os.path.abspath(path), os.path.realpath(os.path.dirname(path) or "."))):
+        parts = candidate.replace(os.sep, "/").split("/")
+        for i in range(len(parts) - 2):
+            repo = _HF_REPO.fullmatch(parts[i])
+            if repo and parts[i + 1] == "snapshots" and parts[i + 2]:
+                return repo.group(1), repo.group(2).replace("--", "/"), parts[i + 2]
+    return None
+
+
+def link_fix(path: str, target: str) -> str:
+    """What to do about the link at ``path`` (to ``target``): for a Hugging Face cache
+    snapshot, whose files link into its ``blobs/``, how to download a copy of real files."""
+    snapshot = hf_cache_snapshot(path)
+    if snapshot is None or not _HF_BLOB.fullmatch(target.replace(os.sep, "/")):
+        return _LINK_FIX
+    kind, repo, revision = snapshot
+    flag = "" if kind == "model" else f" --repo-type {kind}"
+    arg = "" if kind == "model" else f", repo_type={kind!r}"
+    return (
+        "this is a Hugging Face cache snapshot, whose files link into the cache's blobs/ (the download is intact): "
+        f"get a copy that holds the files themselves with `hf download {repo} --revision {revision}{flag} "
+        f"--local-dir DIR` (or huggingface_hub.snapshot_download({repo!r}, revision={revision!r}{arg}, "
+        "local_dir=DIR)) and give DIR"
+    )
+
+
+def link_refused(message: str, path: str, target: str) -> LinkRefusedError:
+    """The error of a refused link at ``path`` (to ``target``): ``message`` (where, and what is
+    a link) followed by why links are refused and what to do."""
+    return LinkRefusedError(f"{message}; {_LINK_WHY}: {link_fix(path, target)}", link=path, target=target)
 
 
 def path_problem(rel: Any) -> str | None:
@@ -48,7 +89,8 @@ def path_problem(rel: Any) -> str | None:
 def confined(root: str, rel: Any, *, where: str, field: str) -> str:
     """The local path of ``rel`` (a path stored in the checkpoint at ``root``, read from
     ``where``'s ``field``), checked to lie inside it: CorruptCheckpointError naming the file
-    and the field if ``rel`` leaves ``root`` or a component of it is a symbolic link."""
+    and the field if ``rel`` leaves ``root``, LinkRefusedError if a component of it is a
+    symbolic link."""
     why = path_problem(rel)
     if why is not None:
         raise CorruptCheckpointError(
@@ -59,9 +101,8 @@ def confined(root: str, rel: Any, *, where: str, field: str) -> str:
         path = os.path.join(path, part)
         if os.path.islink(path):
             rel_link = os.path.relpath(path, root).replace(os.sep, "/")
-            raise CorruptCheckpointError(
-                f"{where}: {field} {rel!r}: {rel_link} is a symbolic link (to {os.readlink(path)}); {_LINK_FIX}"
-            )
+            target = os.readlink(path)
+            raise link_refused(f"{where}: {field} {rel!r}: {rel_link} is a symbolic link (to {target})", path, target)
     return path
 
 
@@ -109,10 +150,11 @@ def _special(entry: os.DirEntry[str]) -> str:
     return "a special file"
 
 
-def odd_problem(rel: str, odd: Odd) -> tuple[str, str]:
-    """What is wrong with the odd entry ``rel``, and the fix, as every reader says them."""
+def odd_problem(rel: str, odd: Odd, root: str) -> tuple[str, str]:
+    """What is wrong with the odd entry ``rel`` of the checkpoint at ``root``, and the fix, as
+    every reader says them."""
     if odd.target is not None:
-        return f"{rel} is a symbolic link (to {odd.target})", _LINK_FIX
+        return f"{rel} is a symbolic link (to {odd.target})", f"{_LINK_WHY}: {link_fix(os.path.join(root, rel), odd.target)}"
     return (
         f"{rel} is {odd.what}, not a regular file",
         "a checkpoint holds only directories and regular files: replace it with a copy of its file",
@@ -154,16 +196,24 @@ def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | Non
     return max((p for p in arrays if rel == p or rel.startswith(f"{p}/")), key=len, default=None)
 
 
-def refuse_links(root: str | None, where: str, arrays: list[str] | tuple[str, ...] | set[str] = ()) -> None:
-    """Raise if the local checkpoint at ``root`` holds a symbolic link or a special file
-    (:func:`odd_files`; None: not local)."""
+def refuse_links(
+    root: str | None, where: str, arrays: list[str] | tuple[str, ...] | set[str] = (), *, verify_lists: bool = True
+) -> None:
+    """Raise if the local checkpoint at ``root`` holds a symbolic link (LinkRefusedError) or a
+    special file (CorruptCheckpointError) (:func:`odd_files`; None: not local). ``verify_lists``:
+    the message says that ``tsckpt verify`` lists them all (it does for tsckpt's own format)."""
     if root is None:
         return
     found = odd_files(root)
     if not found:
         return
-    rel, odd = next(iter(found.items()))
+    links = {rel: odd for rel, odd in found.items() if odd.target is not None}
+    rel, odd = next(iter((links or found).items()))  # a link first: its error is its own
     leaf = owner(rel, arrays)
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    what, fix = odd_problem(rel, odd)
-    raise CorruptCheckpointError(f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{what}{more}; {fix} (`tsckpt verify` lists them)")
+    what, fix = odd_problem(rel, odd, root)
+    listed = " (`tsckpt verify` lists them)" if verify_lists else ""
+    message = f"{where}: {f'leaf {leaf!r}: ' if leaf else ''}{what}{more}; {fix}{listed}"
+    if odd.target is not None:
+        raise LinkRefusedError(message, link=os.path.join(root, rel), target=odd.target)
+    raise CorruptCheckpointError(message)
