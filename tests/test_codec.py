@@ -21,7 +21,7 @@ import torch
 
 import tsckpt
 import tsckpt._save.plan as plan
-from tsckpt._read import restore as _restore
+from tsckpt._read import engine as _restore
 from tsckpt._save import write as _save
 from tsckpt._ondisk.arrays import MISSING_CHUNK, array_node
 from tsckpt._codec import route as _route

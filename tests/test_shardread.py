@@ -19,7 +19,7 @@ import torch
 
 import tsckpt
 import tsckpt._save.plan as plan
-from tsckpt._read import restore as _restore
+from tsckpt._read import engine as _restore
 from tsckpt._codec import pagecache as _pagecache
 from tsckpt._codec import shardread as _shardread
 from tsckpt._ondisk.records import Chunking
