@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import struct
@@ -9,6 +10,8 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -26,6 +29,8 @@ from tsckpt._ondisk.records import MAX_NDIM
 from tsckpt._formats import safetensors as _safetensors
 from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
 from tsckpt._base.types import LazySource
+from tests.conftest import examples
+from tests.strategies import dumps, json_mutations, mutate
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -220,6 +225,9 @@ def _with_header(path, header: dict, data: bytes) -> None:
          r"tensor 'a': F32\[2\] needs 8 bytes but its offsets \[0, 12\] span 12"),
         ({"a": [1, 2]}, b"", r"tensor 'a': 'dtype' is None, expected one of"),
         ({"__metadata__": {"x": 1}}, b"", r"its __metadata__ is not a map of strings"),
+        ({"__metadata__": 0}, b"", r"its __metadata__ is not a map of strings"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": json.loads("[" * 126 + "]" * 126)}},
+         bytes(8), r"tensor 'a': its field 'x' nests more than 125 levels deep \(the header more than 127\)"),
     ],
 )
 def test_header_that_lies_is_refused(tmp_path, header, data, match):
@@ -229,6 +237,18 @@ def test_header_that_lies_is_refused(tmp_path, header, data, match):
         read_header(path)
     assert str(e.value).startswith(path + ": ") and "\n" not in str(e.value)
     assert str(e.value).endswith("; the file is damaged or was not fully written, get a good copy")
+
+
+def test_fields_safetensors_ignores_are_read_past(tmp_path):
+    """An entry's extra fields, nested as deeply as the library reads them, and a null
+    ``__metadata__``, are read as the library reads them."""
+    path = str(tmp_path / "x.safetensors")
+    deep = json.loads("[" * 125 + "]" * 125)
+    _with_header(path, {"__metadata__": None, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": deep}},
+                 bytes(8))
+    assert not _library_refuses(path)
+    h = read_header(path)
+    assert h.metadata == {} and h.entries["a"].shape == (2,)
 
 
 def test_a_header_nested_too_deeply_is_corrupt_not_a_recursion_error(tmp_path):
@@ -242,6 +262,94 @@ def test_a_header_nested_too_deeply_is_corrupt_not_a_recursion_error(tmp_path):
         f"{path}: its header is not valid JSON (nested too deeply to parse); the file is damaged or was not fully "
         "written, get a good copy"
     )
+
+
+def _library_refuses(path: str) -> bool:
+    """Whether the safetensors library refuses the file: opening it, or reading any tensor of it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                f.get_slice(name)[...]
+    except BaseException as e:  # pyo3's PanicException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return True
+    return False
+
+
+@settings(max_examples=examples(5), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=hst.data())
+def test_a_header_the_library_refuses_is_refused_here_too(tmp_path, data):
+    """Differential: a good file's header mutated as the fuzz tests mutate JSON, and its data
+    cut short or extended. Whatever the safetensors library refuses, read_header refuses as a
+    TsckptError naming the file; what both accept, both read as the same tensors. (The reverse
+    need not hold: this reader also refuses over MAX_NDIM dimensions, a space before the JSON
+    and dtypes tsckpt cannot hold.)"""
+    good = {"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+            "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]},
+            "c": {"dtype": "I64", "shape": [], "data_offsets": [32, 40]},
+            "d": {"dtype": "U8", "shape": [0, 5], "data_offsets": [40, 40]}}
+    header = mutate(good, data.draw(json_mutations(good), label="mutation"))
+    body = dumps(header).encode("utf-8", "surrogatepass")
+    body += b" " * data.draw(hst.sampled_from([0, 0, 3]), label="padding")
+    extra = data.draw(hst.sampled_from([0, 0, 0, -1, -8, 1, 8]), label="data bytes added")
+    path = str(tmp_path / "x.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body + bytes(max(0, 40 + extra)))
+    refused = _library_refuses(path)
+    try:
+        h = read_header(path)
+    except (CorruptCheckpointError, NotACheckpointError) as e:
+        assert str(e).startswith(path + ": ") and "\n" not in str(e)
+        return
+    assert not refused, f"the library refuses {header!r}, read_header accepts it"
+    with safe_open(path, framework="pt") as f:
+        assert sorted(f.keys()) == sorted(h.entries)
+        for name, entry in h.entries.items():
+            s = f.get_slice(name)
+            assert (s.get_dtype(), tuple(s.get_shape())) == (_safetensors._NAMES[entry.dtype], entry.shape), name
+
+
+def test_a_file_that_shrinks_under_a_read_is_corrupt(tmp_path):
+    """A read past the end (the file cut after its header was read) is an error naming the
+    tensor, not a short array nor, as through a map of the file, SIGBUS."""
+    path = str(tmp_path / "x.safetensors")
+    save_file({"a": torch.ones(64, 64)}, path)
+    entry = read_header(path).entries["a"]
+    os.truncate(path, entry.begin + 1000)
+    with pytest.raises(CorruptCheckpointError) as e:
+        _safetensors.read_box(entry, path, (slice(10, 20),))
+    assert str(e.value) == (
+        f"{path}: tensor 'a' ends early (the file shrank while it was read); the file is damaged or was not fully "
+        "written, get a good copy"
+    )
+
+
+def test_short_reads_are_read_again_to_the_end(tmp_path, monkeypatch):
+    path = str(tmp_path / "x.safetensors")
+    w = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    save_file({"w": w}, path)
+    entry = read_header(path).entries["w"]
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: real(fd, [memoryview(bufs[0])[:7]], at))
+    for box in [(slice(2, 9), slice(3, 8)), (slice(0, 12),)]:
+        np.testing.assert_array_equal(_safetensors.read_box(entry, path, box), w.numpy()[box])
+
+
+def test_the_package_never_imports_the_safetensors_library():
+    """The library is a test dependency only (pyproject's test extra): tsckpt reads and writes
+    safetensors itself (the module docstring of tsckpt/_formats/safetensors.py says why)."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tsckpt")
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                file = os.path.join(folder, name)
+                for node in ast.walk(ast.parse(open(file, encoding="utf-8").read())):
+                    mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                    found += [f"{file}:{node.lineno}" for m in mods if m.split(".")[0] == "safetensors"]
+    assert found == []
 
 
 # ---- tsckpt's metadata in a file -------------------------------------------------------------

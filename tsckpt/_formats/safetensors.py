@@ -5,12 +5,29 @@ little-endian header length, a JSON header (``__metadata__`` first, then one
 ``{"dtype", "shape", "data_offsets"}`` entry per tensor in data order), padded
 with spaces to a multiple of 8, then the tensors' bytes back to back; files
 written here are byte-identical to ``safetensors.torch.save_file`` (a test
-checks). The header is parsed and written here rather than through the library
-because the library cannot do either in bounded memory: ``save_file`` needs
-every tensor of a file in memory at once, and its reader maps the file, so the
-pages a conversion touches count against the process for the whole file. Here
-tensor bytes are read with positional reads and written in blocks, so peak
-memory is one block, whatever the model size.
+checks). Tensor bytes are read with positional reads of the byte runs a box
+covers, and written in blocks.
+
+The safetensors library itself is not imported (it is a test dependency: the tests
+compare against it); ``benchmarks/bench_safetensors_read.py`` measured why (figures in
+benchmarks/RESULTS.md, "Safetensors reading"):
+
+- Writing: ``save_file`` needs every tensor of a file in memory at once, while here a
+  file is written in blocks, so peak memory is two blocks whatever the model size.
+- Headers: every damaged header ``safe_open`` refuses is refused here too (a test
+  checks it differentially), while it accepts some this reader refuses (over MAX_NDIM
+  dimensions, a space before the JSON, the 4- and 6-bit dtypes tsckpt cannot hold),
+  names neither the file nor, for a size mismatch, the tensor, and gives no offsets, so
+  it could only be a pass before these checks, and that pass with the checks measured
+  slower than this parser alone.
+- Tensor bytes: ``get_slice`` cannot read into a given array (``fill``), its numpy
+  framework cannot return float8, and it copies from a map of the file, so the pages it
+  touches count against the process and a file that shrinks under a read kills the
+  process with SIGBUS where this reader raises CorruptCheckpointError; its ``pread``
+  backend (0.8) reads the whole tensor for a slice of it.
+- It is faster on one shape of read, a box of many short runs (a few columns of every
+  row), which it copies from the map where this reader makes a read call per run;
+  kept for the reasons above all the same.
 
 A Hugging Face directory holds ``model.safetensors``, or
 ``model-0000N-of-0000M.safetensors`` shards and ``model.safetensors.index.json``
@@ -52,6 +69,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # safetensors refuses headers above 100 MB; so does this reader.
 MAX_HEADER_BYTES = 100_000_000
+# The safetensors library (serde_json) refuses a header whose arrays and objects nest deeper.
+MAX_HEADER_DEPTH = 127
+_FIELDS = ("dtype", "shape", "data_offsets")
 # Bytes of one tensor read or written at a time.
 BLOCK_BYTES = 32 << 20
 
@@ -64,6 +84,8 @@ DTYPES = {
     "F8_E8M0": "float8_e8m0fnu",
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+# safetensors dtype name -> bytes per element
+_ITEMSIZES = {k: _dtypes.itemsize(v) for k, v in DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +138,8 @@ def read_header(path: str) -> Header:
         raise _corrupt(path, f"its header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "its header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null, as the library reads it; not 0, "" or []
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "its __metadata__ is not a map of strings")
     entries = {name: _entry(path, name, e, 8 + n) for name, e in header.items()}
@@ -131,28 +154,47 @@ def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
     dtype: Any = fields.get("dtype")
     shape: Any = fields.get("shape")
     offsets: Any = fields.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    itemsize = _ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
         raise _corrupt(path, f"tensor '{name}': 'dtype' is {short_repr(dtype)}, expected one of {sorted(DTYPES)}")
     if not dims_ok(shape, positive=False):
         raise _corrupt(
             path, f"tensor '{name}': 'shape' is {short_repr(shape)}, expected a list of at most {MAX_NDIM} "
             "non-negative integers with a product under 2**59"
         )
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 2**63 for o in offsets)
-            and offsets[0] <= offsets[1]):
+    # type() is int: JSON gives no other int subclass than bool, which is refused
+    if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
+            and 0 <= offsets[0] <= offsets[1] < 2**63):
         raise _corrupt(
             path, f"tensor '{name}': 'data_offsets' is {short_repr(offsets)}, expected [begin, end], integers with "
             "0 <= begin <= end < 2**63"
         )
     begin, end = offsets
-    want = math.prod(shape) * _dtypes.itemsize(DTYPES[dtype])
+    want = math.prod(shape) * itemsize
     if end - begin != want:
         raise _corrupt(
             path, f"tensor '{name}': {dtype}{list(shape)} needs {want} bytes but its offsets [{begin}, {end}] "
             f"span {end - begin}"
         )
+    if len(fields) > len(_FIELDS):  # fields safetensors ignores, but parses
+        for key, value in fields.items():
+            if key not in _FIELDS and _nesting(value, MAX_HEADER_DEPTH - 2) > MAX_HEADER_DEPTH - 2:
+                raise _corrupt(path, f"tensor '{name}': its field {short_repr(key)} nests more than "
+                               f"{MAX_HEADER_DEPTH - 2} levels deep (the header more than {MAX_HEADER_DEPTH})")
     return TensorEntry(name, DTYPES[dtype], tuple(shape), start + begin, start + end)
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (0: a scalar), counted up to
+    one past ``limit``."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _check_cover(path: str, entries: dict[str, TensorEntry], start: int, size: int) -> None:
@@ -180,11 +222,13 @@ def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...], out: np.ndar
     lengths = tuple(max(0, b.stop - b.start) for b in bounds)
     if out is None:
         out = np.empty(lengths, dtype)
-    flat = out.reshape(-1).view(np.uint8)
+    flat = out.reshape(-1).view(np.uint8).data
     fd = os.open(file, os.O_RDONLY)
     try:
         for at, size, pos in _runs(entry, bounds, dtype.itemsize):
-            _pread(fd, flat.data[pos : pos + size], entry.begin + at, entry, file)
+            view = flat[pos : pos + size]
+            if os.preadv(fd, [view], entry.begin + at) != size:  # a short read: again, to the end or the error
+                _pread(fd, view, entry.begin + at, entry, file)
     finally:
         os.close(fd)
     return out
@@ -207,7 +251,7 @@ def _runs(entry: TensorEntry, bounds: list[slice], itemsize: int) -> list[tuple[
     starts = np.zeros(1, np.int64)
     for d in range(inner):  # every combination of the outer indices, in C order
         starts = (starts[:, None] + np.arange(lengths[d], dtype=np.int64) * strides[d]).reshape(-1)
-    return [(first + int(s), run, i * run) for i, s in enumerate(starts)]
+    return [(first + s, run, i * run) for i, s in enumerate(starts.tolist())]
 
 
 def _pread(fd: int, view: memoryview, at: int, entry: TensorEntry, file: str) -> None:
