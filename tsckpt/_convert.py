@@ -525,7 +525,7 @@ def convert(
     # the bar counts the source bytes read, so the save shows none of its own
     writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
     src_name, dst_name = _name(src), _name(dst)
-    if resolve(src).spec == resolve(dst).spec:
+    if resolve(src).spec == resolve(dst, write=True).spec:
         raise ValueError(f"convert: source and destination are the same ({src_name}); convert writes a new copy")
     to = _destination_format(dst, to_format)
     if layout != LAYOUT_PLAIN and to != "tsckpt":

@@ -44,6 +44,7 @@ from .._errors import (
 from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import confined
+from .._storage.hfcache import open_read
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -98,8 +99,9 @@ def read_header(path: str) -> Header:
     """Parse and check a safetensors header against the file's size, before any data is read."""
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    fd = open_read(path)  # a Hugging Face cache snapshot's file: from its repository's blobs/, no link followed
+    size = os.fstat(fd).st_size
+    with os.fdopen(fd, "rb") as f:
         head = f.read(9)
         if not is_safetensors_file(head):
             raise NotACheckpointError(f"{path}: not a safetensors file (no JSON header after the 8-byte length)")
@@ -181,7 +183,7 @@ def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...], out: np.ndar
     if out is None:
         out = np.empty(lengths, dtype)
     flat = out.reshape(-1).view(np.uint8)
-    fd = os.open(file, os.O_RDONLY)
+    fd = open_read(file)
     try:
         for at, size, pos in _runs(entry, bounds, dtype.itemsize):
             _pread(fd, flat.data[pos : pos + size], entry.begin + at, entry, file)
