@@ -84,7 +84,8 @@ def expected(snap: str) -> dict[str, torch.Tensor]:
     index = os.path.join(snap, "model.safetensors.index.json")
     if not os.path.exists(index):
         return load_file(os.path.join(snap, "model.safetensors"))
-    files = set(json.load(open(index))["weight_map"].values())
+    with open(index, "rb") as f:
+        files = set(json.load(f)["weight_map"].values())
     return {k: v for f in sorted(files) for k, v in load_file(os.path.join(snap, f)).items()}
 
 
@@ -157,7 +158,7 @@ def test_a_torch_save_download_is_read_too(tmp_path):
 
 
 def test_hf_urls_read_the_local_cache(tmp_path):
-    snap, tensors = single(tmp_path)
+    _, tensors = single(tmp_path)
     later = {"embed.weight": torch.ones(7, 5)}
     cache_repo(tmp_path / "hub", {"model.safetensors": _st_bytes(later)}, rev=REV2, ref="v2")
     target = {k: torch.zeros_like(v) for k, v in tensors.items()}

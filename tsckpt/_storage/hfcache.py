@@ -70,7 +70,7 @@ class Blob(str):
     repo_dir: str
     rel: str
 
-    def __new__(cls, path: str, repo_dir: str, rel: str) -> Blob:
+    def __new__(cls, path: str, repo_dir: str, rel: str) -> Blob:  # noqa: PYI034 - a str made with fields
         made = super().__new__(cls, path)
         made.repo_dir = repo_dir
         made.rel = rel
