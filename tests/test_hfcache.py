@@ -342,3 +342,11 @@ def test_a_nested_file_is_read_but_a_subfolder_or_a_directory_link_is_refused(tm
     os.symlink("real", os.path.join(snap, "sub"))
     with pytest.raises(tsckpt.LinkRefusedError, match="'sub/model.safetensors': sub is a symbolic link"):
         tsckpt.restore(snap)
+
+
+def test_a_missing_blob_is_an_incomplete_download(tmp_path):
+    snap = sharded(tmp_path)
+    os.remove(os.path.realpath(os.path.join(snap, "model-00002-of-00002.safetensors")))
+    for read in _readers(tmp_path):
+        with pytest.raises(tsckpt.CorruptCheckpointError, match="which is missing \\(the download is incomplete\\)"):
+            read(snap)

@@ -28,7 +28,7 @@ import os
 import re
 import stat
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LinkRefusedError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LinkRefusedError, NotACheckpointError
 from . import native
 
 SCHEME = "hf://"
@@ -113,6 +113,11 @@ def open_read(path: str) -> int:
                 "(docs/security.md): download the model again",
                 link=str(path), target=where,
             ) from None
+        if e.errno == errno.ENOENT:
+            raise CorruptCheckpointError(
+                f"{path}: links to {os.path.join(path.repo_dir, path.rel)}, which is missing (the download is "
+                "incomplete): download the model again"
+            ) from None
         raise
     finally:
         os.close(top)
@@ -159,16 +164,16 @@ def snapshot_path(url: str) -> str:
     """The local snapshot directory ``hf://ORG/NAME[@REVISION]`` names (a branch, tag or
     commit; default ``main``), found in :func:`cache_dir` without downloading anything:
     CheckpointNotFoundError naming the repository, and how to download it, when it is not
-    there; ValueError when ``url`` is not of that form."""
+    there; NotACheckpointError (a ValueError) when ``url`` is not of that form."""
     body = url[len(SCHEME):]
     repo, _, revision = body.partition("@")
     revision = revision or "main"
     parts = repo.split("/")
     if not (1 <= len(parts) <= 2 and all(parts) and all(p not in (".", "..") and "--" not in p for p in parts)):
-        raise ValueError(f"{url}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION (a Hugging Face model id)")
+        raise NotACheckpointError(f"{url}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION (a Hugging Face model id)")
     rev_parts = revision.split("/")
     if "" in rev_parts or "." in rev_parts or ".." in rev_parts or "\0" in revision:
-        raise ValueError(f"{url}: {revision!r} is not a revision (a branch, tag or commit)")
+        raise NotACheckpointError(f"{url}: {revision!r} is not a revision (a branch, tag or commit)")
     cache = cache_dir()
     repo_dir = os.path.join(cache, "models--" + "--".join(parts))
     commit = revision if _COMMIT.fullmatch(revision) else _ref(repo_dir, revision)
