@@ -28,7 +28,12 @@ import os
 import re
 import stat
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LinkRefusedError, NotACheckpointError
+from .._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LinkRefusedError,
+    NotACheckpointError,
+)
 from . import native
 
 SCHEME = "hf://"
