@@ -155,6 +155,16 @@ def test_a_torch_save_download_is_read_too(tmp_path):
     snap = cache_repo(tmp_path / "hub", {"pytorch_model.bin": path.read_bytes()})
     assert_same(tsckpt.restore(snap, {k: torch.zeros_like(v) for k, v in tensors.items()}), tensors)
     assert not tsckpt.verify(snap, progress=False).bad
+    # sharded, through pytorch_model.bin.index.json
+    torch.save({"w": tensors["w"]}, tmp_path / "one.bin")
+    torch.save({"b": tensors["b"]}, tmp_path / "two.bin")
+    index = {"metadata": {}, "weight_map": {"w": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}
+    snap = cache_repo(tmp_path / "hub", {
+        "pytorch_model-00001-of-00002.bin": (tmp_path / "one.bin").read_bytes(),
+        "pytorch_model-00002-of-00002.bin": (tmp_path / "two.bin").read_bytes(),
+        "pytorch_model.bin.index.json": json.dumps(index).encode(),
+    }, repo="org/sharded")
+    assert_same(tsckpt.restore("hf://org/sharded", {k: torch.zeros_like(v) for k, v in tensors.items()}), tensors)
 
 
 def test_hf_urls_read_the_local_cache(tmp_path):

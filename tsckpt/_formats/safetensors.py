@@ -346,7 +346,7 @@ def read_dir(path: str) -> Any:
             return read_file(confined(path, SINGLE_NAME, where=path, field="the weights file"))
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
-    confined(path, os.path.basename(index_file), where=path, field="the index file")
+    index_file = confined(path, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = read_index(index_file)
     return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
 
@@ -355,7 +355,7 @@ def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight map: tensor name -> file, metadata) of a sharded directory's index (its JSON
     parsed with bounds, its fields checked): a safetensors index, or a torch.save one."""
     try:
-        with open(index_file, "rb") as f:
+        with os.fdopen(open_read(index_file), "rb") as f:
             index = parse_json(f.read())
     except ValueError as e:  # UnicodeDecodeError included
         raise CorruptCheckpointError(f"{index_file}: not a valid index: it is not JSON ({e}); restore it") from None
