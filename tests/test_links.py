@@ -201,26 +201,28 @@ def test_a_fifo_in_a_checkpoint_is_refused_never_waited_on(tmp_path, small_chunk
     }
 
 
-# ---- a Hugging Face cache snapshot: an intact download, refused as links, never called corrupt ----
+# ---- a Hugging Face cache snapshot's subfolder: an intact download, refused as links, never called corrupt ----
+# (the snapshot itself is read, its links confined to its repository's blobs/: tests/test_hfcache.py)
 
 
 HF_REV = "0123456789abcdef0123456789abcdef01234567"
 
 
 def hf_cache_snapshot(tmp_path, files: dict[str, bytes], repo: str = "models--org--tiny") -> str:
-    """The layout huggingface_hub's cache gives a download: each file of snapshots/<rev>/ a
-    relative link to its content in ../../blobs/<hash>."""
+    """The layout huggingface_hub's cache gives a download whose files lie in a subfolder: each
+    file of snapshots/<rev>/sub/ a relative link to its content in ../../../blobs/<hash>. The
+    subfolder, which tsckpt reads only as part of its snapshot."""
     import hashlib
 
     top = tmp_path / "hub" / repo
     (top / "blobs").mkdir(parents=True)
-    snapshot = top / "snapshots" / HF_REV
-    snapshot.mkdir(parents=True)
+    folder = top / "snapshots" / HF_REV / "sub"
+    folder.mkdir(parents=True)
     for name, data in files.items():
         blob = hashlib.sha256(data).hexdigest()
         (top / "blobs" / blob).write_bytes(data)
-        os.symlink(f"../../blobs/{blob}", snapshot / name)
-    return str(snapshot)
+        os.symlink(f"../../../blobs/{blob}", folder / name)
+    return str(folder)
 
 
 def _safetensors_bytes(tmp_path, tensors: dict) -> bytes:
@@ -239,7 +241,7 @@ HF_FIX = (
 )
 
 
-def test_a_hugging_face_cache_snapshot_is_refused_as_links_never_as_corrupt(tmp_path, capsys):
+def test_a_hugging_face_cache_snapshots_subfolder_is_refused_as_links_never_as_corrupt(tmp_path, capsys):
     from tsckpt._cli import main
 
     weights = _safetensors_bytes(tmp_path, {"w": torch.ones(2, 3)})
@@ -263,7 +265,7 @@ def test_a_hugging_face_cache_snapshot_is_refused_as_links_never_as_corrupt(tmp_
     np.testing.assert_array_equal(tsckpt.open(os.path.join(snap, "model.safetensors"))["w"][:], np.ones((2, 3)))
 
 
-def test_a_sharded_hugging_face_cache_snapshot_names_the_download_to_make(tmp_path):
+def test_a_sharded_hugging_face_cache_snapshots_subfolder_names_the_download_to_make(tmp_path):
     import json
 
     shard = _safetensors_bytes(tmp_path, {"w": torch.ones(2)})
@@ -282,7 +284,7 @@ def test_a_sharded_hugging_face_cache_snapshot_names_the_download_to_make(tmp_pa
     )
 
 
-def test_copy_from_a_hugging_face_cache_snapshot_says_hf_download(tmp_path):
+def test_copy_from_a_hugging_face_cache_snapshots_subfolder_says_hf_download(tmp_path):
     src = str(tmp_path / "ck")
     tsckpt.save(src, {"w": torch.ones(2)})
     snap = hf_cache_snapshot(tmp_path, {"config.json": b'{"dtype": "float32"}'})

@@ -38,6 +38,7 @@ from ._read.reader import LazyArray
 from ._read.restore import warn_lost_values
 from ._runtime.progress import Progress
 from ._save.protocol import save
+from ._storage import hfcache
 from ._storage.confine import link_refused
 from ._storage.locations import Directory, resolve
 from .tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
@@ -246,8 +247,16 @@ def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_si
 
 def _regular_file(path: str) -> os.stat_result:
     """``path``'s status, refused unless it is a regular file (a link: LinkRefusedError) of at
-    most :data:`MAX_SIDE_FILE_BYTES`."""
-    st = os.lstat(path)
+    most :data:`MAX_SIDE_FILE_BYTES`; a Hugging Face cache snapshot's file (:class:`hfcache.Blob`):
+    its blob's, opened as every read of one is."""
+    if isinstance(path, hfcache.Blob):
+        fd = hfcache.open_read(path)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    else:
+        st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(path)
         raise link_refused(f"copy_from: {path} is a symbolic link (to {target})", path, target)
@@ -264,7 +273,10 @@ def _regular_file(path: str) -> os.stat_result:
 def _open_side(path: str) -> BinaryIO:
     """A side file open for reading, without following a link, checked again once open
     (it may have been replaced since :func:`_regular_file` looked)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    if isinstance(path, hfcache.Blob):
+        fd = hfcache.open_read(path)
+    else:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     f = os.fdopen(fd, "rb")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         f.close()
@@ -359,6 +371,23 @@ def _side_writer(path: str, data: bytes | None) -> Callable[[BinaryIO], None]:
     return write
 
 
+def side_path(copy_from: str, name: str) -> str:
+    """The path of the side file ``name`` of ``copy_from``: for a Hugging Face cache snapshot
+    whose file links into its own repository's blobs/, a :class:`hfcache.Blob` (read there,
+    never through the link); any other link is refused when it is checked."""
+    path = os.path.join(copy_from, name)
+    if os.path.islink(path):
+        return hfcache.blob(copy_from, name, os.readlink(path)) or path
+    return path
+
+
+def copy_dir(copy_from: str | os.PathLike[str]) -> str:
+    """The directory ``copy_from`` names: a path, or ``hf://ORG/NAME[@REVISION]`` (a snapshot of
+    the local Hugging Face cache)."""
+    text = os.fspath(copy_from)
+    return hfcache.snapshot_path(text) if text.startswith(hfcache.SCHEME) else text
+
+
 def hf_side_names(copy_from: str) -> list[str]:
     """The Hugging Face side files (:data:`HF_SIDE_FILES`) in the directory ``copy_from``,
     each checked (a regular file, no link, not too large) before anything is read or written."""
@@ -366,7 +395,7 @@ def hf_side_names(copy_from: str) -> list[str]:
         raise ValueError(f"copy_from: {copy_from} is not a directory; give the model directory holding config.json")
     names = []
     for name in HF_SIDE_FILES:
-        path = os.path.join(copy_from, name)
+        path = side_path(copy_from, name)
         if not os.path.lexists(path):
             continue
         _regular_file(path)
@@ -383,7 +412,7 @@ def hf_side_files(copy_from: str, names: list[str], dtypes: dict[str, str]) -> l
     byte for byte."""
     sides = []
     for name in names:
-        path = os.path.join(copy_from, name)
+        path = side_path(copy_from, name)
         data = None
         if name == "config.json":
             dtype = floating_dtype(path, dtypes)
@@ -418,7 +447,7 @@ def _copied(copy_from: str | os.PathLike[str] | None, to: str, dst: str) -> list
         return []
     if to != "safetensors" or dst.endswith(".safetensors"):
         raise ValueError("copy_from applies to a Hugging Face directory destination (--to safetensors, not a file)")
-    return hf_side_names(os.fspath(copy_from))
+    return hf_side_names(copy_dir(copy_from))
 
 
 def checkpoint_tree(ck: Checkpoint) -> Any:
@@ -525,7 +554,7 @@ def convert(
     # the bar counts the source bytes read, so the save shows none of its own
     writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
     src_name, dst_name = _name(src), _name(dst)
-    if resolve(src).spec == resolve(dst).spec:
+    if resolve(src).spec == resolve(dst, write=True).spec:
         raise ValueError(f"convert: source and destination are the same ({src_name}); convert writes a new copy")
     to = _destination_format(dst, to_format)
     if layout != LAYOUT_PLAIN and to != "tsckpt":
@@ -547,7 +576,7 @@ def convert(
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
-        sides = hf_side_files(os.fspath(copy_from), side_names, prep.dtypes) if copy_from is not None else []
+        sides = hf_side_files(copy_dir(copy_from), side_names, prep.dtypes) if copy_from is not None else []
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst, sel, prep, writing)

@@ -56,10 +56,10 @@ class CorruptCheckpointError(TsckptError, OSError):
 
 class LinkRefusedError(TsckptError, PermissionError):
     """The checkpoint holds a symbolic link, which tsckpt does not follow (docs/security.md: a
-    link could lead anywhere, so a checkpoint must hold its own files). Nothing is damaged:
-    read a copy that holds the files themselves (a Hugging Face cache snapshot, whose files
-    link into ``blobs/``: ``hf download REPO --local-dir DIR``). ``link`` is the link's path,
-    ``target`` where it points."""
+    link could lead anywhere, so a checkpoint must hold its own files; the one exception, a
+    Hugging Face cache snapshot's links into its own repository's ``blobs/``, is read). Nothing
+    is damaged: read a copy that holds the files themselves (``hf download REPO --local-dir
+    DIR``). ``link`` is the link's path, ``target`` where it points."""
 
     def __init__(self, message: str, *, link: str | None = None, target: str | None = None) -> None:
         super().__init__(message)

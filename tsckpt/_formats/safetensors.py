@@ -61,6 +61,7 @@ from .._errors import (
 from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import confined
+from .._storage.hfcache import open_read
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -120,8 +121,9 @@ def read_header(path: str) -> Header:
     """Parse and check a safetensors header against the file's size, before any data is read."""
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    fd = open_read(path)  # a Hugging Face cache snapshot's file: from its repository's blobs/, no link followed
+    size = os.fstat(fd).st_size
+    with os.fdopen(fd, "rb") as f:
         head = f.read(9)
         if not is_safetensors_file(head):
             raise NotACheckpointError(f"{path}: not a safetensors file (no JSON header after the 8-byte length)")
@@ -223,7 +225,7 @@ def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...], out: np.ndar
     if out is None:
         out = np.empty(lengths, dtype)
     flat = out.reshape(-1).view(np.uint8).data
-    fd = os.open(file, os.O_RDONLY)
+    fd = open_read(file)
     try:
         for at, size, pos in _runs(entry, bounds, dtype.itemsize):
             view = flat[pos : pos + size]
@@ -388,7 +390,7 @@ def read_dir(path: str) -> Any:
             return read_file(confined(path, SINGLE_NAME, where=path, field="the weights file"))
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
-    confined(path, os.path.basename(index_file), where=path, field="the index file")
+    index_file = confined(path, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = read_index(index_file)
     return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
 
@@ -397,7 +399,7 @@ def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight map: tensor name -> file, metadata) of a sharded directory's index (its JSON
     parsed with bounds, its fields checked): a safetensors index, or a torch.save one."""
     try:
-        with open(index_file, "rb") as f:
+        with os.fdopen(open_read(index_file), "rb") as f:
             index = parse_json(f.read())
     except ValueError as e:  # UnicodeDecodeError included
         raise CorruptCheckpointError(f"{index_file}: not a valid index: it is not JSON ({e}); restore it") from None

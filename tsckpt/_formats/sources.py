@@ -23,6 +23,7 @@ from .._ondisk import root as _root
 from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.records import ROOT_KEY
 from .._storage.faults import storage_errors
+from .._storage.hfcache import SCHEME
 from .._storage.locations import Directory, Location, resolve
 from . import dcp, lazy, orbax, safetensors, torchdir, torchfile
 
@@ -34,7 +35,10 @@ KVSTORE_FORMATS = (TSCKPT, "orbax")
 def detect(src: str) -> str | None:
     """The format of the checkpoint at ``src`` (one of :data:`FORMATS`), from its own marker
     files or leading bytes; None when they show none, or nothing is there. A kvstore URL
-    holds a tsckpt checkpoint."""
+    holds a tsckpt checkpoint; ``hf://ORG/NAME[@REVISION]``, what its snapshot in the local
+    Hugging Face cache holds."""
+    if src.startswith(SCHEME):
+        return detect(str(resolve(src)))
     if "://" in src:
         return TSCKPT
     if os.path.isdir(src):

@@ -51,7 +51,7 @@ def read_torch_dir(path: str) -> Any:
             "directory of them"
         )
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
-    confined(path, os.path.basename(index_file), where=path, field="the index file")
+    index_file = confined(path, os.path.basename(index_file), where=path, field="the index file")
     weight_map, _ = read_index(index_file)
     index_name = os.path.basename(index_file)
     by_file: dict[str, list[str]] = {}

@@ -11,15 +11,19 @@ stay tied and ``save`` stores them once.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .._storage.hfcache import Blob, open_read
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
 
@@ -39,7 +43,8 @@ def read_torch_file(path: str) -> Any:
     """The object ``torch.save`` stored at ``path``: its dicts, lists and tuples with
     CPU tensors (memory-mapped when the format allows) and plain values as leaves."""
     try:
-        with open(path, "rb") as f:
+        fd = open_read(path)  # a Hugging Face cache snapshot's file: from its repository's blobs/, no link followed
+        with os.fdopen(fd, "rb") as f:
             head = f.read(9)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file; give the path of a file written by torch.save") from None
@@ -55,10 +60,38 @@ def read_torch_file(path: str) -> Any:
             f"{path}: not a torch.save file (found neither a zip archive nor a pickle stream at its start); "
             "give a file written by torch.save"
         )
+    with _opened(path) as (source, mappable):
+        obj = _load(path, source, zipped and mappable)
+    return plain_tree(obj, path)
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[tuple[Any, bool]]:
+    """(what torch.load is given, whether it can map it) for the file at ``path``: the path,
+    or for a Hugging Face cache snapshot's file (:class:`Blob`) the descriptor opened in its
+    repository's blobs/ (no link followed), through ``/proc/self/fd`` (mapped) or as a file."""
+    if not isinstance(path, Blob):
+        yield path, True
+        return
+    fd = open_read(path)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        if os.path.exists(proc):
+            yield proc, True
+        else:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                yield f, False
+    finally:
+        os.close(fd)
+
+
+def _load(path: str, source: Any, mmap: bool) -> Any:
+    """``torch.load`` of ``source`` (the file at ``path``) with ``weights_only=True``, its
+    failures as tsckpt errors naming ``path``."""
     try:
         with warnings.catch_warnings():  # torch's notes on a damaged file's pickle protocol: the error says it
             warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         refused = weights_only_refusal(e)
         if refused is None:
@@ -72,7 +105,6 @@ def read_torch_file(path: str) -> Any:
         raise CorruptCheckpointError(
             f"{path}: truncated or corrupt torch.save file ({reason(e)}); save or copy it again"
         ) from None
-    return plain_tree(obj, path)
 
 
 def plain_tree(tree: Any, where: str) -> Any:

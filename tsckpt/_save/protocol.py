@@ -139,7 +139,7 @@ def save(
     SaveOptions.of(locals())  # a bad option raises here, before any work
     codec_setting()  # so does a bad TSCKPT_CODEC, before the claim
     coord = coordinator_for(group, timeout)
-    loc = resolve(directory)
+    loc = resolve(directory, write=True)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
     own: list[BaseException] = []  # this rank's own failures, re-raised by phase() once every rank knows
 

@@ -16,6 +16,9 @@ Owns:
 - :mod:`.confine`: paths inside a local checkpoint: the one check of every stored path,
   confinement with no symbolic link on the way, opens the kernel refuses to resolve
   through a link (``openat2``), and the walk that finds links and special files.
+- :mod:`.hfcache`: the Hugging Face hub cache: a snapshot's files, links into their own
+  repository's ``blobs/``, recognised strictly and opened there with no link followed
+  (``Blob``, ``open_read``); ``hf://ORG/NAME[@REVISION]`` found in the local cache.
 - :mod:`.store`: the former home's names, forwarded to :mod:`.locations`, :mod:`.faults`
   and :mod:`.durable` for the modules not yet moved (defines nothing).
 

@@ -25,7 +25,7 @@ import stat
 from typing import Any, NamedTuple
 
 from .._errors import CorruptCheckpointError, LinkRefusedError, short_repr
-from . import native
+from . import hfcache, native
 
 # How every refusal of a link says why, and what to do.
 _LINK_WHY = (
@@ -90,7 +90,9 @@ def confined(root: str, rel: Any, *, where: str, field: str) -> str:
     """The local path of ``rel`` (a path stored in the checkpoint at ``root``, read from
     ``where``'s ``field``), checked to lie inside it: CorruptCheckpointError naming the file
     and the field if ``rel`` leaves ``root``, LinkRefusedError if a component of it is a
-    symbolic link."""
+    symbolic link, but for a file of a Hugging Face cache snapshot linking into its own
+    repository's ``blobs/`` (:func:`hfcache.blob`: a :class:`hfcache.Blob`, which
+    :func:`hfcache.open_read` opens there, never through the link)."""
     why = path_problem(rel)
     if why is not None:
         raise CorruptCheckpointError(
@@ -102,6 +104,9 @@ def confined(root: str, rel: Any, *, where: str, field: str) -> str:
         if os.path.islink(path):
             rel_link = os.path.relpath(path, root).replace(os.sep, "/")
             target = os.readlink(path)
+            found = hfcache.blob(root, rel, target) if rel_link == rel else None  # the file itself only
+            if found is not None:
+                return found
             raise link_refused(f"{where}: {field} {rel!r}: {rel_link} is a symbolic link (to {target})", path, target)
     return path
 

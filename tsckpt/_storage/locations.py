@@ -33,6 +33,7 @@ from typing import Any, Union
 import tensorstore as ts
 
 from .._errors import StorageError
+from . import hfcache
 
 Directory = Union[str, "os.PathLike[str]", dict]
 
@@ -137,8 +138,10 @@ class Location:
         return ts.KvStore.open(self.spec, context=CONTEXT).result()
 
 
-def resolve(directory: Directory) -> Location:
-    """Accept a local path, a kvstore URL (``memory://``, ``s3://``...) or a kvstore spec dict."""
+def resolve(directory: Directory, *, write: bool = False) -> Location:
+    """Accept a local path, a kvstore URL (``memory://``, ``s3://``...) or a kvstore spec dict;
+    ``hf://ORG/NAME[@REVISION]``: the snapshot of the local Hugging Face cache
+    (:func:`hfcache.snapshot_path`), for reading only (``write``: ValueError)."""
     if isinstance(directory, dict):
         spec = dict(directory)
         if isinstance(spec.get("path"), str):
@@ -146,7 +149,14 @@ def resolve(directory: Directory) -> Location:
     else:
         text = os.fsdecode(directory)  # a bytes path too
         _check_path(text)
-        if "://" not in text:
+        if text.startswith(hfcache.SCHEME):
+            if write:
+                raise ValueError(
+                    f"{text}: an hf:// location is a download in the Hugging Face cache, which tsckpt only reads; "
+                    "write to a path"
+                )
+            spec = {"driver": "file", "path": hfcache.snapshot_path(text)}
+        elif "://" not in text:
             spec = {"driver": "file", "path": os.path.abspath(text)}
         else:
             spec = ts.KvStore.Spec(text).to_json()
