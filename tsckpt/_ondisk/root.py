@@ -71,13 +71,16 @@ def root_state(value: bytes | None) -> RootState:
     return RootState(state if isinstance(state, str) else "invalid", meta)
 
 
-def read_root_states(kv: ts.KvStore, keys: list[str]) -> dict[str, RootState]:
-    """:func:`root_state` of several root keys, read concurrently."""
+def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, bytes]]:
+    """:func:`root_state` of several root keys below ``loc``, read concurrently, each with the
+    generation it was read at (TensorStore's generation of a missing key when there is none):
+    the condition of replacing or removing it."""
+    kv = loc.kvstore()
     reads = {k: kv.read(k) for k in keys}
     out = {}
     for key, fut in reads.items():
         r = fut.result()
-        out[key] = root_state(r.value if r.state == "value" else None)
+        out[key] = (root_state(r.value if r.state == "value" else None), bytes(r.stamp.generation))
     return out
 
 

@@ -36,7 +36,7 @@ from .._leaves.kinds import checksum, storage_numpy
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk import chunking as _chunking
-from .._ondisk.arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
+from .._ondisk.arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array_future
 from .._ondisk.chunking import intersect, shard_boxes
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, group_metadata
 from .._ondisk.stepindex import mark_if_managed
@@ -220,11 +220,13 @@ class _Writers:
     ``made`` holds those known to exist."""
 
     def __init__(
-        self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None
+        self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None,
+        context: ts.Context | None = None,
     ) -> None:
         self.data, self.directory, self.progress = data, where.directory, progress
         self.made: set[str] = set() if made is None else made
-        self.kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+        self.context = context or write_context()
+        self.kv = ts.KvStore.open(data, context=self.context).result()
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
@@ -268,7 +270,7 @@ class _Writers:
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
-            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True)
+            self.stores[w.rec.path] = open_array_future(self.data, w.rec, write=True, context=self.context).result()
         store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
         dst = store[tuple(slice(o, o + n) for o, n in zip(w.offsets, w.lengths))] if w.offsets else store
         written = dst.write(src, can_reference_source_data_indefinitely=True)
@@ -301,7 +303,7 @@ class _Writers:
 
 def _write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
-    *, compact: bool, progress: Progress, made: set[str] | None = None,
+    *, compact: bool, progress: Progress, made: set[str] | None = None, context: ts.Context | None = None,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight: plan each file's writer (:func:`_shard_writes`), then start each
@@ -317,7 +319,7 @@ def _write_regions(
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = _write_place(data, compact)
-    writers = _Writers(data, where, progress, compact=compact, made=made)
+    writers = _Writers(data, where, progress, compact=compact, made=made, context=context)
     files = list(_shard_writes(writes, {a.path: a for a in plan.arrays}, where))
     writers.make_dirs(files)
     in_flight: Window[_Started] = (
@@ -405,7 +407,9 @@ def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     return nodes
 
 
-def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool, made: set[str]) -> list[str]:
+def _write_nodes(
+    data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool, made: set[str], context: ts.Context | None = None,
+) -> list[str]:
     """Write :func:`_nodes` into the kvstore ``data``: on a local plain checkpoint as the
     own codec writes chunk files (``made``: the directories known to exist, as
     :func:`_write_regions` takes them), elsewhere by kvstore writes (one transaction
@@ -424,7 +428,7 @@ def _write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compa
         finally:
             pool.shutdown()
         return list(nodes)
-    kv = ts.KvStore.open(data, context=_store.CONTEXT).result()
+    kv = ts.KvStore.open(data, context=context or write_context()).result()
     txn = ts.Transaction() if compact else None
     if txn is not None:
         kv = kv.with_transaction(txn)
@@ -517,8 +521,19 @@ def save(
     rank makes every rank raise and nothing is committed. Storage faults raise
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
-    SaveOptions.of(locals())  # a bad option raises here, before any work
-    codec_setting()  # so does a bad TSCKPT_CODEC, before the claim
+    save_with(directory, tree, SaveOptions.of(locals()))  # a bad option raises here, before any work
+
+
+def save_with(
+    directory: Directory, tree: Any, options: SaveOptions, *, before_claim: Callable[[], None] | None = None
+) -> None:
+    """:func:`save` with its options gathered. ``before_claim`` (a CheckpointManager's clearing
+    of its step) runs on rank 0 right before the claim (step 4), so that what it judges and
+    removes is judged as late as possible, and its failure reaches every rank as any other
+    failure of rank 0's planning does."""
+    overwrite, group, check_replicas, timeout = options.overwrite, options.group, options.check_replicas, options.timeout
+    max_inflight_bytes, layout, progress = options.max_inflight_bytes, options.layout, options.progress
+    codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
@@ -537,7 +552,7 @@ def save(
     with collector_paused():  # why: see there
         job: _Job | None = None
         try:
-            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
+            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim)
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
                 received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
@@ -655,7 +670,7 @@ def _parts(d: _Described) -> list[Part]:
 
 def _plan_job(
     coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
-    lease: _lease.Lease | None = None,
+    lease: _lease.Lease | None = None, before_claim: Callable[[], None] | None = None,
 ) -> _Job:
     """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
     described: _Described | None = None  # rank 0, between the two round trips
@@ -675,6 +690,8 @@ def _plan_job(
 
     def finish(d: _Described) -> list[Part]:
         parts = _parts(d)
+        if before_claim is not None:
+            before_claim()
         mark_if_managed(loc)  # a manager's step on an object store: listed before anything is written
         _begin(loc, overwrite, layout, lease)
         return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
@@ -699,17 +716,31 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
+    context = write_context()  # this save's own: see there
     with _store.storage_errors(loc, doing="writing"):
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         keys = _write_regions(
-            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made
+            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
+            context=context,
         )
         if job.commit is not None:
-            keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made)
+            keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
         if compact:
             _store.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
             _store.sync_data(loc, keys)
+
+
+def write_context() -> ts.Context:
+    """A context for one save's writes (and one for its merge): the process's
+    (:data:`_store.CONTEXT`: its thread pools, its s3 retries), with a cache pool of its own
+    that keeps nothing. TensorStore keeps one OCDBT driver per spec and cache pool, and a
+    driver remembers the database it wrote: a compact save that failed after some of its
+    windows were committed leaves a driver (still referenced by the failed transaction) that
+    believes in the database its clean-up removed, so a save again in its place through the
+    same pool failed with NOT_FOUND reading the removed files, however often it was retried.
+    Each save's drivers are its own, so a retry starts from what is on disk."""
+    return ts.Context({_store.WRITE_CACHE_POOL: {"total_bytes_limit": 0}}, parent=_store.CONTEXT)
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
@@ -729,5 +760,5 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
     if layout == LAYOUT_COMPACT:
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _store.storage_errors(loc):
-            merge_databases(loc, _write_spec(loc, layout), databases)
+            merge_databases(loc, _write_spec(loc, layout), databases, write_context())
     _commit_root(loc, c.metadata(world_size), layout, lease)
