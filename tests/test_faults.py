@@ -560,8 +560,8 @@ def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
 def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
     run = tmp_path / "run"
     proc = saver("manager", str(run))
-    m = tsckpt.CheckpointManager(run, keep_last=1)  # its clean-up at start leaves step 3 alone
-    m.save(4, {"w": np.ones(2)})  # so do retention and the clean-up after the commit
+    m = tsckpt.CheckpointManager(run, keep_last=1)
+    m.save(4, {"w": np.ones(2)})  # its clean-up leaves step 3 alone, as do retention and the clean-up after
     assert sorted(os.listdir(run)) == ["00000003", "00000004"]
     assert _root(str(run / "00000003"))["state"] == "pending"
     assert m.all_steps() == [4]
@@ -571,8 +571,8 @@ def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
         f"{run}: step 3 is being saved by another save that is still running (pid {proc.pid}"
     )
     _kill(proc)
-    tsckpt.CheckpointManager(run)  # its process is gone: step 3 is a crashed save
-    assert sorted(os.listdir(run)) == ["00000004"]
+    tsckpt.CheckpointManager(run).save(5, {"w": np.ones(2)})  # its process is gone: step 3 is a crashed save
+    assert sorted(os.listdir(run)) == ["00000004", "00000005"]
 
 
 def test_convert_with_overwrite_leaves_a_save_still_running(tmp_path, monkeypatch):

@@ -471,6 +471,8 @@ def _unidentified(root: RootState) -> str:
         return "no tsckpt root zarr.json: another library's checkpoint, or other data"
     if root.problem == "json":
         return f"its root zarr.json is not valid JSON ({root.detail})"
+    if root.problem == "file":
+        return f"{root.detail}, and was not read"
     if root.problem == "foreign":
         return "its root zarr.json has no tsckpt metadata"
     return f"its root is in state {root.state!r} without the claim of a tsckpt save"

@@ -42,6 +42,8 @@ from .._errors import (
     short_repr,
 )
 from .._ondisk.arrays import parse_node as parse_json
+from .._ondisk.bounds import METADATA_BYTES
+from .._ondisk.bounds import read_file as read_bounded
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import confined
 from ..tree import escape, from_paths, structure_from_json, structure_problem
@@ -351,9 +353,9 @@ def read_dir(path: str) -> Any:
 
 def _read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     """(weight map: tensor name -> file, metadata) of a sharded directory's index."""
+    raw = read_bounded(index_file, METADATA_BYTES, "a Hugging Face index", fix="restore the index")
     try:
-        with open(index_file, "rb") as f:
-            index = parse_json(f.read())
+        index = parse_json(raw)
     except ValueError as e:  # UnicodeDecodeError included
         raise CorruptCheckpointError(f"{index_file}: not a valid index: it is not JSON ({e}); restore it") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -11,8 +11,10 @@ stay tied and ``save`` stores them once.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import stat
 import warnings
 from typing import Any
 
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .._ondisk.bounds import kind_of
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
 
@@ -35,12 +38,29 @@ def is_torch_file(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_START)
 
 
+def _head(path: str) -> bytes:
+    """The first bytes of the file ``path``, opened without waiting; NotACheckpointError for
+    a FIFO, a socket or a device (torch.load would wait on a FIFO forever, or read a device
+    without end)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(mode):
+            raise NotACheckpointError(
+                f"{path}: is {kind_of(mode)}, not a regular file: no torch.save file; give the file torch.save wrote"
+            )
+        return os.read(fd, 9)
+    finally:
+        os.close(fd)
+
+
 def read_torch_file(path: str) -> Any:
     """The object ``torch.save`` stored at ``path``: its dicts, lists and tuples with
     CPU tensors (memory-mapped when the format allows) and plain values as leaves."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(9)
+        head = _head(path)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file; give the path of a file written by torch.save") from None
     except IsADirectoryError:

@@ -30,7 +30,7 @@ import tensorstore as ts
 from .._errors import CheckpointExistsError, SaveInProgressError, amend
 from .._ondisk.arrays import MANIFEST
 from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
-from .._ondisk.root import root_state
+from .._ondisk.root import root_file_problem, root_state
 from .._storage import store as _store
 from .._storage.store import Location
 from .._version import __version__
@@ -73,6 +73,12 @@ def begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _le
 
 
 def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | None) -> None:
+    problem = root_file_problem(loc)
+    if problem is not None:  # never read: TensorStore would wait on a FIFO, or read gigabytes
+        raise CheckpointExistsError(
+            f"{loc}: its zarr.json {problem}: no checkpoint tsckpt wrote, and one it neither reads nor replaces "
+            "(overwrite=True included); remove it, or save elsewhere"
+        )
     kv = loc.kvstore()
     current = kv.read(ROOT_KEY).result()
     judged = bytes(current.stamp.generation)  # of the root judged (or of a missing one): the claim's condition

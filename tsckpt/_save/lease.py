@@ -47,7 +47,7 @@ import tensorstore as ts
 
 from .._errors import amend
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED, STATE_PENDING
-from .._ondisk.root import RootState, root_state
+from .._ondisk.root import RootState, root_file_problem, root_state
 from .._storage import store as _store
 from .._storage.store import Location
 
@@ -189,7 +189,10 @@ class Stored:
 
 
 def read_root(loc: Location) -> Stored:
-    """The root at ``loc`` now, read through the durable kvstore that writes it."""
+    """The root at ``loc`` now, read through the durable kvstore that writes it (a file that is
+    not read, :func:`root_file_problem`, as an unreadable root of no save)."""
+    if root_file_problem(loc) is not None:
+        return Stored(b"", b"")
     found = _store.durable_kvstore(loc).read(ROOT_KEY).result()
     value = bytes(found.value) if found.state == "value" else None
     return Stored(bytes(found.stamp.generation) if value is not None else b"", value)

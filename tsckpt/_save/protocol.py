@@ -36,7 +36,7 @@ from .._leaves.kinds import checksum, storage_numpy
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk import chunking as _chunking
-from .._ondisk.arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array_future
+from .._ondisk.arrays import OCDBT_PREFIX, array_node, chunk_key, data_spec, open_array
 from .._ondisk.chunking import intersect, shard_boxes
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, group_metadata
 from .._ondisk.stepindex import mark_if_managed
@@ -270,7 +270,7 @@ class _Writers:
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
-            self.stores[w.rec.path] = open_array_future(self.data, w.rec, write=True, context=self.context).result()
+            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True, context=self.context)
         store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
         dst = store[tuple(slice(o, o + n) for o, n in zip(w.offsets, w.lengths))] if w.offsets else store
         written = dst.write(src, can_reference_source_data_indefinitely=True)
