@@ -21,11 +21,18 @@ clean-up or retention, and saving a step that another save is writing is
 refused, so one manager never destroys another's save in progress. Retention
 applies to all complete steps under the root, whichever manager wrote them.
 
-Deleting a step first makes it incomplete (on a local disk the directory is
-renamed away in one atomic step; elsewhere the root ``zarr.json`` is replaced
-by a pending one recording the deletion's claim, and goes last), so a crash in
-the middle of a deletion never leaves a damaged step that looks complete, nor
-one clean-up cannot identify as tsckpt's. With several ranks, only rank 0 deletes.
+Deleting a step first makes it incomplete, in one conditional step as a commit
+is: its root ``zarr.json`` is replaced, conditionally on the generation it was
+judged at, by a pending root recording the deletion's claim (counted as a
+running save while the deletion runs); then on a local disk the directory is
+renamed away in one atomic step, elsewhere its keys are deleted, the root last.
+So a step another job committed or claimed after it was judged is never
+deleted, and a crash in the middle of a deletion never leaves a damaged step
+that looks complete, nor one clean-up cannot identify as tsckpt's. A save
+judges its step again right before its claim (:meth:`CheckpointManager._clear`).
+With several ranks, only rank 0 deletes. Clean-up runs on save paths only (a
+manager's first save, and after each commit): a manager that only lists and
+restores writes nothing, so it works on a read-only mount.
 
 On object stores the steps are listed through an index of marker objects
 (tsckpt/_ondisk/stepindex.py), which a step saved under the root without the manager
