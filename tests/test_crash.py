@@ -164,7 +164,9 @@ def test_sigkill_at_random_moments(tmp_path, layout):
         # retention held (one extra step when the kill fell between a commit and its retention)
         recent = [s for s in steps if s % KEEP_EVERY]
         assert len(recent) <= KEEP_LAST + 1, context
-        # the restarted manager removed what the crash left behind
+        # the restarted manager removes what the crash left behind when it first saves (never when
+        # it is made: a reader writes nothing), before anything else
+        m._clean()
         after = _on_disk(root)
         assert set(after.values()) <= {"committed"} and not [n for n in after if n.startswith(".")], (
             f"{context}: after cleanup {after}"
@@ -214,6 +216,64 @@ def test_two_processes_save_to_one_directory(tmp_path):
         assert "another save into this directory" in losers[0] or "already exists here" in losers[0], outcomes
         out = tsckpt.restore(directory)
         assert out["who"] == winners[0] and out["x"].tolist() == [winners[0]] * 10_000
+
+
+ROUNDS = 40
+
+
+def _manager_race(root: str, who: int, barrier: Any, result: str) -> None:
+    """Job ``who`` of two starting on one run, ROUNDS times: a new manager saves step ``round``."""
+    rng = random.Random(who)
+    fd = os.open(result, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for step in range(ROUNDS):
+        barrier.wait(60)  # both jobs start together
+        until = time.perf_counter() + rng.choice([0.0, 0.0, 0.0005, 0.001, 0.002, 0.004])
+        while time.perf_counter() < until:
+            pass
+        try:
+            m = tsckpt.CheckpointManager(root)
+            m.save(step, {"x": np.full(4096, who, dtype=np.int64), "w": torch.full((64, 64), float(who)), "who": who})
+            outcome = "ok"
+        except tsckpt.CheckpointExistsError as e:
+            outcome = f"exists {e}"
+        except tsckpt.SaveInProgressError as e:
+            outcome = f"busy {e}"
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome = f"other {type(e).__name__}: {e}"
+        os.write(fd, (json.dumps([step, outcome]) + "\n").encode())
+
+
+def test_two_jobs_starting_on_one_run_save_the_same_step(tmp_path):
+    """Two jobs start on one run and save the same step, round after round. Before: about one
+    round in 100 both failed (a manager's clean-up removed the step the other job had just
+    claimed), leaving array files and no root that every manager refused from then on, and
+    sometimes a raw StorageError ENOENT. Now exactly one wins; the other is refused with
+    CheckpointExistsError (or SaveInProgressError, when it finds the winner still writing)."""
+    ctx = _context()
+    root = tmp_path / "run"
+    barrier = ctx.Barrier(2)
+    results = [tmp_path / f"r{who}" for who in (1, 2)]
+    procs = [ctx.Process(target=_manager_race, args=(str(root), who, barrier, str(r))) for who, r in zip((1, 2), results)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+        if p.exitcode is None:
+            p.kill()
+        assert p.exitcode == 0
+    outcomes = [dict(json.loads(line) for line in r.read_text().splitlines()) for r in results]
+    for step in range(ROUNDS):
+        pair = {who: o[step] for who, o in zip((1, 2), outcomes)}
+        winners = [who for who, o in pair.items() if o == "ok"]
+        assert len(winners) == 1, f"step {step}: {pair}"
+        loser = next(o for o in pair.values() if o != "ok")
+        assert loser.startswith((f"exists {root}", f"busy {root}")), f"step {step}: {pair}"
+        out = tsckpt.restore(root / f"{step:08d}")
+        assert out["who"] == winners[0] and out["x"].tolist() == [winners[0]] * 4096, f"step {step}: {pair}"
+    m = tsckpt.CheckpointManager(root)
+    m.save(ROUNDS, {"x": np.zeros(1)})  # nothing left blocked
+    assert m.all_steps() == list(range(ROUNDS + 1))
+    assert sorted(os.listdir(root)) == [f"{s:08d}" for s in range(ROUNDS + 1)]
 
 
 def test_claim_lost_between_check_and_create(tmp_path, monkeypatch):
@@ -338,6 +398,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
         _check_latest(m, committed_ever, begun, context)
         for step in m.all_steps():  # every step called complete restores bit-exactly
             assert _same(m.restore(step), step), f"{context}: step {step} differs"
+        m._clean()  # what the restarted job's first save does first
         after = _on_disk(root)
         assert set(after.values()) <= {"committed"}, f"{context}: after cleanup {after}"
     assert committed_ever is not None and committed_ever >= 5, "the ranks made too little progress"

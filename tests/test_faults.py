@@ -164,6 +164,40 @@ def test_compact_checkpoint_replaced_in_the_same_process(ckdir):
     assert tsckpt.verify(ckdir).ok
 
 
+def test_compact_save_retried_after_a_failure_between_windows(ckdir, monkeypatch):
+    """Compact layout: the disk fills after some windows of the database were committed.
+    Before: retrying in the same process failed with a raw ``ValueError NOT_FOUND ... OCDBT``
+    (the database driver of the failed save, still alive and cached in the process's context,
+    remembered the removed database), however often it was retried, though the error said
+    saving again needs no overwrite=True. Each save now writes through a context of its own."""
+    real = save_module._Writers.commit
+    windows: list[int] = []
+
+    def full(self, window):
+        windows.append(len(window))
+        if len(windows) == 2:  # the first window's transaction is committed in the database
+            raise _enospc(os.path.join(ckdir, "ocdbt.r0", "d", "0"))
+        return real(self, window)
+
+    monkeypatch.setattr(save_module._Writers, "commit", full)
+    tree = {f"l{i}": torch.arange(100_000, dtype=torch.float32) + i for i in range(6)}
+    for run in (ckdir, os.path.join(os.path.dirname(ckdir), "run")):
+        windows.clear()
+        with pytest.raises(tsckpt.StorageFullError, match="saving again needs no overwrite=True"):
+            if run == ckdir:
+                tsckpt.save(run, tree, layout="compact", max_inflight_bytes=500_000)
+            else:
+                tsckpt.CheckpointManager(run, layout="compact").save(1, tree, max_inflight_bytes=500_000)
+        assert len(windows) == 2
+    monkeypatch.undo()  # space was freed
+    tsckpt.save(ckdir, tree, layout="compact", max_inflight_bytes=500_000)
+    m = tsckpt.CheckpointManager(os.path.join(os.path.dirname(ckdir), "run"), layout="compact")
+    m.save(1, tree, max_inflight_bytes=500_000)
+    for out in (tsckpt.restore(ckdir), m.restore(1)):
+        assert {k: v.tolist() for k, v in out.items()} == {k: v.tolist() for k, v in tree.items()}
+    assert tsckpt.verify(ckdir).ok
+
+
 def _mount(*args: str) -> bool:
     try:
         return subprocess.run(["mount", *args], capture_output=True, timeout=30).returncode == 0
@@ -235,7 +269,7 @@ def test_when_removal_fails_the_error_says_overwrite_is_needed(ckdir, monkeypatc
         raise PermissionError(errno.EACCES, "Permission denied", loc.local)
 
     monkeypatch.setattr(save_module, "_write_regions", full)
-    monkeypatch.setattr(durable, "delete_all", refused)
+    monkeypatch.setattr(tsckpt._save.lease, "delete_below_root", refused)
     with pytest.raises(tsckpt.StorageFullError) as e:
         tsckpt.save(ckdir, _tree())
     msg = str(e.value)
@@ -243,8 +277,8 @@ def test_when_removal_fails_the_error_says_overwrite_is_needed(ckdir, monkeypatc
     assert f"the partial checkpoint at {ckdir} could not be removed ({ckdir}: permission denied (EACCES)" in msg
     assert msg.endswith("); pass overwrite=True when saving again")
     monkeypatch.undo()
-    with pytest.raises(tsckpt.CheckpointExistsError, match="already exists here; pass overwrite=True"):
-        tsckpt.save(ckdir, _tree(1))  # the pending root went first: what is left is no checkpoint
+    with pytest.raises(tsckpt.CheckpointExistsError, match="one crashed .* pass overwrite=True"):
+        tsckpt.save(ckdir, _tree(1))  # the pending root goes last: what is left is a crashed save's
     tsckpt.save(ckdir, _tree(1), overwrite=True)
     _check(tsckpt.restore(ckdir), 1)
 
@@ -539,8 +573,8 @@ def test_a_save_whose_root_was_taken_over_does_not_commit(ckdir, monkeypatch):
 def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
     run = tmp_path / "run"
     proc = saver("manager", str(run))
-    m = tsckpt.CheckpointManager(run, keep_last=1)  # its clean-up at start leaves step 3 alone
-    m.save(4, {"w": np.ones(2)})  # so do retention and the clean-up after the commit
+    m = tsckpt.CheckpointManager(run, keep_last=1)
+    m.save(4, {"w": np.ones(2)})  # its clean-up leaves step 3 alone, as do retention and the clean-up after
     assert sorted(os.listdir(run)) == ["00000003", "00000004"]
     assert _root(str(run / "00000003"))["state"] == "pending"
     assert m.all_steps() == [4]
@@ -550,8 +584,8 @@ def test_manager_leaves_a_step_another_process_is_saving(tmp_path, saver):
         f"{run}: step 3 is being saved by another save that is still running (pid {proc.pid}"
     )
     _kill(proc)
-    tsckpt.CheckpointManager(run)  # its process is gone: step 3 is a crashed save
-    assert sorted(os.listdir(run)) == ["00000004"]
+    tsckpt.CheckpointManager(run).save(5, {"w": np.ones(2)})  # its process is gone: step 3 is a crashed save
+    assert sorted(os.listdir(run)) == ["00000004", "00000005"]
 
 
 def test_convert_with_overwrite_leaves_a_save_still_running(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -153,16 +154,18 @@ def test_incomplete_steps_are_ignored_and_cleaned(root):
     _check(m.restore(), 1)
     with pytest.raises(tsckpt.CheckpointIncompleteError, match="never committed"):
         m.restore(2)
-    # a fresh manager (a restarted job) removes it
+    # a fresh manager (a restarted job) removes it when it first saves, never when it is made
     m2 = tsckpt.CheckpointManager(root)
     assert m2.all_steps() == [1]
     kv = tsckpt._storage.locations.resolve(root).kvstore()
+    assert [k for k in kv.list().result() if k.startswith(b"00000002")]
+    m2.save(0, _state(0))
     assert not [k for k in kv.list().result() if k.startswith(b"00000002")]
     # so does the next commit
     _make_incomplete(m2, 7)
     m2.save(3, _state(3))
     assert not [k for k in kv.list().result() if k.startswith(b"00000007")]
-    assert m2.all_steps() == [1, 3]
+    assert m2.all_steps() == [0, 1, 3]
 
 
 def test_incomplete_step_is_replaced_by_its_save(root):
@@ -191,8 +194,8 @@ def test_leftovers_on_local_disk(tmp_path, caplog):
     (run / "notes").mkdir()  # not a step
     assert m.all_steps() == [1, 2]
     with caplog.at_level("WARNING", logger="tsckpt"):
-        tsckpt.CheckpointManager(run, keep_last=1)
-    assert sorted(os.listdir(run)) == ["00000001", "00000002", "00000003", "00000004", "notes"]
+        tsckpt.CheckpointManager(run, keep_last=1).save(2, _state(2), overwrite=True)  # cleans up first
+    assert sorted(os.listdir(run)) == ["00000002", "00000003", "00000004", "notes"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{run}: step directory 00000003 is not a checkpoint tsckpt wrote (its root zarr.json is not valid JSON "
         "(Expecting property name enclosed in double quotes: line 1 column 2 (char 1))); the manager leaves it "
@@ -218,8 +221,9 @@ def test_deletion_makes_a_step_incomplete_first(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert m.all_steps() == [2]  # step 1 is already out of sight
     assert [n for n in os.listdir(run) if n.startswith(".tsckpt-deleting-00000001")]
-    tsckpt.CheckpointManager(run)
-    assert sorted(os.listdir(run)) == ["00000002"]
+    m2 = tsckpt.CheckpointManager(run, keep_last=1)
+    m2.save(3, _state(3))  # a manager's first save cleans up what a deletion left
+    assert sorted(os.listdir(run)) == ["00000003"]
 
 
 def test_only_rank_zero_deletes(tmp_path, monkeypatch):
@@ -402,3 +406,165 @@ def test_an_empty_step_directory_is_saved_into(tmp_path):
     m = tsckpt.CheckpointManager(run)
     m.save(2, _state(2))
     _check(m.restore(2), 2)
+
+
+# ---- nothing committed is deleted without overwrite=True (issue 32) --------------------------------
+
+
+def test_save_async_never_deletes_a_step_another_job_committed_meanwhile(root, monkeypatch):
+    """save_async judged step 5 a crashed save's (to be cleared) when it was submitted; another
+    job committed step 5 before the background worker started. Before: the worker checked only
+    that no save was *running* there, deleted the committed step and saved over it, and both
+    saves reported success."""
+    import tsckpt._save.background as background
+
+    mine, other = tsckpt.CheckpointManager(root), tsckpt.CheckpointManager(root)
+    _make_incomplete(mine, 5)
+    real_run = background.AsyncSave.run
+    started = []
+
+    def run(handle, job, tree):  # the worker starts: the other job commits step 5 first
+        if not started:
+            started.append(True)
+            other.save(5, _state(55))
+        return real_run(handle, job, tree)
+
+    monkeypatch.setattr(background.AsyncSave, "run", run)
+    handle = mine.save_async(5, _state(5))
+    with pytest.raises(tsckpt.CheckpointExistsError, match="step 5 already has a complete checkpoint"):
+        handle.result(timeout=60)
+    assert started
+    _check(mine.restore(5), 55)  # the other job's checkpoint, untouched
+    monkeypatch.undo()
+    mine.save_async(5, _state(6), overwrite=True).result(timeout=60)  # overwrite=True still replaces it
+    _check(mine.restore(5), 6)
+    mine.close()
+    other.close()
+
+
+def _read_only(monkeypatch) -> list[str]:
+    """Make every write this process could make to storage fail as on a read-only mount
+    (EROFS; tests run as root, whom chmod does not stop), and record each attempt."""
+    import errno
+    import shutil
+
+    import tensorstore as ts
+
+    tried: list[str] = []
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            tried.append(f"{name}{args[:2]!r}")
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]) if args else None)
+
+        return call
+
+    for name in ("rename", "replace", "rmdir", "unlink", "remove", "mkdir", "makedirs", "truncate"):
+        monkeypatch.setattr(os, name, refuse(f"os.{name}"))
+    monkeypatch.setattr(shutil, "rmtree", refuse("shutil.rmtree"))
+    monkeypatch.setattr(ts.KvStore, "write", refuse("KvStore.write"))
+    monkeypatch.setattr(ts.KvStore, "delete_range", refuse("KvStore.delete_range"))
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC):
+            tried.append(f"os.open({path!r}, {flags:#o})")
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    return tried
+
+
+def test_a_manager_on_a_read_only_mount_reads_without_writing(root, monkeypatch):
+    """An evaluation job reading a run from a read-only mount: before, the constructor's clean-up
+    of a step abandoned by a crash raised a raw OSError EROFS, so latest_step() and restore() were
+    unusable. Readers write nothing; clean-up happens when a manager saves."""
+    m = tsckpt.CheckpointManager(root)
+    m.save(1, _state(1))
+    _make_incomplete(m, 2)  # a crashed save's step: cleaned by the next save, never by a reader
+    loc = tsckpt._storage.locations.resolve(root)
+    if loc.local is not None:
+        os.makedirs(os.path.join(loc.local, "00000003"))  # an empty step directory: also a save's to clear
+        os.makedirs(os.path.join(loc.local, ".tsckpt-deleting-00000000-0123abcd", "w"))  # a deletion cut short
+    before = sorted(k for k in loc.kvstore().list().result())
+    tried = _read_only(monkeypatch)
+    reader = tsckpt.CheckpointManager(root, keep_last=1)
+    assert reader.all_steps() == [1] and reader.latest_step() == 1
+    _check(reader.restore(), 1)
+    _check(reader.restore(1), 1)
+    with pytest.raises(tsckpt.CheckpointIncompleteError):
+        reader.restore(2)
+    assert tsckpt.open(reader.directory(1))["step"] == 1
+    assert tried == []
+    with pytest.raises(tsckpt.StorageError) as e:  # saving is refused precisely, on the save path
+        reader.save(4, _state(4))
+    assert e.value.errno == errno.EROFS and "read-only" in str(e.value)
+    reader.close()
+    monkeypatch.undo()
+    assert sorted(k for k in loc.kvstore().list().result()) == before
+    writer = tsckpt.CheckpointManager(root)
+    writer.save(4, _state(4))  # a writer's first save cleans up
+    assert writer.all_steps() == [1, 4]
+    assert not [k for k in loc.kvstore().list().result() if k.startswith((b"00000002", b"00000003"))]
+    if loc.local is not None:
+        assert sorted(os.listdir(loc.local)) == ["00000001", "00000004"]
+    writer.close()
+
+
+def test_a_managers_clean_up_never_removes_a_step_another_job_just_claimed(tmp_path, monkeypatch):
+    """Two jobs starting on one run save the same step. Job B's clean-up judged step 7 free to
+    remove (a directory holding only the lock file of a root being written) just before job A's
+    save claimed it, then removed it: A went on writing into a directory recreated without a
+    root, or B saved into it and A's data landed in B's checkpoint. Before: both failed and the
+    step was left with array files and no root, which every manager refused from then on.
+    Now the removal is conditional on the root judged: exactly one save wins, the other is
+    refused, nothing is left blocked."""
+    import threading
+
+    import tsckpt._save.protocol as save_module
+
+    run = tmp_path / "run"
+    a = tsckpt.CheckpointManager(run)
+    (run / "00000007").mkdir(parents=True)
+    (run / "00000007" / f"{ROOT_KEY}.__lock").write_bytes(b"")  # a claim being written
+    writing, release = threading.Event(), threading.Event()
+    real_write, real_holds = save_module._write, manager_module.CheckpointManager._holds_data
+    held: list = []
+
+    def write(*args, **kwargs):  # job A's save waits in its write step
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(60)
+        return real_write(*args, **kwargs)
+
+    def holds_data(self, name):  # job B judges the step; then job A claims it
+        found = real_holds(self, name)
+        if self is not a and name == "00000007" and not held:
+            held.append(a.save_async(7, _state(70)))
+            assert writing.wait(60)
+        return found
+
+    monkeypatch.setattr(save_module, "_write", write)
+    monkeypatch.setattr(manager_module.CheckpointManager, "_holds_data", holds_data)
+    outcome: dict[str, BaseException | None] = {}
+    try:
+        b = tsckpt.CheckpointManager(run)
+        b.save(7, _state(71))
+        outcome["b"] = None
+    except BaseException as e:  # noqa: BLE001 - judged below
+        outcome["b"] = e
+    finally:
+        release.set()
+    assert held, "job A never started"
+    outcome["a"] = held[0].exception(timeout=60)
+    monkeypatch.undo()
+    winners = [k for k, e in outcome.items() if e is None]
+    assert len(winners) == 1, outcome
+    loser = next(e for e in outcome.values() if e is not None)
+    assert isinstance(loser, (tsckpt.CheckpointExistsError, tsckpt.SaveInProgressError)), repr(loser)
+    _check(tsckpt.restore(a.directory(7)), 70 if winners == ["a"] else 71)
+    c = tsckpt.CheckpointManager(run)
+    c.save(8, _state(8))  # nothing left blocked
+    assert c.all_steps() == [7, 8]
+    a.close()

@@ -373,14 +373,17 @@ def test_manager_retention_and_listing(s3_server, prefix, monkeypatch, s3_calls)
     _assert_tree(m.restore(3), 3)
     with pytest.raises(tsckpt.CheckpointIncompleteError):
         m.restore(5)
-    # a restarted job removes the crashed step, data, index marker and all
+    # a restarted job removes the crashed step, data, index marker and all, when it first saves
+    # (never when it is made: a manager that only reads writes nothing)
+    before = _keys(s3_server, prefix + "/")
     m2 = tsckpt.CheckpointManager(root, keep_last=2)
-    tops = {k[len(prefix) + 1 :].split("/")[0] for k in _keys(s3_server, prefix + "/")}
-    assert tops == {"00000003", "00000004", ".tsckpt-steps"}
-    assert _keys(s3_server, f"{prefix}/.tsckpt-steps/") == [
-        f"{prefix}/.tsckpt-steps/.root", *(f"{prefix}/.tsckpt-steps/0000000{s}" for s in (3, 4))
-    ]
+    assert _keys(s3_server, prefix + "/") == before
     m2.save(6, _tree(6))
+    tops = {k[len(prefix) + 1 :].split("/")[0] for k in _keys(s3_server, prefix + "/")}
+    assert tops == {"00000004", "00000006", ".tsckpt-steps"}
+    assert _keys(s3_server, f"{prefix}/.tsckpt-steps/") == [
+        f"{prefix}/.tsckpt-steps/.root", *(f"{prefix}/.tsckpt-steps/0000000{s}" for s in (4, 6))
+    ]
     assert m2.all_steps() == [4, 6]
     m.close()
     m2.close()

@@ -21,11 +21,18 @@ clean-up or retention, and saving a step that another save is writing is
 refused, so one manager never destroys another's save in progress. Retention
 applies to all complete steps under the root, whichever manager wrote them.
 
-Deleting a step first makes it incomplete (on a local disk the directory is
-renamed away in one atomic step; elsewhere the root ``zarr.json`` is replaced
-by a pending one recording the deletion's claim, and goes last), so a crash in
-the middle of a deletion never leaves a damaged step that looks complete, nor
-one clean-up cannot identify as tsckpt's. With several ranks, only rank 0 deletes.
+Deleting a step first makes it incomplete, in one conditional step as a commit
+is: its root ``zarr.json`` is replaced, conditionally on the generation it was
+judged at, by a pending root recording the deletion's claim (counted as a
+running save while the deletion runs); then on a local disk the directory is
+renamed away in one atomic step, elsewhere its keys are deleted, the root last.
+So a step another job committed or claimed after it was judged is never
+deleted, and a crash in the middle of a deletion never leaves a damaged step
+that looks complete, nor one clean-up cannot identify as tsckpt's. A save
+judges its step again right before its claim (:meth:`CheckpointManager._clear`).
+With several ranks, only rank 0 deletes. Clean-up runs on save paths only (a
+manager's first save, and after each commit): a manager that only lists and
+restores writes nothing, so it works on a read-only mount.
 
 On object stores the steps are listed through an index of marker objects
 (tsckpt/_ondisk/stepindex.py), which a step saved under the root without the manager
@@ -51,12 +58,14 @@ from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgr
 from ._leaves.stateful import is_stateful, is_whole_state
 from ._ondisk import stepindex as _steps
 from ._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
-from ._ondisk.root import RootState, read_root_states
+from ._ondisk.root import RootState, read_roots
 from ._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
 from ._save import lease as _lease
 from ._save.background import AsyncSave, AsyncSaver, prepare_group
-from ._storage import store as _store
-from ._storage.store import Directory, fsync_path, resolve, storage_errors
+from ._storage import durable as _durable
+from ._storage.durable import fsync_path
+from ._storage.faults import storage_errors
+from ._storage.locations import Directory, resolve
 
 log = logging.getLogger("tsckpt")
 
@@ -116,10 +125,9 @@ class CheckpointManager:
         self._saver = AsyncSaver(max_staging_bytes=background.max_staging_bytes)
         self._rank = _dist.rank_of(group)
         self._reported: set[str] = set()  # steps clean-up found it cannot identify, warned about once
-        if self._rank == 0:
-            if self._loc.local is None:
-                _steps.adopt(self._loc)
-            self._clean()
+        # Nothing is written until the first save (which cleans up first): a manager that only
+        # reads (an evaluation job on a read-only mount) needs no write access.
+        self._tidied = False
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._loc)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -155,19 +163,20 @@ class CheckpointManager:
             keys = self._loc.kvstore().list(markers, strip_prefix_length=len(_steps.INDEX)).result()
         return sorted(k.decode("utf-8", "replace") for k in keys)
 
-    def _roots(self, names: Iterable[str]) -> dict[str, RootState]:
-        """Root of each step directory: its state is "committed", "pending", None (no root) or "invalid"."""
+    def _roots(self, names: Iterable[str]) -> dict[str, _Step]:
+        """Root of each step directory (its state is "committed", "pending", None (no root) or
+        "invalid"), with the generation it was read at."""
         with storage_errors(self._loc):
-            roots = read_root_states(self._loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
-        return {key[: -len(ROOT_KEY) - 1]: root for key, root in roots.items()}
+            roots = read_roots(self._loc, [f"{n}/{ROOT_KEY}" for n in names])
+        return {key[: -len(ROOT_KEY) - 1]: _Step(key[: -len(ROOT_KEY) - 1], *found) for key, found in roots.items()}
 
-    def _step_states(self) -> dict[int, tuple[str, RootState]]:
+    def _step_states(self) -> dict[int, _Step]:
         names = [n for n in self._names() if _steps.STEP.fullmatch(n)]
-        return {int(n): (n, root) for n, root in self._roots(names).items()}
+        return {int(n): found for n, found in self._roots(names).items()}
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint, ascending."""
-        return sorted(step for step, (_, root) in self._step_states().items() if root.state == STATE_COMMITTED)
+        return sorted(step for step, found in self._step_states().items() if found.root.state == STATE_COMMITTED)
 
     def latest_step(self) -> int | None:
         """The most recent complete step, or None if there is none yet."""
@@ -176,11 +185,18 @@ class CheckpointManager:
 
     # ---- saving --------------------------------------------------------------
 
-    def _check_free(self, step: int, overwrite: bool, *, judge_running: bool = True) -> bool:
-        """Raise if ``step`` is complete and may not be replaced, or (``judge_running``) is
-        being saved by a running save; True if its directory must be cleared."""
+    def _check_free(self, step: int, overwrite: bool, *, judge_running: bool = True) -> None:
+        """Raise early, in the caller, if ``step`` may not be saved: it is complete and may not be
+        replaced, it holds data tsckpt did not write, or (``judge_running``) a running save is
+        writing it. The save judges it again when it claims the step (:meth:`_clear`)."""
         name = self._name(step)
-        root = self._roots([name])[name]
+        self._judge(step, self._roots([name])[name], overwrite, judge_running=judge_running)
+
+    def _judge(self, step: int, found: _Step, overwrite: bool, *, judge_running: bool = True) -> bool:
+        """Raise if step ``step``, whose root is ``found``, may not be saved; True if its
+        directory must be cleared first (a crashed save's, an empty one, or with
+        ``overwrite`` a complete one)."""
+        name, root = found.name, found.root
         if root.state == STATE_COMMITTED and not overwrite:
             raise CheckpointExistsError(
                 f"{self._loc}: step {step} already has a complete checkpoint; pass overwrite=True to replace it"
@@ -191,8 +207,10 @@ class CheckpointManager:
                 f"({_lease.describe(_lease.claim_of(root))}); wait for it, or save another step. If its process is gone, the step "
                 "is removed once its lease has expired"
             )
-        if root.state == STATE_COMMITTED or _abandoned(root) or _lease.save_running(root):
-            return True  # a running save's step is left to it when the job runs: save() then refuses
+        if _lease.save_running(root):
+            return False  # left to its save (under torch.distributed, judged by rank 0 when the save claims it)
+        if root.state == STATE_COMMITTED or _abandoned(root):
+            return True
         if not self._holds_data(name):
             return self._loc.local is not None and os.path.lexists(os.path.join(self._loc.local, name))
         raise CheckpointExistsError(
@@ -208,25 +226,45 @@ class CheckpointManager:
             if not os.path.isdir(path) or os.path.islink(path):
                 return os.path.lexists(path)
             return bool(set(os.listdir(path)) - {_ROOT_LOCK})
-        return _store.has_any_key(resolve(self._loc.sub(name)))
+        return _durable.has_any_key(resolve(self._loc.sub(name)))
 
-    def _job(self, step: int, clear: bool, options: SaveOptions) -> Any:
-        from ._save.protocol import save
+    def _job(self, step: int, options: SaveOptions) -> Any:
+        from ._save.protocol import save_with
 
-        # the manager cleared the step where it had to (``clear``): the save itself never replaces one
-        kwargs = dataclasses.replace(options, overwrite=False).kwargs()
+        # the manager clears the step where it must (_clear): the save itself never replaces one
+        plain = dataclasses.replace(options, overwrite=False)
+
+        def clear() -> None:  # rank 0, inside the save, right before its claim
+            self._clear(step, options.overwrite)
 
         def job(tree: Any) -> None:
-            if self._rank == 0:
-                name = self._name(step)
-                # a running save found meanwhile is left alone: save() then refuses on every rank
-                if clear and not _lease.save_running(self._roots([name])[name]):
-                    self._delete(name)
-            save(self.directory(step), tree, **kwargs)  # lists the step in the root's index first
+            # rank 0 clears (and the save then lists the step in the root's index first)
+            save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
             if self._rank == 0:
                 self._after_commit()
 
         return job
+
+    def _clear(self, step: int, overwrite: bool) -> None:
+        """Rank 0, right before the save of ``step`` claims it: clean up once (the manager's first
+        save), then judge the step again, now, and clear it if it must be. The judgement and the
+        deletion are one conditional step (:meth:`_delete`): a step another job committed or
+        claimed since it was read is never deleted, whatever was judged when the save was
+        submitted; the judgement is then made again on what is there now."""
+        if not self._tidied:
+            if self._loc.local is None:
+                _steps.adopt(self._loc)
+            self._clean()
+            self._tidied = True
+        name = self._name(step)
+        for _ in range(3):
+            found = self._roots([name])[name]
+            if not self._judge(step, found, overwrite) or self._delete(found):
+                return
+        raise CheckpointExistsError(
+            f"{self._loc}: step {step} kept changing while this save tried to clear it (other jobs are saving or "
+            "cleaning it); nothing was deleted. Save each step from one job"
+        )
 
     @verb("CheckpointManager.save")
     def save(
@@ -249,7 +287,8 @@ class CheckpointManager:
         options = SaveOptions.of(locals(), self._saving)
 
         def run() -> None:
-            self._job(step, self._check_free(step, overwrite, judge_running=self._solo()), options)(tree)
+            self._check_free(step, overwrite, judge_running=self._solo())
+            self._job(step, options)(tree)
 
         self._saver.run(run, if_busy=self._if_busy)
 
@@ -266,17 +305,13 @@ class CheckpointManager:
         """Like :meth:`save` (with the same options), but returns once ``tree`` is copied
         to host memory; writing, the commit and retention continue in the background."""
         options = SaveOptions.of(locals(), self._saving)
-        clear: list[bool] = []
 
-        def prepare() -> None:
-            clear.append(self._check_free(step, overwrite, judge_running=self._solo()))
+        def prepare() -> None:  # an early refusal; the step is judged again when the save claims it
+            self._check_free(step, overwrite, judge_running=self._solo())
             prepare_group(options.group, options.timeout)
 
-        def job(staged: Any) -> None:
-            self._job(step, clear[0], options)(staged)
-
         label = str(resolve(self.directory(step)))
-        return self._saver.submit(label, tree, job, if_busy=self._if_busy, prepare=prepare, rank=self._rank)
+        return self._saver.submit(label, tree, self._job(step, options), if_busy=self._if_busy, prepare=prepare, rank=self._rank)
 
     def _solo(self) -> bool:
         """Whether this rank may refuse on its own: ranks can judge a save's liveness
@@ -337,10 +372,9 @@ class CheckpointManager:
 
     def _after_commit(self) -> None:
         steps = self._step_states()
-        complete = sorted(s for s, (_, root) in steps.items() if root.state == STATE_COMMITTED)
-        doomed = [steps[s][0] for s in self._expired(complete)]
-        for name in doomed:
-            self._delete(name)
+        complete = sorted(s for s, found in steps.items() if found.root.state == STATE_COMMITTED)
+        for s in self._expired(complete):
+            self._delete(steps[s])  # not when the step was replaced since it was listed
         self._clean(steps)
 
     def _expired(self, complete: list[int]) -> list[int]:
@@ -353,15 +387,18 @@ class CheckpointManager:
             keep.update(s for s in complete if s % self.keep_every == 0)
         return [s for s in complete if s not in keep]
 
-    def _clean(self, steps: dict[int, tuple[str, RootState]] | None = None) -> None:
-        """Remove what tsckpt provably left behind: steps whose pending root records a save that
-        is over (never one still running), and leftovers of interrupted deletions. A step
-        directory it cannot identify as tsckpt's is reported once and left alone."""
+    def _clean(self, steps: dict[int, _Step] | None = None) -> None:
+        """Remove what tsckpt provably left behind (on save paths only: never when a manager is
+        made or reads): steps whose pending root records a save that is over (never one still
+        running), empty step directories, and leftovers of interrupted deletions. Each removal
+        is conditional on the root read (:meth:`_delete`). A step directory it cannot identify
+        as tsckpt's is reported once and left alone."""
         if steps is None:
             steps = self._step_states()
-        for _, (name, root) in sorted(steps.items()):
+        for _, found in sorted(steps.items()):
+            name, root = found.name, found.root
             if _abandoned(root) or (root.state is None and self._loc.local is not None and not self._holds_data(name)):
-                self._delete(name)
+                self._delete(found)
             elif root.state != STATE_COMMITTED and not _lease.save_running(root) and name not in self._reported:
                 self._report(name, root)
         if self._loc.local is not None:
@@ -373,35 +410,62 @@ class CheckpointManager:
         """Warn, once per manager, of a step directory that tsckpt did not provably write."""
         if root.state is None and not self._holds_data(name):
             return  # an object store's marker of a step never saved: nothing to lose, left for its save
+        root = self._roots([name])[name].root  # as it is now: another job's save may have claimed it since
+        if root.state == STATE_COMMITTED or _lease.save_running(root) or _abandoned(root):
+            return
         self._reported.add(name)
         log.warning(
             "%s: step directory %s is not a checkpoint tsckpt wrote (%s); the manager leaves it alone: it is not "
             "listed, restored, counted for retention or deleted", self._loc, name, _unidentified(root),
         )
 
-    def _delete(self, name: str) -> None:
-        """Delete one step directory so that no crash leaves it looking complete."""
-        if self._loc.local is not None:
-            path = os.path.join(self._loc.local, name)
-            trash = os.path.join(self._loc.local, f"{_TRASH}{name}-{uuid.uuid4().hex[:8]}")
-            try:
-                os.rename(path, trash)
-            except FileNotFoundError:
-                return
-            fsync_path(self._loc.local)
-            shutil.rmtree(trash, ignore_errors=True)
-            return
+    def _delete(self, found: _Step) -> bool:
+        """Delete one step directory, if its root is still the one ``found`` (as judged): False
+        when it changed meanwhile (another job saved, claimed or deleted the step), and nothing
+        was deleted.
+
+        The check and the deletion are one conditional step, as a save's commit is: the root
+        is first replaced, conditionally on the generation it was judged at (created, where
+        there was none), by a pending root recording this deletion's claim, which counts as a
+        running save while the deletion runs (so no other job judges the step free, nor its
+        save claims it), and which no crash leaves looking complete. Then, on a local disk, the
+        directory is renamed away in one atomic step and removed; elsewhere its keys are
+        deleted, the root last."""
         from ._save.commit import pending_root
 
-        kv = self._loc.kvstore()
-        root = f"{name}/{ROOT_KEY}"
-        with storage_errors(self._loc):
-            # uncommitted first, yet still tsckpt's: a pending root recording this deletion's claim
-            kv.write(root, pending_root(LAYOUT_PLAIN)(_lease.new_claim())).result()
-            kv.delete_range(ts.KvStore.KeyRange(f"{name}/", root)).result()
-            kv.delete_range(ts.KvStore.KeyRange(root + "\0", f"{name}0")).result()  # '0' follows '/'
-            kv.write(root, None).result()
-            kv.write(f"{_steps.INDEX}{name}", None).result()  # unlisted last
+        name = found.name
+        loc = resolve(self._loc.sub(name)) if self._loc.local is None else resolve(os.path.join(self._loc.local, name))
+        deletion = _lease.Lease(loc, pending_root(LAYOUT_PLAIN))  # running in this process until end()
+        try:
+            with storage_errors(loc, doing="writing"):
+                taken, _ = _lease.write_root(loc, deletion.root(), if_equal=found.generation)
+                if not taken:
+                    return False
+                if self._loc.local is not None:
+                    trash = os.path.join(self._loc.local, f"{_TRASH}{name}-{uuid.uuid4().hex[:8]}")
+                    os.rename(os.path.join(self._loc.local, name), trash)
+                    fsync_path(self._loc.local)
+                    shutil.rmtree(trash, ignore_errors=True)
+                    return True
+                kv = self._loc.kvstore()
+                root = f"{name}/{ROOT_KEY}"
+                kv.delete_range(ts.KvStore.KeyRange(f"{name}/", root)).result()
+                kv.delete_range(ts.KvStore.KeyRange(root + "\0", f"{name}0")).result()  # '0' follows '/'
+                _durable.write_durable(loc, ROOT_KEY, None, if_equal=taken)
+                kv.write(f"{_steps.INDEX}{name}", None).result()  # unlisted last
+                return True
+        finally:
+            deletion.end()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A step directory's root as read: what it says, and its generation then (TensorStore's
+    generation of a missing key when there is none), the condition of deleting it."""
+
+    name: str
+    root: RootState
+    generation: bytes
 
 
 def _abandoned(root: RootState) -> bool:
@@ -416,6 +480,8 @@ def _unidentified(root: RootState) -> str:
         return "no tsckpt root zarr.json: another library's checkpoint, or other data"
     if root.problem == "json":
         return f"its root zarr.json is not valid JSON ({root.detail})"
+    if root.problem == "file":
+        return f"{root.detail}, and was not read"
     if root.problem == "foreign":
         return "its root zarr.json has no tsckpt metadata"
     return f"its root is in state {root.state!r} without the claim of a tsckpt save"
@@ -451,8 +517,8 @@ def list_steps(root: Directory) -> list[StepListing] | None:
         names = _steps.step_names(loc)
         if not names:
             return None
-        roots = read_root_states(loc.kvstore(), [f"{n}/{ROOT_KEY}" for n in names])
-    states = {n: roots[f"{n}/{ROOT_KEY}"] for n in sorted(names, key=lambda n: (int(n), n))}
+        roots = read_roots(loc, [f"{n}/{ROOT_KEY}" for n in names])
+    states = {n: roots[f"{n}/{ROOT_KEY}"][0] for n in sorted(names, key=lambda n: (int(n), n))}
     if all(r.state is None for r in states.values()):
         return None  # no step of tsckpt's (none at all, or another library's: Orbax)
     out = []
@@ -483,7 +549,7 @@ def _holds_anything(where: Directory) -> bool:
         if not os.path.isdir(where) or os.path.islink(where):
             return os.path.lexists(where)
         return bool(set(os.listdir(where)) - {_ROOT_LOCK})
-    return _store.has_any_key(resolve(where))
+    return _durable.has_any_key(resolve(where))
 
 
 __all__ = ["CheckpointManager"]

@@ -22,7 +22,7 @@ from .._base.types import Dest, box_slices
 from .._ondisk.arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import shard_boxes
-from .._ondisk.records import ROOT_KEY, ArrayRecord
+from .._ondisk.records import ArrayRecord
 from .._runtime.memory import prefaulted
 from .._runtime.progress import Progress
 from .._runtime.window import Window
@@ -99,7 +99,7 @@ def read_chunks(
         rec = ck.arrays[item.path]
         view = view_of(dest)
         if rec.path not in nodes:
-            nodes[rec.path] = kv.read(f"{rec.path}/{ROOT_KEY}", staleness_bound=CACHED)
+            nodes[rec.path] = ck.read_node(rec.path)
         chunk = stored_shapes(rec).shard
         element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
         for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):

@@ -26,6 +26,7 @@ import torch
 from .._base import dtypes as _dtypes
 from .._base.types import LazySource, span_slices
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError, short_repr
+from .._ondisk.bounds import METADATA_BYTES, file_problem, refused
 from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
 from .._storage.confine import confined
 from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
@@ -82,6 +83,9 @@ def _read_metadata(path: str, allow_pickle: bool) -> Any:
     if not os.path.isfile(mfile):
         raise NotACheckpointError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file); give the one dcp.save wrote")
     confined(path, METADATA_FILE, where=path, field="the DCP metadata file")
+    problem = file_problem(mfile, METADATA_BYTES, "DCP metadata")
+    if problem is not None:  # read whole by torch: never a device or a sparse file of gigabytes
+        raise refused(mfile, problem, "it is damaged or not DCP's; re-save the checkpoint")
     if not allow_pickle:
         raise NotACheckpointError(
             f"{mfile}: a torch.distributed.checkpoint's metadata is a Python pickle, and unpickling it can run "

@@ -52,6 +52,7 @@ from .._errors import (
 from .._ondisk.arrays import MANIFEST
 from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.backing import UNCHECKED_BYTES
+from .._ondisk.bounds import METADATA_BYTES, read_file
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.confine import confined, refuse_links
@@ -105,8 +106,9 @@ def _read_json(loc: Path, name: str) -> Any:
     """The JSON file ``name`` of ``loc`` (no link), with the bounded parse of every format."""
     file = confined(str(loc), name, where=str(loc), field=f"Orbax metadata file '{name}'")
     try:
-        with open(file, "rb") as f:
-            return parse_json(f.read())
+        return parse_json(read_file(file, METADATA_BYTES, "Orbax metadata", fix="use another checkpoint or re-save it"))
+    except CorruptCheckpointError:
+        raise
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(
             f"{loc}: Orbax metadata file '{name}' is unreadable: expected JSON, found {_one_line(e)}; "

@@ -59,6 +59,7 @@ from .._errors import (
     short_repr,
 )
 from .._ondisk.arrays import parse_node as parse_json
+from .._ondisk.bounds import METADATA_BYTES, read_fd
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import confined
 from .._storage.hfcache import open_read
@@ -396,11 +397,12 @@ def read_dir(path: str) -> Any:
 
 
 def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """(weight map: tensor name -> file, metadata) of a sharded directory's index (its JSON
-    parsed with bounds, its fields checked): a safetensors index, or a torch.save one."""
+    """(weight map: tensor name -> file, metadata) of a sharded directory's index (its JSON,
+    of a bounded size, parsed with bounds, its fields checked): a safetensors index, or a
+    torch.save one."""
+    raw = read_fd(open_read(index_file), index_file, METADATA_BYTES, "a Hugging Face index", fix="restore the index")
     try:
-        with os.fdopen(open_read(index_file), "rb") as f:
-            index = parse_json(f.read())
+        index = parse_json(raw)
     except ValueError as e:  # UnicodeDecodeError included
         raise CorruptCheckpointError(f"{index_file}: not a valid index: it is not JSON ({e}); restore it") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

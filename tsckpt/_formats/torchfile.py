@@ -15,6 +15,7 @@ import contextlib
 import os
 import pickle
 import re
+import stat
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
+from .._ondisk.bounds import kind_of
 from .._storage.hfcache import Blob, open_read
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
@@ -39,13 +41,29 @@ def is_torch_file(head: bytes) -> bool:
     return head.startswith(_ZIP_MAGIC) or head.startswith(_LEGACY_START)
 
 
+def _head(path: str) -> bytes:
+    """The first bytes of the file ``path``, opened without waiting; NotACheckpointError for
+    a FIFO, a socket or a device (torch.load would wait on a FIFO forever, or read a device
+    without end)."""
+    fd = open_read(path)  # a Hugging Face cache snapshot's file: from its blobs/, no link followed
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(mode):
+            raise NotACheckpointError(
+                f"{path}: is {kind_of(mode)}, not a regular file: no torch.save file; give the file torch.save wrote"
+            )
+        return os.read(fd, 9)
+    finally:
+        os.close(fd)
+
+
 def read_torch_file(path: str) -> Any:
     """The object ``torch.save`` stored at ``path``: its dicts, lists and tuples with
     CPU tensors (memory-mapped when the format allows) and plain values as leaves."""
     try:
-        fd = open_read(path)  # a Hugging Face cache snapshot's file: from its repository's blobs/, no link followed
-        with os.fdopen(fd, "rb") as f:
-            head = f.read(9)
+        head = _head(path)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file; give the path of a file written by torch.save") from None
     except IsADirectoryError:

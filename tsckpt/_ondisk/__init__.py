@@ -15,6 +15,8 @@ Owns:
 - :mod:`.readfaults`: what a failed read of an array means, in the words every read
   path uses.
 - :mod:`.stepindex`: a manager's step index on object stores (one marker per step).
+- :mod:`.bounds`: metadata files read within bounds: never a FIFO, a device or a file
+  larger than the limit of its kind.
 
 May import: :mod:`tsckpt._runtime`, :mod:`tsckpt._storage`, ``tree`` and the foundations.
 """

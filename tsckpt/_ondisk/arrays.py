@@ -190,8 +190,10 @@ def stored_node_problem(raw: bytes, rec: ArrayRecord) -> str | None:
     return node_problem(node, rec)
 
 
-def open_array(data: dict[str, Any], rec: ArrayRecord, *, write: bool = False) -> ts.TensorStore:
-    return open_array_future(data, rec, write=write).result()
+def open_array(
+    data: dict[str, Any], rec: ArrayRecord, *, write: bool = False, context: ts.Context | None = None
+) -> ts.TensorStore:
+    return open_array_future(data, rec, write=write, context=context).result()
 
 
 def open_array_future(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -22,6 +23,7 @@ from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
 from ..tree import from_paths, structure_from_json
 from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
+from .bounds import NODE_BYTES, file_problem, refused
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 
 # The format of a checkpoint tsckpt wrote; any other is another library's.
@@ -113,6 +115,23 @@ class Checkpoint:
         """Open a stored array for reading; its zarr.json is checked against the root metadata."""
         return Opening(self, path)
 
+    def node_file_problem(self, path: str) -> str | None:
+        """Why the zarr.json of array ``path`` is not read (:mod:`.bounds`: on a local disk, a
+        file of the plain layout that is no regular file, or larger than :data:`NODE_BYTES`),
+        as a phrase after its name; None when it may be read."""
+        if self.location.local is None or self.layout != LAYOUT_PLAIN or self.foreign:
+            return None
+        return file_problem(os.path.join(self.location.local, path, ROOT_KEY), NODE_BYTES, "an array's zarr.json")
+
+    def read_node(self, path: str) -> Any:
+        """The read of array ``path``'s zarr.json (a future of a kvstore ReadResult) through
+        :meth:`kvstore`; one that is not read (:meth:`node_file_problem`) reads as missing,
+        and opening the array then says why."""
+        kv = self.kvstore()  # first: a deferred walk for links and special files names them all
+        if self.node_file_problem(path) is not None:
+            return _NOT_READ
+        return kv.read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
+
     def check_links(self, *, deferred: bool = False) -> None:
         """Refuse a local checkpoint that holds a symbolic link before reading its data
         (docs/security.md); another library's checkpoint (Orbax) is left to that library.
@@ -161,7 +180,7 @@ class Opening:
 
     def __init__(self, ck: Checkpoint, path: str) -> None:
         self._ck, self._path = ck, path
-        self._node = None if ck.foreign else ck.kvstore().read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
+        self._node = None if ck.foreign else ck.read_node(path)
 
     def result(self) -> ts.TensorStore:
         ck, path = self._ck, self._path
@@ -169,6 +188,9 @@ class Opening:
             raise TypeError(f"'{path}' in {ck.location}: a {ck.format} array is read through its source, not TensorStore")
         if self._node is None:
             return ts.open(ck.specs[path], read=True, context=_locations.CONTEXT).result()
+        problem = ck.node_file_problem(path)
+        if problem is not None:  # never left to TensorStore, which would read it whole (or wait)
+            raise refused(f"'{path}' in {ck.location}: {path}/zarr.json", problem, "restore from another checkpoint")
         found = self._node.result()
         rec = ck.arrays[path]
         if found.state == "value":
@@ -183,3 +205,16 @@ class Opening:
                 return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
         # missing or different: TensorStore says how
         return open_array_future(ck.data(), rec, context=ck.context()).result()
+
+
+class _NotRead:
+    """The read of a zarr.json that is not read (:meth:`Checkpoint.read_node`): missing."""
+
+    state = "missing"
+    value = b""
+
+    def result(self) -> _NotRead:
+        return self
+
+
+_NOT_READ = _NotRead()

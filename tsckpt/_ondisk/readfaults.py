@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 
 from .._errors import CheckpointReplacedError, CorruptCheckpointError, TsckptError
@@ -14,6 +15,7 @@ from .._storage import faults as _faults
 from .._storage.faults import UNDECODABLE
 from .._storage.locations import Location
 from .arrays import MANIFEST
+from .bounds import ROOT_BYTES, file_problem
 from .checkpoint import Checkpoint
 from .records import ROOT_KEY
 
@@ -68,13 +70,17 @@ def replaced(loc: Location, generation: bytes | None) -> CheckpointReplacedError
     root: nothing is transferred while it is unchanged (an object store answers 304)."""
     if generation is None:
         return None
-    try:
-        found = loc.kvstore().read(ROOT_KEY, if_not_equal=generation).result()
-    except ValueError:  # the storage fails: the read's own error stands
-        return None
-    if found.state == "unspecified":
-        return None
-    now = _now(bytes(found.value)) if found.state == "value" else " (its root zarr.json is gone)"
+    problem = file_problem(os.path.join(loc.local, ROOT_KEY), ROOT_BYTES, "a root zarr.json") if loc.local else None
+    if problem is not None:  # not read (a FIFO, a device, a huge file): it is no longer the root opened
+        now = f" (its root zarr.json now {problem})"
+    else:
+        try:
+            found = loc.kvstore().read(ROOT_KEY, if_not_equal=generation).result()
+        except ValueError:  # the storage fails: the read's own error stands
+            return None
+        if found.state == "unspecified":
+            return None
+        now = _now(bytes(found.value)) if found.state == "value" else " (its root zarr.json is gone)"
     return CheckpointReplacedError(
         f"{loc}: the checkpoint was replaced or deleted while it was being read (by another save with "
         "overwrite=True, or a manager's retention or clean-up); nothing read since it was opened is "

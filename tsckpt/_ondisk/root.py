@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
-import tensorstore as ts
 import torch
 
 from .._base import dtypes as _dtypes
@@ -30,6 +30,7 @@ from .._errors import (
 from .._storage.locations import Location
 from ..tree import structure_problem
 from .arrays import MANIFEST
+from .bounds import METADATA_BYTES, ROOT_BYTES, file_problem, kind_of, refused
 from .checkpoint import Checkpoint
 from .readfaults import replaced
 from .records import (
@@ -51,7 +52,9 @@ class RootState:
 
     state: str | None  # "committed", "pending", ...; None when there is no root zarr.json
     meta: Mapping[str, Any] | None = None  # attributes.tsckpt, when readable
-    problem: str | None = None  # "json": not valid JSON; "foreign": a zarr.json without tsckpt metadata
+    # "json": not valid JSON; "foreign": a zarr.json without tsckpt metadata; "file": not read,
+    # as it is no regular file or too large (bounds.py), ``detail`` saying which
+    problem: str | None = None
     detail: str = ""
 
 
@@ -71,13 +74,33 @@ def root_state(value: bytes | None) -> RootState:
     return RootState(state if isinstance(state, str) else "invalid", meta)
 
 
-def read_root_states(kv: ts.KvStore, keys: list[str]) -> dict[str, RootState]:
-    """:func:`root_state` of several root keys, read concurrently."""
-    reads = {k: kv.read(k) for k in keys}
+def root_file_problem(loc: Location, key: str = ROOT_KEY) -> str | None:
+    """Why the root zarr.json at ``key`` below the local location ``loc`` is not read (it is
+    no regular file, or larger than :data:`bounds.ROOT_BYTES`), as a phrase after its name;
+    None when it may be read, or is missing, or ``loc`` is not local. Checked before every
+    read of a root: TensorStore would wait on a FIFO forever, and read a device or a sparse
+    file of gigabytes whole."""
+    if loc.local is None:
+        return None
+    return file_problem(os.path.join(loc.local, key), ROOT_BYTES, "a root zarr.json")
+
+
+def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, bytes]]:
+    """:func:`root_state` of several root keys below ``loc``, read concurrently, each with the
+    generation it was read at (TensorStore's generation of a missing key when there is none):
+    the condition of replacing or removing it. A root that is not read (:func:`root_file_problem`)
+    is "invalid" (problem "file"), with no generation."""
+    kv = loc.kvstore()
+    problems = {k: root_file_problem(loc, k) for k in keys}
+    reads = {k: kv.read(k) for k in keys if problems[k] is None}
     out = {}
-    for key, fut in reads.items():
-        r = fut.result()
-        out[key] = root_state(r.value if r.state == "value" else None)
+    for key in keys:
+        problem = problems[key]
+        if problem is not None:
+            out[key] = (RootState("invalid", problem="file", detail=f"its root zarr.json {problem}"), b"")
+            continue
+        r = reads[key].result()
+        out[key] = (root_state(r.value if r.state == "value" else None), bytes(r.stamp.generation))
     return out
 
 
@@ -118,7 +141,20 @@ def load(loc: Location, *, keep_bad: bool = False) -> Checkpoint:
 def _read_root(loc: Location) -> tuple[RootState, bytes]:
     """The root's state and generation; a missing directory or an empty location is not found."""
     if loc.local is not None and not os.path.isdir(loc.local):
+        if os.path.exists(loc.local):  # nothing of it is read: it may be a FIFO
+            mode = os.stat(loc.local).st_mode
+            what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+            raise NotACheckpointError(
+                f"{loc}: is {what}, not a checkpoint directory (nothing of it was read); give the directory a save "
+                "wrote, or a file of another format (format= names it)"
+            )
         raise CheckpointNotFoundError(f"{loc}: no such directory; check the path")
+    problem = root_file_problem(loc)
+    if problem is not None:
+        raise refused(
+            f"{loc}: zarr.json", problem, "it is no checkpoint's root (tsckpt writes a regular file of a few MiB at "
+            "most); restore from another checkpoint"
+        )
     kv = loc.kvstore()
     found = kv.read(ROOT_KEY).result()
     root = root_state(found.value if found.state == "value" else None)
@@ -174,11 +210,7 @@ def _check_layout(loc: Location, meta: Mapping[str, Any], generation: bytes) -> 
             f"{loc}: root metadata names an unknown layout {short_repr(meta.get('layout'))} "
             f"(expected one of {list(LAYOUTS)})"
         )
-    if (
-        meta.get("layout") == LAYOUT_COMPACT
-        and meta.get("arrays")
-        and loc.kvstore().read(MANIFEST).result().state != "value"
-    ):
+    if meta.get("layout") == LAYOUT_COMPACT and meta.get("arrays") and not _has_manifest(loc):
         gone = replaced(loc, generation)
         if gone is not None:
             raise gone
@@ -186,6 +218,19 @@ def _check_layout(loc: Location, meta: Mapping[str, Any], generation: bytes) -> 
             f"{loc}: the array database of this compact checkpoint is missing ({MANIFEST} does not exist); "
             "restore from another checkpoint"
         )
+
+
+def _has_manifest(loc: Location) -> bool:
+    """Whether the compact checkpoint at ``loc`` has its database's manifest; on a local disk
+    looked at without reading it (read later by TensorStore, whole: it must be a regular file
+    of at most :data:`bounds.METADATA_BYTES`)."""
+    if loc.local is None:
+        return bool(loc.kvstore().read(MANIFEST).result().state == "value")
+    path = os.path.join(loc.local, MANIFEST)
+    problem = file_problem(path, METADATA_BYTES, "an OCDBT manifest")
+    if problem is not None:
+        raise refused(f"{loc}: {MANIFEST}", problem, "the checkpoint is damaged; restore from another checkpoint")
+    return os.path.lexists(path)
 
 
 def _raise_first(loc: Location, bad: Mapping[str, str], tree_problem: str | None) -> None:

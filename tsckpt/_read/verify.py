@@ -77,10 +77,14 @@ def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
     ``linked`` (:func:`_links`) names a link or special file: they are not read."""
     kv = ck.kvstore()
     groups = sorted({"/".join(p.split("/")[:i]) for p in ck.arrays for i in range(1, len(p.split("/")))})
-    futures = {p: kv.read(f"{p}/{ROOT_KEY}") for p in ck.arrays if not _meets(p, linked)}
-    group_futures = {g: kv.read(f"{g}/{ROOT_KEY}") for g in groups if not _meets(g, linked)}
+    futures = {p: ck.read_node(p) for p in ck.arrays if not _meets(p, linked)}  # a huge one is not read
+    group_futures = {g: ck.read_node(g) for g in groups if not _meets(g, linked)}
     bad: dict[str, str] = {}
     for p, fut in futures.items():
+        problem = ck.node_file_problem(p)
+        if problem is not None:
+            bad[p] = f"its zarr.json {problem} (not read)"
+            continue
         try:
             r = fut.result()
         except Exception as e:  # noqa: BLE001 - a damaged database: reported per leaf
@@ -94,6 +98,10 @@ def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
             bad[p] = why
     problems = []
     for g, fut in group_futures.items():
+        problem = ck.node_file_problem(g)
+        if problem is not None:
+            problems.append(f"group '{g}': zarr.json {problem} (not read)")
+            continue
         try:
             r = fut.result()
             ok = r.state == "value" and json.loads(r.value).get("node_type") == "group"

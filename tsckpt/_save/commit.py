@@ -3,11 +3,13 @@
 A save becomes visible in one atomic write of the root. Around it, in the
 numbering of save()'s protocol (tsckpt/_save/protocol.py), all on rank 0:
 
-4. Claim (:func:`begin`): refuse or clear what is in the directory (never a
-   save that may still be running: tsckpt/_save/lease.py), then create the root
-   with state "pending" and the save's claim, by a write conditioned on the
-   root being still missing, so of several savers racing for one directory
-   exactly one proceeds. The claim's lease is renewed from then on.
+4. Claim (:func:`begin`): refuse what is in the directory, or (``overwrite``)
+   judge it clearable (never a save that may still be running:
+   tsckpt/_save/lease.py); then write the root with state "pending" and the
+   save's claim, conditioned on the root being still the one judged (missing,
+   or the old root it replaces), so of several savers racing for one directory
+   exactly one proceeds, and only then clear what else is there. The claim's
+   lease is renewed from then on.
 7. Commit: in the compact layout, :func:`merge_databases` first links the
    writing ranks' databases into the root one; :func:`commit` then rewrites the
    root with state "committed", conditioned on the pending root being still
@@ -28,8 +30,10 @@ import tensorstore as ts
 from .._errors import CheckpointExistsError, SaveInProgressError, amend
 from .._ondisk.arrays import MANIFEST
 from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
-from .._ondisk.root import root_state
-from .._storage import store as _store
+from .._ondisk.root import root_file_problem, root_state
+from .._storage import durable as _durable
+from .._storage import faults as _faults
+from .._storage import locations as _locations
 from .._storage.locations import Location
 from .._version import __version__
 from . import lease as _lease
@@ -41,7 +45,7 @@ def root_json(state: str, extra: dict[str, Any] | None = None, *, layout: str = 
     if layout != LAYOUT_PLAIN:
         meta["layout"] = layout
     meta.update(extra or {})
-    return _store.encode_json(group_metadata({"tsckpt": meta}))
+    return _durable.encode_json(group_metadata({"tsckpt": meta}))
 
 
 def pending_root(layout: str) -> Callable[[dict[str, Any]], bytes]:
@@ -50,38 +54,48 @@ def pending_root(layout: str) -> Callable[[dict[str, Any]], bytes]:
 
 
 def begin(loc: Location, overwrite: bool, layout: str = LAYOUT_PLAIN, lease: _lease.Lease | None = None) -> None:
-    """Step 4, rank 0: refuse or clear an existing checkpoint, then claim the directory.
+    """Step 4, rank 0: refuse an existing checkpoint, or claim the directory (clearing it).
 
-    The pending root is created with a write conditioned on the root's
-    generation while it is missing (as TensorStore reported it on reading it,
-    or on removing an old one), which succeeds only if no root exists, so of
-    several savers racing for one directory exactly one proceeds; the others
-    raise CheckpointExistsError and touch nothing. A failed condition is
-    reported by TensorStore as an empty generation, not an error. On object
-    stores the create is a PUT with ``If-None-Match: *``. The pending root
-    records ``lease``'s claim, which is renewed from then on; without a lease
-    (tests) the claim is one of no running save.
+    The pending root is written conditioned on the root's generation as it was
+    read and judged: while it is missing (a create, which succeeds only if no root
+    exists), or, with ``overwrite``, the old root it replaces in the same write. So
+    of several savers racing for one directory exactly one proceeds; the others
+    raise CheckpointExistsError and touch nothing; and nothing is deleted before
+    the directory is this save's. Only then is every other key removed: a crash
+    from there on leaves this save's pending root (a crashed save, which
+    ``overwrite=True`` and a manager's clean-up remove), never data without a
+    root, nor a damaged checkpoint that looks complete. A failed condition is
+    reported by TensorStore as an empty generation, not an error. On object stores
+    the create is a PUT with ``If-None-Match: *``. The pending root records
+    ``lease``'s claim, which is renewed from then on; without a lease (tests) the
+    claim is one of no running save.
     """
-    with _store.storage_errors(loc, doing="writing"):
+    with _faults.storage_errors(loc, doing="writing"):
         _claim(loc, overwrite, layout, lease)
 
 
 def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | None) -> None:
+    problem = root_file_problem(loc)
+    if problem is not None:  # never read: TensorStore would wait on a FIFO, or read gigabytes
+        raise CheckpointExistsError(
+            f"{loc}: its zarr.json {problem}: no checkpoint tsckpt wrote, and one it neither reads nor replaces "
+            "(overwrite=True included); remove it, or save elsewhere"
+        )
     kv = loc.kvstore()
     current = kv.read(ROOT_KEY).result()
-    missing = current.stamp.generation  # the root's generation while it does not exist: the claim's condition
-    if current.state == "value" or _store.has_any_key(loc):
+    judged = bytes(current.stamp.generation)  # of the root judged (or of a missing one): the claim's condition
+    clear = current.state == "value" or _durable.has_any_key(loc)
+    if clear:
         _refuse_unless_free(loc, overwrite, current.value if current.state == "value" else None)
-        if current.state == "value":
-            missing = _uncommit(loc, bytes(current.stamp.generation))
-        _store.delete_all(loc)
     body = lease.root() if lease is not None else pending_root(layout)(_lease.new_claim())
     try:
-        claimed, _ = _lease.write_root(loc, body, if_equal=bytes(missing))
+        claimed, _ = _lease.write_root(loc, body, if_equal=judged)
     except ValueError as e:
         if not _vanished(loc, e):
             raise
         claimed = b""
+    if not claimed and current.state == "value":
+        raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
     if not claimed:
         raise CheckpointExistsError(
             f"{loc}: another save into this directory started at the same time and claimed it first; "
@@ -89,29 +103,16 @@ def _claim(loc: Location, overwrite: bool, layout: str, lease: _lease.Lease | No
         )
     if lease is not None:
         lease.start(claimed)
+    if clear:
+        _lease.delete_below_root(loc)  # the directory is this save's now
 
 
 def _vanished(loc: Location, err: ValueError) -> bool:
     """Whether a failed claim on a local disk means the directory was removed under it
     (ENOENT renaming TensorStore's lock file into place): another saver, or a manager
     clearing the step for its own save, got there first, so this save lost the race."""
-    fault = _store.storage_problem(loc, err, doing="writing")
+    fault = _faults.storage_problem(loc, err, doing="writing")
     return loc.local is not None and fault is not None and fault.errno == errno.ENOENT
-
-
-def _uncommit(loc: Location, generation: bytes) -> bytes:
-    """Remove the root of generation ``generation`` first, so a crash below leaves no
-    valid checkpoint; conditional, so a saver that replaced the root since it was read is
-    not undone. Returns the generation of the missing root (the claim's condition). A
-    failed condition that finds no root is this removal's own retry (its response lost)
-    or another saver's removal: either way the claim that follows decides, conditionally."""
-    missing = _store.write_durable(loc, ROOT_KEY, None, if_equal=generation)
-    if not missing:
-        found = _lease.read_root(loc)
-        if found.value is not None:
-            raise CheckpointExistsError(f"{loc}: another save claimed this directory first; nothing was changed")
-        missing = bytes(loc.kvstore().read(ROOT_KEY).result().stamp.generation)
-    return missing
 
 
 def _refuse_unless_free(loc: Location, overwrite: bool, value: bytes | None) -> None:
@@ -140,7 +141,9 @@ def _refuse_unless_free(loc: Location, overwrite: bool, value: bytes | None) -> 
     raise CheckpointExistsError(f"{loc}: {what}; pass overwrite=True to replace it, or save to a new directory")
 
 
-def merge_databases(loc: Location, root: dict[str, Any], databases: Sequence[dict[str, Any]]) -> None:
+def merge_databases(
+    loc: Location, root: dict[str, Any], databases: Sequence[dict[str, Any]], context: ts.Context | None = None
+) -> None:
     """Step 7, rank 0, compact layout: link the writing ranks' ``databases`` (kvstore
     specs) into the ``root`` one, then make the root database durable.
 
@@ -148,13 +151,14 @@ def merge_databases(loc: Location, root: dict[str, Any], databases: Sequence[dic
     ranks' data files, so readers open one database and outside TensorStore
     users see one zarr hierarchy.
     """
-    into = ts.KvStore.open(root, context=_store.CONTEXT).result()
+    context = context or _locations.CONTEXT  # a save's own (protocol.write_context)
+    into = ts.KvStore.open(root, context=context).result()
     txn = ts.Transaction(atomic=True)
     for spec in databases:
-        db = ts.KvStore.open(spec, context=_store.CONTEXT).result()
+        db = ts.KvStore.open(spec, context=context).result()
         db.experimental_copy_range_to(into.with_transaction(txn)).result()
     txn.commit_async().result()
-    _store.sync_paths(loc, [MANIFEST, "d"])
+    _durable.sync_paths(loc, [MANIFEST, "d"])
 
 
 def commit(loc: Location, meta: dict[str, Any], layout: str, lease: _lease.Lease | None = None) -> None:
@@ -166,9 +170,9 @@ def commit(loc: Location, meta: dict[str, Any], layout: str, lease: _lease.Lease
         lease.stop_renewals()
     save_id = lease.save_id if lease is not None else _lease.new_claim()["id"]
     body = root_json(STATE_COMMITTED, {**meta, "save_id": save_id}, layout=layout)
-    with _store.storage_errors(loc):
+    with _faults.storage_errors(loc):
         if lease is None:
-            _store.write_durable(loc, ROOT_KEY, body)
+            _durable.write_durable(loc, ROOT_KEY, body)
             return
         if lease.lost or not _commit_root(loc, body, lease):
             lease.lost = True
@@ -213,7 +217,7 @@ def abandon(loc: Location, lease: _lease.Lease, err: BaseException, agreed: bool
     if lease.lost:
         amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
         return
-    removed = _lease.remove_partial(loc, lease.generation, err)
+    removed = _lease.remove_partial(loc, lease.generation, lease.root(), err)
     if removed is False:
         amend(err, f"{loc} was taken over by another save meanwhile and was left to it")
     elif removed:

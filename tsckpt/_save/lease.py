@@ -43,10 +43,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import tensorstore as ts
+
 from .._errors import amend
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED, STATE_PENDING
-from .._ondisk.root import RootState, root_state
-from .._storage import store as _store
+from .._ondisk.root import RootState, root_file_problem, root_state
+from .._storage import durable as _durable
+from .._storage import faults as _faults
 from .._storage.locations import Location
 
 log = logging.getLogger("tsckpt")
@@ -187,8 +190,11 @@ class Stored:
 
 
 def read_root(loc: Location) -> Stored:
-    """The root at ``loc`` now, read through the durable kvstore that writes it."""
-    found = _store.durable_kvstore(loc).read(ROOT_KEY).result()
+    """The root at ``loc`` now, read through the durable kvstore that writes it (a file that is
+    not read, :func:`root_file_problem`, as an unreadable root of no save)."""
+    if root_file_problem(loc) is not None:
+        return Stored(b"", b"")
+    found = _durable.durable_kvstore(loc).read(ROOT_KEY).result()
     value = bytes(found.value) if found.state == "value" else None
     return Stored(bytes(found.stamp.generation) if value is not None else b"", value)
 
@@ -201,7 +207,7 @@ def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, S
     A failed condition may be a retry's view of this very write, landed with its
     response lost: the root is then read back, and it is this write's when it holds
     ``body``, which names its save (and, for a renewal, the time of the renewal)."""
-    generation = _store.write_durable(loc, ROOT_KEY, body, if_equal=if_equal)
+    generation = _durable.write_durable(loc, ROOT_KEY, body, if_equal=if_equal)
     if generation:
         return generation, None
     found = read_root(loc)
@@ -210,17 +216,49 @@ def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, S
     return b"", found
 
 
-def remove_partial(loc: Location, generation: bytes | None, err: BaseException) -> bool | None:
-    """Remove a failed save's partial checkpoint: its pending root, conditionally on
-    ``generation`` (the version this save last wrote or read), then every key below ``loc``
-    and, on a local disk, the directory when nothing else is in it. True: removed; False: the
-    root had changed (another save took over, and the checkpoint is left to it); None: the
-    removal failed, as said in ``err``."""
+def delete_below_root(loc: Location) -> None:
+    """Remove every key below ``loc`` but its root ``zarr.json`` (and the directories left
+    empty, on a local disk): what a directory holds beside the root of the save that
+    claimed it, or of the removal that holds it."""
+    kv = loc.kvstore()
+    kv.delete_range(ts.KvStore.KeyRange("", ROOT_KEY)).result()
+    kv.delete_range(ts.KvStore.KeyRange(ROOT_KEY + "\0", "")).result()
+    if loc.local is not None and os.path.isdir(loc.local):
+        for top, dirs, _ in os.walk(loc.local, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):  # not empty: not tsckpt's to remove
+                    os.rmdir(os.path.join(top, d))
+
+
+def remove_partial(loc: Location, generation: bytes | None, body: bytes, err: BaseException) -> bool | None:
+    """Remove a failed save's partial checkpoint, its pending root last: the root is first
+    rewritten (``body``, the same pending root) conditionally on ``generation`` (the version
+    this save last wrote or read), which fails if another save took the directory over; then
+    every other key below ``loc`` goes, then the root (conditionally on that rewrite) and, on a
+    local disk, the directory when nothing else is in it. A crash in the middle leaves the
+    pending root of a save that is over, which overwrite=True and a manager's clean-up
+    remove, never data without a root. Where the root cannot be rewritten (a full disk),
+    it is removed first, conditionally, as before (a removal needs no space). True: removed;
+    False: the root had changed (another save took over, and the checkpoint is left to it);
+    None: the removal failed, as said in ``err``."""
     try:
-        with _store.storage_errors(loc, doing="writing"):
-            if not _store.write_durable(loc, ROOT_KEY, None, if_equal=generation):
+        with _faults.storage_errors(loc, doing="writing"):
+            try:
+                held: bytes | None = write_root(loc, body, if_equal=generation or b"")[0]
+            except (ValueError, OSError) as e:
+                if _faults.storage_problem(loc, e, doing="writing") is None:
+                    raise
+                held = None  # no room to rewrite it: the root goes first
+            if held is None:
+                if not _durable.write_durable(loc, ROOT_KEY, None, if_equal=generation):
+                    return False
+                delete_below_root(loc)
+            elif not held:
                 return False
-            _store.delete_all(loc)
+            else:
+                delete_below_root(loc)
+                if not _durable.write_durable(loc, ROOT_KEY, None, if_equal=held) and read_root(loc).value is not None:
+                    return False  # (a failed condition finding no root: this removal's retry, its response lost)
         if loc.local is not None:
             with contextlib.suppress(OSError):  # the directory itself, when nothing else is in it
                 os.rmdir(loc.local)
@@ -242,14 +280,14 @@ def abandon_lost(loc: Location, save_id: str, err: BaseException) -> None:
     generation: rank 0 is gone, so nothing renews it; a root committed, replaced or removed
     meanwhile is left alone), then every key below ``loc``."""
     try:
-        with _store.storage_errors(loc, doing="reading"):
+        with _faults.storage_errors(loc, doing="reading"):
             found = read_root(loc)
     except Exception as failed:  # noqa: BLE001 - reported in the save's own error
         _not_removed(loc, err, failed)
         return
     if found.value is None or found.root.state != STATE_PENDING or save_id_of(found.root) != save_id:
         return  # rank 0 finished or cleaned up before it was lost, or another save took over
-    if remove_partial(loc, found.generation, err):
+    if remove_partial(loc, found.generation, found.value, err):
         amend(err, "rank 0 was lost, and this rank removed the partial checkpoint, so saving again needs no overwrite=True")
 
 

@@ -51,6 +51,7 @@ from .commit import pending_root as _pending_root
 from .descs import ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
 from .plan import RankPlan, plan_aliases, plan_save, split_plan
 from .write import exchange as _exchange
+from .write import write_context
 from .write import write_nodes as _write_nodes
 from .write import write_regions as _write_regions
 
@@ -136,8 +137,19 @@ def save(
     rank makes every rank raise and nothing is committed. Storage faults raise
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
-    SaveOptions.of(locals())  # a bad option raises here, before any work
-    codec_setting()  # so does a bad TSCKPT_CODEC, before the claim
+    save_with(directory, tree, SaveOptions.of(locals()))  # a bad option raises here, before any work
+
+
+def save_with(
+    directory: Directory, tree: Any, options: SaveOptions, *, before_claim: Callable[[], None] | None = None
+) -> None:
+    """:func:`save` with its options gathered. ``before_claim`` (a CheckpointManager's clearing
+    of its step) runs on rank 0 right before the claim (step 4), so that what it judges and
+    removes is judged as late as possible, and its failure reaches every rank as any other
+    failure of rank 0's planning does."""
+    overwrite, group, check_replicas, timeout = options.overwrite, options.group, options.check_replicas, options.timeout
+    max_inflight_bytes, layout, progress = options.max_inflight_bytes, options.layout, options.progress
+    codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory, write=True)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
@@ -156,7 +168,7 @@ def save(
     with collector_paused():  # why: see there
         job: _Job | None = None
         try:
-            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease)
+            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim)
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
                 received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
@@ -274,7 +286,7 @@ def _parts(d: _Described) -> list[Part]:
 
 def _plan_job(
     coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
-    lease: _lease.Lease | None = None,
+    lease: _lease.Lease | None = None, before_claim: Callable[[], None] | None = None,
 ) -> _Job:
     """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
     described: _Described | None = None  # rank 0, between the two round trips
@@ -294,6 +306,8 @@ def _plan_job(
 
     def finish(d: _Described) -> list[Part]:
         parts = _parts(d)
+        if before_claim is not None:
+            before_claim()
         mark_if_managed(loc)  # a manager's step on an object store: listed before anything is written
         _begin(loc, overwrite, layout, lease)
         return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
@@ -318,13 +332,15 @@ def _write(
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
+    context = write_context()  # this save's own: see there
     with _faults.storage_errors(loc, doing="writing"):
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         keys = _write_regions(
-            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made
+            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
+            context=context,
         )
         if job.commit is not None:
-            keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made)
+            keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
         if compact:
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
@@ -348,5 +364,5 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
     if layout == LAYOUT_COMPACT:
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _faults.storage_errors(loc):
-            merge_databases(loc, _write_spec(loc, layout), databases)
+            merge_databases(loc, _write_spec(loc, layout), databases, write_context())
     _commit_root(loc, c.metadata(world_size), layout, lease)

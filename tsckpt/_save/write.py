@@ -205,11 +205,13 @@ class _Writers:
     ``made`` holds those known to exist."""
 
     def __init__(
-        self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None
+        self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None,
+        context: ts.Context | None = None,
     ) -> None:
         self.data, self.directory, self.progress = data, where.directory, progress
         self.made: set[str] = set() if made is None else made
-        self.kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
+        self.context = context or write_context()
+        self.kv = ts.KvStore.open(data, context=self.context).result()
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
@@ -253,7 +255,7 @@ class _Writers:
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
-            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True)
+            self.stores[w.rec.path] = open_array(self.data, w.rec, write=True, context=self.context)
         store = self.stores[w.rec.path] if self.txn is None else self.stores[w.rec.path].with_transaction(self.txn)
         dst = store[box_slices(w.offsets, w.lengths)] if w.offsets else store
         written = dst.write(src, can_reference_source_data_indefinitely=True)
@@ -286,7 +288,7 @@ class _Writers:
 
 def write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
-    *, compact: bool, progress: Progress, made: set[str] | None = None,
+    *, compact: bool, progress: Progress, made: set[str] | None = None, context: ts.Context | None = None,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight: plan each file's writer (:func:`_shard_writes`), then start each
@@ -302,7 +304,7 @@ def write_regions(
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = write_place(data, compact)
-    writers = _Writers(data, where, progress, compact=compact, made=made)
+    writers = _Writers(data, where, progress, compact=compact, made=made, context=context)
     files = list(_shard_writes(writes, {a.path: a for a in plan.arrays}, where))
     writers.make_dirs(files)
     in_flight: Window[_Started] = (
@@ -390,7 +392,9 @@ def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     return nodes
 
 
-def write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool, made: set[str]) -> list[str]:
+def write_nodes(
+    data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool, made: set[str], context: ts.Context | None = None,
+) -> list[str]:
     """Write :func:`_nodes` into the kvstore ``data``: on a local plain checkpoint as the
     own codec writes chunk files (``made``: the directories known to exist, as
     :func:`write_regions` takes them), elsewhere by kvstore writes (one transaction
@@ -409,7 +413,7 @@ def write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compac
         finally:
             pool.shutdown()
         return list(nodes)
-    kv = ts.KvStore.open(data, context=_locations.CONTEXT).result()
+    kv = ts.KvStore.open(data, context=context or write_context()).result()
     txn = ts.Transaction() if compact else None
     if txn is not None:
         kv = kv.with_transaction(txn)
@@ -419,3 +423,16 @@ def write_nodes(data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compac
     if txn is not None:
         txn.commit_async().result()
     return list(nodes)
+
+
+def write_context() -> ts.Context:
+    """A context for one save's writes (and one for its merge): the process's
+    (:data:`tsckpt._storage.locations.CONTEXT`: its thread pools, its s3 retries), with a
+    cache pool of its own that keeps nothing. TensorStore keeps one OCDBT driver per spec and
+    cache pool, and a driver remembers the database it wrote: a compact save that failed
+    after some of its windows were committed leaves a driver (still referenced by the failed
+    transaction) that believes in the database its clean-up removed, so a save again in its
+    place through the same pool failed with NOT_FOUND reading the removed files, however
+    often it was retried. Each save's drivers are its own, so a retry starts from what is
+    on disk."""
+    return ts.Context({_locations.WRITE_CACHE_POOL: {"total_bytes_limit": 0}}, parent=_locations.CONTEXT)

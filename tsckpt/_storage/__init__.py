@@ -19,8 +19,6 @@ Owns:
 - :mod:`.hfcache`: the Hugging Face hub cache: a snapshot's files, links into their own
   repository's ``blobs/``, recognised strictly and opened there with no link followed
   (``Blob``, ``open_read``); ``hf://ORG/NAME[@REVISION]`` found in the local cache.
-- :mod:`.store`: the former home's names, forwarded to :mod:`.locations`, :mod:`.faults`
-  and :mod:`.durable` for the modules not yet moved (defines nothing).
 
 May import: the foundations only (``_errors``, ``_base``).
 """

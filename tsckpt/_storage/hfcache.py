@@ -103,9 +103,10 @@ def blob(root: str, rel: str, target: str) -> Blob | None:
 def open_read(path: str) -> int:
     """A descriptor, for reading, of the file at ``path``: a :class:`Blob` opened below its
     repository's directory, with no link on the way, and only if it is a regular file
-    (LinkRefusedError, CorruptCheckpointError); any other path opened as ``os.open`` does."""
+    (LinkRefusedError, CorruptCheckpointError); any other path opened as ``os.open`` does,
+    without waiting (a FIFO opens at once; the caller's ``fstat`` refuses it)."""
     if not isinstance(path, Blob):
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     top = os.open(path.repo_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = _open_beneath(top, path.rel)
