@@ -243,6 +243,7 @@ def _manager_race(root: str, who: int, barrier: Any, result: str) -> None:
         os.write(fd, (json.dumps([step, outcome]) + "\n").encode())
 
 
+@pytest.mark.slow
 def test_two_jobs_starting_on_one_run_save_the_same_step(tmp_path):
     """Two jobs start on one run and save the same step, round after round. Before: about one
     round in 100 both failed (a manager's clean-up removed the step the other job had just

@@ -170,7 +170,7 @@ def test_compact_save_retried_after_a_failure_between_windows(ckdir, monkeypatch
     (the database driver of the failed save, still alive and cached in the process's context,
     remembered the removed database), however often it was retried, though the error said
     saving again needs no overwrite=True. Each save now writes through a context of its own."""
-    real = save_module._Writers.commit
+    real = tsckpt._save.write._Writers.commit
     windows: list[int] = []
 
     def full(self, window):
@@ -179,7 +179,7 @@ def test_compact_save_retried_after_a_failure_between_windows(ckdir, monkeypatch
             raise _enospc(os.path.join(ckdir, "ocdbt.r0", "d", "0"))
         return real(self, window)
 
-    monkeypatch.setattr(save_module._Writers, "commit", full)
+    monkeypatch.setattr(tsckpt._save.write._Writers, "commit", full)
     tree = {f"l{i}": torch.arange(100_000, dtype=torch.float32) + i for i in range(6)}
     for run in (ckdir, os.path.join(os.path.dirname(ckdir), "run")):
         windows.clear()
