@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from .._ondisk.bounds import kind_of
+from .._storage.confine import file_kind
 from .._storage.hfcache import Blob, open_read
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
@@ -52,7 +52,7 @@ def _head(path: str) -> bytes:
             raise IsADirectoryError(path)
         if not stat.S_ISREG(mode):
             raise NotACheckpointError(
-                f"{path}: is {kind_of(mode)}, not a regular file: no torch.save file; give the file torch.save wrote"
+                f"{path}: is {file_kind(mode)}, not a regular file: no torch.save file; give the file torch.save wrote"
             )
         return os.read(fd, 9)
     finally:

@@ -24,6 +24,7 @@ import os
 import stat
 
 from .._errors import CorruptCheckpointError
+from .._storage.confine import file_kind
 
 # The largest root zarr.json read: its array records take about 300-500 bytes per leaf,
 # so this holds several hundred thousand leaves.
@@ -52,24 +53,11 @@ def _limit(n: int) -> str:
     return f"{n >> 20} MiB" if n and n % (1 << 20) == 0 else f"{n} bytes"
 
 
-def kind_of(mode: int) -> str:
-    """What a file of ``mode`` is, for messages: "a FIFO", "a socket", "a device", "a directory"."""
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "a special file"
-
-
 def stat_problem(st: os.stat_result, limit: int, what: str) -> str | None:
     """Why a file with status ``st`` is not read as ``what`` (e.g. "a root zarr.json") of at
     most ``limit`` bytes, as a phrase after its name; None when it may be read."""
     if not stat.S_ISREG(st.st_mode):
-        return f"is {kind_of(st.st_mode)}, not a regular file"
+        return f"is {file_kind(st.st_mode)}, not a regular file"
     if st.st_size > limit:
         return (
             f"is {size_text(st.st_size)}, more than tsckpt reads of {what} ({_limit(limit)}; a sparse file "

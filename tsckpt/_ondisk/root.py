@@ -27,10 +27,11 @@ from .._errors import (
     count_and_list,
     short_repr,
 )
+from .._storage.confine import file_kind
 from .._storage.locations import Location
 from ..tree import structure_problem
 from .arrays import MANIFEST
-from .bounds import METADATA_BYTES, ROOT_BYTES, file_problem, kind_of, refused
+from .bounds import METADATA_BYTES, ROOT_BYTES, file_problem, refused
 from .checkpoint import Checkpoint
 from .readfaults import replaced
 from .records import (
@@ -143,7 +144,7 @@ def _read_root(loc: Location) -> tuple[RootState, bytes]:
     if loc.local is not None and not os.path.isdir(loc.local):
         if os.path.exists(loc.local):  # nothing of it is read: it may be a FIFO
             mode = os.stat(loc.local).st_mode
-            what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+            what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
             raise NotACheckpointError(
                 f"{loc}: is {what}, not a checkpoint directory (nothing of it was read); give the directory a save "
                 "wrote, or a file of another format (format= names it)"

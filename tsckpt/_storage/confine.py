@@ -143,15 +143,22 @@ def odd_files(root: str) -> dict[str, Odd]:
 def _special(entry: os.DirEntry[str]) -> str:
     """What a special file is, for a message."""
     try:
-        mode = entry.stat(follow_symlinks=False).st_mode
+        return file_kind(entry.stat(follow_symlinks=False).st_mode)
     except OSError:
         return "a special file"
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` that is no regular file is, for messages: "a FIFO", "a
+    socket", "a device", "a directory", else "a special file"."""
     if stat.S_ISFIFO(mode):
         return "a FIFO"
     if stat.S_ISSOCK(mode):
         return "a socket"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
+    if stat.S_ISDIR(mode):
+        return "a directory"
     return "a special file"
 
 
