@@ -568,3 +568,23 @@ def test_a_managers_clean_up_never_removes_a_step_another_job_just_claimed(tmp_p
     c.save(8, _state(8))  # nothing left blocked
     assert c.all_steps() == [7, 8]
     a.close()
+
+
+def test_the_first_save_applies_the_retention_a_crash_left_owed(tmp_path, monkeypatch):
+    """A run killed between a commit and its retention leaves an expired step; the next run's
+    first save removes it before it claims its own step, so kills in a row never pile them up."""
+    import tsckpt._save.protocol as save_module
+
+    root = str(tmp_path / "run")
+    owed = tsckpt.CheckpointManager(root)  # no retention: as if each run died before applying it
+    for step in (1, 2, 3):
+        owed.save(step, {"x": torch.full((4,), float(step))})
+    manager = tsckpt.CheckpointManager(root, keep_last=2)
+    assert manager.all_steps() == [1, 2, 3]  # a manager that only reads removes nothing
+    at_claim: list[list[int]] = []
+    real = save_module._begin
+    monkeypatch.setattr(save_module, "_begin", lambda *a, **k: (at_claim.append(manager.all_steps()), real(*a, **k))[1])
+    manager.save(4, {"x": torch.full((4,), 4.0)})
+    assert at_claim == [[2, 3]]  # step 1 was owed to retention before step 4 was claimed
+    assert manager.all_steps() == [3, 4]
+    assert (manager.restore(4)["x"] == 4.0).all()

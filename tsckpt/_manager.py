@@ -247,14 +247,15 @@ class CheckpointManager:
 
     def _clear(self, step: int, overwrite: bool) -> None:
         """Rank 0, right before the save of ``step`` claims it: clean up once (the manager's first
-        save), then judge the step again, now, and clear it if it must be. The judgement and the
+        save; with the retention a run killed between a commit and its retention left owed, so
+        kills in a row never pile up expired steps), then judge the step again, now, and clear it if it must be. The judgement and the
         deletion are one conditional step (:meth:`_delete`): a step another job committed or
         claimed since it was read is never deleted, whatever was judged when the save was
         submitted; the judgement is then made again on what is there now."""
         if not self._tidied:
             if self._loc.local is None:
                 _steps.adopt(self._loc)
-            self._clean()
+            self._after_commit()  # what a crash left: its clean-up, and the retention it left owed
             self._tidied = True
         name = self._name(step)
         for _ in range(3):
