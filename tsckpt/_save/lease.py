@@ -178,7 +178,7 @@ def save_id_of(root: RootState) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stored:
+class RootRead:
     """A root ``zarr.json`` as read: its generation and bytes (empty and None when there is none)."""
 
     generation: bytes
@@ -189,17 +189,17 @@ class Stored:
         return root_state(self.value)
 
 
-def read_root(loc: Location) -> Stored:
+def read_root(loc: Location) -> RootRead:
     """The root at ``loc`` now, read through the durable kvstore that writes it (a file that is
     not read, :func:`root_file_problem`, as an unreadable root of no save)."""
     if root_file_problem(loc) is not None:
-        return Stored(b"", b"")
+        return RootRead(b"", b"")
     found = _durable.durable_kvstore(loc).read(ROOT_KEY).result()
     value = bytes(found.value) if found.state == "value" else None
-    return Stored(bytes(found.stamp.generation) if value is not None else b"", value)
+    return RootRead(bytes(found.stamp.generation) if value is not None else b"", value)
 
 
-def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, Stored | None]:
+def write_root(loc: Location, body: bytes, *, if_equal: bytes) -> tuple[bytes, RootRead | None]:
     """Write the root ``body`` if the root's generation is still ``if_equal`` (the empty
     generation of a missing root for a create). Returns the generation written and None;
     or, when the condition failed, an empty generation and the root found instead.
@@ -337,7 +337,7 @@ class Lease:
                 return
             self.claim, self.generation = claim, generation
 
-    def adopt(self, found: Stored) -> bool:
+    def adopt(self, found: RootRead) -> bool:
         """Whether ``found`` (the root read after a failed condition) is still this save's
         pending root, rewritten by a renewal whose outcome was not heard (it raised, its
         response lost): if so, it is the generation to condition on from now on."""
