@@ -345,7 +345,9 @@ def test_the_package_never_imports_the_safetensors_library():
         for name in names:
             if name.endswith(".py"):
                 file = os.path.join(folder, name)
-                for node in ast.walk(ast.parse(open(file, encoding="utf-8").read())):
+                with open(file, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                for node in ast.walk(tree):
                     mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                         [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
                     found += [f"{file}:{node.lineno}" for m in mods if m.split(".")[0] == "safetensors"]

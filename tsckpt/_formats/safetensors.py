@@ -19,15 +19,17 @@ benchmarks/RESULTS.md, "Safetensors reading"):
   dimensions, a space before the JSON, the 4- and 6-bit dtypes tsckpt cannot hold),
   names neither the file nor, for a size mismatch, the tensor, and gives no offsets, so
   it could only be a pass before these checks, and that pass with the checks measured
-  slower than this parser alone.
-- Tensor bytes: ``get_slice`` cannot read into a given array (``fill``), its numpy
-  framework cannot return float8, and it copies from a map of the file, so the pages it
-  touches count against the process and a file that shrinks under a read kills the
-  process with SIGBUS where this reader raises CorruptCheckpointError; its ``pread``
-  backend (0.8) reads the whole tensor for a slice of it.
-- It is faster on one shape of read, a box of many short runs (a few columns of every
-  row), which it copies from the map where this reader makes a read call per run;
-  kept for the reasons above all the same.
+  no faster than this parser alone.
+- Tensor bytes: ``get_slice`` reads through a map of the file, so a file that shrinks
+  under a read kills the process with SIGBUS where this reader raises
+  CorruptCheckpointError (and a conversion removes its partial output), and the pages it
+  touches count against the process while the file is open; its ``pread`` backend
+  (0.8), which raises instead, reads the whole tensor for any slice of it; its numpy
+  framework cannot return float8; and it cannot read into a given array (``fill``).
+- Through the map it measured no faster into a given array or for whole rows, and faster
+  where a new array is wanted (whole tensors: it returns views of the map, copying
+  nothing; a few columns of every row, where this reader makes a read call per run):
+  kept there too, for the SIGBUS and the memory above.
 
 A Hugging Face directory holds ``model.safetensors``, or
 ``model-0000N-of-0000M.safetensors`` shards and ``model.safetensors.index.json``
