@@ -29,7 +29,8 @@ import statistics
 import tempfile
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from _common import bench_parser, evict, finish, machine_info
 

@@ -186,7 +186,6 @@ def tensorstore_array(path: Path, name: str, fill):
 
 @pytest.mark.parametrize("name", sorted(BY_NAME))
 def test_fill_values_read_to_tensorstores_bits(name, tmp_path, zarr_dtypes):
-    zdtype = BY_NAME[name]()
     checked = 0
     for i, fill in enumerate(FILL_FORMS):
         store = tensorstore_array(tmp_path / str(i), name, fill)
@@ -336,25 +335,33 @@ def zarr_version(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@pytest.mark.slow
-def test_installed_entry_points_make_arrays_readable(tmp_path, ckdir):
-    """With this interpreter's zarr-python, and with the one TSCKPT_TEST_ZARR_PYTHON names
-    (an interpreter with another zarr-python, e.g. 3.4+ on Python 3.12, whose environment
-    has zarr and ml_dtypes; unset, that half is skipped)."""
+def check_probe(python: str, tmp_path: Path, ckdir: str) -> str:
+    """Runs PROBE with ``python`` on a saved bfloat16 array; returns that zarr-python's version."""
     t = torch.randn(3, 7).to(torch.bfloat16)
     tsckpt.save(ckdir, {"w": t})
     want = t.view(torch.int16).numpy().tobytes().hex()
-    pythons = [sys.executable] + [p for p in [os.environ.get("TSCKPT_TEST_ZARR_PYTHON")] if p]
-    for i, python in enumerate(pythons):
-        out = probe(python, tmp_path / str(i), os.path.join(ckdir, "w"))
-        assert out["imported"] == [], out  # loading the plugin imports no torch, TensorStore or tsckpt
-        if zarr_version(out["zarr"]) >= (3, 4):
-            assert out.get("without_code") == want, out
-        else:  # zarr-python 3.1 to 3.3 collect the entry points but never load them
-            assert "No Zarr data type found that matches 'bfloat16'" in out["refused"], out
-            assert out["after_register"] == want, out
-    if len(pythons) == 1:
-        pytest.skip("TSCKPT_TEST_ZARR_PYTHON is not set: only this interpreter's zarr-python was checked")
+    out = probe(python, tmp_path, os.path.join(ckdir, "w"))
+    assert out["imported"] == [], out  # loading the data types imports no torch, TensorStore or tsckpt
+    if zarr_version(out["zarr"]) >= (3, 4):
+        assert out.get("without_code") == want, out
+    else:  # zarr-python 3.1 to 3.3 collect the entry points but never load them
+        assert "No Zarr data type found that matches 'bfloat16'" in out["refused"], out
+        assert out["after_register"] == want, out
+    return str(out["zarr"])
+
+
+@pytest.mark.slow
+def test_installed_entry_points_with_this_zarr_python(tmp_path, ckdir):
+    assert check_probe(sys.executable, tmp_path, ckdir) == zarr.__version__
+
+
+@pytest.mark.slow
+def test_installed_entry_points_with_another_zarr_python(tmp_path, ckdir):
+    """With the interpreter TSCKPT_TEST_ZARR_PYTHON names (CONTRIBUTING.md, "Test tiers")."""
+    python = os.environ.get("TSCKPT_TEST_ZARR_PYTHON")
+    if not python:
+        pytest.skip("TSCKPT_TEST_ZARR_PYTHON is not set: no other zarr-python to check")
+    check_probe(python, tmp_path, ckdir)
 
 
 @pytest.mark.slow
