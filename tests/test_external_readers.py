@@ -100,7 +100,8 @@ def test_zarr_python_reads_standard_arrays_next_to_bfloat16(ckdir):
         members = dict(g.members())
     except ValueError as e:
         # zarr-python without bfloat16 cannot list a group that holds one (a zarr-python limitation;
-        # TensorStore reads these arrays, see below)
+        # TensorStore reads these arrays, see below; tsckpt_zarr's data types add it, see
+        # tests/test_zarr_dtypes.py)
         assert "bfloat16" in str(e)
     else:
         got = members["bf"][...]
