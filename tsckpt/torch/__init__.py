@@ -24,11 +24,15 @@ with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._state import get_state_dict, set_state_dict
 from ._train import RestoreResult, TrainState, get_rng_state, restore, save, save_async, set_rng_state
 
 __all__ = [
     "RestoreResult",
+    "StorageReader",
+    "StorageWriter",
     "TrainState",
     "get_rng_state",
     "get_state_dict",
@@ -38,3 +42,13 @@ __all__ = [
     "set_rng_state",
     "set_state_dict",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``StorageWriter`` and ``StorageReader`` (torch.distributed.checkpoint storage), imported on
+    first use: importing DCP takes most of a second, which ``import tsckpt.torch`` does not pay."""
+    if name in ("StorageReader", "StorageWriter"):
+        from . import _dcp_storage
+
+        return getattr(_dcp_storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
