@@ -42,7 +42,6 @@ from .._coord.torchdist import coordinator_for, rank_of
 from .._errors import LayoutError, LeafTypeError
 from .._formats.dcp import key_paths_problem, nest
 from .._formats.sources import detect, open_checkpoint
-from .._formats.torchfile import plain_tree
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.readfaults import unchanged
@@ -86,19 +85,18 @@ class _Entry:
 def _plain_value(fqn: str, value: Any) -> Any:
     """A bytes entry's value as a tree of plain values; LeafTypeError naming the entry when it
     holds anything else (DCP would pickle it; tsckpt never does)."""
-    where = f"dcp.save with tsckpt's StorageWriter: entry '{fqn}'"
-    tree = plain_tree(value, where)
-    flat = flatten(tree)
+    flat = flatten(value)
     for p, leaf in zip(flat.paths, flat.leaves):
         if not isinstance(leaf, (bool, int, float, str, bytes)):
-            at = "" if p == ROOT_LEAF_PATH else f" at '{p}'"
+            kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+            what = f"is a {kind}" if p == ROOT_LEAF_PATH else f"holds a {kind} at '{p}'"
             raise LeafTypeError(
-                f"{where} holds a {type(leaf).__module__}.{type(leaf).__qualname__}{at} inside a value DCP "
-                "would pickle (a tuple, or a nested dict saved with flatten_state_dict=False); tsckpt stores "
-                "tensors as arrays and values as JSON, never a pickle: keep tensors in dicts or lists, which "
-                "DCP's planner splits into entries of their own"
+                f"dcp.save with tsckpt's StorageWriter: entry '{fqn}' {what}, which DCP would pickle; tsckpt "
+                "stores tensors as arrays and values as JSON, never a pickle: keep int, float, bool, str, bytes, "
+                "None and lists, tuples and dicts of them as values, and tensors in dicts or lists (which DCP's "
+                "planner splits into entries of their own), not in tuples or objects"
             )
-    return tree
+    return value
 
 
 def _value_of(item: Any, planner: Any) -> Any:
