@@ -186,9 +186,7 @@ def _tree(entries: list[_Entry], key_paths: dict[str, Any], mine: _Mine) -> Any:
     """This rank's tree for tsckpt's save: the same paths on every rank (see the module's docstring)."""
     leaves: dict[str, Any] = {}
     for e in entries:
-        if e.shape is None:
-            leaves[e.fqn] = e.value
-        elif not e.shape:
+        if not e.shape:  # a value, or a scalar tensor: every rank gives what its writer sent
             leaves[e.fqn] = e.value
         elif e.fqn in mine.chunks:
             data, offsets = mine.chunks[e.fqn]
@@ -197,6 +195,14 @@ def _tree(entries: list[_Entry], key_paths: dict[str, Any], mine: _Mine) -> Any:
             empty = torch.empty((0,) * len(e.shape), dtype=_dtypes.torch_dtype(e.dtype))
             leaves[e.fqn] = ShardedArray(empty, e.shape, (0,) * len(e.shape))
     return nest(leaves, key_paths)
+
+
+def _nbytes(item: _dcp_planner.WriteItem) -> int:
+    """The bytes of a tensor chunk DCP planned (a value's: 0, its JSON is part of the root)."""
+    td = item.tensor_data
+    if item.type not in _TENSOR_ITEMS or td is None:
+        return 0
+    return td.chunk.sizes.numel() * _dtypes.itemsize(_dtypes.torch_name(td.properties.dtype))
 
 
 class StorageWriter(_dcp_storage.StorageWriter):
@@ -269,13 +275,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
         _, (entries, key_paths) = ask_root(coord, "dcp.save (describe)", describe, answer)
         save_with(self.path, _tree(entries, key_paths, held[0]), self.options)
-        results = []
-        for item in plan.items:
-            size = 0
-            if item.type in _TENSOR_ITEMS:
-                size = item.tensor_data.chunk.sizes.numel() * _dtypes.itemsize(_dtypes.torch_name(item.tensor_data.properties.dtype))
-            results.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-        return _done(results)
+        return _done([_dcp_storage.WriteResult(index=i.index, size_in_bytes=_nbytes(i), storage_data=None) for i in plan.items])
 
     def finish(self, metadata: _dcp_metadata.Metadata, results: list[list[_dcp_storage.WriteResult]]) -> None:
         """Nothing left: tsckpt's save committed the checkpoint in ``write_data`` once every rank had written."""
@@ -419,8 +419,8 @@ class StorageReader(_dcp_storage.StorageReader):
             targets.append((req, target, into))
         values = {req.storage_index.fqn: index.values[req.storage_index.fqn] for req in loads}
         wanted = [leaf for v in values.values() for leaf in flatten(v).leaves if id(leaf) in index.standins]
-        whole = [_whole(ck, index.standins[id(leaf)], leaf) for leaf in wanted]
-        everything = dests + [d for _, d in whole]
+        whole = [_whole(index.standins[id(leaf)], leaf) for leaf in wanted]
+        everything = dests + whole
         if everything:
             check_backed(ck, sorted({d.item.path for d in everything}))
             with unchanged(ck), cast_warnings_off(any(d.cast is not None for d in dests)), Progress(
@@ -433,7 +433,7 @@ class StorageReader(_dcp_storage.StorageReader):
                 if into is not target:
                     target.copy_(into)
                 planner.commit_tensor(req, target)
-        read = {id(leaf): d.tensor for leaf, (_, d) in zip(wanted, whole)}
+        read = {id(leaf): d.tensor for leaf, d in zip(wanted, whole)}
         for req in loads:
             flat = flatten(values[req.storage_index.fqn])
             value = unflatten(flat.spec, [read.get(id(leaf), leaf) for leaf in flat.leaves])
@@ -448,7 +448,7 @@ class StorageReader(_dcp_storage.StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike)) and detect(os.fspath(checkpoint_id)) is not None
 
 
-def _whole(ck: Checkpoint, path: str, standin: torch.Tensor) -> tuple[str, Dest]:
+def _whole(path: str, standin: torch.Tensor) -> Dest:
     """A destination for a whole stored array inside a value (a tuple of tensors)."""
     shape = tuple(standin.shape)
-    return path, Dest(ReadItem(path, (0,) * len(shape), shape), torch.empty(shape, dtype=standin.dtype), None)
+    return Dest(ReadItem(path, (0,) * len(shape), shape), torch.empty(shape, dtype=standin.dtype), None)
