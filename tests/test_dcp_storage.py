@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import tsckpt
 import tsckpt.torch as tt
 from tests.dist_helpers import run_ranks
+from tests.strategies import assert_same
 from tests.torch_scenarios import Cursor, fill_nan, full_optim, full_params, gpt, make_optimizer, nan_left, scheduler
 from tests.torch_scenarios import seed_all, shard, train
 
@@ -151,6 +152,17 @@ def test_loads_a_torch_save_file_with_values_and_a_tuple_of_tensors(tmp_path):
     assert torch.equal(sd["pair"][0], pair[0]) and torch.equal(sd["pair"][1], pair[1])
 
 
+def test_loads_dcps_own_directory_only_when_its_pickle_is_allowed(tmp_path):
+    saved = _trained(1)
+    d = tmp_path / "dcp"
+    dcp.save(_state(*saved, step=4), checkpoint_id=d)  # DCP's FileSystemWriter: a pickled .metadata
+    with pytest.raises(CheckpointException, match="allow_pickle=True"):
+        _load_into_fresh(d)
+    fresh, sd = _load_into_fresh(d, allow_pickle=True)
+    _same_training_state(saved, fresh)
+    assert sd["step"] == 4
+
+
 def test_a_cast_that_loses_values_is_refused(tmp_path):
     d = tmp_path / "ck"
     dcp.save({"w": torch.tensor([1.5, 70000.0])}, storage_writer=tt.StorageWriter(d))
@@ -218,15 +230,21 @@ def _report(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
     return {"params": full_params(model), "optim": full_optim(opt, model), "lr": [g["lr"] for g in opt.param_groups]}
 
 
-def dcp_save_scenario(rank: int, world: int, d: str, fsdp: bool) -> dict[str, Any]:
+def dcp_save_scenario(rank: int, world: int, d: str, fsdp: bool, in_background: str | None = None) -> dict[str, Any]:
+    """Train 3 steps and dcp.save to ``d``; also dcp.async_save to ``in_background``."""
     model, opt, sched = _gpt_state(rank, world, fsdp, 0)
     train(model, opt, sched, Cursor(), 3, rank=rank, world=world)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "step": 3}, storage_writer=tt.StorageWriter(d))
+    if in_background is not None:
+        pending = dcp.async_save({"model": msd, "optim": osd, "step": 3}, storage_writer=tt.StorageWriter(in_background))
+        pending.result(timeout=120)
     return _report(model, opt)
 
 
-def dcp_load_scenario(rank: int, world: int, d: str, fsdp: bool) -> dict[str, Any]:
+def dcp_load_scenario(rank: int, world: int, d: str, fsdp: bool, hf: str | None = None) -> dict[str, Any]:
+    """A fresh model and optimizer, NaN everywhere, dcp.load from ``d``; the parameters also
+    loaded into another fresh model from the Hugging Face directory ``hf``."""
     torch.manual_seed(999)
     model, opt, _ = _gpt_state(rank, world, fsdp, 5)
     fill_nan(model, opt)
@@ -234,7 +252,13 @@ def dcp_load_scenario(rank: int, world: int, d: str, fsdp: bool) -> dict[str, An
     sd = {"model": msd, "optim": osd, "step": 0}
     dcp.load(sd, storage_reader=tt.StorageReader(d))
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return {**_report(model, opt), "step": sd["step"], "nan": nan_left(model, opt)}
+    out = {**_report(model, opt), "step": sd["step"], "nan": nan_left(model, opt)}
+    if hf is not None:
+        other, _, _ = _gpt_state(rank, world, fsdp, 6)
+        fill_nan(other, None)
+        dcp.load(other.state_dict(), storage_reader=tt.StorageReader(hf))
+        out["hf"] = full_params(other)
+    return out
 
 
 def _assert_same(saved: dict[str, Any], loaded: dict[str, Any]) -> None:
@@ -247,9 +271,10 @@ def _assert_same(saved: dict[str, Any], loaded: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_on_2_ranks_saved_then_loaded_in_1_process(tmp_path):
-    d = str(tmp_path / "ck")
-    saved = run_ranks(dcp_save_scenario, 2, d, True, timeout=240)
+    d, d2 = str(tmp_path / "ck"), str(tmp_path / "async")
+    saved = run_ranks(dcp_save_scenario, 2, d, True, d2, timeout=240)
     assert saved[0]["params"].keys() == saved[1]["params"].keys()
+    assert_same(tsckpt.restore(d2), tsckpt.restore(d))  # dcp.async_save wrote the same checkpoint
     _assert_same(saved[0], dcp_load_scenario(0, 1, d, False))
     view = tsckpt.open(d)  # tsckpt's global arrays, whole, from the shards both ranks wrote
     assert view["step"] == 3
@@ -259,7 +284,13 @@ def test_fsdp2_on_2_ranks_saved_then_loaded_in_1_process(tmp_path):
 
 @pytest.mark.slow
 def test_saved_in_1_process_then_loaded_by_fsdp2_on_2_ranks(tmp_path):
-    d = str(tmp_path / "ck")
+    from safetensors.torch import save_file
+
+    d, hf = str(tmp_path / "ck"), tmp_path / "hf"
     saved = dcp_save_scenario(0, 1, d, False)
-    for loaded in run_ranks(dcp_load_scenario, 2, d, True, timeout=240):
+    hf.mkdir()
+    save_file({k: torch.from_numpy(v) for k, v in saved["params"].items()}, str(hf / "model.safetensors"))
+    for loaded in run_ranks(dcp_load_scenario, 2, d, True, str(hf), timeout=240):
         _assert_same(saved, loaded)
+        for k, v in saved["params"].items():
+            assert v.tobytes() == loaded["hf"][k].tobytes(), k
