@@ -7,7 +7,9 @@ stateful objects, step counters, per-rank data samplers and values, RNG states) 
 object that ``tsckpt.save``, ``save_async``, ``restore`` and ``CheckpointManager`` save
 and restore in place. ``save`` / ``save_async`` / ``restore`` take its parts as arguments,
 with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
-:func:`tsckpt.restore` under the same names.
+:func:`tsckpt.restore` under the same names. ``StorageWriter`` / ``StorageReader``
+(``_dcp_storage``) are torch.distributed.checkpoint storage: ``dcp.save`` and
+``dcp.async_save`` write a tsckpt checkpoint, ``dcp.load`` reads any checkpoint tsckpt reads.
 
     import tsckpt, tsckpt.torch
     manager = tsckpt.CheckpointManager("ckpt", keep_last=3)
