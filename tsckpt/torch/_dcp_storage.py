@@ -161,7 +161,9 @@ def _refuse_planner_data(data: Any, where: str) -> None:
         )
 
 
-def _merge(payloads: list[tuple[list[_Entry], dict[str, tuple[Any, ...]]]], planner: Any) -> tuple[list[_Entry], dict[str, Any]]:
+def _merge(
+    payloads: list[tuple[list[_Entry], dict[str, tuple[Any, ...]]]], planner: Any
+) -> tuple[list[_Entry], dict[str, Any]]:
     """Rank 0: every rank's entries, in rank order, each once, and their key paths; the global
     metadata rank 0's planner made is checked first (its planner_data and storage_data)."""
     meta = getattr(planner, "metadata", None)
@@ -255,7 +257,9 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self, plan: _dcp_planner.SavePlan, planner: _dcp_planner.SavePlanner
     ) -> Future[list[_dcp_storage.WriteResult]]:
         if self.path is None:
-            raise ValueError("tsckpt.torch.StorageWriter has no path: give StorageWriter(path) or dcp.save(checkpoint_id=path)")
+            raise ValueError(
+                "tsckpt.torch.StorageWriter has no path: give StorageWriter(path) or dcp.save(checkpoint_id=path)"
+            )
         coord = coordinator_for(self.options.group, self.options.timeout)
         held: list[_Mine] = []
 
@@ -275,7 +279,8 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
         _, (entries, key_paths) = ask_root(coord, "dcp.save (describe)", describe, answer)
         save_with(self.path, _tree(entries, key_paths, held[0]), self.options)
-        return _done([_dcp_storage.WriteResult(index=i.index, size_in_bytes=_nbytes(i), storage_data=None) for i in plan.items])
+        results = [_dcp_storage.WriteResult(index=i.index, size_in_bytes=_nbytes(i), storage_data=None) for i in plan.items]
+        return _done(results)
 
     def finish(self, metadata: _dcp_metadata.Metadata, results: list[list[_dcp_storage.WriteResult]]) -> None:
         """Nothing left: tsckpt's save committed the checkpoint in ``write_data`` once every rank had written."""
@@ -381,7 +386,9 @@ class StorageReader(_dcp_storage.StorageReader):
     def _opened(self) -> _Index:
         if self._index is None:
             if self.path is None:
-                raise ValueError("tsckpt.torch.StorageReader has no path: give StorageReader(path) or dcp.load(checkpoint_id=path)")
+                raise ValueError(
+                    "tsckpt.torch.StorageReader has no path: give StorageReader(path) or dcp.load(checkpoint_id=path)"
+                )
             o = self.options
             ck = open_checkpoint(self.path, format=o.format, allow_pickle=o.allow_pickle)
             ck.check_links()
@@ -391,7 +398,9 @@ class StorageReader(_dcp_storage.StorageReader):
     def read_metadata(self) -> _dcp_metadata.Metadata:
         return self._opened().metadata
 
-    def set_up_storage_reader(self, metadata: _dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: _dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self._opened()
 
     def prepare_local_plan(self, plan: _dcp_planner.LoadPlan) -> _dcp_planner.LoadPlan:
