@@ -152,6 +152,18 @@ def test_loads_a_torch_save_file_with_values_and_a_tuple_of_tensors(tmp_path):
     assert torch.equal(sd["pair"][0], pair[0]) and torch.equal(sd["pair"][1], pair[1])
 
 
+def test_loads_an_orbax_checkpoint(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jnp = pytest.importorskip("jax.numpy")
+    w = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax", {"params": {"w": jnp.asarray(w), "b": jnp.arange(4, dtype=jnp.bfloat16)}})
+    sd = {"params": {"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}}
+    dcp.load(sd, storage_reader=tt.StorageReader(tmp_path / "orbax"))
+    assert np.array_equal(sd["params"]["w"].numpy(), w)
+    assert sd["params"]["b"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_loads_dcps_own_directory_only_when_its_pickle_is_allowed(tmp_path):
     saved = _trained(1)
     d = tmp_path / "dcp"
@@ -235,6 +247,11 @@ def dcp_save_scenario(rank: int, world: int, d: str, fsdp: bool, in_background: 
     model, opt, sched = _gpt_state(rank, world, fsdp, 0)
     train(model, opt, sched, Cursor(), 3, rank=rank, world=world)
     msd, osd = get_state_dict(model, opt)
+    if world > 1:  # each rank saving alone, while tsckpt's writer saves with the whole group: refused on all
+        with pytest.raises(CheckpointException, match=r"not with no_dist=True in a job of several ranks"):
+            dcp.save({"step": 3}, storage_writer=tt.StorageWriter(f"{d}-alone"), no_dist=True)
+        if os.path.exists(f"{d}-alone"):
+            raise AssertionError("a refused save left a directory")
     dcp.save({"model": msd, "optim": osd, "step": 3}, storage_writer=tt.StorageWriter(d))
     if in_background is not None:
         pending = dcp.async_save({"model": msd, "optim": osd, "step": 3}, storage_writer=tt.StorageWriter(in_background))
