@@ -83,6 +83,7 @@ def test_the_checkpoint_is_tsckpts_own_tree_read_by_tsckpt_and_zarr(tmp_path):
     d = tmp_path / "ck"
     dcp.save(_state(model, opt, step=2), storage_writer=tt.StorageWriter(d))
     assert sorted(os.listdir(d)) == ["model", "optim", "zarr.json"]  # no pickle beside the arrays
+    assert tsckpt.verify(d).ok  # tsckpt's checksums, recorded at the commit
     restored = tsckpt.restore(d)
     assert restored["step"] == 2
     groups = restored["optim"]["param_groups"]

@@ -365,7 +365,8 @@ def nest(leaves: dict[str, Any], key_paths: Any) -> Any:
 
 def _depth_first(names: list[str]) -> list[int]:
     """The indices of ``names`` (paths of one tree) in depth-first order, siblings in the
-    order they first appear, so keys given rank by rank still nest as one tree."""
+    order they first appear (list indices in their own order), so keys given rank by rank
+    still nest as one tree."""
     root: dict[str, Any] = {}
     for i, name in enumerate(names):
         node = root
@@ -379,8 +380,11 @@ def _depth_first(names: list[str]) -> list[int]:
         if isinstance(node, int):
             order.append(node)
         else:
-            for v in node.values():
-                walk(v)
+            keys = list(node)
+            if all(k.isdigit() for k in keys):  # list indices (a str key that reads as one is escaped)
+                keys.sort(key=int)
+            for k in keys:
+                walk(node[k])
 
     walk(root)
     return order
