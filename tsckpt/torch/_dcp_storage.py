@@ -39,7 +39,7 @@ from .._base.casting import check_cast
 from .._base.types import Dest, ReadItem, ShardedArray
 from .._coord.protocol import ask_root
 from .._coord.torchdist import coordinator_for, rank_of
-from .._errors import LayoutError, LeafTypeError
+from .._errors import DistributedError, LayoutError, LeafTypeError
 from .._formats.dcp import key_paths_problem, nest
 from .._formats.sources import detect, open_checkpoint
 from .._ondisk.backing import check_backed
@@ -151,9 +151,11 @@ def _mine(plan: Any, planner: Any) -> _Mine:
 
 
 def _refuse_planner_data(data: Any, where: str) -> None:
+    """LeafTypeError unless ``data`` is None or DCP's key paths: what else a planner hands the
+    writer has no place in the format, and tsckpt would not pickle it."""
     problem = key_paths_problem(data)
     if problem is not None:
-        raise ValueError(
+        raise LeafTypeError(
             f"dcp.save with tsckpt's StorageWriter: the planner's {where} ({problem}) has no place in a tsckpt "
             "checkpoint, which keeps DCP's key paths (DefaultSavePlanner's planner_data) as its tree and "
             "nothing it would have to pickle; save with DefaultSavePlanner or a planner whose planner_data is "
@@ -170,7 +172,7 @@ def _merge(
     if meta is not None:
         _refuse_planner_data(getattr(meta, "planner_data", None), "global planner_data")
         if getattr(meta, "storage_data", None) is not None:
-            raise ValueError(
+            raise LeafTypeError(
                 "dcp.save with tsckpt's StorageWriter: the planner's global metadata carries storage_data "
                 f"({type(meta.storage_data).__name__}), which has no place in a tsckpt checkpoint; save with a "
                 "planner that leaves it None"
@@ -265,7 +267,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
         def describe() -> tuple[None, Any]:
             if self._dcp_rank is not None and self._dcp_rank != coord.rank:
-                raise ValueError(
+                raise DistributedError(
                     f"dcp.save runs this process as rank {self._dcp_rank}, and tsckpt's StorageWriter's group as "
                     f"rank {coord.rank}: give StorageWriter(group=...) the process_group dcp.save has, and call "
                     "dcp.save on every rank of it (not with no_dist=True in a job of several ranks)"
