@@ -263,9 +263,8 @@ class StorageWriter(_dcp_storage.StorageWriter):
                 "tsckpt.torch.StorageWriter has no path: give StorageWriter(path) or dcp.save(checkpoint_id=path)"
             )
         coord = coordinator_for(self.options.group, self.options.timeout)
-        held: list[_Mine] = []
 
-        def describe() -> tuple[None, Any]:
+        def describe() -> tuple[_Mine, Any]:
             if self._dcp_rank is not None and self._dcp_rank != coord.rank:
                 raise DistributedError(
                     f"dcp.save runs this process as rank {self._dcp_rank}, and tsckpt's StorageWriter's group as "
@@ -273,14 +272,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
                     "dcp.save on every rank of it (not with no_dist=True in a job of several ranks)"
                 )
             mine = _mine(plan, planner)
-            held.append(mine)
-            return None, (mine.entries, mine.key_paths)
+            return mine, (mine.entries, mine.key_paths)
 
         def answer(payloads: list[Any]) -> list[Any]:
             return [_merge(payloads, planner)] * coord.world_size
 
-        _, (entries, key_paths) = ask_root(coord, "dcp.save (describe)", describe, answer)
-        save_with(self.path, _tree(entries, key_paths, held[0]), self.options)
+        mine, (entries, key_paths) = ask_root(coord, "dcp.save (describe)", describe, answer)
+        save_with(self.path, _tree(entries, key_paths, mine), self.options)
         results = [_dcp_storage.WriteResult(index=i.index, size_in_bytes=_nbytes(i), storage_data=None) for i in plan.items]
         return _done(results)
 
