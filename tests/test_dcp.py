@@ -414,3 +414,13 @@ def test_malformed_tensor_entries_are_named(tmp_path, change, field, found):
     with pytest.raises(CorruptCheckpointError) as e:
         read_dcp(src, allow_pickle=True)
     assert str(e.value).startswith(f"{src}/.metadata: {field}: {found}") and "\n" not in str(e.value)
+
+
+def test_nest_takes_keys_depth_first_and_int_components_as_list_indices():
+    leaves = {"a.x": 1, "b": 2, "a.y": 3, "l.1": "second", "l.0": "first"}
+    paths = {"a.x": ("a", "x"), "b": ("b",), "a.y": ("a", "y"), "l.1": ("l", 1), "l.0": ("l", 0)}
+    assert dcp_mod.nest(leaves, paths) == {"a": {"x": 1, "y": 3}, "b": 2, "l": ["first", "second"]}
+    assert dcp_mod.nest(leaves, None) == leaves  # no key paths: the flat keys
+    assert dcp_mod.key_paths_problem(paths) is None
+    assert "not a key path" in dcp_mod.key_paths_problem({"a": ["a"]})
+    assert "expected a dict" in dcp_mod.key_paths_problem([("a",)])

@@ -45,6 +45,8 @@ VERB_OBJECTS: dict[str, Any] = {
     "tsckpt.open": tsckpt.open,
     "tsckpt.metadata": tsckpt.metadata,
     "tsckpt.verify": tsckpt.verify,
+    "tsckpt.torch.StorageWriter": tt.StorageWriter.__init__,
+    "tsckpt.torch.StorageReader": tt.StorageReader.__init__,
 }
 
 # The twin each verb is compared with, for each option set.

@@ -283,6 +283,10 @@ _NO_TARGET = "convert has no target tree: it writes the selected leaves as the s
 _OWN_STEPS = "a manager restores the steps it saved itself: tsckpt checkpoints, never another format"
 _NO_READ = "it reads no array data into a target (metadata only, or one lazy read at a time)"
 _LAZY = "it returns a lazy view: each read asks for what it needs, nothing is restored in one go"
+_DCP_PLANS = (
+    "dcp.load plans and coordinates the load (its planner matches keys: DefaultLoadPlanner(allow_partial_load=True) "
+    "loads the common ones); each rank reads its items alone"
+)
 _ONE_READER = "it reads in one process, without torch.distributed"
 # open, metadata and verify read a checkpoint without a target: only the options that say
 # which checkpoint and how to open it apply
@@ -332,6 +336,14 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "as_saved": "it restores into a live model, never a tree of the saved kinds",
             "format": "it restores what tsckpt.torch.save wrote (model, optimizers, RNG, extras): a tsckpt checkpoint",
             "allow_pickle": "it restores what tsckpt.torch.save wrote: a tsckpt checkpoint, never a pickle",
+        },
+    },
+    "tsckpt.torch.StorageWriter": {SaveOptions: {}},
+    "tsckpt.torch.StorageReader": {
+        RestoreOptions: {
+            "strict": _DCP_PLANS, "inplace": "always in place: DCP's planner gives the state dict's tensors to read into",
+            "as_saved": "it loads into the state dict DCP gives, never a tree of the saved kinds",
+            "group": _DCP_PLANS, "timeout": _DCP_PLANS,
         },
     },
     "tsckpt.open": {RestoreOptions: {**_NO_TARGET_READ, "progress": _LAZY, "max_inflight_bytes": _LAZY}},

@@ -12,7 +12,8 @@ Owns:
 - :mod:`.torchdir`: Hugging Face directories of ``torch.save`` files (``pytorch_model.bin``,
   or shards and ``pytorch_model.bin.index.json``), each file read as :mod:`.torchfile` reads it.
 - :mod:`.dcp`: torch.distributed.checkpoint directories (pickled metadata only with
-  ``allow_pickle``).
+  ``allow_pickle``), and nesting DCP's flat keys by its key paths (``nest``), which
+  tsckpt's DCP storage writer also uses.
 - :mod:`.orbax`: Orbax item and step directories, through TensorStore alone.
 
 Each format module knows only its own marker files and reads only its own format;

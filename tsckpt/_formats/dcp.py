@@ -70,7 +70,7 @@ def read_dcp(path: str, *, allow_pickle: bool = False) -> Any:
             leaves[key] = plain_tree(values[key], f"{path}: entry '{key}'")
         else:
             leaves[key] = LazySource(tuple(md.size), md.properties.dtype, functools.partial(reader.read, key), kind="torch")
-    return _nest(leaves, meta.planner_data)
+    return nest(leaves, meta.planner_data)
 
 
 def _read_metadata(path: str, allow_pickle: bool) -> Any:
@@ -322,15 +322,32 @@ def _planner_type() -> type:
     return Loads
 
 
-def _nest(leaves: dict[str, Any], planner_data: Any) -> Any:
-    """Nested dicts and lists from DCP's ``{flat key: key path}`` (int components are list
-    indices), or ``leaves`` as a flat dict if the paths are missing or do not form a tree."""
-    paths: list[Any] = [planner_data.get(k) if isinstance(planner_data, dict) else None for k in leaves]
-    if not all(
+def key_paths_problem(key_paths: Any) -> str | None:
+    """Why ``key_paths`` is not DCP's ``{flat key: key path}`` (the default planner's
+    ``planner_data``: each path a tuple of str keys and int list indices), or None."""
+    if key_paths is None:
+        return None
+    if not isinstance(key_paths, dict):
+        return f"expected a dict of flat keys to key paths, found {type(key_paths).__name__}"
+    for key, p in key_paths.items():
+        if not isinstance(key, str) or not _is_key_path(p):
+            return f"entry {short_repr(key)}: {short_repr(p)} is not a key path (a tuple of str keys and int indices)"
+    return None
+
+
+def _is_key_path(p: Any) -> bool:
+    return (
         isinstance(p, tuple) and 0 < len(p) <= MAX_STRUCTURE_DEPTH
         and all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in p)
-        for p in paths
-    ):
+    )
+
+
+def nest(leaves: dict[str, Any], key_paths: Any) -> Any:
+    """Nested dicts and lists from DCP's ``{flat key: key path}`` (int components are list
+    indices), the leaves taken depth first, or ``leaves`` as a flat dict if the paths are
+    missing or do not form a tree."""
+    paths: list[Any] = [key_paths.get(k) if isinstance(key_paths, dict) else None for k in leaves]
+    if not all(_is_key_path(p) for p in paths):
         return leaves
     try:
         names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
@@ -338,6 +355,36 @@ def _nest(leaves: dict[str, Any], planner_data: Any) -> Any:
         return leaves
     if paths_problem(names) is not None:  # paths listed twice, or a leaf with leaves below it
         return leaves
-    structure = structure_from_paths(names)
+    order = _depth_first(names)
+    names = [names[i] for i in order]
     values = list(leaves.values())
+    values = [values[i] for i in order]
+    structure = structure_from_paths(names)
     return from_paths(names, values) if structure is None else structure_from_json(structure, values)
+
+
+def _depth_first(names: list[str]) -> list[int]:
+    """The indices of ``names`` (paths of one tree) in depth-first order, siblings in the
+    order they first appear (list indices in their own order), so keys given rank by rank
+    still nest as one tree."""
+    root: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        node = root
+        *parents, last = name.split("/")
+        for c in parents:
+            node = node.setdefault(c, {})
+        node[last] = i
+    order: list[int] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, int):
+            order.append(node)
+        else:
+            keys = list(node)
+            if all(k.isdigit() for k in keys):  # list indices (a str key that reads as one is escaped)
+                keys.sort(key=int)
+            for k in keys:
+                walk(node[k])
+
+    walk(root)
+    return order

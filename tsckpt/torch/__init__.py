@@ -7,7 +7,9 @@ stateful objects, step counters, per-rank data samplers and values, RNG states) 
 object that ``tsckpt.save``, ``save_async``, ``restore`` and ``CheckpointManager`` save
 and restore in place. ``save`` / ``save_async`` / ``restore`` take its parts as arguments,
 with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
-:func:`tsckpt.restore` under the same names.
+:func:`tsckpt.restore` under the same names. ``StorageWriter`` / ``StorageReader``
+(``_dcp_storage``) are torch.distributed.checkpoint storage: ``dcp.save`` and
+``dcp.async_save`` write a tsckpt checkpoint, ``dcp.load`` reads any checkpoint tsckpt reads.
 
     import tsckpt, tsckpt.torch
     manager = tsckpt.CheckpointManager("ckpt", keep_last=3)
@@ -24,11 +26,15 @@ with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._state import get_state_dict, set_state_dict
 from ._train import RestoreResult, TrainState, get_rng_state, restore, save, save_async, set_rng_state
 
 __all__ = [
     "RestoreResult",
+    "StorageReader",
+    "StorageWriter",
     "TrainState",
     "get_rng_state",
     "get_state_dict",
@@ -38,3 +44,13 @@ __all__ = [
     "set_rng_state",
     "set_state_dict",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``StorageWriter`` and ``StorageReader`` (torch.distributed.checkpoint storage), imported on
+    first use: importing DCP takes most of a second, which ``import tsckpt.torch`` does not pay."""
+    if name in ("StorageReader", "StorageWriter"):
+        from . import _dcp_storage
+
+        return getattr(_dcp_storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
