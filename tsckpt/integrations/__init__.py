@@ -1,0 +1,14 @@
+"""Training frameworks' checkpoint seams, filled by tsckpt: each module plugs tsckpt into one
+framework where that framework expects its checkpoint backend, so a user adds a line or two
+and keeps the framework's own loop.
+
+Owns:
+
+- :mod:`.lightning`: ``TsckptCheckpointIO``, a Lightning ``CheckpointIO`` plugin
+  (single device and DDP): a Trainer checkpoint saved as a tsckpt checkpoint directory.
+
+Each module imports its framework when it is imported itself; importing tsckpt, or this
+package, imports no framework.
+
+May import: every layer below it (``tsckpt.torch`` and down); nothing imports it.
+"""

@@ -1,0 +1,121 @@
+"""Lightning: Trainer checkpoints stored as tsckpt checkpoints.
+
+``Trainer(plugins=[TsckptCheckpointIO()])`` makes every checkpoint the Trainer writes
+(``ModelCheckpoint``, ``trainer.save_checkpoint``) a tsckpt checkpoint directory at the path
+Lightning chose (``last.ckpt`` is then a directory), and ``fit(ckpt_path=...)`` resumes from
+one. Lightning's checkpoint dict is saved as it is: tensors (model, optimizer states) as
+arrays, the loops' counters, callbacks' states, LR schedulers and hyperparameters as plain
+values. docs/lightning.md has the lines a user adds and the limits.
+
+Lightning hands the checkpoint to rank 0 alone under DDP, and has every rank load it: each
+process here saves or restores by itself, through a process group of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from pytorch_lightning.plugins.io import CheckpointIO
+
+from .._errors import LeafTypeError
+from .._ondisk.records import LAYOUT_PLAIN
+from .._read.restore import restore
+from .._save.protocol import save
+from ..tree import leaves as tree_leaves
+from ..tree import unflatten
+
+
+
+class TsckptCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves each checkpoint as a tsckpt checkpoint directory.
+
+    ``layout`` and ``progress`` are :func:`tsckpt.save`'s options of the same names. A checkpoint
+    dict may hold tensors, numpy arrays, ``int``, ``float``, ``bool``, ``str``, ``bytes``,
+    ``None`` and containers of them; anything else (a hyperparameter that is a module, a
+    ``Namespace``, a ``Path``) is refused with a ``LeafTypeError`` naming it, before anything
+    is written. Saving over an existing checkpoint (``last.ckpt``) replaces it, as
+    Lightning's own ``torch.save`` does.
+    """
+
+    def __init__(self, *, layout: str = LAYOUT_PLAIN, progress: bool | None = None) -> None:
+        super().__init__()
+        self.layout = layout
+        self.progress = progress
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"Trainer.save_checkpoint(..., storage_options={storage_options!r}): TsckptCheckpointIO takes no "
+                "storage_options; give its options when building it: TsckptCheckpointIO(layout=..., progress=...)"
+            )
+        try:
+            save(
+                path, _storable(checkpoint), overwrite=True, group=own_group(),
+                layout=self.layout, progress=self.progress,
+            )
+        except LeafTypeError as e:
+            raise LeafTypeError(
+                f"Lightning checkpoint {path}: {e}. A hyperparameter tsckpt cannot store is left out with "
+                "self.save_hyperparameters(ignore=[...]); other states must be tensors and plain values"
+            ) from e
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict as saved: tensors on the CPU, or on ``map_location`` when it is a
+        device (a function or dict of ``torch.load`` is not applied). ``weights_only`` is moot:
+        nothing is unpickled."""
+        tree = restore(path, as_saved=True, group=own_group())
+        if isinstance(map_location, (str, torch.device)):
+            tree = _to_device(tree, torch.device(map_location))
+        if not isinstance(tree, dict):
+            raise LeafTypeError(
+                f"{path}: a Lightning checkpoint is a dict, and this tsckpt checkpoint holds a "
+                f"{type(tree).__name__}; resume from a checkpoint the Trainer saved"
+            )
+        return tree
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint directory (Lightning's own filesystem calls, as its default plugin)."""
+        fs = get_filesystem(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+
+def own_group() -> Any:
+    """A process group of this process alone when torch.distributed runs with several ranks
+    (tsckpt then saves and restores without waiting on the others), else None. Made once per
+    default group, by this process only."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.GroupMember.WORLD
+    if _own.get("world") is not world:
+        rank = dist.get_rank()
+        _own["world"] = world
+        _own["group"] = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
+    return _own["group"]
+
+
+_own: dict[str, Any] = {}
+
+
+def _storable(obj: Any) -> Any:
+    """``obj`` with every dict a plain dict (an OrderedDict stays one): a tree knows no other
+    dict subclass (Lightning's AttributeDict of hyperparameters). Tensors are not copied."""
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, _storable(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _storable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_storable(v) for v in obj]
+    return obj
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    leaves, spec = tree_leaves(tree)
+    return unflatten(spec, [x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves])
