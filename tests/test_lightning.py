@@ -43,8 +43,8 @@ def loader() -> torch.utils.data.DataLoader:
 def trainer(root: pathlib.Path, epochs: int, **kwargs) -> pl.Trainer:
     return pl.Trainer(
         max_epochs=epochs, default_root_dir=root, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", save_last=True)], **kwargs,
+        enable_model_summary=False, accelerator="cpu",
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", save_last=True)], **{"devices": 1, **kwargs},
     )
 
 
@@ -124,6 +124,34 @@ def test_save_replaces_and_remove_removes(tmp_path):
     io.remove_checkpoint(tmp_path / "last.ckpt")
     assert not (tmp_path / "last.ckpt").exists()
     io.remove_checkpoint(tmp_path / "last.ckpt")  # gone already: nothing to do
+
+
+def ddp_fit(rank: int, world: int, root: str, epochs: int, resume: bool, plugin: bool) -> list[float]:
+    """A rank of a DDP fit on the CPU (the process group is already joined; Lightning uses it)."""
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.manual_seed(0)
+    model = Tiny()
+    plugins = [TsckptCheckpointIO()] if plugin else []
+    t = trainer(pathlib.Path(root), epochs, plugins=plugins, strategy="ddp", devices=world, num_nodes=1)
+    t.fit(model, loader(), ckpt_path="last" if resume else None)
+    return model.losses
+
+
+@pytest.mark.slow
+def test_ddp_fit_resumes_from_last_bit_exact(tmp_path):
+    """Two CPU ranks: rank 0 saves (Lightning hands it the checkpoint alone), both restore."""
+    from tests.dist_helpers import run_ranks
+
+    whole = run_ranks(ddp_fit, 2, str(tmp_path / "whole"), 3, False, False, timeout=240)
+    first = run_ranks(ddp_fit, 2, str(tmp_path / "run"), 2, False, True, timeout=240)
+    assert (tmp_path / "run" / "ckpt" / "last.ckpt" / "zarr.json").is_file()
+    then = run_ranks(ddp_fit, 2, str(tmp_path / "run"), 3, True, True, timeout=240)
+    for rank in range(2):
+        assert first[rank] == whole[rank][:4]  # 16 samples a rank, batches of 8
+        assert len(then[rank]) == 2 and then[rank] == whole[rank][4:], rank
+    assert whole[0] != whole[1]  # each rank its own data
 
 
 @pytest.mark.slow
