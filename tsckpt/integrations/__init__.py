@@ -5,7 +5,9 @@ and keeps the framework's own loop.
 Owns:
 
 - :mod:`.lightning`: ``TsckptCheckpointIO``, a Lightning ``CheckpointIO`` plugin
-  (single device and DDP): a Trainer checkpoint saved as a tsckpt checkpoint directory.
+  (single device and DDP): a Trainer checkpoint saved as a tsckpt checkpoint directory;
+  ``TsckptModelParallelStrategy``, Lightning's FSDP2 / tensor-parallel strategy saving and
+  loading through tsckpt on every rank.
 
 Each module imports its framework when it is imported itself; importing tsckpt, or this
 package, imports no framework.

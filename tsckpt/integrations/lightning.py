@@ -9,23 +9,39 @@ values. docs/lightning.md has the lines a user adds and the limits.
 
 Lightning hands the checkpoint to rank 0 alone under DDP, and has every rank load it: each
 process here saves or restores by itself, through a process group of its own.
+
+Lightning's FSDP2 / tensor-parallel strategy (``ModelParallelStrategy``) bypasses
+``CheckpointIO`` and calls torch.distributed.checkpoint itself; ``TsckptModelParallelStrategy``
+is that strategy with its save and load done by tsckpt on every rank: the model and
+optimizers as a :class:`tsckpt.torch.TrainState` (each rank its shards, restored in place on
+any sharding), the rest of Lightning's dict beside them.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.plugins.io import CheckpointIO
+from pytorch_lightning.strategies import ModelParallelStrategy
 
+from .._base.dtypes import torch_dtype
 from .._errors import LeafTypeError
+from .._ondisk.checkpoint import ArrayMetadata
+from .._read.open import metadata
 from .._ondisk.records import LAYOUT_PLAIN
 from .._read.restore import restore
 from .._save.protocol import save
 from ..tree import leaves as tree_leaves
 from ..tree import unflatten
+from ..torch import restore as restore_train_state
+from ..torch import save as save_train_state
+
+# the extra name, in a TrainState checkpoint of TsckptModelParallelStrategy, of what Lightning
+# keeps beside the model and optimizers (loops, callbacks, schedulers, hyperparameters)
+LIGHTNING = "lightning"
 
 
 
@@ -57,10 +73,7 @@ class TsckptCheckpointIO(CheckpointIO):
                 layout=self.layout, progress=self.progress,
             )
         except LeafTypeError as e:
-            raise LeafTypeError(
-                f"Lightning checkpoint {path}: {e}. A hyperparameter tsckpt cannot store is left out with "
-                "self.save_hyperparameters(ignore=[...]); other states must be tensors and plain values"
-            ) from e
+            raise LeafTypeError(f"Lightning checkpoint {path}: {e}. {_LEAVE_OUT}") from e
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -83,6 +96,71 @@ class TsckptCheckpointIO(CheckpointIO):
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
+
+
+class TsckptModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) saving and loading through tsckpt.
+
+    Every rank saves its shards of the model and optimizer states (a
+    :class:`tsckpt.torch.TrainState` checkpoint, so each array is one global array whatever
+    the sharding) and Lightning's other state under ``extra/lightning``; a load restores the
+    model and optimizers in place, from a checkpoint of any sharding or world size, and gives
+    Lightning the rest. ``layout`` and ``progress`` are :func:`tsckpt.save`'s; the other
+    arguments are ``ModelParallelStrategy``'s (``save_distributed_checkpoint`` has no effect:
+    the checkpoint is always the sharded tsckpt one).
+    """
+
+    def __init__(self, *args: Any, layout: str = LAYOUT_PLAIN, progress: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = layout
+        self.progress = progress
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"Trainer.save_checkpoint(..., storage_options={storage_options!r}): TsckptModelParallelStrategy "
+                "takes no storage_options; give layout= and progress= when building it"
+            )
+        path = self.broadcast(filepath)  # rank 0's path: ranks may name the file differently
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        try:
+            save_train_state(
+                path, self._module(), self.optimizers, extra={LIGHTNING: _storable(rest)}, rng=False,
+                overwrite=True, layout=self.layout, progress=self.progress,
+            )
+        except LeafTypeError as e:
+            raise LeafTypeError(f"Lightning checkpoint {path}: {e}. {_LEAVE_OUT}") from e
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and optimizers in place; return the rest of Lightning's dict
+        (Lightning's strategy loads them here too, and skips them later)."""
+        path = self.broadcast(checkpoint_path)
+        stored = metadata(path)
+        if not isinstance(stored, dict) or LIGHTNING not in stored.get("extra", {}):
+            raise LeafTypeError(
+                f"{path}: no '{LIGHTNING}' state under 'extra': TsckptModelParallelStrategy resumes from "
+                "checkpoints it saved itself (a tsckpt.torch TrainState with Lightning's state)"
+            )
+        leaves, spec = tree_leaves(stored["extra"][LIGHTNING], stop=lambda x: isinstance(x, ArrayMetadata))
+        target = unflatten(spec, [_empty(x) if isinstance(x, ArrayMetadata) else x for x in leaves])
+        out = restore_train_state(path, self._module(), self.optimizers, extra={LIGHTNING: target}, rng=False)
+        return cast("dict[str, Any]", out[LIGHTNING])
+
+    def _module(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("the strategy has no model yet: Lightning saves and loads after setting it up")
+        return self.model
+
+
+_LEAVE_OUT = (
+    "A hyperparameter tsckpt cannot store is left out with self.save_hyperparameters(ignore=[...]); other "
+    "states must be tensors and plain values"
+)
+
+
+def _empty(meta: ArrayMetadata) -> torch.Tensor:
+    """A CPU tensor the restore fills: Lightning's own small tensors (callback scores)."""
+    return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
 
 
 def own_group() -> Any:
