@@ -8,6 +8,8 @@ Owns:
   (single device and DDP): a Trainer checkpoint saved as a tsckpt checkpoint directory;
   ``TsckptModelParallelStrategy``, Lightning's FSDP2 / tensor-parallel strategy saving and
   loading through tsckpt on every rank.
+- :mod:`.accelerate`: ``save_state`` / ``save_state_async`` / ``load_state`` of an
+  ``Accelerator`` as one tsckpt checkpoint, and ``train_state`` (its state as a TrainState).
 
 Each module imports its framework when it is imported itself; importing tsckpt, or this
 package, imports no framework.
