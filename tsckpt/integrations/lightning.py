@@ -27,9 +27,7 @@ from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.strategies import ModelParallelStrategy
 
-from .._base.dtypes import torch_dtype
 from .._errors import LeafTypeError
-from .._ondisk.checkpoint import ArrayMetadata
 from .._read.open import metadata
 from .._ondisk.records import LAYOUT_PLAIN
 from .._read.restore import restore
@@ -38,6 +36,7 @@ from ..tree import leaves as tree_leaves
 from ..tree import unflatten
 from ..torch import restore as restore_train_state
 from ..torch import save as save_train_state
+from ._stored import stored_target
 
 # the extra name, in a TrainState checkpoint of TsckptModelParallelStrategy, of what Lightning
 # keeps beside the model and optimizers (loops, callbacks, schedulers, hyperparameters)
@@ -141,8 +140,7 @@ class TsckptModelParallelStrategy(ModelParallelStrategy):
                 f"{path}: no '{LIGHTNING}' state under 'extra': TsckptModelParallelStrategy resumes from "
                 "checkpoints it saved itself (a tsckpt.torch TrainState with Lightning's state)"
             )
-        leaves, spec = tree_leaves(stored["extra"][LIGHTNING], stop=lambda x: isinstance(x, ArrayMetadata))
-        target = unflatten(spec, [_empty(x) if isinstance(x, ArrayMetadata) else x for x in leaves])
+        target = stored_target(stored["extra"][LIGHTNING])
         out = restore_train_state(path, self._module(), self.optimizers, extra={LIGHTNING: target}, rng=False)
         return cast("dict[str, Any]", out[LIGHTNING])
 
@@ -156,11 +154,6 @@ _LEAVE_OUT = (
     "A hyperparameter tsckpt cannot store is left out with self.save_hyperparameters(ignore=[...]); other "
     "states must be tensors and plain values"
 )
-
-
-def _empty(meta: ArrayMetadata) -> torch.Tensor:
-    """A CPU tensor the restore fills: Lightning's own small tensors (callback scores)."""
-    return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
 
 
 def own_group() -> Any:
