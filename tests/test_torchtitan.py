@@ -190,3 +190,44 @@ def test_initial_load_from_a_hugging_face_directory(tmp_path):
 def test_last_save_in_hf_is_refused_with_the_way():
     with pytest.raises(ValueError, match=r"tsckpt.convert\(step_directory"):
         TsckptCheckpointManager.Config(enable=True, last_save_in_hf=True)
+
+
+def fsdp2_run(rank: int, world: int, folder: str, stop: int | None) -> list[float]:
+    """A rank of a 2-rank FSDP2 run on the CPU, driven as torchtitan's trainer drives it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard(model: torch.nn.Module) -> None:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    run = Run(pathlib.Path(folder), 6, rank, world, shard=shard)
+    losses = run.train(stop=stop)
+    run.checkpointer.close()
+    return losses
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_resume_bit_exact(tmp_path):
+    from tests.dist_helpers import run_ranks
+
+    whole = run_ranks(fsdp2_run, 2, str(tmp_path / "whole"), None, timeout=240)
+    first = run_ranks(fsdp2_run, 2, str(tmp_path / "run"), 4, timeout=240)
+    again = run_ranks(fsdp2_run, 2, str(tmp_path / "run"), None, timeout=240)
+    for rank in range(2):
+        assert first[rank] == whole[rank][:4] and again[rank] == whole[rank][4:], rank
+    assert whole[0] != whole[1]  # each rank its own data
+    tree = tsckpt.restore(tmp_path / "run" / "checkpoint" / "00000004", as_saved=True)
+    assert tree["model"]["0.weight"].shape == (8, 4)  # one global array from both ranks' shards
+    assert sorted(tree["dataloader"]) == ["dp_rank_0", "dp_rank_1", "world_size"]
+    # resharded 2 -> 1: one process resumes step 6 (the data loader's state is per data-parallel rank)
+    one = Run(tmp_path / "run", 6, exclude_from_loading=["dataloader"])
+    assert one.checkpointer.load(step=-1) and one.counters.step == 6
+    last = tsckpt.restore(tmp_path / "run" / "checkpoint" / "00000006", as_saved=True)
+    assert torch.equal(one.model[0].weight, last["model"]["0.weight"])
+    state = one.optimizers.optimizers[0].state[one.model[0].weight]
+    assert torch.equal(state["exp_avg_sq"], last["optimizer"]["state.0.weight.exp_avg_sq"])

@@ -10,6 +10,9 @@ Owns:
   loading through tsckpt on every rank.
 - :mod:`.accelerate`: ``save_state`` / ``save_state_async`` / ``load_state`` of an
   ``Accelerator`` as one tsckpt checkpoint, and ``train_state`` (its state as a TrainState).
+- :mod:`.torchtitan`: ``TsckptCheckpointManager``, torchtitan's checkpoint manager
+  (``BaseCheckpointManager`` and its ``Config``) over a :class:`tsckpt.CheckpointManager`.
+- :mod:`._stored`: what a checkpoint stores under a key, as a restore target.
 
 Each module imports its framework when it is imported itself; importing tsckpt, or this
 package, imports no framework.

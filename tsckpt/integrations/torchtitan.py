@@ -68,8 +68,8 @@ class TsckptCheckpointManager(BaseCheckpointManager):
             if self.last_save_in_hf:
                 raise ValueError(
                     "checkpoint.last_save_in_hf: TsckptCheckpointManager saves tsckpt checkpoints only; "
-                    "write Hugging Face safetensors from a saved step with tsckpt.convert(step_directory, "
-                    "hf_directory, to_format='safetensors', subtree='model')"
+                    "tsckpt.convert(step_directory, out_directory, to_format='safetensors', subtree='model') "
+                    "writes a saved step's model as safetensors (under torchtitan's parameter names)"
                 )
 
     def __init__(
