@@ -217,3 +217,9 @@ def test_importing_tsckpt_imports_no_framework():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_checkpoint_that_is_no_dict_is_refused(tmp_path):
+    tsckpt.save(tmp_path / "c", [torch.ones(1)])
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"a Lightning checkpoint is a dict, and this tsckpt checkpoint holds a list"):
+        TsckptCheckpointIO().load_checkpoint(tmp_path / "c")

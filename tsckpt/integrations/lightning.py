@@ -27,9 +27,9 @@ from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.strategies import ModelParallelStrategy
 
-from .._errors import LeafTypeError
-from .._read.open import metadata
+from .._errors import LeafTypeError, StructureMismatchError
 from .._ondisk.records import LAYOUT_PLAIN
+from .._read.open import metadata
 from .._read.restore import restore
 from .._save.protocol import save
 from ..tree import leaves as tree_leaves
@@ -41,7 +41,6 @@ from ._stored import stored_target
 # the extra name, in a TrainState checkpoint of TsckptModelParallelStrategy, of what Lightning
 # keeps beside the model and optimizers (loops, callbacks, schedulers, hyperparameters)
 LIGHTNING = "lightning"
-
 
 
 class TsckptCheckpointIO(CheckpointIO):
@@ -68,7 +67,7 @@ class TsckptCheckpointIO(CheckpointIO):
             )
         try:
             save(
-                path, _storable(checkpoint), overwrite=True, group=own_group(),
+                path, _storable(checkpoint), overwrite=True, group=_own_group(),
                 layout=self.layout, progress=self.progress,
             )
         except LeafTypeError as e:
@@ -80,11 +79,11 @@ class TsckptCheckpointIO(CheckpointIO):
         """The checkpoint dict as saved: tensors on the CPU, or on ``map_location`` when it is a
         device (a function or dict of ``torch.load`` is not applied). ``weights_only`` is moot:
         nothing is unpickled."""
-        tree = restore(path, as_saved=True, group=own_group())
+        tree = restore(path, as_saved=True, group=_own_group())
         if isinstance(map_location, (str, torch.device)):
             tree = _to_device(tree, torch.device(map_location))
         if not isinstance(tree, dict):
-            raise LeafTypeError(
+            raise StructureMismatchError(
                 f"{path}: a Lightning checkpoint is a dict, and this tsckpt checkpoint holds a "
                 f"{type(tree).__name__}; resume from a checkpoint the Trainer saved"
             )
@@ -136,7 +135,7 @@ class TsckptModelParallelStrategy(ModelParallelStrategy):
         path = self.broadcast(checkpoint_path)
         stored = metadata(path)
         if not isinstance(stored, dict) or LIGHTNING not in stored.get("extra", {}):
-            raise LeafTypeError(
+            raise StructureMismatchError(
                 f"{path}: no '{LIGHTNING}' state under 'extra': TsckptModelParallelStrategy resumes from "
                 "checkpoints it saved itself (a tsckpt.torch TrainState with Lightning's state)"
             )
@@ -156,7 +155,7 @@ _LEAVE_OUT = (
 )
 
 
-def own_group() -> Any:
+def _own_group() -> Any:
     """A process group of this process alone when torch.distributed runs with several ranks
     (tsckpt then saves and restores without waiting on the others), else None. Made once per
     default group, by this process only."""
