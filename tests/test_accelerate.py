@@ -159,3 +159,28 @@ def test_ddp_resume_bit_exact(tmp_path):
     stored = tsckpt.restore(tmp_path / "ckpt", as_saved=True)
     assert sorted(stored["model"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]  # DDP's module. prefix gone
     assert sorted(stored["ranks"]) == [0, 1]
+
+
+def test_several_models_and_optimizers(tmp_path):
+    acc = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    opts = torch.optim.Adam(gen.parameters()), torch.optim.SGD(disc.parameters(), lr=0.1, momentum=0.9)
+    gen, disc, *opts = acc.prepare(gen, disc, *opts)
+    disc(gen(torch.randn(2, 3))).sum().backward()
+    for o in opts:
+        o.step()
+    save_state(acc, tmp_path / "ckpt")
+    tree = tsckpt.restore(tmp_path / "ckpt", as_saved=True)
+    assert sorted(tree["model"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert tree["optim"]["types"] == ["torch.optim.adam.Adam", "torch.optim.sgd.SGD"]
+    expected = {k: v.clone() for k, v in {**gen.state_dict(), **{f"d{k}": v for k, v in disc.state_dict().items()}}.items()}
+    momentum = opts[1].optimizer.state[disc.weight]["momentum_buffer"].clone()
+    with torch.no_grad():
+        for p in [*gen.parameters(), *disc.parameters()]:
+            p.zero_()
+    opts[1].optimizer.state[disc.weight]["momentum_buffer"].zero_()
+    load_state(acc, tmp_path / "ckpt")
+    got = {**gen.state_dict(), **{f"d{k}": v for k, v in disc.state_dict().items()}}
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert torch.equal(opts[1].optimizer.state[disc.weight]["momentum_buffer"], momentum)

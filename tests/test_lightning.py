@@ -204,21 +204,6 @@ def test_model_parallel_fit_resumes_from_last_bit_exact(tmp_path):
     assert stored["extra"]["lightning"]["global_step"] == 6 and "state_dict" not in stored["extra"]["lightning"]
 
 
-@pytest.mark.slow
-def test_importing_tsckpt_imports_no_framework():
-    """In a fresh process: tsckpt, tsckpt.torch and the integrations package import no framework."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, tsckpt, tsckpt.torch, tsckpt.integrations; "
-        "print(sorted(m for m in ('pytorch_lightning', 'lightning', 'accelerate', 'torchtitan') if m in sys.modules))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
-
-
 def test_a_checkpoint_that_is_no_dict_is_refused(tmp_path):
     tsckpt.save(tmp_path / "c", [torch.ones(1)])
     with pytest.raises(tsckpt.StructureMismatchError, match=r"a Lightning checkpoint is a dict, and this tsckpt checkpoint holds a list"):
