@@ -65,6 +65,26 @@ def test_fit_resumes_from_last_bit_exact(tmp_path):
     assert len(then) == 4 and then == whole[8:]  # the third epoch's losses, bit for bit
 
 
+def test_async_save_resumes_bit_exact(tmp_path):
+    whole = fit(tmp_path / "whole", 3, resume=False)
+    fit(tmp_path / "run", 2, resume=False, plugins=[TsckptCheckpointIO(async_save=True)])
+    assert fit(tmp_path / "run", 3, resume=True, plugins=[TsckptCheckpointIO(async_save=True)]) == whole[8:]
+
+
+def test_async_save_is_waited_for_before_a_removal_and_a_load(tmp_path):
+    io = TsckptCheckpointIO(async_save=True)
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    state["w"].zero_()  # the save took its copy during the call
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.arange(1 << 20, dtype=torch.float32))
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "b.ckpt")  # waits for the save first, then removes it whole
+    assert not (tmp_path / "b.ckpt").exists()
+    io.save_checkpoint({"w": torch.arange(4.0)}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert torch.equal(tsckpt.restore(tmp_path / "b.ckpt", as_saved=True)["w"], torch.arange(4.0))
+
+
 def test_checkpoint_dict_round_trips(tmp_path):
     fit(tmp_path, 1, resume=False, plugins=[TsckptCheckpointIO()])
     io = TsckptCheckpointIO()

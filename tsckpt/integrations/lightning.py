@@ -31,6 +31,7 @@ from .._errors import LeafTypeError, StructureMismatchError
 from .._ondisk.records import LAYOUT_PLAIN
 from .._read.open import metadata
 from .._read.restore import restore
+from .._save.background import AsyncSave, save_async
 from .._save.protocol import save
 from ..tree import leaves as tree_leaves
 from ..tree import unflatten
@@ -46,7 +47,11 @@ LIGHTNING = "lightning"
 class TsckptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves each checkpoint as a tsckpt checkpoint directory.
 
-    ``layout`` and ``progress`` are :func:`tsckpt.save`'s options of the same names. A checkpoint
+    ``async_save=True`` makes each save a :func:`tsckpt.save_async`: it returns once the
+    checkpoint's tensors are copied to host memory, and the plugin waits for it before its
+    next save, load or removal and at the end of the fit (use it rather than Lightning's
+    ``AsyncCheckpointIO`` wrapper, whose removals of old checkpoints do not wait for the saves
+    in flight). ``layout`` and ``progress`` are :func:`tsckpt.save`'s options. A checkpoint
     dict may hold tensors, numpy arrays, ``int``, ``float``, ``bool``, ``str``, ``bytes``,
     ``None`` and containers of them; anything else (a hyperparameter that is a module, a
     ``Namespace``, a ``Path``) is refused with a ``LeafTypeError`` naming it, before anything
@@ -54,10 +59,12 @@ class TsckptCheckpointIO(CheckpointIO):
     Lightning's own ``torch.save`` does.
     """
 
-    def __init__(self, *, layout: str = LAYOUT_PLAIN, progress: bool | None = None) -> None:
+    def __init__(self, *, async_save: bool = False, layout: str = LAYOUT_PLAIN, progress: bool | None = None) -> None:
         super().__init__()
+        self.async_save = async_save
         self.layout = layout
         self.progress = progress
+        self._pending: AsyncSave | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -65,13 +72,25 @@ class TsckptCheckpointIO(CheckpointIO):
                 f"Trainer.save_checkpoint(..., storage_options={storage_options!r}): TsckptCheckpointIO takes no "
                 "storage_options; give its options when building it: TsckptCheckpointIO(layout=..., progress=...)"
             )
+        self.wait()
+        options = {"overwrite": True, "group": _own_group(), "layout": self.layout, "progress": self.progress}
         try:
-            save(
-                path, _storable(checkpoint), overwrite=True, group=_own_group(),
-                layout=self.layout, progress=self.progress,
-            )
+            if self.async_save:
+                self._pending = save_async(path, _storable(checkpoint), **options)
+            else:
+                save(path, _storable(checkpoint), **options)
         except LeafTypeError as e:
             raise LeafTypeError(f"Lightning checkpoint {path}: {e}. {_LEAVE_OUT}") from e
+
+    def wait(self) -> None:
+        """Wait for the save in flight (``async_save``), re-raising its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        """The end of a fit (Lightning calls it): the last save is committed when it returns."""
+        self.wait()
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -79,6 +98,7 @@ class TsckptCheckpointIO(CheckpointIO):
         """The checkpoint dict as saved: tensors on the CPU, or on ``map_location`` when it is a
         device (a function or dict of ``torch.load`` is not applied). ``weights_only`` is moot:
         nothing is unpickled."""
+        self.wait()
         tree = restore(path, as_saved=True, group=_own_group())
         if isinstance(map_location, (str, torch.device)):
             tree = _to_device(tree, torch.device(map_location))
@@ -91,6 +111,7 @@ class TsckptCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint directory (Lightning's own filesystem calls, as its default plugin)."""
+        self.wait()
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
