@@ -155,8 +155,19 @@ def test_a_checkpoint_of_another_model_is_refused_naming_leaves(tmp_path):
     other = Run(tmp_path, 6)
     other.model.register_buffer("extra", torch.zeros(2))
     other.checkpointer.states["model"].cached_state_dict = other.checkpointer.states["model"]._get_state_dict()
-    with pytest.raises(tsckpt.StructureMismatchError, match=r"missing from the checkpoint: 1 \('model/extra'\)"):
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"the checkpoint lacks 1 \('model/extra'\) of the trainer"):
         other.checkpointer.load(step=-1)
+
+
+def test_leaves_beyond_the_trainers_are_left_alone(tmp_path):
+    """As DCP's loads: a pipeline stage loads its own part of a checkpoint of all stages."""
+    source = Run(tmp_path, 6)
+    source.model.register_buffer("other_stage", torch.ones(2))
+    source.checkpointer.states["model"].cached_state_dict = source.checkpointer.states["model"]._get_state_dict()
+    source.train(stop=2)
+    again = Run(tmp_path, 6)
+    assert again.checkpointer.load(step=-1) and again.counters.step == 2
+    assert torch.equal(again.model[0].weight, source.model[0].weight)
 
 
 def test_missing_load_step_is_refused(tmp_path):

@@ -38,7 +38,7 @@ from .._ondisk.records import LAYOUT_PLAIN
 from .._read.open import metadata
 from .._read.open import open as open_reader
 from .._read.restore import RestoreWarning, restore
-from ..tree import escape, flatten
+from ..tree import flatten
 from ._stored import stored_target
 
 _EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -214,16 +214,15 @@ class _Stored:
 
 
 def _check_leaves(directory: Any, target: dict[str, Any]) -> None:
-    """The states a load takes must match the checkpoint's leaves under their names exactly
-    (the others, left out of this load, may be there)."""
-    live = set(flatten(expand(target, rank=rank_of()).tree).paths)
-    tops = {escape(k) for k in target}
-    stored = {p for p in open_reader(directory) if p.split("/", 1)[0] in tops}
-    missing, unexpected = sorted(live - stored), sorted(stored - live)
-    if missing or unexpected:
+    """Every leaf of the states a load takes must be in the checkpoint. Leaves the checkpoint has
+    beyond them are left alone, as torch.distributed.checkpoint's loads do: under pipeline
+    parallelism each rank loads only its own stages' part of the model and optimizer."""
+    live = flatten(expand(target, rank=rank_of()).tree).paths
+    stored = set(open_reader(directory))
+    missing = [p for p in live if p not in stored]
+    if missing:
         raise StructureMismatchError(
-            f"{directory}: the trainer's states differ from the checkpoint's; missing from the checkpoint: "
-            f"{count_and_list(missing)}; in the checkpoint but not in the trainer: {count_and_list(unexpected)}. "
-            "A checkpoint of another model or optimizer setup loads with checkpoint.exclude_from_loading, or "
-            "from an initial_load_path with initial_load_model_only"
+            f"{directory}: the checkpoint lacks {count_and_list(missing)} of the trainer's states. A checkpoint of "
+            "another model or optimizer setup loads with checkpoint.exclude_from_loading, or from an "
+            "initial_load_path with initial_load_model_only"
         )
