@@ -37,6 +37,22 @@ def test_coordination_group_is_gloo_when_the_default_group_is_nccl(monkeypatch):
     assert found == ["group2"] and [m["backend"] for m in made] == ["gloo", "gloo"]
 
 
+def test_a_group_of_this_process_alone_is_solo(monkeypatch):
+    """One rank saving by itself (a framework that checkpoints from rank 0 only) makes no
+    group, which would be a collective the other ranks never join."""
+    from tsckpt._coord.protocol import Solo
+
+    def new_group(*args, **kwargs):
+        raise AssertionError("no group is made for a group of one")
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1 if group == "mine" else 2)
+    coord = _dist.coordinator_for("mine")
+    assert isinstance(coord, Solo) and (coord.rank, coord.world_size) == (0, 1)
+
+
 # ---- the probe of lost ranks (DistCoordinator.unreachable) --------------------------------
 
 

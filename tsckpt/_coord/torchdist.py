@@ -254,6 +254,8 @@ def coordinator_for(
 ) -> Coordinator:
     """The ranks of ``group`` (default: the default process group) when torch.distributed is
     initialized; else the processes of a jax.distributed job (tsckpt._coord.jaxdist); else Solo.
+    A group of this process alone is Solo too: it needs no coordination, so one rank may save
+    or restore by itself while the others go on (a framework that checkpoints from rank 0).
 
     Each ``channel`` has its own gloo group; by default saves from the main
     thread use "main" and saves from other threads (async saves) "background",
@@ -264,6 +266,10 @@ def coordinator_for(
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return jax_coordinator(timeout or DEFAULT_TIMEOUT) or Solo()
+    import torch.distributed as dist
+
+    if group is not None and dist.get_world_size(group) == 1:
+        return Solo()
     if channel is None:
         channel = "main" if threading.current_thread() is threading.main_thread() else "background"
     return DistCoordinator(group, timeout or DEFAULT_TIMEOUT, channel)
