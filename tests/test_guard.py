@@ -94,7 +94,9 @@ def _differences(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 @pytest.fixture
 def slow_copies(monkeypatch):
-    """Slow every deferred copy down; returns the number of copies made so far (a list of one)."""
+    """Defer the copies of tensors of any size and slow each down; returns the number of
+    copies made so far (a list of one)."""
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
     made = [0]
     real = guard_module._copy
 
@@ -169,6 +171,7 @@ def test_the_hooks_are_removed_after_staging(tmp_path, slow_copies):
 
 
 def test_a_failed_copy_releases_the_step_and_raises_from_result(tmp_path, monkeypatch):
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
     real = guard_module._copy
     made = [0]
 
@@ -276,3 +279,23 @@ def test_saved_objects_are_found_in_trees_and_whole_states():
     assert saved_objects(run.state) == [run.model, run.opt, run.sched, run.sampler]
     assert saved_objects({"a": [run.opt, torch.ones(1)], "b": 2}) == [run.opt]
     assert saved_objects(run.opt) == [run.opt]
+
+
+def test_only_large_contiguous_tensors_are_deferred(tmp_path, monkeypatch):
+    """Tensors below DEFER_MIN_BYTES (step counts, biases) are copied in the call."""
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 64 * 64 * 4)
+    model = torch.nn.Linear(64, 64)  # weight: exactly the bound; bias: below it
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    opt.step()
+    handle = tsckpt.save_async(tmp_path / "ck", {"model": model, "opt": opt}, staging="overlapped")
+    assert handle.deferred_bytes == 3 * 64 * 64 * 4  # the weight and its two moments
+    handle.result(timeout=30)
+    handle.wait_for_staging()
+    guard = Guard.of(opt)
+    transposed = model.weight.detach().t()  # the same memory, but not contiguous: copied in the call
+    assert guard is not None and guard.defers(model.weight.detach()) and not guard.defers(transposed)
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 64 * 64 * 4 + 1)
+    handle = tsckpt.save_async(tmp_path / "none", {"model": model, "opt": opt}, staging="overlapped")
+    assert handle.deferred_bytes == 0 and len(opt._optimizer_step_pre_hooks) == 0
+    handle.result(timeout=30)

@@ -3,14 +3,16 @@ that keep the checkpoint at the values of the call.
 
 With ``staging="overlapped"`` a background save returns before it has copied the tensors
 that an optimizer among the saved objects updates in place: that optimizer's parameters
-and its state (moments, step counts). Those are copied in a thread of their own, smallest
-first, while training goes on, and the next ``step()`` of such an optimizer is held back
-by a step pre-hook until its own tensors are copied. Everything else is copied before the
-call returns, as with ``staging="blocking"``: buffers (the forward that updates them follows
+and its state (moments). Those are copied in a thread of their own, smallest first, while
+training goes on, and the next ``step()`` of such an optimizer is held back by a step
+pre-hook until its own tensors are copied. Everything else is copied before the call
+returns, as with ``staging="blocking"``: buffers (the forward that updates them follows
 the call at once, so holding it back would only move the wait), tensors that no optimizer
 of the saved objects holds (given in a plain dict, or a module's own without its optimizer),
-numpy arrays, device tensors and jax arrays; plain values and stateful objects' states are
-taken at the call in both modes.
+tensors smaller than :data:`DEFER_MIN_BYTES` (a step count, a bias: their copy costs less
+than the bookkeeping of deferring it), non-contiguous views, numpy arrays, device tensors
+and jax arrays; plain values and stateful objects' states are taken at the call in both
+modes.
 
 What no hook sees: a write into such a parameter or state that is not that optimizer's
 step (an EMA or weight clipping written into the parameters, a module's
@@ -33,12 +35,18 @@ from typing import Any, cast
 import torch
 
 from .._leaves.dtensor import is_dtensor
-from .._leaves.kinds import Memory, tensor_memory
 from .._leaves.stateful import is_stateful, is_whole_state
 from ..tree import leaves
 
 # The name of the thread that makes the deferred copies.
 STAGING_THREAD = "tsckpt-staging"
+
+# Tensors smaller than this are copied in the call even when overlapped: below it a copy
+# takes about as long as deferring it (hooks, a thread, a lock), and it would hold the
+# interpreter in the copying thread for nothing. Measured by benchmarks/bench_train.py.
+DEFER_MIN_BYTES = 256 << 10
+
+Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -78,11 +86,23 @@ def saved_objects(tree: Any) -> list[Any]:
     return [o for o in found if is_stateful(o)]
 
 
-def _updated_by(optim: torch.optim.Optimizer) -> set[Memory]:
-    """The memory of the CPU tensors ``optim.step()`` writes: its parameters and state."""
+def _span(t: Any) -> Span | None:
+    """The memory of ``t`` where overlapped staging may copy it later: a contiguous CPU
+    tensor of at least :data:`DEFER_MIN_BYTES`; else None."""
+    if not isinstance(t, torch.Tensor) or not t.is_cpu:
+        return None
+    n = t.nbytes
+    if n == 0 or n < DEFER_MIN_BYTES or not t.is_contiguous():
+        return None
+    return (t.data_ptr(), n)
+
+
+def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
+    """The memory of the tensors ``optim.step()`` writes that may be copied later: its
+    parameters and state."""
     tensors = [p for g in optim.param_groups for p in g["params"]]
     tensors += [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {m for m in (tensor_memory(_local(t)) for t in tensors if _local(t).device.type == "cpu") if m is not None}
+    return {m for m in (_span(_local(t)) for t in tensors) if m is not None}
 
 
 class Guard:
@@ -90,9 +110,10 @@ class Guard:
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self._updates = {id(o): (o, _updated_by(o)) for o in optimizers}
-        self._deferred: set[Memory] = set().union(*(m for _, m in self._updates.values()))
+        self._deferred: set[Span] = set().union(*(m for _, m in self._updates.values()))
         self._cond = threading.Condition()
-        self._done = 0  # copies made, in order
+        self._done = 0  # copies made, in order (counted where a held-back step waits for one)
+        self._needed: set[int] = set()  # the copies after which a held-back step may go on
         self._finished = False  # every copy made, or one failed
         self._error: BaseException | None = None
         self._handles: list[Any] = []
@@ -107,22 +128,19 @@ class Guard:
 
     def defers(self, data: Any) -> bool:
         """Whether ``data`` (a region a save stages) may be copied after the call returns."""
-        return (
-            isinstance(data, torch.Tensor)
-            and data.device.type == "cpu"
-            and tensor_memory(data) in self._deferred
-        )
+        return _span(data) in self._deferred
 
     def start(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hook the optimizers, then make ``copies`` ((staging buffer, source) pairs, each source
         one :meth:`defers` took) in a thread of their own, smallest first; each optimizer's next
         step waits for the copies of its own tensors."""
         order = sorted(copies, key=lambda c: c[1].numel() * c[1].element_size())
-        position = {tensor_memory(src): i for i, (_, src) in enumerate(order)}
-        self.deferred_bytes = sum(src.numel() * src.element_size() for _, src in order)
+        position = {_span(src): i for i, (_, src) in enumerate(order)}
+        self.deferred_bytes = sum(src.nbytes for _, src in order)
         for optim, memories in self._updates.values():
             need = max((position[m] for m in memories if m in position), default=-1)
             if need >= 0:
+                self._needed.add(need)
                 self._handles.append(optim.register_step_pre_hook(self._hold(need)))
         self._copies = order
         threading.Thread(target=self._run, name=STAGING_THREAD).start()
@@ -136,11 +154,12 @@ class Guard:
 
     def _run(self) -> None:
         try:
-            for dst, src in self._copies:
+            for i, (dst, src) in enumerate(self._copies):
                 _copy(dst, src)
-                with self._cond:
-                    self._done += 1
-                    self._cond.notify_all()
+                if i in self._needed:  # a step may wait for this one: wake it
+                    with self._cond:
+                        self._done = i + 1
+                        self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - raised by join(), in the save
             self._error = e
         finally:
