@@ -126,7 +126,7 @@ def _optimizer_waits_for(run: Run, made: list[int]) -> list[int]:
 def test_every_kind_of_state_is_saved_as_at_the_call(tmp_path, slow_copies):
     run = Run()
     expected = run.snapshot()
-    handle = tsckpt.save_async(tmp_path / "ck", run.state, staging="overlapped")
+    handle = tsckpt.save_async(tmp_path / "ck", run.state)  # overlapped: the default
     at_return = slow_copies[0]
     seen = _optimizer_waits_for(run, slow_copies)
     for _ in range(2):
@@ -226,7 +226,7 @@ def test_raw_parameters_beside_their_optimizer_are_guarded(tmp_path, slow_copies
 
 def test_blocking_staging_copies_everything_in_the_call(tmp_path, slow_copies):
     run = Run()
-    handle = tsckpt.save_async(tmp_path / "ck", run.state)  # the default
+    handle = tsckpt.save_async(tmp_path / "ck", run.state, staging="blocking")
     assert handle.deferred_bytes == 0 and slow_copies[0] == 0
     assert len(run.opt._optimizer_step_pre_hooks) == 0
     handle.result(timeout=30)

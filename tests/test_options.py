@@ -138,6 +138,7 @@ def test_defaults_are_unchanged():
     assert keyword_options(tsckpt.convert)["max_inflight_bytes"][1] == 32 << 20  # convert's window as before
     assert keyword_options(tsckpt.save)["layout"][1] == "plain"
     assert keyword_options(tsckpt.restore)["casting"][1] == "same_kind"
+    assert keyword_options(tsckpt.save_async)["staging"][1] == "overlapped"  # benchmarks/RESULTS.md
 
 
 @pytest.mark.parametrize("name", sorted(VERB_OBJECTS))

@@ -116,7 +116,7 @@ class CheckpointManager:
         check_replicas: bool = True,
         if_busy: IfBusy = "wait",
         max_staging_bytes: int | None = None,
-        staging: Staging = "blocking",
+        staging: Staging = "overlapped",
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
     ) -> None:

@@ -217,7 +217,7 @@ class AsyncOptions(_Options):
         _staging,
     )
     staging: Staging = _option(
-        "blocking",
+        "overlapped",
         '"blocking": every array is copied to host memory before the call returns; "overlapped": the '
         "parameters and state of the optimizers saved are copied in the background while training goes "
         "on, each optimizer's next step held back until its tensors are copied (everything else is copied "

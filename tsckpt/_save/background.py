@@ -482,7 +482,7 @@ def save_async(
     progress: bool | None = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
-    staging: Staging = "blocking",
+    staging: Staging = "overlapped",
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 

@@ -42,8 +42,8 @@ from ..tree import leaves
 STAGING_THREAD = "tsckpt-staging"
 
 # Tensors smaller than this are copied in the call even when overlapped: below it a copy
-# takes about as long as deferring it (hooks, a thread, a lock), and it would hold the
-# interpreter in the copying thread for nothing. Measured by benchmarks/bench_train.py.
+# takes about as long as the bookkeeping of deferring it, which the copying thread would
+# do holding the interpreter, beside a training loop that needs it.
 DEFER_MIN_BYTES = 256 << 10
 
 Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory

@@ -300,7 +300,7 @@ def save_async(
     progress: bool | None = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
-    staging: Staging = "blocking",
+    staging: Staging = "overlapped",
 ) -> AsyncSave:
     """:func:`save`, returning once the state is copied to host memory; every rank calls it.
 
