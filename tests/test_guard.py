@@ -299,3 +299,24 @@ def test_only_large_contiguous_tensors_are_deferred(tmp_path, monkeypatch):
     handle = tsckpt.save_async(tmp_path / "none", {"model": model, "opt": opt}, staging="overlapped")
     assert handle.deferred_bytes == 0 and len(opt._optimizer_step_pre_hooks) == 0
     handle.result(timeout=30)
+
+
+def test_wait_for_staging_times_out_with_the_save_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
+    gate = threading.Event()
+    real = guard_module._copy
+
+    def held(dst, src):
+        assert gate.wait(30), "test gate never opened"
+        real(dst, src)
+
+    monkeypatch.setattr(guard_module, "_copy", held)
+    run = Run()
+    handle = tsckpt.save_async(tmp_path / "ck", run.state)
+    with pytest.raises(TimeoutError, match=r"asynchronous save to .*ck still copying the live tensors after 0.05 s"):
+        handle.wait_for_staging(timeout=0.05)
+    assert len(run.opt._optimizer_step_pre_hooks) == 1  # still guarding
+    gate.set()
+    handle.result(timeout=30)
+    handle.wait_for_staging(timeout=30)
+    assert len(run.opt._optimizer_step_pre_hooks) == 0

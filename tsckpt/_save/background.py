@@ -101,8 +101,11 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         writes into an optimizer's parameters or state (see tsckpt/_save/guard.py); call it
         from the thread that trains. A failed copy is not raised here but by ``result()``.
         Raises TimeoutError after ``timeout`` (a timedelta, or seconds)."""
-        if self._guard is not None:
-            self._guard.wait(timeout_seconds(timeout))
+        seconds = timeout_seconds(timeout)
+        if self._guard is not None and not self._guard.wait(seconds):
+            raise TimeoutError(
+                f"asynchronous save to {self.directory} still copying the live tensors after {seconds:g} s"
+            )
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if super().exception() else "committed")

@@ -118,6 +118,7 @@ class Guard:
         self._error: BaseException | None = None
         self._handles: list[Any] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._thread: threading.Thread | None = None
         self.deferred_bytes = 0
 
     @classmethod
@@ -143,7 +144,8 @@ class Guard:
                 self._needed.add(need)
                 self._handles.append(optim.register_step_pre_hook(self._hold(need)))
         self._copies = order
-        threading.Thread(target=self._run, name=STAGING_THREAD).start()
+        self._thread = threading.Thread(target=self._run, name=STAGING_THREAD)
+        self._thread.start()
 
     def _hold(self, need: int) -> Callable[..., None]:
         def hook(optim: Any, args: Any, kwargs: Any) -> None:
@@ -173,20 +175,28 @@ class Guard:
         """Whether every copy is made (or one failed): nothing is held back any more."""
         return self._finished
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
         """Wait until every copy is made (or one failed), then remove the hooks: from the thread
-        that trains, never inside an optimizer's step. Raises TimeoutError after ``timeout`` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._finished, timeout):
-                raise TimeoutError(f"staging still copying after {timeout:g} s")
+        that trains, never inside an optimizer's step. False if still copying after ``timeout`` seconds."""
+        if not self._over(timeout):
+            return False
         self.release()
+        return True
 
     def join(self) -> None:
         """Wait until every copy is made; re-raise the failure of one (in the save's worker)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._finished)
+        self._over(None)
         if self._error is not None:
             raise self._error
+
+    def _over(self, timeout: float | None) -> bool:
+        """Wait for the copying thread to end (False: still running after ``timeout`` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished, timeout):
+                return False
+        if self._thread is not None:
+            self._thread.join()  # it has nothing left to do but return
+        return True
 
     def release(self) -> None:
         """Remove the hooks once the copies are over (see the module docstring for who may)."""
