@@ -320,3 +320,18 @@ def test_wait_for_staging_times_out_with_the_save_named(tmp_path, monkeypatch):
     handle.result(timeout=30)
     handle.wait_for_staging(timeout=30)
     assert len(run.opt._optimizer_step_pre_hooks) == 0
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_only_plain_dense_tensors_are_deferred(monkeypatch):
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
+    dense = torch.ones(3)
+    assert guard_module._span(dense) == (dense.data_ptr(), 12)
+    assert guard_module._span(torch.nn.Parameter(dense)) == (dense.data_ptr(), 12)
+    assert guard_module._span(dense.as_subclass(_Subclass)) is None  # its own semantics: copied at the call
+    assert guard_module._span(dense.to_sparse()) is None
+    assert guard_module._span(torch.ones(0)) is None
+    assert guard_module._span(np.ones(3)) is None

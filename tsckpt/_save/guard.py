@@ -47,6 +47,7 @@ STAGING_THREAD = "tsckpt-staging"
 DEFER_MIN_BYTES = 256 << 10
 
 Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -87,14 +88,16 @@ def saved_objects(tree: Any) -> list[Any]:
 
 
 def _span(t: Any) -> Span | None:
-    """The memory of ``t`` where overlapped staging may copy it later: a contiguous CPU
-    tensor of at least :data:`DEFER_MIN_BYTES`; else None."""
-    if not isinstance(t, torch.Tensor) or not t.is_cpu:
+    """The memory of ``t`` where overlapped staging may copy it later: a plain, dense,
+    contiguous CPU tensor (or parameter) of at least :data:`DEFER_MIN_BYTES`; else None
+    (tensor subclasses, sparse tensors and views are copied at the call)."""
+    if type(t) not in _PLAIN_TENSORS or not t.is_cpu or t.layout != torch.strided:
         return None
     n = t.nbytes
     if n == 0 or n < DEFER_MIN_BYTES or not t.is_contiguous():
         return None
-    return (t.data_ptr(), n)
+    ptr = t.data_ptr()
+    return (ptr, n) if ptr else None
 
 
 def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
