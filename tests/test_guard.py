@@ -335,3 +335,23 @@ def test_only_plain_dense_tensors_are_deferred(monkeypatch):
     assert guard_module._span(dense.to_sparse()) is None
     assert guard_module._span(torch.ones(0)) is None
     assert guard_module._span(np.ones(3)) is None
+
+
+def test_an_accelerate_optimizer_is_guarded_through_the_one_it_wraps(tmp_path, slow_copies):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    try:
+        run = Run()
+        model, opt = accelerate.Accelerator(cpu=True).prepare(run.model, run.opt)
+        assert hookable(opt) is run.opt and opt is not run.opt
+        tree = {"model": model, "opt": opt}
+        expected = dict(zip(*(lambda f: (f.paths, f.leaves))(flatten(copy.deepcopy(expand(tree).tree)))))
+        handle = tsckpt.save_async(tmp_path / "ck", tree)
+        assert handle.deferred_bytes == _optimizer_bytes(run)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()  # the wrapper's step runs the wrapped optimizer's, which waits
+        handle.result(timeout=30)
+        assert _differences(_saved(tmp_path / "ck"), expected) == []
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
