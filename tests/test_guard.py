@@ -242,6 +242,15 @@ def test_manager_and_torch_twins_stage_overlapped(tmp_path, slow_copies):
         assert len(run.opt._optimizer_step_pre_hooks) == 0
         run.step()
     assert _differences(_saved(tmp_path / "run" / "00000001"), expected) == []
+    expected_2 = run.snapshot()
+    with tsckpt.CheckpointManager(tmp_path / "run", staging="overlapped") as manager:
+        manager.save_async(2, run.state)
+        assert len(run.opt._optimizer_step_pre_hooks) == 1
+        assert manager.restore(1, target=run.state) == 1  # in place: once the save no longer copies
+        hooks_left = len(run.opt._optimizer_step_pre_hooks)
+    assert _differences(_saved(tmp_path / "run" / "00000002"), expected_2) == []
+    assert _differences(run.snapshot(), expected) == []  # the live state is step 1's
+    assert hooks_left == 0
 
     handle = tt.save_async(
         tmp_path / "tt", run.model, run.opt, extra={"scheduler": run.sched, "step": 3},

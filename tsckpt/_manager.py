@@ -382,6 +382,8 @@ class CheckpointManager:
         if _dist.is_distributed():
             # the background save and restore talk over the same gloo group
             self._saver.wait()
+        else:
+            self._saver.wait_for_staging()  # a restore in place must not write into what the save still copies
         if step is None:
             step = self.latest_step()
             if step is None:

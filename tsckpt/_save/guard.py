@@ -16,8 +16,9 @@ modes.
 
 What no hook sees: a write into such a parameter or state that is not that optimizer's
 step (an EMA or weight clipping written into the parameters, a module's
-``load_state_dict``, a restore in place, moments reset by hand, another optimizer over the
-same parameters). Code that does this calls ``AsyncSave.wait_for_staging()`` first.
+``load_state_dict``, ``tsckpt.restore`` in place (the manager's ``restore`` waits by
+itself), moments reset by hand, another optimizer over the same parameters). Code that
+does this calls ``AsyncSave.wait_for_staging()`` first.
 
 torch runs an optimizer's step pre-hooks by iterating their dict live, so a hook may not be
 removed while they run: neither by itself nor by the copying thread, which finishes while
