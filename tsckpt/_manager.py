@@ -314,8 +314,10 @@ class CheckpointManager:
         max_inflight_bytes: int = WRITE_WINDOW_BYTES,
         progress: bool | None = None,
     ) -> AsyncSave:
-        """Like :meth:`save` (with the same options), but returns once ``tree`` is copied
-        to host memory; writing, the commit and retention continue in the background."""
+        """Like :meth:`save` (with the same options), but returns once ``tree`` is staged
+        (copied to host memory; with the manager's ``staging="overlapped"``, the optimizers'
+        large tensors while training goes on, as for :func:`tsckpt.save_async`); writing, the
+        commit and retention continue in the background."""
         options = SaveOptions.of(locals(), self._saving)
 
         def prepare() -> None:  # an early refusal; the step is judged again when the save claims it

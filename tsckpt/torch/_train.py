@@ -302,7 +302,7 @@ def save_async(
     max_staging_bytes: int | None = None,
     staging: Staging = "overlapped",
 ) -> AsyncSave:
-    """:func:`save`, returning once the state is copied to host memory; every rank calls it.
+    """:func:`save`, returning once the state is staged (see ``staging``); every rank calls it.
 
     The twin of :func:`save` as :func:`tsckpt.save_async` is of :func:`tsckpt.save`:
     the same checkpoint and options, plus ``if_busy``, ``max_staging_bytes`` and
