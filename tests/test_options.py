@@ -140,6 +140,7 @@ def test_defaults_are_unchanged():
     assert keyword_options(tsckpt.convert)["max_inflight_bytes"][1] == 32 << 20  # convert's window as before
     assert keyword_options(tsckpt.save)["layout"][1] == "plain"
     assert keyword_options(tsckpt.restore)["casting"][1] == "same_kind"
+    assert keyword_options(tsckpt.save_async)["staging"][1] == "overlapped"  # benchmarks/RESULTS.md
 
 
 @pytest.mark.parametrize("name", sorted(VERB_OBJECTS))
@@ -227,6 +228,10 @@ def test_an_option_taken_positionally_is_caught():
          "layout must be one of 'plain', 'compact', not 'dense'"),
         (lambda d: tsckpt.save_async(d, {"x": 1}, max_staging_bytes=-1), ValueError,
          "max_staging_bytes must be at least 0 bytes, not -1"),
+        (lambda d: tsckpt.save_async(d, {"x": 1}, staging="fast"), ValueError,
+         "staging must be 'blocking' or 'overlapped', not 'fast'"),
+        (lambda d: tsckpt.CheckpointManager(d, staging=None), ValueError,
+         "staging must be 'blocking' or 'overlapped', not None"),
         (lambda d: tsckpt.restore(d, progress="yes"), TypeError,
          "progress must be True (show a bar), False (never) or None (when stderr is a terminal), not 'yes' (str)"),
         (lambda d: tsckpt.CheckpointManager(d, timeout=datetime.timedelta(0)), ValueError,

@@ -59,7 +59,16 @@ from ._leaves.stateful import is_stateful, is_whole_state
 from ._ondisk import stepindex as _steps
 from ._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED
 from ._ondisk.root import RootState, read_roots
-from ._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
+from ._options import (
+    READ_WINDOW_BYTES,
+    WRITE_WINDOW_BYTES,
+    AsyncOptions,
+    IfBusy,
+    RestoreOptions,
+    SaveOptions,
+    Staging,
+    verb,
+)
 from ._save import lease as _lease
 from ._save.background import AsyncSave, AsyncSaver, prepare_group
 from ._storage import durable as _durable
@@ -88,8 +97,8 @@ class CheckpointManager:
 
     The options that hold for every step are given here: ``group``,
     ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
-    (``group`` and ``timeout`` also for restores), ``if_busy`` and
-    ``max_staging_bytes`` as for :func:`tsckpt.save_async`; a bad value raises
+    (``group`` and ``timeout`` also for restores), ``if_busy``,
+    ``max_staging_bytes`` and ``staging`` as for :func:`tsckpt.save_async`; a bad value raises
     here. Options of one call (``overwrite``, ``max_inflight_bytes``,
     ``progress``, and the restore options) are keywords of :meth:`save`,
     :meth:`save_async` and :meth:`restore`.
@@ -107,6 +116,7 @@ class CheckpointManager:
         check_replicas: bool = True,
         if_busy: IfBusy = "wait",
         max_staging_bytes: int | None = None,
+        staging: Staging = "overlapped",
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
     ) -> None:
@@ -121,6 +131,7 @@ class CheckpointManager:
         self.keep_every = keep_every
         self._loc = resolve(root)
         self._if_busy = background.if_busy
+        self._staging = background.staging
         self._digits = step_digits
         self._saver = AsyncSaver(max_staging_bytes=background.max_staging_bytes)
         self._rank = _dist.rank_of(group)
@@ -303,8 +314,10 @@ class CheckpointManager:
         max_inflight_bytes: int = WRITE_WINDOW_BYTES,
         progress: bool | None = None,
     ) -> AsyncSave:
-        """Like :meth:`save` (with the same options), but returns once ``tree`` is copied
-        to host memory; writing, the commit and retention continue in the background."""
+        """Like :meth:`save` (with the same options), but returns once ``tree`` is staged
+        (copied to host memory; with the manager's ``staging="overlapped"``, the optimizers'
+        large tensors while training goes on, as for :func:`tsckpt.save_async`); writing, the
+        commit and retention continue in the background."""
         options = SaveOptions.of(locals(), self._saving)
 
         def prepare() -> None:  # an early refusal; the step is judged again when the save claims it
@@ -312,7 +325,10 @@ class CheckpointManager:
             prepare_group(options.group, options.timeout)
 
         label = str(resolve(self.directory(step)))
-        return self._saver.submit(label, tree, self._job(step, options), if_busy=self._if_busy, prepare=prepare, rank=self._rank)
+        return self._saver.submit(
+            label, tree, self._job(step, options), if_busy=self._if_busy, staging=self._staging, prepare=prepare,
+            rank=self._rank,
+        )
 
     def _solo(self) -> bool:
         """Whether this rank may refuse on its own: ranks can judge a save's liveness
@@ -323,6 +339,12 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any; re-raise its failure."""
         self._saver.wait()
+
+    def wait_for_staging(self) -> None:
+        """Wait until the asynchronous save in flight, if any, no longer reads the live tensors
+        (``staging="overlapped"``: before writing into the optimizers' parameters or state other
+        than by their steps); see :meth:`tsckpt.AsyncSave.wait_for_staging`."""
+        self._saver.wait_for_staging()
 
     def close(self) -> None:
         """Wait for the save in flight (re-raising its failure) and stop the background worker."""
@@ -362,6 +384,8 @@ class CheckpointManager:
         if _dist.is_distributed():
             # the background save and restore talk over the same gloo group
             self._saver.wait()
+        else:
+            self._saver.wait_for_staging()  # a restore in place must not write into what the save still copies
         if step is None:
             step = self.latest_step()
             if step is None:

@@ -34,7 +34,7 @@ Conventions:
 
 CheckpointManager: options that say how a run's checkpoints are written and
 coordinated (``group``, ``timeout``, ``check_replicas``, ``layout``) and how
-its background worker behaves (``if_busy``, ``max_staging_bytes``) are given
+its background worker behaves (``if_busy``, ``max_staging_bytes``, ``staging``) are given
 once, to the constructor, and hold for every step: the steps of one run share
 a process group, a layout and one set of staging buffers. Options of a single
 call (``overwrite``, ``max_inflight_bytes``, ``progress``; when restoring
@@ -69,6 +69,8 @@ READ_WINDOW_BYTES = 32 << 20
 
 IfBusy = Literal["wait", "error"]
 IF_BUSY = ("wait", "error")
+Staging = Literal["blocking", "overlapped"]
+STAGING = ("blocking", "overlapped")
 
 _O = TypeVar("_O", bound="_Options")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -129,6 +131,11 @@ def _casting(name: str, value: Any) -> None:
 def _if_busy(name: str, value: Any) -> None:
     if value not in IF_BUSY:
         raise ValueError(f"{name} must be 'wait' or 'error', not {value!r}")
+
+
+def _staging_mode(name: str, value: Any) -> None:
+    if value not in STAGING:
+        raise ValueError(f"{name} must be 'blocking' or 'overlapped', not {value!r}")
 
 
 def _format(name: str, value: Any) -> None:
@@ -208,6 +215,14 @@ class AsyncOptions(_Options):
         "The most array bytes copied to host memory for a background save; a larger state is saved "
         "synchronously instead, with a RuntimeWarning (None: no limit).",
         _staging,
+    )
+    staging: Staging = _option(
+        "overlapped",
+        '"blocking": every array is copied to host memory before the call returns; "overlapped": the '
+        "parameters and state of the optimizers saved are copied in the background while training goes "
+        "on, each optimizer's next step held back until its tensors are copied (everything else is copied "
+        "before the call returns).",
+        _staging_mode,
     )
 
 
@@ -317,12 +332,12 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     "CheckpointManager.save": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION},
     },
     "CheckpointManager.save_async": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION},
     },
     "tsckpt.restore": {RestoreOptions: {}},
     "CheckpointManager.restore": {

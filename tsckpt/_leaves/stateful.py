@@ -11,7 +11,9 @@ target of that place, and hands what was read back to ``load_state_dict``. A
 A *whole state* (``tsckpt.torch.TrainState``) saves and restores itself as the
 whole tree of a checkpoint: ``__tsckpt_tree__(rank)`` is the tree this rank
 saves, ``__tsckpt_restore__(directory, options)`` restores it in place and
-returns what the restore returns. It stands only at the root of a tree.
+returns what the restore returns. It stands only at the root of a tree. Its
+``__tsckpt_objects__()``, where it has one, lists the live objects it saves, so an
+overlapped ``save_async`` can hold back their updates (tsckpt/_save/guard.py).
 """
 
 from __future__ import annotations

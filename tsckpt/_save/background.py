@@ -18,7 +18,10 @@ distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray
 the copies of all shards are started before any is awaited; a shard on a CPU device
 is copied into a reused buffer, one elsewhere is kept as the host copy jax made
 (fresh each save). A state larger than ``max_staging_bytes`` is saved synchronously,
-whose copies from the device go through host memory of the write window only.
+whose copies from the device go through host memory of the write window only. With
+``staging="overlapped"`` the tensors an optimizer of the saved objects updates are
+copied after the call returns, that optimizer's next step held back until they are
+(tsckpt/_save/guard.py).
 """
 
 from __future__ import annotations
@@ -44,11 +47,12 @@ from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_co
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
-from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
+from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, Staging, timeout_seconds, verb
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
 from .._storage.locations import Directory, resolve
 from ..tree import flatten, unflatten
+from .guard import Guard
 
 # Failed saves whose outcome nobody has asked for yet.
 _failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
@@ -73,15 +77,35 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     (``timeout``: a :class:`datetime.timedelta` as on every tsckpt verb, or float
     seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
     is how long the call that started it held the caller, ``staged_bytes`` how
-    much array data it copied.
+    much array data it copied, ``deferred_bytes`` how much of that it copied after
+    returning (``staging="overlapped"``), which ``wait_for_staging()`` waits for.
     """
 
-    def __init__(self, directory: str, staged_bytes: int) -> None:
+    def __init__(self, directory: str, staged_bytes: int, guard: Guard | None = None) -> None:
         super().__init__()
         self.directory = directory
         self.staged_bytes = staged_bytes
         self.blocked_s = 0.0
         self.retrieved = False  # result() or exception() has reported the outcome
+        self._guard = guard
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes of the staged arrays copied after the call returned (overlapped staging)."""
+        return self._guard.deferred_bytes if self._guard is not None else 0
+
+    def wait_for_staging(self, timeout: datetime.timedelta | float | None = None) -> None:
+        """Wait until the save no longer reads the live tensors, so anything may write into them.
+
+        With ``staging="overlapped"``, before code other than the optimizers' own steps
+        writes into an optimizer's parameters or state (see tsckpt/_save/guard.py); call it
+        from the thread that trains. A failed copy is not raised here but by ``result()``.
+        Raises TimeoutError after ``timeout`` (a timedelta, or seconds)."""
+        seconds = timeout_seconds(timeout)
+        if self._guard is not None and not self._guard.wait(seconds):
+            raise TimeoutError(
+                f"asynchronous save to {self.directory} still copying the live tensors after {seconds:g} s"
+            )
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if super().exception() else "committed")
@@ -118,6 +142,8 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         if not self.set_running_or_notify_cancel():
             return
         try:
+            if self._guard is not None:
+                self._guard.join()  # the copies left after the call
             job(tree)
         except BaseException as e:  # noqa: BLE001 - delivered through result()
             self.set_exception(e)
@@ -145,8 +171,11 @@ class _Staging:
             return (path, "jax", tuple(data.shape), np.dtype(data.dtype))
         return (path, "numpy", tuple(data.shape), data.dtype)
 
-    def stage(self, regions: list[tuple[Any, Any]]) -> list[Any]:
-        """Copy each ``(path, data)`` into its buffer; returns the copies in order.
+    def stage(
+        self, regions: list[tuple[Any, Any]], *, defer: Callable[[Any], bool] | None = None
+    ) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copy each ``(path, data)`` into its buffer; returns the copies in order, and the
+        ``(buffer, tensor)`` copies left to make: those of CPU tensors ``defer`` takes.
 
         ``path`` is unique per region (a jax shard's: the leaf path and its box). Regions
         that are the same memory (tied weights) share one copy, so the
@@ -170,6 +199,7 @@ class _Staging:
             if tied is None and key[1] == "jax":
                 start_host_copy(data)
         out: list[Any] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
         copies: list[Any] = []  # the device-to-host copies started
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is not None:
@@ -184,7 +214,10 @@ class _Staging:
                 else:
                     if buf is None:
                         buf = torch.empty(src.shape, dtype=src.dtype)
-                    buf.copy_(src)
+                    if defer is not None and defer(src):
+                        later.append((buf, src))
+                    else:
+                        buf.copy_(src)
             elif key[1] == "jax":
                 buf, reusable = host_copy(data, buf)
                 if not reusable:  # jax's own host copy: this save's alone, never kept for the next
@@ -199,7 +232,7 @@ class _Staging:
             out.append(buf)
         for started in copies:
             _devicecopy.ops().wait(started)
-        return out
+        return out, later
 
     def _pin(self, keys: list[tuple[Any, ...]]) -> None:
         """Buffers for the device tensors: kept from the last save when every one of them is,
@@ -279,7 +312,14 @@ class AsyncSaver:
         """Wait for the save in flight, if any, and re-raise its failure."""
         inflight = self._inflight
         if inflight is not None:
+            inflight.wait_for_staging()
             inflight.result()
+
+    def wait_for_staging(self) -> None:
+        """Wait until the save in flight, if any, no longer reads the live tensors."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.wait_for_staging()
 
     def _settle(self, if_busy: IfBusy) -> None:
         """Wait for (or refuse next to) the save in flight; warn about an unchecked failure."""
@@ -295,6 +335,7 @@ class AsyncSaver:
                     ".result(), or pass if_busy='wait'"
                 )
             concurrent.futures.wait([prev])
+        prev.wait_for_staging()  # its copies into the buffers this save reuses; its hooks removed
         err = concurrent.futures.Future.exception(prev)
         if err is not None and not prev.retrieved:
             warnings.warn(
@@ -321,6 +362,7 @@ class AsyncSaver:
         if_busy: IfBusy = "wait",
         prepare: Callable[[], None] | None = None,
         max_staging_bytes: int | None = None,
+        staging: Staging = "blocking",
         rank: int = 0,
     ) -> AsyncSave:
         """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
@@ -330,13 +372,16 @@ class AsyncSaver:
         objects in ``tree`` give their state then, in the caller (``rank``: this
         process's rank, for a whole state's per-rank part). A state
         with more array bytes than ``max_staging_bytes`` or the saver's own bound
-        (the smaller applies) is saved in the caller instead, with a RuntimeWarning."""
+        (the smaller applies) is saved in the caller instead, with a RuntimeWarning.
+        ``staging="overlapped"``: the tensors an optimizer among the objects updates are
+        copied after the call returns (tsckpt/_save/guard.py)."""
         limit = _least(self.max_staging_bytes, max_staging_bytes)
         start = time.perf_counter()
         with self._lock:
             self._settle(if_busy)
             if prepare is not None:
                 prepare()
+            guard = Guard.of(tree) if staging == "overlapped" else None
             tree = expand(tree, rank=rank).tree
             flat = flatten(tree)
             leaves, regions = _array_regions(flat.paths, flat.leaves)
@@ -353,15 +398,21 @@ class AsyncSaver:
                 handle.retrieved = True
                 handle.result()
             else:
-                copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
+                copies, later = self._staging.stage(
+                    [(path, data) for _, path, data, _ in regions], defer=guard.defers if guard else None
+                )
                 _place(leaves, regions, copies)
                 del regions, copies  # no reference to the device arrays outlives the call
+                if later and guard is not None:
+                    guard.start(later)
+                else:
+                    guard = None
                 staged = unflatten(flat.spec, leaves)
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
                         1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
                     )
-                handle = AsyncSave(label, nbytes)
+                handle = AsyncSave(label, nbytes, guard)
                 self._executor.submit(handle.run, job, staged)
             self._inflight = handle
         handle.blocked_s = time.perf_counter() - start
@@ -434,6 +485,7 @@ def save_async(
     progress: bool | None = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
+    staging: Staging = "overlapped",
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 
@@ -449,7 +501,12 @@ def save_async(
     before any is awaited), so tensors may change in place and jax arrays be
     donated to the next step at once. Staging buffers are reused between calls;
     a state with more array bytes to stage than ``max_staging_bytes`` is saved
-    synchronously instead, with a RuntimeWarning. Under torch.distributed every rank calls save_async; the
+    synchronously instead, with a RuntimeWarning. With ``staging="overlapped"`` the
+    parameters and state of the optimizers among the saved objects (a TrainState's, or
+    optimizers in the tree) are copied after the call returns, each optimizer's next
+    ``step()`` held back until its own are: the checkpoint still holds the values at the
+    call; code that writes into them otherwise first calls the handle's
+    ``wait_for_staging()``. Under torch.distributed every rank calls save_async; the
     background commit talks over a gloo group of its own, never the training
     loop's group nor the one a synchronous tsckpt.save or restore uses
     meanwhile. A pending save is finished at interpreter exit.
@@ -465,5 +522,5 @@ def save_async(
 
     return _default.submit(
         label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
-        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
+        staging=background.staging, prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
     )

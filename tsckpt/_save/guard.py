@@ -1,0 +1,210 @@
+"""Overlapped staging: the copies ``save_async`` leaves until after it returns, and the hooks
+that keep the checkpoint at the values of the call.
+
+With ``staging="overlapped"`` a background save returns before it has copied the tensors
+that an optimizer among the saved objects updates in place: that optimizer's parameters
+and its state (moments). Those are copied in a thread of their own, smallest first, while
+training goes on, and the next ``step()`` of such an optimizer is held back by a step
+pre-hook until its own tensors are copied. Everything else is copied before the call
+returns, as with ``staging="blocking"``: buffers (the forward that updates them follows
+the call at once, so holding it back would only move the wait), tensors that no optimizer
+of the saved objects holds (given in a plain dict, or a module's own without its optimizer),
+tensors smaller than :data:`DEFER_MIN_BYTES` (a step count, a bias: their copy costs less
+than the bookkeeping of deferring it), non-contiguous views, numpy arrays, device tensors
+and jax arrays; plain values and stateful objects' states are taken at the call in both
+modes.
+
+What no hook sees: a write into such a parameter or state that is not that optimizer's
+step (an EMA or weight clipping written into the parameters, a module's
+``load_state_dict``, ``tsckpt.restore`` in place (the manager's ``restore`` waits by
+itself), moments reset by hand, another optimizer over the same parameters). Code that
+does this calls ``AsyncSave.wait_for_staging()`` first.
+
+torch runs an optimizer's step pre-hooks by iterating their dict live, so a hook may not be
+removed while they run: neither by itself nor by the copying thread, which finishes while
+the training thread waits inside the hook. The hooks are therefore removed by calls the
+training thread makes (``wait_for_staging()``, the next save, ``wait()`` and ``close()`` of
+the saver); until then a hook whose copies are done returns at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from .._leaves.dtensor import is_dtensor
+from .._leaves.stateful import is_stateful, is_whole_state
+from ..tree import leaves
+
+# The name of the thread that makes the deferred copies.
+STAGING_THREAD = "tsckpt-staging"
+
+# Tensors smaller than this are copied in the call even when overlapped: below it a copy
+# takes about as long as the bookkeeping of deferring it, which the copying thread would
+# do holding the interpreter, beside a training loop that needs it.
+DEFER_MIN_BYTES = 256 << 10
+
+Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One deferred copy (a function of its own: tests slow it down so that training races it)."""
+    dst.copy_(src)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory a save copies: a DTensor's local shard, else the tensor."""
+    return cast(torch.Tensor, t.to_local()) if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def hookable(optim: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose step pre-hooks run when ``optim`` steps: ``optim`` when its class's
+    ``step`` runs torch's hooks, else the optimizer a wrapper steps (its ``optimizer``, as
+    accelerate's wrapper holds); None where there is none (its tensors are then copied at the call)."""
+    seen: set[int] = set()
+    while isinstance(optim, torch.optim.Optimizer) and id(optim) not in seen:
+        seen.add(id(optim))
+        if getattr(type(optim).step, "hooked", False) and isinstance(
+            getattr(optim, "_optimizer_step_pre_hooks", None), dict
+        ):
+            return optim
+        optim = getattr(optim, "optimizer", None)
+    return None
+
+
+def saved_objects(tree: Any) -> list[Any]:
+    """The stateful objects a save of ``tree`` asks for their state: those in the tree, and a
+    whole state's own (``__tsckpt_objects__()``, where it says which)."""
+    if is_whole_state(tree):
+        own: Callable[[], list[Any]] | None = getattr(tree, "__tsckpt_objects__", None)
+        return [o for part in (own() if own is not None else []) for o in saved_objects(part)]
+    if is_stateful(tree):
+        return [tree]
+    found, _ = leaves(tree, stop=lambda node: is_stateful(node) or is_whole_state(node))
+    return [o for o in found if is_stateful(o)]
+
+
+def _span(t: Any) -> Span | None:
+    """The memory of ``t`` where overlapped staging may copy it later: a plain, dense,
+    contiguous CPU tensor (or parameter) of at least :data:`DEFER_MIN_BYTES`; else None
+    (tensor subclasses, sparse tensors and views are copied at the call)."""
+    if type(t) not in _PLAIN_TENSORS or not t.is_cpu or t.layout != torch.strided:
+        return None
+    n = t.nbytes
+    if n == 0 or n < DEFER_MIN_BYTES or not t.is_contiguous():
+        return None
+    ptr = t.data_ptr()
+    return (ptr, n) if ptr else None
+
+
+def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
+    """The memory of the tensors ``optim.step()`` writes that may be copied later: its
+    parameters and state."""
+    tensors = [p for g in optim.param_groups for p in g["params"]]
+    tensors += [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {m for m in (_span(_local(t)) for t in tensors) if m is not None}
+
+
+class Guard:
+    """The deferred copies of one save and the hooks that hold back the optimizers' steps."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._updates = {id(o): (o, _updated_by(o)) for o in optimizers}
+        self._deferred: set[Span] = set().union(*(m for _, m in self._updates.values()))
+        self._cond = threading.Condition()
+        self._done = 0  # copies made, in order (counted where a held-back step waits for one)
+        self._needed: set[int] = set()  # the copies after which a held-back step may go on
+        self._finished = False  # every copy made, or one failed
+        self._error: BaseException | None = None
+        self._handles: list[Any] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._thread: threading.Thread | None = None
+        self.deferred_bytes = 0
+
+    @classmethod
+    def of(cls, tree: Any) -> Guard | None:
+        """The guard of a save of ``tree``; None where it holds no optimizer whose step can be held back."""
+        found = {id(o): o for o in (hookable(obj) for obj in saved_objects(tree)) if o is not None}
+        return cls(list(found.values())) if found else None
+
+    def defers(self, data: Any) -> bool:
+        """Whether ``data`` (a region a save stages) may be copied after the call returns."""
+        return _span(data) in self._deferred
+
+    def start(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hook the optimizers, then make ``copies`` ((staging buffer, source) pairs, each source
+        one :meth:`defers` took) in a thread of their own, smallest first; each optimizer's next
+        step waits for the copies of its own tensors."""
+        order = sorted(copies, key=lambda c: c[1].numel() * c[1].element_size())
+        position = {_span(src): i for i, (_, src) in enumerate(order)}
+        self.deferred_bytes = sum(src.nbytes for _, src in order)
+        for optim, memories in self._updates.values():
+            need = max((position[m] for m in memories if m in position), default=-1)
+            if need >= 0:
+                self._needed.add(need)
+                self._handles.append(optim.register_step_pre_hook(self._hold(need)))
+        self._copies = order
+        self._thread = threading.Thread(target=self._run, name=STAGING_THREAD)
+        self._thread.start()
+
+    def _hold(self, need: int) -> Callable[..., None]:
+        def hook(optim: Any, args: Any, kwargs: Any) -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: self._finished or self._done > need)
+
+        return hook
+
+    def _run(self) -> None:
+        try:
+            for i, (dst, src) in enumerate(self._copies):
+                _copy(dst, src)
+                if i in self._needed:  # a step may wait for this one: wake it
+                    with self._cond:
+                        self._done = i + 1
+                        self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised by join(), in the save
+            self._error = e
+        finally:
+            self._copies = []  # no reference to the live tensors outlives the copies
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        """Whether every copy is made (or one failed): nothing is held back any more."""
+        return self._finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every copy is made (or one failed), then remove the hooks: from the thread
+        that trains, never inside an optimizer's step. False if still copying after ``timeout`` seconds."""
+        if not self._over(timeout):
+            return False
+        self.release()
+        return True
+
+    def join(self) -> None:
+        """Wait until every copy is made; re-raise the failure of one (in the save's worker)."""
+        self._over(None)
+        if self._error is not None:
+            raise self._error
+
+    def _over(self, timeout: float | None) -> bool:
+        """Wait for the copying thread to end (False: still running after ``timeout`` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished, timeout):
+                return False
+        if self._thread is not None:
+            self._thread.join()  # it has nothing left to do but return
+        return True
+
+    def release(self) -> None:
+        """Remove the hooks once the copies are over (see the module docstring for who may)."""
+        if self._finished:
+            handles, self._handles = self._handles, []
+            for h in handles:
+                h.remove()
