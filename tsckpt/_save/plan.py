@@ -235,6 +235,9 @@ def _check(g: Gathered) -> _Checked:
         if first.kind == "value":
             values.append((path, _check_value(path, h)))
             continue
+        if any(h.held()):
+            arrays.append(_Array(path, first, _held_pieces(path, h)))
+            continue
         regions = given.get(h.given)
         if regions is None:
             regions = given[h.given] = _check_given(path, h)
@@ -254,6 +257,27 @@ def _check(g: Gathered) -> _Checked:
             covered.add(h.given)
         arrays.append(_Array(path, first, _Replicas(replicas, {r: c for r, c in zip(h.ranks, h.cuts()) if c})))
     return _Checked(tuple(values), tuple(arrays))
+
+
+def _held_pieces(path: str, h: Holders) -> _Replicas:
+    """The regions of an array some holder gives as separate pieces (:attr:`LeafDesc.held`):
+    every piece a region of its own, held by the ranks that hold it. Holders of the same
+    pieces are replicas, compared by checksum; the distinct pieces must tile the array."""
+    if not h.same_leaf():
+        check_agreement(path, h.ranks, h.descs())
+    sets = [held or (box,) for box, held in zip(h.boxes(), h.held())]
+    alike: dict[tuple[Box, ...], list[int]] = defaultdict(list)  # the same pieces -> their holders' indexes
+    for i, pieces_held in enumerate(sets):
+        alike[pieces_held].append(i)
+    sums = h.checksums()
+    holders: dict[Box, list[int]] = defaultdict(list)
+    for pieces_held, members in alike.items():
+        box = (h.boxes()[members[0]])
+        replica_groups(path, [h.ranks[i] for i in members], [box] * len(members), [sums[i] for i in members])
+        for piece in pieces_held:
+            holders[piece] += [h.ranks[i] for i in members]
+    check_exact_cover(path, h.first.global_shape, list(holders))
+    return _Replicas({box: sorted(ranks) for box, ranks in holders.items()})
 
 
 def _check_value(path: str, h: Holders) -> Any:
