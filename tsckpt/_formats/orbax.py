@@ -18,6 +18,11 @@ Layouts understood (local directories):
 * **Step directory** of a ``CheckpointManager``: ``_CHECKPOINT_METADATA`` lists
   ``item_handlers``, one subdirectory per item; leaf paths start with the item name,
   except for a lone ``default`` item. ``JsonSave`` items (a ``metadata`` file) become values.
+* **Names and tree**: leaf paths are Orbax's keys, escaped as tsckpt escapes str keys
+  (a sequence index as its number); a restore names its target's leaves by Orbax's
+  rules (``tree.ORBAX_NAMES``: a Flax Variable's ``value`` level, int dict keys as
+  strings). Without a target the tree is the one Orbax returns: dicts, lists, and the
+  empty nodes the metadata records (``{}``, ``[]``, ``()``, ``None``).
 * **Commit**: saves are written to ``<name>.orbax-checkpoint-tmp*`` and renamed, or
   (filesystems without atomic rename) written in place and marked by
   ``commit_success.txt``; current Orbax writes that marker in both modes, right after

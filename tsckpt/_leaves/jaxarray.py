@@ -8,7 +8,10 @@ shards begin (:attr:`LeafDesc.cuts`): the planner cuts shard files there too, so
 each file lies in one shard and is written from a view of that shard's memory
 (zero-copy on CPU devices). Only a shard file of an irregular split (which the
 planner cuts by the shortest region) is assembled from the shards' parts; replicated
-shards are read once. Nothing gathers the whole array.
+shards are read once. Nothing gathers the whole array. Where the process's shards do not
+form one box (an interleaved device order, ``P(None, ('model', 'data'))``), the region is
+their bounding box and the shards are given as the pieces it holds (:attr:`LeafDesc.held`):
+the planner makes each a region of its own, written once, never reading the holes.
 
 save_async: a jax.Array is staged before the call returns (the next jitted step may
 donate it): :class:`JaxRegion` names the same distinct shards, each copied to host
@@ -24,7 +27,9 @@ without a sharding gives an array on the default device.
 
 Typed PRNG keys (``jax.random.key``) are stored as their uint32 key data under the
 kind ``jax_key:<impl>``; a typed-key target takes that kind of the same
-implementation, or raw uint32 key data (what Orbax writes), and gets typed keys.
+implementation, or raw uint32 key data (what Orbax writes), and gets typed keys, laid
+out by its sharding (over the global mesh too: a jitted wrap of the key data, which
+every process reads whole).
 
 A plain number or bool stored where the target has a shape-() jax leaf (a step saved
 as a Python int, restored into ``jax.eval_shape``'s abstract state) becomes a jax

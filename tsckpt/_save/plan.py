@@ -22,7 +22,10 @@ process). Rank 0 runs all of it, in the numbering of save()'s protocol
       (:attr:`LeafDesc.cuts`: a jax.Array's device shards) is laid out as
       those pieces, each a region of its own: no shard file spans two, so
       every file is written from one piece's memory, never assembled (a
-      region of one inner chunk or less stays whole: :func:`pieces`).
+      region of one inner chunk or less stays whole: :func:`pieces`). A
+      rank that holds only some pieces of its region (:attr:`LeafDesc.held`:
+      a process whose jax shards are not one box) gives each piece as a
+      region of its own (:func:`_held_pieces`), written by one of its holders.
 
    Then :func:`split_plan`: each rank's part, the only part sent to it.
 """
