@@ -216,3 +216,15 @@ def test_held_pieces_replicated_and_shared_with_a_box():
         plan_save([[_held([0, 4])], [region("w", (0, 0), (4, 4))], [_held([6])]])
     with pytest.raises(LayoutError, match="shards cover 16 of 32 elements"):
         plan_save([[_held([0, 4])]])
+
+
+def test_regions_in_pieces_that_overlap_without_equalling():
+    """Rank 1 holds the whole array as two shards (cut at row 4), ranks 0 and 2 one shard each
+    (3 processes of an unusual device order): planned shard by shard, each written once."""
+    whole = region("w", (0, 0), (8, 4))._replace(cuts=((4,), ()))
+    plan = plan_save([[region("w", (0, 0), (4, 4))], [whole], [region("w", (4, 0), (4, 4))]])
+    rows = sorted((w.offsets, w.lengths, w.rank) for w in plan.writes)
+    assert [(o, n) for o, n, _ in rows] == [((0, 0), (4, 4)), ((4, 0), (4, 4))]
+    assert rows[0][2] in (0, 1) and rows[1][2] in (1, 2)
+    with pytest.raises(LayoutError, match=r"overlap"):  # without the cuts the regions overlap
+        plan_save([[region("w", (0, 0), (4, 4))], [region("w", (0, 0), (8, 4))], [region("w", (4, 0), (4, 4))]])
