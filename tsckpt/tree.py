@@ -13,7 +13,9 @@ kept when it only uses ``[A-Za-z0-9._-]``; any other byte is written as
 that would read as an integer gets its first character escaped, so ``{0: a}``
 and ``{"0": b}`` never collide. The empty key is ``%``, names zarr reserves
 (names of periods only, "zarr.json", leading "__") are escaped, and a tree that is a single
-leaf stores it at ``%root``.
+leaf stores it at ``%root``. A restore from a checkpoint Orbax wrote names the target's
+leaves as Orbax does instead (:data:`ORBAX_NAMES`: a Flax Variable's ``value`` level kept,
+an int dict key as its string, ``%30``).
 """
 
 from __future__ import annotations
