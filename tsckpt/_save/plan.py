@@ -287,17 +287,16 @@ def _held_pieces(path: str, h: Holders) -> _Replicas:
     sharing only some pieces are not compared); the distinct pieces must tile the array."""
     if not h.same_leaf():
         check_agreement(path, h.ranks, h.descs())
-    sets = [held or tuple(cells(box, cuts)) for box, held, cuts in zip(h.boxes(), h.held(), h.cuts())]
+    boxes, sums = h.boxes(), h.checksums()
     alike: dict[tuple[Box, ...], list[int]] = defaultdict(list)  # the same pieces -> their holders' indexes
-    for i, pieces_held in enumerate(sets):
-        alike[pieces_held].append(i)
-    sums = h.checksums()
+    for i, (held, cuts) in enumerate(zip(h.held(), h.cuts())):
+        alike[held or tuple(cells(boxes[i], cuts))].append(i)
     holders: dict[Box, list[int]] = defaultdict(list)
     for pieces_held, members in alike.items():
-        box = (h.boxes()[members[0]])
-        replica_groups(path, [h.ranks[i] for i in members], [box] * len(members), [sums[i] for i in members])
+        ranks = [h.ranks[i] for i in members]
+        replica_groups(path, ranks, [boxes[members[0]]] * len(members), [sums[i] for i in members])
         for piece in pieces_held:
-            holders[piece] += [h.ranks[i] for i in members]
+            holders[piece] += ranks
     check_exact_cover(path, h.first.global_shape, list(holders))
     return _Replicas({box: sorted(ranks) for box, ranks in holders.items()})
 
