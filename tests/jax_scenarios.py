@@ -93,12 +93,96 @@ def manager(directory: str) -> None:
     assert out["step"] == 2
 
 
+# shardings whose process's shards do not form one box: process 0 holds row blocks 0 and 2 of
+# an interleaved device order, and column blocks 0 and 2 of ('model', 'data') over a process-major mesh
+ODD = {"interleaved": P("x"), "model_data": P(None, ("model", "data"))}
+
+
+def odd_mesh(name: str) -> Mesh:
+    devices = np.array(jax.devices())
+    if name == "interleaved":
+        return Mesh(devices[[0, 2, 1, 3]], ("x",))
+    return Mesh(devices.reshape(2, 2), ("data", "model"))
+
+
+def odd_values(name: str) -> np.ndarray:
+    return np.arange(96, dtype=np.float32).reshape(SHAPE) - 40 * (1 + list(ODD).index(name))
+
+
+def _odd_check(out: dict, shardings: dict) -> None:
+    for name, sharding in shardings.items():
+        assert out[name].sharding == sharding, name
+        for shard in out[name].addressable_shards:
+            assert np.asarray(shard.data).tobytes() == odd_values(name)[shard.index].tobytes(), name
+
+
+def odd_save(directory: str) -> None:
+    """Arrays whose process's shards are not one box saved by both processes; each process's
+    written boxes go to ``<directory>.writes<process>.json``. Restored into the same shardings
+    and into process-major ones."""
+    import json
+
+    from tsckpt._save import write as _write
+
+    written: list = []
+    shard_writes = _write._shard_writes
+
+    def recording(writes, records, where):
+        for w in shard_writes(writes, records, where):
+            written.append([w.item.path, list(w.offsets), list(w.lengths)])
+            yield w
+
+    _write._shard_writes = recording
+    shardings = {name: NamedSharding(odd_mesh(name), spec) for name, spec in ODD.items()}
+    tree = {name: jax.make_array_from_callback(SHAPE, sh, lambda idx, n=name: odd_values(n)[idx])
+            for name, sh in shardings.items()}
+    assert all(not any(s.index == tuple(slice(None) for _ in SHAPE) for s in a.addressable_shards) for a in tree.values())
+    tsckpt.save(directory, tree)
+    with open(f"{directory}.writes{jax.process_index()}.json", "w") as f:
+        json.dump(written, f)
+    odd_restore(directory)
+
+
+def odd_restore(directory: str) -> None:
+    for shardings in (
+        {name: NamedSharding(odd_mesh(name), spec) for name, spec in ODD.items()},
+        {name: NamedSharding(mesh(), P(("p", "d"))) for name in ODD},
+    ):
+        target = {name: jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=sh) for name, sh in shardings.items()}
+        _odd_check(tsckpt.restore(directory, target), shardings)
+
+
+def keys(directory: str) -> None:
+    """Typed keys (one, and 4 sharded over the global mesh) restored into targets replicated
+    over the global mesh, and sharded over it."""
+    key = jax.random.key(4)
+    split = jax.random.split(jax.random.key(5), 4)
+    sharding = NamedSharding(mesh(), P(("p", "d")))
+    global_split = jax.make_array_from_single_device_arrays(
+        (4,), sharding, [jax.device_put(split[idx], d) for d, idx in sharding.addressable_devices_indices_map((4,)).items()])
+    tsckpt.save(directory, {"key": key, "keys": global_split})
+    for spec in (P(), P(("p", "d"))):
+        sharding = NamedSharding(mesh(), spec)
+        target = {"key": jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(mesh(), P())),
+                  "keys": jax.ShapeDtypeStruct((4,), key.dtype, sharding=sharding)}
+        out = tsckpt.restore(directory, target)
+        assert out["key"].sharding.is_equivalent_to(target["key"].sharding, 0), out["key"].sharding
+        assert out["keys"].sharding.is_equivalent_to(sharding, 1), (out["keys"].sharding, sharding)
+        for got, want in ((out["key"], key), (out["keys"], split)):
+            assert jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key)
+            for shard in got.addressable_shards:  # a key array's shard index also names the key data's axis
+                index = shard.index[: want.ndim]
+                assert np.array_equal(jax.random.key_data(shard.data), jax.random.key_data(want[index])), index
+
+
 def main() -> None:
     scenario, process, port, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
                                initialization_timeout=60)
     try:
-        {"save": save, "restore": restore, "restore_cols": restore_cols, "manager": manager}[scenario](directory)
+        scenarios = {"save": save, "restore": restore, "restore_cols": restore_cols, "manager": manager,
+                     "odd_save": odd_save, "odd_restore": odd_restore, "keys": keys}
+        scenarios[scenario](directory)
         print("ok", flush=True)
     except Exception as e:  # noqa: BLE001 - reported to the test
         print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)

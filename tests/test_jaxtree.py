@@ -92,3 +92,15 @@ def test_jax_types_optree_knows_keep_optree_rules():
     state = optax.adam(1e-3).init({"w": jnp.zeros(2)})
     assert flatten(state).paths == ["0/count", "0/mu/w", "0/nu/w"]
     assert flatten({"0": jnp.zeros(1), 1: jnp.zeros(1)}).paths == ["1", "%30"]
+
+
+def test_orbax_names_keep_the_value_level_and_int_keys_as_strings():
+    """Orbax's names (tree.ORBAX_NAMES): a Variable's `value` level kept, an int dict key (an
+    nnx.List's, a plain dict's) the string of its digits; a sequence index stays a number."""
+    from tsckpt.tree import ORBAX_NAMES
+
+    state = nnx.state(Model(nnx.Rngs(0)))
+    assert "layers/0/kernel" in flatten(state).paths
+    orbax = flatten({"m": state, "d": {3: 1}, "s": (optax.EmptyState(), [2])}, names=ORBAX_NAMES).paths
+    assert {"m/layers/%30/kernel/value", "m/linear/bias/value", "d/%33", "s/1/0"} <= set(orbax)
+    assert not any(p.startswith("m/layers/0") for p in orbax)

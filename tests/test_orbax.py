@@ -26,7 +26,7 @@ from tsckpt._errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from tsckpt.tree import escape
+from tsckpt.tree import escape, structure_problem
 
 DEFAULT_OCDBT_ZARR2 = "standard"
 
@@ -114,7 +114,7 @@ def saved(tmp_path_factory):
 def _check(directory, expected) -> _orbax.ForeignCheckpoint:
     assert _orbax.detect(str(directory))
     ck = _orbax.load(str(directory))
-    assert ck.location == str(directory) and ck.structure is None
+    assert ck.location == str(directory) and structure_problem(ck.structure, ck.leaves) is None
     assert list(ck.leaves) == list(expected)  # tree order, None/empty nodes skipped
     assert set(ck.arrays) | set(ck.values) == set(expected) and not set(ck.arrays) & set(ck.values)
     for path, want in expected.items():
@@ -336,3 +336,114 @@ def test_convert_uncommitted_orbax_is_one_line_exit_1(monkeypatch, tmp_path, cap
     assert not (tmp_path / "out").exists()
     code = main(["convert", str(tmp_path / "ck"), str(tmp_path / "out"), "--from", "tsckpt"])
     assert code == 1 and not (tmp_path / "out").exists()
+
+
+# ---- Flax trees as Orbax writes them: targets Orbax accepts, and the tree without one ----------
+
+
+@pytest.fixture(scope="module")
+def flax_saved(tmp_path_factory):
+    """A CheckpointManager step saved as Flax users do (StandardSave, OCDBT): an NNX model and
+    its optimizer, an optax state with int keys, a Linen TrainState after a jitted step (its
+    step a jax scalar), and empty nodes. Returns (step directory, the saved trees, Orbax's
+    restore without a target)."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    linen = pytest.importorskip("flax.linen")
+    train_state = pytest.importorskip("flax.training.train_state")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 3, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 2, rngs=rngs)])
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+            self.rngs = rngs
+
+    model = Model(nnx.Rngs(7))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tx = optax.adam(1e-3)
+    int_keys = {"s": tx.init({0: jnp.arange(3, dtype=jnp.float32), 1: jnp.ones(2)})}
+    dense = linen.Dense(3)
+    ts = train_state.TrainState.create(
+        apply_fn=dense.apply, params=dense.init(jax.random.key(1), jnp.ones((1, 4))), tx=optax.sgd(0.1)
+    )
+    ts = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.ones_like, s.params)))(ts)
+    other = {"empty": {}, "none": None, "lst": [], "tup": (), "pair": (jnp.ones(1), 3)}
+    trees = {"model": nnx.state(model), "opt": nnx.state(opt), "ints": int_keys, "ts": ts, "other": other}
+    base = tmp_path_factory.mktemp("flax")
+    with ocp.CheckpointManager(base) as mgr:
+        mgr.save(1, args=ocp.args.Composite(**{k: ocp.args.StandardSave(v) for k, v in trees.items()}))
+        mgr.wait_until_finished()
+        plain = mgr.restore(1)
+    abstract = {"model": nnx.state(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))}
+    fresh = train_state.TrainState.create(
+        apply_fn=dense.apply, params=jax.tree.map(jnp.zeros_like, ts.params), tx=optax.sgd(0.1)
+    )
+    return base / "1", trees, plain, {**abstract, "ts": fresh, "tx": tx}
+
+
+def _bytes(x):
+    x = jax.random.key_data(x) if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key) else x
+    return np.asarray(x).dtype, np.asarray(x).tobytes()
+
+
+def test_nnx_eval_shape_target_restores_an_orbax_written_state(flax_saved):
+    import tsckpt
+
+    step, trees, _, targets = flax_saved
+    out = tsckpt.restore(step / "model", targets["model"])
+    assert type(out) is type(trees["model"])
+    assert jax.tree.structure(out) == jax.tree.structure(trees["model"])
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(trees["model"])):
+        assert _bytes(got) == _bytes(want)
+    assert jax.dtypes.issubdtype(out["rngs"]["default"]["key"][...].dtype, jax.dtypes.prng_key)
+    with pytest.warns(tsckpt.RestoreWarning, match="restored the common leaves"):  # the step directory
+        both = tsckpt.restore(step, {"model": targets["model"], "ts": targets["ts"]}, strict=False)
+    assert jax.tree.structure(both["model"]) == jax.tree.structure(trees["model"])
+
+
+def test_int_key_optax_state_and_linen_train_state_create(flax_saved):
+    import tsckpt
+
+    step, trees, _, targets = flax_saved
+    tx = targets["tx"]
+    out = tsckpt.restore(step / "ints", {"s": tx.init({0: jnp.zeros(3), 1: jnp.zeros(2)})})
+    assert jax.tree.structure(out) == jax.tree.structure(trees["ints"])
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(trees["ints"])):
+        assert _bytes(got) == _bytes(want)
+    ts = tsckpt.restore(step / "ts", targets["ts"])  # step: an int target, a stored jax scalar
+    assert type(ts.step) is int and ts.step == 1 and ts.apply_fn is targets["ts"].apply_fn
+    for got, want in zip(jax.tree.leaves(ts.params), jax.tree.leaves(trees["ts"].params)):
+        assert _bytes(got) == _bytes(want)
+    with pytest.raises(tsckpt.LeafTypeError, match=r"'step': casting=\"same_kind\" refuses stored int32 into the bool target"):
+        tsckpt.restore(step / "ts", targets["ts"].replace(step=False))
+
+
+def test_orbax_names_only_for_orbax_checkpoints(flax_saved, tmp_path):
+    """A target named as tsckpt names it (no `value` level) does not match an Orbax checkpoint,
+    and tsckpt's own checkpoints keep tsckpt's names: no guessing either way."""
+    import tsckpt
+
+    step, trees, _, targets = flax_saved
+    pure = jax.tree.map(np.asarray, {"l1": {"bias": trees["model"]["l1"]["bias"][...]}})
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"missing from the checkpoint: 1 \('l1/bias'\)"):
+        tsckpt.restore(step / "model", pure, strict=False)
+    tsckpt.save(tmp_path / "own", {"d": {0: np.ones(2)}, "m": trees["model"]})
+    own = tsckpt.restore(tmp_path / "own", {"d": {0: np.zeros(2)}, "m": targets["model"]})
+    assert own["d"][0].tolist() == [1, 1] and "m/l1/bias" in tsckpt.open(tmp_path / "own")
+
+
+def test_without_a_target_the_tree_orbax_returns(flax_saved):
+    """Nested dicts with str keys (int keys as Orbax stores them), lists for sequences, the
+    `value` level, empty containers and Nones: Orbax's own restore without a target; arrays as
+    numpy, typed keys as their key data."""
+    import tsckpt
+
+    step, _, plain, _ = flax_saved
+    out = tsckpt.restore(step)
+    is_none = lambda x: x is None  # noqa: E731
+    assert jax.tree.structure(out, is_leaf=is_none) == jax.tree.structure(dict(plain), is_leaf=is_none)
+    assert out["other"]["empty"] == {} and out["other"]["lst"] == [] and out["other"]["tup"] == () and out["other"]["none"] is None
+    assert list(out["ints"]["s"][0]["mu"]) == ["0", "1"] and out["ints"]["s"][1] is None
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(dict(plain))):
+        assert _bytes(got) == _bytes(want) and isinstance(got, (np.ndarray, int))

@@ -182,3 +182,49 @@ def test_save_window_caps_shard_files(tmp_path):
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "ck" / "a" / "c") for f in fs]
     assert len(files) == 4 and all(os.path.getsize(f) <= (1 << 20) + 4096 for f in files)
     assert np.array_equal(tsckpt.restore(str(tmp_path / "ck"))["a"], a)
+
+
+def _held(rank_rows, *, checksum=None, shape=(8, 4)):
+    """A region of row blocks of 2 (``rank_rows``: the first rows of the blocks) held as pieces."""
+    pieces = tuple(((r, 0), (2, 4)) for r in rank_rows)
+    lo, hi = min(rank_rows), max(rank_rows) + 2
+    return region("w", (lo, 0), (hi - lo, 4), shape, checksum=checksum)._replace(held=pieces)
+
+
+def _written(plan):
+    return sorted((w.rank, w.offsets, w.lengths) for w in plan.writes)
+
+
+def test_held_pieces_each_written_once_by_a_holder():
+    """Two ranks whose row blocks interleave (their bounding boxes overlap): each block is a
+    region of its own, written by the rank holding it."""
+    plan = plan_save([[_held([0, 4])], [_held([2, 6])]])
+    assert _written(plan) == [(0, (0, 0), (2, 4)), (0, (4, 0), (2, 4)), (1, (2, 0), (2, 4)), (1, (6, 0), (2, 4))]
+
+
+def test_held_pieces_replicated_and_shared_with_a_box():
+    """Ranks 0 and 1 hold the same pieces (replicas: one writer each piece, their checksums
+    compared), rank 2 the others. A box overlapping pieces it does not equal, and pieces that
+    leave elements out, are refused."""
+    plan = plan_save([[_held([0, 4], checksum=1)], [_held([0, 4], checksum=1)], [_held([2, 6], checksum=2)]])
+    rows = sorted((w.offsets[0], w.rank) for w in plan.writes)
+    assert [r for r, _ in rows] == [0, 2, 4, 6] and {rank for r, rank in rows if r in (0, 4)} <= {0, 1}
+    assert {rank for r, rank in rows if r in (2, 6)} == {2}
+    with pytest.raises(LayoutError, match=r"replicas of region \[0:6, 0:4\] differ in content"):
+        plan_save([[_held([0, 4], checksum=1)], [_held([0, 4], checksum=3)], [_held([2, 6])]])
+    with pytest.raises(LayoutError, match=r"regions \[0:2, 0:4\] and \[0:4, 0:4\] overlap"):
+        plan_save([[_held([0, 4])], [region("w", (0, 0), (4, 4))], [_held([6])]])
+    with pytest.raises(LayoutError, match="shards cover 16 of 32 elements"):
+        plan_save([[_held([0, 4])]])
+
+
+def test_regions_in_pieces_that_overlap_without_equalling():
+    """Rank 1 holds the whole array as two shards (cut at row 4), ranks 0 and 2 one shard each
+    (3 processes of an unusual device order): planned shard by shard, each written once."""
+    whole = region("w", (0, 0), (8, 4))._replace(cuts=((4,), ()))
+    plan = plan_save([[region("w", (0, 0), (4, 4))], [whole], [region("w", (4, 0), (4, 4))]])
+    rows = sorted((w.offsets, w.lengths, w.rank) for w in plan.writes)
+    assert [(o, n) for o, n, _ in rows] == [((0, 0), (4, 4)), ((4, 0), (4, 4))]
+    assert rows[0][2] in (0, 1) and rows[1][2] in (1, 2)
+    with pytest.raises(LayoutError, match=r"overlap"):  # without the cuts the regions overlap
+        plan_save([[region("w", (0, 0), (4, 4))], [region("w", (0, 0), (8, 4))], [region("w", (4, 0), (4, 4))]])

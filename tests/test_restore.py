@@ -224,6 +224,18 @@ def test_array_into_plain_value_target_and_back(saved):
         tsckpt.restore(d, like(tree, step=torch.zeros(())))
 
 
+def test_plain_number_target_of_a_shape_0_array(saved):
+    """A plain number target of a stored shape-() array (a step a jitted update made a scalar)
+    is a number of the target's type, its cast checked as an array's."""
+    d, tree = saved
+    back = tsckpt.restore(d, like(tree, sc=0))
+    assert type(back["sc"]) is int and back["sc"] == 5
+    back = tsckpt.restore(d, like(tree, sc=0.0))
+    assert type(back["sc"]) is float and back["sc"] == 5.0
+    with pytest.raises(tsckpt.LeafTypeError, match=r"'sc': casting=\"same_kind\" refuses stored int32 into the bool"):
+        tsckpt.restore(d, like(tree, sc=False))
+
+
 def test_value_leaves_take_the_stored_value(saved):
     d, tree = saved
     back = tsckpt.restore(d, like(tree, step="placeholder"))

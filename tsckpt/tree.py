@@ -13,7 +13,9 @@ kept when it only uses ``[A-Za-z0-9._-]``; any other byte is written as
 that would read as an integer gets its first character escaped, so ``{0: a}``
 and ``{"0": b}`` never collide. The empty key is ``%``, names zarr reserves
 (names of periods only, "zarr.json", leading "__") are escaped, and a tree that is a single
-leaf stores it at ``%root``.
+leaf stores it at ``%root``. A restore from a checkpoint Orbax wrote names the target's
+leaves as Orbax does instead (:data:`ORBAX_NAMES`: a Flax Variable's ``value`` level kept,
+an int dict key as its string, ``%30``).
 """
 
 from __future__ import annotations
@@ -71,9 +73,10 @@ def unescape(component: str) -> str | int:
     return urllib.parse.unquote(component, errors="strict")
 
 
-def _component(entry: Any, comps: list[str]) -> str:
+def _component(entry: Any, comps: list[str], orbax: bool = False) -> str:
     """The path component of one accessor entry; ``comps``, the components above it, name
-    the place of a key that cannot be one (joined only then)."""
+    the place of a key that cannot be one (joined only then). ``orbax``: as Orbax names it
+    (:data:`ORBAX_NAMES`)."""
     if type(entry) is optree.MappingEntry and type(entry.key) is str:  # most entries: a dict's str key
         return escape(entry.key)
     if isinstance(entry, (optree.NamedTupleEntry, optree.DataclassEntry, optree.StructSequenceEntry)):
@@ -86,13 +89,15 @@ def _component(entry: Any, comps: list[str]) -> str:
         key = entry.name
     else:
         key = entry.entry
-    if key is _jaxtree.BOX:
-        return ""  # a box around one value (a Flax Variable) adds no component
+    if key is _jaxtree.BOX:  # a box around one value (a Flax Variable): no component, or Orbax's level
+        return "value" if orbax else ""
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise LeafTypeError(
             f"at '{'/'.join(comps) or '<root>'}': key {key!r} of type {type(key).__name__} cannot name a "
             "checkpoint path; use str or int keys"
         )
+    if orbax and isinstance(key, int) and (isinstance(entry, optree.MappingEntry) or type(key) is _jaxtree.DictIndex):
+        return escape(str(int(key)))  # Orbax stores an int dict key as its string
     return str(key) if isinstance(key, int) else escape(key)
 
 
@@ -164,9 +169,18 @@ def too_deep(where: str = "") -> LeafTypeError:
     )
 
 
-def flatten(tree: Any) -> Flat:
-    """Leaves in a fixed order, each with its unique path string. A tree deeper than a
-    checkpoint's structure may be (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`."""
+# The names a tree's leaves have in a checkpoint Orbax wrote (``flatten(names=ORBAX_NAMES)``):
+# a Flax Variable keeps its ``value`` level, and an int dict key is the string of its digits,
+# as Orbax stores them; sequence indices, str keys and attributes are named as tsckpt names them.
+ORBAX_NAMES = "orbax"
+TSCKPT_NAMES = "tsckpt"
+
+
+def flatten(tree: Any, *, names: str = TSCKPT_NAMES) -> Flat:
+    """Leaves in a fixed order, each with its unique path string (as tsckpt names them, or
+    as Orbax does: :data:`ORBAX_NAMES`). A tree deeper than a checkpoint's structure may be
+    (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`."""
+    orbax = names == ORBAX_NAMES
     try:
         accessors, leaves, spec = optree.tree_flatten_with_accessor(
             tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
@@ -177,7 +191,7 @@ def flatten(tree: Any) -> Flat:
     for acc in accessors:
         comps: list[str] = []
         for entry in acc:
-            component = _component(entry, comps)
+            component = _component(entry, comps, orbax)
             if component:
                 comps.append(component)
         if len(comps) >= MAX_STRUCTURE_DEPTH:  # the leaf is one more level

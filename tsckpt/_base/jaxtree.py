@@ -32,6 +32,13 @@ class _Box:
 
 BOX = _Box()
 
+
+class DictIndex(int):
+    """An int dict key of a JAX node (an ``nnx.State`` of an ``nnx.List``), told apart from
+    a sequence index: tsckpt names both by the number, Orbax names a dict key as a string."""
+
+    __slots__ = ()
+
 # optree's own node types, which it flattens as JAX does: never handed to JAX
 _OPTREE_TYPES = (type(None), tuple, list, dict, collections.OrderedDict, collections.defaultdict, collections.deque)
 _nodes: dict[type, bool] = {}
@@ -61,7 +68,7 @@ def _key(entry: Any) -> Any:
 
     tu = jax.tree_util
     if isinstance(entry, tu.DictKey):
-        return entry.key
+        return DictIndex(entry.key) if type(entry.key) is int else entry.key
     if isinstance(entry, tu.GetAttrKey):
         return entry.name
     if isinstance(entry, tu.SequenceKey):

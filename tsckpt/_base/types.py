@@ -51,6 +51,10 @@ class LeafDesc(NamedTuple):
     # dimension, the offsets inside the region where pieces begin; the pieces are the cells
     # of that grid. () when the region is one piece. The planner cuts shard files there too.
     cuts: tuple[tuple[int, ...], ...] = ()
+    # The rank holds only these pieces of its region (a jax.Array whose process's device
+    # shards do not form one box: an interleaved device order); the region is then their
+    # bounding box, and nothing outside them is read or written. () when it holds all of it.
+    held: tuple[Box, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

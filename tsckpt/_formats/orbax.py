@@ -18,6 +18,11 @@ Layouts understood (local directories):
 * **Step directory** of a ``CheckpointManager``: ``_CHECKPOINT_METADATA`` lists
   ``item_handlers``, one subdirectory per item; leaf paths start with the item name,
   except for a lone ``default`` item. ``JsonSave`` items (a ``metadata`` file) become values.
+* **Names and tree**: leaf paths are Orbax's keys, escaped as tsckpt escapes str keys
+  (a sequence index as its number); a restore names its target's leaves by Orbax's
+  rules (``tree.ORBAX_NAMES``: a Flax Variable's ``value`` level, int dict keys as
+  strings). Without a target the tree is the one Orbax returns: dicts, lists, and the
+  empty nodes the metadata records (``{}``, ``[]``, ``()``, ``None``).
 * **Commit**: saves are written to ``<name>.orbax-checkpoint-tmp*`` and renamed, or
   (filesystems without atomic rename) written in place and marked by
   ``commit_success.txt``; current Orbax writes that marker in both modes, right after
@@ -57,7 +62,15 @@ from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.confine import confined, refuse_links
 from .._storage.locations import Location
-from ..tree import MAX_STRUCTURE_DEPTH, ROOT_LEAF_PATH, escape, paths_problem, structure_from_paths
+from ..tree import (
+    MAX_STRUCTURE_DEPTH,
+    ORBAX_NAMES,
+    ROOT_LEAF_PATH,
+    escape,
+    paths_problem,
+    structure_from_paths,
+    structure_problem,
+)
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
@@ -236,6 +249,65 @@ class _Entry:
         return "/".join(prefix + comps) or ROOT_LEAF_PATH
 
 
+# Orbax's key types (``key_metadata``): a sequence index, and a dict key or attribute
+_SEQUENCE, _MAPPING = 1, 2
+# What Orbax gives back, without a target, for an empty node of each stored type (a
+# NamedTuple, as its default options give, None); a placeholder is no node at all.
+_EMPTY_NODES: dict[str, Any] = {
+    "None": {"type": "none"},
+    "NamedTuple": {"type": "none"},
+    "Dict": {"type": "dict", "keys": [], "children": []},
+    "List": {"type": "list", "children": []},
+    "Tuple": {"type": "tuple", "children": []},
+}
+
+
+class _Level(dict):  # type: ignore[type-arg]
+    """One container of :class:`_Shape`: (key, key type) -> a child level, None (a leaf) or
+    an empty node's structure JSON."""
+
+
+class _Shape:
+    """The tree an Orbax checkpoint holds as Orbax restores it without a target: nested dicts
+    (str keys) and lists, its empty containers and Nones included. Built entry by entry in
+    tree order; entries that make no tree (keys of both types in one node, a key twice) make
+    none."""
+
+    def __init__(self) -> None:
+        self.root = _Level()
+        self.broken = False
+
+    def add(self, keys: list[tuple[str, int]], node: Any) -> None:
+        """A leaf (``node`` None) or an empty node (its structure JSON) at ``keys`` (none: the root)."""
+        level = self.root
+        for key in keys[:-1]:
+            child = level.setdefault(key, _Level())
+            if not isinstance(child, _Level):
+                self.broken = True
+                return
+            level = child
+        last = keys[-1] if keys else ()
+        self.broken = self.broken or last in level or (not keys and bool(self.root))
+        level[last] = node
+
+    def structure(self) -> Any:
+        """The structure JSON (:mod:`tsckpt.tree`), or None when the entries make no tree."""
+        if () in self.root:  # a tree that is one leaf (or one empty node)
+            return None if self.broken else self.root[()]
+        out = self._json(self.root)
+        return None if self.broken else out
+
+    def _json(self, level: _Level) -> Any:
+        children = [self._json(c) if isinstance(c, _Level) else c for c in level.values()]
+        kinds = {t for _, t in level}
+        if kinds == {_SEQUENCE} and [int(k) for k, _ in level] == list(range(len(level))):
+            return {"type": "list", "children": children}
+        if kinds == {_MAPPING}:
+            return {"type": "dict", "keys": [k for k, _ in level], "children": children}
+        self.broken = True
+        return None
+
+
 def _entry(item: Path, entry: Any) -> _Entry:
     try:
         keys = [(str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"]]
@@ -311,13 +383,16 @@ class _LeafCollector:
         self.leaves: list[str] = []
         self.values: dict[str, Any] = {}
         self.pending: list[_Pending] = []
+        self.shape = _Shape()
         self._strings: dict[Path, Any] = {}  # item -> its _strings.json, read at its first string
 
-    def add_item(self, item: Path, prefix: list[str]) -> None:
-        """The leaves of one committed item directory, under ``prefix``."""
+    def add_item(self, item: Path, name: str | None = None) -> None:
+        """The leaves of one committed item directory, under its ``name`` (None: at the root)."""
         _check_committed(item)
+        top = [] if name is None else [(name, _MAPPING)]
+        prefix = [escape(k) for k, _ in top]
         if not (item / TREE_METADATA).is_file():
-            self._add_json_item(item, prefix)
+            self._add_json_item(item, prefix, top)
             return
         meta = _item_metadata(item)
         for raw in meta.entries:
@@ -325,11 +400,14 @@ class _LeafCollector:
             path = entry.path(prefix)
             if not entry.skip and entry.value_type not in _EMPTY_TYPES:
                 self._add_entry(item, meta, entry, path)
+                self.shape.add(top + entry.keys, None)
+            elif entry.value_type in _EMPTY_NODES:
+                self.shape.add(top + entry.keys, dict(_EMPTY_NODES[entry.value_type]))
 
-    def _add_json_item(self, item: Path, prefix: list[str]) -> None:
+    def _add_json_item(self, item: Path, prefix: list[str], top: list[tuple[str, int]]) -> None:
         """A ``JsonSave`` item (its values become leaves); any other item without tree metadata is incomplete."""
         if (item / JSON_ITEM).is_file():
-            self._add_json(item, _read_json(item, JSON_ITEM), prefix)
+            self._add_json(item, _read_json(item, JSON_ITEM), prefix, top)
             return
         found = sorted(p.name for p in item.iterdir())[:8]
         raise CheckpointIncompleteError(
@@ -367,24 +445,29 @@ class _LeafCollector:
             )
         return strings[name]
 
-    def _add_json(self, item: Path, value: Any, prefix: list[str]) -> None:
+    def _add_json(self, item: Path, value: Any, prefix: list[str], top: list[tuple[str, int]]) -> None:
         """The values of a JSON item as leaves, walked iteratively to at most the depth of a tree."""
-        stack: list[tuple[Any, list[str]]] = [(value, prefix)]
+        stack: list[tuple[Any, list[str], list[tuple[str, int]]]] = [(value, prefix, top)]
         while stack:
-            node, comps = stack.pop()
+            node, comps, keys = stack.pop()
             if len(comps) - len(prefix) > MAX_STRUCTURE_DEPTH:
                 raise CorruptCheckpointError(
                     f"{item / JSON_ITEM}: the JSON item nests more than {MAX_STRUCTURE_DEPTH} levels deep; "
                     "the checkpoint is damaged, re-save it"
                 )
-            if isinstance(node, dict):
-                stack.extend((v, comps + [_json_key(item, k)]) for k, v in reversed(list(node.items())))
-            elif isinstance(node, list):
-                stack.extend((v, comps + [str(i)]) for i, v in reversed(list(enumerate(node))))
-            elif node is not None:
+            if isinstance(node, dict) and node:
+                stack.extend(
+                    (v, comps + [_json_key(item, k)], keys + [(str(k), _MAPPING)]) for k, v in reversed(list(node.items()))
+                )
+            elif isinstance(node, list) and node:
+                stack.extend((v, comps + [str(i)], keys + [(str(i), _SEQUENCE)]) for i, v in reversed(list(enumerate(node))))
+            elif isinstance(node, (dict, list)) or node is None:
+                self.shape.add(keys, dict(_EMPTY_NODES["Dict" if isinstance(node, dict) else "List" if node == [] else "None"]))
+            else:
                 path = "/".join(comps) or ROOT_LEAF_PATH
                 self.leaves.append(path)
                 self.values[path] = node
+                self.shape.add(keys, None)
 
     def finish(self) -> ForeignCheckpoint:
         """Open every array (concurrently) once its metadata is parsed and its chunks are
@@ -417,7 +500,10 @@ class _LeafCollector:
             arrays[a.path] = self._array(a.path, a.spec, store)
         values = {p: self.values[p] for p in self.leaves if p in self.values}
         proxy = types.MappingProxyType
-        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None)
+        structure = self.shape.structure()
+        if structure_problem(structure, self.leaves) is not None:  # entries out of tree order: nested dicts
+            structure = structure_from_paths(self.leaves)
+        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), structure)
 
     def _array(self, path: str, spec: dict[str, Any], store: ts.TensorStore) -> ForeignArray:
         dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
@@ -539,11 +625,11 @@ def load(directory: str) -> ForeignCheckpoint:
     refuse_links(str(d), str(d), verify_lists=False)  # TensorStore follows links: none may lead out of it
     reader = _LeafCollector(d)
     if (d / TREE_METADATA).is_file() or TMP_SUFFIX in d.name:
-        reader.add_item(d, [])
+        reader.add_item(d)
     elif items := _items(d) if (d / STEP_METADATA).is_file() else []:
         _add_step(reader, d, items)
     elif (d / STEP_METADATA).is_file() or (d / MANIFEST).is_file() or any(d.glob("ocdbt.process_*")):
-        reader.add_item(d, [])  # an item without tree metadata: raises unless it is a JSON item
+        reader.add_item(d)  # an item without tree metadata: raises unless it is a JSON item
     else:
         raise _not_one_checkpoint(d)
     return reader.finish()
@@ -559,7 +645,7 @@ def _add_step(reader: _LeafCollector, step: Path, items: list[str]) -> None:
                 f"{step}: Orbax step is incomplete: expected item directory '{name}' listed in '{STEP_METADATA}', "
                 f"found none; {_UNCOMMITTED}"
             )
-        reader.add_item(step / name, [] if items == ["default"] else [escape(name)])
+        reader.add_item(step / name, None if items == ["default"] else name)
 
 
 def _not_one_checkpoint(d: Path) -> Exception:
@@ -600,6 +686,6 @@ def as_checkpoint(loc: Location) -> Checkpoint:
         for p, a in fc.arrays.items()
     }
     specs = {p: a.spec for p, a in fc.arrays.items()}
-    # Orbax escapes int-like dict keys, so a plain int component is a list index
-    structure = structure_from_paths(fc.leaves)
-    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {}, {}, specs, format="orbax")
+    return Checkpoint(
+        loc, fc.leaves, arrays, dict(fc.values), fc.structure, {}, {}, specs, format="orbax", names=ORBAX_NAMES
+    )

@@ -8,7 +8,10 @@ shards begin (:attr:`LeafDesc.cuts`): the planner cuts shard files there too, so
 each file lies in one shard and is written from a view of that shard's memory
 (zero-copy on CPU devices). Only a shard file of an irregular split (which the
 planner cuts by the shortest region) is assembled from the shards' parts; replicated
-shards are read once. Nothing gathers the whole array.
+shards are read once. Nothing gathers the whole array. Where the process's shards do not
+form one box (an interleaved device order, ``P(None, ('model', 'data'))``), the region is
+their bounding box and the shards are given as the pieces it holds (:attr:`LeafDesc.held`):
+the planner makes each a region of its own, written once, never reading the holes.
 
 save_async: a jax.Array is staged before the call returns (the next jitted step may
 donate it): :class:`JaxRegion` names the same distinct shards, each copied to host
@@ -24,7 +27,9 @@ without a sharding gives an array on the default device.
 
 Typed PRNG keys (``jax.random.key``) are stored as their uint32 key data under the
 kind ``jax_key:<impl>``; a typed-key target takes that kind of the same
-implementation, or raw uint32 key data (what Orbax writes), and gets typed keys.
+implementation, or raw uint32 key data (what Orbax writes), and gets typed keys, laid
+out by its sharding (over the global mesh too: a jitted wrap of the key data, which
+every process reads whole).
 
 A plain number or bool stored where the target has a shape-() jax leaf (a step saved
 as a Python int, restored into ``jax.eval_shape``'s abstract state) becomes a jax
@@ -34,6 +39,7 @@ dtype names match tsckpt's (bfloat16, int4 and float8 through ml_dtypes, as in j
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -102,6 +108,9 @@ class _Shards:
         self.dtype = dtype
         self.shards = shards  # box -> a single-device jax.Array, or its host copy (numpy)
         self.region = self._bounding_region()
+        # the shards, where they do not fill their bounding box (:attr:`LeafDesc.held`)
+        covered = sum(math.prod(b[1]) for b in shards)
+        self.held: tuple[Box, ...] = () if covered == math.prod(self.region[1]) else tuple(sorted(shards))
 
     @classmethod
     def of(cls, path: str, arr: Any) -> _Shards:
@@ -114,7 +123,7 @@ class _Shards:
     def cuts(self) -> tuple[tuple[int, ...], ...]:
         """Per dimension, the offsets inside this process's region where a shard begins
         (:attr:`LeafDesc.cuts`); () when one shard holds all of it."""
-        if len(self.shards) < 2:
+        if len(self.shards) < 2 or self.held:  # held pieces are each a region of their own
             return ()
         return tuple(
             tuple(sorted({b[0][d] for b in self.shards} - {self.region[0][d]})) for d in range(len(self.shape))
@@ -124,14 +133,7 @@ class _Shards:
         boxes = list(self.shards)
         lo = tuple(min(b[0][d] for b in boxes) for d in range(len(self.shape)))
         hi = tuple(max(b[0][d] + b[1][d] for b in boxes) for d in range(len(self.shape)))
-        region = (lo, tuple(h - o for o, h in zip(lo, hi)))
-        if sum(math.prod(b[1]) for b in boxes) != math.prod(region[1]):
-            raise LeafTypeError(
-                f"'{self.path}': this process's shards of the jax.Array ({[list(b[0]) for b in boxes]} at offsets) do "
-                "not form one box of the array, which tsckpt saves as this process's region; use a sharding whose "
-                "mesh puts each process's devices on one contiguous block (e.g. jax.make_mesh), or reshard first"
-            )
-        return region
+        return lo, tuple(h - o for o, h in zip(lo, hi))
 
     def read(self, box: tuple[slice, ...]) -> np.ndarray:
         """The elements of ``box`` (relative to this process's region) as numpy."""
@@ -143,9 +145,11 @@ class _Shards:
         return self._assemble((off, ln))
 
     def _assemble(self, box: Box) -> np.ndarray:
-        """A box across shards (global coordinates), copied together from their parts."""
+        """A box across shards (global coordinates), copied together from their parts; where
+        the shards leave holes (:attr:`held`), those read as zeros (only a checksum of the
+        whole region reads them, alike on every replica)."""
         off, ln = box
-        out = np.empty(ln, self.dtype)
+        out = np.zeros(ln, self.dtype) if self.held else np.empty(ln, self.dtype)
         for b, data in self.shards.items():
             common = intersect((off, ln), b)
             if common is not None:
@@ -182,16 +186,20 @@ def _sharding(leaf: Any) -> Any:
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _device_boxes(path: str, sharding: Any, shape: tuple[int, ...]) -> dict[Any, Box]:
-    """Each of this process's devices -> the region of ``shape`` the sharding puts there."""
+def _device_indices(path: str, sharding: Any, shape: tuple[int, ...]) -> dict[Any, Any]:
+    """Each of this process's devices -> its index (a tuple of slices) of ``shape`` in the sharding."""
     try:
-        indices = sharding.addressable_devices_indices_map(shape)
+        return dict(sharding.addressable_devices_indices_map(shape))
     except Exception as e:  # noqa: BLE001 - jax raises its own error types (IndivisibleError, ValueError)
         raise LeafTypeError(
             f"'{path}': the target's sharding {sharding} cannot lay out the stored shape {list(shape)}: {e}; "
             "give a sharding whose shard shapes divide the stored shape"
         ) from e
-    return {dev: index_box(idx, shape) for dev, idx in indices.items()}
+
+
+def _device_boxes(path: str, sharding: Any, shape: tuple[int, ...]) -> dict[Any, Box]:
+    """Each of this process's devices -> the region of ``shape`` the sharding puts there."""
+    return {dev: index_box(idx, shape) for dev, idx in _device_indices(path, sharding, shape).items()}
 
 
 def _refuse_inplace(path: str, leaf: Any) -> None:
@@ -250,9 +258,21 @@ def _key_dest(rec: ArrayRecord, path: str, leaf: Any) -> Dest:
 
     def finish(buf: Any) -> Any:
         keys = jax.random.wrap_key_data(buf, impl=impl)
-        return keys if sharding is None else jax.device_put(keys, sharding)
+        if sharding is None or sharding.is_fully_addressable:
+            return keys if sharding is None else jax.device_put(keys, sharding)
+        # a sharding over other processes' devices too (a global mesh): every process read the
+        # same key data whole, which a jitted wrap takes as replicated and lays out as the target
+        return _global_wrap(impl, sharding)(buf)
 
     return Dest(whole(rec, path), host_empty(rec.shape, np.uint32), None, finish=finish)
+
+
+@functools.lru_cache(maxsize=64)
+def _global_wrap(impl: str, sharding: Any) -> Any:
+    """Key data (the same numpy array on every process) -> typed keys laid out by ``sharding``."""
+    import jax
+
+    return jax.jit(functools.partial(jax.random.wrap_key_data, impl=impl), out_shardings=sharding)
 
 
 def _scalar_of(path: str, value: Any, leaf: Any, casting: str) -> tuple[Any, Any]:
@@ -323,7 +343,7 @@ class JaxRegion:
         (offsets, lengths) = shards.region
         source = LazySource(lengths, shards.dtype, shards.read, kind="numpy")
         local = region_leaf(path, source, shards.shape, offsets, self.kind)
-        return Local(local.desc._replace(cuts=shards.cuts()), local.data)
+        return Local(local.desc._replace(cuts=shards.cuts(), held=shards.held), local.data)
 
 
 def start_host_copy(shard: Any) -> None:

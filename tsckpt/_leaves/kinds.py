@@ -172,6 +172,18 @@ def whole(rec: ArrayRecord, path: str) -> ReadItem:
     return ReadItem(path, (0,) * len(rec.shape), tuple(rec.shape))
 
 
+NUMBERS = (bool, int, float, complex)
+
+
+def number_dest(rec: ArrayRecord, path: str, leaf: bool | int | float | complex, casting: str) -> Dest:
+    """A plain number target (a Linen ``TrainState.create``'s ``step = 0``) of a stored
+    shape-() array (the step a jitted update made a jax scalar): a number of the target's
+    type, the cast into it checked as an array's (Orbax, too, gives the target's type)."""
+    dtype = np.dtype(type(leaf))
+    cast = check_cast(path, rec.dtype, dtype, casting=casting)
+    return Dest(whole(rec, path), np.empty((), dtype=dtype), None, finish=lambda a: a.item(), cast=cast)
+
+
 def storage_numpy(data: Any) -> np.ndarray:
     """Local data as a CPU numpy array in its storage dtype (a view when possible)."""
     if isinstance(data, LazySource):

@@ -15,7 +15,7 @@ from .._errors import LeafTypeError
 from .._ondisk.records import ArrayRecord, encode_value
 from .dtensor import DTensorKind
 from .jaxarray import JaxKind
-from .kinds import LazyKind, LeafKind, Memory, NumpyKind, ShardedKind, SpecKind, TorchKind
+from .kinds import NUMBERS, LazyKind, LeafKind, Memory, NumpyKind, ShardedKind, SpecKind, TorchKind, number_dest
 
 _TORCH, _NUMPY = TorchKind(), NumpyKind()
 # DTensor before torch: a DTensor is also a torch.Tensor.
@@ -58,10 +58,13 @@ def destination(rec: ArrayRecord, path: str, leaf: Any, inplace: bool, *, castin
     """Where restore puts the stored array ``rec`` for the target leaf ``leaf``, cast as
     ``casting`` allows (see :func:`tsckpt._base.casting.check_cast`)."""
     kind = kind_of(leaf)
+    if kind is None and isinstance(leaf, NUMBERS) and tuple(rec.shape) == ():
+        return number_dest(rec, path, leaf, casting)
     if kind is None:
         raise LeafTypeError(
             f"'{path}': the checkpoint stores an array {rec.dtype}{list(rec.shape)} but the target leaf is "
-            f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target"
+            f"{type(leaf).__name__}; use a tensor, numpy array, tsckpt.ArraySpec or ShardedArray target (a plain "
+            "number takes a shape-() array only)"
         )
     return kind.destination(rec, path, leaf, inplace, casting)
 

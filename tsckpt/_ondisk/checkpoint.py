@@ -21,7 +21,7 @@ from .._errors import CorruptCheckpointError
 from .._storage import locations as _locations
 from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
-from ..tree import from_paths, structure_from_json
+from ..tree import TSCKPT_NAMES, from_paths, structure_from_json
 from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
 from .bounds import NODE_BYTES, file_problem, refused
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
@@ -61,6 +61,9 @@ class Checkpoint:
     # "tsckpt", or the library that wrote a checkpoint tsckpt reads directly ("orbax"); set by
     # the opener that parsed it, never read from the stored metadata
     format: str = TSCKPT
+    # how a restore names the target's leaves to match these (tree.flatten's ``names``): Orbax's
+    # own rules for a checkpoint Orbax wrote, tsckpt's for every other
+    names: str = TSCKPT_NAMES
     # arrays of another format read from its own files region by region (safetensors, torch.save,
     # DCP): stored array path -> its LazySource (tsckpt._formats.lazy); None for the formats
     # whose arrays open through TensorStore

@@ -149,6 +149,12 @@ def pieces(region: Box, cuts: Sequence[Sequence[int]], itemsize: int) -> list[Bo
     one small file, whose copy out of its pieces costs less than a file for each."""
     if not cuts or math.prod(region[1]) * itemsize <= INNER_CHUNK_BYTES:
         return [region]
+    return cells(region, cuts)
+
+
+def cells(region: Box, cuts: Sequence[Sequence[int]]) -> list[Box]:
+    """The cells of ``region`` cut, in each dimension, at the offsets ``cuts[d]`` (global
+    coordinates; those not strictly inside the region are ignored), in C order."""
     ranges = []
     for d, (o, n) in enumerate(zip(*region)):
         inner = sorted({c for c in (cuts[d] if d < len(cuts) else ()) if o < c < o + n})

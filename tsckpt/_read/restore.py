@@ -328,7 +328,7 @@ def _refuse_read_only(paths: list[str], dests: list[tuple[int, Dest]]) -> None:
 
 
 def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _ReadSettings) -> Any:
-    flat = flatten(target)
+    flat = flatten(target, names=ck.names)
     ties = tied_to_stored(ck, flat.paths, flat.leaves)
     _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
     return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader, ties))

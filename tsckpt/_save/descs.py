@@ -52,10 +52,15 @@ class Descs(Sequence[LeafDesc]):
     checksums: tuple[int | None, ...]
     values: tuple[Any, ...]
     cuts: tuple[Any, ...] = ()  # every leaf's LeafDesc.cuts; () when no leaf has any (the common case)
+    helds: tuple[Any, ...] = ()  # every leaf's LeafDesc.held; () when no leaf has any (the common case)
 
     def cut(self, i: int) -> tuple[tuple[int, ...], ...]:
         """Leaf ``i``'s cuts (:attr:`LeafDesc.cuts`)."""
         return self.cuts[i] if self.cuts else ()
+
+    def held(self, i: int) -> tuple[Box, ...]:
+        """Leaf ``i``'s pieces held (:attr:`LeafDesc.held`)."""
+        return self.helds[i] if self.helds else ()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -88,7 +93,7 @@ class Descs(Sequence[LeafDesc]):
             shape, offsets, lengths = (tuple(col[e - n:e].tolist()) for col, e, n in zip(self.dims, ends[i], ndims[i]))
             out[self.paths[i]] = LeafDesc(
                 self.paths[i], self.kinds[i], self.dtypes[i], int(self.itemsizes[i]), shape, offsets, lengths,
-                self.checksums[i], self.values[i], self.cut(i),
+                self.checksums[i], self.values[i], self.cut(i), self.held(i),
             )
         return out
 
@@ -99,6 +104,7 @@ def pack_descs(descs: Sequence[Sequence[Any]]) -> Descs:
         return descs
     rows = [d if isinstance(d, LeafDesc) else LeafDesc(*d) for d in descs]
     cuts = tuple(d.cuts for d in rows)
+    helds = tuple(d.held for d in rows)
     return Descs(
         tuple(d.path for d in rows),
         tuple(d.kind for d in rows),
@@ -113,6 +119,7 @@ def pack_descs(descs: Sequence[Sequence[Any]]) -> Descs:
         tuple(d.checksum for d in rows),
         tuple(d.value for d in rows),
         cuts if any(cuts) else (),
+        helds if any(helds) else (),
     )
 
 
@@ -148,13 +155,16 @@ class _Unpacked:
     def given(self, i: int) -> tuple[Any, ...]:
         """What leaf ``i`` gives, as Holders.given numbers it."""
         d = self.descs
-        return d.kinds[i], d.dtypes[i], self.itemsizes[i], self.shapes[i], self.offsets[i], self.lengths[i], d.cut(i)
+        return (
+            d.kinds[i], d.dtypes[i], self.itemsizes[i], self.shapes[i], self.offsets[i], self.lengths[i], d.cut(i),
+            d.held(i),
+        )
 
     def desc(self, i: int) -> LeafDesc:
         d = self.descs
         return LeafDesc(
             d.paths[i], d.kinds[i], d.dtypes[i], self.itemsizes[i], self.shapes[i], self.offsets[i], self.lengths[i],
-            d.checksums[i], d.values[i], d.cut(i),
+            d.checksums[i], d.values[i], d.cut(i), d.held(i),
         )
 
 
@@ -216,6 +226,10 @@ class Holders(abc.ABC):
     @abc.abstractmethod
     def cuts(self) -> Sequence[tuple[tuple[int, ...], ...]]:
         """Each holder's cuts of its region into pieces (:attr:`LeafDesc.cuts`), in rank order."""
+
+    @abc.abstractmethod
+    def held(self) -> Sequence[tuple[Box, ...]]:
+        """Each holder's pieces held of its region (:attr:`LeafDesc.held`), in rank order."""
 
     @abc.abstractmethod
     def descs(self) -> list[LeafDesc]:
@@ -284,7 +298,7 @@ def gather_alike(tables: Sequence[Descs]) -> Gathered | None:
     offsets = np.stack([t.dims[1] for t in tables], axis=1)
     lengths = np.stack([t.dims[2] for t in tables], axis=1)
     everyone = tuple(range(len(tables)))
-    pieces = any(t.cuts for t in tables)  # some rank holds some region in pieces
+    pieces = any(t.cuts or t.helds for t in tables)  # some rank holds some region in pieces
     ids: dict[tuple[Any, ...], int] = {}
     by_path: dict[str, Holders] = {}
     rank0 = first.rows()
@@ -293,7 +307,7 @@ def gather_alike(tables: Sequence[Descs]) -> Gathered | None:
         d = rank0[i]
         # what every holder gives, as _Unpacked.given, with the regions as bytes
         given = (d.kind, d.dtype, d.itemsize, d.global_shape, offsets[s:e].tobytes(), lengths[s:e].tobytes(),
-                 tuple(t.cut(i) for t in tables) if pieces else ())
+                 tuple((t.cut(i), t.held(i)) for t in tables) if pieces else ())
         by_path[d.path] = _Column(everyone, ids.setdefault(given, len(ids)), d, tables, i, offsets[s:e], lengths[s:e])
         s = e
     return Gathered(len(tables), by_path)
@@ -329,11 +343,14 @@ class _Column(Holders):
     def cuts(self) -> Sequence[tuple[tuple[int, ...], ...]]:
         return [t.cut(self._i) for t in self._tables]
 
+    def held(self) -> Sequence[tuple[Box, ...]]:
+        return [t.held(self._i) for t in self._tables]
+
     def descs(self) -> list[LeafDesc]:
         d = self.first
         return [
-            LeafDesc(d.path, d.kind, d.dtype, d.itemsize, d.global_shape, o, n, c, v, k)
-            for (o, n), c, v, k in zip(self.boxes(), self.checksums(), self.values(), self.cuts())
+            LeafDesc(d.path, d.kind, d.dtype, d.itemsize, d.global_shape, o, n, c, v, k, h)
+            for (o, n), c, v, k, h in zip(self.boxes(), self.checksums(), self.values(), self.cuts(), self.held())
         ]
 
     def with_checksums(self, computed: Mapping[int, int]) -> Holders:
@@ -370,6 +387,9 @@ class _Listed(Holders):
 
     def cuts(self) -> Sequence[tuple[tuple[int, ...], ...]]:
         return [t.descs.cut(i) for t, i in self._held()]
+
+    def held(self) -> Sequence[tuple[Box, ...]]:
+        return [t.descs.held(i) for t, i in self._held()]
 
     def descs(self) -> list[LeafDesc]:
         return [t.desc(i)._replace(checksum=c) for (t, i), c in zip(self._held(), self.checksums())]

@@ -22,7 +22,10 @@ process). Rank 0 runs all of it, in the numbering of save()'s protocol
       (:attr:`LeafDesc.cuts`: a jax.Array's device shards) is laid out as
       those pieces, each a region of its own: no shard file spans two, so
       every file is written from one piece's memory, never assembled (a
-      region of one inner chunk or less stays whole: :func:`pieces`).
+      region of one inner chunk or less stays whole: :func:`pieces`). A
+      rank that holds only some pieces of its region (:attr:`LeafDesc.held`:
+      a process whose jax shards are not one box) gives each piece as a
+      region of its own (:func:`_held_pieces`), written by one of its holders.
 
    Then :func:`split_plan`: each rank's part, the only part sent to it.
 """
@@ -36,7 +39,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._base.types import Box, LeafDesc
-from .._ondisk.chunking import choose_chunking, intersect, pieces, shard_boxes, shard_count
+from .._errors import LayoutError
+from .._ondisk.chunking import cells, choose_chunking, intersect, pieces, shard_boxes, shard_count
 from .._ondisk.records import ArrayRecord, Chunking
 from .descs import Gathered, Holders, gather_descs, pack_descs
 from .regions import agreed_value, check_agreement, check_exact_cover, replica_groups
@@ -229,31 +233,72 @@ def _check(g: Gathered) -> _Checked:
     given: dict[int, _Given] = {}  # by Holders.given
     owned: dict[tuple[int, tuple[int, ...]], _Owned] = {}  # by (Holders.given, Holders.ranks)
     covered: set[int] = set()  # Holders.given of the replicated arrays whose cover was checked
+    in_pieces: set[int] = set()  # Holders.given of the arrays planned piece by piece
     for path in sorted(g.by_path):
         h = g.by_path[path]
         first = h.first
         if first.kind == "value":
             values.append((path, _check_value(path, h)))
             continue
-        regions = given.get(h.given)
-        if regions is None:
-            regions = given[h.given] = _check_given(path, h)
-        if not regions.replicated:
-            mine = owned.get((h.given, h.ranks))
-            if mine is None:
-                boxes, held_cuts = h.boxes(), h.cuts()
-                held = tuple(
-                    (piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i], first.itemsize)
-                )
-                mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
-            arrays.append(_Array(path, first, mine))
+        if h.given in in_pieces or any(h.held()):
+            arrays.append(_Array(path, first, _held_pieces(path, h)))
             continue
-        replicas = replica_groups(path, h.ranks, h.boxes(), h.checksums())
-        if h.given not in covered:  # the same regions: the same cover
-            check_exact_cover(path, first.global_shape, list(replicas))
-            covered.add(h.given)
-        arrays.append(_Array(path, first, _Replicas(replicas, {r: c for r, c in zip(h.ranks, h.cuts()) if c})))
+        try:
+            arrays.append(_Array(path, first, _regions(path, h, given, owned, covered)))
+        except LayoutError:
+            if not any(h.cuts()):
+                raise
+            # regions held in pieces that overlap other ranks' regions without equalling them (a
+            # process holding two shards, another one of them): their pieces may still tile it
+            arrays.append(_Array(path, first, _held_pieces(path, h)))
+            in_pieces.add(h.given)
     return _Checked(tuple(values), tuple(arrays))
+
+
+def _regions(
+    path: str, h: Holders, given: dict[int, _Given], owned: dict[tuple[int, tuple[int, ...]], _Owned], covered: set[int]
+) -> _Owned | _Replicas:
+    """The regions of an array whose holders each give one region, checked once for every
+    array given alike (``given``, ``owned`` and ``covered`` remember what was)."""
+    first = h.first
+    regions = given.get(h.given)
+    if regions is None:
+        regions = given[h.given] = _check_given(path, h)
+    if not regions.replicated:
+        mine = owned.get((h.given, h.ranks))
+        if mine is None:
+            boxes, held_cuts = h.boxes(), h.cuts()
+            held = tuple(
+                (piece, h.ranks[i]) for i in regions.live for piece in pieces(boxes[i], held_cuts[i], first.itemsize)
+            )
+            mine = owned[(h.given, h.ranks)] = _Owned(held, first.itemsize)
+        return mine
+    replicas = replica_groups(path, h.ranks, h.boxes(), h.checksums())
+    if h.given not in covered:  # the same regions: the same cover
+        check_exact_cover(path, first.global_shape, list(replicas))
+        covered.add(h.given)
+    return _Replicas(replicas, {r: c for r, c in zip(h.ranks, h.cuts()) if c})
+
+
+def _held_pieces(path: str, h: Holders) -> _Replicas:
+    """The regions of an array some holder gives as separate pieces (:attr:`LeafDesc.held`,
+    or the cells of its :attr:`LeafDesc.cuts`): every piece a region of its own, held by the
+    ranks that hold it. Holders of the same pieces are replicas, compared by checksum (ranks
+    sharing only some pieces are not compared); the distinct pieces must tile the array."""
+    if not h.same_leaf():
+        check_agreement(path, h.ranks, h.descs())
+    boxes, sums = h.boxes(), h.checksums()
+    alike: dict[tuple[Box, ...], list[int]] = defaultdict(list)  # the same pieces -> their holders' indexes
+    for i, (held, cuts) in enumerate(zip(h.held(), h.cuts())):
+        alike[held or tuple(cells(boxes[i], cuts))].append(i)
+    holders: dict[Box, list[int]] = defaultdict(list)
+    for pieces_held, members in alike.items():
+        ranks = [h.ranks[i] for i in members]
+        replica_groups(path, ranks, [boxes[members[0]]] * len(members), [sums[i] for i in members])
+        for piece in pieces_held:
+            holders[piece] += ranks
+    check_exact_cover(path, h.first.global_shape, list(holders))
+    return _Replicas({box: sorted(ranks) for box, ranks in holders.items()})
 
 
 def _check_value(path: str, h: Holders) -> Any:
