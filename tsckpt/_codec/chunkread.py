@@ -26,7 +26,7 @@ from .._ondisk.records import ArrayRecord
 from .._runtime.memory import prefaulted
 from .._runtime.progress import Progress
 from .._runtime.window import Window
-from .._storage.confine import open_beneath
+from .._storage.beneath import open_beneath
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, opened_directory, stored_shapes
