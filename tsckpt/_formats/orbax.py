@@ -57,6 +57,7 @@ from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.confine import confined, refuse_links
 from .._storage.locations import Location
+from .._storage.mirror import Mirror
 from ..tree import MAX_STRUCTURE_DEPTH, ROOT_LEAF_PATH, escape, paths_problem, structure_from_paths
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -96,6 +97,8 @@ class ForeignCheckpoint:
     arrays: Mapping[str, ForeignArray]
     values: Mapping[str, Any]
     structure: Any
+    # what the arrays' specs read through (a Mirror of the directory): kept as long as they are
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _one_line(e: BaseException) -> str:
@@ -289,10 +292,11 @@ class _Pending:
     scalar: bool  # a Python number saved as a 0-d array, read into its value
     item: Path
     meta: _ItemMetadata
+    read_item: Path  # where TensorStore reads the item: its place in the checkpoint's Mirror
 
     @property
     def spec(self) -> dict[str, Any]:
-        return self.meta.spec(self.item, self.name)
+        return self.meta.spec(self.read_item, self.name)
 
     @property
     def node(self) -> str:
@@ -308,6 +312,9 @@ class _LeafCollector:
 
     def __init__(self, location: Path) -> None:
         self.location = location
+        # TensorStore follows links: it reads the checkpoint's files through held descriptors
+        self.mirror = Mirror(str(location), str(location))
+        self.mirror.add_tree("")
         self.leaves: list[str] = []
         self.values: dict[str, Any] = {}
         self.pending: list[_Pending] = []
@@ -348,7 +355,8 @@ class _LeafCollector:
             self.values[path] = value
         elif entry.value_type in _ARRAY_TYPES or entry.value_type == "scalar":
             self.leaves.append(path)
-            self.pending.append(_Pending(path, name, entry.value_type == "scalar", item, meta))
+            read_item = Path(self.mirror.path, os.path.relpath(item, self.location))
+            self.pending.append(_Pending(path, name, entry.value_type == "scalar", item, meta, read_item))
         else:
             raise LeafTypeError(
                 f"{item}: leaf '{path}': Orbax value type '{entry.value_type}' is not supported: expected one of "
@@ -417,7 +425,7 @@ class _LeafCollector:
             arrays[a.path] = self._array(a.path, a.spec, store)
         values = {p: self.values[p] for p in self.leaves if p in self.values}
         proxy = types.MappingProxyType
-        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None)
+        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), None, self.mirror)
 
     def _array(self, path: str, spec: dict[str, Any], store: ts.TensorStore) -> ForeignArray:
         dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
@@ -440,7 +448,7 @@ def _unreadable(a: _Pending, e: BaseException) -> CorruptCheckpointError:
 
 def _item_store(a: _Pending, context: ts.Context) -> ts.KvStore:
     """The kvstore of the item holding the array (keys ``<name>/...``)."""
-    kv = a.meta.kvstore(a.item)
+    kv = a.meta.kvstore(a.read_item)
     kv = {**kv, "path": kv["path"].rstrip("/") + "/" if kv["path"] else ""}
     return ts.KvStore.open(kv, context=context).result()
 
@@ -602,4 +610,4 @@ def as_checkpoint(loc: Location) -> Checkpoint:
     specs = {p: a.spec for p, a in fc.arrays.items()}
     # Orbax escapes int-like dict keys, so a plain int component is a list index
     structure = structure_from_paths(fc.leaves)
-    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {}, {}, specs, format="orbax")
+    return Checkpoint(loc, fc.leaves, arrays, dict(fc.values), structure, {}, {}, specs, format="orbax", held=fc.held)

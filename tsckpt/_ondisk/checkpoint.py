@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import tensorstore as ts
@@ -21,6 +21,7 @@ from .._errors import CorruptCheckpointError
 from .._storage import locations as _locations
 from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
+from .._storage.mirror import Mirror
 from ..tree import from_paths, structure_from_json
 from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
 from .bounds import NODE_BYTES, file_problem, refused
@@ -68,6 +69,8 @@ class Checkpoint:
     # the generation of the root zarr.json that was opened (tsckpt's format): readers check that
     # it is still the root after reading (readfaults.unchanged); None for another library's
     root_generation: bytes | None = dataclasses.field(default=None, compare=False)
+    # what :attr:`specs` read through (another library's local checkpoint: a Mirror), kept as long as they are
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
     # the arrays whose files were found to back their records (see _backing.py)
     backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the kvstore
@@ -93,14 +96,46 @@ class Checkpoint:
         return cast(ts.Context, self._cache["context"])
 
     def kvstore(self) -> ts.KvStore:
-        """The kvstore of :meth:`data`, opened once. Every read of the checkpoint's files by
-        TensorStore goes through it or follows it (:class:`Opening`), so a walk for links put
-        off by :meth:`check_links` runs here, before TensorStore reads anything."""
+        """The kvstore of :meth:`read_data`, opened once. Every read of the checkpoint's files
+        by TensorStore goes through it or follows it (:class:`Opening`), so a walk for links
+        put off by :meth:`check_links` runs here, before TensorStore reads anything. Before
+        reading a key of a local checkpoint through it, :meth:`hold` the key."""
         if self._cache.get("links") == "deferred":
             self.check_links()
         if "kv" not in self._cache:
-            self._cache["kv"] = ts.KvStore.open(self.data(), context=self.context()).result()
+            self._cache["kv"] = ts.KvStore.open(self.read_data(), context=self.context()).result()
         return cast(ts.KvStore, self._cache["kv"])
+
+    def _mirror(self) -> Mirror | None:
+        """The :class:`Mirror` TensorStore reads a local checkpoint of tsckpt's format through,
+        made once (a compact one whole: its database's few files); None for any other."""
+        if self.location.local is None or self.foreign:
+            return None
+        if "mirror" not in self._cache:
+            mirror = Mirror(self.location.local, str(self.location))
+            if self.layout != LAYOUT_PLAIN:
+                mirror.add_tree("")
+            self._cache["mirror"] = mirror
+        return cast(Mirror, self._cache["mirror"])
+
+    def read_data(self) -> dict[str, Any]:
+        """kvstore spec TensorStore reads the array nodes and chunks through: :meth:`data`, but
+        for a local checkpoint its :class:`Mirror` (links to descriptors of files opened with
+        no link followed), so that a file swapped for a link is never read through the link."""
+        mirror = self._mirror()
+        if mirror is None:
+            return self.data()
+        if self.layout == LAYOUT_PLAIN:
+            return mirror.spec()
+        return {**self.data(), "base": mirror.spec()}
+
+    def hold(self, keys: Iterable[str], *, leaf: str) -> None:
+        """Open the files ``keys`` of array ``leaf`` of a local checkpoint, with no link
+        followed, for reads of them through :meth:`kvstore` (:meth:`Mirror.add`); nothing
+        for any other checkpoint."""
+        mirror = self._mirror()
+        if mirror is not None and self.layout == LAYOUT_PLAIN:
+            mirror.add(keys, field=f"leaf {leaf!r}: the file")
 
     @property
     def layout(self) -> str:
@@ -130,6 +165,7 @@ class Checkpoint:
         kv = self.kvstore()  # first: a deferred walk for links and special files names them all
         if self.node_file_problem(path) is not None:
             return _NOT_READ
+        self.hold([f"{path}/{ROOT_KEY}"], leaf=path)
         return kv.read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
 
     def check_links(self, *, deferred: bool = False) -> None:
@@ -193,6 +229,9 @@ class Opening:
             raise refused(f"'{path}' in {ck.location}: {path}/zarr.json", problem, "restore from another checkpoint")
         found = self._node.result()
         rec = ck.arrays[path]
+        mirror = ck._mirror()
+        if mirror is not None and ck.layout == LAYOUT_PLAIN:
+            mirror.add_tree(path, field=f"leaf {path!r}: the file")  # every file TensorStore may read of it
         if found.state == "value":
             try:
                 node = parse_node(found.value)
@@ -202,9 +241,9 @@ class Opening:
                     "restore from another checkpoint"
                 ) from None
             if node_problem(node, rec) is None:
-                return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
+                return open_array_future(ck.read_data(), rec, checked=True, context=ck.context()).result()
         # missing or different: TensorStore says how
-        return open_array_future(ck.data(), rec, context=ck.context()).result()
+        return open_array_future(ck.read_data(), rec, context=ck.context()).result()
 
 
 class _NotRead:
