@@ -448,11 +448,10 @@ def _read_only(monkeypatch) -> list[str]:
     """Make every write this process could make to storage fail as on a read-only mount
     (EROFS; tests run as root, whom chmod does not stop), and record each attempt. A
     reader's own private directory of links to the files it reads (tsckpt._storage.mirror,
-    in the temporary directory) is no storage: it is let be made, and its removal (which
+    in a memory file system) is no storage: it is let be made, and its removal (which
     unlinks by relative names) waits in the returned list until the test removes it."""
     import errno
     import shutil
-    import tempfile
 
     import tensorstore as ts
 
@@ -463,7 +462,7 @@ def _read_only(monkeypatch) -> list[str]:
         real = getattr({"os": os, "shutil": shutil}.get(module), attr, None)
 
         def call(*args, **kwargs):
-            if real is not None and args and str(args[0]).startswith(os.path.join(tempfile.gettempdir(), _mirror.PREFIX)):
+            if real is not None and args and str(args[0]).startswith(os.path.join(_mirror.BASE, _mirror.PREFIX)):
                 return real(*args, **kwargs)  # a mirror being made
             tried.append(f"{name}{args[:2]!r}")
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]) if args else None)

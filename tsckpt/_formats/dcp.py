@@ -28,7 +28,14 @@ import torch
 
 from .._base import dtypes as _dtypes
 from .._base.types import LazySource, span_slices
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError, short_repr
+from .._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    LinkRefusedError,
+    NotACheckpointError,
+    short_repr,
+)
 from .._ondisk.bounds import METADATA_BYTES, file_problem, refused
 from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
 from .._storage.confine import Root, confined, open_read
@@ -341,6 +348,8 @@ class _RegionReader:
             self._fs.read_data(plan, planner).wait()
         except LeafTypeError as e:
             raise LeafTypeError(f"{self._path}: {e}") from None
+        except LinkRefusedError:
+            raise
         except Exception as e:  # torch.load of damaged bytes raises almost anything
             raise CorruptCheckpointError(
                 f"{self._path}: cannot read {what} ({reason(e)}); the data files are "

@@ -33,7 +33,10 @@ from .._errors import CorruptCheckpointError
 from . import beneath
 from .confine import Confined, Root, file_kind, open_read
 
-# How a mirror's directory (in the temporary directory) is named.
+# Where mirrors are made, and how each is named: a memory file system where there is one
+# (a link made on a loaded disk's file system took 0.7 ms, on tmpfs 9 us), else the
+# temporary directory. A mirror holds links only: its size is a few bytes per file.
+BASE = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) else tempfile.gettempdir()
 PREFIX = "tsckpt-read-"
 # Where a process's descriptors are named: opening one of these opens the file held.
 FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
@@ -48,9 +51,10 @@ class Mirror:
     def __init__(self, root: str, where: str) -> None:
         self._root = Root(root)
         self._where = where
-        self.path = tempfile.mkdtemp(prefix=PREFIX)
+        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=BASE)
         self._fds: list[int] = []
         self._done: set[str] = set()  # files and directories added (or found missing)
+        self._dirs = {""}  # the mirror's own directories made
         self._lock = threading.Lock()
         _raise_fd_limit()
         weakref.finalize(self, _release, self.path, self._fds)
@@ -113,17 +117,20 @@ class Mirror:
                 if e.errno in beneath.LINK_ERRNOS:
                     os.close(open_read(Confined(self._root, sub, self._where, field)))  # names the link
                 raise
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
                 try:
                     self._walk(fd, sub, field)
                 finally:
                     os.close(fd)
             else:
-                self._link(sub, fd)
+                self._link(sub, fd, mode)
 
-    def _link(self, rel: str, fd: int) -> None:
-        """Hold ``fd`` (of the checkpoint's file ``rel``) and link it into the mirror as ``rel``."""
-        mode = os.fstat(fd).st_mode
+    def _link(self, rel: str, fd: int, mode: int | None = None) -> None:
+        """Hold ``fd`` (of the checkpoint's file ``rel``, of ``mode`` when known) and link it
+        into the mirror as ``rel``."""
+        if mode is None:
+            mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             if stat.S_ISDIR(mode):
@@ -134,10 +141,17 @@ class Mirror:
                 "directories and regular files: replace it with a copy of its file"
             )
         self._fds.append(fd)
-        at = os.path.join(self.path, *rel.split("/"))
-        os.makedirs(os.path.dirname(at), exist_ok=True)
-        os.symlink(f"{FD_DIR}/{fd}", at)
+        self._make_dir(rel.rpartition("/")[0])
+        os.symlink(f"{FD_DIR}/{fd}", f"{self.path}/{rel}")
         self._done.add(rel)
+
+    def _make_dir(self, rel: str) -> None:
+        """The mirror's directory ``rel`` ("": its top), made once."""
+        if rel in self._dirs:
+            return
+        self._make_dir(rel.rpartition("/")[0])
+        os.mkdir(f"{self.path}/{rel}")
+        self._dirs.add(rel)
 
 
 def _release(path: str, fds: list[int]) -> None:
