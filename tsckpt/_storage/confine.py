@@ -196,8 +196,13 @@ def _linked(path: Confined, error: OSError) -> hfcache.Blob:
         raise link_refused(f"{path.where}: {path.field} {rel!r}: {rel_link} is a symbolic link (to {target})", at, target)
     if error.errno == errno.ENOTDIR:
         raise error
-    raise LinkRefusedError(
-        f"{path.where}: {path.field} {rel!r}: {path} was reached through a symbolic link when it was opened "
+    raise changed_link(path)
+
+
+def changed_link(path: Confined) -> LinkRefusedError:
+    """The error of ``path``, whose open met a symbolic link that is gone again when looked at."""
+    return LinkRefusedError(
+        f"{path.where}: {path.field} {path.rel!r}: {path} was reached through a symbolic link when it was opened "
         f"(changed again since); {_LINK_WHY}: {_LINK_FIX}",
         link=str(path), target="",
     )
@@ -228,8 +233,16 @@ def odd_files(root: str) -> dict[str, Odd]:
                 stack.append(e.path)
             elif not e.is_file(follow_symlinks=False):
                 rel = os.path.relpath(e.path, root).replace(os.sep, "/")
-                found[rel] = Odd("a symbolic link", os.readlink(e.path)) if e.is_symlink() else Odd(_special(e), None)
+                found[rel] = Odd("a symbolic link", _target(e.path)) if e.is_symlink() else Odd(_special(e), None)
     return dict(sorted(found.items()))
+
+
+def _target(path: str) -> str:
+    """The target of the link at ``path``, for a message (one replaced since it was listed: said so)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "(replaced while it was read)"
 
 
 def _special(entry: os.DirEntry[str]) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 
 from .._errors import CorruptCheckpointError
 from . import beneath
-from .confine import Confined, Root, file_kind, open_read
+from .confine import Confined, Root, changed_link, file_kind, open_read
 
 # Where mirrors are made, and how each is named: a memory file system where there is one
 # (a link made on a loaded disk's file system took 0.7 ms, on tmpfs 9 us), else the
@@ -90,8 +90,9 @@ class Mirror:
                 top = beneath.open_beneath(self._root.fd, rel, directory=True) if rel else os.dup(self._root.fd)
             except OSError as e:
                 if e.errno in beneath.LINK_ERRNOS:
-                    os.close(open_read(Confined(self._root, rel, self._where, field)))  # names the link
-                    raise
+                    path = Confined(self._root, rel, self._where, field)
+                    os.close(open_read(path))  # names the link
+                    raise changed_link(path) from None  # a link when opened, no more
                 self._done.add(rel)  # missing (or a file): nothing below it
                 return
             try:
@@ -115,7 +116,9 @@ class Mirror:
                 continue  # gone since it was listed
             except OSError as e:
                 if e.errno in beneath.LINK_ERRNOS:
-                    os.close(open_read(Confined(self._root, sub, self._where, field)))  # names the link
+                    path = Confined(self._root, sub, self._where, field)
+                    os.close(open_read(path))  # names the link
+                    raise changed_link(path) from None  # a link when opened, no more
                 raise
             mode = os.fstat(fd).st_mode
             if stat.S_ISDIR(mode):
