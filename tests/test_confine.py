@@ -240,7 +240,7 @@ def test_a_dcp_data_file_swapped_after_open_is_refused(tmp_path, opens):
         dcp.save({"w": torch.full((8,), REAL)}, checkpoint_id=d, no_dist=True)
         dcp.save({"w": torch.full((8,), SECRET)}, checkpoint_id=outside, no_dist=True)
     reader = tsckpt.open(d, allow_pickle=True)
-    data = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))[0]
+    data = min(f for f in os.listdir(d) if f.endswith(".distcp"))
     _swap_for_link(os.path.join(d, data), os.path.join(outside, data))
     with pytest.raises(tsckpt.LinkRefusedError, match=f"{data} is a symbolic link"):
         reader["w"][:]

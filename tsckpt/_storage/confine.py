@@ -143,17 +143,16 @@ def confined(root: str | Root, rel: Any, *, where: str, field: str) -> str:
         )
     if not isinstance(root, Root):
         try:
-            root = Root(root)
+            root = Root(directory := root)
         except OSError:  # no directory there: the caller's own check of the file says so
-            return os.path.join(root, *rel.split("/"))
+            return os.path.join(directory, *rel.split("/"))
     path = Confined(root, rel, where, field)
     try:
         fd = open_beneath(root.fd, rel)
     except OSError as e:
         if e.errno not in LINK_ERRNOS:
             return path  # missing or unreadable: the caller's read says so
-        found = _linked(path, e)
-        return found
+        return _linked(path, e)
     os.close(fd)
     return path
 
