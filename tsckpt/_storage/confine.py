@@ -6,15 +6,15 @@ path is checked here, by one rule, before anything is opened: :func:`path_proble
 (relative, ``/``-separated, no empty, ``.`` or ``..`` segment), and on a local disk
 :func:`confined`, which also refuses a symbolic link on the way to it.
 
-TensorStore's file kvstore follows links and has no option not to, so a link
-planted in a checkpoint could make a reader return data from anywhere on the
-machine. Readers therefore look for links before TensorStore reads a local
-checkpoint's data. The walk reads directory entries only (their type comes with
-the entry: no stat per file), about 16 microseconds per leaf of one chunk file.
-tsckpt's own readers open files with :func:`open_beneath`, where the kernel
-refuses a link on the way (``openat2``, Linux 5.6), so a restore they read whole
-needs no walk (``Checkpoint.check_links(deferred=True)``). The checkpoint itself
-(the directory or file the caller names) may be a link.
+A check alone is not enough: whoever can write inside the checkpoint could swap a file
+for a link after it. So no file of a local checkpoint is opened again by its path: the
+checkpoint's directory is opened once (:class:`Root`; it may itself be a link), and
+:func:`confined` returns a :class:`Confined` path that :func:`open_read` opens from that
+descriptor with no link followed anywhere on the way (:mod:`.beneath`). TensorStore,
+which opens files by path and follows links, reads a local checkpoint through a
+:class:`~tsckpt._storage.mirror.Mirror` of descriptors opened so. The walk for links
+(:func:`odd_files`) remains, to name every link of a checkpoint up front (``open``,
+``verify``, before TensorStore reads).
 """
 
 from __future__ import annotations
