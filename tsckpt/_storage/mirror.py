@@ -16,6 +16,8 @@ Files are added as readers are about to need them (:meth:`Mirror.add`: a file;
 :meth:`Mirror.add_tree`: every file below a directory, walked from descriptors), each once;
 a missing file stays missing. The descriptors stay open, and the directory stays, until
 the mirror is gone (then the links go first, so that no link names a reused descriptor).
+Only the process that made a mirror removes it: a forked child letting its copy go
+leaves its parent's mirror be.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Mirror:
         self._dirs = {""}  # the mirror's own directories made
         self._lock = threading.Lock()
         _raise_fd_limit()
-        weakref.finalize(self, _release, self.path, self._fds)
+        weakref.finalize(self, _release, self.path, self._fds, os.getpid())
 
     def spec(self) -> dict[str, Any]:
         """The file kvstore spec TensorStore reads the checkpoint through."""
@@ -157,9 +159,11 @@ class Mirror:
         self._dirs.add(rel)
 
 
-def _release(path: str, fds: list[int]) -> None:
-    """Remove the mirror's links, then close the descriptors they named."""
-    shutil.rmtree(path, ignore_errors=True)
+def _release(path: str, fds: list[int], owner: int) -> None:
+    """Remove the mirror's links (in the process ``owner`` that made it only: a forked child
+    letting its copy go leaves its parent's mirror be), then close the descriptors they named."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
     for fd in fds:
         try:
             os.close(fd)
