@@ -174,6 +174,13 @@ def test_a_mirror_links_only_held_descriptors_and_goes_with_its_checkpoint(tmp_p
     assert not os.path.exists(path)
 
 
+def test_without_descriptor_names_tensorstore_reads_are_refused_loudly(tmp_path, monkeypatch):
+    real, _ = _own_pair(tmp_path)
+    monkeypatch.setattr(mirror, "FD_DIR", str(tmp_path / "no-proc"))
+    with pytest.raises(tsckpt.StorageError, match=r"which this system lacks \(is /proc mounted\?\)"):
+        tsckpt.open(real)["w"][:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_forked_child_letting_its_reader_go_leaves_the_parents_mirror_be(tmp_path):

@@ -22,6 +22,7 @@ leaves its parent's mirror be.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -31,7 +32,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .._errors import CorruptCheckpointError
+from .._errors import CorruptCheckpointError, StorageError
 from . import beneath
 from .confine import Confined, Root, changed_link, file_kind, open_read
 
@@ -51,6 +52,14 @@ class Mirror:
     at ``root`` (``where``: how messages name the checkpoint), for TensorStore to read."""
 
     def __init__(self, root: str, where: str) -> None:
+        if not os.path.isdir(FD_DIR):
+            raise StorageError(
+                f"{where}: TensorStore reads a local checkpoint through links to the descriptors of its files, "
+                f"named in {FD_DIR}, which this system lacks (is /proc mounted?); reading through TensorStore "
+                "by path could follow a link planted in the checkpoint (docs/security.md): mount /proc, or "
+                "read the checkpoint where it is",
+                errno=errno.ENOENT, filename=FD_DIR,
+            )
         self._root = Root(root)
         self._where = where
         self.path = tempfile.mkdtemp(prefix=PREFIX, dir=BASE)
