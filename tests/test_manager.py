@@ -14,9 +14,9 @@ import torch
 
 import tsckpt
 import tsckpt._manager as manager_module
-from tsckpt._storage import mirror as _mirror
 from tests.races import race_two_saves
 from tsckpt._ondisk.records import ROOT_KEY
+from tsckpt._storage import mirror as _mirror
 
 
 def _state(step: int) -> dict:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 from .._errors import CheckpointReplacedError, CorruptCheckpointError, TsckptError
 from .._storage import faults as _faults
-from .._storage.faults import UNDECODABLE
 from .._storage.confine import confined
+from .._storage.faults import UNDECODABLE
 from .._storage.locations import Location
 from .arrays import MANIFEST
 from .bounds import ROOT_BYTES, file_problem, read_file
