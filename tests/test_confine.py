@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tsckpt
+from tests.races import swap_with_link
 from tsckpt._errors import TsckptError
 from tsckpt._formats import torchfile
 from tsckpt._ondisk.checkpoint import Checkpoint
@@ -146,6 +147,23 @@ def test_a_restore_through_tensorstore_never_reads_a_link_planted_after_the_chec
     with pytest.raises(tsckpt.LinkRefusedError, match="leaf 'w': the file 'w/c/"):
         tsckpt.restore(real, target, inplace=True)
     assert not (target["w"] == SECRET).any()
+
+
+def test_a_compact_checkpoints_database_is_read_as_it_was_opened(tmp_path, opens):
+    """A compact checkpoint's few files are all held once TensorStore first reads it: its
+    database swapped for links to another checkpoint's afterwards is never read."""
+    real, secret = str(tmp_path / "ck"), str(tmp_path / "secret")
+    tsckpt.save(real, {"w": torch.full((64, 64), REAL)}, layout="compact")
+    tsckpt.save(secret, {"w": torch.full((64, 64), SECRET)}, layout="compact")
+    reader = tsckpt.open(real)
+    for entry in os.listdir(real):  # the manifest and the data directories: the whole database
+        if entry != "zarr.json":
+            _swap_for_link(os.path.join(real, entry), os.path.join(secret, entry))
+    try:
+        got = np.asarray(reader["w"][:])
+    except TsckptError:
+        return  # refused: as good
+    assert (got == REAL).all()
 
 
 def test_a_root_zarr_json_that_is_a_link_is_refused(tmp_path, opens):
@@ -297,23 +315,6 @@ def test_an_orbax_array_swapped_after_open_is_never_read(tmp_path, opens):
 # ---- the race ----------------------------------------------------------------------------
 
 
-def _swapper(path: str, target: str, keep: str, stop: threading.Event) -> threading.Thread:
-    """A thread swapping the file ``path`` and a link to ``target`` in a loop (each swap one
-    rename: the path is always there, a file or a link); ``keep``: a hard link of the file."""
-    link = f"{keep}.link"
-
-    def run() -> None:
-        while not stop.is_set():
-            os.symlink(target, link)
-            os.replace(link, path)  # now a link
-            os.link(keep, f"{keep}.tmp")
-            os.replace(f"{keep}.tmp", path)  # the file again
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.timeout(120)
 def test_a_swapping_race_never_returns_or_writes_outside_bytes(tmp_path):
     """Threads swap a chunk file and a safetensors file with links to outside data, one
@@ -325,10 +326,7 @@ def test_a_swapping_race_never_returns_or_writes_outside_bytes(tmp_path):
     keeps = {os.path.join(real, chunk): str(tmp_path / "keep-chunk"), os.path.join(hf, "model.safetensors"): str(tmp_path / "keep-st")}
     targets = {os.path.join(real, chunk): os.path.join(secret, chunk), os.path.join(hf, "model.safetensors"): key}
     stop = threading.Event()
-    threads = []
-    for path, keep in keeps.items():
-        os.link(path, keep)
-        threads.append(_swapper(path, targets[path], keep, stop))
+    threads = [swap_with_link(path, targets[path], keep, stop) for path, keep in keeps.items()]
     seen: dict[str, int] = {"ok": 0, "refused": 0}
     outside = 0
     deadline = time.monotonic() + RACE_SECONDS
