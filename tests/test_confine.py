@@ -188,7 +188,10 @@ def test_a_mirror_links_only_held_descriptors_and_goes_with_its_checkpoint(tmp_p
     with open(os.path.join(m.path, "w", "zarr.json"), "rb") as f:
         assert b"zarr_format" in f.read()
     path = m.path
-    del m
+    del m  # removed by the removal thread, soon
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not os.path.exists(path)
 
 

@@ -23,10 +23,13 @@ from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
 from .._storage.mirror import Mirror
 from ..tree import from_paths, structure_from_json
-from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
+from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from .bounds import NODE_BYTES, file_problem, refused
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 
+# Files of an array, at most, that TensorStore's read of it opens by their names (the
+# record's); an array said to have more is walked for the files it really has.
+_NAMED_FILES = 64
 # The format of a checkpoint tsckpt wrote; any other is another library's.
 TSCKPT = "tsckpt"
 
@@ -137,6 +140,12 @@ class Checkpoint:
         if mirror is not None and self.layout == LAYOUT_PLAIN:
             mirror.add(keys, field=f"leaf {leaf!r}: the file")
 
+    def hold_tree(self, path: str) -> None:
+        """:meth:`hold` every file below array ``path`` (:meth:`Mirror.add_tree`)."""
+        mirror = self._mirror()
+        if mirror is not None and self.layout == LAYOUT_PLAIN:
+            mirror.add_tree(path, field=f"leaf {path!r}: the file")
+
     @property
     def layout(self) -> str:
         """Where the array data lives: "plain" (a file per shard) or "compact" (OCDBT)."""
@@ -232,9 +241,6 @@ class Opening:
             raise refused(f"'{path}' in {ck.location}: {path}/zarr.json", problem, "restore from another checkpoint")
         found = self._node.result()
         rec = ck.arrays[path]
-        mirror = ck._mirror()
-        if mirror is not None and ck.layout == LAYOUT_PLAIN:
-            mirror.add_tree(path, field=f"leaf {path!r}: the file")  # every file TensorStore may read of it
         if found.state == "value":
             try:
                 node = parse_node(found.value)
@@ -243,9 +249,14 @@ class Opening:
                     f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); "
                     "restore from another checkpoint"
                 ) from None
-            if node_problem(node, rec) is None:
+            if node_problem(node, rec) is None:  # its files are the record's: a few are opened by name
+                if stored_size(rec).files <= _NAMED_FILES:
+                    ck.hold((key for key, _ in stored_files(rec)), leaf=path)
+                else:  # as many as exist (a record may claim any number)
+                    ck.hold_tree(path)
                 return open_array_future(ck.read_data(), rec, checked=True, context=ck.context()).result()
-        # missing or different: TensorStore says how
+        # missing or different: TensorStore says how, from whatever files the array has
+        ck.hold_tree(path)
         return open_array_future(ck.read_data(), rec, context=ck.context()).result()
 
 
