@@ -4,7 +4,7 @@ TensorStore's file kvstore opens each file by its path and follows links, with n
 not to; a file of a checkpoint swapped for a link between a check and TensorStore's open
 would be read from wherever the link leads. So TensorStore never reads a local
 checkpoint's own directory: it reads a :class:`Mirror`, a private directory (made by
-``mkdtemp``: only this user may write it) of links this module makes, each to
+``mkdtemp`` in :data:`BASE`: only this user may write it) of links this module makes, each to
 ``/proc/self/fd/N`` (``/dev/fd/N`` elsewhere) of a descriptor of one file of the
 checkpoint, opened below the checkpoint's directory with no link followed
 (:func:`beneath.open_beneath`) and held open. Opening ``/proc/self/fd/N`` opens the file
@@ -15,9 +15,10 @@ byte ranges (nothing is copied).
 Files are added as readers are about to need them (:meth:`Mirror.add`: a file;
 :meth:`Mirror.add_tree`: every file below a directory, walked from descriptors), each once;
 a missing file stays missing. The descriptors stay open, and the directory stays, until
-the mirror is gone (then the links go first, so that no link names a reused descriptor).
-Only the process that made a mirror removes it: a forked child letting its copy go
-leaves its parent's mirror be.
+the mirror is gone; then a thread of this module removes the links first, so that no
+link names a reused descriptor, and closes the descriptors (what is left at exit is
+removed then). Only the process that made a mirror removes it: a forked child letting
+its copy go leaves its parent's mirror be.
 """
 
 from __future__ import annotations
