@@ -101,6 +101,14 @@ def test_a_confined_path_checked_clean_refuses_a_link_planted_after(tmp_path, op
     )
 
 
+def test_a_file_on_the_way_is_left_to_the_caller_as_missing(tmp_path, opens):
+    (tmp_path / "a").write_bytes(b"a file, not a directory")
+    path = confined(str(tmp_path), "a/b", where="index.json", field="weight_map['w']")
+    assert path == str(tmp_path / "a" / "b") and not os.path.isfile(path)
+    with pytest.raises(NotADirectoryError):
+        open_read(path)
+
+
 def test_the_checkpoint_directory_is_opened_once(tmp_path, opens):
     """Renaming the checkpoint's directory and putting another in its place changes nothing
     for a path already confined: it reads the directory that was opened."""

@@ -152,7 +152,10 @@ def confined(root: str | Root, rel: Any, *, where: str, field: str) -> str:
     except OSError as e:
         if e.errno not in LINK_ERRNOS:
             return path  # missing or unreadable: the caller's read says so
-        return _linked(path, e)
+        try:
+            return _linked(path, e)
+        except NotADirectoryError:
+            return path  # a file on the way, no link: the caller's read says what is missing
     os.close(fd)
     return path
 
