@@ -118,7 +118,7 @@ class Checkpoint:
             mirror = Mirror(self.location.local, str(self.location))
             if self.layout != LAYOUT_PLAIN:
                 mirror.add_tree("")
-            self._cache["mirror"] = mirror
+            self._cache.setdefault("mirror", mirror)  # made by two threads at once: one is kept, by both
         return cast(Mirror, self._cache["mirror"])
 
     def read_data(self) -> dict[str, Any]:
