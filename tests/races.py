@@ -1,13 +1,14 @@
-"""Two saves racing for one location (used by the manager and object-store tests)."""
+"""Races the tests stage: two saves racing for one location (used by the manager and
+object-store tests); a file swapped with a link in a loop while it is read (tests/test_confine.py)."""
 
 from __future__ import annotations
+
+import threading
 
 
 def race_two_saves(monkeypatch, save_one) -> tuple[int, BaseException]:
     """Run ``save_one(0)`` and ``save_one(1)`` in two threads that both find the location
     free before either claims it; returns (the winner, the loser's error)."""
-    import threading
-
     import tsckpt._storage.durable as durable
 
     both_checked = threading.Barrier(2, timeout=30)
@@ -37,3 +38,24 @@ def race_two_saves(monkeypatch, save_one) -> tuple[int, BaseException]:
     losers = [e for e in outcome.values() if e is not None]
     assert len(winners) == 1 and len(losers) == 1, outcome
     return winners[0], losers[0]
+
+
+def swap_with_link(path: str, target: str, keep: str, stop: threading.Event) -> threading.Thread:
+    """Start a thread swapping the file ``path`` and a symbolic link to ``target`` in a loop,
+    until ``stop`` is set; each swap is one rename, so ``path`` is always there, a file or a
+    link. ``keep``: a hard link of the file (made here), from which it is put back."""
+    import os
+
+    os.link(path, keep)
+    link, copy = f"{keep}.link", f"{keep}.tmp"
+
+    def run() -> None:
+        while not stop.is_set():
+            os.symlink(target, link)
+            os.replace(link, path)  # now a link
+            os.link(keep, copy)
+            os.replace(copy, path)  # the file again
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

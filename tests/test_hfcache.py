@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tsckpt
-from tsckpt._storage import hfcache
+from tsckpt._storage import hfcache, native
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 REV2 = "89abcdef0123456789abcdef0123456789abcdef"
@@ -305,7 +305,7 @@ def test_any_other_link_is_refused(tmp_path, how):
 
 @pytest.mark.parametrize("how", ["other_repo", "blob_is_link", "blobs_dir_is_link"])
 def test_hostile_links_are_refused_without_openat2(tmp_path, monkeypatch, how):
-    monkeypatch.setattr(hfcache.native, "has_openat2", lambda: False)
+    monkeypatch.setattr(native, "has_openat2", lambda: False)
     snap, _ = _hostile(tmp_path, how)
     with pytest.raises(tsckpt.LinkRefusedError):
         tsckpt.restore(snap)

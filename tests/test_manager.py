@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import uuid
@@ -15,6 +16,7 @@ import tsckpt
 import tsckpt._manager as manager_module
 from tests.races import race_two_saves
 from tsckpt._ondisk.records import ROOT_KEY
+from tsckpt._storage import mirror as _mirror
 
 
 def _state(step: int) -> dict:
@@ -444,16 +446,25 @@ def test_save_async_never_deletes_a_step_another_job_committed_meanwhile(root, m
 
 def _read_only(monkeypatch) -> list[str]:
     """Make every write this process could make to storage fail as on a read-only mount
-    (EROFS; tests run as root, whom chmod does not stop), and record each attempt."""
+    (EROFS; tests run as root, whom chmod does not stop), and record each attempt. A
+    reader's own private directory of links to the files it reads (tsckpt._storage.mirror,
+    in a memory file system) is no storage: it is let be made, and its removal (which
+    unlinks by relative names) waits in the returned list until the test removes it."""
     import errno
     import shutil
 
     import tensorstore as ts
 
     tried: list[str] = []
+    real_unlink = os.unlink
 
     def refuse(name):
+        module, _, attr = name.partition(".")
+        real = getattr({"os": os, "shutil": shutil}.get(module), attr, None)
+
         def call(*args, **kwargs):
+            if real is not None and args and str(args[0]).startswith(os.path.join(_mirror.BASE, _mirror.PREFIX)):
+                return real(*args, **kwargs)  # a mirror being made
             tried.append(f"{name}{args[:2]!r}")
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]) if args else None)
 
@@ -473,6 +484,15 @@ def _read_only(monkeypatch) -> list[str]:
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", open_)
+    release = _mirror._release
+
+    def release_later(*args):  # while writes are refused: once they work again, as usual
+        if os.unlink is real_unlink:
+            release(*args)
+        else:
+            tried.append(("mirror", args))
+
+    monkeypatch.setattr(_mirror, "_release", release_later)
     return tried
 
 
@@ -496,12 +516,15 @@ def test_a_manager_on_a_read_only_mount_reads_without_writing(root, monkeypatch)
     with pytest.raises(tsckpt.CheckpointIncompleteError):
         reader.restore(2)
     assert tsckpt.open(reader.directory(1))["step"] == 1
-    assert tried == []
+    assert [t for t in tried if t[0] != "mirror"] == []  # the readers' own mirrors: removed once writes work
     with pytest.raises(tsckpt.StorageError) as e:  # saving is refused precisely, on the save path
         reader.save(4, _state(4))
     assert e.value.errno == errno.EROFS and "read-only" in str(e.value)
     reader.close()
+    gc.collect()
     monkeypatch.undo()
+    for args in [t[1] for t in tried if t[0] == "mirror"]:
+        _mirror._release(*args)
     assert sorted(k for k in loc.kvstore().list().result()) == before
     writer = tsckpt.CheckpointManager(root)
     writer.save(4, _state(4))  # a writer's first save cleans up

@@ -26,7 +26,7 @@ from .._ondisk.records import ArrayRecord
 from .._runtime.memory import prefaulted
 from .._runtime.progress import Progress
 from .._runtime.window import Window
-from .._storage.confine import open_beneath
+from .._storage.beneath import open_beneath
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, opened_directory, stored_shapes
@@ -104,7 +104,9 @@ def read_chunks(
         element = view.dtype.itemsize * math.prod(view.shape[len(item.lengths) :])  # complex32: a float16 pair
         for off, ln, src, dst in _pieces(rec, item.storage_offsets, item.lengths):
             nbytes = math.prod(ln) * element
-            read = kv.read(chunk_key(rec, off), staleness_bound=CACHED)
+            key = chunk_key(rec, off)
+            ck.hold([key], leaf=rec.path)
+            read = kv.read(key, staleness_bound=CACHED)
             in_flight.add(_Read(dest, view, chunk, read, src, dst, nbytes), nbytes)
     in_flight.drain()
     return list(left.values())

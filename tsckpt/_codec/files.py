@@ -25,7 +25,7 @@ from .._base import dtypes as _dtypes
 from .._ondisk.arrays import CRC_BYTES, INDEX_ENTRY_BYTES, MISSING_CHUNK, array_node, stored_node_problem
 from .._ondisk.bounds import NODE_BYTES, stat_problem
 from .._ondisk.records import ROOT_KEY, ArrayRecord, Chunking
-from .._storage.confine import open_beneath
+from .._storage.beneath import open_beneath
 from .._storage.durable import encode_json
 from . import crc
 

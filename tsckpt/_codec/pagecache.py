@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._storage import native
-from .._storage.confine import open_beneath
+from .._storage.beneath import open_beneath
 
 
 def resident_fraction(fd: int, start: int, stop: int) -> float | None:

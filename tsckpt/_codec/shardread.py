@@ -52,7 +52,7 @@ from .._ondisk.records import ArrayRecord
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage import native
-from .._storage.confine import open_beneath
+from .._storage.beneath import open_beneath
 from .._storage.faults import CHECKSUM_MISMATCH, CHUNK_MISSING, UNDECODABLE
 from .._storage.native import ALIGN, IOV_MAX
 from . import crc

@@ -13,11 +13,14 @@ tiling its shape, and every chunk's stored bytes at least its size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import pickle
+import stat
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,10 +28,17 @@ import torch
 
 from .._base import dtypes as _dtypes
 from .._base.types import LazySource, span_slices
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError, short_repr
+from .._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    LinkRefusedError,
+    NotACheckpointError,
+    short_repr,
+)
 from .._ondisk.bounds import METADATA_BYTES, file_problem, refused
 from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
-from .._storage.confine import confined
+from .._storage.confine import Root, confined, open_read
 from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
 from .torchfile import plain_tree, reason, weights_only_refusal
 
@@ -58,10 +68,10 @@ def read_dcp(path: str, *, allow_pickle: bool = False) -> Any:
     are checked before anything is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = _read_metadata(path, allow_pickle)
+    meta, root = _read_metadata(path, allow_pickle)
     _check_entries(path, meta)
-    _check_files(path, meta)
-    reader = _RegionReader(path, meta)
+    _check_files(root, meta)
+    reader = _RegionReader(root, meta)
     entries = meta.state_dict_metadata
     values = reader.values([k for k, md in entries.items() if not isinstance(md, TensorStorageMetadata)])
     leaves: dict[str, Any] = {}
@@ -73,8 +83,9 @@ def read_dcp(path: str, *, allow_pickle: bool = False) -> Any:
     return nest(leaves, meta.planner_data)
 
 
-def _read_metadata(path: str, allow_pickle: bool) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+def _read_metadata(path: str, allow_pickle: bool) -> tuple[Any, Root]:
+    """The checkpoint's metadata, unpickled (only with ``allow_pickle``), and its directory,
+    opened once: every file of it is read from there (:func:`_reader`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not os.path.exists(path):
@@ -82,7 +93,8 @@ def _read_metadata(path: str, allow_pickle: bool) -> Any:
     mfile = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(mfile):
         raise NotACheckpointError(f"{path}: not a torch.distributed.checkpoint directory (no .metadata file); give the one dcp.save wrote")
-    confined(path, METADATA_FILE, where=path, field="the DCP metadata file")
+    root = Root(path)
+    confined(root, METADATA_FILE, where=path, field="the DCP metadata file")
     problem = file_problem(mfile, METADATA_BYTES, "DCP metadata")
     if problem is not None:  # read whole by torch: never a device or a sparse file of gigabytes
         raise refused(mfile, problem, "it is damaged or not DCP's; re-save the checkpoint")
@@ -93,7 +105,7 @@ def _read_metadata(path: str, allow_pickle: bool) -> Any:
             "trust where this checkpoint came from"
         )
     try:
-        meta = FileSystemReader(path).read_metadata()
+        meta = _reader(root).read_metadata()
     except OSError:
         raise
     except Exception as e:  # unpickling garbage raises almost anything
@@ -103,7 +115,46 @@ def _read_metadata(path: str, allow_pickle: bool) -> Any:
         ) from None
     if not (isinstance(meta, Metadata) and isinstance(meta.state_dict_metadata, dict) and isinstance(meta.storage_data, dict)):
         raise CorruptCheckpointError(f"{mfile}: expected DCP Metadata listing data files, found {type(meta).__name__}; re-save")
-    return meta
+    return meta, root
+
+
+def _reader(root: Root) -> Any:
+    """DCP's FileSystemReader of the checkpoint at ``root`` whose every file (the metadata,
+    each data file) is opened below the directory's descriptor with no link followed
+    (:func:`open_read`), never by the path DCP would join."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(root.path)
+    reader.fs = _file_system_type()(root)
+    return reader
+
+
+@functools.cache
+def _file_system_type() -> type:
+    """DCP's FileSystem, its files opened confined below a :class:`Root` (a class made on
+    first use: importing DCP takes most of a second)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ConfinedFileSystem(FileSystem):
+        def __init__(self, root: Root) -> None:
+            super().__init__()
+            self.root = root
+
+        def concat_path(self, path: Any, suffix: str) -> Any:
+            where = os.path.join(self.root.path, METADATA_FILE)
+            return confined(self.root, suffix, where=where, field="a data file's relative_path")
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if mode != "rb":
+                raise ValueError(f"{path}: tsckpt reads a DCP checkpoint, never writes it")
+            fd = open_read(str(path) if not isinstance(path, str) else path)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise CorruptCheckpointError(f"{path}: is not a regular file; re-save the checkpoint")
+                yield f
+
+    return ConfinedFileSystem
 
 
 def _corrupt(path: str, field: str, what: str) -> CorruptCheckpointError:
@@ -197,7 +248,7 @@ def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     return False
 
 
-def _check_files(path: str, meta: Any) -> None:
+def _check_files(root: Root, meta: Any) -> None:
     """Refuse data files outside the directory (or links), and ones missing or shorter than the
     metadata says; and a tensor chunk whose stored bytes are fewer than its size (a compression
     transform aside), so that no read allocates more than the files hold."""
@@ -207,12 +258,14 @@ def _check_files(path: str, meta: Any) -> None:
         (key, tuple(c.offsets)): (c, md.properties.dtype.itemsize)
         for key, md in meta.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata) for c in md.chunks
     }
-    need: dict[str, int] = {}
+    path = root.path
+    need: dict[str, str] = {}
+    ends: dict[str, int] = {}
     for index, info in meta.storage_data.items():
         rel = info.relative_path
         field = f"storage_data['{index.fqn}'].relative_path"
-        confined(path, rel, where=os.path.join(path, METADATA_FILE), field=field)
-        need[rel] = max(need.get(rel, 0), info.offset + info.length)
+        need[rel] = confined(root, rel, where=os.path.join(path, METADATA_FILE), field=field)
+        ends[rel] = max(ends.get(rel, 0), info.offset + info.length)
         chunk, itemsize = chunks.get((index.fqn, tuple(index.offset or ())), (None, 0))
         if chunk is not None and not getattr(info, "transform_descriptors", None):
             want = math.prod(chunk.sizes) * itemsize
@@ -221,9 +274,9 @@ def _check_files(path: str, meta: Any) -> None:
                     path, f"storage_data['{index.fqn}'].length",
                     f"{info.length} bytes hold less than the chunk at {list(chunk.offsets)} needs ({want} bytes)",
                 )
-    for rel, n in sorted(need.items()):
-        file = os.path.join(path, rel)
-        size = os.path.getsize(file) if os.path.isfile(file) else None
+    for rel, n in sorted(ends.items()):
+        file = need[rel]
+        size = _size(file)
         if size is None or size < n:
             found = "missing" if size is None else f"truncated ({size} bytes)"
             raise CorruptCheckpointError(
@@ -231,14 +284,25 @@ def _check_files(path: str, meta: Any) -> None:
             )
 
 
+def _size(file: str) -> int | None:
+    """The size of the regular file ``file`` (opened as it is read: no link followed), or None."""
+    try:
+        fd = open_read(file)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
 class _RegionReader:
     """Reads DCP entries through FileSystemReader, keeping the last tensor region read."""
 
-    def __init__(self, path: str, meta: Any) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        self._path, self._meta = path, meta
-        self._fs = FileSystemReader(path)
+    def __init__(self, root: Root, meta: Any) -> None:
+        self._path, self._meta = root.path, meta
+        self._fs = _reader(root)
         self._fs.set_up_storage_reader(meta, True)
         self._lock = threading.Lock()
         self._last: tuple[str, tuple[int, ...], torch.Tensor] | None = None  # key, offsets, data
@@ -284,6 +348,8 @@ class _RegionReader:
             self._fs.read_data(plan, planner).wait()
         except LeafTypeError as e:
             raise LeafTypeError(f"{self._path}: {e}") from None
+        except LinkRefusedError:
+            raise
         except Exception as e:  # torch.load of damaged bytes raises almost anything
             raise CorruptCheckpointError(
                 f"{self._path}: cannot read {what} ({reason(e)}); the data files are "

@@ -62,6 +62,7 @@ from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.confine import confined, refuse_links
 from .._storage.locations import Location
+from .._storage.mirror import Mirror
 from ..tree import (
     MAX_STRUCTURE_DEPTH,
     ORBAX_NAMES,
@@ -109,6 +110,8 @@ class ForeignCheckpoint:
     arrays: Mapping[str, ForeignArray]
     values: Mapping[str, Any]
     structure: Any
+    # what the arrays' specs read through (a Mirror of the directory): kept as long as they are
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _one_line(e: BaseException) -> str:
@@ -361,10 +364,11 @@ class _Pending:
     scalar: bool  # a Python number saved as a 0-d array, read into its value
     item: Path
     meta: _ItemMetadata
+    read_item: Path  # where TensorStore reads the item: its place in the checkpoint's Mirror
 
     @property
     def spec(self) -> dict[str, Any]:
-        return self.meta.spec(self.item, self.name)
+        return self.meta.spec(self.read_item, self.name)
 
     @property
     def node(self) -> str:
@@ -380,6 +384,9 @@ class _LeafCollector:
 
     def __init__(self, location: Path) -> None:
         self.location = location
+        # TensorStore follows links: it reads the checkpoint's files through held descriptors
+        self.mirror = Mirror(str(location), str(location))
+        self.mirror.add_tree("")
         self.leaves: list[str] = []
         self.values: dict[str, Any] = {}
         self.pending: list[_Pending] = []
@@ -426,7 +433,8 @@ class _LeafCollector:
             self.values[path] = value
         elif entry.value_type in _ARRAY_TYPES or entry.value_type == "scalar":
             self.leaves.append(path)
-            self.pending.append(_Pending(path, name, entry.value_type == "scalar", item, meta))
+            read_item = Path(self.mirror.path, os.path.relpath(item, self.location))
+            self.pending.append(_Pending(path, name, entry.value_type == "scalar", item, meta, read_item))
         else:
             raise LeafTypeError(
                 f"{item}: leaf '{path}': Orbax value type '{entry.value_type}' is not supported: expected one of "
@@ -503,7 +511,7 @@ class _LeafCollector:
         structure = self.shape.structure()
         if structure_problem(structure, self.leaves) is not None:  # entries out of tree order: nested dicts
             structure = structure_from_paths(self.leaves)
-        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), structure)
+        return ForeignCheckpoint(str(self.location), tuple(self.leaves), proxy(arrays), proxy(values), structure, self.mirror)
 
     def _array(self, path: str, spec: dict[str, Any], store: ts.TensorStore) -> ForeignArray:
         dtype = _dtypes.numpy_name(store.dtype.numpy_dtype)
@@ -526,7 +534,7 @@ def _unreadable(a: _Pending, e: BaseException) -> CorruptCheckpointError:
 
 def _item_store(a: _Pending, context: ts.Context) -> ts.KvStore:
     """The kvstore of the item holding the array (keys ``<name>/...``)."""
-    kv = a.meta.kvstore(a.item)
+    kv = a.meta.kvstore(a.read_item)
     kv = {**kv, "path": kv["path"].rstrip("/") + "/" if kv["path"] else ""}
     return ts.KvStore.open(kv, context=context).result()
 
@@ -687,5 +695,5 @@ def as_checkpoint(loc: Location) -> Checkpoint:
     }
     specs = {p: a.spec for p, a in fc.arrays.items()}
     return Checkpoint(
-        loc, fc.leaves, arrays, dict(fc.values), fc.structure, {}, {}, specs, format="orbax", names=ORBAX_NAMES
+        loc, fc.leaves, arrays, dict(fc.values), fc.structure, {}, {}, specs, format="orbax", names=ORBAX_NAMES, held=fc.held
     )

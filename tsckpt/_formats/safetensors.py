@@ -63,8 +63,7 @@ from .._errors import (
 from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.bounds import METADATA_BYTES, read_fd
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
-from .._storage.confine import confined
-from .._storage.hfcache import open_read
+from .._storage.confine import Root, confined, open_read
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -388,14 +387,15 @@ def is_hf_dir(path: str) -> bool:
 def read_dir(path: str) -> Any:
     """A Hugging Face directory (one file, or shards and their index) as a tree of lazy sources."""
     indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors.index.json")))
+    root = Root(path)  # every file below it is opened from it, with no link followed
     if not indexes:
         if os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            return read_file(confined(path, SINGLE_NAME, where=path, field="the weights file"))
+            return read_file(confined(root, SINGLE_NAME, where=path, field="the weights file"))
         raise NotACheckpointError(f"{path}: no {SINGLE_NAME} or *.safetensors.index.json here")
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
-    index_file = confined(path, os.path.basename(index_file), where=path, field="the index file")
+    index_file = confined(root, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = read_index(index_file)
-    return _tree(index_file, _shard_sources(path, index_file, weight_map), meta.get(METADATA_KEY))
+    return _tree(index_file, _shard_sources(root, index_file, weight_map), meta.get(METADATA_KEY))
 
 
 def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -422,13 +422,13 @@ def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, meta
 
 
-def _shard_sources(path: str, index_file: str, weight_map: dict[str, str]) -> dict[str, tuple[TensorEntry, str]]:
+def _shard_sources(root: Root, index_file: str, weight_map: dict[str, str]) -> dict[str, tuple[TensorEntry, str]]:
     """Tensor name -> (its header entry, its file) for every tensor the index maps; each
     file it names must be inside the directory (no link), and hold the tensor."""
     headers: dict[str, Header] = {}
     sources: dict[str, tuple[TensorEntry, str]] = {}
     for name, fname in weight_map.items():
-        file = confined(path, fname, where=index_file, field=f"weight_map[{name!r}]")
+        file = confined(root, fname, where=index_file, field=f"weight_map[{name!r}]")
         if fname not in headers:
             if not os.path.isfile(file):
                 raise CorruptCheckpointError(f"{file}: missing, but {os.path.basename(index_file)} maps '{name}' to it")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._errors import CorruptCheckpointError, NotACheckpointError, short_repr
-from .._storage.confine import confined
+from .._storage.confine import Root, confined
 from .safetensors import read_index
 from .torchfile import read_torch_file
 
@@ -43,15 +43,16 @@ def read_torch_dir(path: str) -> Any:
     index (each shard loaded once; the tensors it maps, in the shards' order), or its one
     ``pytorch_model.bin``."""
     indexes = _indexes(path)
+    root = Root(path)  # every file below it is opened from it, with no link followed
     if not indexes:
         if os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            return read_torch_file(confined(path, SINGLE_NAME, where=path, field="the weights file"))
+            return read_torch_file(confined(root, SINGLE_NAME, where=path, field="the weights file"))
         raise NotACheckpointError(
             f"{path}: a directory with no {INDEX_NAME} or {SINGLE_NAME}; give a torch.save file, or a Hugging Face "
             "directory of them"
         )
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
-    index_file = confined(path, os.path.basename(index_file), where=path, field="the index file")
+    index_file = confined(root, os.path.basename(index_file), where=path, field="the index file")
     weight_map, _ = read_index(index_file)
     index_name = os.path.basename(index_file)
     by_file: dict[str, list[str]] = {}
@@ -60,7 +61,7 @@ def read_torch_dir(path: str) -> Any:
     tree: dict[str, torch.Tensor] = {}
     for fname in sorted(by_file):  # the shards' order, and each one's own: the state_dict's order
         names = by_file[fname]
-        file = confined(path, fname, where=index_file, field=f"weight_map[{names[0]!r}]")
+        file = confined(root, fname, where=index_file, field=f"weight_map[{names[0]!r}]")
         if not os.path.isfile(file):
             raise CorruptCheckpointError(f"{file}: missing, but {index_name} maps {names[0]!r} to it")
         shard = read_torch_file(file)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
-from .._storage.confine import file_kind
-from .._storage.hfcache import Blob, open_read
+from .._storage.confine import Confined, file_kind, open_read
+from .._storage.hfcache import Blob
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
 
@@ -85,10 +85,13 @@ def read_torch_file(path: str) -> Any:
 
 @contextlib.contextmanager
 def _opened(path: str) -> Iterator[tuple[Any, bool]]:
-    """(what torch.load is given, whether it can map it) for the file at ``path``: the path,
-    or for a Hugging Face cache snapshot's file (:class:`Blob`) the descriptor opened in its
-    repository's blobs/ (no link followed), through ``/proc/self/fd`` (mapped) or as a file."""
-    if not isinstance(path, Blob):
+    """(what torch.load is given, whether it can map it) for the file at ``path``: the path the
+    caller named, or for a file of a checkpoint (:class:`Confined`, opened below its
+    directory) or of a Hugging Face cache snapshot (:class:`Blob`, opened in its repository's
+    blobs/) the descriptor opened with no link followed, through ``/proc/self/fd`` (mapped:
+    that path reopens the file the descriptor holds, whatever its name leads to since) or as
+    a file."""
+    if not isinstance(path, (Blob, Confined)):
         yield path, True
         return
     fd = open_read(path)

@@ -66,7 +66,9 @@ def backing_problems(ck: Checkpoint, reads: Iterable[tuple[str, Box | None]]) ->
             if size > _MAX_FILE_BYTES:
                 found[path] = f"{key} cannot hold the {size} bytes that {fields} give it (no file holds 2**62 bytes)"
                 break
-            future = ck.kvstore().read(key, byte_range=slice(size - 1, size))
+            kv = ck.kvstore()
+            ck.hold([key], leaf=path)
+            future = kv.read(key, byte_range=slice(size - 1, size))
             window.add(_Probe(path, key, size, fields, files, box is None, future))
         if box is None:
             whole.append(path)

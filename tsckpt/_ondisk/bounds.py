@@ -24,7 +24,7 @@ import os
 import stat
 
 from .._errors import CorruptCheckpointError
-from .._storage.confine import file_kind
+from .._storage.confine import file_kind, open_read
 
 # The largest root zarr.json read: its array records take about 300-500 bytes per leaf,
 # so this holds several hundred thousand leaves.
@@ -85,9 +85,10 @@ def refused(name: str, problem: str, fix: str) -> CorruptCheckpointError:
 
 def read_file(path: str, limit: int, what: str, *, fix: str) -> bytes:
     """The bytes of the local file ``path``, read as ``what`` of at most ``limit`` bytes:
-    opened without waiting, then read as :func:`read_fd` reads. A failed open raises its
-    OSError (FileNotFoundError for a missing file)."""
-    return read_fd(os.open(path, _READ_FLAGS), path, limit, what, fix=fix)
+    opened without waiting (a file of a checkpoint below its directory, with no link
+    followed: :func:`open_read`), then read as :func:`read_fd` reads. A failed open raises
+    its OSError (FileNotFoundError for a missing file)."""
+    return read_fd(open_read(path), path, limit, what, fix=fix)
 
 
 def read_fd(fd: int, name: str, limit: int, what: str, *, fix: str) -> bytes:

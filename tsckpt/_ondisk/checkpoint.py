@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import tensorstore as ts
@@ -21,11 +21,15 @@ from .._errors import CorruptCheckpointError
 from .._storage import locations as _locations
 from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
+from .._storage.mirror import Mirror
 from ..tree import TSCKPT_NAMES, from_paths, structure_from_json
-from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node
+from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
 from .bounds import NODE_BYTES, file_problem, refused
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 
+# Files of an array, at most, that TensorStore's read of it opens by their names (the
+# record's); an array said to have more is walked for the files it really has.
+_NAMED_FILES = 64
 # The format of a checkpoint tsckpt wrote; any other is another library's.
 TSCKPT = "tsckpt"
 
@@ -71,6 +75,8 @@ class Checkpoint:
     # the generation of the root zarr.json that was opened (tsckpt's format): readers check that
     # it is still the root after reading (readfaults.unchanged); None for another library's
     root_generation: bytes | None = dataclasses.field(default=None, compare=False)
+    # what :attr:`specs` read through (another library's local checkpoint: a Mirror), kept as long as they are
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
     # the arrays whose files were found to back their records (see _backing.py)
     backed: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the kvstore
@@ -96,14 +102,52 @@ class Checkpoint:
         return cast(ts.Context, self._cache["context"])
 
     def kvstore(self) -> ts.KvStore:
-        """The kvstore of :meth:`data`, opened once. Every read of the checkpoint's files by
-        TensorStore goes through it or follows it (:class:`Opening`), so a walk for links put
-        off by :meth:`check_links` runs here, before TensorStore reads anything."""
+        """The kvstore of :meth:`read_data`, opened once. Every read of the checkpoint's files
+        by TensorStore goes through it or follows it (:class:`Opening`), so a walk for links
+        put off by :meth:`check_links` runs here, before TensorStore reads anything. Before
+        reading a key of a local checkpoint through it, :meth:`hold` the key."""
         if self._cache.get("links") == "deferred":
             self.check_links()
         if "kv" not in self._cache:
-            self._cache["kv"] = ts.KvStore.open(self.data(), context=self.context()).result()
+            self._cache["kv"] = ts.KvStore.open(self.read_data(), context=self.context()).result()
         return cast(ts.KvStore, self._cache["kv"])
+
+    def _mirror(self) -> Mirror | None:
+        """The :class:`Mirror` TensorStore reads a local checkpoint of tsckpt's format through,
+        made once (a compact one whole: its database's few files); None for any other."""
+        if self.location.local is None or self.foreign:
+            return None
+        if "mirror" not in self._cache:
+            mirror = Mirror(self.location.local, str(self.location))
+            if self.layout != LAYOUT_PLAIN:
+                mirror.add_tree("")
+            self._cache.setdefault("mirror", mirror)  # made by two threads at once: one is kept, by both
+        return cast(Mirror, self._cache["mirror"])
+
+    def read_data(self) -> dict[str, Any]:
+        """kvstore spec TensorStore reads the array nodes and chunks through: :meth:`data`, but
+        for a local checkpoint its :class:`Mirror` (links to descriptors of files opened with
+        no link followed), so that a file swapped for a link is never read through the link."""
+        mirror = self._mirror()
+        if mirror is None:
+            return self.data()
+        if self.layout == LAYOUT_PLAIN:
+            return mirror.spec()
+        return {**self.data(), "base": mirror.spec()}
+
+    def hold(self, keys: Iterable[str], *, leaf: str) -> None:
+        """Open the files ``keys`` of array ``leaf`` of a local checkpoint, with no link
+        followed, for reads of them through :meth:`kvstore` (:meth:`Mirror.add`); nothing
+        for any other checkpoint."""
+        mirror = self._mirror()
+        if mirror is not None and self.layout == LAYOUT_PLAIN:
+            mirror.add(keys, field=f"leaf {leaf!r}: the file")
+
+    def hold_tree(self, path: str) -> None:
+        """:meth:`hold` every file below array ``path`` (:meth:`Mirror.add_tree`)."""
+        mirror = self._mirror()
+        if mirror is not None and self.layout == LAYOUT_PLAIN:
+            mirror.add_tree(path, field=f"leaf {path!r}: the file")
 
     @property
     def layout(self) -> str:
@@ -133,15 +177,19 @@ class Checkpoint:
         kv = self.kvstore()  # first: a deferred walk for links and special files names them all
         if self.node_file_problem(path) is not None:
             return _NOT_READ
+        self.hold([f"{path}/{ROOT_KEY}"], leaf=path)
         return kv.read(f"{path}/{ROOT_KEY}", staleness_bound=CACHED)
 
     def check_links(self, *, deferred: bool = False) -> None:
         """Refuse a local checkpoint that holds a symbolic link before reading its data
-        (docs/security.md); another library's checkpoint (Orbax) is left to that library.
+        (docs/security.md), naming every link at once; another library's checkpoint (Orbax)
+        is left to that library. The walk is what names links up front: what keeps a read
+        from following one, however late it is planted, is that every file is opened with
+        no link followed (tsckpt's own readers; TensorStore through :meth:`read_data`).
 
         ``deferred`` (restore): where tsckpt's own readers open files refusing links
         (:func:`tsckpt._storage.confine.confined_opens`) and the checkpoint is of the plain layout, the walk
-        waits until TensorStore is about to read (:meth:`kvstore`), which follows links.
+        waits until TensorStore is about to read (:meth:`kvstore`).
         A restore that the own readers read whole then needs no walk: for 10,000 small
         leaves the walk took 0.13-0.16 s of a 0.9 s restore. A link met by an own reader
         fails its open, and that leaf goes to TensorStore's path, so the walk runs and
@@ -204,10 +252,15 @@ class Opening:
                     f"'{path}' in {ck.location}: {path}/zarr.json is not valid JSON ({e}); "
                     "restore from another checkpoint"
                 ) from None
-            if node_problem(node, rec) is None:
-                return open_array_future(ck.data(), rec, checked=True, context=ck.context()).result()
-        # missing or different: TensorStore says how
-        return open_array_future(ck.data(), rec, context=ck.context()).result()
+            if node_problem(node, rec) is None:  # its files are the record's: a few are opened by name
+                if stored_size(rec).files <= _NAMED_FILES:
+                    ck.hold((key for key, _ in stored_files(rec)), leaf=path)
+                else:  # as many as exist (a record may claim any number)
+                    ck.hold_tree(path)
+                return open_array_future(ck.read_data(), rec, checked=True, context=ck.context()).result()
+        # missing or different: TensorStore says how, from whatever files the array has
+        ck.hold_tree(path)
+        return open_array_future(ck.read_data(), rec, context=ck.context()).result()
 
 
 class _NotRead:

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 from .._errors import CheckpointReplacedError, CorruptCheckpointError, TsckptError
 from .._storage import faults as _faults
+from .._storage.confine import confined
 from .._storage.faults import UNDECODABLE
 from .._storage.locations import Location
 from .arrays import MANIFEST
-from .bounds import ROOT_BYTES, file_problem
+from .bounds import ROOT_BYTES, file_problem, read_file
 from .checkpoint import Checkpoint
 from .records import ROOT_KEY
 
@@ -80,13 +81,23 @@ def replaced(loc: Location, generation: bytes | None) -> CheckpointReplacedError
             return None
         if found.state == "unspecified":
             return None
-        now = _now(bytes(found.value)) if found.state == "value" else " (its root zarr.json is gone)"
+        now = _now(_root_now(loc, bytes(found.value))) if found.state == "value" else " (its root zarr.json is gone)"
     return CheckpointReplacedError(
         f"{loc}: the checkpoint was replaced or deleted while it was being read (by another save with "
         "overwrite=True, or a manager's retention or clean-up); nothing read since it was opened is "
         f"returned, as it could mix two checkpoints{now}. Open or restore it again (a manager: pick the "
         "step again), and keep steps being read out of retention"
     )
+
+
+def _root_now(loc: Location, value: bytes) -> bytes:
+    """The root that replaced the opened one, for the message: ``value`` as read, but on a
+    local disk read again with no link followed (TensorStore's read follows one, and what a
+    link leads to is never shown), refused if it is one."""
+    if loc.local is None:
+        return value
+    path = confined(loc.local, ROOT_KEY, where=str(loc), field="the root metadata")
+    return read_file(path, ROOT_BYTES, "a root zarr.json", fix="restore from another checkpoint")
 
 
 def _now(value: bytes) -> str:

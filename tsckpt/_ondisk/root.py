@@ -15,6 +15,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+import tensorstore as ts
 import torch
 
 from .._base import dtypes as _dtypes
@@ -28,7 +29,8 @@ from .._errors import (
     short_repr,
 )
 from .._storage.confine import file_kind
-from .._storage.locations import Location
+from .._storage.locations import CONTEXT, Location
+from .._storage.mirror import Mirror
 from ..tree import structure_problem
 from .arrays import MANIFEST
 from .bounds import METADATA_BYTES, ROOT_BYTES, file_problem, refused
@@ -91,8 +93,8 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
     generation it was read at (TensorStore's generation of a missing key when there is none):
     the condition of replacing or removing it. A root that is not read (:func:`root_file_problem`)
     is "invalid" (problem "file"), with no generation."""
-    kv = loc.kvstore()
     problems = {k: root_file_problem(loc, k) for k in keys}
+    kv, _held = _root_store(loc, [k for k in keys if problems[k] is None])
     reads = {k: kv.read(k) for k in keys if problems[k] is None}
     out = {}
     for key in keys:
@@ -156,12 +158,24 @@ def _read_root(loc: Location) -> tuple[RootState, bytes]:
             f"{loc}: zarr.json", problem, "it is no checkpoint's root (tsckpt writes a regular file of a few MiB at "
             "most); restore from another checkpoint"
         )
-    kv = loc.kvstore()
+    kv, _held = _root_store(loc, [ROOT_KEY])
     found = kv.read(ROOT_KEY).result()
     root = root_state(found.value if found.state == "value" else None)
     if root.state is None and loc.local is None and not kv.list().result():
         raise CheckpointNotFoundError(f"{loc}: nothing stored here; check the location")
     return root, bytes(found.stamp.generation)
+
+
+def _root_store(loc: Location, keys: list[str]) -> tuple[ts.KvStore, Mirror | None]:
+    """The kvstore to read the roots ``keys`` below ``loc`` from: for a local directory, a
+    :class:`Mirror` of those files, opened now with no link followed (LinkRefusedError for a
+    root that is a link: TensorStore would read wherever it leads), kept while it is read;
+    else ``loc``'s own. The generations read are the files' own, as ``loc``'s kvstore gives them."""
+    if loc.local is None or not os.path.isdir(loc.local):
+        return loc.kvstore(), None
+    mirror = Mirror(loc.local, str(loc))
+    mirror.add(keys, field="the root metadata")
+    return ts.KvStore.open(mirror.spec(), context=CONTEXT).result(), mirror
 
 
 def _committed_meta(loc: Location, root: RootState) -> Mapping[str, Any]:

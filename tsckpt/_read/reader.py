@@ -85,7 +85,9 @@ class LazyArray:
             raise node_error(self._ck, self.path, e) from e
 
     def tensorstore(self) -> ts.TensorStore:
-        """The opened TensorStore array (opened on first use)."""
+        """The opened TensorStore array (opened on first use). On a local disk it reads the
+        checkpoint's files through descriptors this reader holds (docs/security.md): use it
+        while the reader (or this array) is alive; after, its files read as missing."""
         if self._store is None:
             self.set_store(self.open_future())
         return cast(ts.TensorStore, self._store)

@@ -13,9 +13,13 @@ Owns:
 - :mod:`.native`: every call into the C library (``mincore``, ``madvise``,
   ``malloc_trim``, ``syncfs``, ``sync_file_range``, ``openat2``), each declared once
   with one availability probe; the I/O limits (``ALIGN``, ``IOV_MAX``) and aligned memory.
+- :mod:`.beneath`: opens below an open directory that follow no symbolic link
+  (``openat2``, else ``O_NOFOLLOW`` on each component).
 - :mod:`.confine`: paths inside a local checkpoint: the one check of every stored path,
-  confinement with no symbolic link on the way, opens the kernel refuses to resolve
-  through a link (``openat2``), and the walk that finds links and special files.
+  the checkpoint's directory opened once (``Root``) and its files opened from it with no
+  link followed (``Confined``, ``open_read``), and the walk that finds links and special files.
+- :mod:`.mirror`: a local checkpoint as TensorStore reads it: a private directory of links
+  to descriptors of its files, held open (``Mirror``).
 - :mod:`.hfcache`: the Hugging Face hub cache: a snapshot's files, links into their own
   repository's ``blobs/``, recognised strictly and opened there with no link followed
   (``Blob``, ``open_read``); ``hf://ORG/NAME[@REVISION]`` found in the local cache.

@@ -6,26 +6,29 @@ path is checked here, by one rule, before anything is opened: :func:`path_proble
 (relative, ``/``-separated, no empty, ``.`` or ``..`` segment), and on a local disk
 :func:`confined`, which also refuses a symbolic link on the way to it.
 
-TensorStore's file kvstore follows links and has no option not to, so a link
-planted in a checkpoint could make a reader return data from anywhere on the
-machine. Readers therefore look for links before TensorStore reads a local
-checkpoint's data. The walk reads directory entries only (their type comes with
-the entry: no stat per file), about 16 microseconds per leaf of one chunk file.
-tsckpt's own readers open files with :func:`open_beneath`, where the kernel
-refuses a link on the way (``openat2``, Linux 5.6), so a restore they read whole
-needs no walk (``Checkpoint.check_links(deferred=True)``). The checkpoint itself
-(the directory or file the caller names) may be a link.
+A check alone is not enough: whoever can write inside the checkpoint could swap a file
+for a link after it. So no file of a local checkpoint is opened again by its path: the
+checkpoint's directory is opened once (:class:`Root`; it may itself be a link), and
+:func:`confined` returns a :class:`Confined` path that :func:`open_read` opens from that
+descriptor with no link followed anywhere on the way (:mod:`.beneath`). TensorStore,
+which opens files by path and follows links, reads a local checkpoint through a
+:class:`~tsckpt._storage.mirror.Mirror` of descriptors opened so. The walk for links
+(:func:`odd_files`) remains, to name every link of a checkpoint up front (``open``,
+``verify``, before TensorStore reads).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
+import weakref
 from typing import Any, NamedTuple
 
 from .._errors import CorruptCheckpointError, LinkRefusedError, short_repr
-from . import hfcache, native
+from . import hfcache
+from .beneath import LINK_ERRNOS, READ_FLAGS, open_beneath, open_directory, refuses_links
 
 # How every refusal of a link says why, and what to do.
 _LINK_WHY = (
@@ -86,29 +89,125 @@ def path_problem(rel: Any) -> str | None:
     return None
 
 
-def confined(root: str, rel: Any, *, where: str, field: str) -> str:
-    """The local path of ``rel`` (a path stored in the checkpoint at ``root``, read from
-    ``where``'s ``field``), checked to lie inside it: CorruptCheckpointError naming the file
-    and the field if ``rel`` leaves ``root``, LinkRefusedError if a component of it is a
-    symbolic link, but for a file of a Hugging Face cache snapshot linking into its own
-    repository's ``blobs/`` (:func:`hfcache.blob`: a :class:`hfcache.Blob`, which
-    :func:`hfcache.open_read` opens there, never through the link)."""
+class Root:
+    """A local checkpoint's directory, opened once (it may itself be a link: the checkpoint
+    the caller names may be one). Every stored path of it is opened from this descriptor
+    (:func:`open_read`), never resolved from the directory's path again; closed when the
+    last :class:`Confined` path of it goes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = open_directory(path)
+        weakref.finalize(self, os.close, self.fd)
+
+
+class Confined(str):
+    """The path of a file stored in a local checkpoint (what messages name), whose bytes are
+    read from ``rel`` below the checkpoint's open directory (:class:`Root`) by
+    :func:`open_read`, with no symbolic link followed anywhere on the way: a file swapped
+    for a link after it was checked fails its open, never reads the link's target."""
+
+    root: Root
+    rel: str
+    where: str  # the file and field that named it, for messages
+    field: str
+
+    def __new__(cls, root: Root, rel: str, where: str, field: str) -> Confined:  # noqa: PYI034 - a str made with fields
+        made = super().__new__(cls, os.path.join(root.path, *rel.split("/")))
+        made.root, made.rel, made.where, made.field = root, rel, where, field
+        return made
+
+    def __reduce__(self) -> tuple:  # type: ignore[type-arg]
+        return (_remade, (self.root.path, self.rel, self.where, self.field))
+
+
+def _remade(root: str, rel: str, where: str, field: str) -> Confined:
+    """A :class:`Confined` path in another process: the checkpoint's directory opened there."""
+    return Confined(Root(root), rel, where, field)
+
+
+def confined(root: str | Root, rel: Any, *, where: str, field: str) -> str:
+    """``rel``, a path stored in the checkpoint at ``root`` (read from ``where``'s ``field``),
+    checked to lie inside it: CorruptCheckpointError naming the file and the field if ``rel``
+    leaves ``root``, LinkRefusedError if a component of it is a symbolic link, but for a file
+    of a Hugging Face cache snapshot linking into its own repository's ``blobs/``
+    (:func:`hfcache.blob`: a :class:`hfcache.Blob`, opened there, never through the link).
+    Returns a :class:`Confined` path, which :func:`open_read` opens again below the
+    directory's descriptor refusing any link, so a link planted after this check is refused
+    too; a missing file is left to the caller, which says what it expected. Give a
+    :class:`Root` to open the checkpoint's directory once for all its files."""
     why = path_problem(rel)
     if why is not None:
         raise CorruptCheckpointError(
             f"{where}: {field} {why}; the checkpoint is damaged or made to read elsewhere: use a trusted copy"
         )
-    path = root
-    for part in rel.split("/"):
-        path = os.path.join(path, part)
-        if os.path.islink(path):
-            rel_link = os.path.relpath(path, root).replace(os.sep, "/")
-            target = os.readlink(path)
-            found = hfcache.blob(root, rel, target) if rel_link == rel else None  # the file itself only
-            if found is not None:
-                return found
-            raise link_refused(f"{where}: {field} {rel!r}: {rel_link} is a symbolic link (to {target})", path, target)
+    if not isinstance(root, Root):
+        try:
+            root = Root(directory := root)
+        except OSError:  # no directory there: the caller's own check of the file says so
+            return os.path.join(directory, *rel.split("/"))
+    path = Confined(root, rel, where, field)
+    try:
+        fd = open_beneath(root.fd, rel)
+    except OSError as e:
+        if e.errno not in LINK_ERRNOS:
+            return path  # missing or unreadable: the caller's read says so
+        try:
+            return _linked(path, e)
+        except NotADirectoryError:
+            return path  # a file on the way, no link: the caller's read says what is missing
+    os.close(fd)
     return path
+
+
+def open_read(path: str) -> int:
+    """A descriptor, for reading (without waiting), of a file of a checkpoint: a
+    :class:`Confined` path opened below its checkpoint's directory with no link followed
+    (LinkRefusedError naming the link), a :class:`hfcache.Blob` in its repository's
+    ``blobs/``, any other path (one the caller named) as ``os.open`` opens it. The one way
+    every reader opens a checkpoint's files."""
+    if isinstance(path, hfcache.Blob):
+        return hfcache.open_read(path)
+    if not isinstance(path, Confined):
+        return os.open(path, READ_FLAGS)
+    try:
+        return open_beneath(path.root.fd, path.rel)
+    except OSError as e:
+        if e.errno not in LINK_ERRNOS:
+            raise
+        return hfcache.open_read(_linked(path, e))
+
+
+def _linked(path: Confined, error: OSError) -> hfcache.Blob:
+    """The :class:`hfcache.Blob` that ``path``, whose open met a link (``error``), stands for
+    in a Hugging Face cache snapshot; else LinkRefusedError naming the link (found by looking
+    at each component; one gone again since is named as the path that was a link), or
+    ``error`` itself for a component that is a file, not a directory (ENOTDIR)."""
+    root, rel = path.root.path, path.rel
+    at = root
+    for part in rel.split("/"):
+        at = os.path.join(at, part)
+        try:
+            target = os.readlink(at)
+        except OSError:
+            continue  # not a link (or gone)
+        rel_link = os.path.relpath(at, root).replace(os.sep, "/")
+        found = hfcache.blob(root, rel, target) if rel_link == rel else None  # the file itself only
+        if found is not None:
+            return found
+        raise link_refused(f"{path.where}: {path.field} {rel!r}: {rel_link} is a symbolic link (to {target})", at, target)
+    if error.errno == errno.ENOTDIR:
+        raise error
+    raise changed_link(path)
+
+
+def changed_link(path: Confined) -> LinkRefusedError:
+    """The error of ``path``, whose open met a symbolic link that is gone again when looked at."""
+    return LinkRefusedError(
+        f"{path.where}: {path.field} {path.rel!r}: {path} was reached through a symbolic link when it was opened "
+        f"(changed again since); {_LINK_WHY}: {_LINK_FIX}",
+        link=str(path), target="",
+    )
 
 
 class Odd(NamedTuple):
@@ -136,8 +235,16 @@ def odd_files(root: str) -> dict[str, Odd]:
                 stack.append(e.path)
             elif not e.is_file(follow_symlinks=False):
                 rel = os.path.relpath(e.path, root).replace(os.sep, "/")
-                found[rel] = Odd("a symbolic link", os.readlink(e.path)) if e.is_symlink() else Odd(_special(e), None)
+                found[rel] = Odd("a symbolic link", _target(e.path)) if e.is_symlink() else Odd(_special(e), None)
     return dict(sorted(found.items()))
+
+
+def _target(path: str) -> str:
+    """The target of the link at ``path``, for a message (one replaced since it was listed: said so)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "(replaced while it was read)"
 
 
 def _special(entry: os.DirEntry[str]) -> str:
@@ -173,34 +280,10 @@ def odd_problem(rel: str, odd: Odd, root: str) -> tuple[str, str]:
     )
 
 
-# Opens for reading never wait: O_NONBLOCK makes a FIFO planted in a checkpoint open at
-# once (its read then fails, and the reader leaves the file to the walk that names it)
-# rather than wait for a writer forever; it changes nothing for a regular file.
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
-# How :func:`open_beneath` opens through openat2: no symbolic link anywhere on the path,
-# no /proc magic link, and never above the directory the path is resolved from. Made
-# once: each open passes the same struct.
-_HOW = native.OpenHow(
-    _READ_FLAGS, 0, native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS | native.RESOLVE_BENEATH
-)
-
-
 def confined_opens() -> bool:
-    """Whether :func:`open_beneath` refuses links here (else it follows them, as ``open`` does)."""
-    return native.has_openat2()
-
-
-def open_beneath(dir_fd: int, rel: str) -> int:
-    """A descriptor, for reading (without waiting: :data:`_READ_FLAGS`), of the file ``rel``
-    (``/``-separated) below the open directory ``dir_fd``. Where :func:`confined_opens`, the
-    kernel resolves it refusing a symbolic link anywhere on the way and any path leading
-    above ``dir_fd`` (OSError ELOOP or EXDEV, as any failed open); elsewhere a plain
-    ``openat``, which follows links, so its callers walk for links first. Each resolves
-    only ``rel``: for 10,000 small leaves (two opens each), 20,000 walks of the directory's
-    own path saved. Errors are raised as ``os.open`` raises them (ENOENT: a FileNotFoundError)."""
-    if not native.has_openat2():
-        return os.open(rel, _READ_FLAGS, dir_fd=dir_fd)
-    return native.openat2(dir_fd, rel, _HOW)
+    """Whether :func:`open_beneath` refuses links here (``openat2``, or ``O_NOFOLLOW`` on
+    each component); else it follows them, as ``open`` does, and readers walk for links first."""
+    return refuses_links()
 
 
 def owner(rel: str, arrays: list[str] | tuple[str, ...] | set[str]) -> str | None:

@@ -34,17 +34,12 @@ from .._errors import (
     LinkRefusedError,
     NotACheckpointError,
 )
-from . import native
+from .beneath import LINK_ERRNOS, READ_FLAGS, open_beneath, open_directory
 
 SCHEME = "hf://"
 _REPO = re.compile(r"(model|dataset|space)s--([^/]+)")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _HASH = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
-# Opens never wait (a FIFO planted as a blob fails its fstat check instead).
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
-_HOW = native.OpenHow(
-    _READ_FLAGS, 0, native.RESOLVE_NO_SYMLINKS | native.RESOLVE_NO_MAGICLINKS | native.RESOLVE_BENEATH
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +101,12 @@ def open_read(path: str) -> int:
     (LinkRefusedError, CorruptCheckpointError); any other path opened as ``os.open`` does,
     without waiting (a FIFO opens at once; the caller's ``fstat`` refuses it)."""
     if not isinstance(path, Blob):
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
-    top = os.open(path.repo_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return os.open(path, READ_FLAGS)
+    top = open_directory(path.repo_dir)
     try:
-        fd = _open_beneath(top, path.rel)
+        fd = open_beneath(top, path.rel)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
+        if e.errno in LINK_ERRNOS:
             where = os.path.join(path.repo_dir, path.rel)
             raise LinkRefusedError(
                 f"{path}: links to {where}, which is a symbolic link or lies below one; tsckpt reads a Hugging Face "
@@ -134,24 +129,6 @@ def open_read(path: str) -> int:
             "download the model again"
         )
     return fd
-
-
-def _open_beneath(top: int, rel: str) -> int:
-    """``rel`` below the open directory ``top``, refusing a link anywhere on the way."""
-    if native.has_openat2():
-        return native.openat2(top, rel, _HOW)
-    *dirs, name = rel.split("/")
-    fd = top
-    try:
-        for part in dirs:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            if fd != top:
-                os.close(fd)
-            fd = nxt
-        return os.open(name, _READ_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-    finally:
-        if fd != top:
-            os.close(fd)
 
 
 # ---- hf://ORG/NAME[@REVISION]: a snapshot of the local cache ------------------------------
