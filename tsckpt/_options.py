@@ -34,7 +34,7 @@ Conventions:
 
 CheckpointManager: options that say how a run's checkpoints are written and
 coordinated (``group``, ``timeout``, ``check_replicas``, ``layout``) and how
-its background worker behaves (``if_busy``, ``max_staging_bytes``) are given
+its background worker behaves (``if_busy``, ``max_staging_bytes``, ``writer``) are given
 once, to the constructor, and hold for every step: the steps of one run share
 a process group, a layout and one set of staging buffers. Options of a single
 call (``overwrite``, ``max_inflight_bytes``, ``progress``; when restoring
@@ -69,6 +69,8 @@ READ_WINDOW_BYTES = 32 << 20
 
 IfBusy = Literal["wait", "error"]
 IF_BUSY = ("wait", "error")
+Writer = Literal["process", "thread"]
+WRITERS = ("process", "thread")
 
 _O = TypeVar("_O", bound="_Options")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -129,6 +131,11 @@ def _casting(name: str, value: Any) -> None:
 def _if_busy(name: str, value: Any) -> None:
     if value not in IF_BUSY:
         raise ValueError(f"{name} must be 'wait' or 'error', not {value!r}")
+
+
+def _writer(name: str, value: Any) -> None:
+    if value not in WRITERS:
+        raise ValueError(f"{name} must be 'process' or 'thread', not {value!r}")
 
 
 def _format(name: str, value: Any) -> None:
@@ -208,6 +215,14 @@ class AsyncOptions(_Options):
         "The most array bytes copied to host memory for a background save; a larger state is saved "
         "synchronously instead, with a RuntimeWarning (None: no limit).",
         _staging,
+    )
+    writer: Writer = _option(
+        "process",
+        '"process": the save runs in a writer process of its own, started once and reused, reading the '
+        'staged state from shared memory; "thread": in a thread of the calling process. A state the writer '
+        "process cannot take (jax arrays, CUDA tensors, lazy sources, a memory:// location) is saved by the "
+        "thread.",
+        _writer,
     )
 
 
@@ -313,12 +328,12 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     "CheckpointManager.save": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "writer": _AT_CONSTRUCTION},
     },
     "CheckpointManager.save_async": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "writer": _AT_CONSTRUCTION},
     },
     "tsckpt.restore": {RestoreOptions: {}},
     "CheckpointManager.restore": {

@@ -1,11 +1,14 @@
-"""save_async(): copy the state to host memory, then save it in a background thread.
+"""save_async(): copy the state to host memory, then save it in the background.
 
 The caller is held only while the leaves are copied into staging buffers
 (training mutates its tensors in place, and donates jax arrays to its next
 jitted step, so even CPU tensors and jax arrays are copied). Writing,
-syncing and the commit then run in one worker thread through the ordinary
-:func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
-guarantees are exactly those of a synchronous save.
+syncing and the commit then run through the ordinary :func:`tsckpt.save` on the
+staged tree, so the on-disk result and the crash guarantees are exactly those of a
+synchronous save: in a writer process of its own (``writer="process"``,
+tsckpt/_save/writer.py: the staging buffers are then shared memory it reads), or in one
+worker thread of the caller's process (``writer="thread"``, and where a state cannot go
+to a writer process).
 
 Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
 a training loop that saves the same state repeatedly allocates (and page-faults)
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import datetime
 import os
 import sys
@@ -44,7 +48,7 @@ from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_co
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
-from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, timeout_seconds, verb
+from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, Writer, timeout_seconds, verb
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
 from .._storage.locations import Directory, resolve
@@ -73,7 +77,8 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     (``timeout``: a :class:`datetime.timedelta` as on every tsckpt verb, or float
     seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
     is how long the call that started it held the caller, ``staged_bytes`` how
-    much array data it copied.
+    much array data it copied, ``writer_peak_bytes`` the peak resident memory of
+    the writer process that saved it, once it is done (None: saved by a thread).
     """
 
     def __init__(self, directory: str, staged_bytes: int) -> None:
@@ -81,6 +86,7 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         self.directory = directory
         self.staged_bytes = staged_bytes
         self.blocked_s = 0.0
+        self.writer_peak_bytes: int | None = None
         self.retrieved = False  # result() or exception() has reported the outcome
 
     def __repr__(self) -> str:
@@ -166,6 +172,7 @@ class _Staging:
             if mem is not None:
                 first.setdefault(mem, i)
         self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
+        self._reserve([k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)])
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is None and key[1] == "jax":
                 start_host_copy(data)
@@ -201,6 +208,10 @@ class _Staging:
             _devicecopy.ops().wait(started)
         return out
 
+    def _reserve(self, keys: list[tuple[Any, ...]]) -> None:
+        """Buffers for the host arrays (numpy, CPU tensors) made ahead of the copies; here none:
+        each is made at its copy (shared staging makes them all at once, writer.py)."""
+
     def _pin(self, keys: list[tuple[Any, ...]]) -> None:
         """Buffers for the device tensors: kept from the last save when every one of them is,
         else all made again in one page-locked slab (the old ones released first, so staging
@@ -211,6 +222,11 @@ class _Staging:
             self._buffers.pop(k, None)
         slab = _devicecopy.PinnedSlab([(k[3], k[2]) for k in keys])
         self._buffers.update(zip(keys, slab.views()))
+
+
+def _in_host_memory(key: tuple[Any, ...]) -> bool:
+    """Whether a staging key's buffer is plain host memory: a numpy array or a CPU tensor's."""
+    return key[1] == "numpy" or (key[1] == "torch" and not key[-1])
 
 
 def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, Any, Any, Any]]]:
@@ -269,6 +285,7 @@ class AsyncSaver:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: AsyncSave | None = None
+        self._process: Any = None  # writer.WriterSlot, made at the first save by a writer process
 
     @property
     def staging_bytes(self) -> int:
@@ -322,8 +339,11 @@ class AsyncSaver:
         prepare: Callable[[], None] | None = None,
         max_staging_bytes: int | None = None,
         rank: int = 0,
+        writer: Writer = "thread",
     ) -> AsyncSave:
-        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
+        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread, or with
+        ``writer="process"`` the job's ``in_writer()`` in the writer process (writer.py;
+        where the state or the job cannot go there, in the thread).
 
         ``prepare`` runs in the caller once any previous save has finished (for
         checks whose errors belong to the caller, and collective setup). Stateful
@@ -353,28 +373,42 @@ class AsyncSaver:
                 handle.retrieved = True
                 handle.result()
             else:
+                if writer == "process" and self._process is None:
+                    from .writer import WriterSlot
+
+                    self._process = WriterSlot()
+                if writer == "process":
+                    self._staging = self._process.staging(self._staging)
                 copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
-                _place(leaves, regions, copies)
-                del regions, copies  # no reference to the device arrays outlives the call
-                staged = unflatten(flat.spec, leaves)
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
-                    )
                 handle = AsyncSave(label, nbytes)
-                self._executor.submit(handle.run, job, staged)
+                if writer != "process" or not self._process.send(handle, job, flat, leaves, regions, copies):
+                    _place(leaves, regions, copies)
+                    del regions, copies  # no reference to the device arrays outlives the call
+                    staged = unflatten(flat.spec, leaves)
+                    if self._executor is None:
+                        self._executor = concurrent.futures.ThreadPoolExecutor(
+                            1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
+                        )
+                    self._executor.submit(handle.run, job, staged)
             self._inflight = handle
         handle.blocked_s = time.perf_counter() - start
         return handle
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The process id of the writer process, while one runs."""
+        return self._process.pid if self._process is not None else None
+
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure) and stop the worker."""
+        """Wait for the save in flight (re-raising its failure) and stop the workers."""
         try:
             self.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._process is not None:
+                self._process.close()
 
 
 # The nice value of the background save's thread, and so of the writer threads it starts
@@ -434,10 +468,15 @@ def save_async(
     progress: bool | None = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
+    writer: Writer = "process",
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 
-    Writing, syncing and the commit continue in a background thread; the result
+    Writing, syncing and the commit continue in the background: by default in a
+    writer process (started at the first call and reused; the staging buffers are
+    shared memory it reads), with ``writer="thread"`` in a thread of this
+    process (docs/architecture.md, "Asynchronous saves", says which states always
+    go to the thread, and why). The result
     is the same checkpoint :func:`tsckpt.save` writes, with the same options
     (``overwrite``, ``group``, ``check_replicas``, ``timeout``,
     ``max_inflight_bytes``, ``layout``, ``progress``: see there; a bad value
@@ -450,20 +489,41 @@ def save_async(
     donated to the next step at once. Staging buffers are reused between calls;
     a state with more array bytes to stage than ``max_staging_bytes`` is saved
     synchronously instead, with a RuntimeWarning. Under torch.distributed every rank calls save_async; the
-    background commit talks over a gloo group of its own, never the training
-    loop's group nor the one a synchronous tsckpt.save or restore uses
+    background commit talks over a gloo group of its own (the writer processes' own group), never the
+    training loop's group nor the one a synchronous tsckpt.save or restore uses
     meanwhile. A pending save is finished at interpreter exit.
     """
     options = SaveOptions.of(locals())
     background = AsyncOptions.of(locals())
     label = str(resolve(directory))
-
-    def job(staged: Any) -> None:
-        from .protocol import save
-
-        save(directory, staged, **options.kwargs())
-
     return _default.submit(
-        label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
-        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
+        label, tree, SaveJob(directory, options), if_busy=background.if_busy,
+        max_staging_bytes=background.max_staging_bytes, prepare=lambda: prepare_group(options.group, options.timeout),
+        rank=rank_of(options.group), writer=background.writer,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveJob:
+    """save_async's job: :func:`tsckpt.save` of the staged tree, in a thread or a writer process."""
+
+    directory: Directory
+    options: SaveOptions
+
+    def __call__(self, staged: Any) -> None:
+        from .protocol import save_with
+
+        save_with(self.directory, staged, self.options)
+
+    def in_writer(self) -> SaveJob | None:
+        """The job a writer process runs (its group: the writers' own), None where it cannot
+        run there (see :func:`runs_in_writer`)."""
+        if not runs_in_writer(self.directory):
+            return None
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, group=None))
+
+
+def runs_in_writer(directory: Directory) -> bool:
+    """Whether a save to ``directory`` can run in another process: not to a ``memory://``
+    location, which lives in one process's memory."""
+    return resolve(directory).spec.get("driver") != "memory"

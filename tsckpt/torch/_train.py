@@ -37,7 +37,16 @@ from .._leaves.registry import kind_of
 from .._leaves.stateful import Expanded, expand, is_stateful
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import LAYOUT_PLAIN, encode_value
-from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, RestoreOptions, SaveOptions, verb
+from .._options import (
+    READ_WINDOW_BYTES,
+    WRITE_WINDOW_BYTES,
+    AsyncOptions,
+    IfBusy,
+    RestoreOptions,
+    SaveOptions,
+    Writer,
+    verb,
+)
 from .._read.reader import LazyArray, read_subtree
 from .._read.restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._read.restore import restore as core_restore
@@ -287,11 +296,12 @@ def save_async(
     progress: bool | None = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
+    writer: Writer = "process",
 ) -> AsyncSave:
     """:func:`save`, returning once the state is copied to host memory; every rank calls it.
 
     The twin of :func:`save` as :func:`tsckpt.save_async` is of :func:`tsckpt.save`:
-    the same checkpoint and options, plus ``if_busy`` and ``max_staging_bytes``
+    the same checkpoint and options, plus ``if_busy``, ``max_staging_bytes`` and ``writer``
     (see there); ``result()`` of the returned handle waits for the commit. The
     state (stateful objects' ``state_dict()``, the RNG states) is taken during the call.
     """
