@@ -88,6 +88,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # ---- fixtures --------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _background_saves_in_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the fast tier, asynchronous saves run in a thread of the test's process, as with
+    ``writer="thread"``: a writer process is a fresh interpreter per saver (seconds). Slow
+    tests (tests/test_writer.py among them) keep the writer process."""
+    if request.node.get_closest_marker("slow") is None:
+        from tsckpt._save import writer
+
+        monkeypatch.setattr(writer.WriterSlot, "_refused", lambda *_: "the fast test tier saves in threads")
+
+
+
 @pytest.fixture(params=["plain", "compact"])
 def layout(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Runs a test once per checkpoint layout. The test passes ``layout=layout`` to every

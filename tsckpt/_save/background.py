@@ -511,9 +511,9 @@ class SaveJob:
     options: SaveOptions
 
     def __call__(self, staged: Any) -> None:
-        from .protocol import save_with
+        from .protocol import save
 
-        save_with(self.directory, staged, self.options)
+        save(self.directory, staged, **self.options.kwargs())
 
     def in_writer(self) -> SaveJob | None:
         """The job a writer process runs (its group: the writers' own), None where it cannot
