@@ -71,7 +71,7 @@ from .._leaves.jaxarray import JaxRegion
 from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
 from ..tree import Flat, structure_to_json
-from .background import BACKGROUND_NICE, AsyncSave, _failed, _Staging
+from .background import BACKGROUND_NICE, AsyncSave, _failed, _nbytes, _Staging
 from .protocol import Staged
 
 log = logging.getLogger("tsckpt")
@@ -182,7 +182,7 @@ class WriterSlot:
         block = self._shared.block if self._shared is not None else None
         message_leaves = list(leaves)
         for (i, _, _, where), copy in zip(regions, copies):
-            offset = block.address(copy) if block is not None else None
+            offset = block.address(copy) if block is not None and _nbytes(copy) else 0  # no bytes: anywhere
             if offset is None:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
             is_tensor = isinstance(copy, torch.Tensor)
