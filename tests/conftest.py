@@ -19,6 +19,7 @@ the others (a fuzzer) asks for :func:`examples` ``(k)``: ``k`` times the profile
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,13 +91,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture(autouse=True)
 def _background_saves_in_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In the fast tier, asynchronous saves run in a thread of the test's process, as with
-    ``writer="thread"``: a writer process is a fresh interpreter per saver (seconds). Slow
-    tests (tests/test_writer.py among them) keep the writer process."""
-    if request.node.get_closest_marker("slow") is None:
+    """Asynchronous saves run in a thread of the test's process, as with ``writer="thread"``
+    (a writer process is a fresh interpreter per saver: seconds), except in the tests that
+    ask for the writer process (the fixture named below)."""
+    if "writer_process" not in request.fixturenames:
         from tsckpt._save import writer
 
-        monkeypatch.setattr(writer.WriterSlot, "_refused", lambda *_: "the fast test tier saves in threads")
+        monkeypatch.setattr(writer.WriterSlot, "_refused", lambda *_: "the test saves in a thread")
+
+
+@pytest.fixture
+def writer_process() -> Iterator[None]:
+    """The test's asynchronous saves run in tsckpt's writer processes, as outside the tests
+    (so the test is slow); when it ends, every writer it started has left."""
+    from tsckpt._save.writer import live_writers
+
+    before = set(live_writers())
+    yield
+    deadline = time.monotonic() + 30
+    while set(live_writers()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(live_writers()) - before, f"writer processes outlived the test: {set(live_writers()) - before}"
 
 
 

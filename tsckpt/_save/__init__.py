@@ -16,6 +16,8 @@ Owns:
 - :mod:`.lease`: the pending root's lease: who is saving, whether that save may still
   run, a survivor's removal of a save whose rank 0 was lost.
 - :mod:`.background`: ``save_async``: staging to host memory and the background worker.
+- :mod:`.writer`: ``save_async``'s writer process: the shared staging, the message, the
+  process's lifetime, the ranks' writers' own group.
 
 May import: :mod:`tsckpt._options`, the packages below it (``_formats`` excepted),
 ``tree`` and the foundations; never :mod:`tsckpt._read` (a sibling) or anything above.

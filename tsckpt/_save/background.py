@@ -126,10 +126,17 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         try:
             job(tree)
         except BaseException as e:  # noqa: BLE001 - delivered through result()
-            self.set_exception(e)
-            _failed.add(self)
+            self.settle(e)
         else:
+            self.settle(None)
+
+    def settle(self, error: BaseException | None) -> None:
+        """End the save: committed (``error`` None), or failed with ``error``."""
+        if error is None:
             self.set_result(None)
+        else:
+            self.set_exception(error)
+            _failed.add(self)
 
 
 class _Staging:
@@ -137,6 +144,9 @@ class _Staging:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
+        # Makes the host arrays' buffers ahead of the copies, all at once, given the buffers
+        # and the keys (the writer process's shared block: writer.py); None: each at its copy.
+        self.reserve: Callable[[dict[tuple[Any, ...], Any], list[tuple[Any, ...]]], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +182,8 @@ class _Staging:
             if mem is not None:
                 first.setdefault(mem, i)
         self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
-        self._reserve([k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)])
+        if self.reserve is not None:
+            self.reserve(self._buffers, [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)])
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is None and key[1] == "jax":
                 start_host_copy(data)
@@ -207,10 +218,6 @@ class _Staging:
         for started in copies:
             _devicecopy.ops().wait(started)
         return out
-
-    def _reserve(self, keys: list[tuple[Any, ...]]) -> None:
-        """Buffers for the host arrays (numpy, CPU tensors) made ahead of the copies; here none:
-        each is made at its copy (shared staging makes them all at once, writer.py)."""
 
     def _pin(self, keys: list[tuple[Any, ...]]) -> None:
         """Buffers for the device tensors: kept from the last save when every one of them is,
@@ -378,7 +385,7 @@ class AsyncSaver:
 
                     self._process = WriterSlot()
                 if writer == "process":
-                    self._staging = self._process.staging(self._staging)
+                    self._process.share(self._staging)
                 copies = self._staging.stage([(path, data) for _, path, data, _ in regions])
                 handle = AsyncSave(label, nbytes)
                 if writer != "process" or not self._process.send(handle, job, flat, leaves, regions, copies):

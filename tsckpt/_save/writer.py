@@ -45,6 +45,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import pickle
 import queue
@@ -71,7 +72,7 @@ from .._leaves.jaxarray import JaxRegion
 from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
 from ..tree import Flat, structure_to_json
-from .background import BACKGROUND_NICE, AsyncSave, _failed, _nbytes, _Staging
+from .background import BACKGROUND_NICE, AsyncSave
 from .protocol import Staged
 
 log = logging.getLogger("tsckpt")
@@ -87,30 +88,29 @@ CLOSE_WAIT_S = 30.0
 # ---- the training process's side ------------------------------------------------------------
 
 
-class SharedStaging(_Staging):
-    """Staging whose host buffers (numpy arrays, CPU tensors) are views of one shared block,
+class SharedStaging:
+    """The staging's host buffers (numpy arrays, CPU tensors) as views of one shared block,
     made again, all at once, when the state's arrays change (the old block given up first,
-    so staging holds at most one copy of the state)."""
+    so staging holds at most one copy of the state): ``reserve`` of background.py's staging."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.block: sharedmem.SharedBlock | None = None
         self.on_release: Any = None  # called with a block given up (the writer drops its mapping)
 
-    def _reserve(self, keys: list[tuple[Any, ...]]) -> None:
-        if all(k in self._buffers for k in keys) and self.block is not None:
+    def reserve(self, buffers: dict[tuple[Any, ...], Any], keys: list[tuple[Any, ...]]) -> None:
+        if all(k in buffers for k in keys) and self.block is not None:
             return
         for k in keys:
-            self._buffers.pop(k, None)
+            buffers.pop(k, None)
         self.release()
         sizes = [_key_bytes(k) for k in keys]
         offsets, size = sharedmem.layout(sizes)
         block = sharedmem.SharedBlock(size)
         for k, offset in zip(keys, offsets):
             if k[1] == "torch":
-                self._buffers[k] = block.torch(offset, k[3], k[2])
+                buffers[k] = block.torch(offset, k[3], k[2])
             else:
-                self._buffers[k] = block.numpy(offset, k[3], k[2])
+                buffers[k] = block.numpy(offset, k[3], k[2])
         self.block = block
 
     def release(self) -> None:
@@ -155,14 +155,14 @@ class WriterSlot:
         w = self._writer
         return w.proc.pid if w is not None and w.alive() else None
 
-    def staging(self, current: _Staging) -> _Staging:
-        """The staging for saves through a writer: shared memory (a platform without it: ``current``)."""
-        if not sharedmem.supported() or isinstance(current, SharedStaging):
-            return current
-        if self._shared is None:
-            self._shared = SharedStaging()
-            self._shared.on_release = self._released
-        return self._shared
+    def share(self, staging: Any) -> None:
+        """Make ``staging``'s host buffers shared memory, for saves through a writer (where the
+        platform has it; the buffers kept so far are dropped once)."""
+        if not sharedmem.supported() or self._shared is not None:
+            return
+        self._shared = SharedStaging()
+        self._shared.on_release = self._released
+        staging.reserve = self._shared.reserve
 
     def _released(self, block: sharedmem.SharedBlock) -> None:
         if self._writer is not None:
@@ -182,7 +182,7 @@ class WriterSlot:
         block = self._shared.block if self._shared is not None else None
         message_leaves = list(leaves)
         for (i, _, _, where), copy in zip(regions, copies):
-            offset = block.address(copy) if block is not None and _nbytes(copy) else 0  # no bytes: anywhere
+            offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
             if offset is None:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
             is_tensor = isinstance(copy, torch.Tensor)
@@ -273,6 +273,11 @@ _live: weakref.WeakSet[_Writer] = weakref.WeakSet()
 _exit_registered = False
 
 
+def live_writers() -> list[int]:
+    """The process ids of this process's writer processes still running."""
+    return [w.proc.pid for w in list(_live) if w.proc.poll() is None]
+
+
 def _close_at_exit() -> None:
     """At interpreter exit: let every writer finish its save in flight, then stop it."""
     for w in list(_live):
@@ -357,21 +362,17 @@ class _Writer:
             kind, seq, peak = reply[0], reply[1], reply[2]
             handle, _ = self._pending.pop(seq)
             handle.writer_peak_bytes = peak
-            if kind == "done":
-                handle.set_result(None)
-            else:
+            if kind != "done":
                 self.failed = True
-                handle.set_exception(_rebuilt(reply[3], reply[4]))
-                _failed.add(handle)
+            handle.settle(None if kind == "done" else _rebuilt(reply[3], reply[4]))
         code = self.proc.wait()
         self._closed = True
         for seq, (handle, what) in sorted(self._pending.items()):
             self.failed = True
-            handle.set_exception(WriterLostError(
+            handle.settle(WriterLostError(
                 f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(code)} before "
                 "the save committed: nothing of it is listed as a checkpoint; the next save starts a new writer"
             ))
-            _failed.add(handle)
         self._pending.clear()
 
     def close(self) -> None:
@@ -399,7 +400,7 @@ def _death(code: int) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        oom = "; the kernel's out-of-memory killer sends SIGKILL" if -code == signal.SIGKILL else ""
+        oom = " (as the kernel's out-of-memory killer does)" if -code == signal.SIGKILL else ""
         return f"was killed by {name}{oom}"
     return f"exited with status {code}"
 
