@@ -8,7 +8,9 @@ starts processes, ``@pytest.mark.slow`` on a test elsewhere, and here, at collec
 (:func:`pytest_collection_modifyitems`), every test that uses a fixture of
 :data:`SLOW_FIXTURES` (moto's S3 server), directly or through another fixture.
 ``tests/test_suite_rules.py`` checks, from the tests' source, that every test that starts
-processes is marked so. Everything else runs in this process and is fast.
+processes is marked so. Everything else runs in this process and is fast: its
+asynchronous saves run in a thread, and only a test that asks for the ``writer_process``
+fixture (a slow one) lets them start tsckpt's writer processes.
 
 Hypothesis. Example counts come from the profile, chosen by the environment
 variable ``HYPOTHESIS_PROFILE``, else ``full`` where ``CI=true`` (as ``.ci/run``

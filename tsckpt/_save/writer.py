@@ -149,6 +149,7 @@ class WriterSlot:
         self._shared: SharedStaging | None = None
         self._store: Any = None  # rank 0: the TCPStore the ranks' writers meet through
         self._key: Any = None  # the group and timeout the writer was started for
+        self._structure: tuple[Any, Any] = (None, None)  # the last tree's spec and its structure JSON
 
     @property
     def pid(self) -> int | None:
@@ -188,7 +189,9 @@ class WriterSlot:
             is_tensor = isinstance(copy, torch.Tensor)
             message_leaves[i] = _Buffer(offset, is_tensor, copy.dtype, tuple(copy.shape), where)
         writer = self._ready(job.options.group, job.options.timeout)
-        writer.save(handle, remote, block, flat.paths, structure_to_json(flat.spec), message_leaves, job)
+        if self._structure[0] is None or self._structure[0] != flat.spec:  # made once for a loop's saves
+            self._structure = (flat.spec, structure_to_json(flat.spec))
+        writer.save(handle, remote, block, flat.paths, self._structure[1], message_leaves, job)
         return True
 
     def _refused(self, job: Any, leaves: list[Any], regions: list[tuple[int, Any, Any, Any]]) -> str | None:
