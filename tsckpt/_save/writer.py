@@ -23,12 +23,15 @@ manager removes).
 
 Under torch.distributed the writers of the ranks coordinate among themselves, never
 through the training loop's process groups: rank 0's training process serves a TCPStore
-on a port the system picks, its address reaches the other ranks once through the
-trainer's own group (at the save that starts the writers, which is collective anyway),
-and the writers form a gloo group of their own through it, under a prefix new at every
-start. The save protocol then runs on that group as on any: every rank raises when one
-fails, lost peers are named. After a failed save every rank starts new writers (each rank's
-save failed, so all do together), since a group that lost a peer is unusable.
+on a port the system picks, and the writers form a gloo group of their own through it,
+under a prefix new at every start. The save protocol then runs on that group as on any:
+every rank raises when one fails, lost peers are named. The training processes agree at
+each save, in one small gather over their background group (the one a save in a thread
+uses; save_async is collective anyway), whether it goes to the writers and whether new
+writers start: when one rank must save in a thread, all do; when one rank's writer died or
+failed a save, every rank starts a new one (a group that lost a member is unusable), so the
+ranks' writers always run the same saves in one group. The store's address travels with
+that gather when writers start.
 
 What a writer process cannot take is saved by the thread instead: jax arrays and CUDA
 tensors (their staging is not in the shared block: jax's own host copies, the pinned slab),
@@ -174,8 +177,14 @@ class WriterSlot:
         copies: list[Any],
     ) -> bool:
         """Hand the staged save to the writer process (starting one where needed); False when it
-        cannot go there (then the caller's thread saves it)."""
+        cannot go there (then the caller's thread saves it). Under torch.distributed the ranks
+        agree first (:meth:`_agree`), so that all take the same path."""
+        group, timeout = job.options.group, job.options.timeout
         reason = self._refused(job, leaves, regions)
+        key = (_group_ranks(group), timeout)
+        w = self._writer
+        stale = w is None or not w.alive() or (w.failed and w.ranks > 1) or key != self._key
+        reason, meet = self._agree(group, timeout, reason, stale)
         if reason is not None:
             log.debug("tsckpt: the asynchronous save to %s runs in a thread: %s", handle.directory, reason)
             return False
@@ -188,10 +197,13 @@ class WriterSlot:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
             is_tensor = isinstance(copy, torch.Tensor)
             message_leaves[i] = _Buffer(offset, is_tensor, copy.dtype, tuple(copy.shape), where)
-        writer = self._ready(job.options.group, job.options.timeout)
+        if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
+            self.close()
+            w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
+            self._key = key
         if self._structure[0] is None or self._structure[0] != flat.spec:  # made once for a loop's saves
             self._structure = (flat.spec, structure_to_json(flat.spec))
-        writer.save(handle, remote, block, flat.paths, self._structure[1], message_leaves, job)
+        w.save(handle, remote, block, flat.paths, self._structure[1], message_leaves, job)
         return True
 
     def _refused(self, job: Any, leaves: list[Any], regions: list[tuple[int, Any, Any, Any]]) -> str | None:
@@ -210,45 +222,44 @@ class WriterSlot:
             return "a jax.distributed job: the writer processes coordinate over torch.distributed"
         return None
 
-    def _ready(self, group: Any, timeout: datetime.timedelta | None) -> _Writer:
-        """The writer, started now where there is none (or it died, failed a save of several
-        ranks, or served another group): collective over ``group`` under torch.distributed."""
-        key = (_group_ranks(group), timeout)
-        w = self._writer
-        if w is not None and (not w.alive() or (w.failed and w.ranks > 1) or key != self._key):
-            self.close()
-            w = None
-        if w is None:
-            w = _Writer(self._rendezvous(group, timeout))
-            self._writer, self._key = w, key
-        return w
-
-    def _rendezvous(self, group: Any, timeout: datetime.timedelta | None) -> dict[str, Any] | None:
-        """Where the ranks' writers meet (None: one rank): rank 0 serves a store, and its address
-        goes to every rank over the training processes' background group, once per start."""
+    def _agree(
+        self, group: Any, timeout: datetime.timedelta | None, reason: str | None, stale: bool
+    ) -> tuple[str | None, dict[str, Any] | None | bool]:
+        """Whether this save goes to a writer process, and whether new writers start, decided by
+        every rank alike: ``(why not, or None; False: the running writer saves it, else the
+        rendezvous of new ones, None for one rank)``. With several ranks, one small gather over
+        the training processes' background group per save (no per-leaf work): a rank that must
+        save in a thread takes every rank there, a rank whose writer died or failed a save makes
+        every rank start a new one (the writers' group lost a member: none can be used again),
+        so the ranks' writers always run the same saves, in one group. Rank 0 serves the store
+        the writers meet through (made once, on a port the system picks)."""
         if not _torch_distributed():
-            return None
+            return reason, (None if stale else False)
         import torch.distributed as dist
 
         coord = coordinator_for(group, timeout, channel="background")
         if coord.world_size == 1:
-            return None
+            return reason, (None if stale else False)
         wait = timeout or DEFAULT_TIMEOUT
         offer = None
         if coord.rank == 0:
             if self._store is None:
                 self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
             offer = {
-                "port": int(self._store.port), "host": os.environ.get("MASTER_ADDR") or socket.getfqdn(),
+                "port": int(self._store.port), "host": os.environ.get("MASTER_ADDR") or socket.gethostname(),
                 "prefix": f"tsckpt-writers/{uuid.uuid4().hex}/",
             }
-        found = coord.all_gather((socket.gethostname(), offer))
-        hosts = {name for name, _ in found}
-        first = found[0][1]
-        host = "127.0.0.1" if hosts == {found[0][0]} else first["host"]
-        return {
-            "host": host, "port": first["port"], "prefix": first["prefix"], "rank": coord.rank,
-            "world_size": coord.world_size, "timeout_s": wait.total_seconds(),
+        found = coord.all_gather((reason, stale, socket.gethostname(), offer))
+        refused = [f"rank {r}: {why}" for r, (why, _, _, _) in enumerate(found) if why is not None]
+        if refused:
+            return "; ".join(refused), False
+        if not any(renew for _, renew, _, _ in found):
+            return None, False
+        first = found[0][3]
+        same_host = {name for _, _, name, _ in found} == {found[0][2]}
+        return None, {
+            "host": "127.0.0.1" if same_host else first["host"], "port": first["port"], "prefix": first["prefix"],
+            "rank": coord.rank, "world_size": coord.world_size, "timeout_s": wait.total_seconds(),
         }
 
     def close(self) -> None:
@@ -307,6 +318,7 @@ class _Writer:
         self.failed = False  # a save through it failed
         self.block: sharedmem.SharedBlock | None = None  # the block the writer maps
         self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
         self._pending: dict[int, tuple[AsyncSave, str]] = {}
         self._seq = 0
         self._closed = False
@@ -343,7 +355,11 @@ class _Writer:
         step = getattr(caller_job, "step", None)
         what = f"{handle.directory}" + (f" (step {step})" if step is not None else "")
         handle.set_running_or_notify_cancel()
-        self._pending[self._seq] = (handle, what)
+        with self._state_lock:
+            if self._closed:  # died since it was judged alive: nothing will answer
+                handle.settle(self._lost(what))
+                return
+            self._pending[self._seq] = (handle, what)
         try:
             with self._send_lock:
                 if block is not None and block is not self.block:
@@ -363,20 +379,25 @@ class _Writer:
             except (EOFError, OSError):
                 break
             kind, seq, peak = reply[0], reply[1], reply[2]
-            handle, _ = self._pending.pop(seq)
+            with self._state_lock:
+                handle, _ = self._pending.pop(seq)
             handle.writer_peak_bytes = peak
             if kind != "done":
                 self.failed = True
             handle.settle(None if kind == "done" else _rebuilt(reply[3], reply[4]))
-        code = self.proc.wait()
-        self._closed = True
-        for seq, (handle, what) in sorted(self._pending.items()):
+        self.proc.wait()
+        with self._state_lock:
+            self._closed = True
+            lost, self._pending = self._pending, {}
+        for _, (handle, what) in sorted(lost.items()):
             self.failed = True
-            handle.settle(WriterLostError(
-                f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(code)} before "
-                "the save committed: nothing of it is listed as a checkpoint; the next save starts a new writer"
-            ))
-        self._pending.clear()
+            handle.settle(self._lost(what))
+
+    def _lost(self, what: str) -> WriterLostError:
+        return WriterLostError(
+            f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(self.proc.wait())} "
+            "before the save committed: nothing of it is listed as a checkpoint; the next save starts a new writer"
+        )
 
     def close(self) -> None:
         """Stop the writer once its save in flight is over (it is killed if it does not leave)."""
