@@ -160,13 +160,14 @@ def test_a_killed_trainer_leaves_no_writer_and_no_complete_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_rank_raises_when_one_writer_dies_and_new_writers_save_the_next_step(tmp_path):
+def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_writers_and_on_the_thread(tmp_path):
     root = str(tmp_path / "run")
     os.makedirs(root)
     results = run_ranks(one_writer_killed, 2, root, timeout=300)
     for rank, out in enumerate(results):
-        assert out["steps"] == [1, 3], out
+        assert out["steps"] == [1, 3, 4], out
         assert out["then"] not in (None, out["first"])
+        assert out["fourth_by_writer"] is False
     lost_type, lost_text, _ = results[1]["raised"]
     assert lost_type == "WriterLostError" and "(step 2) was killed by SIGKILL" in lost_text
     peer_type, peer_text, lost = results[0]["raised"]

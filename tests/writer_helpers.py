@@ -104,7 +104,8 @@ def state(seed: int) -> dict[str, Any]:
 
 def one_writer_killed(rank: int, world: int, root: str) -> dict[str, Any]:
     """Save step 1; rank 1's writer is killed during step 2 (before its save starts, so rank 0's
-    writer waits for it in the protocol); step 3 is saved by new writers on every rank."""
+    writer waits for it in the protocol); step 3 is saved by new writers on every rank; step 4,
+    which rank 1 must save in a thread, by the thread on every rank."""
     manager = tsckpt.CheckpointManager(root, timeout=datetime.timedelta(seconds=60))
     manager.save_async(1, state(1)).result()
     first = manager._saver.writer_pid
@@ -120,6 +121,16 @@ def one_writer_killed(rank: int, world: int, root: str) -> dict[str, Any]:
     except tsckpt.TsckptError as e:
         raised = (type(e).__name__, str(e), list(getattr(e, "lost", ())))
     manager.save_async(3, state(10)).result()
-    out = {"raised": raised, "steps": manager.all_steps(), "first": first, "then": manager._saver.writer_pid}
+    then = manager._saver.writer_pid
+    if rank == 1:  # this rank must save step 4 in a thread: every rank does
+        from tsckpt._save.writer import WriterSlot
+
+        WriterSlot._refused = lambda *_: "a test's reason"  # type: ignore[method-assign]
+    fourth = manager.save_async(4, state(4))
+    fourth.result()
+    out = {
+        "raised": raised, "steps": manager.all_steps(), "first": first, "then": then,
+        "fourth_by_writer": fourth.writer_peak_bytes is not None,
+    }
     manager.close()
     return out
