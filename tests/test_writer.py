@@ -159,6 +159,31 @@ def test_a_killed_trainer_leaves_no_writer_and_no_complete_step(tmp_path):
     assert manager.all_steps() == [5]
 
 
+EXITING = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import tsckpt
+
+    manager = tsckpt.CheckpointManager(sys.argv[1])
+    manager.save_async(3, {"w": torch.arange(100_000.0)})
+    print(manager._saver.writer_pid, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_trainer_that_exits_lets_its_save_commit_and_its_writer_leave(tmp_path):
+    root = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", EXITING, root], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert gone(int(done.stdout))
+    manager = tsckpt.CheckpointManager(root, writer="thread")
+    assert manager.all_steps() == [3]
+    assert np.array_equal(manager.restore(3)["w"], np.arange(100_000.0, dtype=np.float32))
+
+
 @pytest.mark.slow
 def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_writers_and_on_the_thread(tmp_path):
     root = str(tmp_path / "run")
