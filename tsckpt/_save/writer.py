@@ -52,7 +52,6 @@ import math
 import os
 import pickle
 import queue
-import resource
 import signal
 import socket
 import subprocess
@@ -554,6 +553,8 @@ def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:
 
 def _peak() -> int:
     """This process's peak resident memory so far, in bytes (Linux reports KiB, macOS bytes)."""
+    import resource  # Unix only, as writer processes are
+
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
