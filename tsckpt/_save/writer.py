@@ -100,6 +100,8 @@ class SharedStaging:
         self.on_release: Any = None  # called with a block given up (the writer drops its mapping)
 
     def reserve(self, buffers: dict[tuple[Any, ...], Any], keys: list[tuple[Any, ...]]) -> None:
+        """Put a view of the block in ``buffers`` for each of ``keys`` (the host arrays to copy):
+        the block of the last save while it has them all, else a new one for exactly these."""
         if all(k in buffers for k in keys) and self.block is not None:
             return
         for k in keys:
