@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,7 +84,8 @@ def test_round_trip_is_bit_exact_and_the_same_checkpoint_as_a_synchronous_save(t
 
 
 @pytest.mark.slow
-def test_one_writer_serves_every_save_of_a_manager_and_leaves_with_it(tmp_path, writer_process):
+def test_one_writer_serves_every_save_of_a_manager_and_leaves_with_it(tmp_path, writer_process, caplog):
+    caplog.set_level(logging.INFO, logger="tsckpt")
     manager = tsckpt.CheckpointManager(tmp_path, keep_last=2)
     pids = []
     for step in range(4):
@@ -92,6 +95,11 @@ def test_one_writer_serves_every_save_of_a_manager_and_leaves_with_it(tmp_path, 
     assert pids == [pids[0]] * 4
     assert manager.all_steps() == [2, 3]
     assert np.array_equal(manager.restore(3)["b"], state(3)["b"])
+    # the writer's log lines reach this process's logger; the manager logs what each save cost
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(rf"save {re.escape(str(tmp_path))}/00000003: .* in \d+ files, .*", m) for m in lines), lines
+    assert any(re.fullmatch(r"step 3 committed: 0\.0 MiB staged, caller held \d\.\d{3} s, writer peak RSS \d+\.\d MiB", m)
+               for m in lines), lines
     manager.close()
     assert gone(pids[0])
     assert manager._saver.writer_pid is None

@@ -307,7 +307,7 @@ class _Writer:
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         fd = theirs.detach()
-        setup = json.dumps({"parent": os.getpid(), "rendezvous": rendezvous})
+        setup = json.dumps({"parent": os.getpid(), "rendezvous": rendezvous, "log_level": log.getEffectiveLevel()})
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", "from tsckpt._save.writer import main; main()", str(fd), setup],
@@ -379,13 +379,15 @@ class _Writer:
                 reply = self.conn.recv()
             except (EOFError, OSError):
                 break
-            kind, seq, peak = reply[0], reply[1], reply[2]
+            kind, seq, peak, records = reply[0], reply[1], reply[2], reply[3]
+            for record in records:  # the save's log lines, as a save in this process logs them
+                log.handle(record)
             with self._state_lock:
                 handle, _ = self._pending.pop(seq)
             handle.writer_peak_bytes = peak
             if kind != "done":
                 self.failed = True
-            handle.settle(None if kind == "done" else _rebuilt(reply[3], reply[4]))
+            handle.settle(None if kind == "done" else _rebuilt(reply[4], reply[5]))
         self.proc.wait()
         with self._state_lock:
             self._closed = True
@@ -470,6 +472,10 @@ def main() -> None:
     except (AttributeError, OSError):
         pass
     conn = Connection(fd)
+    kept = _Kept()
+    log.setLevel(setup["log_level"])
+    log.addHandler(kept)
+    log.propagate = False  # each record goes to the training process, which logs it
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
     joined: BaseException | None = None
@@ -496,11 +502,30 @@ def main() -> None:
                     raise joined
                 job(Staged(paths, _views(block, leaves), structure))
             except BaseException as e:  # noqa: BLE001 - sent to the training process
-                conn.send(("failed", seq, _peak(), _portable(e), traceback.format_exc()))
+                conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
             else:
-                conn.send(("done", seq, _peak()))
+                conn.send(("done", seq, _peak(), kept.take()))
     conn.close()
     os._exit(0)  # no interpreter teardown: gloo's destructors can abort at exit
+
+
+class _Kept(logging.Handler):
+    """The records the "tsckpt" logger emits in the writer during a save, sent with its reply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: list[logging.LogRecord] = []
+        self._lock2 = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args, record.exc_info = record.getMessage(), None, None  # picklable
+        with self._lock2:
+            self._records.append(record)
+
+    def take(self) -> list[logging.LogRecord]:
+        with self._lock2:
+            out, self._records = self._records, []
+        return out
 
 
 def _listen(conn: Connection, inbox: queue.Queue[tuple[Any, ...]], parent: int) -> None:
