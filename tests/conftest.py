@@ -8,7 +8,9 @@ starts processes, ``@pytest.mark.slow`` on a test elsewhere, and here, at collec
 (:func:`pytest_collection_modifyitems`), every test that uses a fixture of
 :data:`SLOW_FIXTURES` (moto's S3 server), directly or through another fixture.
 ``tests/test_suite_rules.py`` checks, from the tests' source, that every test that starts
-processes is marked so. Everything else runs in this process and is fast.
+processes is marked so. Everything else runs in this process and is fast: its
+asynchronous saves run in a thread, and only a test that asks for the ``writer_process``
+fixture (a slow one) lets them start tsckpt's writer processes.
 
 Hypothesis. Example counts come from the profile, chosen by the environment
 variable ``HYPOTHESIS_PROFILE``, else ``full`` where ``CI=true`` (as ``.ci/run``
@@ -19,6 +21,7 @@ the others (a fuzzer) asks for :func:`examples` ``(k)``: ``k`` times the profile
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 # ---- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _background_saves_in_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous saves run in a thread of the test's process, as with ``writer="thread"``
+    (a writer process is a fresh interpreter per saver: seconds), except in the tests that
+    ask for the writer process (the fixture named below)."""
+    if "writer_process" not in request.fixturenames:
+        from tsckpt._save import writer
+
+        monkeypatch.setattr(writer.WriterSlot, "_refused", lambda *_: "the test saves in a thread")
+
+
+@pytest.fixture
+def writer_process() -> Iterator[None]:
+    """The test's asynchronous saves run in tsckpt's writer processes, as outside the tests
+    (so the test is slow); when it ends, every writer it started has left."""
+    from tsckpt._save.writer import live_writers
+
+    before = set(live_writers())
+    yield
+    deadline = time.monotonic() + 30
+    while set(live_writers()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(live_writers()) - before, f"writer processes outlived the test: {set(live_writers()) - before}"
+
 
 
 @pytest.fixture(params=["plain", "compact"])

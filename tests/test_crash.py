@@ -64,7 +64,9 @@ def _saver(root: str, log: str, layout: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     # one-time costs (lazy imports, thread pools) before the clock starts
     tsckpt.save_async(f"memory://warmup-{os.getpid()}", {"x": np.zeros(1)}).result()
-    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
+    # the save in this process, killed with it at random moments (a writer process starts in
+    # seconds, longer than a kill waits; a killed trainer's writer: tests/test_writer.py)
+    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout, writer="thread")
     latest = m.latest_step()
     step = 0 if latest is None else latest + 1
     os.write(fd, b"ready\n")
@@ -344,7 +346,9 @@ def _dist_saver(rank: int, port: int, root: str, log: str, layout: str) -> None:
     torch.set_num_threads(1)
     join(port, rank, 2)
     fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
+    # the save in this process, killed with it at random moments (a writer process starts in
+    # seconds, longer than a kill waits; a killed trainer's writer: tests/test_writer.py)
+    m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout, writer="thread")
     latest = m.latest_step()
     step = 0 if latest is None else latest + 1
     os.write(fd, b"ready\n")

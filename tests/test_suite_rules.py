@@ -27,9 +27,10 @@ PACKAGE = "tests"
 # Names (called, or their attributes used, or imported) that start a process: gloo ranks
 # (tests.dist_helpers), a scenario in a fresh process (tests.torch_scenarios), multiprocessing
 # (its contexts: get_context; fork), the subprocess module (the command line, scripts, a
-# blocked saver, the fuzzers' worker; Popen however imported), and torchrun.
+# blocked saver, the fuzzers' worker; Popen however imported), torchrun, and tsckpt's writer
+# processes (tests.conftest's writer_process fixture, the one place that lets saves start them).
 PROCESS_HELPERS = frozenset(
-    {"run_ranks", "run_solo", "get_context", "subprocess", "Popen", "fork", "posix_spawn", "torchrun"}
+    {"run_ranks", "run_solo", "get_context", "subprocess", "Popen", "fork", "posix_spawn", "torchrun", "live_writers"}
 )
 
 Def = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef

@@ -24,6 +24,7 @@ from ._errors import (
     StorageFullError,
     StructureMismatchError,
     TsckptError,
+    WriterLostError,
 )
 from ._manager import CheckpointManager
 from ._ondisk.checkpoint import ArrayMetadata
@@ -65,6 +66,7 @@ __all__ = [
     "StorageFullError",
     "StructureMismatchError",
     "TsckptError",
+    "WriterLostError",
     "VerifyReport",
     "convert",
     "metadata",

@@ -88,6 +88,12 @@ class SaveInProgressError(TsckptError, RuntimeError):
     another process's save into the directory being overwritten or cleaned up."""
 
 
+class WriterLostError(TsckptError, RuntimeError):
+    """The writer process of an asynchronous save died (killed, out of memory) before the
+    save committed: nothing of it is listed as a checkpoint, and the next save starts a new
+    writer."""
+
+
 class ForkedProcessError(TsckptError, RuntimeError):
     """This process was forked (``fork()``, multiprocessing's default start method on Linux)
     from one that had used tsckpt: TensorStore's threads do not survive a fork."""
@@ -147,6 +153,7 @@ __all__ = [
     "StorageFullError",
     "StructureMismatchError",
     "TsckptError",
+    "WriterLostError",
 ]
 
 

@@ -42,8 +42,10 @@ never makes a step look complete. Local disks are listed directly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import shutil
@@ -67,10 +69,11 @@ from ._options import (
     RestoreOptions,
     SaveOptions,
     Staging,
+    Writer,
     verb,
 )
 from ._save import lease as _lease
-from ._save.background import AsyncSave, AsyncSaver, prepare_group
+from ._save.background import AsyncSave, AsyncSaver, prepare_group, runs_in_writer
 from ._storage import durable as _durable
 from ._storage.durable import fsync_path
 from ._storage.faults import storage_errors
@@ -98,7 +101,7 @@ class CheckpointManager:
     The options that hold for every step are given here: ``group``,
     ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
     (``group`` and ``timeout`` also for restores), ``if_busy``,
-    ``max_staging_bytes`` and ``staging`` as for :func:`tsckpt.save_async`; a bad value raises
+    ``max_staging_bytes``, ``staging`` and ``writer`` as for :func:`tsckpt.save_async`; a bad value raises
     here. Options of one call (``overwrite``, ``max_inflight_bytes``,
     ``progress``, and the restore options) are keywords of :meth:`save`,
     :meth:`save_async` and :meth:`restore`.
@@ -119,6 +122,7 @@ class CheckpointManager:
         staging: Staging = "overlapped",
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
+        writer: Writer = "process",
     ) -> None:
         self._saving = SaveOptions.of(locals())  # each save adds its own per-call options
         self._reading = RestoreOptions.of(locals())  # each restore adds its own
@@ -134,6 +138,7 @@ class CheckpointManager:
         self._staging = background.staging
         self._digits = step_digits
         self._saver = AsyncSaver(max_staging_bytes=background.max_staging_bytes)
+        self._writer = background.writer
         self._rank = _dist.rank_of(group)
         self._reported: set[str] = set()  # steps clean-up found it cannot identify, warned about once
         # Nothing is written until the first save (which cleans up first): a manager that only
@@ -239,7 +244,16 @@ class CheckpointManager:
             return bool(set(os.listdir(path)) - {_ROOT_LOCK})
         return _durable.has_any_key(resolve(self._loc.sub(name)))
 
-    def _job(self, step: int, options: SaveOptions) -> Any:
+    def _job(self, step: int, options: SaveOptions) -> _StepSave:
+        return _StepSave(step, options, self._kept(), self)
+
+    def _kept(self) -> tuple[Any, ...]:
+        """What a manager of another process needs to save and clean up as this one does."""
+        return (self._loc, self.keep_last, self.keep_every, self._digits)
+
+    def _save_step(self, step: int, tree: Any, options: SaveOptions) -> None:
+        """Save ``step`` (the job of save and save_async): rank 0 clears the step where it must
+        right before the claim (:meth:`_clear`), and applies retention after the commit."""
         from ._save.protocol import save_with
 
         # the manager clears the step where it must (_clear): the save itself never replaces one
@@ -248,13 +262,10 @@ class CheckpointManager:
         def clear() -> None:  # rank 0, inside the save, right before its claim
             self._clear(step, options.overwrite)
 
-        def job(tree: Any) -> None:
-            # rank 0 clears (and the save then lists the step in the root's index first)
-            save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
-            if self._rank == 0:
-                self._after_commit()
-
-        return job
+        # rank 0 clears (and the save then lists the step in the root's index first)
+        save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
+        if self._rank == 0:
+            self._after_commit()
 
     def _clear(self, step: int, overwrite: bool) -> None:
         """Rank 0, right before the save of ``step`` claims it: clean up once (the manager's first
@@ -325,10 +336,13 @@ class CheckpointManager:
             prepare_group(options.group, options.timeout)
 
         label = str(resolve(self.directory(step)))
-        return self._saver.submit(
+        handle = self._saver.submit(
             label, tree, self._job(step, options), if_busy=self._if_busy, staging=self._staging, prepare=prepare,
             rank=self._rank,
+            writer=self._writer,
         )
+        handle.add_done_callback(functools.partial(_log_save, step))
+        return handle
 
     def _solo(self) -> bool:
         """Whether this rank may refuse on its own: ranks can judge a save's liveness
@@ -481,6 +495,57 @@ class CheckpointManager:
                 return True
         finally:
             deletion.end()
+
+
+def _log_save(step: int, handle: AsyncSave) -> None:
+    """Log what an asynchronous save of ``step`` cost: the bytes staged, how long the caller was
+    held, and the writer process's peak memory."""
+    if handle.cancelled() or concurrent.futures.Future.exception(handle) is not None:
+        return  # a failure is the caller's to see through result(): not marked as seen here
+    peak = "" if handle.writer_peak_bytes is None else f", writer peak RSS {handle.writer_peak_bytes / (1 << 20):.1f} MiB"
+    log.info(
+        "step %d committed: %.1f MiB staged, caller held %.3f s%s", step, handle.staged_bytes / (1 << 20),
+        handle.blocked_s, peak,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSave:
+    """The save of one step: the job that save and save_async run. Picklable, so that a
+    writer process can run it: there it acts through a manager of its own on the same root
+    (made once per writer process, so its first save cleans up once, as this one's does)."""
+
+    step: int
+    options: SaveOptions
+    kept: tuple[Any, ...]  # CheckpointManager._kept()
+    manager: CheckpointManager | None = dataclasses.field(default=None, compare=False)  # the caller's
+
+    def __call__(self, tree: Any) -> None:
+        manager = self.manager if self.manager is not None else _writer_manager(self.kept, self.options)
+        manager._save_step(self.step, tree, self.options)
+
+    def in_writer(self) -> _StepSave | None:
+        """The job a writer process runs (its group: the writers' own), None where it cannot run
+        there (a memory:// root)."""
+        if not runs_in_writer(self.kept[0].spec):
+            return None
+        return _StepSave(self.step, dataclasses.replace(self.options, group=None), self.kept)
+
+
+_writer_managers: dict[tuple[Any, ...], CheckpointManager] = {}
+
+
+def _writer_manager(kept: tuple[Any, ...], options: SaveOptions) -> CheckpointManager:
+    """In a writer process: the manager that saves the steps of the caller's one."""
+    loc, keep_last, keep_every, digits = kept
+    key = (str(loc), keep_last, keep_every, digits, options.timeout, options.check_replicas, options.layout)
+    if key not in _writer_managers:
+        _writer_managers[key] = CheckpointManager(
+            loc.spec if loc.local is None else loc.local, keep_last=keep_last, keep_every=keep_every,
+            timeout=options.timeout, check_replicas=options.check_replicas, step_digits=digits, layout=options.layout,
+            writer="thread",
+        )
+    return _writer_managers[key]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ Conventions:
 
 CheckpointManager: options that say how a run's checkpoints are written and
 coordinated (``group``, ``timeout``, ``check_replicas``, ``layout``) and how
-its background worker behaves (``if_busy``, ``max_staging_bytes``, ``staging``) are given
+its background worker behaves (``if_busy``, ``max_staging_bytes``, ``staging``, ``writer``) are given
 once, to the constructor, and hold for every step: the steps of one run share
 a process group, a layout and one set of staging buffers. Options of a single
 call (``overwrite``, ``max_inflight_bytes``, ``progress``; when restoring
@@ -71,6 +71,8 @@ IfBusy = Literal["wait", "error"]
 IF_BUSY = ("wait", "error")
 Staging = Literal["blocking", "overlapped"]
 STAGING = ("blocking", "overlapped")
+Writer = Literal["process", "thread"]
+WRITERS = ("process", "thread")
 
 _O = TypeVar("_O", bound="_Options")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -136,6 +138,11 @@ def _if_busy(name: str, value: Any) -> None:
 def _staging_mode(name: str, value: Any) -> None:
     if value not in STAGING:
         raise ValueError(f"{name} must be 'blocking' or 'overlapped', not {value!r}")
+
+
+def _writer(name: str, value: Any) -> None:
+    if value not in WRITERS:
+        raise ValueError(f"{name} must be 'process' or 'thread', not {value!r}")
 
 
 def _format(name: str, value: Any) -> None:
@@ -223,6 +230,14 @@ class AsyncOptions(_Options):
         "on, each optimizer's next step held back until its tensors are copied (everything else is copied "
         "before the call returns).",
         _staging_mode,
+    )
+    writer: Writer = _option(
+        "process",
+        '"process": the save runs in a writer process of its own, started once and reused, reading the '
+        'staged state from shared memory; "thread": in a thread of the calling process. A state the writer '
+        "process cannot take (jax arrays, CUDA tensors, lazy sources, a memory:// location) is saved by the "
+        "thread.",
+        _writer,
     )
 
 
@@ -332,12 +347,14 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     "CheckpointManager.save": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
+                       "writer": _AT_CONSTRUCTION},
     },
     "CheckpointManager.save_async": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
                       "layout": _AT_CONSTRUCTION},
-        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION},
+        AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
+                       "writer": _AT_CONSTRUCTION},
     },
     "tsckpt.restore": {RestoreOptions: {}},
     "CheckpointManager.restore": {

@@ -7,6 +7,8 @@ Owns:
   memory a restore would write checked against the process's read-only mappings.
 - :mod:`.devicecopy`: copies between CUDA and host memory through reused page-locked
   memory (the bounded ring, ``save_async``'s slab).
+- :mod:`.sharedmem`: one block of host memory shared with another process (an anonymous
+  memory file): ``save_async``'s staging for its writer process.
 - :mod:`.window`: ``Window``, the one bound on reads, writes and probes in flight.
 - :mod:`.fork`: refusing to run in a child forked after tsckpt was used.
 - :mod:`.progress`: progress bars (rank 0) and each verb's closing log line.

@@ -18,6 +18,8 @@ Owns:
 - :mod:`.background`: ``save_async``: staging to host memory and the background worker.
 - :mod:`.guard`: overlapped staging: the copies left until after ``save_async`` returns, and the
   optimizer step pre-hooks that hold back the updates racing them.
+- :mod:`.writer`: ``save_async``'s writer process: the shared staging, the message, the
+  process's lifetime, the ranks' writers' own group.
 
 May import: :mod:`tsckpt._options`, the packages below it (``_formats`` excepted),
 ``tree`` and the foundations; never :mod:`tsckpt._read` (a sibling) or anything above.

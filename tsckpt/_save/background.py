@@ -1,11 +1,14 @@
-"""save_async(): copy the state to host memory, then save it in a background thread.
+"""save_async(): copy the state to host memory, then save it in the background.
 
 The caller is held only while the leaves are copied into staging buffers
 (training mutates its tensors in place, and donates jax arrays to its next
 jitted step, so even CPU tensors and jax arrays are copied). Writing,
-syncing and the commit then run in one worker thread through the ordinary
-:func:`tsckpt.save` on the staged tree, so the on-disk result and the crash
-guarantees are exactly those of a synchronous save.
+syncing and the commit then run through the ordinary :func:`tsckpt.save` on the
+staged tree, so the on-disk result and the crash guarantees are exactly those of a
+synchronous save: in a writer process of its own (``writer="process"``,
+tsckpt/_save/writer.py: the staging buffers are then shared memory it reads), or in one
+worker thread of the caller's process (``writer="thread"``, and where a state cannot go
+to a writer process).
 
 Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
 a training loop that saves the same state repeatedly allocates (and page-faults)
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import datetime
 import os
 import sys
@@ -47,7 +51,7 @@ from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_co
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
-from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, Staging, timeout_seconds, verb
+from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, Staging, Writer, timeout_seconds, verb
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
 from .._storage.locations import Directory, resolve
@@ -78,7 +82,9 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     seconds as on any Future); ``done()`` tells whether it finished. ``blocked_s``
     is how long the call that started it held the caller, ``staged_bytes`` how
     much array data it copied, ``deferred_bytes`` how much of that it copied after
-    returning (``staging="overlapped"``), which ``wait_for_staging()`` waits for.
+    returning (``staging="overlapped"``), which ``wait_for_staging()`` waits for,
+    ``writer_peak_bytes`` the peak resident memory of the writer process that saved
+    it, once it is done (None: saved by a thread).
     """
 
     def __init__(self, directory: str, staged_bytes: int, guard: Guard | None = None) -> None:
@@ -86,6 +92,7 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         self.directory = directory
         self.staged_bytes = staged_bytes
         self.blocked_s = 0.0
+        self.writer_peak_bytes: int | None = None
         self.retrieved = False  # result() or exception() has reported the outcome
         self._guard = guard
 
@@ -146,10 +153,17 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
                 self._guard.join()  # the copies left after the call
             job(tree)
         except BaseException as e:  # noqa: BLE001 - delivered through result()
-            self.set_exception(e)
-            _failed.add(self)
+            self.settle(e)
         else:
+            self.settle(None)
+
+    def settle(self, error: BaseException | None) -> None:
+        """End the save: committed (``error`` None), or failed with ``error``."""
+        if error is None:
             self.set_result(None)
+        else:
+            self.set_exception(error)
+            _failed.add(self)
 
 
 class _Staging:
@@ -157,6 +171,9 @@ class _Staging:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
+        # Makes the host arrays' buffers ahead of the copies, all at once, given the buffers
+        # and the keys (the writer process's shared block: writer.py); None: each at its copy.
+        self.reserve: Callable[[dict[tuple[Any, ...], Any], list[tuple[Any, ...]]], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -195,6 +212,8 @@ class _Staging:
             if mem is not None:
                 first.setdefault(mem, i)
         self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
+        if self.reserve is not None:
+            self.reserve(self._buffers, [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)])
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is None and key[1] == "jax":
                 start_host_copy(data)
@@ -244,6 +263,11 @@ class _Staging:
             self._buffers.pop(k, None)
         slab = _devicecopy.PinnedSlab([(k[3], k[2]) for k in keys])
         self._buffers.update(zip(keys, slab.views()))
+
+
+def _in_host_memory(key: tuple[Any, ...]) -> bool:
+    """Whether a staging key's buffer is plain host memory: a numpy array or a CPU tensor's."""
+    return key[1] == "numpy" or (key[1] == "torch" and not key[-1])
 
 
 def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, Any, Any, Any]]]:
@@ -302,6 +326,7 @@ class AsyncSaver:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: AsyncSave | None = None
+        self._process: Any = None  # writer.WriterSlot, made at the first save by a writer process
 
     @property
     def staging_bytes(self) -> int:
@@ -364,8 +389,11 @@ class AsyncSaver:
         max_staging_bytes: int | None = None,
         staging: Staging = "blocking",
         rank: int = 0,
+        writer: Writer = "thread",
     ) -> AsyncSave:
-        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread.
+        """Stage ``tree``, then run ``job(staged_tree)`` in the worker thread, or with
+        ``writer="process"`` the job's ``in_writer()`` in the writer process (writer.py;
+        where the state or the job cannot go there, in the thread).
 
         ``prepare`` runs in the caller once any previous save has finished (for
         checks whose errors belong to the caller, and collective setup). Stateful
@@ -398,34 +426,51 @@ class AsyncSaver:
                 handle.retrieved = True
                 handle.result()
             else:
+                if writer == "process" and self._process is None:
+                    from .writer import WriterSlot
+
+                    self._process = WriterSlot()
+                if writer == "process":
+                    self._process.share(self._staging)
                 copies, later = self._staging.stage(
                     [(path, data) for _, path, data, _ in regions], defer=guard.defers if guard else None
                 )
-                _place(leaves, regions, copies)
-                del regions, copies  # no reference to the device arrays outlives the call
                 if later and guard is not None:
                     guard.start(later)
                 else:
                     guard = None
-                staged = unflatten(flat.spec, leaves)
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
-                    )
                 handle = AsyncSave(label, nbytes, guard)
-                self._executor.submit(handle.run, job, staged)
+                sent = writer == "process" and self._process.send(
+                    handle, job, flat, leaves, regions, copies, ready=guard.join if guard is not None else None
+                )
+                if not sent:
+                    _place(leaves, regions, copies)
+                    del regions, copies  # no reference to the device arrays outlives the call
+                    staged = unflatten(flat.spec, leaves)
+                    if self._executor is None:
+                        self._executor = concurrent.futures.ThreadPoolExecutor(
+                            1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
+                        )
+                    self._executor.submit(handle.run, job, staged)
             self._inflight = handle
         handle.blocked_s = time.perf_counter() - start
         return handle
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The process id of the writer process, while one runs."""
+        return self._process.pid if self._process is not None else None
+
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure) and stop the worker."""
+        """Wait for the save in flight (re-raising its failure) and stop the workers."""
         try:
             self.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._process is not None:
+                self._process.close()
 
 
 # The nice value of the background save's thread, and so of the writer threads it starts
@@ -486,17 +531,23 @@ def save_async(
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
     staging: Staging = "overlapped",
+    writer: Writer = "process",
 ) -> AsyncSave:
     """Start saving ``tree`` and return as soon as it is copied to host memory.
 
-    Writing, syncing and the commit continue in a background thread; the result
+    Writing, syncing and the commit continue in the background: by default in a
+    writer process (started at the first call and reused; the staging buffers are
+    shared memory it reads), with ``writer="thread"`` in a thread of this
+    process (docs/architecture.md, "Asynchronous saves", says which states always
+    go to the thread, and why). The result
     is the same checkpoint :func:`tsckpt.save` writes, with the same options
     (``overwrite``, ``group``, ``check_replicas``, ``timeout``,
     ``max_inflight_bytes``, ``layout``, ``progress``: see there; a bad value
     raises here, in the caller), and the returned handle's ``result()`` waits
     for it and re-raises a failure. A save still in flight from an earlier call
     is waited for first (``if_busy="error"`` raises SaveInProgressError
-    instead). Every array of the tree is copied before the call returns (a
+    instead). Every array of the tree (with ``staging="overlapped"``, the default, all but
+    the optimizers' tensors below) is copied before the call returns (a
     jax.Array: each distinct shard this process holds, all copies started
     before any is awaited), so tensors may change in place and jax arrays be
     donated to the next step at once. Staging buffers are reused between calls;
@@ -507,20 +558,41 @@ def save_async(
     ``step()`` held back until its own are: the checkpoint still holds the values at the
     call; code that writes into them otherwise first calls the handle's
     ``wait_for_staging()``. Under torch.distributed every rank calls save_async; the
-    background commit talks over a gloo group of its own, never the training
-    loop's group nor the one a synchronous tsckpt.save or restore uses
-    meanwhile. A pending save is finished at interpreter exit.
+    background commit talks over a gloo group of its own (the writer processes' own
+    group), never the training loop's group nor the one a synchronous tsckpt.save or
+    restore uses meanwhile. A pending save is finished at interpreter exit.
     """
     options = SaveOptions.of(locals())
     background = AsyncOptions.of(locals())
     label = str(resolve(directory))
+    return _default.submit(
+        label, tree, SaveJob(directory, options), if_busy=background.if_busy,
+        max_staging_bytes=background.max_staging_bytes, staging=background.staging, writer=background.writer,
+        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
+    )
 
-    def job(staged: Any) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class SaveJob:
+    """save_async's job: :func:`tsckpt.save` of the staged tree, in a thread or a writer process."""
+
+    directory: Directory
+    options: SaveOptions
+
+    def __call__(self, staged: Any) -> None:
         from .protocol import save
 
-        save(directory, staged, **options.kwargs())
+        save(self.directory, staged, **self.options.kwargs())
 
-    return _default.submit(
-        label, tree, job, if_busy=background.if_busy, max_staging_bytes=background.max_staging_bytes,
-        staging=background.staging, prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
-    )
+    def in_writer(self) -> SaveJob | None:
+        """The job a writer process runs (its group: the writers' own), None where it cannot
+        run there (see :func:`runs_in_writer`)."""
+        if not runs_in_writer(self.directory):
+            return None
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, group=None))
+
+
+def runs_in_writer(directory: Directory) -> bool:
+    """Whether a save to ``directory`` can run in another process: not to a ``memory://``
+    location, which lives in one process's memory."""
+    return resolve(directory).spec.get("driver") != "memory"

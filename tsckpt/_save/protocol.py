@@ -247,12 +247,29 @@ class _Job:
     save_id: str | None = None  # the save's claim (Part.save_id)
 
 
+class Staged:
+    """A tree given already flattened: its leaf paths, leaves and structure (JSON), as
+    save_async's writer process receives it from the process that staged it, whose tree's
+    node types (dataclasses, registered classes) need not exist in the writer."""
+
+    __slots__ = ("paths", "leaves", "structure")
+
+    def __init__(self, paths: list[str], leaves: list[Any], structure: Any) -> None:
+        self.paths = paths
+        self.leaves = leaves
+        self.structure = structure
+
+
 def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Payload]:
     """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
-    flat = flatten(tree)
-    local = [describe(p, leaf) for p, leaf in zip(flat.paths, flat.leaves)]
+    if isinstance(tree, Staged):
+        paths, leaves, structure = tree.paths, tree.leaves, tree.structure
+    else:
+        flat = flatten(tree)
+        paths, leaves, structure = flat.paths, flat.leaves, structure_to_json(flat.spec)
+    local = [describe(p, leaf) for p, leaf in zip(paths, leaves)]
     descs = [lf.desc for lf in local]
-    payload = Payload.of(descs, flat.paths, structure_to_json(flat.spec), _ties(local), window, layout)
+    payload = Payload.of(descs, paths, structure, _ties(local), window, layout)
     return {lf.desc.path: lf for lf in local}, payload
 
 
@@ -313,7 +330,7 @@ def _plan_job(
         return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
 
     def describe_mine() -> tuple[dict[str, Local], Payload]:
-        return _describe(expand(tree, rank=coord.rank).tree, window, layout)
+        return _describe(tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout)
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)
     if isinstance(reply, ChecksumRequest):  # step 3

@@ -45,6 +45,7 @@ from .._options import (
     RestoreOptions,
     SaveOptions,
     Staging,
+    Writer,
     verb,
 )
 from .._read.reader import LazyArray, read_subtree
@@ -301,12 +302,13 @@ def save_async(
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
     staging: Staging = "overlapped",
+    writer: Writer = "process",
 ) -> AsyncSave:
     """:func:`save`, returning once the state is staged (see ``staging``); every rank calls it.
 
     The twin of :func:`save` as :func:`tsckpt.save_async` is of :func:`tsckpt.save`:
-    the same checkpoint and options, plus ``if_busy``, ``max_staging_bytes`` and
-    ``staging`` (see there); ``result()`` of the returned handle waits for the commit. The
+    the same checkpoint and options, plus ``if_busy``, ``max_staging_bytes``,
+    ``staging`` and ``writer`` (see there); ``result()`` of the returned handle waits for the commit. The
     state (stateful objects' ``state_dict()``, the RNG states) is taken during the call.
     """
     options = SaveOptions.of(locals())

@@ -1,0 +1,254 @@
+"""save_async's writer process (tsckpt/_save/writer.py): the save outside the training process,
+from shared staging buffers; its reuse, its death, its trainer's death, several ranks, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tests.dist_helpers import run_ranks
+from tests.writer_helpers import gone, hold_next_save, one_writer_killed, state, wait_for
+from tsckpt._ondisk.records import ROOT_KEY
+from tsckpt._save import background
+from tsckpt._save.background import AsyncSaver, SaveJob
+from tsckpt._options import SaveOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Pair:
+    weight: torch.Tensor
+    count: int
+
+
+def _tree() -> dict:
+    w = torch.randn(33, 7)
+    return {
+        "w": w,
+        "tied": w,
+        "half": torch.randn(5, 3).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "ints": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "strided": torch.arange(20.0).reshape(4, 5)[:, ::2],
+        "empty": torch.empty(0, 4),
+        "region": tsckpt.ShardedArray(torch.ones(2, 3), (2, 3), (0, 0)),
+        "pair": Pair(torch.arange(4), 3),
+        "values": {"lr": 0.5, "name": "run", "blob": b"\x00\x01", "none": None, "scalar": np.float64(2.5)},
+    }
+
+
+def _root_metadata(directory) -> dict:
+    with open(os.path.join(directory, ROOT_KEY)) as f:
+        meta = json.load(f)["attributes"]["tsckpt"]
+    for varying in ("created", "save_id"):
+        meta.pop(varying, None)
+    return meta
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+def test_round_trip_is_bit_exact_and_the_same_checkpoint_as_a_synchronous_save(tmp_path, writer_process):
+    tree = _tree()
+    tsckpt.save(tmp_path / "sync", tree)
+    handle = tsckpt.save_async(tmp_path / "async", tree)
+    handle.result()
+    assert handle.writer_peak_bytes is not None and handle.writer_peak_bytes > 0  # saved by a writer process
+    assert handle.staged_bytes > 0
+    assert _root_metadata(tmp_path / "async") == _root_metadata(tmp_path / "sync")  # ties, structure, values
+    out = tsckpt.restore(tmp_path / "async", as_saved=True)
+    for key in ("w", "tied", "half", "mask", "strided", "empty"):
+        assert out[key].dtype == tree[key].dtype
+        assert torch.equal(out[key], tree[key]), key
+    assert np.array_equal(out["ints"], tree["ints"]) and out["ints"].dtype == np.int16
+    assert torch.equal(out["pair"]["weight"], torch.arange(4)) and out["pair"]["count"] == 3
+    assert out["values"] == {"lr": 0.5, "name": "run", "blob": b"\x00\x01", "none": None, "scalar": 2.5}
+    background._default.close()  # save_async's own saver: its writer leaves with it
+
+
+@pytest.mark.slow
+def test_one_writer_serves_every_save_of_a_manager_and_leaves_with_it(tmp_path, writer_process, caplog):
+    caplog.set_level(logging.INFO, logger="tsckpt")
+    manager = tsckpt.CheckpointManager(tmp_path, keep_last=2)
+    pids = []
+    for step in range(4):
+        manager.save_async(step, state(step)).result()
+        pids.append(manager._saver.writer_pid)
+    assert pids[0] is not None and pids[0] != os.getpid()
+    assert pids == [pids[0]] * 4
+    assert manager.all_steps() == [2, 3]
+    assert np.array_equal(manager.restore(3)["b"], state(3)["b"])
+    # the writer's log lines reach this process's logger; the manager logs what each save cost
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(rf"save {re.escape(str(tmp_path))}/00000003: .* in \d+ files, .*", m) for m in lines), lines
+    assert any(re.fullmatch(r"step 3 committed: 0\.0 MiB staged, caller held \d\.\d{3} s, writer peak RSS \d+\.\d MiB", m)
+               for m in lines), lines
+    manager.close()
+    assert gone(pids[0])
+    assert manager._saver.writer_pid is None
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_save_fails_the_save_naming_its_step_and_the_next_save_starts_a_new_one(tmp_path, writer_process):
+    manager = tsckpt.CheckpointManager(tmp_path / "run")
+    manager.save_async(1, state(1)).result()
+    first = manager._saver.writer_pid
+    hold_next_save(manager, str(tmp_path / "held"))
+    handle = manager.save_async(2, state(2))
+    assert wait_for(str(tmp_path / "held")) == first  # written and claimed, the commit held back
+    assert json.loads((tmp_path / "run" / "00000002" / ROOT_KEY).read_text())["attributes"]["tsckpt"]["state"] == "pending"
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(tsckpt.WriterLostError, match=r"writer process \(pid \d+\) of the asynchronous save to .*00000002 "
+                       r"\(step 2\) was killed by SIGKILL.*before the save committed: nothing of it is listed as a checkpoint"):
+        handle.result(timeout=120)
+    assert manager.all_steps() == [1]
+    manager.save_async(2, state(22)).result()  # the leftover is removed, a new writer saves
+    assert manager._saver.writer_pid not in (None, first)
+    assert manager.all_steps() == [1, 2]
+    assert np.array_equal(manager.restore(2)["b"], state(22)["b"])
+    manager.close()
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys
+    import tsckpt
+    from tests.writer_helpers import hold_next_save, state
+
+    root, flag = sys.argv[1], sys.argv[2]
+    manager = tsckpt.CheckpointManager(root)
+    hold_next_save(manager, flag)
+    manager.save_async(5, state(5))
+    print(manager._saver.writer_pid, flush=True)
+    import time
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_leaves_no_writer_and_no_complete_step(tmp_path):
+    root, flag = str(tmp_path / "run"), str(tmp_path / "held")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, root, flag], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        writer = int(trainer.stdout.readline())
+        assert wait_for(flag) == writer  # mid-save: written, claimed, the commit held back
+        trainer.kill()
+        trainer.wait(30)
+        deadline = time.monotonic() + 30
+        while not gone(writer) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(writer), "the writer outlived its trainer"
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+    manager = tsckpt.CheckpointManager(root, writer="thread")
+    assert manager.all_steps() == []
+    assert [(s.step, s.state) for s in tsckpt._manager.list_steps(root)] == [(5, "partial")]
+    manager.save(5, state(6))  # the leftover is cleared by the next save of the step
+    assert manager.all_steps() == [5]
+
+
+EXITING = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import tsckpt
+
+    manager = tsckpt.CheckpointManager(sys.argv[1])
+    manager.save_async(3, {"w": torch.arange(100_000.0)})
+    print(manager._saver.writer_pid, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_trainer_that_exits_lets_its_save_commit_and_its_writer_leave(tmp_path):
+    root = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", EXITING, root], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert gone(int(done.stdout))
+    manager = tsckpt.CheckpointManager(root, writer="thread")
+    assert manager.all_steps() == [3]
+    assert np.array_equal(manager.restore(3)["w"], np.arange(100_000.0, dtype=np.float32))
+
+
+@pytest.mark.slow
+def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_writers_and_on_the_thread(tmp_path):
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    results = run_ranks(one_writer_killed, 2, root, timeout=300)
+    for rank, out in enumerate(results):
+        assert out["steps"] == [1, 3, 4], out
+        assert out["then"] not in (None, out["first"])
+        assert out["fourth_by_writer"] is False
+    lost_type, lost_text, _ = results[1]["raised"]
+    assert lost_type == "WriterLostError" and "(step 2) was killed by SIGKILL" in lost_text
+    peer_type, peer_text, lost = results[0]["raised"]
+    assert peer_type == "DistributedError", peer_text
+    assert lost == [1], peer_text
+    restored = tsckpt.restore(os.path.join(root, "00000003"))
+    assert restored["step"] == 10  # the same tree on each rank: replicas
+
+
+@pytest.mark.slow
+def test_fifty_saves_in_a_row_commit_and_memory_does_not_grow(tmp_path, writer_process):
+    manager = tsckpt.CheckpointManager(tmp_path)
+    tree = {"w": torch.randn(256, 256), "m": [torch.randn(128, 128) for _ in range(4)], "step": 0}
+    rss = {}
+    for step in range(50):
+        tree["w"].add_(1.0)
+        tree["step"] = step
+        handle = manager.save_async(step, tree)
+        handle.result()
+        assert handle.staged_bytes == (256 * 256 + 4 * 128 * 128) * 4
+        if step in (9, 49):
+            rss[step] = (_rss(os.getpid()), _rss(manager._saver.writer_pid), handle.writer_peak_bytes)
+    assert manager.all_steps() == list(range(50))
+    assert manager.restore(49)["step"] == 49
+    (trainer_10, writer_10, peak_10), (trainer_50, writer_50, peak_50) = rss[9], rss[49]
+    bound = 8 << 20  # a few allocator arenas' worth; a state copy a save is 0.5 MiB
+    assert trainer_50 - trainer_10 < bound, (trainer_10, trainer_50)
+    assert writer_50 - writer_10 < bound, (writer_10, writer_50)
+    assert peak_50 - peak_10 < bound, (peak_10, peak_50)
+    manager.close()
+
+
+@pytest.mark.slow
+def test_what_a_writer_process_cannot_take_is_saved_by_the_thread(tmp_path, writer_process):
+    saver = AsyncSaver()
+    options = SaveOptions()
+    handle = saver.submit("memory", {"x": torch.ones(3)}, SaveJob("memory://writer-test/ck", options), writer="process")
+    handle.result()
+    assert handle.writer_peak_bytes is None and saver.writer_pid is None
+    assert torch.equal(torch.as_tensor(tsckpt.restore("memory://writer-test/ck")["x"]), torch.ones(3))
+    handle = saver.submit("file", {"x": torch.ones(3)}, SaveJob(str(tmp_path / "ck"), options), writer="process")
+    handle.result()
+    assert handle.writer_peak_bytes is not None and saver.writer_pid is not None
+    saver.close()
+
+
+def test_the_writer_option_is_checked_in_the_caller(tmp_path):
+    with pytest.raises(ValueError, match="writer must be 'process' or 'thread', not 'fork'"):
+        tsckpt.save_async(tmp_path / "ck", {"x": 1}, writer="fork")
+    with pytest.raises(ValueError, match="writer must be 'process' or 'thread', not 'fork'"):
+        tsckpt.CheckpointManager(tmp_path, writer="fork")

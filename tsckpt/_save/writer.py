@@ -1,0 +1,621 @@
+"""save_async's writer process: the save runs outside the training process's interpreter.
+
+A save in a thread of the training process holds the interpreter for its per-leaf work
+(describing, planning, encoding, checksums) while the training thread waits for it. Here
+the training process only stages (tsckpt/_save/background.py) into buffers that are shared
+memory (:class:`SharedStaging`: one block, tsckpt/_runtime/sharedmem.py), and hands a small
+message to a writer process of its own: the leaf paths, the tree's structure, the plain
+values and, for each array, its place in the block. The writer rebuilds the leaves as
+views of the block (no array data is pickled or copied) and runs the ordinary save on them,
+with the commit protocol, the lease and the retention of a synchronous save.
+
+One writer per training process, started at the first save that goes to it and reused
+after (the same process id), made again after it died. It is a fresh interpreter
+(``python -c``, never a fork of the training process, whose threads a fork would not
+carry; nor multiprocessing's spawn, which imports the caller's main module again, so a
+training script without a ``__main__`` guard would run twice), run at a lower scheduling
+priority. It ends with :meth:`AsyncSaver.close` (the manager's close), at interpreter
+exit once the save in flight committed, and when the training process is gone: it
+watches its end of the socket and its parent, and leaves at once, mid-save if need be,
+so no writer outlives its trainer; a save cut short never committed, so no step looks
+complete (its pending root names the writer, whose death makes it a leftover that a
+manager removes).
+
+Under torch.distributed the writers of the ranks coordinate among themselves, never
+through the training loop's process groups: rank 0's training process serves a TCPStore
+on a port the system picks, and the writers form a gloo group of their own through it,
+under a prefix new at every start. The save protocol then runs on that group as on any:
+every rank raises when one fails, lost peers are named. The training processes agree at
+each save, in one small gather over their background group (the one a save in a thread
+uses; save_async is collective anyway), whether it goes to the writers and whether new
+writers start: when one rank must save in a thread, all do; when one rank's writer died or
+failed a save, every rank starts a new one (a group that lost a member is unusable), so the
+ranks' writers always run the same saves in one group. The store's address travels with
+that gather when writers start.
+
+What a writer process cannot take is saved by the thread instead: jax arrays and CUDA
+tensors (their staging is not in the shared block: jax's own host copies, the pinned slab),
+lazy sources (they read another file through the caller's open readers), a ``memory://``
+location (it lives in the caller's memory), a jax.distributed job without torch.distributed
+(the writers coordinate over torch.distributed), and platforms without anonymous shared
+memory files (Linux has them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+import uuid
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._base.types import LazySource
+from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed
+from .._errors import WriterLostError
+from .._leaves.jaxarray import JaxRegion
+from .._runtime import devicecopy as _devicecopy
+from .._runtime import sharedmem
+from ..tree import Flat, structure_to_json
+from .background import BACKGROUND_NICE, AsyncSave
+from .protocol import Staged
+
+log = logging.getLogger("tsckpt")
+
+# How often an idle writer checks that its parent is alive (beside the socket's end of file).
+PARENT_POLL_S = 1.0
+# The exit status of a writer that left because its training process was gone.
+ORPHANED = 3
+# How long close() waits for a writer with no save in flight to leave before killing it.
+CLOSE_WAIT_S = 30.0
+
+
+# ---- the training process's side ------------------------------------------------------------
+
+
+class SharedStaging:
+    """The staging's host buffers (numpy arrays, CPU tensors) as views of one shared block,
+    made again, all at once, when the state's arrays change (the old block given up first,
+    so staging holds at most one copy of the state): ``reserve`` of background.py's staging."""
+
+    def __init__(self) -> None:
+        self.block: sharedmem.SharedBlock | None = None
+        self.on_release: Any = None  # called with a block given up (the writer drops its mapping)
+
+    def reserve(self, buffers: dict[tuple[Any, ...], Any], keys: list[tuple[Any, ...]]) -> None:
+        """Put a view of the block in ``buffers`` for each of ``keys`` (the host arrays to copy):
+        the block of the last save while it has them all, else a new one for exactly these."""
+        if all(k in buffers for k in keys) and self.block is not None:
+            return
+        for k in keys:
+            buffers.pop(k, None)
+        self.release()
+        sizes = [_key_bytes(k) for k in keys]
+        offsets, size = sharedmem.layout(sizes)
+        block = sharedmem.SharedBlock(size)
+        for k, offset in zip(keys, offsets):
+            if k[1] == "torch":
+                buffers[k] = block.torch(offset, k[3], k[2])
+            else:
+                buffers[k] = block.numpy(offset, k[3], k[2])
+        self.block = block
+
+    def release(self) -> None:
+        """Give up the block (its buffers must be gone from the staging already)."""
+        block, self.block = self.block, None
+        if block is not None:
+            if self.on_release is not None:
+                self.on_release(block)
+            block.close()
+
+
+def _key_bytes(key: tuple[Any, ...]) -> int:
+    count = int(np.prod(key[2], dtype=np.int64))
+    if key[1] == "torch":
+        return count * torch.empty((), dtype=key[3]).element_size()
+    return count * np.dtype(key[3]).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffer:
+    """An array leaf in the message to the writer: its place in the shared block."""
+
+    offset: int
+    torch: bool  # a tensor (else a numpy array)
+    dtype: Any
+    shape: tuple[int, ...]
+    where: tuple[tuple[int, ...], tuple[int, ...]] | None  # a region's (global_shape, offsets)
+
+
+class WriterSlot:
+    """An AsyncSaver's writer process: started when a save first goes to it, made again after
+    it died or (with several ranks) after a failed save."""
+
+    def __init__(self) -> None:
+        self._writer: _Writer | None = None
+        self._shared: SharedStaging | None = None
+        self._store: Any = None  # rank 0: the TCPStore the ranks' writers meet through
+        self._key: Any = None  # the group and timeout the writer was started for
+        self._structure: tuple[Any, Any] = (None, None)  # the last tree's spec and its structure JSON
+
+    @property
+    def pid(self) -> int | None:
+        w = self._writer
+        return w.proc.pid if w is not None and w.alive() else None
+
+    def share(self, staging: Any) -> None:
+        """Make ``staging``'s host buffers shared memory, for saves through a writer (where the
+        platform has it; the buffers kept so far are dropped once)."""
+        if not sharedmem.supported() or self._shared is not None:
+            return
+        self._shared = SharedStaging()
+        self._shared.on_release = self._released
+        staging.reserve = self._shared.reserve
+
+    def _released(self, block: sharedmem.SharedBlock) -> None:
+        if self._writer is not None:
+            self._writer.drop(block)
+
+    def send(
+        self, handle: AsyncSave, job: Any, flat: Flat, leaves: list[Any], regions: list[tuple[int, Any, Any, Any]],
+        copies: list[Any], *, ready: Callable[[], None] | None = None,
+    ) -> bool:
+        """Hand the staged save to the writer process (starting one where needed); False when it
+        cannot go there (then the caller's thread saves it). Under torch.distributed the ranks
+        agree first (:meth:`_agree`), so that all take the same path."""
+        group, timeout = job.options.group, job.options.timeout
+        reason = self._refused(job, leaves, regions)
+        key = (_group_ranks(group), timeout)
+        w = self._writer
+        stale = w is None or not w.alive() or (w.failed and w.ranks > 1) or key != self._key
+        reason, meet = self._agree(group, timeout, reason, stale)
+        if reason is not None:
+            log.debug("tsckpt: the asynchronous save to %s runs in a thread: %s", handle.directory, reason)
+            return False
+        remote = job.in_writer()
+        block = self._shared.block if self._shared is not None else None
+        message_leaves = list(leaves)
+        for (i, _, _, where), copy in zip(regions, copies):
+            offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
+            if offset is None:
+                raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
+            is_tensor = isinstance(copy, torch.Tensor)
+            message_leaves[i] = _Buffer(offset, is_tensor, copy.dtype, tuple(copy.shape), where)
+        if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
+            self.close()
+            w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
+            self._key = key
+        if self._structure[0] is None or self._structure[0] != flat.spec:  # made once for a loop's saves
+            self._structure = (flat.spec, structure_to_json(flat.spec))
+        w.save(handle, remote, block, flat.paths, self._structure[1], message_leaves, job, ready)
+        return True
+
+    def _refused(self, job: Any, leaves: list[Any], regions: list[tuple[int, Any, Any, Any]]) -> str | None:
+        """Why this save cannot go to a writer process, or None."""
+        if not isinstance(self._shared, SharedStaging):
+            return "this platform has no anonymous shared memory files"
+        if getattr(job, "in_writer", None) is None or job.in_writer() is None:
+            return "its location lives in this process's memory"
+        if any(isinstance(where, JaxRegion) for _, _, _, where in regions):
+            return "it holds jax arrays"
+        if any(isinstance(d, torch.Tensor) and _devicecopy.on_device(d) for _, _, d, _ in regions):
+            return "it holds CUDA tensors"
+        if any(isinstance(leaf, LazySource) for leaf in leaves):
+            return "it holds lazy sources"
+        if not _torch_distributed() and is_distributed():
+            return "a jax.distributed job: the writer processes coordinate over torch.distributed"
+        return None
+
+    def _agree(
+        self, group: Any, timeout: datetime.timedelta | None, reason: str | None, stale: bool
+    ) -> tuple[str | None, dict[str, Any] | None | bool]:
+        """Whether this save goes to a writer process, and whether new writers start, decided by
+        every rank alike: ``(why not, or None; False: the running writer saves it, else the
+        rendezvous of new ones, None for one rank)``. With several ranks, one small gather over
+        the training processes' background group per save (no per-leaf work): a rank that must
+        save in a thread takes every rank there, a rank whose writer died or failed a save makes
+        every rank start a new one (the writers' group lost a member: none can be used again),
+        so the ranks' writers always run the same saves, in one group. Rank 0 serves the store
+        the writers meet through (made once, on a port the system picks)."""
+        if not _torch_distributed():
+            return reason, (None if stale else False)
+        import torch.distributed as dist
+
+        coord = coordinator_for(group, timeout, channel="background")
+        if coord.world_size == 1:
+            return reason, (None if stale else False)
+        wait = timeout or DEFAULT_TIMEOUT
+        offer = None
+        if coord.rank == 0:
+            if self._store is None:
+                self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=wait)
+            offer = {
+                "port": int(self._store.port), "host": os.environ.get("MASTER_ADDR") or socket.gethostname(),
+                "prefix": f"tsckpt-writers/{uuid.uuid4().hex}/",
+            }
+        found = coord.all_gather((reason, stale, socket.gethostname(), offer))
+        refused = [f"rank {r}: {why}" for r, (why, _, _, _) in enumerate(found) if why is not None]
+        if refused:
+            return "; ".join(refused), False
+        if not any(renew for _, renew, _, _ in found):
+            return None, False
+        first = found[0][3]
+        same_host = {name for _, _, name, _ in found} == {found[0][2]}
+        return None, {
+            "host": "127.0.0.1" if same_host else first["host"], "port": first["port"], "prefix": first["prefix"],
+            "rank": coord.rank, "world_size": coord.world_size, "timeout_s": wait.total_seconds(),
+        }
+
+    def close(self) -> None:
+        """Stop the writer (after the save in flight, if it is alive)."""
+        w, self._writer = self._writer, None
+        if w is not None:
+            w.close()
+
+
+def _torch_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_ranks(group: Any) -> tuple[int, ...] | None:
+    if group is None or not _torch_distributed():
+        return None
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+_live: weakref.WeakSet[_Writer] = weakref.WeakSet()
+_exit_registered = False
+
+
+def live_writers() -> list[int]:
+    """The process ids of this process's writer processes still running."""
+    return [w.proc.pid for w in list(_live) if w.proc.poll() is None]
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit: let every writer finish its save in flight, then stop it."""
+    for w in list(_live):
+        w.close()
+
+
+class _Writer:
+    """One writer process and the thread that waits for its replies."""
+
+    def __init__(self, rendezvous: dict[str, Any] | None) -> None:
+        global _exit_registered
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        fd = theirs.detach()
+        setup = json.dumps({"parent": os.getpid(), "rendezvous": rendezvous, "log_level": log.getEffectiveLevel()})
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from tsckpt._save.writer import main; main()", str(fd), setup],
+                pass_fds=[fd], env=_child_environment(), stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(fd)
+        self.ranks = rendezvous["world_size"] if rendezvous else 1
+        self.failed = False  # a save through it failed
+        self.block: sharedmem.SharedBlock | None = None  # the block the writer maps
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
+        self._pending: dict[int, tuple[AsyncSave, str]] = {}
+        self._seq = 0
+        self._closed = False
+        self._watch = threading.Thread(target=self._replies, name="tsckpt-writer-watch", daemon=True)
+        self._watch.start()
+        _live.add(self)
+        if not _exit_registered:  # after background.py's report of unchecked failures: runs before it
+            atexit.register(_close_at_exit)
+            _exit_registered = True
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self._closed
+
+    def _send(self, *message: Any) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def drop(self, block: sharedmem.SharedBlock) -> None:
+        """Tell the writer to unmap ``block`` (the training process gave it up)."""
+        if self.block is block:
+            self.block = None
+            if self.alive():
+                try:
+                    self._send("drop")
+                except OSError:
+                    pass  # the writer is gone: its mapping with it
+
+    def save(
+        self, handle: AsyncSave, job: Any, block: sharedmem.SharedBlock | None, paths: list[str], structure: Any,
+        leaves: list[Any], caller_job: Any, ready: Callable[[], None] | None = None,
+    ) -> None:
+        """Send one save; ``handle`` is settled by the writer's reply (or its death). ``ready``:
+        waits for the copies left after the call (overlapped staging) and raises the failure of
+        one; the message then leaves from a thread of its own, once they are made, so the writer
+        never reads a buffer still being filled."""
+        self._seq += 1
+        step = getattr(caller_job, "step", None)
+        what = f"{handle.directory}" + (f" (step {step})" if step is not None else "")
+        handle.set_running_or_notify_cancel()
+        with self._state_lock:
+            if self._closed:  # died since it was judged alive: nothing will answer
+                handle.settle(self._lost(what))
+                return
+            self._pending[self._seq] = (handle, what)
+        seq = self._seq
+        if ready is None:
+            self._deliver(seq, block, job, paths, structure, leaves)
+            return
+
+        def deliver_when_ready() -> None:
+            try:
+                ready()
+            except BaseException as e:  # noqa: BLE001 - delivered through the handle
+                with self._state_lock:
+                    self._pending.pop(seq, None)
+                handle.settle(e)
+                return
+            self._deliver(seq, block, job, paths, structure, leaves)
+
+        threading.Thread(target=deliver_when_ready, name="tsckpt-staging-send", daemon=True).start()
+
+    def _deliver(
+        self, seq: int, block: sharedmem.SharedBlock | None, job: Any, paths: list[str], structure: Any,
+        leaves: list[Any],
+    ) -> None:
+        """Send the message of save ``seq`` (its shared block first, where new)."""
+        try:
+            with self._send_lock:
+                if block is not None and block is not self.block:
+                    self.conn.send(("block", block.size))
+                    send_handle(self.conn, block.fd, self.proc.pid)
+                    self.block = block
+                self.conn.send(("save", seq, job, paths, structure, leaves))
+        except OSError:
+            pass  # the writer died: the watch thread reports it through the handle
+
+    def _replies(self) -> None:
+        """Settle each save's handle from the writer's reply; when the writer is gone, fail the
+        saves it still had."""
+        while True:
+            try:
+                reply = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind, seq, peak, records = reply[0], reply[1], reply[2], reply[3]
+            for record in records:  # the save's log lines, as a save in this process logs them
+                log.handle(record)
+            with self._state_lock:
+                handle, _ = self._pending.pop(seq)
+            handle.writer_peak_bytes = peak
+            if kind != "done":
+                self.failed = True
+            handle.settle(None if kind == "done" else _rebuilt(reply[4], reply[5]))
+        self.proc.wait()
+        with self._state_lock:
+            self._closed = True
+            lost, self._pending = self._pending, {}
+        for _, (handle, what) in sorted(lost.items()):
+            self.failed = True
+            handle.settle(self._lost(what))
+
+    def _lost(self, what: str) -> WriterLostError:
+        return WriterLostError(
+            f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(self.proc.wait())} "
+            "before the save committed: nothing of it is listed as a checkpoint; the next save starts a new writer"
+        )
+
+    def close(self) -> None:
+        """Stop the writer once its save in flight is over (it is killed if it does not leave)."""
+        if not self._closed and self.proc.poll() is None:
+            try:
+                self._send("close")
+            except OSError:
+                pass
+        try:
+            if self._pending:  # a save in flight: as long as it takes (it has timeouts of its own)
+                self.proc.wait()
+            self.proc.wait(CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._watch.join()
+        self.conn.close()
+        _live.discard(self)
+
+
+def _death(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (as the kernel's out-of-memory killer does)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{oom}"
+    return f"exited with status {code}"
+
+
+class _RemoteTraceback(Exception):
+    """The writer process's traceback of an error it raised (shown as the error's cause)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _rebuilt(pickled: bytes | None, text: str) -> BaseException:
+    """The writer's error, with its traceback as the cause."""
+    err: BaseException
+    try:
+        err = pickle.loads(pickled) if pickled is not None else RuntimeError(text.strip().splitlines()[-1])
+    except Exception:  # noqa: BLE001 - an error that does not survive pickling: its text
+        err = RuntimeError(text.strip().splitlines()[-1])
+    err.__cause__ = _RemoteTraceback(f"\n\nin the writer process:\n{text}")
+    return err
+
+
+def _child_environment() -> dict[str, str]:
+    """The writer's environment: this process's, with its import path (so the writer imports
+    the same tsckpt, and the modules of a job's classes)."""
+    env = dict(os.environ)
+    paths = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+# ---- the writer process's side ---------------------------------------------------------------
+
+
+def main() -> None:
+    """The writer process: receive saves from the training process and run them, one at a time."""
+    fd, setup = int(sys.argv[1]), json.loads(sys.argv[2])
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+    conn = Connection(fd)
+    kept = _Kept()
+    log.setLevel(setup["log_level"])
+    log.addHandler(kept)
+    log.propagate = False  # each record goes to the training process, which logs it
+    inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
+    joined: BaseException | None = None
+    if setup["rendezvous"] is not None:
+        try:
+            _join(setup["rendezvous"])
+        except BaseException as e:  # noqa: BLE001 - every save through this writer fails with it
+            joined = e
+    block: sharedmem.SharedBlock | None = None
+    while True:
+        message = inbox.get()
+        kind = message[0]
+        if kind == "close":
+            break
+        if kind in ("block", "drop") and block is not None:
+            block.close()
+            block = None
+        if kind == "block":
+            block = sharedmem.SharedBlock(message[1], fd=message[2])
+        elif kind == "save":
+            _, seq, job, paths, structure, leaves = message
+            try:
+                if joined is not None:
+                    raise joined
+                job(Staged(paths, _views(block, leaves), structure))
+            except BaseException as e:  # noqa: BLE001 - sent to the training process
+                conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
+            else:
+                conn.send(("done", seq, _peak(), kept.take()))
+    conn.close()
+    os._exit(0)  # no interpreter teardown: gloo's destructors can abort at exit
+
+
+class _Kept(logging.Handler):
+    """The records the "tsckpt" logger emits in the writer during a save, sent with its reply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: list[logging.LogRecord] = []
+        self._lock2 = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args, record.exc_info = record.getMessage(), None, None  # picklable
+        with self._lock2:
+            self._records.append(record)
+
+    def take(self) -> list[logging.LogRecord]:
+        with self._lock2:
+            out, self._records = self._records, []
+        return out
+
+
+def _listen(conn: Connection, inbox: queue.Queue[tuple[Any, ...]], parent: int) -> None:
+    """Read the training process's messages; leave the process at once when it is gone."""
+    while True:
+        try:
+            if not conn.poll(PARENT_POLL_S):
+                if os.getppid() != parent:
+                    os._exit(ORPHANED)
+                continue
+            message = conn.recv()
+            if message[0] == "block":
+                message = (*message, recv_handle(conn))
+        except (EOFError, OSError):
+            os._exit(ORPHANED)  # mid-save too: a save cut short never commits
+        inbox.put(message)
+        if message[0] == "close":
+            return
+
+
+def _join(r: dict[str, Any]) -> None:
+    """Form the writers' gloo group with the other ranks' writers."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=r["timeout_s"])
+    store = dist.TCPStore(r["host"], r["port"], is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(r["prefix"], store), rank=r["rank"], world_size=r["world_size"], timeout=timeout
+    )
+
+
+def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:
+    """The message's leaves with each array a view of the shared block (the same view for the
+    same buffer: tied leaves stay tied)."""
+    from .._base.types import ShardedArray
+
+    made: dict[tuple[Any, ...], Any] = {}
+    out = []
+    for leaf in leaves:
+        if not isinstance(leaf, _Buffer):
+            out.append(leaf)
+            continue
+        if block is None:
+            raise RuntimeError("a save names shared staging buffers but no block was received")
+        key = (leaf.offset, leaf.torch, leaf.dtype, leaf.shape)
+        if key not in made:
+            made[key] = (block.torch if leaf.torch else block.numpy)(leaf.offset, leaf.dtype, leaf.shape)
+        view = made[key]
+        out.append(view if leaf.where is None else ShardedArray(view, *leaf.where))
+    return out
+
+
+def _peak() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB, macOS bytes)."""
+    import resource  # Unix only, as writer processes are
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _portable(e: BaseException) -> bytes | None:
+    """The error pickled, if it survives the trip (else the training process rebuilds it from its text)."""
+    try:
+        data = pickle.dumps(e)
+        pickle.loads(data)
+    except Exception:  # noqa: BLE001
+        return None
+    return data
