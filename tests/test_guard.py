@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tsckpt
+from tsckpt._save import background
 import tsckpt._save.guard as guard_module
 import tsckpt.torch as tt
 from tsckpt._leaves.stateful import expand
@@ -364,3 +365,41 @@ def test_an_accelerate_optimizer_is_guarded_through_the_one_it_wraps(tmp_path, s
         assert _differences(_saved(tmp_path / "ck"), expected) == []
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.slow
+def test_the_writer_process_reads_the_buffers_once_the_deferred_copies_are_made(tmp_path, slow_copies, writer_process):
+    run = Run()
+    expected = run.snapshot()
+    handle = tsckpt.save_async(tmp_path / "ck", run.state, staging="overlapped", writer="process")
+    at_return = slow_copies[0]
+    for _ in range(2):
+        run.step()
+    handle.result(timeout=60)
+    assert handle.writer_peak_bytes is not None  # saved by the writer process, not the thread
+    assert at_return < 4 * len(list(run.model.parameters()))  # the copies raced the step
+    assert _differences(_saved(tmp_path / "ck"), expected) == []
+    background._default.close()  # save_async's own saver: its writer leaves with it
+
+
+@pytest.mark.slow
+def test_a_failed_deferred_copy_under_the_writer_process_raises_from_result(tmp_path, monkeypatch, writer_process):
+    monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
+    real = guard_module._copy
+
+    def broken(dst, src):
+        raise MemoryError("staging buffer lost")
+
+    monkeypatch.setattr(guard_module, "_copy", broken)
+    run = Run()
+    handle = tsckpt.save_async(tmp_path / "ck", run.state, staging="overlapped", writer="process")
+    with pytest.raises(MemoryError, match="staging buffer lost"):
+        handle.result(timeout=60)
+    assert not (tmp_path / "ck").exists()
+    monkeypatch.setattr(guard_module, "_copy", real)
+    expected = run.snapshot()
+    again = tsckpt.save_async(tmp_path / "again", run.state, staging="overlapped", writer="process")
+    again.result(timeout=60)
+    assert again.writer_peak_bytes is not None
+    assert _differences(_saved(tmp_path / "again"), expected) == []
+    background._default.close()

@@ -62,7 +62,7 @@ import uuid
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
