@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tsckpt._base.mapping import Concat, Mapping, MappingError, Reshape, Rule, Split, Transpose, place, plan
+from tsckpt._base.mapping import Concat, MappingError, Reshape, Rule, Rules, Split, Transpose, place, plan
 from tsckpt._errors import ShapeMismatchError, StructureMismatchError
 
 
@@ -95,7 +95,7 @@ def cases(draw: st.DrawFn) -> tuple[Rule, list[np.ndarray]]:
 def test_pieces_are_exactly_the_preimage_of_the_target_region(case, data):
     rule, stored = case
     names = rule.stored_templates
-    mapped = Mapping([rule]).resolve({n: (a.shape, "int64") for n, a in zip(names, stored)})
+    mapped = Rules([rule]).resolve({n: (a.shape, "int64") for n, a in zip(names, stored)})
     expected = dict(zip(rule.target_templates, oracle(rule, stored)))
     for target, whole in expected.items():
         leaf = mapped[target]
@@ -117,7 +117,7 @@ def test_pieces_are_exactly_the_preimage_of_the_target_region(case, data):
 
 
 def test_torch_memory_takes_the_same_views():
-    leaf = Mapping([Rule("k", "w", Transpose((1, 0)))]).resolve({"k": ((4, 6), "float32")})["w"]
+    leaf = Rules([Rule("k", "w", Transpose((1, 0)))]).resolve({"k": ((4, 6), "float32")})["w"]
     stored = torch.arange(24.0).reshape(4, 6)
     region = torch.empty(3, 4)  # rows 2..4 of the (6, 4) target
     for p in plan(leaf, (2, 0), (3, 4)):
@@ -127,7 +127,7 @@ def test_torch_memory_takes_the_same_views():
 
 
 def test_templates_rename_with_wildcards_and_separators():
-    rules = Mapping([Rule("params/{m*}/kernel", "{m*}.weight", Transpose((1, 0)), sep=("/", ".")),
+    rules = Rules([Rule("params/{m*}/kernel", "{m*}.weight", Transpose((1, 0)), sep=("/", ".")),
                      Rule("params/{m*}/bias", "{m*}.bias", sep=("/", "."))])
     out = rules.resolve({"params/blocks/0/kernel": ((2, 3), "float32"), "params/blocks/0/bias": ((3,), "float32"),
                          "other": ((1,), "int8")}, ["step"])
@@ -137,13 +137,13 @@ def test_templates_rename_with_wildcards_and_separators():
 
 
 def test_ndim_picks_the_rule():
-    rules = Mapping([Rule("{m}.weight", "{m}/scale", ndim=1), Rule("{m}.weight", "{m}/kernel", Transpose((1, 0)), ndim=2)])
+    rules = Rules([Rule("{m}.weight", "{m}/scale", ndim=1), Rule("{m}.weight", "{m}/kernel", Transpose((1, 0)), ndim=2)])
     out = rules.resolve({"ln.weight": ((4,), "float32"), "fc.weight": ((5, 4), "float32")})
     assert out["ln/scale"].shape == (4,) and out["fc/kernel"].shape == (4, 5)
 
 
 def test_two_rules_for_one_target_name_both():
-    rules = Mapping([Rule("a/{x}", "{x}"), Rule("b/{x}", "{x}")])
+    rules = Rules([Rule("a/{x}", "{x}"), Rule("b/{x}", "{x}")])
     with pytest.raises(MappingError) as e:
         rules.resolve({"a/w": ((2,), "float32"), "b/w": ((2,), "float32")})
     msg = str(e.value)
@@ -154,14 +154,14 @@ def test_two_rules_for_one_target_name_both():
 def test_a_missing_concat_source_names_rule_stored_and_target():
     rule = Rule(("{l}/q", "{l}/k"), "{l}.qk", Concat(0))
     with pytest.raises(MappingError, match=r"Rule\(.*stored 'a/q', target 'a.qk'.*'a/k' is not in the checkpoint"):
-        Mapping([rule]).resolve({"a/q": ((2, 2), "float32")})
+        Rules([rule]).resolve({"a/q": ((2, 2), "float32")})
 
 
 def test_a_view_that_does_not_fit_names_rule_stored_and_target():
     with pytest.raises(ShapeMismatchError, match=r"stored 'k', target 'w'.*cannot reshape an array of shape \[2, 3\]"):
-        Mapping([Rule("k", "w", Reshape((4, 2)))]).resolve({"k": ((2, 3), "float32")})
+        Rules([Rule("k", "w", Reshape((4, 2)))]).resolve({"k": ((2, 3), "float32")})
     with pytest.raises(ShapeMismatchError, match=r"Split into 2 equal parts of axis 0 \(size 3\)"):
-        Mapping([Rule("k", ("a", "b"), Split(0, 2))]).resolve({"k": ((3, 3), "float32")})
+        Rules([Rule("k", ("a", "b"), Split(0, 2))]).resolve({"k": ((3, 3), "float32")})
 
 
 def test_rules_are_checked_when_made():
@@ -172,11 +172,11 @@ def test_rules_are_checked_when_made():
     with pytest.raises(ValueError, match="permutation"):
         Transpose((0, 0))
     with pytest.raises(TypeError, match="holds Rule objects"):
-        Mapping(["a"])  # type: ignore[list-item]
+        Rules(["a"])  # type: ignore[list-item]
 
 
 def test_a_region_of_too_many_runs_is_refused_naming_the_rule():
-    leaf = Mapping([Rule("k", "w", Reshape((5000, 2)))]).resolve({"k": ((10000,), "float32")})["w"]
+    leaf = Rules([Rule("k", "w", Reshape((5000, 2)))]).resolve({"k": ((10000,), "float32")})["w"]
     assert len(plan(leaf, (0, 0), (5000, 2))) == 1  # whole: one piece
     assert len(plan(leaf, (10, 0), (20, 2))) == 1  # rows: one run
     with pytest.raises(MappingError, match=r"Rule\('k' -> 'w'.*stored 'k', target 'w'.*5000 separate runs"):

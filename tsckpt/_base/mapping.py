@@ -4,8 +4,8 @@ turns a target region into the stored boxes to read and where each goes.
 A :class:`Rule` names stored leaves by a path template (``params/{name}/kernel``) and the
 target leaf it gives (``{name}.weight``), through views applied to the stored array:
 :class:`Transpose`, :class:`Reshape`, :class:`Split` (one stored array into several
-targets) and :class:`Concat` (several stored arrays into one target). A :class:`Mapping`
-is an ordered set of rules; :meth:`Mapping.resolve` applies it to a checkpoint's leaves.
+targets) and :class:`Concat` (several stored arrays into one target). A :class:`Rules`
+is an ordered set of rules; :meth:`Rules.resolve` applies it to a checkpoint's leaves.
 
 The planner (:func:`plan`) works backwards from a target region: each piece it returns is
 one stored box and the operations (slices, permutations, reshapes: views, never copies)
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping as AbcMapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -157,7 +157,7 @@ def _template(text: str) -> tuple[re.Pattern[str], list[str]]:
     return re.compile("".join(out)), names
 
 
-def _fill(text: str, captured: AbcMapping[str, str], sep: tuple[str, str] | None) -> str:
+def _fill(text: str, captured: Mapping[str, str], sep: tuple[str, str] | None) -> str:
     def sub(m: re.Match[str]) -> str:
         value = captured[m.group(1)]
         return value.replace(sep[0], sep[1]) if sep else value
@@ -166,7 +166,7 @@ def _fill(text: str, captured: AbcMapping[str, str], sep: tuple[str, str] | None
 
 
 @dataclasses.dataclass(frozen=True)
-class Mapping:
+class Rules:
     """Rules tried in order: the first whose stored template matches a stored leaf claims it.
     Stored leaves no rule claims keep their paths."""
 
@@ -176,13 +176,13 @@ class Mapping:
         rules = tuple(rules)
         bad = [r for r in rules if not isinstance(r, Rule)]
         if bad:
-            raise TypeError(f"a Mapping holds Rule objects, not {bad[0]!r}")
+            raise TypeError(f"a Rules holds Rule objects, not {bad[0]!r}")
         object.__setattr__(self, "rules", rules)
 
-    def __add__(self, other: Mapping) -> Mapping:
-        return Mapping(self.rules + other.rules)
+    def __add__(self, other: Rules) -> Rules:
+        return Rules(self.rules + other.rules)
 
-    def resolve(self, arrays: AbcMapping[str, tuple[tuple[int, ...], str]], values: Iterable[str] = ()) -> dict[str, Mapped]:
+    def resolve(self, arrays: Mapping[str, tuple[tuple[int, ...], str]], values: Iterable[str] = ()) -> dict[str, Mapped]:
         """The target leaves this mapping makes of stored ``arrays`` (path -> (shape, dtype))
         and plain ``values`` (paths): target path -> :class:`Mapped`, in stored order."""
         out: dict[str, Mapped] = {}
@@ -252,7 +252,7 @@ def _own(path: str, array: tuple[tuple[int, ...], str]) -> Mapped:
 
 
 def _apply(
-    rule: Rule, captured: dict[str, str], path: str, arrays: AbcMapping[str, tuple[tuple[int, ...], str]], is_array: bool
+    rule: Rule, captured: dict[str, str], path: str, arrays: Mapping[str, tuple[tuple[int, ...], str]], is_array: bool
 ) -> list[Mapped]:
     targets = [_fill(t, captured, rule.sep) for t in rule.target_templates]
     sources = [path] + [_fill(s, captured, None) for s in rule.stored_templates[1:]]
