@@ -185,21 +185,25 @@ class Rules:
     def resolve(self, arrays: Mapping[str, tuple[tuple[int, ...], str]], values: Iterable[str] = ()) -> dict[str, Mapped]:
         """The target leaves this mapping makes of stored ``arrays`` (path -> (shape, dtype))
         and plain ``values`` (paths): target path -> :class:`Mapped`, in stored order."""
-        out: dict[str, Mapped] = {}
-        made_by: dict[str, tuple[Rule | None, str]] = {}
+        claimed: list[tuple[str, list[Mapped]]] = []
         compiled = [(rule, [_template(s)[0] for s in rule.stored_templates]) for rule in self.rules]
         for path in [*arrays, *values]:
             is_array = path in arrays
-            leaves: list[Mapped] = []
             for rule, patterns in compiled:
                 m = patterns[0].fullmatch(path)
                 if m is None or (rule.ndim is not None and (not is_array or len(arrays[path][0]) != rule.ndim)):
                     continue
-                leaves = _apply(rule, m.groupdict(), path, arrays, is_array)
+                claimed.append((path, _apply(rule, m.groupdict(), path, arrays, is_array)))
                 break
             else:
-                leaves = [_own(path, arrays[path]) if is_array else Mapped(path, None, (path,), (), (), None, (), (), "", is_value=True)]
+                claimed.append((path, [_own(path, arrays[path]) if is_array else _value(path)]))
+        joined = {s for _, leaves in claimed for leaf in leaves if leaf.rule is not None for s in leaf.sources[1:]}
+        out: dict[str, Mapped] = {}
+        made_by: dict[str, tuple[Rule | None, str]] = {}
+        for path, leaves in claimed:
             for leaf in leaves:
+                if leaf.rule is None and path in joined:  # read as part of a joined target, not on its own
+                    continue
                 if leaf.target in made_by:
                     first_rule, first_path = made_by[leaf.target]
                     raise MappingError(
@@ -249,6 +253,11 @@ class _Part:
 def _own(path: str, array: tuple[tuple[int, ...], str]) -> Mapped:
     """A stored array no rule claims: the target of its own name, as stored."""
     return Mapped(path, None, (path,), ((array[0],),), (), None, (), array[0], array[1], (array[0],))
+
+
+def _value(path: str) -> Mapped:
+    """A plain value no rule claims: the target of its own name."""
+    return Mapped(path, None, (path,), (), (), None, (), (), "", is_value=True)
 
 
 def _apply(

@@ -1,0 +1,166 @@
+"""The ready-made Flax <-> torch rules (tsckpt/mappings.py) and mapping= on restore, open and
+metadata: a Flax NNX model's checkpoint restores into the equivalent torch module, and back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tsckpt.mappings import Concat, MappingError, Reshape, Rule, Rules, Split, Transpose, flax_to_torch, torch_to_flax
+
+nnx = pytest.importorskip("flax.nnx")
+jnp = pytest.importorskip("jax.numpy")
+
+
+class FlaxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(10, 8, rngs=rngs)
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, epsilon=1e-6, rngs=rngs)
+        self.rms = nnx.RMSNorm(16, epsilon=1e-6, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.l1(self.embed(ids))
+        return self.l2(self.rms(self.norm(nnx.relu(h))))
+
+
+class TorchNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.l1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16, eps=1e-6)
+        self.rms = torch.nn.RMSNorm(16, eps=1e-6)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        h = self.l1(self.embed(ids))
+        return self.l2(self.rms(self.norm(torch.relu(h))))
+
+
+IDS = np.array([[1, 2, 3], [9, 0, 4]])
+
+
+def _flax_net(seed: int) -> FlaxNet:
+    net = FlaxNet(nnx.Rngs(seed))
+    # non-trivial norm parameters, so that a scale or bias restored to the wrong place shows
+    net.norm.scale[...] = jnp.linspace(0.5, 1.5, 16)
+    net.norm.bias[...] = jnp.linspace(-0.1, 0.1, 16)
+    net.rms.scale[...] = jnp.linspace(1.5, 0.5, 16)
+    return net
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def test_a_flax_nnx_checkpoint_restores_into_the_torch_module(tmp_path):
+    flax_net = _flax_net(0)
+    tsckpt.save(tmp_path / "flax", nnx.state(flax_net, nnx.Param))
+    model = TorchNet()
+    state = tsckpt.restore(tmp_path / "flax", model.state_dict(), mapping=flax_to_torch())
+    model.load_state_dict(state)
+    np.testing.assert_array_equal(_bits(model.l1.weight.detach()), _bits(np.asarray(flax_net.l1.kernel[...]).T))
+    np.testing.assert_array_equal(_bits(model.embed.weight.detach()), _bits(flax_net.embed.embedding[...]))
+    np.testing.assert_array_equal(_bits(model.rms.weight.detach()), _bits(flax_net.rms.scale[...]))
+    with torch.no_grad():
+        got = model(torch.from_numpy(IDS)).numpy()
+    want = np.asarray(flax_net(jnp.asarray(IDS)))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)  # two libraries' float32 kernels
+
+
+def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(tmp_path):
+    model = TorchNet()
+    torch.nn.init.uniform_(model.norm.weight, 0.5, 1.5)
+    torch.nn.init.uniform_(model.rms.weight, 0.5, 1.5)
+    tsckpt.save(tmp_path / "torch", model.state_dict())
+    flax_net = FlaxNet(nnx.Rngs(1))
+    rules = torch_to_flax(embeddings=["embed"])
+    restored = tsckpt.restore(tmp_path / "torch", nnx.state(flax_net, nnx.Param), mapping=rules)
+    nnx.update(flax_net, restored)
+    np.testing.assert_array_equal(_bits(flax_net.l2.kernel[...]), _bits(model.l2.weight.detach().numpy().T))
+    np.testing.assert_array_equal(_bits(flax_net.norm.scale[...]), _bits(model.norm.weight.detach().numpy()))
+    with torch.no_grad():
+        want = model(torch.from_numpy(IDS)).numpy()
+    np.testing.assert_allclose(np.asarray(flax_net(jnp.asarray(IDS))), want, rtol=2e-6, atol=2e-6)
+    # and back: the Flax model's checkpoint into a fresh torch module gives the very outputs
+    tsckpt.save(tmp_path / "flax", nnx.state(flax_net, nnx.Param))
+    again = TorchNet()
+    again.load_state_dict(tsckpt.restore(tmp_path / "flax", again.state_dict(), mapping=flax_to_torch()))
+    with torch.no_grad():
+        assert torch.equal(again(torch.from_numpy(IDS)), torch.from_numpy(want))
+
+
+def test_conv_kernels_are_permuted(tmp_path):
+    conv = nnx.Conv(3, 5, kernel_size=(3, 2), padding="VALID", rngs=nnx.Rngs(2))
+    tsckpt.save(tmp_path / "c", {"conv": nnx.state(conv, nnx.Param)})
+    tmodel = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(3, 5, (3, 2))})
+    tmodel.load_state_dict(tsckpt.restore(tmp_path / "c", tmodel.state_dict(), mapping=flax_to_torch()))
+    x = np.random.default_rng(0).standard_normal((2, 6, 7, 3), dtype=np.float32)  # NHWC
+    with torch.no_grad():
+        got = tmodel["conv"](torch.from_numpy(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(got, np.asarray(conv(jnp.asarray(x))), rtol=1e-5, atol=1e-5)
+    tsckpt.save(tmp_path / "t", tmodel.state_dict())
+    target = {"conv": {"kernel": np.zeros((3, 2, 3, 5), np.float32), "bias": np.zeros(5, np.float32)}}
+    back = tsckpt.restore(tmp_path / "t", target, mapping=torch_to_flax())
+    np.testing.assert_array_equal(_bits(back["conv"]["kernel"]), _bits(conv.kernel[...]))
+
+
+def test_open_and_metadata_show_the_mapped_tree(tmp_path):
+    tsckpt.save(tmp_path / "c", {"params": {"l1": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}}, "step": 7})
+    rules = flax_to_torch(stored_prefix="params/")
+    reader = tsckpt.open(tmp_path / "c", mapping=rules)
+    assert sorted(reader) == ["l1.weight", "step"]
+    arr = reader["l1.weight"]
+    assert arr.shape == (3, 2) and arr.dtype == "float32" and reader["step"] == 7
+    np.testing.assert_array_equal(arr[1:, 1], np.arange(6, dtype=np.float32).reshape(2, 3).T[1:, 1])
+    np.testing.assert_array_equal(np.asarray(arr), np.arange(6, dtype=np.float32).reshape(2, 3).T)
+    meta = tsckpt.metadata(tmp_path / "c", mapping=rules)
+    assert meta["l1.weight"].shape == (3, 2) and meta["step"] == 7
+    assert set(tsckpt.restore(tmp_path / "c", mapping=rules)) == {"l1.weight", "step"}
+
+
+def test_fused_arrays_split_and_join(tmp_path):
+    qkv = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    tsckpt.save(tmp_path / "c", {"attn": {"qkv": qkv}})
+    split = Rules([Rule("attn/qkv", ("q", "k", "v"), (Split(0, 3), Transpose((1, 0))))])
+    out = tsckpt.restore(tmp_path / "c", {n: torch.zeros(4, 2) for n in "qkv"}, mapping=split)
+    for i, n in enumerate("qkv"):
+        assert torch.equal(out[n], torch.from_numpy(qkv[2 * i : 2 * i + 2].T.copy()))
+    tsckpt.save(tmp_path / "parts", {n: qkv[2 * i : 2 * i + 2] for i, n in enumerate("qkv")})
+    join = Rules([Rule(("q", "k", "v"), "qkv", Concat(0))])
+    fused = tsckpt.restore(tmp_path / "parts", {"qkv": np.zeros((6, 4), np.float32)}, mapping=join)
+    np.testing.assert_array_equal(fused["qkv"], qkv)
+
+
+def test_a_cast_follows_the_casting_rule(tmp_path):
+    tsckpt.save(tmp_path / "c", {"l": {"kernel": np.arange(6, dtype=np.float64).reshape(2, 3)}})
+    rules = Rules([Rule("{m}/kernel", "{m}.weight", Transpose((1, 0)))])
+    out = tsckpt.restore(tmp_path / "c", {"l.weight": torch.zeros(3, 2, dtype=torch.float32)}, mapping=rules)
+    assert out["l.weight"].dtype == torch.float32 and torch.equal(out["l.weight"], torch.arange(6.0).reshape(2, 3).T)
+    with pytest.raises(tsckpt.LeafTypeError, match="l.weight"):
+        tsckpt.restore(tmp_path / "c", {"l.weight": torch.zeros(3, 2, dtype=torch.int32)}, mapping=rules)
+
+
+def test_errors_name_the_rule_the_stored_and_the_target_path(tmp_path):
+    tsckpt.save(tmp_path / "c", {"a": {"kernel": np.zeros((2, 3), np.float32)}})
+    rules = Rules([Rule("{m}/kernel", "{m}.weight", Reshape((4, 2)))])
+    with pytest.raises(tsckpt.ShapeMismatchError, match=r"Rule\('\{m\}/kernel'.*stored 'a/kernel', target 'a.weight'"):
+        tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((4, 2), np.float32)}, mapping=rules)
+    good = flax_to_torch()
+    with pytest.raises(tsckpt.ShapeMismatchError, match="a.weight"):  # the target's shape is not the mapped one
+        tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((2, 3), np.float32)}, mapping=good)
+    with pytest.raises(tsckpt.StructureMismatchError, match="missing from the checkpoint: .*'b.weight'"):
+        tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((3, 2), np.float32), "b.weight": np.zeros(1)}, mapping=good)
+    tsckpt.save(tmp_path / "two", {"a": {"kernel": np.zeros(2)}, "b": {"kernel": np.zeros(2)}})
+    twice = Rules([Rule("{y}/kernel", "w")])
+    with pytest.raises(MappingError, match="target 'w' is made twice: from stored 'a/kernel' .* from stored 'b/kernel'"):
+        tsckpt.open(tmp_path / "two", mapping=twice)
+
+
+def test_mapping_must_be_rules(tmp_path):
+    with pytest.raises(TypeError, match="mapping must be a tsckpt.mappings.Rules"):
+        tsckpt.restore(tmp_path / "c", {}, mapping=[Rule("a", "b")])
