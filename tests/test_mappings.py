@@ -164,3 +164,28 @@ def test_errors_name_the_rule_the_stored_and_the_target_path(tmp_path):
 def test_mapping_must_be_rules(tmp_path):
     with pytest.raises(TypeError, match="mapping must be a tsckpt.mappings.Rules"):
         tsckpt.restore(tmp_path / "c", {}, mapping=[Rule("a", "b")])
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_read_only_the_stored_boxes_of_their_shards(tmp_path):
+    from tests import map_scenarios
+    from tests.dist_helpers import run_ranks
+
+    rng = np.random.default_rng(3)
+    params = {
+        "l1": {"kernel": rng.standard_normal((6, 8), dtype=np.float32), "bias": rng.standard_normal(8, dtype=np.float32)},
+        "norm": {"scale": rng.standard_normal(8, dtype=np.float32), "bias": rng.standard_normal(8, dtype=np.float32)},
+        "l2": {"kernel": rng.standard_normal((8, 4), dtype=np.float32), "bias": rng.standard_normal(4, dtype=np.float32)},
+    }
+    tsckpt.save(tmp_path / "flax", {"params": params})
+    results = run_ranks(map_scenarios.restore_flax_into_fsdp2, 2, str(tmp_path / "flax"), timeout=120)
+    for rank, got in enumerate(results):
+        np.testing.assert_array_equal(got["full"]["l1.weight"], params["l1"]["kernel"].T)
+        np.testing.assert_array_equal(got["full"]["l2.weight"], params["l2"]["kernel"].T)
+        np.testing.assert_array_equal(got["full"]["norm.weight"], params["norm"]["scale"])
+        # Shard(0) of a (out, in) weight is a column block of the stored (in, out) kernel: only that is read
+        reads = got["reads"]
+        assert ("params/l1/kernel", (0, 4 * rank), (6, 4)) in reads
+        assert ("params/l2/kernel", (0, 2 * rank), (8, 2)) in reads
+        assert [r for r in reads if r[0] == "params/l1/kernel"] == [("params/l1/kernel", (0, 4 * rank), (6, 4))]
+        assert sum(int(np.prod(n)) for _, _, n in reads) == (6 * 8 + 8 + 8 + 8 + 8 * 4 + 4) // 2
