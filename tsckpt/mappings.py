@@ -25,11 +25,16 @@ Conv1d (a ``DenseGeneral`` or attention kernel needs rules of its own: :class:`R
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
+from typing import Any
 
 from ._base.mapping import Concat, MappingError, Reshape, Rule, Rules, Split, Transpose
 
-__all__ = ["Concat", "MappingError", "Reshape", "Rule", "Rules", "Split", "Transpose", "flax_to_torch", "torch_to_flax"]
+__all__ = [
+    "Concat", "MappingError", "Reshape", "Rule", "Rules", "Split", "Transpose", "flax_to_torch", "load", "torch_to_flax",
+]
 
 # Flax's convolution kernel is (*spatial, in, out), torch's weight (out, in, *spatial): the
 # permutation that gives torch's from Flax's, by number of dimensions
@@ -71,3 +76,62 @@ def torch_to_flax(*, embeddings: Iterable[str] = (), stored_prefix: str = "", ta
         Rule(f"{s}{{m*}}.{torch}", f"{t}{{m*}}/{flax}", sep=back) for flax, torch in _SAME if torch != "weight"
     ]
     return Rules(rules)
+
+
+READY_MADE = {"flax-to-torch": flax_to_torch, "torch-to-flax": torch_to_flax}
+
+
+def load(spec: str) -> Rules:
+    """Rules named on a command line (``tsckpt ls --map``): a ready-made set by name
+    (``flax-to-torch``, ``torch-to-flax``; ``flax-to-torch:params/`` reads the stored leaves
+    under that prefix), or a JSON file of rules::
+
+        {"rules": [{"stored": "params/{m*}/kernel", "target": "{m*}.weight",
+                    "views": [{"transpose": [1, 0]}], "sep": ["/", "."], "ndim": 2}]}
+
+    A view is ``{"transpose": perm}``, ``{"reshape": shape}``, ``{"split": {"axis": a,
+    "parts": n or [sizes]}}`` or ``{"concat": {"axis": a}}``; several stored or target
+    templates are lists. Raises ValueError naming what is wrong."""
+    name, _, prefix = spec.partition(":")
+    if name in READY_MADE:
+        return READY_MADE[name](stored_prefix=prefix)
+    if not os.path.isfile(spec):
+        raise ValueError(f"--map {spec!r}: neither a ready-made set ({', '.join(READY_MADE)}) nor a JSON file of rules")
+    with open(spec, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{spec}: not JSON ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("rules"), list):
+        raise ValueError(f'{spec}: expected {{"rules": [...]}}, a list of rules')
+    return Rules(_rule_of(spec, i, r) for i, r in enumerate(doc["rules"]))
+
+
+_VIEWS: dict[str, Any] = {
+    "transpose": lambda a: Transpose(tuple(a)),
+    "reshape": lambda a: Reshape(tuple(a)),
+    "split": lambda a: Split(a["axis"], a["parts"] if isinstance(a["parts"], int) else tuple(a["parts"])),
+    "concat": lambda a: Concat(a["axis"]),
+}
+
+
+def _rule_of(spec: str, i: int, r: Any) -> Rule:
+    where = f"{spec}: rule {i}"
+    try:
+        views = []
+        for v in r.get("views", []):
+            (name, arg), = v.items()
+            views.append(_VIEWS[name](arg))
+        sep = r.get("sep")
+        return Rule(
+            r["stored"] if isinstance(r["stored"], str) else tuple(r["stored"]),
+            r["target"] if isinstance(r["target"], str) else tuple(r["target"]),
+            tuple(views),
+            sep=None if sep is None else (str(sep[0]), str(sep[1])),
+            ndim=r.get("ndim"),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ValueError(
+            f"{where} ({json.dumps(r)[:200]}): {e!r}; a rule is {{\"stored\": ..., \"target\": ..., \"views\": "
+            f"[{{{' | '.join(repr(n) for n in _VIEWS)}: ...}}], \"sep\": [from, to], \"ndim\": n}}"
+        ) from e

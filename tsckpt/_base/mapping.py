@@ -235,6 +235,14 @@ class Mapped:
     post_shapes: tuple[tuple[int, ...], ...] = ()
     is_value: bool = False
 
+    def origin(self) -> str:
+        """Where the target comes from, for listings: the stored paths and the views."""
+        views = [repr(v) for v in self.pre_views]
+        if self.concat is not None:
+            views.append(f"Concat(axis={self.concat})")
+        views += [repr(v) for v in self.post_views]
+        return " + ".join(self.sources) + (f" | {', '.join(views)}" if views else "")
+
     def where(self) -> str:
         """The rule, stored and target paths, for messages."""
         stored = " + ".join(f"'{s}'" for s in self.sources)
@@ -248,6 +256,9 @@ class _Part:
     axis: int
     start: int
     size: int
+
+    def __repr__(self) -> str:
+        return f"Split(axis={self.axis})[{self.start}:{self.start + self.size}]"
 
 
 def _own(path: str, array: tuple[tuple[int, ...], str]) -> Mapped:
