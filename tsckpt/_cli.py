@@ -446,6 +446,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")
         given: dict[str, Any] = {} if window is None else {"max_inflight_bytes": window}  # else convert's default
+        if args.map is not None:
+            given["mapping"] = load_rules(args.map)
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
@@ -569,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
                    "tokenizer files found in DIR (regular files only); config.json's torch_dtype/dtype is set to "
                    "the dtype of the weights written (several floating-point dtypes: pass --dtype)")
+    p.add_argument("--map", metavar="RULES",
+                   help="write the leaves a mapping makes of the source's (renamed, transposed, split, joined; "
+                   "before --subtree and the prefixes): flax-to-torch, torch-to-flax (NAME:PREFIX reads the "
+                   "source's leaves under PREFIX), or a JSON file of rules")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "

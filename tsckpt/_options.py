@@ -384,7 +384,6 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "group": _ONE_PROCESS, "timeout": _ONE_PROCESS, "strict": _NO_TARGET, "inplace": _NO_TARGET,
             "as_saved": _NO_TARGET,
             "format": "convert names its source's format from_format, beside the destination's to_format",
-            "mapping": "convert writes the leaves as the source stores them; map them when restoring",
         },
     },
 }
