@@ -181,3 +181,12 @@ def test_a_region_of_too_many_runs_is_refused_naming_the_rule():
     assert len(plan(leaf, (10, 0), (20, 2))) == 1  # rows: one run
     with pytest.raises(MappingError, match=r"Rule\('k' -> 'w'.*stored 'k', target 'w'.*5000 separate runs"):
         plan(leaf, (0, 0), (5000, 1))
+
+
+def test_unmatched_leaves_are_kept_or_dropped():
+    arrays = {"model/l/kernel": ((2, 3), "float32"), "opt/mu/l/kernel": ((2, 3), "float32")}
+    rule = Rule("model/{m*}/kernel", "{m*}.weight", Transpose((1, 0)), sep=("/", "."))
+    assert list(Rules([rule]).resolve(arrays, ["step"])) == ["l.weight", "opt/mu/l/kernel", "step"]
+    assert list(Rules([rule], unmatched="drop").resolve(arrays, ["step"])) == ["l.weight"]
+    with pytest.raises(ValueError, match='"keep" or "drop"'):
+        Rules([rule], unmatched="skip")

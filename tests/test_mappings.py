@@ -189,3 +189,15 @@ def test_fsdp2_ranks_read_only_the_stored_boxes_of_their_shards(tmp_path):
         assert ("params/l2/kernel", (0, 2 * rank), (8, 2)) in reads
         assert [r for r in reads if r[0] == "params/l1/kernel"] == [("params/l1/kernel", (0, 4 * rank), (6, 4))]
         assert sum(int(np.prod(n)) for _, _, n in reads) == (6 * 8 + 8 + 8 + 8 + 8 * 4 + 4) // 2
+
+
+def test_the_examples_of_docs_mapping_run():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "mapping.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/mapping.md", "exec"), scope)  # noqa: S102 - the page's own examples

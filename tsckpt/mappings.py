@@ -44,10 +44,12 @@ _SAME = (("embedding", "weight"), ("scale", "weight"), ("bias", "bias"), ("mean"
 _FLAX_TO_TORCH = ("/", ".")
 
 
-def flax_to_torch(*, stored_prefix: str = "", target_prefix: str = "") -> Rules:
+def flax_to_torch(*, stored_prefix: str = "", target_prefix: str = "", unmatched: str = "keep") -> Rules:
     """Rules that restore a Flax model's parameters (NNX ``nnx.state(model)``, or a Linen
     ``params`` tree under ``stored_prefix="params/"``) into a torch module's state dict:
-    ``{m}/kernel`` -> ``{m}.weight`` transposed, and the rest of the table above."""
+    ``{m}/kernel`` -> ``{m}.weight`` transposed, and the rest of the table above.
+    ``unmatched="drop"`` leaves out the stored leaves no rule claims (an optimizer's state
+    beside the model's)."""
     s, t = stored_prefix, target_prefix
     rules = [Rule(f"{s}{{m*}}/kernel", f"{t}{{m*}}.weight", Transpose((1, 0)), sep=_FLAX_TO_TORCH, ndim=2)]
     rules += [
@@ -55,14 +57,17 @@ def flax_to_torch(*, stored_prefix: str = "", target_prefix: str = "") -> Rules:
         for n, perm in _CONV_TO_TORCH.items()
     ]
     rules += [Rule(f"{s}{{m*}}/{flax}", f"{t}{{m*}}.{torch}", sep=_FLAX_TO_TORCH) for flax, torch in _SAME]
-    return Rules(rules)
+    return Rules(rules, unmatched=unmatched)
 
 
-def torch_to_flax(*, embeddings: Iterable[str] = (), stored_prefix: str = "", target_prefix: str = "") -> Rules:
+def torch_to_flax(
+    *, embeddings: Iterable[str] = (), stored_prefix: str = "", target_prefix: str = "", unmatched: str = "keep"
+) -> Rules:
     """Rules that restore a torch module's state dict into a Flax model's parameters (the
     tree of ``nnx.state(model)``, or Linen ``params`` with ``target_prefix="params/"``): the
     table above read right to left. ``embeddings``: the names of the Embedding modules
-    (``"wte"``, ``"blocks.0.embed"``), whose 2-D weights are not transposed."""
+    (``"wte"``, ``"blocks.0.embed"``), whose 2-D weights are not transposed; ``unmatched`` as
+    for :func:`flax_to_torch`."""
     s, t = stored_prefix, target_prefix
     back = (_FLAX_TO_TORCH[1], _FLAX_TO_TORCH[0])
     rules = [Rule(f"{s}{name}.weight", f"{t}{name.replace('.', '/')}/embedding", ndim=2) for name in embeddings]
@@ -75,7 +80,7 @@ def torch_to_flax(*, embeddings: Iterable[str] = (), stored_prefix: str = "", ta
     rules += [
         Rule(f"{s}{{m*}}.{torch}", f"{t}{{m*}}/{flax}", sep=back) for flax, torch in _SAME if torch != "weight"
     ]
-    return Rules(rules)
+    return Rules(rules, unmatched=unmatched)
 
 
 READY_MADE = {"flax-to-torch": flax_to_torch, "torch-to-flax": torch_to_flax}

@@ -168,19 +168,25 @@ def _fill(text: str, captured: Mapping[str, str], sep: tuple[str, str] | None) -
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """Rules tried in order: the first whose stored template matches a stored leaf claims it.
-    Stored leaves no rule claims keep their paths."""
+    Stored leaves no rule claims keep their paths (``unmatched="keep"``), or are left out
+    (``"drop"``: the rules pick a part of a larger checkpoint, such as a model's parameters
+    beside its optimizer's state)."""
 
     rules: tuple[Rule, ...]
+    unmatched: str = "keep"
 
-    def __init__(self, rules: Iterable[Rule]) -> None:
+    def __init__(self, rules: Iterable[Rule], *, unmatched: str = "keep") -> None:
         rules = tuple(rules)
         bad = [r for r in rules if not isinstance(r, Rule)]
         if bad:
             raise TypeError(f"a Rules holds Rule objects, not {bad[0]!r}")
+        if unmatched not in ("keep", "drop"):
+            raise ValueError(f'unmatched must be "keep" or "drop", not {unmatched!r}')
         object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "unmatched", unmatched)
 
     def __add__(self, other: Rules) -> Rules:
-        return Rules(self.rules + other.rules)
+        return Rules(self.rules + other.rules, unmatched=self.unmatched)
 
     def resolve(self, arrays: Mapping[str, tuple[tuple[int, ...], str]], values: Iterable[str] = ()) -> dict[str, Mapped]:
         """The target leaves this mapping makes of stored ``arrays`` (path -> (shape, dtype))
@@ -202,8 +208,8 @@ class Rules:
         made_by: dict[str, tuple[Rule | None, str]] = {}
         for path, leaves in claimed:
             for leaf in leaves:
-                if leaf.rule is None and path in joined:  # read as part of a joined target, not on its own
-                    continue
+                if leaf.rule is None and (path in joined or self.unmatched == "drop"):
+                    continue  # read as part of a joined target, or not wanted
                 if leaf.target in made_by:
                     first_rule, first_path = made_by[leaf.target]
                     raise MappingError(
