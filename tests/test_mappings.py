@@ -201,3 +201,50 @@ def test_the_examples_of_docs_mapping_run():
     scope: dict = {}
     for block in blocks:
         exec(compile(block, "docs/mapping.md", "exec"), scope)  # noqa: S102 - the page's own examples
+
+
+def test_read_amplification_is_measured_and_reported(tmp_path, caplog):
+    from tsckpt._base.types import Dest, ReadItem
+    from tsckpt._formats.sources import open_checkpoint
+    from tsckpt._read.mapped import read_amplification
+
+    tsckpt.save(tmp_path / "c", {"k": np.zeros((8, 8), np.float32)})
+    ck = open_checkpoint(tmp_path / "c")
+    chunk = ck.arrays["k"].chunking.chunk_shape or ck.arrays["k"].chunking.shard_shape
+    assert chunk == (8, 8)  # one chunk: a column block of it touches all of it
+    whole = Dest(ReadItem("k", (0, 0), (8, 8)), None, None)
+    assert read_amplification(ck, [whole]) == 1.0
+    caplog.set_level("INFO", logger="tsckpt")
+    block = Dest(ReadItem("k", (0, 4), (8, 2)), None, None)
+    assert read_amplification(ck, [block]) == 4.0
+    assert "4.00x the stored bytes" in caplog.text and "'k' 4.00x (chunks [8, 8])" in caplog.text
+
+
+def test_sharded_jax_targets_read_each_device_slice_from_its_stored_box(tmp_path, monkeypatch):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tsckpt._read import restore as restore_module
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 jax devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    weight = torch.arange(48, dtype=torch.float32).reshape(8, 6)  # a torch Linear(6, 8) weight
+    tsckpt.save(tmp_path / "t", {"fc.weight": weight, "fc.bias": torch.ones(8)})
+    mesh = jax.make_mesh((4,), ("x",))
+    target = {"fc": {
+        "kernel": jax.ShapeDtypeStruct((6, 8), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "x"))),
+        "bias": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x"))),
+    }}
+    reads = []
+    real = restore_module.read_into
+
+    def counting(ck, dests, *args, **kwargs):
+        reads.extend((d.item.path, d.item.storage_offsets, d.item.lengths) for d in dests)
+        real(ck, dests, *args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "read_into", counting)
+    out = tsckpt.restore(tmp_path / "t", target, mapping=torch_to_flax())
+    np.testing.assert_array_equal(np.asarray(out["fc"]["kernel"]), weight.numpy().T)
+    assert out["fc"]["kernel"].sharding == target["fc"]["kernel"].sharding
+    # each device's column block of the kernel is a row block of the stored weight
+    assert sorted(r for r in reads if r[0] == "fc.weight") == [("fc.weight", (2 * i, 0), (2, 6)) for i in range(4)]

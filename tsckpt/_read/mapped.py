@@ -16,6 +16,7 @@ from .._base.types import Dest, ReadItem
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import Chunking
 from .._ondisk.records import ArrayRecord
+from .._runtime.progress import logger
 from .reader import LazyArray, Reader
 
 
@@ -51,6 +52,41 @@ class MappedCheckpoint:
                 item = ReadItem(piece.source, piece.offsets, piece.lengths)
                 out.append(dataclasses.replace(part, item=item, tensor=memory, parts=()))
         return out
+
+
+# Above this ratio of stored bytes touched to bytes needed, a mapped read is reported.
+AMPLIFICATION_LIMIT = 1.1
+
+
+def read_amplification(ck: Checkpoint, dests: list[Dest]) -> float:
+    """The bytes of the stored chunks that the reads ``dests`` touch over the bytes they
+    need; above :data:`AMPLIFICATION_LIMIT` the stored arrays whose chunking makes it so
+    are logged (INFO, the ``tsckpt`` logger): their chunks are larger than the regions read,
+    as when a whole-array chunk is read by each rank for its column block."""
+    needed = touched = 0
+    worst: dict[str, tuple[int, int]] = {}
+    for d in dests:
+        rec = ck.arrays[d.item.path]
+        chunk = rec.chunking.chunk_shape or rec.chunking.shard_shape or rec.shape
+        n = math.prod(d.item.lengths)
+        t = math.prod(
+            min(size, -(-(o + ln) // c) * c) - (o // c) * c if ln else 0
+            for o, ln, c, size in zip(d.item.storage_offsets, d.item.lengths, chunk, rec.shape)
+        )
+        needed, touched = needed + n, touched + t
+        a, b = worst.get(d.item.path, (0, 0))
+        worst[d.item.path] = (a + n, b + t)
+    ratio = touched / needed if needed else 1.0
+    if ratio > AMPLIFICATION_LIMIT:
+        over = sorted(((b / a, p) for p, (a, b) in worst.items() if a and b / a > AMPLIFICATION_LIMIT), reverse=True)
+        listed = ", ".join(f"'{p}' {r:.2f}x (chunks {list(ck.arrays[p].chunking.chunk_shape or ck.arrays[p].chunking.shard_shape)})"
+                           for r, p in over[:5])
+        logger.info(
+            "%s: the mapped reads touch %.2fx the stored bytes their regions need: the stored chunks are larger "
+            "than the regions read (%s%s); saving with smaller chunks along the axes the targets are sharded on "
+            "reads less", ck.location, ratio, listed, f" and {len(over) - 5} more" if len(over) > 5 else "",
+        )
+    return ratio
 
 
 def mapped_checkpoint(ck: Checkpoint, mapping: Rules) -> MappedCheckpoint:

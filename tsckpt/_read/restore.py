@@ -34,7 +34,7 @@ from .._runtime.progress import Progress
 from .._storage.locations import Directory
 from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .engine import read_into
-from .mapped import MappedCheckpoint, mapped_checkpoint
+from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
 
 
 class RestoreWarning(UserWarning):
@@ -301,6 +301,8 @@ def _fill(
             out.append(leaf)
     if inplace:
         _refuse_read_only(paths, dests)
+    if reader.mapped is not None:
+        read_amplification(reader.mapped.stored, [d for _, d in dests])
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(reader.stored(ck), [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests] + value_casts)
