@@ -66,10 +66,23 @@ def test_a_flax_nnx_checkpoint_restores_into_the_torch_module(tmp_path):
     np.testing.assert_array_equal(_bits(model.l1.weight.detach()), _bits(np.asarray(flax_net.l1.kernel[...]).T))
     np.testing.assert_array_equal(_bits(model.embed.weight.detach()), _bits(flax_net.embed.embedding[...]))
     np.testing.assert_array_equal(_bits(model.rms.weight.detach()), _bits(flax_net.rms.scale[...]))
+    # bit-exact against the module given the Flax weights converted by hand
+    by_hand = TorchNet()
+    flax_params = {
+        "embed.weight": flax_net.embed.embedding, "l1.weight": flax_net.l1.kernel, "l1.bias": flax_net.l1.bias,
+        "norm.weight": flax_net.norm.scale, "norm.bias": flax_net.norm.bias, "rms.weight": flax_net.rms.scale,
+        "l2.weight": flax_net.l2.kernel, "l2.bias": flax_net.l2.bias,
+    }
+    by_hand.load_state_dict({
+        name: torch.from_numpy(np.array(v[...]).T.copy() if name.endswith("weight") and v[...].ndim == 2
+                               and "embed" not in name else np.array(v[...]))
+        for name, v in flax_params.items()
+    })
     with torch.no_grad():
-        got = model(torch.from_numpy(IDS)).numpy()
+        got = model(torch.from_numpy(IDS))
+        assert torch.equal(got, by_hand(torch.from_numpy(IDS)))
     want = np.asarray(flax_net(jnp.asarray(IDS)))
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)  # two libraries' float32 kernels
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-6, atol=2e-6)  # two libraries' float32 kernels
 
 
 def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(tmp_path):
