@@ -33,6 +33,14 @@ class MappedCheckpoint:
         """The stored arrays the target leaves ``paths`` read."""
         return sorted({s for p in paths if p in self.leaves for s in self.leaves[p].sources} & self.stored.arrays.keys())
 
+    def explained(self, path: str, error: Exception) -> Exception:
+        """``error`` about the target leaf ``path``, of the same class, naming the rule and the
+        stored leaves it maps from (unchanged for a leaf no rule maps)."""
+        leaf = self.leaves.get(path)
+        if leaf is None or leaf.rule is None:
+            return error
+        return type(error)(f"{error} (the leaf as mapped by {leaf.where()}: shape {list(leaf.shape)}, {leaf.dtype})")
+
     def dests(self, path: str, parts: tuple[Dest, ...]) -> list[Dest]:
         """The reads of the stored arrays that fill the target regions ``parts`` of ``path``:
         one per stored box, into a view of the region's memory."""

@@ -20,7 +20,7 @@ from .._base.types import ArraySpec, Dest
 from .._codec.route import setting as codec_setting
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import LeafTypeError, StructureMismatchError, count_and_list
+from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
 from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.stateful import expand, is_whole_state
@@ -284,7 +284,10 @@ def _fill(
             out.append(value)
             value_casts.append(cast)
         elif path in ck.arrays:
-            dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
+            try:
+                dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
+            except (ShapeMismatchError, LeafTypeError) as e:
+                raise e if reader.mapped is None else reader.mapped.explained(path, e) from e
             if dest.finish is not None:
                 finishing.append((i, dest))
             parts = dest.parts or (dest,)
