@@ -167,7 +167,7 @@ def test_errors_name_the_rule_the_stored_and_the_target_path(tmp_path):
     with pytest.raises(tsckpt.ShapeMismatchError, match=r"'a.weight'.*mapped by Rule\('\{m\*\}/kernel'.*stored "
                        r"'a/kernel', target 'a.weight'\): shape \[3, 2\]"):  # the target's shape is not the mapped one
         tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((2, 3), np.float32)}, mapping=good)
-    with pytest.raises(tsckpt.StructureMismatchError, match="missing from the checkpoint: .*'b.weight'"):
+    with pytest.raises(tsckpt.StructureMismatchError, match="missing from the checkpoint: .*'b.weight'.*--map RULES"):
         tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((3, 2), np.float32), "b.weight": np.zeros(1)}, mapping=good)
     tsckpt.save(tmp_path / "two", {"a": {"kernel": np.zeros(2)}, "b": {"kernel": np.zeros(2)}})
     twice = Rules([Rule("{y}/kernel", "w")])
@@ -262,3 +262,25 @@ def test_sharded_jax_targets_read_each_device_slice_from_its_stored_box(tmp_path
     assert out["fc"]["kernel"].sharding == target["fc"]["kernel"].sharding
     # each device's column block of the kernel is a row block of the stored weight
     assert sorted(r for r in reads if r[0] == "fc.weight") == [("fc.weight", (2 * i, 0), (2, 6)) for i in range(4)]
+
+
+def test_other_formats_read_through_a_mapping(tmp_path):
+    from safetensors.torch import save_file
+
+    w = torch.arange(12.0).reshape(3, 4)
+    save_file({"fc.weight": w, "fc.bias": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    target = {"fc": {"kernel": np.zeros((4, 3), np.float32), "bias": np.zeros(3, np.float32)}}
+    out = tsckpt.restore(tmp_path / "m.safetensors", target, mapping=torch_to_flax())
+    np.testing.assert_array_equal(out["fc"]["kernel"], w.numpy().T)
+    np.testing.assert_array_equal(tsckpt.open(tmp_path / "m.safetensors", mapping=torch_to_flax())["fc/kernel"][1:, :2],
+                                  w.numpy().T[1:, :2])
+
+
+def test_a_view_the_target_memory_cannot_take_names_the_rule(tmp_path):
+    tsckpt.save(tmp_path / "c", {"k": np.arange(12, dtype=np.float32)})
+    rules = Rules([Rule("k", "w", Reshape((3, 4)))])
+    out = tsckpt.restore(tmp_path / "c", {"w": torch.zeros(3, 4)}, mapping=rules)
+    assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
+    strided = torch.zeros(4, 3).T  # (3, 4), not contiguous: no flat view of it exists
+    with pytest.raises(MappingError, match=r"Rule\('k' -> 'w', Reshape.*stored 'k', target 'w'.*without a copy"):
+        tsckpt.restore(tmp_path / "c", {"w": strided}, mapping=rules, inplace=True)

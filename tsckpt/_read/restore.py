@@ -356,7 +356,15 @@ def _refuse_read_only(paths: list[str], dests: list[tuple[int, Dest]]) -> None:
 def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _ReadSettings) -> Any:
     flat = flatten(target)
     ties = tied_to_stored(ck, flat.paths, flat.leaves)
-    _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
+    try:
+        _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
+    except StructureMismatchError as e:
+        if reader.mapped is None:
+            raise
+        raise StructureMismatchError(
+            f"{e} (the checkpoint's leaves as the mapping names them: `tsckpt ls DIR --map RULES` lists them, "
+            "each with the stored leaves it comes from)"
+        ) from e
     return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader, ties))
 
 
