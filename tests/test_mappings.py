@@ -284,3 +284,11 @@ def test_a_view_the_target_memory_cannot_take_names_the_rule(tmp_path):
     strided = torch.zeros(4, 3).T  # (3, 4), not contiguous: no flat view of it exists
     with pytest.raises(MappingError, match=r"Rule\('k' -> 'w', Reshape.*stored 'k', target 'w'.*without a copy"):
         tsckpt.restore(tmp_path / "c", {"w": strided}, mapping=rules, inplace=True)
+
+
+def test_the_manager_restores_a_step_through_a_mapping(tmp_path):
+    manager = tsckpt.CheckpointManager(tmp_path / "run")
+    manager.save(3, {"l": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}})
+    model = torch.nn.ModuleDict({"l": torch.nn.Linear(2, 3, bias=False)})
+    out = manager.restore(target=model.state_dict(), mapping=flax_to_torch())
+    assert torch.equal(out["l.weight"], torch.arange(6.0).reshape(2, 3).T)
