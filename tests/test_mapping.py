@@ -190,3 +190,21 @@ def test_unmatched_leaves_are_kept_or_dropped():
     assert list(Rules([rule], unmatched="drop").resolve(arrays, ["step"])) == ["l.weight"]
     with pytest.raises(ValueError, match='"keep" or "drop"'):
         Rules([rule], unmatched="skip")
+
+
+@pytest.mark.parametrize("views", [
+    (Reshape((4, 6)), Transpose((1, 0))),  # reshape, then transpose: runs of a transposed view
+    (Transpose((1, 2, 0)), Reshape((6, 4))),  # the same map, transpose first: contiguous runs
+])
+def test_an_attention_kernel_into_torch_memory_either_way(views):
+    """Flax's (embed, heads, head_dim) kernel as torch's (heads * head_dim, embed) weight."""
+    stored = torch.arange(24.0).reshape(4, 2, 3)
+    leaf = Rules([Rule("k", "w", views)]).resolve({"k": ((4, 2, 3), "float32")})["w"]
+    want = stored.reshape(4, 6).T
+    for offsets, lengths in (((0, 0), (6, 4)), ((2, 0), (3, 4)), ((1, 1), (4, 2))):
+        region = torch.full(lengths, -1.0)
+        pieces = plan(leaf, offsets, lengths)
+        for p in pieces:
+            place(region, p.ops).copy_(stored[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.lengths))])
+        assert torch.equal(region, want[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]])
+        assert sum(math.prod(p.lengths) for p in pieces) == math.prod(lengths)

@@ -383,10 +383,11 @@ class Piece:
 def plan(leaf: Mapped, offsets: Sequence[int], lengths: Sequence[int]) -> list[Piece]:
     """The stored boxes that fill the target region (``offsets``, ``lengths``) of ``leaf``:
     exactly its preimage, each with the view of the region's memory it is read into."""
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Op, ...]]] = [(tuple(offsets), tuple(lengths), ())]
+    region = tuple(lengths)
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Op, ...]]] = [(tuple(offsets), region, ())]
     shapes = leaf.post_shapes or (leaf.shape,)
     for i in reversed(range(len(leaf.post_views))):
-        boxes = [b for box in boxes for b in _undo(leaf, leaf.post_views[i], shapes[i], shapes[i + 1], *box)]
+        boxes = [b for box in boxes for b in _undo(leaf, region, leaf.post_views[i], shapes[i], shapes[i + 1], *box)]
     per_source: list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[Op, ...]]] = []
     if leaf.concat is None:
         per_source = [(0, o, n, ops) for o, n, ops in boxes]
@@ -408,13 +409,13 @@ def plan(leaf: Mapped, offsets: Sequence[int], lengths: Sequence[int]) -> list[P
         shp = leaf.pre_shapes[i]
         todo = [(o, n, ops)]
         for j in reversed(range(len(leaf.pre_views))):
-            todo = [b for box in todo for b in _undo(leaf, leaf.pre_views[j], shp[j], shp[j + 1], *box)]
+            todo = [b for box in todo for b in _undo(leaf, region, leaf.pre_views[j], shp[j], shp[j + 1], *box)]
         out += [Piece(leaf.sources[i], bo, bn, bops) for bo, bn, bops in todo]
     return out
 
 
 def _undo(
-    leaf: Mapped, view: Any, before: tuple[int, ...], after: tuple[int, ...],
+    leaf: Mapped, region: tuple[int, ...], view: Any, before: tuple[int, ...], after: tuple[int, ...],
     o: tuple[int, ...], n: tuple[int, ...], ops: tuple[Op, ...],
 ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[Op, ...]]]:
     """The boxes before ``view`` whose image is the box (o, n) after it, with their views."""
@@ -426,24 +427,40 @@ def _undo(
         return [(tuple(bo), tuple(n[inv[j]] for j in range(len(n))), ops + (("permute", inv),))]
     if isinstance(view, _Part):
         return [(tuple(x + view.start if d == view.axis else x for d, x in enumerate(o)), n, ops)]
-    return _undo_reshape(leaf, before, after, o, n, ops)
+    return _undo_reshape(leaf, region, before, after, o, n, ops)
+
+
+def _flattens(region: tuple[int, ...], ops: tuple[Op, ...]) -> bool:
+    """Whether the view ``ops`` make of C-contiguous memory of shape ``region`` exists
+    without a copy; asked of strides alone (a view of no memory)."""
+    strides = tuple(math.prod(region[d + 1 :]) for d in range(len(region)))
+    fake = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=region, strides=strides, writeable=False)
+    try:
+        place(fake, ops)
+    except ValueError:
+        return False
+    return True
 
 
 def _undo_reshape(
-    leaf: Mapped, before: tuple[int, ...], after: tuple[int, ...],
+    leaf: Mapped, region: tuple[int, ...], before: tuple[int, ...], after: tuple[int, ...],
     o: tuple[int, ...], n: tuple[int, ...], ops: tuple[Op, ...],
 ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[Op, ...]]]:
     if math.prod(n) == 0:
         return []
     # k: the last axis of the box that is not whole; the box is prod(n[:k]) flat runs
     k = max((d for d in range(len(after)) if (o[d], n[d]) != (0, after[d])), default=-1)
+    first = ops + ((("slice", tuple(slice(0, 1) for _ in range(k))),) if k > 0 else ()) + (("reshape", (-1,)),)
+    if after and not _flattens(region, first):  # the memory is a transposed view: runs of its last axis only
+        k = len(after) - 1
     if k < 0:
         return [(tuple(0 for _ in before), before, ops + (("reshape", before),))]
     runs = math.prod(n[:k])
     if runs > MAX_RUNS:
         raise MappingError(
             f"{leaf.where()}: the target region {list(n)} at {list(o)} is {runs} separate runs of the reshaped "
-            f"array (more than {MAX_RUNS}); shard the target along its first axis, or reshape after the split"
+            f"array (more than {MAX_RUNS}); shard the target along its first axis, or write the rule with its "
+            "Transpose before its Reshape, so that the runs are rows of the target's own memory"
         )
     strides = [math.prod(after[d + 1 :]) for d in range(len(after))]
     out = []
