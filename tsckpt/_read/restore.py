@@ -287,7 +287,9 @@ def _fill(
             try:
                 dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
             except (ShapeMismatchError, LeafTypeError) as e:
-                raise e if reader.mapped is None else reader.mapped.explained(path, e) from e
+                if reader.mapped is None:
+                    raise
+                raise reader.mapped.explained(path, e) from e
             if dest.finish is not None:
                 finishing.append((i, dest))
             parts = dest.parts or (dest,)
