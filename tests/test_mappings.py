@@ -292,3 +292,11 @@ def test_the_manager_restores_a_step_through_a_mapping(tmp_path):
     model = torch.nn.ModuleDict({"l": torch.nn.Linear(2, 3, bias=False)})
     out = manager.restore(target=model.state_dict(), mapping=flax_to_torch())
     assert torch.equal(out["l.weight"], torch.arange(6.0).reshape(2, 3).T)
+
+
+def test_tied_leaves_read_their_stored_array_through_a_mapping(tmp_path):
+    w = torch.arange(6.0).reshape(2, 3)
+    tsckpt.save(tmp_path / "c", {"embed": {"embedding": w}, "head": {"w": w}})  # tied: stored once
+    target = {"embed.weight": torch.zeros(2, 3), "head": {"w": torch.zeros(2, 3)}}
+    out = tsckpt.restore(tmp_path / "c", target, mapping=flax_to_torch())
+    assert torch.equal(out["embed.weight"], w) and torch.equal(out["head"]["w"], w)

@@ -45,8 +45,10 @@ class MappedCheckpoint:
         """The reads of the stored arrays that fill the target regions ``parts`` of ``path``:
         one per stored box, into a view of the region's memory."""
         leaf = self.leaves[path]
-        if leaf.rule is None:
-            return list(parts)
+        if leaf.rule is None:  # under its own name (a tied leaf: its stored array's)
+            stored = leaf.sources[0]
+            return [p if p.item.path == stored else dataclasses.replace(p, item=dataclasses.replace(p.item, path=stored))
+                    for p in parts]
         out = []
         for part in parts:
             for piece in plan(leaf, part.item.storage_offsets, part.item.lengths):
