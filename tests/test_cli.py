@@ -157,6 +157,32 @@ def test_ls_long_and_prefix(multi, capsys):
     assert code == 2 and "nothing/here" in err
 
 
+def test_ls_map_shows_what_a_mapping_makes(tmp_path, capsys):
+    params = {"l1": {"kernel": np.zeros((3, 4), np.float32), "bias": np.zeros(4, np.float32)},
+              "qkv": np.zeros((6, 2), np.float32)}
+    tsckpt.save(tmp_path / "c", {"params": params, "step": 3})
+    code, out, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", "flax-to-torch:params/")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["PATH", "DTYPE", "SHAPE", "SIZE", "VALUE", "FROM"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert rows["l1.weight"] == ["l1.weight", "float32", "[4,", "3]", "48", "B", "params/l1/kernel", "|",
+                                 "Transpose(perm=(1,", "0))"]
+    assert rows["l1.bias"][-1] == "params/l1/bias" and rows["step"][-1] == "step"
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": [
+        {"stored": "params/qkv", "target": ["q", "k", "v"], "views": [{"split": {"axis": 0, "parts": 3}}]}]}))
+    code, out, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", str(rules), "--long")
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()[1:-1]}
+    assert "[2, 2]" in rows["k"] and rows["k"].endswith("params/qkv | Split(axis=0)[2:4]")
+    rules.write_text(json.dumps({"rules": [{"stored": "params/qkv", "target": "w", "views": [{"spin": 1}]}]}))
+    code, _, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", str(rules))
+    assert code == 2 and "rule 0" in err and "'spin'" in err
+    code, _, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", "no-such-set")
+    assert code == 2 and "flax-to-torch, torch-to-flax" in err
+
+
 def test_ls_missing_directory_is_one_line(tmp_path, capsys):
     code, out, err = run_main(capsys, "ls", str(tmp_path / "nope"))
     assert code == 1

@@ -324,3 +324,20 @@ def test_convert_help_says_it_writes_tsckpt_or_safetensors_only(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "DST is a tsckpt checkpoint (the default) or safetensors" in text
     assert "convert writes no torch.save, DCP or Orbax checkpoint" in text
+
+
+def test_mapping_writes_the_target_leaves(tmp_path):
+    """A Flax-layout checkpoint converted through flax_to_torch is a torch state dict's
+    safetensors; the same through the CLI's --map; and back through torch-to-flax."""
+    rng = np.random.default_rng(0)
+    kernel = rng.standard_normal((5, 3)).astype(np.float32)
+    tsckpt.save(tmp_path / "flax", {"params": {"fc": {"kernel": kernel, "bias": np.ones(3, np.float32)}}, "step": 2})
+    report = tsckpt.convert(tmp_path / "flax", tmp_path / "m.safetensors",
+                            mapping=tsckpt.mappings.flax_to_torch(stored_prefix="params/"))
+    assert report.n_arrays == 2
+    out = load_file(str(tmp_path / "m.safetensors"))
+    assert set(out) == {"fc.weight", "fc.bias"} and torch.equal(out["fc.weight"], torch.from_numpy(kernel.T.copy()))
+    assert main(["convert", str(tmp_path / "flax"), str(tmp_path / "cli"), "--map", "flax-to-torch:params/"]) == 0
+    assert tsckpt.open(tmp_path / "cli")["fc.weight"].shape == (3, 5)
+    assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "back"), "--map", "torch-to-flax"]) == 0
+    np.testing.assert_array_equal(tsckpt.open(tmp_path / "back")["fc/kernel"][...], kernel)

@@ -81,7 +81,7 @@ def imports(mods: dict[str, pathlib.Path]) -> list[Import]:
 # Modules that stay at the top of the package: the public surface, the verbs that sit above
 # the packages, and the definitions every layer shares. Everything else lives in a package.
 TOP_LEVEL = {"tsckpt", "tsckpt.__main__", "tsckpt._cli", "tsckpt._manager", "tsckpt._convert",
-             "tsckpt._options", "tsckpt._errors", "tsckpt._version", "tsckpt.tree"}
+             "tsckpt._options", "tsckpt._errors", "tsckpt._version", "tsckpt.tree", "tsckpt.mappings"}
 
 
 def layer_contract() -> list[str]:

@@ -35,6 +35,7 @@ from ._read.verify import VerifyReport, verify
 from ._save.background import AsyncSave, save_async
 from ._save.protocol import save
 from ._version import __version__
+from . import mappings
 from .tree import register_node
 
 __all__ = [

@@ -32,10 +32,12 @@ from ._formats.sources import FORMATS, open_checkpoint
 from ._manager import StepListing, list_steps
 from ._ondisk.records import LAYOUT_PLAIN, LAYOUTS
 from ._options import READ_WINDOW_BYTES
+from ._read.mapped import mapped_checkpoint
 from ._read.open import open as open_reader
 from ._read.reader import LazyArray, normalize_index
 from ._runtime.progress import human_bytes
 from ._version import __version__
+from .mappings import load as load_rules
 
 if TYPE_CHECKING:
     from ._read.verify import VerifyReport
@@ -293,6 +295,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raise _not_one_checkpoint(args, steps, args.prefix)
         return _ls_steps(args, steps)
     ck = open_checkpoint(args.dir, **_opened(args))
+    mapped = None
+    if args.map is not None:
+        try:
+            rules = load_rules(args.map)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        mapped = mapped_checkpoint(ck, rules)
+        ck = mapped.view
     paths = [p for p in ck.leaves if _under(p, args.prefix)]
     if args.prefix and not paths:
         raise UsageError(
@@ -300,6 +310,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             + did_you_mean(args.prefix, list(ck.leaves), args.dir, prefixes=True)
         )
     header = ["PATH", "DTYPE", "SHAPE", "SIZE"] + (["CHUNK", "SHARD"] if args.long else []) + ["VALUE"]
+    header += [] if mapped is None else ["FROM"]
     rows = [header]
     total = 0
     n_arrays = 0
@@ -313,10 +324,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             row = [p, md.dtype, _shape_text(md.shape), human_bytes(md.nbytes)]
             if args.long:
                 row += [_shape_text(md.chunk_shape), _shape_text(md.shard_shape)]
-            rows.append(row + ["" if stored is None else f"(tied: stored as {stored})"])
+            row += ["" if stored is None else f"(tied: stored as {stored})"]
         else:
             v = ck.values[p]
-            rows.append([p, type(v).__name__, "", ""] + (["", ""] if args.long else []) + [_short(v)])
+            row = [p, type(v).__name__, "", ""] + (["", ""] if args.long else []) + [_short(v)]
+        rows.append(row + ([] if mapped is None else [mapped.leaves[p].origin()]))
     for line in _table(rows):
         print(line)
     print(
@@ -434,6 +446,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")
         given: dict[str, Any] = {} if window is None else {"max_inflight_bytes": window}  # else convert's default
+        if args.map is not None:
+            given["mapping"] = load_rules(args.map)
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
@@ -489,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prefix", metavar="PREFIX", nargs="?",
                    help="only leaves at or below this path; '/' and '.' both separate its parts (model.layers.0)")
     p.add_argument("-l", "--long", action="store_true", help="also show chunk and shard shapes")
+    p.add_argument("--map", metavar="RULES",
+                   help="list the leaves a mapping would make (as restore(..., mapping=) reads them), each with "
+                   "the stored leaves and views it comes from: flax-to-torch, torch-to-flax, or a JSON file of rules")
     _source_options(p)
     p.set_defaults(func=cmd_ls)
 
@@ -554,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face directory DST: also copy config.json, generation_config.json and the "
                    "tokenizer files found in DIR (regular files only); config.json's torch_dtype/dtype is set to "
                    "the dtype of the weights written (several floating-point dtypes: pass --dtype)")
+    p.add_argument("--map", metavar="RULES",
+                   help="write the leaves a mapping makes of the source's (renamed, transposed, split, joined; "
+                   "before --subtree and the prefixes): flax-to-torch, torch-to-flax (NAME:PREFIX reads the "
+                   "source's leaves under PREFIX), or a JSON file of rules")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a source whose metadata is a Python pickle (a torch.distributed.checkpoint "

@@ -26,14 +26,16 @@ import torch
 
 from ._base import dtypes as _dtypes
 from ._base.casting import CastCheck, check_cast
+from ._base.mapping import Rules
 from ._base.types import LazySource, Local
 from ._errors import NotACheckpointError
 from ._formats import safetensors
 from ._formats.sources import FORMATS, KVSTORE_FORMATS, detect, open_checkpoint, unknown_format
 from ._leaves.registry import describe, memory
 from ._ondisk.checkpoint import Checkpoint
-from ._ondisk.records import LAYOUT_PLAIN, encode_value
+from ._ondisk.records import LAYOUT_PLAIN, ArrayRecord, encode_value
 from ._options import READ_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
+from ._read.mapped import MappedArray, MappedCheckpoint, mapped_checkpoint
 from ._read.reader import LazyArray
 from ._read.restore import warn_lost_values
 from ._runtime.progress import Progress
@@ -450,46 +452,65 @@ def _copied(copy_from: str | os.PathLike[str] | None, to: str, dst: str) -> list
     return hf_side_names(copy_dir(copy_from))
 
 
-def checkpoint_tree(ck: Checkpoint) -> Any:
-    """An opened checkpoint's tree, arrays as lazy sources read chunk by chunk."""
+def checkpoint_tree(ck: Checkpoint, mapped: MappedCheckpoint | None = None) -> Any:
+    """An opened checkpoint's tree, arrays as lazy sources read chunk by chunk; with ``mapped``
+    the tree of the mapping's target leaves, each read from the stored boxes it needs."""
     made: dict[str, LazySource] = {}
+    made_mapped: dict[str, LazySource] = {}
 
     def leaf(path: str) -> Any:
+        if mapped is not None:
+            target = mapped.leaves[path]
+            if target.rule is not None and not target.is_value:
+                if path not in made_mapped:
+                    made_mapped[path] = _lazy(mapped.view.arrays[path], MappedArray(mapped, path).read_box)
+                return made_mapped[path]
+            path = target.sources[0]
         stored = ck.aliases.get(path, path)
         if stored in ck.values:
             return ck.values[stored]
         if stored not in made and ck.sources is not None:  # another format's: its own source
             made[stored] = ck.sources[stored]
         if stored not in made:
-            rec = ck.arrays[stored]
-            dtype: Any = _dtypes.torch_dtype(rec.dtype) if rec.kind == "torch" else _dtypes.numpy_dtype(rec.dtype)
-            made[stored] = LazySource(rec.shape, dtype, LazyArray(ck, stored).read_box, kind=rec.kind)
+            made[stored] = _lazy(ck.arrays[stored], LazyArray(ck, stored).read_box)
         return made[stored]
 
-    return ck.build([leaf(p) for p in ck.leaves])
+    view = ck if mapped is None else mapped.view
+    return view.build([leaf(p) for p in view.leaves])
 
 
-def open_source(src: Directory, fmt: str | None = None, *, allow_pickle: bool = False) -> tuple[str, Any]:
+def _lazy(rec: ArrayRecord, read: Callable[[tuple[slice, ...]], np.ndarray]) -> LazySource:
+    """A stored array as a source read region by region, in the kind it was saved as."""
+    dtype: Any = _dtypes.torch_dtype(rec.dtype) if rec.kind == "torch" else _dtypes.numpy_dtype(rec.dtype)
+    return LazySource(rec.shape, dtype, read, kind=rec.kind)
+
+
+def open_source(
+    src: Directory, fmt: str | None = None, *, allow_pickle: bool = False, mapping: Rules | None = None
+) -> tuple[str, Any]:
     """(format, source tree) of ``src``: a path or URL (any format), or a kvstore spec dict (a
     format read through TensorStore); ``fmt`` overrides detection and is checked. The tree is
     the one the read verbs read (:func:`sources.open_checkpoint`, then :func:`checkpoint_tree`).
     ``allow_pickle``: a format whose metadata is a pickle (DCP) may be unpickled, which can run
-    code; without it such a source is refused, saying how to opt in."""
+    code; without it such a source is refused, saying how to opt in. ``mapping``: the tree of
+    the target leaves its rules make of the source's."""
     if isinstance(src, dict):
         if fmt is not None and fmt not in KVSTORE_FORMATS:
             raise ValueError(
                 f"a kvstore spec source must be a tsckpt or Orbax checkpoint, not {fmt}: {fmt} sources are read "
                 "from a local path; pass the path instead of the spec"
             )
-        return _checkpoint_source(src, fmt, allow_pickle)
+        return _checkpoint_source(src, fmt, allow_pickle, mapping)
     path = os.fspath(src)
     fmt = fmt or detect(path) or unknown_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"unknown source format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return _checkpoint_source(path, fmt, allow_pickle)
+    return _checkpoint_source(path, fmt, allow_pickle, mapping)
 
 
-def _checkpoint_source(src: str | dict[str, Any], fmt: str | None, allow_pickle: bool) -> tuple[str, Any]:
+def _checkpoint_source(
+    src: str | dict[str, Any], fmt: str | None, allow_pickle: bool, mapping: Rules | None
+) -> tuple[str, Any]:
     """(format, source tree) of a checkpoint, which must be of ``fmt`` when given (a path is
     opened as ``fmt``; a spec dict is detected, then compared)."""
     ck = open_checkpoint(src, format=None if isinstance(src, dict) else fmt, allow_pickle=allow_pickle)
@@ -500,7 +521,7 @@ def _checkpoint_source(src: str | dict[str, Any], fmt: str | None, allow_pickle:
             where, hint = src, f"--from {ck.format}"
         raise NotACheckpointError(f"{where}: a {ck.format} checkpoint, not {fmt}; pass {hint}")
     ck.check_links()
-    return ck.format, checkpoint_tree(ck)
+    return ck.format, checkpoint_tree(ck, None if mapping is None else mapped_checkpoint(ck, mapping))
 
 
 @verb("tsckpt.convert")
@@ -522,6 +543,7 @@ def convert(
     max_inflight_bytes: int = READ_WINDOW_BYTES,
     allow_pickle: bool = False,
     copy_from: str | os.PathLike[str] | None = None,
+    mapping: Rules | None = None,
 ) -> ConvertReport:
     """Copy a checkpoint into another format, streaming (memory stays bounded).
 
@@ -549,6 +571,9 @@ def convert(
     weights, in the same all-or-nothing write; the copied config.json names the dtype of
     the floating-point weights written (``torch_dtype``/``dtype``, those it has), so
     transformers loads them as written; weights of several such dtypes need ``dtype``.
+    ``mapping`` (:mod:`tsckpt.mappings`) writes the target leaves its rules make of the
+    source's (renamed, transposed, split, joined) before ``subtree`` and the prefixes apply:
+    a Flax checkpoint becomes a torch state dict's safetensors, region by region.
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
     # the bar counts the source bytes read, so the save shows none of its own
@@ -571,7 +596,7 @@ def convert(
         )
     cast = parse_dtype(dtype)
     side_names = _copied(copy_from, to, dst_name)
-    fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle)
+    fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle, mapping=mapping)
     sel = select(tree, subtree, strip_prefix, add_prefix)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)

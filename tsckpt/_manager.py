@@ -55,6 +55,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from ._base.mapping import Rules
 from ._coord import torchdist as _dist
 from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from ._leaves.stateful import is_stateful, is_whole_state
@@ -383,10 +384,11 @@ class CheckpointManager:
         progress: bool | None = None,
         max_inflight_bytes: int = READ_WINDOW_BYTES,
         casting: str = "same_kind",
+        mapping: Rules | None = None,
     ) -> Any:
         """Restore step ``step`` (default: the latest complete one) with the options of
         :func:`tsckpt.restore` (``strict``, ``inplace``, ``as_saved``, ``progress``,
-        ``max_inflight_bytes``, ``casting``); ``group`` and ``timeout`` are the manager's.
+        ``max_inflight_bytes``, ``casting``, ``mapping``); ``group`` and ``timeout`` are the manager's.
 
         Returns what :func:`tsckpt.restore` returns; but when ``target`` is an object
         restored in place (a ``tsckpt.torch.TrainState``, or any object with

@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 from ._base.casting import check_casting
+from ._base.mapping import Rules
 from ._ondisk.records import LAYOUT_PLAIN, check_layout
 from ._runtime import fork as _fork
 
@@ -128,6 +129,14 @@ def _layout(name: str, value: Any) -> None:
 
 def _casting(name: str, value: Any) -> None:
     check_casting(value)
+
+
+def _rules(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Rules):
+        raise TypeError(
+            f"{name} must be a tsckpt.mappings.Rules (e.g. tsckpt.mappings.flax_to_torch(), or "
+            f"Rules([Rule(...), ...])) or None, not {value!r} ({type(value).__name__})"
+        )
 
 
 def _if_busy(name: str, value: Any) -> None:
@@ -288,6 +297,12 @@ class RestoreOptions(_Options):
         "unpickling can run arbitrary code: only for a checkpoint from a trusted source.",
         _flag,
     )
+    mapping: Rules | None = _option(
+        None,
+        "Rules from stored leaves to target leaves (renames; transposes, reshapes, splits and joins of "
+        "arrays), applied as the data is read: tsckpt.mappings (docs/mapping.md).",
+        _rules,
+    )
 
 
 def timeout_seconds(timeout: datetime.timedelta | float | None) -> float | None:
@@ -318,6 +333,7 @@ _DCP_PLANS = (
     "loads the common ones); each rank reads its items alone"
 )
 _ONE_READER = "it reads in one process, without torch.distributed"
+_OWN_NAMES = "it restores what tsckpt.torch.save wrote into the same objects: the names and layouts match"
 # open, metadata and verify read a checkpoint without a target: only the options that say
 # which checkpoint and how to open it apply
 _NO_TARGET_READ = {
@@ -342,6 +358,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         RestoreOptions: {
             "strict": _PER_CALL, "inplace": _PER_CALL, "as_saved": _PER_CALL, "progress": _PER_CALL,
             "max_inflight_bytes": _PER_CALL, "casting": _PER_CALL, "format": _OWN_STEPS, "allow_pickle": _OWN_STEPS,
+            "mapping": _PER_CALL,
         },
     },
     "CheckpointManager.save": {
@@ -368,6 +385,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "as_saved": "it restores into a live model, never a tree of the saved kinds",
             "format": "it restores what tsckpt.torch.save wrote (model, optimizers, RNG, extras): a tsckpt checkpoint",
             "allow_pickle": "it restores what tsckpt.torch.save wrote: a tsckpt checkpoint, never a pickle",
+            "mapping": _OWN_NAMES,
         },
     },
     "tsckpt.torch.StorageWriter": {SaveOptions: {}},
@@ -376,6 +394,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "strict": _DCP_PLANS, "inplace": "always in place: DCP's planner gives the state dict's tensors to read into",
             "as_saved": "it loads into the state dict DCP gives, never a tree of the saved kinds",
             "group": _DCP_PLANS, "timeout": _DCP_PLANS,
+            "mapping": "DCP's planner matches the state dict's keys to the stored ones; map with tsckpt.restore",
         },
     },
     "tsckpt.open": {RestoreOptions: {**_NO_TARGET_READ, "progress": _LAZY, "max_inflight_bytes": _LAZY}},
@@ -384,6 +403,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         RestoreOptions: {
             **_NO_TARGET_READ,
             "max_inflight_bytes": "verify keeps its own window of reads in flight (256 MiB): it holds no result",
+            "mapping": "it checks the stored arrays as they are stored",
         },
     },
     "tsckpt.convert": {

@@ -5,6 +5,8 @@ Owns:
 - :mod:`.open`: ``open`` and ``metadata``: a checkpoint as a lazy ``Reader``.
 - :mod:`.reader`: lazy reads of an opened checkpoint: ``LazyArray``, the ``Reader``
   mapping, index normalisation, ``read_subtree``.
+- :mod:`.mapped`: a checkpoint seen through a mapping's rules (target leaves, the reads
+  that fill each target region), and its lazy ``Reader``.
 - :mod:`.restore`: ``restore``: matching a target to a checkpoint, its destinations made
   (fresh, in place, meta targets materialised) and checked.
 - :mod:`.engine`: the read engine: each destination's reader planned (the own codec's

@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from .._base import dtypes as _dtypes
+from .._base.mapping import Rules
 from .._base.types import ArraySpec, Dest
 from .._codec.route import setting as codec_setting
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import LeafTypeError, StructureMismatchError, count_and_list
+from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
 from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.stateful import expand, is_whole_state
@@ -33,6 +34,7 @@ from .._runtime.progress import Progress
 from .._storage.locations import Directory
 from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .engine import read_into
+from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
 
 
 class RestoreWarning(UserWarning):
@@ -124,6 +126,7 @@ def restore(
     casting: str = "same_kind",
     format: str | None = None,  # noqa: A002 - named as convert's --from names it
     allow_pickle: bool = False,
+    mapping: Rules | None = None,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -175,6 +178,12 @@ def restore(
     that of a leaf it has (a weight tied to another, which transformers leaves out of its
     files) is restored with it, not reported missing; only leaves that really share memory
     are tied (meta tensors: the same storage), never two freed or empty tensors.
+
+    ``mapping`` (:mod:`tsckpt.mappings`) maps stored leaves to target leaves as they are read:
+    renames, and transposes, reshapes, splits and joins of arrays, so that, for instance, a
+    Flax checkpoint restores straight into a torch model. The target (and ``strict``) then
+    speaks of the mapped paths; each rank reads only the stored boxes its regions need,
+    into views of its own memory (never a transposed copy of a whole array).
     """
     options = RestoreOptions.of(locals())  # a bad option raises here, before any work
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place
@@ -189,8 +198,11 @@ def restore(
     def read() -> Any:
         ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
         ck.check_links(deferred=True)
+        mapped = None if mapping is None else mapped_checkpoint(ck, mapping)
         with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
-            reader = _ReadSettings(bar, max_inflight_bytes, casting)
+            reader = _ReadSettings(bar, max_inflight_bytes, casting, mapped)
+            if mapped is not None:
+                ck = mapped.view  # the target's paths are the mapping's; reads go to the stored one
             if target is None:
                 return _restore_saved(ck, as_saved, reader)
             expanded = expand(target, rank=coord.rank)  # stateful objects: their state is the target
@@ -210,6 +222,11 @@ class _ReadSettings:
     progress: Progress
     window: int
     casting: str = "same_kind"
+    mapped: MappedCheckpoint | None = None  # the checkpoint as the mapping shows it, and its reads
+
+    def stored(self, ck: Checkpoint) -> Checkpoint:
+        """The checkpoint the reads go to: ``ck`` itself, or the one the mapping views."""
+        return ck if self.mapped is None else self.mapped.stored
 
 
 def tied_to_stored(ck: Checkpoint, paths: list[str], leaves: list[Any]) -> dict[int, int]:
@@ -246,7 +263,10 @@ def _fill(
     made: dict[tuple[str, Any], int] = {}  # (stored path, memory) of a meta target -> the leaf first made for it
     same_as: dict[int, int] = {}  # a meta target tied to one made already -> that one
     value_casts: list[Any] = []  # the casts of plain values into array targets
-    check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))  # before allocating any
+    if reader.mapped is None:  # before allocating any
+        check_backed(ck, sorted({ck.aliases.get(p, p) for p in paths} & ck.arrays.keys()))
+    else:
+        check_backed(reader.mapped.stored, reader.mapped.sources(paths))
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         path = ck.aliases.get(path, path)  # tied leaves are stored once, under one path
         if path in ck.arrays and materialises(leaf):  # tied meta targets get one new tensor
@@ -264,13 +284,19 @@ def _fill(
             out.append(value)
             value_casts.append(cast)
         elif path in ck.arrays:
-            dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
+            try:
+                dest = destination(ck.arrays[path], path, leaf, inplace, casting=reader.casting)
+            except (ShapeMismatchError, LeafTypeError) as e:
+                if reader.mapped is None:
+                    raise
+                raise reader.mapped.explained(path, e) from e
             if dest.finish is not None:
                 finishing.append((i, dest))
-            for part in dest.parts or (dest,):
+            parts = dest.parts or (dest,)
+            for part in parts if reader.mapped is None else reader.mapped.dests(path, parts):
                 key = memory(part.tensor) if inplace else None
                 if key is not None:  # a target whose tied leaves share memory reads once
-                    mem = (path, part.item.storage_offsets, part.item.lengths, key)
+                    mem = (path, part.item.path, part.item.storage_offsets, part.item.lengths, key)
                     if mem in filled:
                         continue
                     filled.add(mem)
@@ -280,8 +306,10 @@ def _fill(
             out.append(leaf)
     if inplace:
         _refuse_read_only(paths, dests)
+    if reader.mapped is not None:
+        read_amplification(reader.mapped.stored, [d for _, d in dests])
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
-        read_into(ck, [d for _, d in dests], reader.progress, window=reader.window)
+        read_into(reader.stored(ck), [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests] + value_casts)
     for i, dest in finishing:
         out[i] = dest.restored()
@@ -330,7 +358,15 @@ def _refuse_read_only(paths: list[str], dests: list[tuple[int, Dest]]) -> None:
 def _restore_into(ck: Checkpoint, target: Any, strict: bool, inplace: bool, reader: _ReadSettings) -> Any:
     flat = flatten(target, names=ck.names)
     ties = tied_to_stored(ck, flat.paths, flat.leaves)
-    _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
+    try:
+        _check_structure(ck, [p for i, p in enumerate(flat.paths) if i not in ties], strict)
+    except StructureMismatchError as e:
+        if reader.mapped is None:
+            raise
+        raise StructureMismatchError(
+            f"{e} (the checkpoint's leaves as the mapping names them: `tsckpt ls DIR --map RULES` lists them, "
+            "each with the stored leaves it comes from)"
+        ) from e
     return unflatten(flat.spec, _fill(ck, flat.paths, flat.leaves, inplace, reader, ties))
 
 
