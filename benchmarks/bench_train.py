@@ -54,8 +54,9 @@ tensors into preallocated buffers, and a synchronous ``tsckpt.save`` of the same
 state. The issue's targets are judged at the end, met or missed.
 
 Usage
-  python benchmarks/bench_train.py                  # about 3 minutes on a quiet 2-CPU machine
-  python benchmarks/bench_train.py --quick          # a smoke run (small models, one short round)
+  python benchmarks/bench_train.py                  # one round: about 3 minutes on a quiet 2-CPU machine
+  python benchmarks/bench_train.py --quick          # a smoke run (small models, a few steps), about a minute
+  python benchmarks/bench_train.py --rounds 3       # steadier medians, about 3x as long
   python benchmarks/bench_train.py --savers process,overlapped --steps 15 --rounds 2
   python benchmarks/bench_train.py --write-results  # also update benchmarks/RESULTS.md
 """
@@ -571,9 +572,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="compute,dispatch", help="comma-separated: compute, dispatch")
     ap.add_argument("--steps", type=int, default=8, help="steps per phase and round (dispatch: 3x)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="rounds per column (more: steadier medians, longer run)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each baseline (plain copy, synchronous save)")
-    ap.add_argument("--tail", type=float, default=20.0, help="seconds a phase may train on, waiting for its last save")
+    ap.add_argument("--tail", type=float, default=10.0, help="seconds a phase may train on, waiting for its last save")
     ap.add_argument("--savers", default=",".join(LABELS), help=f"comma-separated: {', '.join(LABELS)}")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the temp dir)")
     ap.add_argument("--quick", action="store_true", help="small models, 4 steps, 1 round, 1 repeat")
@@ -581,7 +582,7 @@ def main() -> None:
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.rounds, args.repeats, args.tail = 4, 1, 1, 10.0
+        args.steps, args.rounds, args.repeats, args.tail = 4, 1, 1, 5.0
     finish(run(args), args, report, _title(args))
 
 
