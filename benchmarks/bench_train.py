@@ -508,6 +508,7 @@ def targets(w: dict[str, Any], s: dict[str, dict[str, Any]]) -> list[str]:
             below = [p for p, v in peers.items() if v["over"] is not None and c["over"] >= v["over"]]
             ok = c["over"] <= 0.03 and not below
             why = f"{c['over'] * 100:+.1f}%" + (f"; not below {', '.join(LABELS[p] for p in below)}" if below else "")
+            why += "" if peers else "; no peer in this run"
             lines.append(f"- {label}, step overhead at most +3% and below every peer: {verdict(ok)} ({why})")
         if "torch-checkpointing" in peers and c["blocked"] is not None:
             theirs = peers["torch-checkpointing"]["blocked"]
