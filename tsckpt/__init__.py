@@ -27,6 +27,7 @@ from ._errors import (
 )
 from ._manager import CheckpointManager
 from ._ondisk.checkpoint import ArrayMetadata
+from ._read.diff import DiffReport, LeafDiff, diff
 from ._read.open import metadata, open
 from ._read.reader import LazyArray, Reader
 from ._read.restore import RestoreWarning, restore
@@ -47,11 +48,13 @@ __all__ = [
     "CheckpointReplacedError",
     "ConvertReport",
     "CorruptCheckpointError",
+    "DiffReport",
     "DistributedError",
     "ForkedProcessError",
     "FormatVersionError",
     "LayoutError",
     "LazyArray",
+    "LeafDiff",
     "LeafTypeError",
     "LinkRefusedError",
     "LossyCastError",
@@ -67,6 +70,7 @@ __all__ = [
     "TsckptError",
     "VerifyReport",
     "convert",
+    "diff",
     "metadata",
     "open",
     "register_node",

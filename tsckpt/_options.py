@@ -369,6 +369,12 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "max_inflight_bytes": "verify keeps its own window of reads in flight (256 MiB): it holds no result",
         },
     },
+    "tsckpt.diff": {
+        RestoreOptions: {
+            **_NO_TARGET_READ,
+            "format": "diff detects each side's format from its files: the two may differ",
+        },
+    },
     "tsckpt.convert": {
         SaveOptions: {
             "group": _ONE_PROCESS, "check_replicas": _ONE_PROCESS, "timeout": _ONE_PROCESS,
