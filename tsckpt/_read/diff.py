@@ -306,16 +306,16 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> tuple[LeafDiff, int]:
     (dtype_a, shape_a), (dtype_b, shape_b) = _kind(x), _kind(y)
-    kinds = {"dtype_a": dtype_a, "dtype_b": dtype_b, "shape_a": shape_a, "shape_b": shape_b}
+    kinds = LeafDiff(path, "equal", "", dtype_a, dtype_b, shape_a, shape_b)
     if dtype_a != dtype_b or isinstance(x, LazyArray) != isinstance(y, LazyArray):
-        return LeafDiff(path, "dtype_changed", **kinds), 0
+        return dataclasses.replace(kinds, status="dtype_changed"), 0
     if shape_a != shape_b:
-        return LeafDiff(path, "shape_changed", **kinds), 0
+        return dataclasses.replace(kinds, status="shape_changed"), 0
     if isinstance(x, LazyArray) and isinstance(y, LazyArray):
         return _compare_arrays(sides, path, x, y)
     if _same_value(x, y):
-        return LeafDiff(path, "equal", "value", **kinds), 0
-    return LeafDiff(path, "different", "value", **kinds, value_a=repr(x), value_b=repr(y)), 0
+        return dataclasses.replace(kinds, how="value"), 0
+    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y)), 0
 
 
 def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
