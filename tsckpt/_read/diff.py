@@ -9,13 +9,14 @@ given twice) is not read.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
 import numpy as np
@@ -272,26 +273,48 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
     rec = sides.a.arrays[sides.a.aliases.get(path, path)]
     chunk = la.metadata.chunk_shape
     itemsize = _dtypes.itemsize(la.dtype)
-    # the two blocks read take half the window, the float64 work on pieces of them the other half
-    limit = max(1, sides.window // 2 // (2 * itemsize + 1))
+    # half the window: two blocks of both sides (one compared while the next is read) and the
+    # mask of one; the other half: the float64 work on pieces of a block
+    limit = max(1, sides.window // 2 // (4 * itemsize + 1))
     piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT))
     tally = _Tally()
-    read = skipped = 0
-    for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
-        nbytes = math.prod(shard[1]) * itemsize
-        if known_equal(sides.a, sides.b, path, shard):
-            skipped += nbytes
-            sides.progress.update(2 * nbytes)
-            continue
-        for block in blocks(shard, chunk, limit):
-            box = box_slices(*block)
-            other = sides.pool.submit(lb.read_box, box)
-            da = la.read_box(box)
-            db = other.result()
-            compare_block(da, db, la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol, piece=piece)
-            n = 2 * math.prod(block[1]) * itemsize
-            read += n
-            sides.progress.update(n, 2)
+    known = [0]  # bytes of A known equal, not read
+
+    def to_read() -> Iterator[Box]:
+        for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
+            if known_equal(sides.a, sides.b, path, shard):
+                known[0] += math.prod(shard[1]) * itemsize
+                sides.progress.update(2 * math.prod(shard[1]) * itemsize)
+                continue
+            yield from blocks(shard, chunk, limit)
+
+    def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
+        box = box_slices(*block)
+        return block, sides.pool.submit(la.read_box, box), sides.pool.submit(lb.read_box, box)
+
+    def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
+        block, da, db = reading
+        compare_block(da.result(), db.result(), la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol,
+                      piece=piece)
+        n = 2 * math.prod(block[1]) * itemsize
+        sides.progress.update(n, 2)
+        return n
+
+    read = 0
+    ahead: collections.deque[tuple[Box, Future[np.ndarray], Future[np.ndarray]]] = collections.deque()
+    try:
+        for block in to_read():
+            ahead.append(start(block))
+            if len(ahead) > 1:
+                read += settle(ahead.popleft())
+        while ahead:
+            read += settle(ahead.popleft())
+    finally:  # an error: the reads under way are waited for, not left to write into freed blocks
+        for _, da, db in ahead:
+            da.cancel()
+            db.cancel()
+            wait([da, db])
+    skipped = known[0]
     shape = la.shape
     found = LeafDiff(
         path, "different" if tally.changed_elements else "equal", "read" if read or not skipped else "same files",
@@ -403,7 +426,7 @@ def diff(
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff] = []
     read = skipped = 0
-    with Progress("diff", where, show=progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="tsckpt-diff") as pool:
+    with Progress("diff", where, show=progress) as bar, ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff") as pool:
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
         sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, bar)
         for p in in_a:
