@@ -82,7 +82,12 @@ def main() -> None:
         linked = link_same_files(a, c)
         del base, changed
         rows = {}
-        rows["read both"], _ = timed(lambda: (tsckpt.restore(a), tsckpt.restore(b)) and None, args.repeats)
+
+        def read_both() -> None:
+            tsckpt.restore(a)
+            tsckpt.restore(b)
+
+        rows["read both"], _ = timed(read_both, args.repeats)
         rows["diff A B"], unrelated = timed(lambda: tsckpt.diff(a, b, progress=False), args.repeats)
         rows["diff A C"], shared = timed(lambda: tsckpt.diff(a, c, progress=False), args.repeats)
     assert len(unrelated.differences) == leaves and len(shared.differences) == len(range(0, leaves, 10))
@@ -102,24 +107,34 @@ def report(rows: dict[str, float], nbytes: int, leaves: int, linked: int, unrela
     lines = [
         TITLE,
         "",
-        f"Run {info['date']} by `python benchmarks/bench_diff.py --write-results` on {info['nproc']} CPUs "
-        f"({info['cpu']}), Python {info['python']}, tsckpt {info['tsckpt']} ({info['tsckpt_rev']}): a 2-CPU dev "
-        f"machine, loaded by parallel work (load average at the end: {load}), so times are noisy. "
-        f"Median of {rounds} rounds, warm page cache.",
+        (
+            f"Run {info['date']} by `python benchmarks/bench_diff.py --write-results` on {info['nproc']} CPUs "
+            f"({info['cpu']}), Python {info['python']}, tsckpt {info['tsckpt']} ({info['tsckpt_rev']}): a 2-CPU "
+            f"dev machine, loaded by parallel work (load average at the end: {load}), so times are noisy. "
+            f"Median of {rounds} rounds, warm page cache."
+        ),
         "",
-        f"A and B: {leaves} float32 leaves of 4 MiB ({mib:.0f} MiB each), unrelated values. C: A with one leaf in "
-        f"ten changed by one element, its other files hard links to A's ({linked} files linked), as an "
-        "incremental save leaves them. Read both: `tsckpt.restore` of each, whole.",
+        (
+            f"A and B: {leaves} float32 leaves of 4 MiB ({mib:.0f} MiB each), unrelated values. C: A with one leaf "
+            f"in ten changed by one element, its other files hard links to A's ({linked} files linked), as an "
+            "incremental save leaves them. Read both: `tsckpt.restore` of each, whole."
+        ),
         "",
         "| case | time (s) | against reading both | bytes read by diff | known equal unread |",
         "|---|---:|---:|---:|---:|",
         f"| read both (restore A, restore B) | {both:.2f} | 1.00x | | |",
-        f"| diff A B (unrelated) | {rows['diff A B']:.2f} | {rows['diff A B'] / both:.2f}x "
-        f"| {unrelated.bytes_read / (1 << 20):.0f} MiB | {unrelated.bytes_known_equal / (1 << 20):.0f} MiB |",
-        f"| diff A C (90% shared) | {rows['diff A C']:.2f} | {rows['diff A C'] / both:.2f}x "
-        f"| {shared.bytes_read / (1 << 20):.0f} MiB | {shared.bytes_known_equal / (1 << 20):.0f} MiB |",
+        row("diff A B (unrelated)", rows["diff A B"], both, unrelated),
+        row("diff A C (90% shared)", rows["diff A C"], both, shared),
     ]
     return "\n".join(lines) + "\n"
+
+
+def row(case: str, seconds: float, both: float, found: Any) -> str:
+    mib = 1 << 20
+    return (
+        f"| {case} | {seconds:.2f} | {seconds / both:.2f}x | {found.bytes_read / mib:.0f} MiB "
+        f"| {found.bytes_known_equal / mib:.0f} MiB |"
+    )
 
 
 if __name__ == "__main__":
