@@ -214,7 +214,7 @@ def largest_read(monkeypatch):
     return sizes
 
 
-def test_reads_block_by_block_within_the_window(tmp_path, largest_read):
+def test_reads_block_by_block_within_the_window(tmp_path, largest_read, capsys):
     before = {"w": torch.randn(256, 128), "v": torch.randn(3000)}  # 128 KiB, 12 KiB
     after = {"w": before["w"].clone(), "v": before["v"].clone()}
     after["w"][200, 100] = 9.0
@@ -226,6 +226,9 @@ def test_reads_block_by_block_within_the_window(tmp_path, largest_read):
     assert sum(largest_read) == report.bytes_read == 2 * (256 * 128 + 3000) * 4
     (leaf,) = report.differences
     assert (leaf.path, leaf.first_index, leaf.changed_elements) == ("w", (200, 100), 1)
+    largest_read.clear()
+    assert run(capsys, "diff", a, b, "--max-inflight-bytes", "8KiB")[0] == 1
+    assert 0 < max(largest_read) <= window // 4
 
 
 def test_a_window_smaller_than_one_row(tmp_path, largest_read):
@@ -292,3 +295,49 @@ def test_blocks_cover_the_region_within_the_limit(region, chunk, limit):
         seen[tuple(slice(o, o + n) for o, n in zip(off, ln))] += 1
     inside = seen[tuple(slice(o, o + n) for o, n in zip(*region))]
     assert (inside == 1).all() and seen.sum() == inside.sum()
+
+
+def test_a_bar_of_bytes_compared(tmp_path, bars, caplog):
+    before = {"w": torch.ones(64, 64), "n": 1}
+    after = {"w": torch.zeros(64, 64), "n": 1}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    with caplog.at_level("INFO", logger="tsckpt"):
+        tsckpt.diff(a, b, progress=True)
+        tsckpt.diff(a, a, progress=True)  # known equal: counted done, not read
+    assert bars == [("diff", 2 * 64 * 64 * 4, 2 * 64 * 64 * 4)] * 2
+    assert [r.getMessage().split(" ", 1)[0] for r in caplog.records if r.name == "tsckpt"] == ["diff", "diff"]
+    tsckpt.diff(a, b)  # stderr is captured, not a terminal: no bar
+    assert len(bars) == 2
+
+
+def test_changed_chunks_count_in_a_grid(tmp_path, monkeypatch):
+    import tsckpt._ondisk.chunking as chunking
+
+    before = {"w": torch.zeros(64, 64)}
+    after = {"w": torch.zeros(64, 64)}
+    after["w"][:, 0] = 1.0  # a column: every row of chunks
+    b = saved(tmp_path, "b", after)  # one chunk
+    monkeypatch.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunking, "SHARD_BYTES", 4096)
+    a = saved(tmp_path, "a", before)  # many
+    ma, mb = tsckpt.open(a)["w"].metadata, tsckpt.open(b)["w"].metadata
+    assert ma.chunk_shape != mb.chunk_shape == (64, 64)
+    rows = -(-64 // ma.chunk_shape[0])
+    leaf = tsckpt.diff(a, b).leaves[0]
+    assert (leaf.chunks, leaf.changed_chunks, leaf.changed_elements) == (
+        rows * -(-64 // ma.chunk_shape[1]), rows, 64
+    )
+    assert tsckpt.diff(b, a).leaves[0].changed_chunks == 1  # B's single chunk, from B's side
+
+
+def test_damaged_data_is_an_error(tmp_path, capsys):
+    a = saved(tmp_path, "a", {"w": torch.ones(1000)})
+    b = saved(tmp_path, "b", {"w": torch.ones(1000)})
+    (shard,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(b, "w", "c")) for f in fs]
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="'w'"):
+        tsckpt.diff(a, b)
+    code, out, err = run(capsys, "diff", a, b)
+    assert (code, out) == (2, "") and "tsckpt diff: error:" in err
