@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
 import numpy as np
@@ -40,6 +40,8 @@ WORK_BYTES_PER_ELEMENT = 48
 # Elements compared at once, at most: pieces this small stay in the CPU's caches, and their
 # temporaries are reused from the heap rather than mapped (and faulted in) afresh.
 PIECE_ELEMENTS = 1 << 16
+# Threads comparing pieces at once (numpy works without the GIL).
+COMPARING_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,41 +193,55 @@ class _Tally:
     first: tuple[int, ...] | None = None
 
 
+def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
+                   rtol: float) -> tuple[float, float, float]:
+    """Compare one piece of both sides: whether each element differs into ``out``; the largest
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements)."""
+    na = _numbers(sa, dtype)
+    sq_a = _squared_norm(na)
+    if np.array_equal(sa.view(np.uint8), sb.view(np.uint8)):  # the same bits: nothing more to learn
+        out[:] = False
+        return 0.0, 0.0, sq_a
+    nb = _numbers(sb, dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
+        gap = np.abs(na - nb)
+        bound = atol + rtol * np.abs(nb) if rtol else atol
+    odd = np.isnan(gap)  # a NaN on either side, or the same infinity on both
+    if odd.any():
+        alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
+        gap[odd] = np.inf
+        gap[alike] = 0.0
+    if sa.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
+        bad = sa != sb
+        if atol or rtol:
+            bad &= ~(gap <= bound)
+    else:  # no tolerance brings an infinity nearer
+        bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
+    out[:] = bad
+    return float(gap.max()), _sum_of_squares(gap), sq_a
+
+
 def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: _Tally,
-                  *, atol: float, rtol: float, piece: int) -> None:
+                  *, atol: float, rtol: float, piece: int, workers: Executor | None = None) -> None:
     """Compare one block read from both sides (stored dtype), ``piece`` elements of float64
-    work at a time, into ``tally``. An element differs when ``|a - b| > atol + rtol * |b|``
-    (numpy's isclose); NaNs at the same index are equal, NaN against a number infinitely far."""
+    work at a time (on ``workers``, several pieces at once), into ``tally``. An element differs
+    when ``|a - b| > atol + rtol * |b|`` (numpy's isclose); NaNs at the same index are equal,
+    NaN against a number infinitely far."""
     pairs = dtype == "complex32"
     shape = region[1]
     fa = a.reshape(-1, 2) if pairs else a.reshape(-1)
     fb = b.reshape(-1, 2) if pairs else b.reshape(-1)
-    exact = a.dtype.kind in "biu"  # integers compared as stored (float64 is not exact past 2**53)
-    differs = np.zeros(math.prod(shape), dtype=bool)
-    for i in range(0, differs.size, piece):
-        sa, sb = fa[i : i + piece], fb[i : i + piece]
-        na = _numbers(sa, dtype)
-        tally.sq_a += _squared_norm(na)
-        if np.array_equal(sa.view(np.uint8), sb.view(np.uint8)):  # the same bits: nothing more to learn
-            continue
-        nb = _numbers(sb, dtype)
-        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
-            gap = np.abs(na - nb)
-            bound = atol + rtol * np.abs(nb) if rtol else atol
-        odd = np.isnan(gap)  # a NaN on either side, or the same infinity on both
-        if odd.any():
-            alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
-            gap[odd] = np.inf
-            gap[alike] = 0.0
-        if exact:
-            bad = sa != sb
-            if atol or rtol:
-                bad &= ~(gap <= bound)
-        else:  # no tolerance brings an infinity nearer
-            bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
-        differs[i : i + piece] = bad
-        tally.max_abs = max(tally.max_abs, float(gap.max()))
-        tally.sq_diff += _sum_of_squares(gap)
+    differs = np.empty(math.prod(shape), dtype=bool)
+
+    def one(i: int) -> tuple[float, float, float]:
+        j = i + piece
+        return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol)
+
+    starts = range(0, differs.size, piece)
+    for max_abs, sq_diff, sq_a in (map(one, starts) if workers is None else workers.map(one, starts)):
+        tally.max_abs = max(tally.max_abs, max_abs)
+        tally.sq_diff += sq_diff
+        tally.sq_a += sq_a
     count = int(differs.sum())
     if not count:
         return
@@ -263,7 +279,8 @@ class _Sides:
     atol: float
     rtol: float
     window: int
-    pool: ThreadPoolExecutor
+    pool: ThreadPoolExecutor  # the reads of both sides
+    workers: ThreadPoolExecutor | None  # the comparisons, several pieces at once
     progress: Progress
 
 
@@ -276,7 +293,7 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
     # half the window: two blocks of both sides (one compared while the next is read) and the
     # mask of one; the other half: the float64 work on pieces of a block
     limit = max(1, sides.window // 2 // (4 * itemsize + 1))
-    piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT))
+    piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
     tally = _Tally()
     known = [0]  # bytes of A known equal, not read
 
@@ -295,7 +312,7 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
     def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
         block, da, db = reading
         compare_block(da.result(), db.result(), la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol,
-                      piece=piece)
+                      piece=piece, workers=sides.workers)
         n = 2 * math.prod(block[1]) * itemsize
         sides.progress.update(n, 2)
         return n
@@ -426,9 +443,14 @@ def diff(
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff] = []
     read = skipped = 0
-    with Progress("diff", where, show=progress) as bar, ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff") as pool:
+    with (
+        Progress("diff", where, show=progress) as bar,
+        ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
+        ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
+    ):
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
-        sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, bar)
+        many = workers if COMPARING_THREADS > 1 else None
+        sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, many, bar)
         for p in in_a:
             if p not in set_b:
                 x = ra[p]
