@@ -269,6 +269,10 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     found = {leaf.path: leaf for leaf in report.leaves}
     assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
     assert (found["w"].changed_chunks, found["w"].first_index) == (1, (0, 0))
+    x, y = before["w"].double().numpy(), after["w"].double().numpy()
+    shard_rows = md.shard_shape[0]  # the changed shard: the first rows
+    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-9)
+    assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
 
 
 def test_one_checkpoint_given_twice_reads_nothing(tmp_path, largest_read):

@@ -56,7 +56,8 @@ class LeafDiff:
     stored chunk grid, of which ``changed_chunks`` hold an element beyond the tolerance;
     ``changed_elements``; ``max_abs``, the largest ``|a - b|`` (infinite where one side is
     NaN; NaNs at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
-    over the finite elements; ``first_index``, the first element beyond the tolerance in C
+    over the finite elements read (a region known equal unread adds nothing to ``a - b``,
+    but its part of ``||a||`` is unknown: then an upper bound); ``first_index``, the first element beyond the tolerance in C
     order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ.
     """
 
