@@ -12,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import tsckpt
 from tsckpt._cli import main
 from tsckpt._read import reader as reader_module
-from tsckpt._read.diff import blocks
+from tsckpt._base.types import box_slices
+from tsckpt._read.diff import Tally, blocks, compare_block
 
 
 def tree() -> dict:
@@ -178,13 +181,13 @@ def test_bfloat16_and_complex(tmp_path):
 def test_a_checkpoint_against_safetensors_with_the_same_tensors(tmp_path, capsys):
     state = {"model.w": torch.randn(16, 8), "model.b": torch.randn(8).to(torch.bfloat16)}
     a = saved(tmp_path, "a", state)
-    st = str(tmp_path / "m.safetensors")
-    save_file(state, st)
-    report = tsckpt.diff(a, st)
+    other = str(tmp_path / "m.safetensors")
+    save_file(state, other)
+    report = tsckpt.diff(a, other)
     assert report.equal and sorted(leaf.path for leaf in report.leaves) == ["model.b", "model.w"]
-    assert run(capsys, "diff", st, a)[0] == 0
-    save_file({**state, "model.w": state["model.w"] + 1}, st)
-    assert [leaf.path for leaf in tsckpt.diff(a, st).differences] == ["model.w"]
+    assert run(capsys, "diff", other, a)[0] == 0
+    save_file({**state, "model.w": state["model.w"] + 1}, other)
+    assert [leaf.path for leaf in tsckpt.diff(a, other).differences] == ["model.w"]
 
 
 def test_errors_exit_2(tmp_path, capsys):
@@ -345,3 +348,31 @@ def test_damaged_data_is_an_error(tmp_path, capsys):
         tsckpt.diff(a, b)
     code, out, err = run(capsys, "diff", a, b)
     assert (code, out) == (2, "") and "tsckpt diff: error:" in err
+
+
+@settings(deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_blocks_and_compare_agree_with_numpy(shape, data):
+    """Any region, chunk grid and limit: the blocks compared one by one find what numpy finds
+    on the whole array."""
+    chunk = [data.draw(st.integers(1, n)) for n in shape]
+    limit = data.draw(st.integers(1, 40))
+    piece = data.draw(st.integers(1, 16))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = a.copy()
+    b[rng.random(shape) < 0.2] += 1.0
+    tally = Tally()
+    for block in blocks(((0,) * len(shape), tuple(shape)), chunk, limit):
+        box = box_slices(*block)
+        compare_block(np.ascontiguousarray(a[box]), np.ascontiguousarray(b[box]), "float32", block, chunk, tally,
+                      atol=0.0, rtol=0.0, piece=piece)
+    diff = a != b
+    assert tally.changed_elements == int(diff.sum())
+    assert tally.first == (tuple(int(i) for i in np.argwhere(diff)[0]) if diff.any() else None)
+    grid = {tuple(int(i) // c for i, c in zip(idx, chunk)) for idx in np.argwhere(diff)}
+    assert tally.changed_chunks == grid
+    assert tally.max_abs == pytest.approx(float(np.abs(a.astype(np.float64) - b).max()))

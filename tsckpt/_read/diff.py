@@ -183,7 +183,7 @@ def _numbers(data: np.ndarray, dtype: str) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class _Tally:
+class Tally:
     """What the blocks of one array found so far."""
 
     changed_chunks: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
@@ -222,7 +222,7 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
     return float(gap.max()), _sum_of_squares(gap), sq_a
 
 
-def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: _Tally,
+def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
                   *, atol: float, rtol: float, piece: int, workers: Executor | None = None) -> None:
     """Compare one block read from both sides (stored dtype), ``piece`` elements of float64
     work at a time (on ``workers``, several pieces at once), into ``tally``. An element differs
@@ -295,7 +295,7 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
     # mask of one; the other half: the float64 work on pieces of a block
     limit = max(1, sides.window // 2 // (4 * itemsize + 1))
     piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
-    tally = _Tally()
+    tally = Tally()
     known = [0]  # bytes of A known equal, not read
 
     def to_read() -> Iterator[Box]:
