@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import tsckpt
+from tsckpt._base.types import box_slices
 from tsckpt._cli import main
 from tsckpt._read import reader as reader_module
-from tsckpt._base.types import box_slices
 from tsckpt._read.diff import Tally, blocks, compare_block
 
 
@@ -318,7 +318,7 @@ def test_a_bar_of_bytes_compared(tmp_path, bars, caplog):
 
 
 def test_changed_chunks_count_in_a_grid(tmp_path, monkeypatch):
-    import tsckpt._ondisk.chunking as chunking
+    from tsckpt._ondisk import chunking
 
     before = {"w": torch.zeros(64, 64)}
     after = {"w": torch.zeros(64, 64)}
