@@ -279,6 +279,13 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
 
 
 def test_one_checkpoint_given_twice_reads_nothing(tmp_path, largest_read):
+    compact = str(tmp_path / "compact")
+    tsckpt.save(compact, tree(), layout="compact")
+    other = str(tmp_path / "m.safetensors")
+    save_file({"w": torch.ones(3)}, other)
+    for one in (compact, other):
+        assert tsckpt.diff(one, one).equal and largest_read == []
+    assert tsckpt.diff(compact, compact).bytes_known_equal == 64 * 64 * 4 + 100 * 4 + 50 * 8
     a = saved(tmp_path, "a", tree())
     copy = str(tmp_path / "copy")
     shutil.copytree(a, copy, copy_function=os.link)

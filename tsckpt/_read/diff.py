@@ -131,21 +131,28 @@ def known_equal(a: Checkpoint, b: Checkpoint, path: str, region: Box) -> bool | 
     it in the same file (one checkpoint given twice, or a file hard-linked from the other);
     None when that is not known, and the region must be read. Content hashes stored per chunk
     answer here too once the format stores them."""
+    if a.location.local is None or b.location.local is None:
+        return None
+    if _same_path(a.location.local, b.location.local) and a.root_generation == b.root_generation:
+        return True  # one checkpoint given twice (of any format or layout), not replaced in between
     ra, rb = a.arrays.get(a.aliases.get(path, path)), b.arrays.get(b.aliases.get(path, path))
     if ra is None or rb is None or a.foreign or b.foreign or LAYOUT_PLAIN != a.layout or LAYOUT_PLAIN != b.layout:
         return None
-    if a.location.local is None or b.location.local is None:
-        return None
     if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
         return None  # the same bytes would not decode to the same elements
-    try:
-        same = os.path.samefile(
-            os.path.join(a.location.local, chunk_key(ra, region[0])),
-            os.path.join(b.location.local, chunk_key(rb, region[0])),
-        )
-    except OSError:  # a shard not stored (all fill value), or unreadable: read it
-        return None
+    # a shard not stored (all fill value) or unreadable is read
+    same = _same_path(
+        os.path.join(a.location.local, chunk_key(ra, region[0])), os.path.join(b.location.local, chunk_key(rb, region[0]))
+    )
     return True if same else None
+
+
+def _same_path(x: str, y: str) -> bool:
+    """Whether ``x`` and ``y`` are one file or directory (False when either cannot be found)."""
+    try:
+        return os.path.samefile(x, y)
+    except OSError:
+        return False
 
 
 # ---- comparing arrays -------------------------------------------------------------------
