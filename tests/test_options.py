@@ -45,6 +45,7 @@ VERB_OBJECTS: dict[str, Any] = {
     "tsckpt.open": tsckpt.open,
     "tsckpt.metadata": tsckpt.metadata,
     "tsckpt.verify": tsckpt.verify,
+    "tsckpt.diff": tsckpt.diff,
     "tsckpt.torch.StorageWriter": tt.StorageWriter.__init__,
     "tsckpt.torch.StorageReader": tt.StorageReader.__init__,
 }

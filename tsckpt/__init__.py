@@ -28,6 +28,7 @@ from ._errors import (
 )
 from ._manager import CheckpointManager
 from ._ondisk.checkpoint import ArrayMetadata
+from ._read.diff import DiffReport, LeafDiff, diff
 from ._read.open import metadata, open
 from ._read.reader import LazyArray, Reader
 from ._read.restore import RestoreWarning, restore
@@ -49,11 +50,13 @@ __all__ = [
     "CheckpointReplacedError",
     "ConvertReport",
     "CorruptCheckpointError",
+    "DiffReport",
     "DistributedError",
     "ForkedProcessError",
     "FormatVersionError",
     "LayoutError",
     "LazyArray",
+    "LeafDiff",
     "LeafTypeError",
     "LinkRefusedError",
     "LossyCastError",
@@ -70,6 +73,7 @@ __all__ = [
     "WriterLostError",
     "VerifyReport",
     "convert",
+    "diff",
     "metadata",
     "open",
     "register_node",

@@ -1,8 +1,9 @@
-"""The ``tsckpt`` command: ls, show, verify and convert checkpoints.
+"""The ``tsckpt`` command: ls, show, verify, diff and convert checkpoints.
 
 Exit status: 0 success, 1 a problem with the data (a corrupt, incomplete or
 missing checkpoint, a failed verification, a dtype a format cannot hold), 2 a
 usage error (bad arguments, a path that is not a leaf, a malformed slice).
+``diff`` answers as cmp and diff do: 0 equal, 1 different, 2 any error.
 Every error prints one line on stderr, never a traceback (one tsckpt did not expect
 says it is a bug in tsckpt).
 """
@@ -40,6 +41,7 @@ from ._version import __version__
 from .mappings import load as load_rules
 
 if TYPE_CHECKING:
+    from ._read.diff import LeafDiff
     from ._read.verify import VerifyReport
 
 EXIT_OK = 0
@@ -70,7 +72,10 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 def _short(value: Any, width: int = 60) -> str:
-    text = repr(value)
+    return _clip(repr(value), width)
+
+
+def _clip(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -437,6 +442,60 @@ def _verified(report: VerifyReport) -> str:
     )
 
 
+# ---- diff --------------------------------------------------------------------
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from ._read.diff import diff
+
+    try:
+        window = parse_size(args.max_inflight_bytes, "--max-inflight-bytes")
+        given: dict[str, Any] = {} if window is None else {"max_inflight_bytes": window}
+        report = diff(
+            args.a, args.b, atol=args.atol, rtol=args.rtol, paths=args.paths, allow_pickle=args.allow_pickle,
+            progress=False if args.json else None, **given,
+        )
+    except (ValueError, TypeError) as e:
+        if isinstance(e, TsckptError):
+            raise
+        raise UsageError(e.args[0] if e.args else str(e)) from None
+    if args.json:
+        print(report.to_json())
+        return EXIT_OK if report.equal else EXIT_PROBLEM
+    for leaf in report.differences:
+        print(_diff_line(leaf))
+    tolerance = f" within atol={args.atol:g}, rtol={args.rtol:g}" if args.atol or args.rtol else ""
+    n = _count(len(report.leaves), "leaf", "leaves")
+    read = f"{human_bytes(report.bytes_read)} read, {human_bytes(report.bytes_known_equal)} known equal unread"
+    if report.equal:
+        print(f"equal{tolerance}: {report.a} and {report.b}, {n} ({read})")
+        return EXIT_OK
+    print(f"different: {len(report.differences)} of {n} differ{tolerance} ({read})")
+    return EXIT_PROBLEM
+
+
+def _diff_line(leaf: LeafDiff) -> str:
+    """One line for a leaf that differs."""
+    def kind(dtype: str | None, shape: tuple[int, ...] | None) -> str:
+        return f"{dtype}" + ("" if shape is None else " " + _shape_text(shape))
+
+    if leaf.status == "only_in_a":
+        return f"only in A  {leaf.path}  {kind(leaf.dtype_a, leaf.shape_a)}"
+    if leaf.status == "only_in_b":
+        return f"only in B  {leaf.path}  {kind(leaf.dtype_b, leaf.shape_b)}"
+    if leaf.status in ("dtype_changed", "shape_changed"):
+        what = "dtype" if leaf.status == "dtype_changed" else "shape"
+        return f"{what:<9}  {leaf.path}  {kind(leaf.dtype_a, leaf.shape_a)} -> {kind(leaf.dtype_b, leaf.shape_b)}"
+    if leaf.how == "value":
+        return f"value      {leaf.path}  {_clip(leaf.value_a or '')} -> {_clip(leaf.value_b or '')}"
+    first = "" if leaf.first_index is None else _shape_text(leaf.first_index)
+    return (
+        f"changed    {leaf.path}  {leaf.changed_chunks} of {_count(leaf.chunks, 'chunk')}, "
+        f"{_count(leaf.changed_elements, 'element')}; max |a-b| {leaf.max_abs:.6g}, rel L2 {leaf.rel_l2:.3g}, "
+        f"first at {first}"
+    )
+
+
 # ---- convert -----------------------------------------------------------------
 
 
@@ -491,8 +550,9 @@ def _opened(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tsckpt",
-        description="Inspect, verify and convert tsckpt checkpoints (zarr v3 directories).",
-        epilog="Exit status: 0 ok, 1 data problem (corrupt, incomplete, unreadable), 2 usage error.",
+        description="Inspect, verify, compare and convert tsckpt checkpoints (zarr v3 directories).",
+        epilog="Exit status: 0 ok, 1 data problem (corrupt, incomplete, unreadable), 2 usage error; "
+        "diff: 0 equal, 1 different, 2 error.",
     )
     parser.add_argument("--version", action="version", version=f"tsckpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -531,6 +591,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="also list the leaves that are fine")
     _source_options(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "diff",
+        help="compare two checkpoints leaf by leaf (any formats); exit 0 equal, 1 different, 2 error",
+        description="Compare A and B, checkpoints of any formats tsckpt reads, leaf by leaf: leaves only in one, "
+        "a changed dtype or shape, and for arrays that differ the changed chunks (of A's stored chunk grid), "
+        "the largest |a-b|, the relative L2 difference ||a-b||/||a|| and the first differing index. Elements are "
+        "equal when |a-b| <= atol + rtol*|b|; NaNs at the same index are equal. Data is read block by block "
+        "within --max-inflight-bytes; regions both sides keep in the same file (a hard link) are not read.",
+    )
+    p.add_argument("a", metavar="A", help="checkpoint directory (or kvstore URL), or another format's file or directory")
+    p.add_argument("b", metavar="B", help="the checkpoint to compare A with, of any format")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default: 0, exact)")
+    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to |b| (default: 0, exact)")
+    p.add_argument("--paths", metavar="GLOB", nargs="+",
+                   help="compare only the leaves matching one of these glob patterns (e.g. 'model/*'); quote them")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (non-finite numbers as strings)")
+    p.add_argument("--max-inflight-bytes", metavar="SIZE",
+                   help=f"reads and work in memory at once, e.g. 64MiB (default: {human_bytes(READ_WINDOW_BYTES)})")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a checkpoint whose metadata is a Python pickle (a torch.distributed.checkpoint "
+                   "directory); unpickling can run arbitrary code: only for a checkpoint from a trusted source")
+    p.set_defaults(func=cmd_diff, failed=EXIT_USAGE)
 
     p = sub.add_parser(
         "convert",
@@ -593,6 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    failed = int(getattr(args, "failed", EXIT_PROBLEM))  # the status of an error (diff: 2, as cmp)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
@@ -602,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except (TsckptError, Problem) as e:
         print(f"tsckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_PROBLEM
+        return failed
     except KeyboardInterrupt:
         print("tsckpt: interrupted", file=sys.stderr)
         return 130
@@ -615,14 +699,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PROBLEM
     except OSError as e:  # unreadable or unwritable files, named by the message
         print(f"tsckpt {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_PROBLEM
+        return failed
     except Exception as e:  # noqa: BLE001 - a bug in tsckpt: still one line, never a traceback
         print(
             f"tsckpt {args.command}: error: unexpected {type(e).__name__}: {_one_line(e)} "
             "(this is a bug in tsckpt; please report it)",
             file=sys.stderr,
         )
-        return EXIT_PROBLEM
+        return failed
 
 
 __all__ = ["main", "build_parser", "parse_target", "human_bytes"]

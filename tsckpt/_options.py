@@ -406,6 +406,12 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "mapping": "it checks the stored arrays as they are stored",
         },
     },
+    "tsckpt.diff": {
+        RestoreOptions: {
+            **_NO_TARGET_READ,
+            "format": "diff detects each side's format from its files: the two may differ",
+        },
+    },
     "tsckpt.convert": {
         SaveOptions: {
             "group": _ONE_PROCESS, "check_replicas": _ONE_PROCESS, "timeout": _ONE_PROCESS,

@@ -12,6 +12,8 @@ Owns:
 - :mod:`.engine`: the read engine: each destination's reader planned (the own codec's
   tiers, other formats' sources, TensorStore) and the reads executed within the window.
 - :mod:`.verify`: ``verify``: node checks and a windowed read of every chunk.
+- :mod:`.diff`: ``diff``: two checkpoints compared leaf by leaf, block by block within the
+  window, regions known equal from what is stored not read.
 
 May import: :mod:`tsckpt._options`, :mod:`tsckpt._formats` and the packages below them;
 never :mod:`tsckpt._save` (a sibling) or anything above.

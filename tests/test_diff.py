@@ -1,0 +1,385 @@
+"""tsckpt.diff and `tsckpt diff`: leaves only in one side, changed dtypes and shapes, changed
+arrays by chunk, tolerance, path filters, JSON, other formats, and reads within the window."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import tsckpt
+from tsckpt._base.types import box_slices
+from tsckpt._cli import main
+from tsckpt._read import reader as reader_module
+from tsckpt._read.diff import Tally, blocks, compare_block
+
+
+def tree() -> dict:
+    return {
+        "w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) / 7,
+        "b": torch.linspace(-1, 1, 100),
+        "i": torch.arange(50, dtype=torch.int64),
+        "step": 3,
+    }
+
+
+def saved(tmp_path, name: str, state: dict) -> str:
+    where = str(tmp_path / name)
+    tsckpt.save(where, state)
+    return where
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_identical_checkpoints_are_equal(tmp_path, capsys, small_chunks):
+    a, b = saved(tmp_path, "a", tree()), saved(tmp_path, "b", tree())
+    report = tsckpt.diff(a, b)
+    assert report.equal and report.differences == ()
+    assert [(leaf.path, leaf.status, leaf.how) for leaf in report.leaves] == [
+        ("b", "equal", "read"), ("i", "equal", "read"), ("step", "equal", "value"), ("w", "equal", "read")
+    ]
+    assert report.bytes_read == 2 * (64 * 64 * 4 + 100 * 4 + 50 * 8)
+    code, out, err = run(capsys, "diff", a, b)
+    assert (code, err) == (0, "")
+    assert out.startswith(f"equal: {a} and {b}, 4 leaves")
+
+
+def test_one_changed_element(tmp_path, small_chunks):
+    before = tree()
+    after = tree()
+    after["w"] = before["w"].clone()
+    after["w"][37, 5] += 3.0
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    report = tsckpt.diff(a, b)
+    assert not report.equal
+    (leaf,) = report.differences
+    md = tsckpt.open(a)["w"].metadata
+    assert md.chunk_shape != md.shape  # several chunks, one of them changed
+    assert (leaf.path, leaf.status, leaf.how) == ("w", "different", "read")
+    assert leaf.chunks == math.prod(-(-n // c) for n, c in zip(md.shape, md.chunk_shape)) > 1
+    assert (leaf.changed_chunks, leaf.changed_elements, leaf.first_index) == (1, 1, (37, 5))
+    x, y = before["w"].double().numpy(), after["w"].double().numpy()
+    assert leaf.max_abs == pytest.approx(np.abs(x - y).max(), rel=1e-12)
+    assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-9)
+
+
+def test_first_index_is_the_first_in_c_order(tmp_path, small_chunks):
+    after = tree()
+    after["w"] = tree()["w"].clone()
+    after["w"][60, 1] = -1.0  # a later shard than the next, but ...
+    after["w"][2, 63] = -1.0  # ... this one comes first in C order
+    leaf = tsckpt.diff(saved(tmp_path, "a", tree()), saved(tmp_path, "b", after)).differences[0]
+    assert (leaf.first_index, leaf.changed_elements, leaf.changed_chunks) == ((2, 63), 2, 2)
+
+
+def test_only_in_one_side_and_changed_kinds(tmp_path, capsys):
+    before = {"gone": torch.ones(3), "w": torch.ones(4), "s": torch.ones(2, 3), "v": 1, "lr": 0.5}
+    after = {"new": torch.ones(2), "w": torch.ones(4, dtype=torch.float16), "s": torch.ones(3, 2), "v": torch.ones(1),
+             "lr": 0.25}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    found = {leaf.path: leaf for leaf in tsckpt.diff(a, b).leaves}
+    assert {p: leaf.status for p, leaf in found.items()} == {
+        "gone": "only_in_a", "new": "only_in_b", "w": "dtype_changed", "s": "shape_changed", "v": "dtype_changed",
+        "lr": "different",
+    }
+    assert (found["w"].dtype_a, found["w"].dtype_b) == ("float32", "float16")
+    assert (found["s"].shape_a, found["s"].shape_b) == ((2, 3), (3, 2))
+    assert (found["v"].dtype_a, found["v"].dtype_b) == ("int", "float32")
+    assert (found["lr"].value_a, found["lr"].value_b) == ("0.5", "0.25")
+    assert found["gone"].bytes_read == found["s"].bytes_read == 0  # nothing to compare: nothing read
+    code, out, _ = run(capsys, "diff", a, b)
+    assert code == 1
+    lines = out.splitlines()
+    assert "only in A  gone  float32 [3]" in lines
+    assert "only in B  new  float32 [2]" in lines
+    assert "dtype      w  float32 [4] -> float16 [4]" in lines
+    assert "shape      s  float32 [2, 3] -> float32 [3, 2]" in lines
+    assert "value      lr  0.5 -> 0.25" in lines
+    assert lines[-1].startswith("different: 6 of 6 leaves differ")
+
+
+def test_tolerance_makes_a_small_change_equal(tmp_path, capsys):
+    before = {"w": torch.full((8,), 100.0, dtype=torch.float64)}
+    after = {"w": before["w"].clone()}
+    after["w"][3] += 0.01
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    assert not tsckpt.diff(a, b).equal
+    assert not tsckpt.diff(a, b, atol=0.009).equal
+    assert tsckpt.diff(a, b, atol=0.011).equal
+    assert tsckpt.diff(a, b, rtol=1.1e-4).equal  # relative to |b| = 100.01
+    leaf = tsckpt.diff(a, b, atol=0.011).leaves[0]
+    assert (leaf.status, leaf.changed_elements, leaf.changed_chunks) == ("equal", 0, 0)
+    assert leaf.max_abs == pytest.approx(0.01)  # still said, though within the tolerance
+    assert run(capsys, "diff", a, b, "--atol", "0.011")[0] == 0
+    assert run(capsys, "diff", a, b, "--rtol", "1e-5")[0] == 1
+
+
+def test_path_filter(tmp_path, capsys):
+    before = {"model": {"w": torch.ones(3), "b": torch.ones(2)}, "opt": {"m": torch.ones(3)}, "step": 1}
+    after = {"model": {"w": torch.ones(3), "b": torch.ones(2)}, "opt": {"m": torch.zeros(3)}, "step": 2}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    report = tsckpt.diff(a, b, paths=["model/*"])
+    assert report.equal and [leaf.path for leaf in report.leaves] == ["model/b", "model/w"]
+    assert [leaf.path for leaf in tsckpt.diff(a, b, paths="opt/*").differences] == ["opt/m"]
+    assert run(capsys, "diff", a, b, "--paths", "model/*")[0] == 0
+    assert run(capsys, "diff", a, b, "--paths", "model/*", "step")[0] == 1
+
+
+def test_json_output(tmp_path, capsys):
+    after = {"w": torch.tensor([1.0, float("nan"), 3.0]), "x": torch.ones(2)}
+    a = saved(tmp_path, "a", {"w": torch.tensor([1.0, 2.0, 3.0]), "y": torch.ones(1)})
+    b = saved(tmp_path, "b", after)
+    code, out, err = run(capsys, "diff", a, b, "--json")
+    assert (code, err) == (1, "")
+    report = json.loads(out)
+    assert (report["equal"], report["a"], report["b"], report["atol"]) == (False, a, b, 0.0)
+    leaves = {leaf["path"]: leaf for leaf in report["leaves"]}
+    assert {p: leaf["status"] for p, leaf in leaves.items()} == {"w": "different", "y": "only_in_a", "x": "only_in_b"}
+    w = leaves["w"]
+    assert (w["first_index"], w["changed_elements"], w["max_abs"], w["rel_l2"]) == ([1], 1, "inf", "inf")
+    assert w["shape_a"] == [3]
+
+
+def test_nans_at_the_same_index_are_equal(tmp_path):
+    state = {"w": torch.tensor([float("nan"), 1.0, float("inf"), -float("inf")])}
+    a = saved(tmp_path, "a", state)
+    assert tsckpt.diff(a, saved(tmp_path, "b", state)).equal
+    flipped = saved(tmp_path, "c", {"w": torch.tensor([float("nan"), 1.0, -float("inf"), 0.0])})
+    leaf = tsckpt.diff(a, flipped, rtol=1.0).leaves[0]  # no tolerance brings an infinity nearer
+    assert (leaf.changed_elements, leaf.first_index, leaf.max_abs) == (2, (2,), math.inf)
+
+
+def test_integers_are_compared_exactly(tmp_path):
+    big = 2**60
+    a = saved(tmp_path, "a", {"i": torch.tensor([big, 1])})
+    b = saved(tmp_path, "b", {"i": torch.tensor([big + 1, 1])})  # the same float64
+    leaf = tsckpt.diff(a, b).leaves[0]
+    assert (leaf.status, leaf.first_index, leaf.changed_elements) == ("different", (0,), 1)
+
+
+def test_bfloat16_and_complex(tmp_path):
+    before = {"h": torch.ones(4, dtype=torch.bfloat16), "c": torch.tensor([1 + 1j, 2 + 0j])}
+    after = {"h": torch.tensor([1, 1, 1.5, 1], dtype=torch.bfloat16), "c": torch.tensor([1 + 1j, 2 + 4j])}
+    found = {leaf.path: leaf for leaf in tsckpt.diff(saved(tmp_path, "a", before), saved(tmp_path, "b", after)).leaves}
+    assert (found["h"].first_index, found["h"].max_abs) == ((2,), 0.5)
+    assert (found["c"].first_index, found["c"].max_abs) == ((1,), 4.0)  # |a - b|, the modulus
+
+
+def test_a_checkpoint_against_safetensors_with_the_same_tensors(tmp_path, capsys):
+    state = {"model.w": torch.randn(16, 8), "model.b": torch.randn(8).to(torch.bfloat16)}
+    a = saved(tmp_path, "a", state)
+    other = str(tmp_path / "m.safetensors")
+    save_file(state, other)
+    report = tsckpt.diff(a, other)
+    assert report.equal and sorted(leaf.path for leaf in report.leaves) == ["model.b", "model.w"]
+    assert run(capsys, "diff", other, a)[0] == 0
+    save_file({**state, "model.w": state["model.w"] + 1}, other)
+    assert [leaf.path for leaf in tsckpt.diff(a, other).differences] == ["model.w"]
+
+
+def test_errors_exit_2(tmp_path, capsys):
+    a = saved(tmp_path, "a", {"w": torch.ones(2)})
+    code, out, err = run(capsys, "diff", a, str(tmp_path / "missing"))
+    assert (code, out) == (2, "")
+    assert err.startswith("tsckpt diff: error: ") and "missing" in err
+    assert run(capsys, "diff", a, a, "--atol", "-1")[0] == 2
+    with pytest.raises(ValueError, match="atol must be a finite number at least 0"):
+        tsckpt.diff(a, a, atol=-1.0)
+    with pytest.raises(TypeError, match="paths must be glob patterns"):
+        tsckpt.diff(a, a, paths=[3])  # type: ignore[list-item]
+
+
+@pytest.fixture
+def largest_read(monkeypatch):
+    """Every box the lazy reader reads, in bytes of the stored dtype."""
+    sizes: list[int] = []
+    real = reader_module.LazyArray.read_box
+
+    def recording(self, box):
+        data = real(self, box)
+        sizes.append(data.nbytes)
+        return data
+
+    monkeypatch.setattr(reader_module.LazyArray, "read_box", recording)
+    return sizes
+
+
+def test_reads_block_by_block_within_the_window(tmp_path, largest_read, capsys):
+    before = {"w": torch.randn(256, 128), "v": torch.randn(3000)}  # 128 KiB, 12 KiB
+    after = {"w": before["w"].clone(), "v": before["v"].clone()}
+    after["w"][200, 100] = 9.0
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    window = 8 << 10
+    report = tsckpt.diff(a, b, max_inflight_bytes=window)
+    assert max(largest_read) <= window // 2 // 2  # each side's block: a quarter of the window
+    assert len(largest_read) >= 2 * (128 + 12) * 1024 // (window // 4)
+    assert sum(largest_read) == report.bytes_read == 2 * (256 * 128 + 3000) * 4
+    (leaf,) = report.differences
+    assert (leaf.path, leaf.first_index, leaf.changed_elements) == ("w", (200, 100), 1)
+    largest_read.clear()
+    assert run(capsys, "diff", a, b, "--max-inflight-bytes", "8KiB")[0] == 1
+    assert 0 < max(largest_read) <= window // 4
+
+
+def test_a_window_smaller_than_one_row(tmp_path, largest_read):
+    before = {"w": torch.randn(4, 1000)}
+    after = {"w": before["w"].clone()}
+    after["w"][3, 999] = 5.0
+    report = tsckpt.diff(saved(tmp_path, "a", before), saved(tmp_path, "b", after), max_inflight_bytes=1000)
+    assert max(largest_read) <= 1000 // 4 and sum(largest_read) == 2 * 4 * 1000 * 4
+    assert report.differences[0].first_index == (3, 999)
+
+
+def _link_same_files(a: str, b: str) -> int:
+    """Replace each file of ``b`` whose bytes equal the same file of ``a`` with a hard link to it."""
+    linked = 0
+    for root, _, files in os.walk(b):
+        for name in files:
+            there = os.path.join(root, name)
+            here = os.path.join(a, os.path.relpath(there, b))
+            if os.path.isfile(here) and Path(here).read_bytes() == Path(there).read_bytes():
+                os.unlink(there)
+                os.link(here, there)
+                linked += 1
+    return linked
+
+
+def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
+    before = tree()
+    after = tree()
+    after["w"] = before["w"].clone()
+    after["w"][0, 0] = 5.0
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    assert _link_same_files(a, b) > 4
+    report = tsckpt.diff(a, b)
+    md = tsckpt.open(a)["w"].metadata
+    shard = math.prod(md.shard_shape) * 4
+    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    found = {leaf.path: leaf for leaf in report.leaves}
+    assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
+    assert (found["w"].changed_chunks, found["w"].first_index) == (1, (0, 0))
+    x, y = before["w"].double().numpy(), after["w"].double().numpy()
+    shard_rows = md.shard_shape[0]  # the changed shard: the first rows
+    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-9)
+    assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
+
+
+def test_one_checkpoint_given_twice_reads_nothing(tmp_path, largest_read):
+    compact = str(tmp_path / "compact")
+    tsckpt.save(compact, tree(), layout="compact")
+    other = str(tmp_path / "m.safetensors")
+    save_file({"w": torch.ones(3)}, other)
+    for one in (compact, other):
+        assert tsckpt.diff(one, one).equal and largest_read == []
+    assert tsckpt.diff(compact, compact).bytes_known_equal == 64 * 64 * 4 + 100 * 4 + 50 * 8
+    a = saved(tmp_path, "a", tree())
+    copy = str(tmp_path / "copy")
+    shutil.copytree(a, copy, copy_function=os.link)
+    for other in (a, copy):
+        report = tsckpt.diff(a, other)
+        assert report.equal and report.bytes_read == 0 and largest_read == []
+
+
+@pytest.mark.parametrize(
+    "region, chunk, limit",
+    [(((0, 0), (64, 64)), (4, 64), 1024), (((8, 0), (8, 100)), (8, 10), 30), (((0,), (10,)), (4,), 3), (((), ()), (), 1)],
+)
+def test_blocks_cover_the_region_within_the_limit(region, chunk, limit):
+    found = list(blocks(region, chunk, limit))
+    seen = np.zeros([o + n for o, n in zip(*region)], dtype=int)
+    for off, ln in found:
+        assert math.prod(ln) <= limit
+        if math.prod(chunk) <= limit:  # whole chunks where one fits
+            ends = [o + n for o, n in zip(*region)]
+            assert all(o % c == 0 and ((o + n) % c == 0 or o + n == e) for o, n, c, e in zip(off, ln, chunk, ends))
+        seen[tuple(slice(o, o + n) for o, n in zip(off, ln))] += 1
+    inside = seen[tuple(slice(o, o + n) for o, n in zip(*region))]
+    assert (inside == 1).all() and seen.sum() == inside.sum()
+
+
+def test_a_bar_of_bytes_compared(tmp_path, bars, caplog):
+    before = {"w": torch.ones(64, 64), "n": 1}
+    after = {"w": torch.zeros(64, 64), "n": 1}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    with caplog.at_level("INFO", logger="tsckpt"):
+        tsckpt.diff(a, b, progress=True)
+        tsckpt.diff(a, a, progress=True)  # known equal: counted done, not read
+    assert bars == [("diff", 2 * 64 * 64 * 4, 2 * 64 * 64 * 4)] * 2
+    assert [r.getMessage().split(" ", 1)[0] for r in caplog.records if r.name == "tsckpt"] == ["diff", "diff"]
+    tsckpt.diff(a, b)  # stderr is captured, not a terminal: no bar
+    assert len(bars) == 2
+
+
+def test_changed_chunks_count_in_a_grid(tmp_path, monkeypatch):
+    from tsckpt._ondisk import chunking
+
+    before = {"w": torch.zeros(64, 64)}
+    after = {"w": torch.zeros(64, 64)}
+    after["w"][:, 0] = 1.0  # a column: every row of chunks
+    b = saved(tmp_path, "b", after)  # one chunk
+    monkeypatch.setattr(chunking, "INNER_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(chunking, "SHARD_BYTES", 4096)
+    a = saved(tmp_path, "a", before)  # many
+    ma, mb = tsckpt.open(a)["w"].metadata, tsckpt.open(b)["w"].metadata
+    assert ma.chunk_shape != mb.chunk_shape == (64, 64)
+    rows = -(-64 // ma.chunk_shape[0])
+    leaf = tsckpt.diff(a, b).leaves[0]
+    assert (leaf.chunks, leaf.changed_chunks, leaf.changed_elements) == (
+        rows * -(-64 // ma.chunk_shape[1]), rows, 64
+    )
+    assert tsckpt.diff(b, a).leaves[0].changed_chunks == 1  # B's single chunk, from B's side
+
+
+def test_damaged_data_is_an_error(tmp_path, capsys):
+    a = saved(tmp_path, "a", {"w": torch.ones(1000)})
+    b = saved(tmp_path, "b", {"w": torch.ones(1000)})
+    (shard,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(b, "w", "c")) for f in fs]
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    with pytest.raises(tsckpt.CorruptCheckpointError, match="'w'"):
+        tsckpt.diff(a, b)
+    code, out, err = run(capsys, "diff", a, b)
+    assert (code, out) == (2, "") and "tsckpt diff: error:" in err
+
+
+@settings(deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_blocks_and_compare_agree_with_numpy(shape, data):
+    """Any region, chunk grid and limit: the blocks compared one by one find what numpy finds
+    on the whole array."""
+    chunk = [data.draw(st.integers(1, n)) for n in shape]
+    limit = data.draw(st.integers(1, 40))
+    piece = data.draw(st.integers(1, 16))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = a.copy()
+    b[rng.random(shape) < 0.2] += 1.0
+    tally = Tally()
+    for block in blocks(((0,) * len(shape), tuple(shape)), chunk, limit):
+        box = box_slices(*block)
+        compare_block(np.ascontiguousarray(a[box]), np.ascontiguousarray(b[box]), "float32", block, chunk, tally,
+                      atol=0.0, rtol=0.0, piece=piece)
+    diff = a != b
+    assert tally.changed_elements == int(diff.sum())
+    assert tally.first == (tuple(int(i) for i in np.argwhere(diff)[0]) if diff.any() else None)
+    grid = {tuple(int(i) // c for i, c in zip(idx, chunk)) for idx in np.argwhere(diff)}
+    assert tally.changed_chunks == grid
+    assert tally.max_abs == pytest.approx(float(np.abs(a.astype(np.float64) - b).max()))

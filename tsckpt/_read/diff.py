@@ -1,0 +1,476 @@
+"""diff(): what differs between two checkpoints of any formats tsckpt reads, leaf by leaf.
+
+Arrays are compared over A's stored chunk grid, in blocks of whole chunks where one fits the
+window, each block read from both sides through the lazy reader, so memory stays within the
+window whatever the checkpoints' size. A region whose stored data is known equal without
+reading (:func:`known_equal`: today the same file on disk, a hard link or one checkpoint
+given twice) is not read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import Any, Literal
+
+import numpy as np
+
+from .._base import dtypes as _dtypes
+from .._base.types import Box, box_slices
+from .._ondisk.arrays import chunk_key
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.chunking import cells, shard_boxes
+from .._ondisk.records import LAYOUT_PLAIN
+from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
+from .._runtime.progress import Progress
+from .._storage.locations import Directory
+from .open import open as open_reader
+from .reader import LazyArray
+
+Status = Literal["equal", "different", "only_in_a", "only_in_b", "dtype_changed", "shape_changed"]
+
+# Bytes of float64 work per element compared at once: both sides, |a - b|, the bound and masks.
+WORK_BYTES_PER_ELEMENT = 48
+# Elements compared at once, at most: pieces this small stay in the CPU's caches, and their
+# temporaries are reused from the heap rather than mapped (and faulted in) afresh.
+PIECE_ELEMENTS = 1 << 16
+# Threads comparing pieces at once (numpy works without the GIL).
+COMPARING_THREADS = min(8, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafDiff:
+    """How one leaf differs between A and B.
+
+    ``status``: ``equal`` (within the tolerance), ``different``, ``only_in_a``, ``only_in_b``,
+    ``dtype_changed`` (an array against a value counts as one), ``shape_changed``. ``how`` says
+    how the answer was found: ``read`` (data of both sides compared), ``same files`` (known
+    equal from what is stored, nothing read), ``value`` (plain values compared), or empty
+    when the two sides were not compared. For arrays compared by reading: ``chunks`` in A's
+    stored chunk grid, of which ``changed_chunks`` hold an element beyond the tolerance;
+    ``changed_elements``; ``max_abs``, the largest ``|a - b|`` (infinite where one side is
+    NaN; NaNs at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
+    over the finite elements read (a region known equal unread adds nothing to ``a - b``,
+    but its part of ``||a||`` is unknown: then an upper bound); ``first_index``, the first element beyond the tolerance in C
+    order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ.
+    """
+
+    path: str
+    status: Status
+    how: str = ""
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    chunks: int = 0
+    changed_chunks: int = 0
+    changed_elements: int = 0
+    max_abs: float | None = None
+    rel_l2: float | None = None
+    first_index: tuple[int, ...] | None = None
+    value_a: str | None = None
+    value_b: str | None = None
+    bytes_read: int = 0  # both sides
+
+    @property
+    def equal(self) -> bool:
+        return self.status == "equal"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffReport:
+    """What :func:`diff` found: every leaf of A or B selected, in A's order then B's.
+    ``bytes_read`` counts both sides; ``bytes_known_equal`` the bytes of A known equal without
+    reading them."""
+
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    leaves: tuple[LeafDiff, ...]
+    bytes_read: int
+    bytes_known_equal: int
+
+    @property
+    def equal(self) -> bool:
+        """Every leaf selected is in both, of the same dtype and shape, equal within the tolerance."""
+        return all(leaf.equal for leaf in self.leaves)
+
+    @property
+    def differences(self) -> tuple[LeafDiff, ...]:
+        return tuple(leaf for leaf in self.leaves if not leaf.equal)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON types; a non-finite number is written as a string ("inf", "nan")."""
+        raw = dataclasses.asdict(self)
+        raw["leaves"] = [{k: _json_number(v) for k, v in leaf.items()} for leaf in raw["leaves"]]
+        return {"equal": self.equal, **raw}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def _json_number(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return list(v) if isinstance(v, tuple) else v
+
+
+# ---- what is known without reading ----------------------------------------------------
+
+
+def known_equal(a: Checkpoint, b: Checkpoint, path: str, region: Box) -> bool | None:
+    """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
+    stored shards), known from what is stored, without reading it: True when both sides keep
+    it in the same file (one checkpoint given twice, or a file hard-linked from the other);
+    None when that is not known, and the region must be read. Content hashes stored per chunk
+    answer here too once the format stores them."""
+    if a.location.local is None or b.location.local is None:
+        return None
+    if _same_path(a.location.local, b.location.local) and a.root_generation == b.root_generation:
+        return True  # one checkpoint given twice (of any format or layout), not replaced in between
+    ra, rb = a.arrays.get(a.aliases.get(path, path)), b.arrays.get(b.aliases.get(path, path))
+    if ra is None or rb is None or a.foreign or b.foreign or LAYOUT_PLAIN != a.layout or LAYOUT_PLAIN != b.layout:
+        return None
+    if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
+        return None  # the same bytes would not decode to the same elements
+    # a shard not stored (all fill value) or unreadable is read
+    same = _same_path(
+        os.path.join(a.location.local, chunk_key(ra, region[0])), os.path.join(b.location.local, chunk_key(rb, region[0]))
+    )
+    return True if same else None
+
+
+def _same_path(x: str, y: str) -> bool:
+    """Whether ``x`` and ``y`` are one file or directory (False when either cannot be found)."""
+    try:
+        return os.path.samefile(x, y)
+    except OSError:
+        return False
+
+
+# ---- comparing arrays -------------------------------------------------------------------
+
+
+def blocks(region: Box, chunk: Sequence[int], limit: int) -> Iterator[Box]:
+    """``region`` (aligned to ``chunk`` boundaries) cut into blocks of at most ``limit``
+    elements, in C order: whole chunks along the leading dimensions where one fits, else
+    pieces of one chunk (never spanning two)."""
+    off, ln = region
+    if math.prod(ln) <= limit:
+        yield region
+        return
+    d = next(i for i, n in enumerate(ln) if n > 1)  # the dimensions before it are 1 long
+    row = math.prod(ln[d + 1 :])  # elements in one step along d
+    end = off[d] + ln[d]
+    c = chunk[d]
+    if row * c <= limit:
+        edges = list(range(off[d], end, (limit // row) // c * c))
+    else:
+        edges = sorted(set(range(off[d], end, max(1, limit // row))) | set(range(off[d], end, c)))
+    for lo, hi in zip(edges, [*edges[1:], end]):
+        yield from blocks((off[:d] + (lo,) + off[d + 1 :], ln[:d] + (hi - lo,) + ln[d + 1 :]), chunk, limit)
+
+
+def _numbers(data: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored elements as float64 (complex128 for complex dtypes), exact for every float dtype."""
+    if dtype == "complex32":  # stored as float16 (re, im) pairs
+        return data[..., 0].astype(np.float64) + 1j * data[..., 1].astype(np.float64)
+    if data.dtype.kind == "c":
+        return data.astype(np.complex128)
+    if data.dtype.kind in "biuf":
+        return data.astype(np.float64)
+    return data.astype(np.float32).astype(np.float64)  # bfloat16, float8 and other ml_dtypes
+
+
+@dataclasses.dataclass
+class Tally:
+    """What the blocks of one array found so far."""
+
+    changed_chunks: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
+    changed_elements: int = 0
+    max_abs: float = 0.0
+    sq_diff: float = 0.0
+    sq_a: float = 0.0
+    first: tuple[int, ...] | None = None
+
+
+def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
+                   rtol: float) -> tuple[float, float, float]:
+    """Compare one piece of both sides: whether each element differs into ``out``; the largest
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements)."""
+    na = _numbers(sa, dtype)
+    sq_a = _squared_norm(na)
+    if np.array_equal(sa.view(np.uint8), sb.view(np.uint8)):  # the same bits: nothing more to learn
+        out[:] = False
+        return 0.0, 0.0, sq_a
+    nb = _numbers(sb, dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
+        gap = np.abs(na - nb)
+        bound = atol + rtol * np.abs(nb) if rtol else atol
+    odd = np.isnan(gap)  # a NaN on either side, or the same infinity on both
+    if odd.any():
+        alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
+        gap[odd] = np.inf
+        gap[alike] = 0.0
+    if sa.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
+        bad = sa != sb
+        if atol or rtol:
+            bad &= ~(gap <= bound)
+    else:  # no tolerance brings an infinity nearer
+        bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
+    out[:] = bad
+    return float(gap.max()), _sum_of_squares(gap), sq_a
+
+
+def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
+                  *, atol: float, rtol: float, piece: int, workers: Executor | None = None) -> None:
+    """Compare one block read from both sides (stored dtype), ``piece`` elements of float64
+    work at a time (on ``workers``, several pieces at once), into ``tally``. An element differs
+    when ``|a - b| > atol + rtol * |b|`` (numpy's isclose); NaNs at the same index are equal,
+    NaN against a number infinitely far."""
+    pairs = dtype == "complex32"
+    shape = region[1]
+    fa = a.reshape(-1, 2) if pairs else a.reshape(-1)
+    fb = b.reshape(-1, 2) if pairs else b.reshape(-1)
+    differs = np.empty(math.prod(shape), dtype=bool)
+
+    def one(i: int) -> tuple[float, float, float]:
+        j = i + piece
+        return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol)
+
+    starts = range(0, differs.size, piece)
+    for max_abs, sq_diff, sq_a in (map(one, starts) if workers is None else workers.map(one, starts)):
+        tally.max_abs = max(tally.max_abs, max_abs)
+        tally.sq_diff += sq_diff
+        tally.sq_a += sq_a
+    count = int(differs.sum())
+    if not count:
+        return
+    tally.changed_elements += count
+    first = tuple(int(o + i) for o, i in zip(region[0], np.unravel_index(int(differs.argmax()), shape)))
+    tally.first = first if tally.first is None else min(tally.first, first)
+    grid = differs.reshape(shape)
+    cuts = [range((o // c + 1) * c, o + n, c) for o, n, c in zip(*region, chunk)]
+    for cell in cells(region, cuts):
+        if grid[box_slices(cell[0], cell[1], region[0])].any():
+            tally.changed_chunks.add(tuple(o // c for o, c in zip(cell[0], chunk)))
+
+
+def _sum_of_squares(x: np.ndarray) -> float:
+    """The sum of ``x**2`` (real ``x``), in numpy's own loop: BLAS's threads would spin
+    against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
+    return float(np.einsum("i,i->", x, x))
+
+
+def _squared_norm(x: np.ndarray) -> float:
+    """The sum of ``|x|**2`` over the finite elements of ``x``."""
+    size = np.abs(x) if x.dtype.kind == "c" else x
+    total = _sum_of_squares(size)
+    if math.isfinite(total):
+        return total
+    return _sum_of_squares(size[np.isfinite(size)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sides:
+    """Both checkpoints, the tolerance and the window: what every leaf's comparison needs."""
+
+    a: Checkpoint
+    b: Checkpoint
+    atol: float
+    rtol: float
+    window: int
+    pool: ThreadPoolExecutor  # the reads of both sides
+    workers: ThreadPoolExecutor | None  # the comparisons, several pieces at once
+    progress: Progress
+
+
+def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> tuple[LeafDiff, int]:
+    """The diff of one array of the same dtype and shape on both sides, and its bytes of A
+    known equal without reading."""
+    rec = sides.a.arrays[sides.a.aliases.get(path, path)]
+    chunk = la.metadata.chunk_shape
+    itemsize = _dtypes.itemsize(la.dtype)
+    # half the window: two blocks of both sides (one compared while the next is read) and the
+    # mask of one; the other half: the float64 work on pieces of a block
+    limit = max(1, sides.window // 2 // (4 * itemsize + 1))
+    piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
+    tally = Tally()
+    known = [0]  # bytes of A known equal, not read
+
+    def to_read() -> Iterator[Box]:
+        for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
+            if known_equal(sides.a, sides.b, path, shard):
+                known[0] += math.prod(shard[1]) * itemsize
+                sides.progress.update(2 * math.prod(shard[1]) * itemsize)
+                continue
+            yield from blocks(shard, chunk, limit)
+
+    def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
+        box = box_slices(*block)
+        return block, sides.pool.submit(la.read_box, box), sides.pool.submit(lb.read_box, box)
+
+    def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
+        block, da, db = reading
+        compare_block(da.result(), db.result(), la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol,
+                      piece=piece, workers=sides.workers)
+        n = 2 * math.prod(block[1]) * itemsize
+        sides.progress.update(n, 2)
+        return n
+
+    read = 0
+    ahead: collections.deque[tuple[Box, Future[np.ndarray], Future[np.ndarray]]] = collections.deque()
+    try:
+        for block in to_read():
+            ahead.append(start(block))
+            if len(ahead) > 1:
+                read += settle(ahead.popleft())
+        while ahead:
+            read += settle(ahead.popleft())
+    finally:  # an error: the reads under way are waited for, not left to write into freed blocks
+        for _, da, db in ahead:
+            da.cancel()
+            db.cancel()
+            wait([da, db])
+    skipped = known[0]
+    shape = la.shape
+    found = LeafDiff(
+        path, "different" if tally.changed_elements else "equal", "read" if read or not skipped else "same files",
+        la.dtype, lb.dtype, shape, lb.shape,
+        chunks=math.prod(-(-n // c) for n, c in zip(shape, chunk)),
+        changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
+        max_abs=tally.max_abs if read else 0.0,
+        rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
+        first_index=tally.first, bytes_read=read,
+    )
+    return found, skipped
+
+
+def _relative(sq_diff: float, sq_a: float) -> float:
+    if sq_diff == 0.0:
+        return 0.0
+    return math.sqrt(sq_diff / sq_a) if sq_a > 0.0 else math.inf
+
+
+# ---- leaves -------------------------------------------------------------------------------
+
+
+def _kind(leaf: Any) -> tuple[str, tuple[int, ...] | None]:
+    """dtype and shape of an array; the type's name and no shape for a plain value."""
+    if isinstance(leaf, LazyArray):
+        return leaf.dtype, leaf.shape
+    return type(leaf).__name__, None
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return bool(x == y)
+
+
+def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> tuple[LeafDiff, int]:
+    (dtype_a, shape_a), (dtype_b, shape_b) = _kind(x), _kind(y)
+    kinds = LeafDiff(path, "equal", "", dtype_a, dtype_b, shape_a, shape_b)
+    if dtype_a != dtype_b or isinstance(x, LazyArray) != isinstance(y, LazyArray):
+        return dataclasses.replace(kinds, status="dtype_changed"), 0
+    if shape_a != shape_b:
+        return dataclasses.replace(kinds, status="shape_changed"), 0
+    if isinstance(x, LazyArray) and isinstance(y, LazyArray):
+        return _compare_arrays(sides, path, x, y)
+    if _same_value(x, y):
+        return dataclasses.replace(kinds, how="value"), 0
+    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y)), 0
+
+
+def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
+    return patterns is None or any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def _tolerance(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number at least 0, not {value!r}")
+    return float(value)
+
+
+def _patterns(paths: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if paths is None:
+        return None
+    patterns = (paths,) if isinstance(paths, str) else tuple(paths)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"paths must be glob patterns (str), not {paths!r}")
+    return patterns
+
+
+def _array_bytes(reader_leaf: Any) -> int:
+    return reader_leaf.metadata.nbytes if isinstance(reader_leaf, LazyArray) else 0
+
+
+@verb("tsckpt.diff")
+def diff(
+    a: Directory,
+    b: Directory,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    paths: str | Sequence[str] | None = None,
+    progress: bool | None = None,
+    max_inflight_bytes: int = READ_WINDOW_BYTES,
+    allow_pickle: bool = False,
+) -> DiffReport:
+    """Compare two checkpoints of any formats tsckpt reads (each detected from its files),
+    leaf by leaf, into a :class:`DiffReport` (``report.equal``; ``report.to_json()``).
+
+    Leaves are matched by path; ``paths`` (glob patterns, e.g. ``"model/*"``) keeps only
+    those matching one. Arrays of the same dtype and shape are compared element by element:
+    equal when ``|a - b| <= atol + rtol * |b|`` (numpy's isclose; NaNs at the same index are
+    equal; complex numbers by the modulus of the difference); the counts of changed chunks
+    are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
+    in blocks through :func:`tsckpt.open`, at most ``max_inflight_bytes`` of reads and work
+    at a time; a region both sides keep in the same file (a hard link) is not read.
+    ``progress`` shows a bar of bytes compared (default: when stderr is a terminal)."""
+    RestoreOptions.of(locals())
+    tolerance = _tolerance("atol", atol), _tolerance("rtol", rtol)
+    patterns = _patterns(paths)
+    ra = open_reader(a, allow_pickle=allow_pickle)
+    rb = open_reader(b, allow_pickle=allow_pickle)
+    in_a = [p for p in ra if _selected(p, patterns)]
+    in_b = [p for p in rb if _selected(p, patterns)]
+    set_a, set_b = set(in_a), set(in_b)
+    both = [p for p in in_a if p in set_b]
+    where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
+    found: list[LeafDiff] = []
+    read = skipped = 0
+    with (
+        Progress("diff", where, show=progress) as bar,
+        ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
+        ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
+    ):
+        bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
+        many = workers if COMPARING_THREADS > 1 else None
+        sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, many, bar)
+        for p in in_a:
+            if p not in set_b:
+                x = ra[p]
+                found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
+                continue
+            leaf, known = _compare_leaf(sides, p, ra[p], rb[p])
+            found.append(leaf)
+            read, skipped = read + leaf.bytes_read, skipped + known
+        for p in in_b:
+            if p not in set_a:
+                y = rb[p]
+                found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+    return DiffReport(
+        str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, tuple(found), read, skipped
+    )
