@@ -102,7 +102,10 @@ class CheckpointManager:
     ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
     (``group`` and ``timeout`` also for restores), ``if_busy``,
     ``max_staging_bytes``, ``staging`` and ``writer`` as for :func:`tsckpt.save_async`; a bad value raises
-    here. Options of one call (``overwrite``, ``max_inflight_bytes``,
+    here. ``incremental`` (default True; plain layout on a local file system): each step shares
+    with the latest complete step, by hard links, every file whose content is unchanged, so a
+    frozen base model is written once (docs/incremental.md); retention deleting a step never
+    breaks a later one. Options of one call (``overwrite``, ``max_inflight_bytes``,
     ``progress``, and the restore options) are keywords of :meth:`save`,
     :meth:`save_async` and :meth:`restore`.
     """
@@ -123,6 +126,7 @@ class CheckpointManager:
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
         writer: Writer = "process",
+        incremental: bool = True,
     ) -> None:
         self._saving = SaveOptions.of(locals())  # each save adds its own per-call options
         self._reading = RestoreOptions.of(locals())  # each restore adds its own
@@ -262,6 +266,10 @@ class CheckpointManager:
         def clear() -> None:  # rank 0, inside the save, right before its claim
             self._clear(step, options.overwrite)
 
+        # an incremental save shares what is unchanged with the latest complete step (each rank lists it)
+        if options.incremental:
+            earlier = [s for s in self.all_steps() if s != step]
+            plain = dataclasses.replace(plain, base=self.directory(earlier[-1]) if earlier else None)
         # rank 0 clears (and the save then lists the step in the root's index first)
         save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
         if self._rank == 0:

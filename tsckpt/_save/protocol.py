@@ -32,7 +32,7 @@ from .._ondisk import chunking as _chunking
 from .._ondisk.arrays import OCDBT_PREFIX, data_spec
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord
 from .._ondisk.stepindex import mark_if_managed
-from .._options import WRITE_WINDOW_BYTES, SaveOptions, verb
+from .._options import WRITE_WINDOW_BYTES, BaseDirectory, SaveOptions, verb
 from .._runtime.memory import collector_paused
 from .._runtime.progress import Progress
 from .._storage import durable as _durable
@@ -41,6 +41,7 @@ from .._storage import locations as _locations
 from .._storage.locations import Directory, Location, resolve
 from ..tree import flatten, structure_to_json
 from . import lease as _lease
+from . import share as _share
 
 # steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
 from .commit import abandon as _abandon
@@ -78,6 +79,8 @@ def save(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
+    incremental: bool = True,
+    base: BaseDirectory = None,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
 
@@ -96,6 +99,11 @@ def save(
     number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
     ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
     a terminal); each rank logs bytes, files and throughput at the end.
+    ``incremental`` (plain layout on a local file system) records a content hash
+    of every file, and shares with ``base``, a previous committed checkpoint, by
+    hard links, every file whose content is proven unchanged: each rank decides
+    for the files it writes (docs/incremental.md). Every checkpoint stays
+    complete on its own: deleting ``base`` later breaks nothing.
 
     Protocol (every rank calls save with its local tree; rank 0 coordinates):
 
@@ -173,8 +181,14 @@ def save_with(
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
                 received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
             with Progress("save", loc, show=progress, rank=coord.rank) as bar:
-                phase(coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar)))
-                phase(coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease)), ranks={0})
+                mine_files = phase(
+                    coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar, options))
+                )
+                files = _gather_files(coord, mine_files, layout)
+                phase(
+                    coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease, files)),
+                    ranks={0},
+                )
         except BaseException as e:
             if lease is not None and lease.generation is not None:
                 agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
@@ -344,17 +358,23 @@ def _plan_job(
 
 
 def _write(
-    loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress
-) -> None:
-    """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
+    loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress,
+    options: SaveOptions,
+) -> dict[str, _share.Entry] | None:
+    """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage.
+    An incremental save (local plain layout) shares what it can with its base, and returns
+    its files' content entries (None when it records none)."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
     context = write_context()  # this save's own: see there
     with _faults.storage_errors(loc, doing="writing"):
+        sharer = None
+        if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
+            sharer = _share.Sharer(loc.local, _share.open_base(options.base, loc))
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         keys = _write_regions(
             data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
-            context=context,
+            context=context, sharer=sharer,
         )
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
@@ -362,6 +382,23 @@ def _write(
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
             _durable.sync_data(loc, keys)
+        return None if sharer is None else sharer.recorded()
+
+
+def _gather_files(coord: Any, mine: dict[str, _share.Entry] | None, layout: str) -> dict[str, _share.Entry] | None:
+    """Every rank's content entries, on rank 0 (one round trip, plain layout under
+    torch.distributed: every rank takes it, whatever it recorded); None when no rank recorded any."""
+    if coord.world_size == 1 or layout != LAYOUT_PLAIN:
+        return mine
+    everyone: list[Any] = []
+
+    def collect(payloads: list[Any]) -> list[None]:
+        everyone.extend(payloads)
+        return [None] * len(payloads)
+
+    ask_root(coord, "save (content hashes)", lambda: (None, mine), collect)
+    recorded = [p for p in everyone if p is not None]
+    return {k: v for p in recorded for k, v in p.items()} if recorded else None
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
@@ -371,10 +408,13 @@ def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[s
     return {**spec, "cache_pool": _locations.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
-def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
+def _commit(
+    loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None,
+    files: dict[str, _share.Entry] | None = None,
+) -> None:
     """Step 7, rank 0: merge the ranks' databases (compact layout), then the one atomic
     write that makes the checkpoint visible, if the pending root is still this save's
-    (``lease``: its renewals stop first)."""
+    (``lease``: its renewals stop first). ``files``: the content entries recorded, if any."""
     c = job.commit
     if c is None:
         raise RuntimeError("only rank 0 commits a save")
@@ -382,4 +422,7 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _faults.storage_errors(loc):
             merge_databases(loc, _write_spec(loc, layout), databases, write_context())
-    _commit_root(loc, c.metadata(world_size), layout, lease)
+    meta = c.metadata(world_size)
+    if files is not None:
+        meta["content"] = _share.content_field(files)
+    _commit_root(loc, meta, layout, lease)

@@ -1,0 +1,156 @@
+"""Incremental saves: each file whose content equals the base checkpoint's is shared with
+it (a hard link), every other file written.
+
+A file is shared only when that is proven: its array's record (dtype, shape, chunking,
+kind) is the base's, the content hash of the data it would hold
+(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
+base's file is still the one its save wrote: after the link, its size, modification time
+and inode are those the base recorded once its files were durable (a file rewritten or
+edited in place since, even to the same size, has another modification time or inode).
+Anything else (no base, another layout, a file missing or changed, a link refused) writes
+the file, as a full save does. The files stay standard zarr files: a later step holds its
+own directory entries, so deleting the base (retention) leaves it whole.
+
+Once the files are durable, each rank records, per file, its hash and the file's size,
+modification time and inode (``content`` in the root metadata, docs/format.md); a file
+shared whose base changed during the save fails the save (:func:`recorded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._codec import contenthash
+from .._errors import CheckpointNotFoundError, StorageError
+from .._ondisk import root as _root
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord
+from .._storage.locations import Directory, Location, resolve
+
+log = logging.getLogger("tsckpt")
+
+# A file's entry in ``content.files``: its hash, then its size, modification time (ns) and inode.
+Entry = tuple[str, int, int, int]
+
+
+def _entry(value: Any) -> Entry | None:
+    """A stored entry, or None when it is not one (a damaged or hostile root shares nothing)."""
+    if not isinstance(value, list) or len(value) != 4:
+        return None
+    digest, *stat = value
+    if not isinstance(digest, str) or len(digest) != contenthash.HEX_DIGITS:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stat):
+        return None
+    return digest, stat[0], stat[1], stat[2]
+
+
+def content_field(files: Mapping[str, Entry]) -> dict[str, Any]:
+    """The root metadata's ``content`` field for ``files`` (key -> entry)."""
+    return {"algorithm": contenthash.ALGORITHM, "files": {k: list(v) for k, v in sorted(files.items())}}
+
+
+def stored_files(meta: Mapping[str, Any]) -> dict[str, Entry]:
+    """The valid entries of a root's ``content`` field (none for another algorithm or none recorded)."""
+    content = meta.get("content")
+    if not isinstance(content, dict) or content.get("algorithm") != contenthash.ALGORITHM:
+        return {}
+    files = content.get("files")
+    if not isinstance(files, dict):
+        return {}
+    out = {}
+    for key, value in files.items():
+        e = _entry(value)
+        if isinstance(key, str) and e is not None:
+            out[key] = e
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """What a save shares with: the base's local directory, its records and recorded files."""
+
+    directory: str
+    records: Mapping[str, ArrayRecord]
+    files: Mapping[str, Entry]
+
+    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
+        """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
+        write there (see the module's docstring); False, with nothing left at ``dest``, if not."""
+        entry = self.files.get(key)
+        if entry is None or entry[0] != digest or self.records.get(rec.path) != rec:
+            return False
+        try:
+            os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
+        except OSError:
+            return False  # gone (the base deleted), too many links, another file system: written instead
+        try:
+            st = os.lstat(dest)
+            if (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:]:
+                return True
+        except OSError:
+            pass
+        os.unlink(dest)  # never written through: that would change the base's file too
+        return False
+
+
+def open_base(base: Directory | None, target: Location) -> Base | None:
+    """The base of a save into ``target``, None when there is nothing to share with (no base;
+    a base or target not a local plain checkpoint, which is logged). A base that is not a
+    committed checkpoint raises as opening it would."""
+    if base is None:
+        return None
+    loc = resolve(base)
+    if loc.local is None or target.local is None:
+        log.info("incremental save: %s or %s is not on a local file system; every file is written", loc, target)
+        return None
+    if os.path.realpath(loc.local) == os.path.realpath(target.local):
+        raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
+    if not os.path.isdir(loc.local):
+        raise CheckpointNotFoundError(f"base {loc}: no checkpoint there; pass an existing checkpoint, or base=None")
+    ck = _root.load(loc)
+    if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
+        log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
+        return None
+    return Base(loc.local, dict(ck.arrays), stored_files(ck.raw))
+
+
+class Sharer:
+    """One rank's files of an incremental save: each hashed, then shared or written (by the
+    write threads, through :meth:`put`)."""
+
+    def __init__(self, directory: str, base: Base | None) -> None:
+        self.directory, self.base = directory, base
+        self.hashes: dict[str, str] = {}
+        self.shared: set[str] = set()
+
+    def put(self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None]) -> None:
+        """Hash ``src``, the data of file ``key``; link the base's file, or ``write()``."""
+        digest = contenthash.digest(src)
+        self.hashes[key] = digest
+        if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
+            self.shared.add(key)
+            return
+        write()
+
+    def recorded(self) -> dict[str, Entry]:
+        """Every file's entry once the files are durable. A shared file whose base changed since
+        the base recorded it (edited during this save) raises: the step would not hold what
+        was saved."""
+        out: dict[str, Entry] = {}
+        for key, digest in self.hashes.items():
+            path = os.path.join(self.directory, key)
+            st = os.lstat(path)
+            out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
+            if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
+                raise StorageError(
+                    f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
+                    "would not hold what was saved; save again (with base=None for a full save)",
+                    filename=path, leaf=key.rpartition("/c")[0],
+                )
+        return out
