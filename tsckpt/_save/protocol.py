@@ -160,6 +160,7 @@ def save_with(
     codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory, write=True)
+    _share.check_base(options.base if options.incremental else None, loc)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
     own: list[BaseException] = []  # this rank's own failures, re-raised by phase() once every rank knows
 

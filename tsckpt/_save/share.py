@@ -21,19 +21,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._codec import contenthash
-from .._errors import CheckpointNotFoundError, StorageError
+from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord
 from .._storage.locations import Directory, Location, resolve
 
 log = logging.getLogger("tsckpt")
 
+# How far a file system's timestamps may lag the clock (a kernel tick is 1-10 ms), and for one
+# whose timestamps are whole seconds.
+CLOCK_TICK_NS = 20_000_000
+COARSE_TICK_NS = 2_000_000_000
 # A file's entry in ``content.files``: its hash, then its size, modification time (ns) and inode.
 Entry = tuple[str, int, int, int]
 
@@ -99,21 +104,35 @@ class Base:
         return False
 
 
+def check_base(base: Directory | None, target: Location) -> None:
+    """Refuse, before the save claims ``target``, a base that is the target itself (its claim
+    would clear what it shares) or a local directory that does not exist."""
+    if base is None:
+        return
+    loc = resolve(base)
+    if loc.local is None or target.local is None:
+        return
+    if os.path.realpath(loc.local) == os.path.realpath(target.local):
+        raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
+    if not os.path.isdir(loc.local):
+        raise CheckpointNotFoundError(f"base {loc}: no checkpoint there; pass an existing checkpoint, or base=None")
+
+
 def open_base(base: Directory | None, target: Location) -> Base | None:
-    """The base of a save into ``target``, None when there is nothing to share with (no base;
-    a base or target not a local plain checkpoint, which is logged). A base that is not a
-    committed checkpoint raises as opening it would."""
+    """The base of a save into ``target``, None when there is nothing to share with: no base,
+    a base or target not a local plain checkpoint, or a base no longer there or no longer
+    committed (deleted since :func:`check_base`; logged): then every file is written."""
     if base is None:
         return None
     loc = resolve(base)
     if loc.local is None or target.local is None:
         log.info("incremental save: %s or %s is not on a local file system; every file is written", loc, target)
         return None
-    if os.path.realpath(loc.local) == os.path.realpath(target.local):
-        raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
-    if not os.path.isdir(loc.local):
-        raise CheckpointNotFoundError(f"base {loc}: no checkpoint there; pass an existing checkpoint, or base=None")
-    ck = _root.load(loc)
+    try:
+        ck = _root.load(loc)
+    except (TsckptError, OSError) as e:
+        log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
+        return None
     if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
         log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
         return None
@@ -143,14 +162,30 @@ class Sharer:
         the base recorded it (edited during this save) raises: the step would not hold what
         was saved."""
         out: dict[str, Entry] = {}
+        newest = -1
         for key, digest in self.hashes.items():
             path = os.path.join(self.directory, key)
             st = os.lstat(path)
             out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
+            newest = max(newest, st.st_mtime_ns)
             if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
                 raise StorageError(
                     f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",
                     filename=path, leaf=key.rpartition("/c")[0],
                 )
+        if out:
+            settle_clock(newest, fine=any(e[2] % 1_000_000_000 for e in out.values()))
         return out
+
+
+def settle_clock(newest_ns: int, *, fine: bool) -> None:
+    """Wait until the file system's clock has passed ``newest_ns``, the newest modification
+    time recorded, so that a file changed after this save, however soon, gets a later one
+    (a file system stamps times from a clock that ticks every few milliseconds: a change
+    within the same tick would keep the recorded time). ``fine``: the file system stamps
+    nanoseconds (else whole seconds, as some do)."""
+    tick = CLOCK_TICK_NS if fine else COARSE_TICK_NS
+    wait = newest_ns + tick - time.time_ns()
+    if wait > 0:
+        time.sleep(wait / 1e9)
