@@ -171,3 +171,19 @@ def test_off_and_bad_bases(tmp_path):
     tsckpt.save(tmp_path / "compact", _state(1), layout="compact")
     tsckpt.save(tmp_path / "y", _state(1), base=tmp_path / "compact")  # nothing to share: every file written
     assert all(st.st_nlink == 1 for st in _files(str(tmp_path / "y")).values())
+
+
+def test_verify_checks_the_content_hashes(tmp_path):
+    """A file that passes its crc32c but holds other data than its save hashed is found."""
+    from tsckpt._codec import crc
+
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    assert tsckpt.verify(tmp_path / "a").ok
+    path = tmp_path / "a" / "adapter" / "c" / "0" / "0"
+    forged = np.full((64, 32), 9.0, np.float32).tobytes()
+    with open(path, "r+b") as f:  # other data with a valid crc32c, in place
+        f.write(forged + crc.encoded(forged))
+    report = tsckpt.verify(tmp_path / "a")
+    assert list(report.bad) == ["adapter"]
+    assert "its file adapter/c/0/0 does not hold the data its save hashed" in report.bad["adapter"]

@@ -14,12 +14,9 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-# The name recorded beside the hashes; a base recording another is never shared with.
-ALGORITHM = "xxh3-128"
-HEX_DIGITS = 32
 
 
 def digest(src: np.ndarray) -> str:
-    """The hash of ``src``'s bytes in C order, as 32 lowercase hex digits."""
+    """The hash (:data:`tsckpt._ondisk.records.CONTENT_HASH`, recorded beside it) of ``src``'s bytes in C order, as 32 lowercase hex digits."""
     data = src if src.flags.c_contiguous else np.ascontiguousarray(src)
     return xxhash.xxh3_128_hexdigest(data.reshape(-1).view(np.uint8))

@@ -30,7 +30,7 @@ from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk import chunking as _chunking
 from .._ondisk.arrays import OCDBT_PREFIX, data_spec
-from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord
+from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_field
 from .._ondisk.stepindex import mark_if_managed
 from .._options import WRITE_WINDOW_BYTES, BaseDirectory, SaveOptions, verb
 from .._runtime.memory import collector_paused
@@ -361,7 +361,7 @@ def _plan_job(
 def _write(
     loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress,
     options: SaveOptions,
-) -> dict[str, _share.Entry] | None:
+) -> dict[str, ContentEntry] | None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage.
     An incremental save (local plain layout) shares what it can with its base, and returns
     its files' content entries (None when it records none)."""
@@ -386,7 +386,7 @@ def _write(
         return None if sharer is None else sharer.recorded()
 
 
-def _gather_files(coord: Any, mine: dict[str, _share.Entry] | None, layout: str) -> dict[str, _share.Entry] | None:
+def _gather_files(coord: Any, mine: dict[str, ContentEntry] | None, layout: str) -> dict[str, ContentEntry] | None:
     """Every rank's content entries, on rank 0 (one round trip, plain layout under
     torch.distributed: every rank takes it, whatever it recorded); None when no rank recorded any."""
     if coord.world_size == 1 or layout != LAYOUT_PLAIN:
@@ -411,7 +411,7 @@ def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[s
 
 def _commit(
     loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None,
-    files: dict[str, _share.Entry] | None = None,
+    files: dict[str, ContentEntry] | None = None,
 ) -> None:
     """Step 7, rank 0: merge the ranks' databases (compact layout), then the one atomic
     write that makes the checkpoint visible, if the pending root is still this save's
@@ -425,5 +425,5 @@ def _commit(
             merge_databases(loc, _write_spec(loc, layout), databases, write_context())
     meta = c.metadata(world_size)
     if files is not None:
-        meta["content"] = _share.content_field(files)
+        meta["content"] = content_field(files)
     _commit_root(loc, meta, layout, lease)

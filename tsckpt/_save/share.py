@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
-from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
 from .._storage.locations import Directory, Location, resolve
 
 log = logging.getLogger("tsckpt")
@@ -39,50 +40,13 @@ log = logging.getLogger("tsckpt")
 # whose timestamps are whole seconds.
 CLOCK_TICK_NS = 20_000_000
 COARSE_TICK_NS = 2_000_000_000
-# A file's entry in ``content.files``: its hash, then its size, modification time (ns) and inode.
-Entry = tuple[str, int, int, int]
-
-
-def _entry(value: Any) -> Entry | None:
-    """A stored entry, or None when it is not one (a damaged or hostile root shares nothing)."""
-    if not isinstance(value, list) or len(value) != 4:
-        return None
-    digest, *stat = value
-    if not isinstance(digest, str) or len(digest) != contenthash.HEX_DIGITS:
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stat):
-        return None
-    return digest, stat[0], stat[1], stat[2]
-
-
-def content_field(files: Mapping[str, Entry]) -> dict[str, Any]:
-    """The root metadata's ``content`` field for ``files`` (key -> entry)."""
-    return {"algorithm": contenthash.ALGORITHM, "files": {k: list(v) for k, v in sorted(files.items())}}
-
-
-def stored_files(meta: Mapping[str, Any]) -> dict[str, Entry]:
-    """The valid entries of a root's ``content`` field (none for another algorithm or none recorded)."""
-    content = meta.get("content")
-    if not isinstance(content, dict) or content.get("algorithm") != contenthash.ALGORITHM:
-        return {}
-    files = content.get("files")
-    if not isinstance(files, dict):
-        return {}
-    out = {}
-    for key, value in files.items():
-        e = _entry(value)
-        if isinstance(key, str) and e is not None:
-            out[key] = e
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Base:
     """What a save shares with: the base's local directory, its records and recorded files."""
 
     directory: str
     records: Mapping[str, ArrayRecord]
-    files: Mapping[str, Entry]
+    files: Mapping[str, ContentEntry]
 
     def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
         """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
@@ -96,7 +60,7 @@ class Base:
             return False  # gone (the base deleted), too many links, another file system: written instead
         try:
             st = os.lstat(dest)
-            if (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:]:
+            if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:]:
                 return True
         except OSError:
             pass
@@ -136,7 +100,7 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
     if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
         log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
         return None
-    return Base(loc.local, dict(ck.arrays), stored_files(ck.raw))
+    return Base(loc.local, dict(ck.arrays), content_entries(ck.raw))
 
 
 class Sharer:
@@ -157,11 +121,11 @@ class Sharer:
             return
         write()
 
-    def recorded(self) -> dict[str, Entry]:
+    def recorded(self) -> dict[str, ContentEntry]:
         """Every file's entry once the files are durable. A shared file whose base changed since
         the base recorded it (edited during this save) raises: the step would not hold what
         was saved."""
-        out: dict[str, Entry] = {}
+        out: dict[str, ContentEntry] = {}
         newest = -1
         for key, digest in self.hashes.items():
             path = os.path.join(self.directory, key)
