@@ -187,3 +187,22 @@ def test_verify_checks_the_content_hashes(tmp_path):
     report = tsckpt.verify(tmp_path / "a")
     assert list(report.bad) == ["adapter"]
     assert "its file adapter/c/0/0 does not hold the data its save hashed" in report.bad["adapter"]
+
+
+@pytest.mark.slow  # starts rank processes
+def test_ranks_share_their_own_files(tmp_path):
+    import torch
+
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    root = str(tmp_path / "run")
+    run_ranks(sc.incremental_steps, 2, root, layout="plain")
+    m = tsckpt.CheckpointManager(root)
+    second = _files(m.directory(2))
+    assert {k for k, st in second.items() if st.st_nlink == 2} == {"frozen/c/0/0", "frozen/c/1/0"}
+    assert second["adapter/c/0/0"].st_nlink == 1
+    out = m.restore(2)
+    assert np.array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
+    assert np.array_equal(out["adapter"], torch.full((8, 8), 2.0).numpy())
+    assert tsckpt.verify(m.directory(2)).ok
