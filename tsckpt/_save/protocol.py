@@ -382,7 +382,8 @@ def _write(
         if compact:
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            _durable.sync_data(loc, keys)
+            shared = set() if sharer is None else sharer.shared
+            _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
         return None if sharer is None else sharer.recorded()
 
 
