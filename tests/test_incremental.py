@@ -206,3 +206,23 @@ def test_ranks_share_their_own_files(tmp_path):
     assert np.array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
     assert np.array_equal(out["adapter"], torch.full((8, 8), 2.0).numpy())
     assert tsckpt.verify(m.directory(2)).ok
+
+
+def test_background_saves_share_too(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run", writer="thread")
+    m.save_async(1, _state(1)).result(timeout=60)
+    m.save_async(2, _state(2)).result(timeout=60)
+    assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+    tsckpt.save_async(tmp_path / "b", _state(3), base=m.directory(2), writer="thread").result(timeout=60)
+    files = _files(str(tmp_path / "b"))
+    assert files["frozen/w/c/0/0"].st_nlink == 3 and files["adapter/c/0/0"].st_nlink == 1
+    _equal(tsckpt.restore(tmp_path / "b"), _state(3))
+
+
+@pytest.mark.slow  # starts the writer process
+def test_the_writer_process_shares(tmp_path):
+    with tsckpt.CheckpointManager(tmp_path / "run") as m:
+        m.save_async(1, _state(1)).result(timeout=120)
+        m.save_async(2, _state(2)).result(timeout=120)
+        assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+        _equal(m.restore(2), _state(2))
