@@ -268,12 +268,21 @@ class CheckpointManager:
 
         # an incremental save shares what is unchanged with the latest complete step (each rank lists it)
         if options.incremental:
-            earlier = [s for s in self.all_steps() if s != step]
-            plain = dataclasses.replace(plain, base=self.directory(earlier[-1]) if earlier else None)
+            latest = self._latest_other(step)
+            plain = dataclasses.replace(plain, base=None if latest is None else self.directory(latest))
         # rank 0 clears (and the save then lists the step in the root's index first)
         save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
         if self._rank == 0:
             self._after_commit()
+
+    def _latest_other(self, step: int) -> int | None:
+        """The most recent complete step other than ``step`` (an incremental save's base), its
+        roots read newest first until one is committed."""
+        names = sorted((n for n in self._names() if _steps.STEP.fullmatch(n) and int(n) != step), key=int)
+        for name in reversed(names):
+            if self._roots([name])[name].root.state == STATE_COMMITTED:
+                return int(name)
+        return None
 
     def _clear(self, step: int, overwrite: bool) -> None:
         """Rank 0, right before the save of ``step`` claims it: clean up once (the manager's first
