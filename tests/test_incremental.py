@@ -226,3 +226,17 @@ def test_the_writer_process_shares(tmp_path):
         m.save_async(2, _state(2)).result(timeout=120)
         assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
         _equal(m.restore(2), _state(2))
+
+
+def test_a_link_on_the_way_in_the_base_is_never_followed(tmp_path):
+    """A base whose directory on the way to a file is a symbolic link (to a copy elsewhere,
+    its recorded times and inode intact) shares nothing through it."""
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    os.rename(tmp_path / "a" / "frozen", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "a" / "frozen")
+    tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
+    assert files["adapter/c/0/0"].st_nlink == 2
+    _equal(tsckpt.restore(tmp_path / "b"), state)

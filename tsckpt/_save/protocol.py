@@ -373,10 +373,14 @@ def _write(
         if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
             sharer = _share.Sharer(loc.local, _share.open_base(options.base, loc))
         made: set[str] = set()  # directories made for the own codec's files, by both steps
-        keys = _write_regions(
-            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
-            context=context, sharer=sharer,
-        )
+        try:
+            keys = _write_regions(
+                data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
+                context=context, sharer=sharer,
+            )
+        finally:
+            if sharer is not None:
+                sharer.close()
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
         if compact:

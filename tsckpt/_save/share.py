@@ -32,6 +32,7 @@ from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
+from .._storage.beneath import open_beneath, open_directory
 from .._storage.locations import Directory, Location, resolve
 
 log = logging.getLogger("tsckpt")
@@ -42,11 +43,16 @@ CLOCK_TICK_NS = 20_000_000
 COARSE_TICK_NS = 2_000_000_000
 @dataclasses.dataclass(frozen=True)
 class Base:
-    """What a save shares with: the base's local directory, its records and recorded files."""
+    """What a save shares with: the base's local directory (and a descriptor of it, open until
+    :meth:`close`), its records and recorded files."""
 
     directory: str
+    dir_fd: int
     records: Mapping[str, ArrayRecord]
     files: Mapping[str, ContentEntry]
+
+    def close(self) -> None:
+        os.close(self.dir_fd)
 
     def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
         """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
@@ -60,12 +66,26 @@ class Base:
             return False  # gone (the base deleted), too many links, another file system: written instead
         try:
             st = os.lstat(dest)
-            if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:]:
+            if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:] and self._inside(key, st):
                 return True
         except OSError:
             pass
         os.unlink(dest)  # never written through: that would change the base's file too
         return False
+
+
+    def _inside(self, key: str, linked: os.stat_result) -> bool:
+        """Whether the file linked is the base's own file ``key``, reached below its directory
+        through no symbolic link (a link on the way would have led the link outside the base)."""
+        try:
+            fd = open_beneath(self.dir_fd, key)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return (st.st_dev, st.st_ino) == (linked.st_dev, linked.st_ino)
 
 
 def check_base(base: Directory | None, target: Location) -> None:
@@ -94,13 +114,14 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
         return None
     try:
         ck = _root.load(loc)
+        if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
+            log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
+            return None
+        dir_fd = open_directory(loc.local)
     except (TsckptError, OSError) as e:
         log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
         return None
-    if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
-        log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
-        return None
-    return Base(loc.local, dict(ck.arrays), content_entries(ck.raw))
+    return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
 
 
 class Sharer:
@@ -120,6 +141,11 @@ class Sharer:
             self.shared.add(key)
             return
         write()
+
+    def close(self) -> None:
+        """Close the base's directory (once every file is shared or written)."""
+        if self.base is not None:
+            self.base.close()
 
     def recorded(self) -> dict[str, ContentEntry]:
         """Every file's entry once the files are durable. A shared file whose base changed since
