@@ -160,7 +160,6 @@ def save_with(
     codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
     coord = coordinator_for(group, timeout)
     loc = resolve(directory, write=True)
-    _share.check_base(options.base if options.incremental else None, loc)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
     own: list[BaseException] = []  # this rank's own failures, re-raised by phase() once every rank knows
 
@@ -177,7 +176,11 @@ def save_with(
     with collector_paused():  # why: see there
         job: _Job | None = None
         try:
-            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim)
+            base = options.base if options.incremental else None
+            job = _plan_job(
+                coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim,
+                lambda: _share.check_base(base, loc),
+            )
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
                 received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
@@ -319,8 +322,10 @@ def _parts(d: _Described) -> list[Part]:
 def _plan_job(
     coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
     lease: _lease.Lease | None = None, before_claim: Callable[[], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> _Job:
-    """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
+    """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked.
+    ``check`` runs on every rank first (a bad base is refused there, before the claim)."""
     described: _Described | None = None  # rank 0, between the two round trips
 
     def first(payloads: list[Payload]) -> list[ChecksumRequest] | list[Part]:
@@ -345,6 +350,8 @@ def _plan_job(
         return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
 
     def describe_mine() -> tuple[dict[str, Local], Payload]:
+        if check is not None:
+            check()
         return _describe(tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout)
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)
