@@ -220,7 +220,7 @@ def test_background_saves_share_too(tmp_path):
 
 
 @pytest.mark.slow  # starts the writer process
-def test_the_writer_process_shares(tmp_path):
+def test_the_writer_process_shares(tmp_path, writer_process):
     with tsckpt.CheckpointManager(tmp_path / "run") as m:
         m.save_async(1, _state(1)).result(timeout=120)
         m.save_async(2, _state(2)).result(timeout=120)
