@@ -240,3 +240,22 @@ def test_a_link_on_the_way_in_the_base_is_never_followed(tmp_path):
     assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
     assert files["adapter/c/0/0"].st_nlink == 2
     _equal(tsckpt.restore(tmp_path / "b"), state)
+
+
+def test_the_torch_bridge_takes_a_base(tmp_path):
+    import torch
+
+    import tsckpt.torch as tt
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    tt.save(tmp_path / "a", model, opt, rng=False)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    tt.save(tmp_path / "b", model, opt, rng=False, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    frozen = {k for k in files if k.startswith("model/0.")}
+    assert frozen and all(files[k].st_nlink == 2 for k in frozen)
+    assert all(files[k].st_nlink == 1 for k in files if k.startswith("model/1."))
+    assert tsckpt.verify(tmp_path / "b").ok
