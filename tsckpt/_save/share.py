@@ -6,14 +6,15 @@ kind) is the base's, the content hash of the data it would hold
 (:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
 base's file is still the one its save wrote: after the link, its size, modification time
 and inode are those the base recorded once its files were durable (a file rewritten or
-edited in place since, even to the same size, has another modification time or inode).
+edited in place since, even to the same size, has another modification time or inode),
+and it is the very file reached below the base's directory through no symbolic link.
 Anything else (no base, another layout, a file missing or changed, a link refused) writes
 the file, as a full save does. The files stay standard zarr files: a later step holds its
 own directory entries, so deleting the base (retention) leaves it whole.
 
 Once the files are durable, each rank records, per file, its hash and the file's size,
 modification time and inode (``content`` in the root metadata, docs/format.md); a file
-shared whose base changed during the save fails the save (:func:`recorded`).
+shared whose base changed during the save fails the save (:meth:`Sharer.recorded`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from .._storage.locations import Directory, Location, resolve
 
 log = logging.getLogger("tsckpt")
 
-# How far a file system's timestamps may lag the clock (a kernel tick is 1-10 ms), and for one
-# whose timestamps are whole seconds.
+# How far a file system's timestamps may lag the clock (they are stamped from a clock that
+# advances once per kernel tick), and for one whose timestamps are whole seconds.
 CLOCK_TICK_NS = 20_000_000
 COARSE_TICK_NS = 2_000_000_000
 @dataclasses.dataclass(frozen=True)
