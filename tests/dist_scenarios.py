@@ -386,3 +386,13 @@ def restore_fsdp2_meta(rank: int, world: int, directory: str) -> None:
     model = _meta_fsdp2(world)
     tsckpt.torch.restore(directory, model, rng=False)
     _check_meta_restored(rank, model, ref, "tsckpt.torch.restore")
+
+
+def incremental_steps(rank: int, world: int, root: str) -> None:
+    """Two manager steps of a frozen row-sharded weight (one shard file per rank) and a changing
+    replicated adapter: each rank shares its own unchanged files with the previous step."""
+    full = global_tensor((64 * world, 256))
+    frozen = tsckpt.ShardedArray(full[64 * rank : 64 * (rank + 1)].clone(), tuple(full.shape), (64 * rank, 0))
+    m = tsckpt.CheckpointManager(root)
+    for step in (1, 2):
+        m.save(step, {"frozen": frozen, "adapter": torch.full((8, 8), float(step))}, max_inflight_bytes=64 * 256 * 4)

@@ -103,7 +103,10 @@ class CheckpointManager:
     ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
     (``group`` and ``timeout`` also for restores), ``if_busy``,
     ``max_staging_bytes``, ``staging`` and ``writer`` as for :func:`tsckpt.save_async`; a bad value raises
-    here. Options of one call (``overwrite``, ``max_inflight_bytes``,
+    here. ``incremental`` (default True; plain layout on a local file system): each step shares
+    with the latest complete step, by hard links, every file whose content is unchanged, so a
+    frozen base model is written once (docs/incremental.md); retention deleting a step never
+    breaks a later one. Options of one call (``overwrite``, ``max_inflight_bytes``,
     ``progress``, and the restore options) are keywords of :meth:`save`,
     :meth:`save_async` and :meth:`restore`.
     """
@@ -124,6 +127,7 @@ class CheckpointManager:
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
         writer: Writer = "process",
+        incremental: bool = True,
     ) -> None:
         self._saving = SaveOptions.of(locals())  # each save adds its own per-call options
         self._reading = RestoreOptions.of(locals())  # each restore adds its own
@@ -263,10 +267,23 @@ class CheckpointManager:
         def clear() -> None:  # rank 0, inside the save, right before its claim
             self._clear(step, options.overwrite)
 
+        # an incremental save shares what is unchanged with the latest complete step (each rank lists it)
+        if options.incremental:
+            latest = self._latest_other(step)
+            plain = dataclasses.replace(plain, base=None if latest is None else self.directory(latest))
         # rank 0 clears (and the save then lists the step in the root's index first)
         save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
         if self._rank == 0:
             self._after_commit()
+
+    def _latest_other(self, step: int) -> int | None:
+        """The most recent complete step other than ``step`` (an incremental save's base), its
+        roots read newest first until one is committed."""
+        names = sorted((n for n in self._names() if _steps.STEP.fullmatch(n) and int(n) != step), key=int)
+        for name in reversed(names):
+            if self._roots([name])[name].root.state == STATE_COMMITTED:
+                return int(name)
+        return None
 
     def _clear(self, step: int, overwrite: bool) -> None:
         """Rank 0, right before the save of ``step`` claims it: clean up once (the manager's first

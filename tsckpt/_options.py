@@ -48,9 +48,10 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import os
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, Union
 
 from ._base.casting import check_casting
 from ._base.mapping import Rules
@@ -68,6 +69,8 @@ WRITE_WINDOW_BYTES = 512 << 20
 # 576 MiB or 1.7 GiB model and optimizer; 64 MiB gave 104-190 MiB).
 READ_WINDOW_BYTES = 32 << 20
 
+# ``base=``: a checkpoint as every verb takes one (tsckpt._storage.locations.Directory), or None.
+BaseDirectory = Union[str, os.PathLike, dict, None]  # type: ignore[type-arg]
 IfBusy = Literal["wait", "error"]
 IF_BUSY = ("wait", "error")
 Staging = Literal["blocking", "overlapped"]
@@ -216,6 +219,18 @@ class SaveOptions(_Options):
     progress: bool | None = _option(
         None, "A bar of bytes written on rank 0 (None: when stderr is a terminal).", _bar
     )
+    incremental: bool = _option(
+        True,
+        "Record a content hash of every file (a later save may share the files with this one), and share "
+        "with ``base`` every file whose content is proven equal (plain layout on a local file system; "
+        "False: neither, every file written as before).",
+        _flag,
+    )
+    base: BaseDirectory = _option(
+        None,
+        "A previous committed checkpoint whose files this save shares, by hard links, where their content is "
+        "unchanged (docs/incremental.md); None: every file written.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,8 +347,10 @@ _DCP_PLANS = (
     "dcp.load plans and coordinates the load (its planner matches keys: DefaultLoadPlanner(allow_partial_load=True) "
     "loads the common ones); each rank reads its items alone"
 )
+_DCP_BASE = "dcp.save names no previous checkpoint; save with tsckpt.save(..., base=...) or a CheckpointManager"
 _ONE_READER = "it reads in one process, without torch.distributed"
 _OWN_NAMES = "it restores what tsckpt.torch.save wrote into the same objects: the names and layouts match"
+_MANAGER_BASE = "a manager's base is its latest complete step (incremental=False: none)"
 # open, metadata and verify read a checkpoint without a target: only the options that say
 # which checkpoint and how to open it apply
 _NO_TARGET_READ = {
@@ -353,7 +370,8 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     "tsckpt.torch.save": {SaveOptions: {}},
     "tsckpt.torch.save_async": {SaveOptions: {}, AsyncOptions: {}},
     "CheckpointManager": {
-        SaveOptions: {"overwrite": _PER_CALL, "max_inflight_bytes": _PER_CALL, "progress": _PER_CALL},
+        SaveOptions: {"overwrite": _PER_CALL, "max_inflight_bytes": _PER_CALL, "progress": _PER_CALL,
+                      "base": _MANAGER_BASE},
         AsyncOptions: {},
         RestoreOptions: {
             "strict": _PER_CALL, "inplace": _PER_CALL, "as_saved": _PER_CALL, "progress": _PER_CALL,
@@ -363,13 +381,13 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     },
     "CheckpointManager.save": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
-                      "layout": _AT_CONSTRUCTION},
+                      "layout": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION, "base": _MANAGER_BASE},
         AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
                        "writer": _AT_CONSTRUCTION},
     },
     "CheckpointManager.save_async": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
-                      "layout": _AT_CONSTRUCTION},
+                      "layout": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION, "base": _MANAGER_BASE},
         AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
                        "writer": _AT_CONSTRUCTION},
     },
@@ -388,7 +406,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "mapping": _OWN_NAMES,
         },
     },
-    "tsckpt.torch.StorageWriter": {SaveOptions: {}},
+    "tsckpt.torch.StorageWriter": {SaveOptions: {"base": _DCP_BASE}},
     "tsckpt.torch.StorageReader": {
         RestoreOptions: {
             "strict": _DCP_PLANS, "inplace": "always in place: DCP's planner gives the state dict's tensors to read into",
@@ -417,6 +435,8 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "group": _ONE_PROCESS, "check_replicas": _ONE_PROCESS, "timeout": _ONE_PROCESS,
             "max_inflight_bytes": "convert's window is the read side's (RestoreOptions): it bounds the source "
             "data read and not yet written",
+            "base": "convert writes a checkpoint from another format: there is no tsckpt step to share with",
+            "incremental": "convert writes every file (with content hashes, so a later save may share them)",
         },
         RestoreOptions: {
             "group": _ONE_PROCESS, "timeout": _ONE_PROCESS, "strict": _NO_TARGET, "inplace": _NO_TARGET,

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import short_repr
@@ -199,6 +199,54 @@ def array_metadata(storage_shape: tuple[int, ...], data_type: str, chunking: Chu
 
 def group_metadata(attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": attrs or {}}
+
+
+# ---- content hashes (docs/format.md, "Content hashes") ------------------------
+
+# The hash recorded per file in the root's optional ``content`` field: xxh3-128 of the
+# file's data (tsckpt/_codec/contenthash.py), as 32 lowercase hex digits. A root recording
+# another algorithm is read as recording none.
+CONTENT_HASH = "xxh3-128"
+CONTENT_HEX_DIGITS = 32
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+# A file's entry in ``content.files``: its hash, then its size, modification time (ns) and
+# inode when its save recorded them (local file systems).
+ContentEntry = tuple[str, int, int, int]
+
+
+def _content_entry(value: Any) -> ContentEntry | None:
+    """A stored entry, or None when it is not one (a damaged or hostile root proves nothing)."""
+    if not isinstance(value, list) or len(value) != 4:
+        return None
+    digest, *stat = value
+    if not isinstance(digest, str) or len(digest) != CONTENT_HEX_DIGITS or not set(digest) <= _HEX_DIGITS:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stat):
+        return None
+    return digest, stat[0], stat[1], stat[2]
+
+
+def content_field(files: Mapping[str, ContentEntry]) -> dict[str, Any]:
+    """The root metadata's ``content`` field for ``files`` (key -> entry), keys sorted."""
+    return {"algorithm": CONTENT_HASH, "files": {k: list(v) for k, v in sorted(files.items())}}
+
+
+def content_entries(meta: Mapping[str, Any]) -> dict[str, ContentEntry]:
+    """The valid entries of a root's ``content`` field by key (none for another algorithm,
+    or where none is recorded); invalid entries are left out."""
+    content = meta.get("content")
+    if not isinstance(content, dict) or content.get("algorithm") != CONTENT_HASH:
+        return {}
+    files = content.get("files")
+    if not isinstance(files, dict):
+        return {}
+    out = {}
+    for key, value in files.items():
+        e = _content_entry(value)
+        if isinstance(key, str) and e is not None:
+            out[key] = e
+    return out
 
 
 # ---- non-array leaves as JSON ------------------------------------------------

@@ -10,14 +10,15 @@ from typing import Any
 
 from .._base import dtypes as _dtypes
 from .._base.types import box_slices
+from .._codec import contenthash
 from .._formats import lazy
 from .._formats.sources import open_checkpoint
-from .._ondisk.arrays import stored_node_problem
+from .._ondisk.arrays import chunk_key, stored_node_problem
 from .._ondisk.backing import backing_problems
 from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.chunking import shard_boxes
 from .._ondisk.readfaults import describe_read_error
-from .._ondisk.records import ROOT_KEY
+from .._ondisk.records import ROOT_KEY, content_entries
 from .._options import RestoreOptions, verb
 from .._runtime.progress import Progress
 from .._runtime.window import Window
@@ -113,21 +114,30 @@ def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
 
 
 def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _Reads:
-    """Read every shard file of every array not in ``skip``, a bounded window at a time."""
+    """Read every shard file of every array not in ``skip``, a bounded window at a time; a
+    file whose content hash the root records (docs/format.md, "Content hashes") is hashed
+    and compared with it."""
     bad: dict[str, str] = {}
+    hashes = content_entries(ck.raw) if not ck.foreign else {}
 
-    def settle(read: tuple[Any, str, int]) -> None:
-        fut, path, nbytes = read
+    def settle(read: tuple[Any, str, int, str]) -> None:
+        fut, path, nbytes, key = read
         progress.update(nbytes, 1)
         try:
-            fut.result()
+            data = fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
             unreachable = storage_problem(ck.location, e)
             if unreachable is not None:  # not damage: the storage itself failed
                 raise unreachable from e
             bad.setdefault(path, describe_read_error(e))
+            return
+        if key in hashes and contenthash.digest(data) != hashes[key][0]:
+            bad.setdefault(
+                path, f"its file {key} does not hold the data its save hashed (content hash {hashes[key][0]} "
+                f"recorded, {contenthash.digest(data)} read)",
+            )
 
-    window: Window[tuple[Any, str, int]] = Window(VERIFY_WINDOW_BYTES, settle)
+    window: Window[tuple[Any, str, int, str]] = Window(VERIFY_WINDOW_BYTES, settle)
     total = files = 0
     # the shards' sizes, before TensorStore decodes any
     bad.update(backing_problems(ck, [(p, None) for p in ck.arrays if p not in skip]))
@@ -145,7 +155,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 break
             view = store[box_slices(off, ln)] if off else store
             nbytes = math.prod(ln) * _dtypes.itemsize(rec.dtype)
-            window.add((view.read(), path, nbytes), nbytes)
+            window.add((view.read(), path, nbytes, chunk_key(rec, off)), nbytes)
             total, files = total + nbytes, files + 1
     window.drain()
     return _Reads(bad, total, files)
@@ -209,7 +219,8 @@ def verify(
     allow_pickle: bool = False,
 ) -> VerifyReport:
     """Check a committed checkpoint: every array and group ``zarr.json`` against the root
-    metadata, every chunk read back with its checksum, and (on a local disk) no file a
+    metadata, every chunk read back with its checksum (and the content hash of each file
+    whose save recorded one, which no crc32c forgery passes), and (on a local disk) no file a
     symbolic link. Another library's checkpoint (Orbax) is checked as far as its format
     allows: its metadata is parsed and checked and every chunk is read and decoded, but its
     chunks carry no checksum (``report.checksums`` is False), so only data that no longer

@@ -6,6 +6,8 @@ Owns:
   write, commit) and the messages between them.
 - :mod:`.write`: the write engine: a rank's part of the plan executed (the exchange of
   straddling pieces, shard and chunk files, the arrays' nodes).
+- :mod:`.share`: incremental saves: each file shared with the base checkpoint (a hard
+  link) where its content is proven unchanged, and the content hashes recorded.
 - :mod:`.descs`: what each rank sends rank 0 (its leaves' descriptors, packed), and rank
   0's view of them.
 - :mod:`.plan`: the pure save plan (frozen dataclasses): who writes what, laid out how.

@@ -51,7 +51,17 @@ from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_co
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
-from .._options import WRITE_WINDOW_BYTES, AsyncOptions, IfBusy, SaveOptions, Staging, Writer, timeout_seconds, verb
+from .._options import (
+    WRITE_WINDOW_BYTES,
+    AsyncOptions,
+    BaseDirectory,
+    IfBusy,
+    SaveOptions,
+    Staging,
+    Writer,
+    timeout_seconds,
+    verb,
+)
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
 from .._storage.locations import Directory, resolve
@@ -528,6 +538,8 @@ def save_async(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
+    incremental: bool = True,
+    base: BaseDirectory = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
     staging: Staging = "overlapped",

@@ -30,9 +30,9 @@ from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
 from .._ondisk import chunking as _chunking
 from .._ondisk.arrays import OCDBT_PREFIX, data_spec
-from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord
+from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_field
 from .._ondisk.stepindex import mark_if_managed
-from .._options import WRITE_WINDOW_BYTES, SaveOptions, verb
+from .._options import WRITE_WINDOW_BYTES, BaseDirectory, SaveOptions, verb
 from .._runtime.memory import collector_paused
 from .._runtime.progress import Progress
 from .._storage import durable as _durable
@@ -41,6 +41,7 @@ from .._storage import locations as _locations
 from .._storage.locations import Directory, Location, resolve
 from ..tree import flatten, structure_to_json
 from . import lease as _lease
+from . import share as _share
 
 # steps 4 (claim), 7 (commit) and 8 (clean-up) of save()'s protocol, private to this module
 from .commit import abandon as _abandon
@@ -78,6 +79,8 @@ def save(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
+    incremental: bool = True,
+    base: BaseDirectory = None,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
 
@@ -96,6 +99,11 @@ def save(
     number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
     ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
     a terminal); each rank logs bytes, files and throughput at the end.
+    ``incremental`` (plain layout on a local file system) records a content hash
+    of every file, and shares with ``base``, a previous committed checkpoint, by
+    hard links, every file whose content is proven unchanged: each rank decides
+    for the files it writes (docs/incremental.md). Every checkpoint stays
+    complete on its own: deleting ``base`` later breaks nothing.
 
     Protocol (every rank calls save with its local tree; rank 0 coordinates):
 
@@ -168,13 +176,23 @@ def save_with(
     with collector_paused():  # why: see there
         job: _Job | None = None
         try:
-            job = _plan_job(coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim)
+            base = options.base if options.incremental else None
+            job = _plan_job(
+                coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim,
+                lambda: _share.check_base(base, loc),
+            )
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
                 received = phase(coord, "save (exchange)", mine(lambda: _exchange(coord, job.plan, job.local))) or {}
             with Progress("save", loc, show=progress, rank=coord.rank) as bar:
-                phase(coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar)))
-                phase(coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease)), ranks={0})
+                mine_files = phase(
+                    coord, "save (write)", mine(lambda: _write(loc, coord.rank, job, received, layout, bar, options))
+                )
+                files = _gather_files(coord, mine_files, layout)
+                phase(
+                    coord, "save (commit)", mine(lambda: _commit(loc, coord.world_size, job, layout, lease, files)),
+                    ranks={0},
+                )
         except BaseException as e:
             if lease is not None and lease.generation is not None:
                 agreed = coord.world_size == 1 or isinstance(e, DistributedError) or any(e is o for o in own)
@@ -304,8 +322,10 @@ def _parts(d: _Described) -> list[Part]:
 def _plan_job(
     coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
     lease: _lease.Lease | None = None, before_claim: Callable[[], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> _Job:
-    """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked."""
+    """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked.
+    ``check`` runs on every rank first (a bad base is refused there, before the claim)."""
     described: _Described | None = None  # rank 0, between the two round trips
 
     def first(payloads: list[Payload]) -> list[ChecksumRequest] | list[Part]:
@@ -330,6 +350,8 @@ def _plan_job(
         return [dataclasses.replace(p, save_id=lease.save_id) for p in parts] if lease is not None else parts
 
     def describe_mine() -> tuple[dict[str, Local], Payload]:
+        if check is not None:
+            check()
         return _describe(tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout)
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)
@@ -344,24 +366,52 @@ def _plan_job(
 
 
 def _write(
-    loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress
-) -> None:
-    """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage."""
+    loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress,
+    options: SaveOptions,
+) -> dict[str, ContentEntry] | None:
+    """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage.
+    An incremental save (local plain layout) shares what it can with its base, and returns
+    its files' content entries (None when it records none)."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
     context = write_context()  # this save's own: see there
     with _faults.storage_errors(loc, doing="writing"):
+        sharer = None
+        if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
+            sharer = _share.Sharer(loc.local, _share.open_base(options.base, loc))
         made: set[str] = set()  # directories made for the own codec's files, by both steps
-        keys = _write_regions(
-            data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
-            context=context,
-        )
+        try:
+            keys = _write_regions(
+                data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
+                context=context, sharer=sharer,
+            )
+        finally:
+            if sharer is not None:
+                sharer.close()
         if job.commit is not None:
             keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
         if compact:
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            _durable.sync_data(loc, keys)
+            shared = set() if sharer is None else sharer.shared
+            _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
+        return None if sharer is None else sharer.recorded()
+
+
+def _gather_files(coord: Any, mine: dict[str, ContentEntry] | None, layout: str) -> dict[str, ContentEntry] | None:
+    """Every rank's content entries, on rank 0 (one round trip, plain layout under
+    torch.distributed: every rank takes it, whatever it recorded); None when no rank recorded any."""
+    if coord.world_size == 1 or layout != LAYOUT_PLAIN:
+        return mine
+    everyone: list[Any] = []
+
+    def collect(payloads: list[Any]) -> list[None]:
+        everyone.extend(payloads)
+        return [None] * len(payloads)
+
+    ask_root(coord, "save (content hashes)", lambda: (None, mine), collect)
+    recorded = [p for p in everyone if p is not None]
+    return {k: v for p in recorded for k, v in p.items()} if recorded else None
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
@@ -371,10 +421,13 @@ def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[s
     return {**spec, "cache_pool": _locations.WRITE_CACHE_POOL} if layout == LAYOUT_COMPACT else spec
 
 
-def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None) -> None:
+def _commit(
+    loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None,
+    files: dict[str, ContentEntry] | None = None,
+) -> None:
     """Step 7, rank 0: merge the ranks' databases (compact layout), then the one atomic
     write that makes the checkpoint visible, if the pending root is still this save's
-    (``lease``: its renewals stop first)."""
+    (``lease``: its renewals stop first). ``files``: the content entries recorded, if any."""
     c = job.commit
     if c is None:
         raise RuntimeError("only rank 0 commits a save")
@@ -382,4 +435,7 @@ def _commit(loc: Location, world_size: int, job: _Job, layout: str, lease: _leas
         databases = [_write_spec(loc, layout, writer=rank) for rank in sorted({0, *c.writers})]
         with _faults.storage_errors(loc):
             merge_databases(loc, _write_spec(loc, layout), databases, write_context())
-    _commit_root(loc, c.metadata(world_size), layout, lease)
+    meta = c.metadata(world_size)
+    if files is not None:
+        meta["content"] = content_field(files)
+    _commit_root(loc, meta, layout, lease)

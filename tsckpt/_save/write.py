@@ -11,6 +11,7 @@ nodes (:func:`write_nodes`), all within the save's window of bytes in flight.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +38,7 @@ from .._runtime.window import Window
 from .._storage import durable as _durable
 from .._storage import locations as _locations
 from .plan import RankPlan, WriteItem
+from .share import Sharer
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
 # (_codec/shardwrite.py; pwritev and large copies release the GIL), by this many threads:
@@ -155,21 +157,21 @@ class _Batch:
     the batch shares this handle as its future: waiting on it hands the batch to the
     workers if it is still being filled."""
 
-    def __init__(self, pool: Workers, directory: str, made: set[str]) -> None:
-        self.pool, self.directory, self.made = pool, directory, made
-        self.files: list[tuple[str, np.ndarray, tuple[int, ...]]] = []
+    def __init__(self, pool: Workers, directory: str, made: set[str], sharer: Sharer | None) -> None:
+        self.pool, self.directory, self.made, self.sharer = pool, directory, made, sharer
+        self.files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord]] = []
         self.nbytes = 0
         self.future: Any = None
 
-    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...]) -> None:
-        self.files.append((key, src, chunk))
+    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...], rec: ArrayRecord) -> None:
+        self.files.append((key, src, chunk, rec))
         self.nbytes += src.nbytes
 
     def submit(self) -> None:
         """Hand the batch to the workers (once); nothing may be added after."""
         if self.future is None:
             files = self.files
-            self.future = self.pool.submit(_write_chunk_files, self.directory, files, self.made)
+            self.future = self.pool.submit(_write_chunk_files, self.directory, files, self.made, self.sharer)
 
     def result(self) -> None:
         """Wait until every file of the batch is written; raise the first failure."""
@@ -177,12 +179,20 @@ class _Batch:
         self.future.result()
 
 
-def _write_chunk_files(directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...]]], made: set[str]) -> None:
+def _write_chunk_files(
+    directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord]], made: set[str],
+    sharer: Sharer | None,
+) -> None:
     """One batch: the directories of its files not yet made (on this worker, so that the
-    directories are made while the main thread reads the next sources), then the files."""
-    shardwrite.make_parents(directory, (key for key, _, _ in files), made)
-    for key, src, chunk in files:
-        shardwrite.write_chunk(os.path.join(directory, key), src, chunk)
+    directories are made while the main thread reads the next sources), then the files
+    (an incremental save's shared with its base where ``sharer`` proves them equal)."""
+    shardwrite.make_parents(directory, (key for key, _, _, _ in files), made)
+    for key, src, chunk, rec in files:
+        path = os.path.join(directory, key)
+        if sharer is None:
+            shardwrite.write_chunk(path, src, chunk)
+        else:
+            sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk))
 
 
 def _write_small_files(files: list[tuple[str, bytes]]) -> None:
@@ -206,9 +216,9 @@ class _Writers:
 
     def __init__(
         self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None,
-        context: ts.Context | None = None,
+        context: ts.Context | None = None, sharer: Sharer | None = None,
     ) -> None:
-        self.data, self.directory, self.progress = data, where.directory, progress
+        self.data, self.directory, self.progress, self.sharer = data, where.directory, progress, sharer
         self.made: set[str] = set() if made is None else made
         self.context = context or write_context()
         self.kv = ts.KvStore.open(data, context=self.context).result()
@@ -228,7 +238,7 @@ class _Writers:
         if w.route is Route.SHARD:
             fut = self._shard_file(w, src)
         elif w.route is Route.CHUNK and self.directory is not None:
-            fut = self._chunk_file(self.directory, w.key, src, w.shapes.shard)
+            fut = self._chunk_file(self.directory, w, src)
         elif w.route is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
             fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
@@ -236,11 +246,11 @@ class _Writers:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes, done
 
-    def _chunk_file(self, directory: str, key: str, src: np.ndarray, chunk: tuple[int, ...]) -> _Batch:
+    def _chunk_file(self, directory: str, w: _ShardWrite, src: np.ndarray) -> _Batch:
         batch = self.batch
         if batch is None or batch.future is not None:
-            batch = self.batch = _Batch(self.pool, directory, self.made)
-        batch.add(key, src, chunk)
+            batch = self.batch = _Batch(self.pool, directory, self.made, self.sharer)
+        batch.add(w.key, src, w.shapes.shard, w.rec)
         if batch.nbytes >= BATCH_BYTES or len(batch.files) >= BATCH_FILES:
             batch.submit()
         return batch
@@ -249,9 +259,12 @@ class _Writers:
         shapes = w.shapes
         path = os.path.join(str(self.directory), w.key)
         inner = shapes.inner or shapes.shard
-        return self.pool.submit(
-            lambda: shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
-        )
+        sharer = self.sharer
+
+        def write() -> None:
+            shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
+
+        return self.pool.submit(write if sharer is None else lambda: sharer.put(w.key, w.rec, src, write))
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
@@ -289,6 +302,7 @@ class _Writers:
 def write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
     *, compact: bool, progress: Progress, made: set[str] | None = None, context: ts.Context | None = None,
+    sharer: Sharer | None = None,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight: plan each file's writer (:func:`_shard_writes`), then start each
@@ -300,11 +314,13 @@ def write_regions(
     waits for every write before it returns, so the caller cannot change the data
     underneath. The compact layout's database gets one transaction per window, so each
     window becomes a few large files rather than a commit (and files) per write.
+    ``sharer`` (an incremental save's, local plain layout): the own codec's files are
+    hashed, and shared with its base where proven equal.
     """
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = write_place(data, compact)
-    writers = _Writers(data, where, progress, compact=compact, made=made, context=context)
+    writers = _Writers(data, where, progress, compact=compact, made=made, context=context, sharer=sharer)
     files = list(_shard_writes(writes, {a.path: a for a in plan.arrays}, where))
     writers.make_dirs(files)
     in_flight: Window[_Started] = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from typing import Any
 
 import tensorstore as ts
@@ -57,8 +58,11 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def sync_data(loc: Location, keys: list[str]) -> None:
-    """Make the files at ``keys`` (written below ``loc``) durable, with their directories.
+def sync_data(loc: Location, keys: list[str], *, linked: Collection[str] = ()) -> None:
+    """Make the files at ``keys`` (written below ``loc``) durable, with their directories,
+    and the directory entries of the files at ``linked`` (hard links to files already
+    durable: their directories only, an fsync of each would commit the journal for its
+    changed link count alone).
 
     A rank that wrote few files fsyncs just those and the directories that hold
     them. One that wrote many (thousands of small arrays) uses Linux's
@@ -68,7 +72,7 @@ def sync_data(loc: Location, keys: list[str]) -> None:
     """
     if loc.local is None or not os.path.isdir(loc.local):
         return
-    if len(keys) > FSYNC_FILES_MAX and native.has_syncfs():
+    if len(keys) + len(linked) > FSYNC_FILES_MAX and native.has_syncfs():
         fd = os.open(loc.local, os.O_RDONLY)
         try:
             native.syncfs(fd, loc.local)
@@ -78,6 +82,7 @@ def sync_data(loc: Location, keys: list[str]) -> None:
     dirs = {loc.local}
     for key in keys:
         fsync_path(os.path.join(loc.local, key))
+    for key in (*keys, *linked):
         parts = key.split("/")[:-1]
         dirs.update(os.path.join(loc.local, *parts[:i]) for i in range(1, len(parts) + 1))
     for d in sorted(dirs, key=len, reverse=True):  # new entries first, then their parents

@@ -233,6 +233,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         max_inflight_bytes: int = WRITE_WINDOW_BYTES,
         layout: str = LAYOUT_PLAIN,
         progress: bool | None = None,
+        incremental: bool = True,
     ) -> None:
         super().__init__()
         self.options = SaveOptions.of(locals())

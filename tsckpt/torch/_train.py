@@ -41,6 +41,7 @@ from .._options import (
     READ_WINDOW_BYTES,
     WRITE_WINDOW_BYTES,
     AsyncOptions,
+    BaseDirectory,
     IfBusy,
     RestoreOptions,
     SaveOptions,
@@ -266,6 +267,8 @@ def save(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
+    incremental: bool = True,
+    base: BaseDirectory = None,
 ) -> None:
     """Save the training state; every rank calls it.
 
@@ -299,6 +302,8 @@ def save_async(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
+    incremental: bool = True,
+    base: BaseDirectory = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
     staging: Staging = "overlapped",

@@ -1,0 +1,160 @@
+"""Incremental saves: a frozen base plus a small changing adapter and its AdamW state.
+
+A CheckpointManager saves the same run of steps twice in one process: with
+``incremental=True`` (the default: every file hashed, unchanged files shared with the
+previous step by hard links) and with ``incremental=False`` (every file written, no
+hashes: a save as before). Reported per step: the bytes of new files (files shared
+with an earlier step are not counted) and the save time; then the restore time of the
+last step of each (warm page cache), ``du`` of each manager's root, and the throughput
+of the content hash (xxh3-128) beside blake2b-128 and crc32c on one buffer.
+
+    python benchmarks/bench_incremental.py --quick            # 16 MiB base, a smoke run
+    python benchmarks/bench_incremental.py --write-results    # rewrite its section of RESULTS.md
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import crc32c
+import numpy as np
+import xxhash
+from _common import bench_parser, machine_info, write_section
+
+import tsckpt
+
+MIB = 1 << 20
+TITLE = "## Incremental saves: a frozen base and a changing adapter"
+
+
+def _state(base_mib: int, adapter_mib: int, step: int) -> dict[str, Any]:
+    """A frozen base of 4 MiB matrices, an adapter and its two AdamW moments (each adapter_mib)."""
+    rng = np.random.default_rng(0)
+    layers = {f"layer{i:02d}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(base_mib // 4)}
+    n = adapter_mib * MIB // 4
+    step_rng = np.random.default_rng(step)
+    adapter = step_rng.standard_normal(n, dtype=np.float32).reshape(-1, 256)
+    return {
+        "base": layers,
+        "adapter": adapter,
+        "opt": {"exp_avg": adapter * 0.1, "exp_avg_sq": adapter * adapter},
+        "step": step,
+    }
+
+
+def _new_bytes(directory: str) -> int:
+    """Bytes of the files below ``directory`` that no other directory shares (a single link)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            st = os.stat(os.path.join(root, name))
+            if st.st_nlink == 1:
+                total += st.st_size
+    return total
+
+
+def _du(path: str) -> int:
+    """Disk use of ``path`` in bytes, each hard-linked file counted once (as du counts)."""
+    out = subprocess.run(["du", "-sk", path], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) * 1024
+
+
+def _run(root: str, states: list[dict[str, Any]], incremental: bool) -> dict[str, Any]:
+    m = tsckpt.CheckpointManager(root, incremental=incremental)
+    times, written = [], []
+    for step, state in enumerate(states, 1):
+        t = time.perf_counter()
+        m.save(step, state)
+        times.append(time.perf_counter() - t)
+        written.append(_new_bytes(str(m.directory(step))))
+    return {"save_s": times, "new_bytes": written, "du": _du(root), "manager": m}
+
+
+def _restores(runs: list[dict[str, Any]], step: int, rounds: int) -> None:
+    """The median restore time of ``step`` of each run, the runs taking turns (the machine's
+    load then weighs on each alike)."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            t = time.perf_counter()
+            run["manager"].restore(step)
+            times[i].append(time.perf_counter() - t)
+    for run, ts in zip(runs, times):
+        run["restore_s"] = statistics.median(ts)
+
+
+def _throughput(fn: Any, data: np.ndarray, repeats: int = 3) -> float:
+    fn(data)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn(data)
+    return repeats * data.nbytes / (time.perf_counter() - t) / (1 << 30)
+
+
+def main() -> None:
+    args = bench_parser(__doc__, 3).parse_args()
+    base_mib, adapter_mib, steps = (16, 1, 5) if args.quick else (64, 2, 5)
+    states = [_state(base_mib, adapter_mib, s) for s in range(1, steps + 1)]
+    for s in states[1:]:  # one base object, as a frozen model is
+        s["base"] = states[0]["base"]
+    work = tempfile.mkdtemp(dir=args.dir)
+    try:
+        on = _run(os.path.join(work, "incremental"), states, True)
+        off = _run(os.path.join(work, "full"), states, False)
+        _restores([on, off], steps, 7)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    buf = np.random.default_rng(1).integers(0, 255, 64 * MIB, dtype=np.uint8)
+    hashes = {
+        "xxh3-128 (xxhash)": _throughput(lambda d: xxhash.xxh3_128(d).digest(), buf),
+        "blake2b-128 (hashlib)": _throughput(lambda d: hashlib.blake2b(d, digest_size=16).digest(), buf),
+        "crc32c (crc32c)": _throughput(crc32c.crc32c, buf),
+    }
+    info = machine_info()
+    load = ", ".join(f"{x:.1f}" for x in info["load_avg"])
+    lines = [
+        TITLE,
+        "",
+        f"Run {info['date']} by `python benchmarks/bench_incremental.py{' --quick' if args.quick else ''}` on "
+        f"{info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, tsckpt {info['tsckpt']} "
+        f"({info['tsckpt_rev']}). 2-CPU dev machine, loaded by parallel work (load average at the end: {load}): "
+        "times are noisy. State: a "
+        f"{base_mib} MiB frozen base (4 MiB float32 matrices), a {adapter_mib} MiB adapter and its two AdamW "
+        f"moments ({3 * adapter_mib} MiB changing per step), {steps} CheckpointManager steps, local disk.",
+        "",
+        "| step | new bytes, incremental | new bytes, full | save s, incremental | save s, full |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for i in range(steps):
+        lines.append(
+            f"| {i + 1} | {on['new_bytes'][i] / MIB:.1f} MiB | {off['new_bytes'][i] / MIB:.1f} MiB | "
+            f"{on['save_s'][i]:.3f} | {off['save_s'][i]:.3f} |"
+        )
+    lines += [
+        "",
+        f"- Restore of step {steps} (warm cache, median of 7, the two taking turns): incremental {on['restore_s']:.3f} s, "
+        f"full {off['restore_s']:.3f} s ({on['restore_s'] / off['restore_s']:.2f}x).",
+        f"- Saves after the first: incremental {statistics.mean(on['save_s'][1:]):.3f} s, full "
+        f"{statistics.mean(off['save_s'][1:]):.3f} s on average "
+        f"({statistics.mean(on['save_s'][1:]) / statistics.mean(off['save_s'][1:]):.2f}x); the first save "
+        f"(everything hashed and written) {on['save_s'][0] / off['save_s'][0]:.2f}x the save without hashes.",
+        f"- `du` of the root after {steps} steps: incremental {on['du'] / MIB:.1f} MiB, full {off['du'] / MIB:.1f} MiB.",
+        "- Hash throughput on one 64 MiB buffer, one thread: "
+        + ", ".join(f"{k} {v:.2f} GiB/s" for k, v in hashes.items())
+        + ".",
+    ]
+    section = "\n".join(lines) + "\n"
+    print(section)
+    if args.write_results:
+        write_section(TITLE, section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Incremental saves: unchanged files shared with the base by hard links, only when proven equal."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import zarr
+
+import tsckpt
+from tsckpt._codec import shardwrite
+from tsckpt._codec.contenthash import digest
+
+
+def _state(step: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "frozen": {"w": rng.standard_normal((256, 1024)).astype(np.float32), "b": np.arange(7.0)},
+        "adapter": np.full((64, 32), float(step), np.float32),
+        "opt": {"m": np.full((64, 32), step * 0.5, np.float32)},
+        "step": step,
+    }
+
+
+def _files(directory: str) -> dict[str, os.stat_result]:
+    """Every chunk file below ``directory`` (not the zarr.json nodes), by key."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name != "zarr.json":
+                path = os.path.join(root, name)
+                out[os.path.relpath(path, directory)] = os.stat(path)
+    return out
+
+
+def _equal(out: dict, want: dict) -> None:
+    assert out["step"] == want["step"]
+    for path in ("adapter",):
+        assert np.array_equal(out[path], want[path])
+    assert np.array_equal(out["frozen"]["w"], want["frozen"]["w"])
+    assert np.array_equal(out["frozen"]["b"], want["frozen"]["b"])
+    assert np.array_equal(out["opt"]["m"], want["opt"]["m"])
+
+
+def test_a_manager_writes_only_what_changed(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run")
+    m.save(1, _state(1), max_inflight_bytes=1 << 18)  # the frozen weight in several shard files
+    m.save(2, _state(2), max_inflight_bytes=1 << 18)
+    first, second = _files(m.directory(1)), _files(m.directory(2))
+    assert sum(k.startswith("frozen/w/c/") for k in second) > 1
+    shared = {k for k, st in second.items() if st.st_nlink == 2}
+    assert shared == {k for k in second if k.startswith("frozen/")}
+    assert all(second[k].st_ino == first[k].st_ino for k in shared)
+    written = {k for k, st in second.items() if st.st_nlink == 1}
+    assert written == {"adapter/c/0/0", "opt/m/c/0/0"}
+    _equal(m.restore(2), _state(2))
+    _equal(m.restore(1), _state(1))
+
+
+def test_the_content_hashes_are_recorded_per_file(tmp_path):
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    content = json.loads((tmp_path / "a" / "zarr.json").read_text())["attributes"]["tsckpt"]["content"]
+    assert content["algorithm"] == "xxh3-128"
+    entry = content["files"]["adapter/c/0/0"]
+    st = os.stat(tmp_path / "a" / "adapter" / "c" / "0" / "0")
+    assert entry == [digest(state["adapter"]), st.st_size, st.st_mtime_ns, st.st_ino]
+    tsckpt.save(tmp_path / "off", state, incremental=False)
+    assert "content" not in json.loads((tmp_path / "off" / "zarr.json").read_text())["attributes"]["tsckpt"]
+
+
+def test_a_step_outlives_its_base_and_reads_without_it(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run", keep_last=1)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    assert m.all_steps() == [2] and not os.path.exists(m.directory(1))
+    assert all(st.st_nlink == 1 for st in _files(m.directory(2)).values())
+    report = tsckpt.verify(m.directory(2))
+    assert report.ok, report
+    _equal(m.restore(2), _state(2))
+    # any zarr v3 reader, knowing nothing of the base
+    w = zarr.open_array(os.path.join(m.directory(2), "frozen", "w"), mode="r")
+    assert np.array_equal(w[...], _state(2)["frozen"]["w"])
+
+
+def test_a_base_file_edited_after_its_save_is_not_shared(tmp_path):
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    path = tmp_path / "a" / "frozen" / "w" / "c" / "0" / "0"
+    with open(path, "r+b") as f:  # same size, other bytes, the same inode
+        f.seek(16)
+        f.write(b"\xff" * 8)
+    tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
+    assert os.stat(tmp_path / "b" / "frozen" / "w" / "c" / "0" / "0").st_nlink == 1
+    assert os.stat(tmp_path / "b" / "frozen" / "b" / "c" / "0").st_nlink == 2
+    _equal(tsckpt.restore(tmp_path / "b"), state)
+
+
+def test_a_base_file_replaced_or_gone_is_written(tmp_path):
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    w = tmp_path / "a" / "frozen" / "w" / "c" / "0" / "0"
+    data = w.read_bytes()
+    w.unlink()
+    w.write_bytes(data)  # the same bytes in a new file: not the file the base recorded
+    os.unlink(tmp_path / "a" / "frozen" / "b" / "c" / "0")
+    tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
+    assert files["adapter/c/0/0"].st_nlink == 2
+    _equal(tsckpt.restore(tmp_path / "b"), state)
+
+
+def test_a_changed_dtype_shape_or_chunking_writes_the_leaf(tmp_path):
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    changed = dict(state, adapter=state["adapter"].astype(np.float64), frozen={
+        "w": state["frozen"]["w"].reshape(512, 512),  # the same bytes, so the same hash: another record
+        "b": state["frozen"]["b"],
+    })
+    tsckpt.save(tmp_path / "b", changed, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    assert files["adapter/c/0/0"].st_nlink == 1 and files["frozen/w/c/0/0"].st_nlink == 1
+    assert files["frozen/b/c/0"].st_nlink == 2 and files["opt/m/c/0/0"].st_nlink == 2
+    out = tsckpt.restore(tmp_path / "b")
+    assert out["adapter"].dtype == np.float64 and np.array_equal(out["frozen"]["w"], changed["frozen"]["w"])
+    # the chunking: a smaller window cuts the same array into other files
+    tsckpt.save(tmp_path / "c", state, base=tmp_path / "a", max_inflight_bytes=1 << 18)
+    assert all(st.st_nlink == 1 for k, st in _files(str(tmp_path / "c")).items() if k.startswith("frozen/w/"))
+
+
+def test_a_crash_mid_save_lists_no_partial_step(tmp_path, monkeypatch):
+    m = tsckpt.CheckpointManager(tmp_path / "run")
+    m.save(1, _state(1))
+    real = shardwrite.write_chunk
+    calls = []
+
+    def failing(path, src, chunk):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, "injected", path)
+        real(path, src, chunk)
+
+    monkeypatch.setattr(shardwrite, "write_chunk", failing)
+    with pytest.raises(OSError, match="injected"):
+        m.save(2, _state(2))
+    monkeypatch.undo()
+    assert m.all_steps() == [1]
+    _equal(m.restore(1), _state(1))
+    assert tsckpt.verify(m.directory(1)).ok
+    m.save(2, _state(2))
+    assert m.all_steps() == [1, 2]
+    _equal(m.restore(2), _state(2))
+    assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+
+
+def test_off_and_bad_bases(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run", incremental=False)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    assert all(st.st_nlink == 1 for st in _files(m.directory(2)).values())
+    with pytest.raises(tsckpt.CheckpointNotFoundError, match="base"):
+        tsckpt.save(tmp_path / "x", _state(1), base=tmp_path / "missing")
+    assert not os.path.exists(tmp_path / "x" / "zarr.json")
+    tsckpt.save(tmp_path / "a", _state(1))
+    with pytest.raises(ValueError, match="is the checkpoint being saved"):
+        tsckpt.save(tmp_path / "a", _state(1), base=tmp_path / "a", overwrite=True)
+    _equal(tsckpt.restore(tmp_path / "a"), _state(1))  # refused before its claim: nothing cleared
+    tsckpt.save(tmp_path / "compact", _state(1), layout="compact")
+    tsckpt.save(tmp_path / "y", _state(1), base=tmp_path / "compact")  # nothing to share: every file written
+    assert all(st.st_nlink == 1 for st in _files(str(tmp_path / "y")).values())
+
+
+def test_verify_checks_the_content_hashes(tmp_path):
+    """A file that passes its crc32c but holds other data than its save hashed is found."""
+    from tsckpt._codec import crc
+
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    assert tsckpt.verify(tmp_path / "a").ok
+    path = tmp_path / "a" / "adapter" / "c" / "0" / "0"
+    forged = np.full((64, 32), 9.0, np.float32).tobytes()
+    with open(path, "r+b") as f:  # other data with a valid crc32c, in place
+        f.write(forged + crc.encoded(forged))
+    report = tsckpt.verify(tmp_path / "a")
+    assert list(report.bad) == ["adapter"]
+    assert "its file adapter/c/0/0 does not hold the data its save hashed" in report.bad["adapter"]
+
+
+@pytest.mark.slow  # starts rank processes
+def test_ranks_share_their_own_files(tmp_path):
+    import torch
+
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    root = str(tmp_path / "run")
+    run_ranks(sc.incremental_steps, 2, root, layout="plain")
+    m = tsckpt.CheckpointManager(root)
+    second = _files(m.directory(2))
+    assert {k for k, st in second.items() if st.st_nlink == 2} == {"frozen/c/0/0", "frozen/c/1/0"}
+    assert second["adapter/c/0/0"].st_nlink == 1
+    out = m.restore(2)
+    assert np.array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
+    assert np.array_equal(out["adapter"], torch.full((8, 8), 2.0).numpy())
+    assert tsckpt.verify(m.directory(2)).ok
+
+
+def test_background_saves_share_too(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run", writer="thread")
+    m.save_async(1, _state(1)).result(timeout=60)
+    m.save_async(2, _state(2)).result(timeout=60)
+    assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+    tsckpt.save_async(tmp_path / "b", _state(3), base=m.directory(2), writer="thread").result(timeout=60)
+    files = _files(str(tmp_path / "b"))
+    assert files["frozen/w/c/0/0"].st_nlink == 3 and files["adapter/c/0/0"].st_nlink == 1
+    _equal(tsckpt.restore(tmp_path / "b"), _state(3))
+
+
+@pytest.mark.slow  # starts the writer process
+def test_the_writer_process_shares(tmp_path, writer_process):
+    with tsckpt.CheckpointManager(tmp_path / "run") as m:
+        m.save_async(1, _state(1)).result(timeout=120)
+        m.save_async(2, _state(2)).result(timeout=120)
+        assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+        _equal(m.restore(2), _state(2))
+
+
+def test_a_link_on_the_way_in_the_base_is_never_followed(tmp_path):
+    """A base whose directory on the way to a file is a symbolic link (to a copy elsewhere,
+    its recorded times and inode intact) shares nothing through it."""
+    state = _state(1)
+    tsckpt.save(tmp_path / "a", state)
+    os.rename(tmp_path / "a" / "frozen", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "a" / "frozen")
+    tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
+    assert files["adapter/c/0/0"].st_nlink == 2
+    _equal(tsckpt.restore(tmp_path / "b"), state)
+
+
+def test_the_torch_bridge_takes_a_base(tmp_path):
+    import torch
+
+    import tsckpt.torch as tt
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    tt.save(tmp_path / "a", model, opt, rng=False)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    tt.save(tmp_path / "b", model, opt, rng=False, base=tmp_path / "a")
+    files = _files(str(tmp_path / "b"))
+    frozen = {k for k in files if k.startswith("model/0.")}
+    assert frozen and all(files[k].st_nlink == 2 for k in frozen)
+    assert all(files[k].st_nlink == 1 for k in files if k.startswith("model/1."))
+    assert tsckpt.verify(tmp_path / "b").ok

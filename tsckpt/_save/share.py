@@ -1,0 +1,182 @@
+"""Incremental saves: each file whose content equals the base checkpoint's is shared with
+it (a hard link), every other file written.
+
+A file is shared only when that is proven: its array's record (dtype, shape, chunking,
+kind) is the base's, the content hash of the data it would hold
+(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
+base's file is still the one its save wrote: after the link, its size, modification time
+and inode are those the base recorded once its files were durable (a file rewritten or
+edited in place since, even to the same size, has another modification time or inode),
+and it is the very file reached below the base's directory through no symbolic link.
+Anything else (no base, another layout, a file missing or changed, a link refused) writes
+the file, as a full save does. The files stay standard zarr files: a later step holds its
+own directory entries, so deleting the base (retention) leaves it whole.
+
+Once the files are durable, each rank records, per file, its hash and the file's size,
+modification time and inode (``content`` in the root metadata, docs/format.md); a file
+shared whose base changed during the save fails the save (:meth:`Sharer.recorded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._codec import contenthash
+from .._errors import CheckpointNotFoundError, StorageError, TsckptError
+from .._ondisk import root as _root
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
+from .._storage.beneath import open_beneath, open_directory
+from .._storage.locations import Directory, Location, resolve
+
+log = logging.getLogger("tsckpt")
+
+# How far a file system's timestamps may lag the clock (they are stamped from a clock that
+# advances once per kernel tick), and for one whose timestamps are whole seconds.
+CLOCK_TICK_NS = 20_000_000
+COARSE_TICK_NS = 2_000_000_000
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """What a save shares with: the base's local directory (and a descriptor of it, open until
+    :meth:`close`), its records and recorded files."""
+
+    directory: str
+    dir_fd: int
+    records: Mapping[str, ArrayRecord]
+    files: Mapping[str, ContentEntry]
+
+    def close(self) -> None:
+        os.close(self.dir_fd)
+
+    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
+        """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
+        write there (see the module's docstring); False, with nothing left at ``dest``, if not."""
+        entry = self.files.get(key)
+        if entry is None or entry[0] != digest or self.records.get(rec.path) != rec:
+            return False
+        try:
+            os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
+        except OSError:
+            return False  # gone (the base deleted), too many links, another file system: written instead
+        try:
+            st = os.lstat(dest)
+            if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:] and self._inside(key, st):
+                return True
+        except OSError:
+            pass
+        os.unlink(dest)  # never written through: that would change the base's file too
+        return False
+
+
+    def _inside(self, key: str, linked: os.stat_result) -> bool:
+        """Whether the file linked is the base's own file ``key``, reached below its directory
+        through no symbolic link (a link on the way would have led the link outside the base)."""
+        try:
+            fd = open_beneath(self.dir_fd, key)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return (st.st_dev, st.st_ino) == (linked.st_dev, linked.st_ino)
+
+
+def check_base(base: Directory | None, target: Location) -> None:
+    """Refuse, before the save claims ``target``, a base that is the target itself (its claim
+    would clear what it shares) or a local directory that does not exist."""
+    if base is None:
+        return
+    loc = resolve(base)
+    if loc.local is None or target.local is None:
+        return
+    if os.path.realpath(loc.local) == os.path.realpath(target.local):
+        raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
+    if not os.path.isdir(loc.local):
+        raise CheckpointNotFoundError(f"base {loc}: no checkpoint there; pass an existing checkpoint, or base=None")
+
+
+def open_base(base: Directory | None, target: Location) -> Base | None:
+    """The base of a save into ``target``, None when there is nothing to share with: no base,
+    a base or target not a local plain checkpoint, or a base no longer there or no longer
+    committed (deleted since :func:`check_base`; logged): then every file is written."""
+    if base is None:
+        return None
+    loc = resolve(base)
+    if loc.local is None or target.local is None:
+        log.info("incremental save: %s or %s is not on a local file system; every file is written", loc, target)
+        return None
+    try:
+        ck = _root.load(loc)
+        if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
+            log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
+            return None
+        dir_fd = open_directory(loc.local)
+    except (TsckptError, OSError) as e:
+        log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
+        return None
+    return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
+
+
+class Sharer:
+    """One rank's files of an incremental save: each hashed, then shared or written (by the
+    write threads, through :meth:`put`)."""
+
+    def __init__(self, directory: str, base: Base | None) -> None:
+        self.directory, self.base = directory, base
+        self.hashes: dict[str, str] = {}
+        self.shared: set[str] = set()
+
+    def put(self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None]) -> None:
+        """Hash ``src``, the data of file ``key``; link the base's file, or ``write()``."""
+        digest = contenthash.digest(src)
+        self.hashes[key] = digest
+        if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
+            self.shared.add(key)
+            return
+        write()
+
+    def close(self) -> None:
+        """Close the base's directory (once every file is shared or written)."""
+        if self.base is not None:
+            self.base.close()
+
+    def recorded(self) -> dict[str, ContentEntry]:
+        """Every file's entry once the files are durable. A shared file whose base changed since
+        the base recorded it (edited during this save) raises: the step would not hold what
+        was saved."""
+        out: dict[str, ContentEntry] = {}
+        newest = -1
+        for key, digest in self.hashes.items():
+            path = os.path.join(self.directory, key)
+            st = os.lstat(path)
+            out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
+            newest = max(newest, st.st_mtime_ns)
+            if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
+                raise StorageError(
+                    f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
+                    "would not hold what was saved; save again (with base=None for a full save)",
+                    filename=path, leaf=key.rpartition("/c")[0],
+                )
+        if out:
+            settle_clock(newest, fine=any(e[2] % 1_000_000_000 for e in out.values()))
+        return out
+
+
+def settle_clock(newest_ns: int, *, fine: bool) -> None:
+    """Wait until the file system's clock has passed ``newest_ns``, the newest modification
+    time recorded, so that a file changed after this save, however soon, gets a later one
+    (a file system stamps times from a clock that ticks every few milliseconds: a change
+    within the same tick would keep the recorded time). ``fine``: the file system stamps
+    nanoseconds (else whole seconds, as some do)."""
+    tick = CLOCK_TICK_NS if fine else COARSE_TICK_NS
+    wait = newest_ns + tick - time.time_ns()
+    if wait > 0:
+        time.sleep(wait / 1e9)
