@@ -15,21 +15,25 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
 import numpy as np
 
 from .._base import dtypes as _dtypes
-from .._base.types import Box, box_slices
+from .._base.types import Box, Dest, ReadItem, box_slices
 from .._ondisk.arrays import chunk_key
+from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
+from .._ondisk.readfaults import unchanged
 from .._ondisk.records import LAYOUT_PLAIN
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
+from .._runtime import fork as _fork
 from .._runtime.progress import Progress
 from .._storage.locations import Directory
+from .engine import read_into
 from .open import open as open_reader
 from .reader import LazyArray
 
@@ -204,29 +208,58 @@ class Tally:
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
                    rtol: float) -> tuple[float, float, float]:
     """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements)."""
-    na = _numbers(sa, dtype)
-    sq_a = _squared_norm(na)
-    if np.array_equal(sa.view(np.uint8), sb.view(np.uint8)):  # the same bits: nothing more to learn
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). Only the
+    elements whose stored values differ are widened to float64 (the others add nothing to
+    ``a - b``); the norm of ``a`` is summed from the stored dtype."""
+    sq_a = _squared_norm(sa, dtype)
+    if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
         return 0.0, 0.0, sq_a
-    nb = _numbers(sb, dtype)
+    ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
+    if ne.ndim > 1:  # complex32: (re, im) pairs
+        ne = ne.any(axis=-1)
+    idx = np.flatnonzero(ne)
+    if not idx.size:
+        out[:] = False
+        return 0.0, 0.0, sq_a
+    dense = idx.size == ne.size
+    ca, cb = (sa, sb) if dense else (sa[idx], sb[idx])
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
-        gap = np.abs(na - nb)
-        bound = atol + rtol * np.abs(nb) if rtol else atol
+        if ca.dtype.kind == "f":  # numpy floats: widened as they are subtracted, no copies
+            gap = np.subtract(ca, cb, dtype=np.float64)
+            np.abs(gap, out=gap)
+        else:
+            gap = np.abs(_numbers(ca, dtype) - _numbers(cb, dtype))
+        bound = atol + rtol * np.abs(_numbers(cb, dtype)) if rtol else atol
     odd = np.isnan(gap)  # a NaN on either side, or the same infinity on both
     if odd.any():
+        na, nb = _numbers(ca, dtype), _numbers(cb, dtype)
         alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
         gap[odd] = np.inf
         gap[alike] = 0.0
-    if sa.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
-        bad = sa != sb
+    if ca.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
+        bad = ca != cb
         if atol or rtol:
             bad &= ~(gap <= bound)
     else:  # no tolerance brings an infinity nearer
         bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
-    out[:] = bad
+    if dense:
+        out[:] = bad
+    else:
+        out[:] = False
+        out[idx] = bad
     return float(gap.max()), _sum_of_squares(gap), sq_a
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one dtype and shape hold the same bytes, compared as wide words."""
+    x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    whole = x.size - x.size % 8
+    if whole and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:
+        if not np.array_equal(x[:whole].view(np.uint64), y[:whole].view(np.uint64)):
+            return False
+        x, y = x[whole:], y[whole:]
+    return bool(np.array_equal(x, y))
 
 
 def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
@@ -264,14 +297,17 @@ def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: 
 
 
 def _sum_of_squares(x: np.ndarray) -> float:
-    """The sum of ``x**2`` (real ``x``), in numpy's own loop: BLAS's threads would spin
-    against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
-    return float(np.einsum("i,i->", x, x))
+    """The sum of ``x**2`` (real ``x``) in float64, in numpy's own loop: BLAS's threads would
+    spin against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
+    return float(np.einsum("i,i->", x, x, dtype=np.float64))
 
 
-def _squared_norm(x: np.ndarray) -> float:
-    """The sum of ``|x|**2`` over the finite elements of ``x``."""
-    size = np.abs(x) if x.dtype.kind == "c" else x
+def _squared_norm(x: np.ndarray, dtype: str) -> float:
+    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
+    float32 and float64 squared and summed in float64 as they are, without a widened copy."""
+    size = x if x.dtype in (np.float32, np.float64) else _numbers(x, dtype)
+    if size.dtype.kind == "c":
+        size = np.abs(size)
     total = _sum_of_squares(size)
     if math.isfinite(total):
         return total
@@ -313,9 +349,10 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
                 continue
             yield from blocks(shard, chunk, limit)
 
+    read_a, read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
+
     def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
-        box = box_slices(*block)
-        return block, sides.pool.submit(la.read_box, box), sides.pool.submit(lb.read_box, box)
+        return block, sides.pool.submit(read_a, block), sides.pool.submit(read_b, block)
 
     def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
         block, da, db = reading
@@ -351,6 +388,33 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
         first_index=tally.first, bytes_read=read,
     )
     return found, skipped
+
+
+def engine_serves(leaf: LazyArray) -> bool:
+    """Whether the read engine of a restore reads ``leaf``'s blocks for diff (its own shard
+    and chunk readers where the checkpoint allows, else TensorStore or another format's
+    source): a plain stored array of a stored dtype numpy holds; the rest (a mapped leaf,
+    complex32's float16 pairs) is read through the lazy reader."""
+    return type(leaf) is LazyArray and leaf.dtype != "complex32"
+
+
+def _reader(ck: Checkpoint, leaf: LazyArray, window: int) -> Callable[[Box], np.ndarray]:
+    """How one side's blocks are read: through the engine where :func:`engine_serves`,
+    else the lazy reader; either way in the stored dtype, with the same checks."""
+    if not engine_serves(leaf):
+        return lambda block: leaf.read_box(box_slices(*block))
+    stored = ck.aliases.get(leaf.path, leaf.path)
+    dtype = _dtypes.numpy_dtype(leaf.dtype)
+
+    def read(block: Box) -> np.ndarray:
+        _fork.enter(f"reading '{leaf.path}'")
+        out = np.empty(block[1], dtype=dtype)
+        with unchanged(ck):  # never data of a checkpoint that replaced the one opened
+            check_backed(ck, [stored], box_slices(*block))
+            read_into(ck, [Dest(ReadItem(stored, *block), out, None)], window=window)
+        return out
+
+    return read
 
 
 def _relative(sq_diff: float, sq_a: float) -> float:
