@@ -447,13 +447,18 @@ def test_complex32_is_read_by_the_lazy_reader():
     assert not engine_serves(leaf)
 
 
-def test_a_block_of_the_same_bits_is_not_widened(monkeypatch):
-    """A block equal bit for bit is settled by comparing its bytes: no element is widened to
-    float64 but for the norm of A."""
+def test_only_differing_elements_are_widened(monkeypatch):
+    """A block equal bit for bit is settled by comparing its bytes, and of a block with one
+    changed element only that element is widened to float64 for its difference."""
     a = np.arange(1001, dtype=np.float32)
     widened: list[int] = []
-    real = diff_module._numbers
-    monkeypatch.setattr(diff_module, "_numbers", lambda x, dtype: widened.append(x.size) or real(x, dtype))
+    real = diff_module._widened_differences
+
+    def recording(ca, cb, dtype, **tolerance):
+        widened.append(ca.size)
+        return real(ca, cb, dtype, **tolerance)
+
+    monkeypatch.setattr(diff_module, "_widened_differences", recording)
     tally = Tally()
     compare_block(a, a.copy(), "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
     assert (widened, tally.changed_elements, tally.max_abs, tally.sq_diff) == ([], 0, 0.0, 0.0)
@@ -461,5 +466,24 @@ def test_a_block_of_the_same_bits_is_not_widened(monkeypatch):
     b = a.copy()
     b[500] += 1
     compare_block(a, b, "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
-    assert (widened, tally.changed_elements, tally.first, tally.changed_chunks) == ([], 1, (500,), {(5,)})
+    assert (widened, tally.changed_elements, tally.first, tally.changed_chunks) == ([1], 1, (500,), {(5,)})
     assert tally.max_abs == 1.0
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.5}])
+def test_float32_differing_throughout_agrees_with_float64(tolerance):
+    """Every element differs: float32 compared as stored (no tolerance) or widened finds what
+    numpy finds in float64; an overflow or a NaN takes the exact path."""
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(5000) * 1e3).astype(np.float32)
+    b = (a + rng.standard_normal(5000).astype(np.float32)).astype(np.float32)
+    b[a == b] += 1
+    a[7], b[7] = 3e38, -3e38  # overflows in float32
+    for x, y in [(a[100:], b[100:]), (a, b)]:
+        tally = Tally()
+        n = x.size
+        compare_block(x, y, "float32", ((0,), (n,)), (1000,), tally, piece=1 << 16, **{"atol": 0.0, "rtol": 0.0, **tolerance})
+        gap = np.abs(x.astype(np.float64) - y)
+        assert tally.changed_elements == int((gap > tolerance.get("atol", 0.0)).sum())
+        assert tally.max_abs == gap.max()
+        assert tally.sq_diff == pytest.approx(float(np.sum(gap**2)), rel=1e-6)

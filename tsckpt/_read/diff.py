@@ -44,6 +44,8 @@ WORK_BYTES_PER_ELEMENT = 48
 # Elements compared at once, at most: pieces this small stay in the CPU's caches, and their
 # temporaries are reused from the heap rather than mapped (and faulted in) afresh.
 PIECE_ELEMENTS = 1 << 16
+# Bytes of a piece compared first, before the whole: unrelated pieces differ there already.
+PREFIX_BYTES = 1 << 12
 # Threads comparing pieces at once (numpy works without the GIL).
 COMPARING_THREADS = min(8, os.cpu_count() or 1)
 
@@ -208,9 +210,10 @@ class Tally:
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
                    rtol: float) -> tuple[float, float, float]:
     """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). Only the
-    elements whose stored values differ are widened to float64 (the others add nothing to
-    ``a - b``); the norm of ``a`` is summed from the stored dtype."""
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). A piece of the
+    same bytes costs a comparison of its bytes; where a few elements differ only those are
+    widened to float64 (the others add nothing to ``a - b``); float32 pieces that differ
+    throughout are compared as stored (:func:`_float32_differences`)."""
     sq_a = _squared_norm(sa, dtype)
     if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
@@ -218,22 +221,34 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
-    idx = np.flatnonzero(ne)
-    if not idx.size:
+    count = int(np.count_nonzero(ne))
+    if not count:
         out[:] = False
         return 0.0, 0.0, sq_a
-    dense = idx.size == ne.size
-    ca, cb = (sa, sb) if dense else (sa[idx], sb[idx])
+    if count == ne.size:
+        found = _float32_differences(sa, sb, ne, out) if sa.dtype == np.float32 and not (atol or rtol) else None
+        if found is not None:
+            return (*found, sq_a)
+        gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
+        out[:] = bad
+    else:
+        idx = np.flatnonzero(ne)
+        gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
+        out[:] = False
+        out[idx] = bad
+    return float(gap.max()), _sum_of_squares(gap), sq_a
+
+
+def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
+                         rtol: float) -> tuple[np.ndarray, np.ndarray]:
+    """``|a - b|`` in float64 (infinite where one side is NaN, 0 where both are alike) and
+    whether each element is beyond the tolerance, for elements of ``dtype`` as stored."""
+    na, nb = _numbers(ca, dtype), _numbers(cb, dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
-        if ca.dtype.kind == "f":  # numpy floats: widened as they are subtracted, no copies
-            gap = np.subtract(ca, cb, dtype=np.float64)
-            np.abs(gap, out=gap)
-        else:
-            gap = np.abs(_numbers(ca, dtype) - _numbers(cb, dtype))
-        bound = atol + rtol * np.abs(_numbers(cb, dtype)) if rtol else atol
+        gap = np.abs(na - nb)
+        bound = atol + rtol * np.abs(nb) if rtol else atol
     odd = np.isnan(gap)  # a NaN on either side, or the same infinity on both
     if odd.any():
-        na, nb = _numbers(ca, dtype), _numbers(cb, dtype)
         alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
         gap[odd] = np.inf
         gap[alike] = 0.0
@@ -243,17 +258,33 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
             bad &= ~(gap <= bound)
     else:  # no tolerance brings an infinity nearer
         bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
-    if dense:
-        out[:] = bad
-    else:
-        out[:] = False
-        out[idx] = bad
-    return float(gap.max()), _sum_of_squares(gap), sq_a
+    return gap, bad
+
+
+def _float32_differences(sa: np.ndarray, sb: np.ndarray, ne: np.ndarray,
+                         out: np.ndarray) -> tuple[float, float] | None:
+    """Without a tolerance, float32 elements differ where they are unequal and not both NaN;
+    the largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps order),
+    so it is found again in float64 over the few elements that reach it; the sum of squares
+    is of the differences rounded to float32 (relative error below 2**-23). None where a
+    difference is not finite in float32 (a NaN, an overflow): then the exact path answers."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = np.abs(sa - sb)
+    top = gap.max()
+    if not np.isfinite(top):
+        return None
+    out[:] = ne
+    at = np.flatnonzero(gap == top)
+    exact = np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max()
+    return float(exact), _sum_of_squares(gap.astype(np.float64))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays of one dtype and shape hold the same bytes, compared as wide words."""
+    """Whether two arrays of one dtype and shape hold the same bytes, compared as wide words
+    (a first few kilobytes alone, where they already differ)."""
     x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    if x.size > 2 * PREFIX_BYTES and not np.array_equal(x[:PREFIX_BYTES], y[:PREFIX_BYTES]):
+        return False
     whole = x.size - x.size % 8
     if whole and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:
         if not np.array_equal(x[:whole].view(np.uint64), y[:whole].view(np.uint64)):
@@ -297,15 +328,15 @@ def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: 
 
 
 def _sum_of_squares(x: np.ndarray) -> float:
-    """The sum of ``x**2`` (real ``x``) in float64, in numpy's own loop: BLAS's threads would
+    """The sum of ``x**2`` (real float64 ``x``), in numpy's own loop: BLAS's threads would
     spin against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
-    return float(np.einsum("i,i->", x, x, dtype=np.float64))
+    return float(np.einsum("i,i->", x, x))
 
 
 def _squared_norm(x: np.ndarray, dtype: str) -> float:
-    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
-    float32 and float64 squared and summed in float64 as they are, without a widened copy."""
-    size = x if x.dtype in (np.float32, np.float64) else _numbers(x, dtype)
+    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``),
+    in float64."""
+    size = x if x.dtype == np.float64 else _numbers(x, dtype)
     if size.dtype.kind == "c":
         size = np.abs(size)
     total = _sum_of_squares(size)
@@ -400,7 +431,8 @@ def engine_serves(leaf: LazyArray) -> bool:
 
 def _reader(ck: Checkpoint, leaf: LazyArray, window: int) -> Callable[[Box], np.ndarray]:
     """How one side's blocks are read: through the engine where :func:`engine_serves`,
-    else the lazy reader; either way in the stored dtype, with the same checks."""
+    else the lazy reader; either way in the stored dtype, with the same checks (that the
+    checkpoint was not replaced: once over the whole diff, see :func:`diff`)."""
     if not engine_serves(leaf):
         return lambda block: leaf.read_box(box_slices(*block))
     stored = ck.aliases.get(leaf.path, leaf.path)
@@ -409,9 +441,8 @@ def _reader(ck: Checkpoint, leaf: LazyArray, window: int) -> Callable[[Box], np.
     def read(block: Box) -> np.ndarray:
         _fork.enter(f"reading '{leaf.path}'")
         out = np.empty(block[1], dtype=dtype)
-        with unchanged(ck):  # never data of a checkpoint that replaced the one opened
-            check_backed(ck, [stored], box_slices(*block))
-            read_into(ck, [Dest(ReadItem(stored, *block), out, None)], window=window)
+        check_backed(ck, [stored], box_slices(*block))
+        read_into(ck, [Dest(ReadItem(stored, *block), out, None)], window=window)
         return out
 
     return read
@@ -516,6 +547,8 @@ def diff(
     found: list[LeafDiff] = []
     read = skipped = 0
     with (
+        unchanged(ra.checkpoint),  # never data of a checkpoint that replaced the one opened,
+        unchanged(rb.checkpoint),  # checked once after every read, as a restore does
         Progress("diff", where, show=progress) as bar,
         ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
         ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
