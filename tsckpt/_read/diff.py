@@ -1,8 +1,10 @@
 """diff(): what differs between two checkpoints of any formats tsckpt reads, leaf by leaf.
 
 Arrays are compared over A's stored chunk grid, in blocks of whole chunks where one fits the
-window, each block read from both sides through the lazy reader, so memory stays within the
-window whatever the checkpoints' size. A region whose stored data is known equal without
+window, each block read from both sides by restore's read engine (:func:`.engine.read_into`:
+the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
+stays within the window whatever the checkpoints' size. A block of the same bytes on both
+sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
 reading (:func:`known_equal`: today the same file on disk, a hard link or one checkpoint
 given twice) is not read.
 """
@@ -531,7 +533,7 @@ def diff(
     equal when ``|a - b| <= atol + rtol * |b|`` (numpy's isclose; NaNs at the same index are
     equal; complex numbers by the modulus of the difference); the counts of changed chunks
     are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
-    in blocks through :func:`tsckpt.open`, at most ``max_inflight_bytes`` of reads and work
+    in blocks by the reader :func:`tsckpt.restore` uses, at most ``max_inflight_bytes`` of reads and work
     at a time; a region both sides keep in the same file (a hard link) is not read.
     ``progress`` shows a bar of bytes compared (default: when stderr is a terminal)."""
     RestoreOptions.of(locals())
