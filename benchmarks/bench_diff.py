@@ -123,8 +123,10 @@ def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linke
             "incremental save leaves them. Read both: `tsckpt.restore` of each, whole."
         ),
         "",
-        "| case | time (s) | against reading both | CPU (s) | CPU against reading both | bytes read by diff "
-        "| known equal unread |",
+        (
+            "| case | time (s) | against reading both | CPU (s) | CPU against reading both | bytes read by diff "
+            "| known equal unread |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
         f"| read both (restore A, restore B) | {both[0]:.2f} | 1.00x | {both[1]:.2f} | 1.00x | | |",
         row("diff A B (unrelated)", rows["diff A B"], both, unrelated),
