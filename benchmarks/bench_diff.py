@@ -56,13 +56,16 @@ def link_same_files(a: str, b: str) -> int:
     return linked
 
 
-def timed(fn: Callable[[], Any], rounds: int) -> tuple[float, Any]:
-    times, out = [], None
+def timed(fn: Callable[[], Any], rounds: int) -> tuple[tuple[float, float], Any]:
+    """Median wall and CPU seconds (all threads of this process) of ``rounds`` calls, and
+    the last result. On a machine shared with other work the CPU time is the steadier."""
+    times, cpus, out = [], [], None
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        cpus.append(time.process_time() - c0)
+    return (statistics.median(times), statistics.median(cpus)), out
 
 
 def main() -> None:
@@ -98,7 +101,7 @@ def main() -> None:
         write_section(TITLE, section)
 
 
-def report(rows: dict[str, float], nbytes: int, leaves: int, linked: int, unrelated: Any, shared: Any,
+def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linked: int, unrelated: Any, shared: Any,
            rounds: int) -> str:
     info = machine_info()
     load = ", ".join(f"{x:.1f}" for x in info["load_avg"])
@@ -111,7 +114,7 @@ def report(rows: dict[str, float], nbytes: int, leaves: int, linked: int, unrela
             f"Run {info['date']} by `python benchmarks/bench_diff.py --write-results` on {info['nproc']} CPUs "
             f"({info['cpu']}), Python {info['python']}, tsckpt {info['tsckpt']} ({info['tsckpt_rev']}): a 2-CPU "
             f"dev machine, loaded by parallel work (load average at the end: {load}), so times are noisy. "
-            f"Median of {rounds} rounds, warm page cache."
+            f"Median of {rounds} rounds, warm page cache; CPU: seconds of all this process's threads."
         ),
         "",
         (
@@ -120,19 +123,24 @@ def report(rows: dict[str, float], nbytes: int, leaves: int, linked: int, unrela
             "incremental save leaves them. Read both: `tsckpt.restore` of each, whole."
         ),
         "",
-        "| case | time (s) | against reading both | bytes read by diff | known equal unread |",
-        "|---|---:|---:|---:|---:|",
-        f"| read both (restore A, restore B) | {both:.2f} | 1.00x | | |",
+        (
+            "| case | time (s) | against reading both | CPU (s) | CPU against reading both | bytes read by diff "
+            "| known equal unread |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| read both (restore A, restore B) | {both[0]:.2f} | 1.00x | {both[1]:.2f} | 1.00x | | |",
         row("diff A B (unrelated)", rows["diff A B"], both, unrelated),
         row("diff A C (90% shared)", rows["diff A C"], both, shared),
     ]
     return "\n".join(lines) + "\n"
 
 
-def row(case: str, seconds: float, both: float, found: Any) -> str:
+def row(case: str, seconds: tuple[float, float], both: tuple[float, float], found: Any) -> str:
     mib = 1 << 20
+    (wall, cpu), (wall_both, cpu_both) = seconds, both
     return (
-        f"| {case} | {seconds:.2f} | {seconds / both:.2f}x | {found.bytes_read / mib:.0f} MiB "
+        f"| {case} | {wall:.2f} | {wall / wall_both:.2f}x | {cpu:.2f} | {cpu / cpu_both:.2f}x "
+        f"| {found.bytes_read / mib:.0f} MiB "
         f"| {found.bytes_known_equal / mib:.0f} MiB |"
     )
 

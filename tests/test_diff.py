@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 import tsckpt
 from tsckpt._base.types import box_slices
 from tsckpt._cli import main
-from tsckpt._read import reader as reader_module
-from tsckpt._read.diff import Tally, blocks, compare_block
+from tsckpt._read import diff as diff_module
+from tsckpt._read.diff import Tally, blocks, compare_block, engine_serves
+from tsckpt._read.reader import LazyArray
 
 
 def tree() -> dict:
@@ -204,16 +205,21 @@ def test_errors_exit_2(tmp_path, capsys):
 
 @pytest.fixture
 def largest_read(monkeypatch):
-    """Every box the lazy reader reads, in bytes of the stored dtype."""
+    """Every block diff reads of either side (engine or lazy reader), in bytes of the stored dtype."""
     sizes: list[int] = []
-    real = reader_module.LazyArray.read_box
+    real = diff_module._reader
 
-    def recording(self, box):
-        data = real(self, box)
-        sizes.append(data.nbytes)
-        return data
+    def reader(ck, leaf, window):
+        read = real(ck, leaf, window)
 
-    monkeypatch.setattr(reader_module.LazyArray, "read_box", recording)
+        def recording(block):
+            data = read(block)
+            sizes.append(data.nbytes)
+            return data
+
+        return recording
+
+    monkeypatch.setattr(diff_module, "_reader", reader)
     return sizes
 
 
@@ -383,3 +389,101 @@ def test_blocks_and_compare_agree_with_numpy(shape, data):
     grid = {tuple(int(i) // c for i, c in zip(idx, chunk)) for idx in np.argwhere(diff)}
     assert tally.changed_chunks == grid
     assert tally.max_abs == pytest.approx(float(np.abs(a.astype(np.float64) - b).max()))
+
+
+def changed_pair(tmp_path) -> tuple[str, str]:
+    """Two checkpoints whose arrays differ in many ways: values, NaNs at the same and other
+    indices, infinities, integers, a half-precision and a bfloat16 leaf, one leaf equal."""
+    gen = torch.Generator().manual_seed(5)
+    before = {
+        "w": torch.randn(96, 40, generator=gen),
+        "d": torch.randn(300, generator=gen, dtype=torch.float64),
+        "h": torch.randn(70, generator=gen).half(),
+        "bf": torch.randn(70, generator=gen).bfloat16(),
+        "i": torch.arange(90, dtype=torch.int64) * (2**40),
+        "same": torch.randn(33, generator=gen),
+    }
+    after = {k: v.clone() for k, v in before.items()}
+    after["w"][3:50, 7] += 0.5
+    after["w"][60, 1] = float("nan")
+    before["w"][61, 2] = after["w"][61, 2] = float("nan")
+    after["d"][::7] = -after["d"][::7]
+    after["d"][5] = float("inf")
+    after["h"][10:20] += 1
+    after["bf"][-1] = 4.0
+    after["i"][17] += 1
+    return saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
+def test_the_engine_and_the_lazy_reader_give_one_report(tmp_path, monkeypatch, small_chunks, tolerance):
+    a, b = changed_pair(tmp_path)
+    by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
+    monkeypatch.setattr(diff_module, "engine_serves", lambda leaf: False)
+    by_lazy = tsckpt.diff(a, b, **tolerance).to_dict()
+    assert by_engine == by_lazy
+    found = {leaf["path"]: leaf for leaf in by_engine["leaves"]}
+    assert found["same"]["status"] == "equal" and found["d"]["max_abs"] == "inf"
+    assert found["i"]["changed_elements"] == (0 if "rtol" in tolerance else 1)  # 1 in 17 * 2**40
+    assert found["w"]["changed_elements"] > 0
+
+
+def test_arrays_of_a_tsckpt_checkpoint_are_read_by_the_engine(tmp_path, monkeypatch, small_chunks):
+    a, b = changed_pair(tmp_path)
+
+    def refused(self, box):
+        raise AssertionError(f"lazy read of {self.path}")
+
+    monkeypatch.setattr(LazyArray, "read_box", refused)
+    report = tsckpt.diff(a, b)
+    assert {leaf.path for leaf in report.differences} == {"w", "d", "h", "bf", "i"}
+    ra = tsckpt.open(a)
+    assert all(engine_serves(ra[p]) for p in ("w", "d", "h", "bf", "i", "same"))
+
+
+def test_complex32_is_read_by_the_lazy_reader():
+    leaf = LazyArray.__new__(LazyArray)
+    leaf.metadata = type("M", (), {"dtype": "complex32"})()
+    assert not engine_serves(leaf)
+
+
+def test_only_differing_elements_are_widened(monkeypatch):
+    """A block equal bit for bit is settled by comparing its bytes, and of a block with one
+    changed element only that element is widened to float64 for its difference."""
+    a = np.arange(1001, dtype=np.float32)
+    widened: list[int] = []
+    real = diff_module._widened_differences
+
+    def recording(ca, cb, dtype, **tolerance):
+        widened.append(ca.size)
+        return real(ca, cb, dtype, **tolerance)
+
+    monkeypatch.setattr(diff_module, "_widened_differences", recording)
+    tally = Tally()
+    compare_block(a, a.copy(), "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
+    assert (widened, tally.changed_elements, tally.max_abs, tally.sq_diff) == ([], 0, 0.0, 0.0)
+    assert tally.sq_a == float(np.sum(a.astype(np.float64) ** 2))
+    b = a.copy()
+    b[500] += 1
+    compare_block(a, b, "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
+    assert (widened, tally.changed_elements, tally.first, tally.changed_chunks) == ([1], 1, (500,), {(5,)})
+    assert tally.max_abs == 1.0
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.5}])
+def test_float32_differing_throughout_agrees_with_float64(tolerance):
+    """Every element differs: float32 compared as stored (no tolerance) or widened finds what
+    numpy finds in float64; an overflow or a NaN takes the exact path."""
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(5000) * 1e3).astype(np.float32)
+    b = (a + rng.standard_normal(5000).astype(np.float32)).astype(np.float32)
+    b[a == b] += 1
+    a[7], b[7] = 3e38, -3e38  # overflows in float32
+    for x, y in [(a[100:], b[100:]), (a, b)]:
+        tally = Tally()
+        n = x.size
+        compare_block(x, y, "float32", ((0,), (n,)), (1000,), tally, piece=1 << 16, **{"atol": 0.0, "rtol": 0.0, **tolerance})
+        gap = np.abs(x.astype(np.float64) - y)
+        assert tally.changed_elements == int((gap > tolerance.get("atol", 0.0)).sum())
+        assert tally.max_abs == gap.max()
+        assert tally.sq_diff == pytest.approx(float(np.sum(gap**2)), rel=1e-6)

@@ -428,6 +428,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         RestoreOptions: {
             **_NO_TARGET_READ,
             "format": "diff detects each side's format from its files: the two may differ",
+            "mapping": "diff compares the stored leaves as stored; map one side first with convert(mapping=...)",
         },
     },
     "tsckpt.convert": {

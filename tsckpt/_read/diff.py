@@ -1,8 +1,10 @@
 """diff(): what differs between two checkpoints of any formats tsckpt reads, leaf by leaf.
 
 Arrays are compared over A's stored chunk grid, in blocks of whole chunks where one fits the
-window, each block read from both sides through the lazy reader, so memory stays within the
-window whatever the checkpoints' size. A region whose stored data is known equal without
+window, each block read from both sides by restore's read engine (:func:`.engine.read_into`:
+the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
+stays within the window whatever the checkpoints' size. A block of the same bytes on both
+sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
 reading (:func:`known_equal`: today the same file on disk, a hard link or one checkpoint
 given twice) is not read.
 """
@@ -15,21 +17,25 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
 import numpy as np
 
 from .._base import dtypes as _dtypes
-from .._base.types import Box, box_slices
+from .._base.types import Box, Dest, ReadItem, box_slices
 from .._ondisk.arrays import chunk_key
+from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
+from .._ondisk.readfaults import unchanged
 from .._ondisk.records import LAYOUT_PLAIN
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
+from .._runtime import fork as _fork
 from .._runtime.progress import Progress
 from .._storage.locations import Directory
+from .engine import read_into
 from .open import open as open_reader
 from .reader import LazyArray
 
@@ -40,6 +46,8 @@ WORK_BYTES_PER_ELEMENT = 48
 # Elements compared at once, at most: pieces this small stay in the CPU's caches, and their
 # temporaries are reused from the heap rather than mapped (and faulted in) afresh.
 PIECE_ELEMENTS = 1 << 16
+# Bytes of a piece compared first, before the whole: unrelated pieces differ there already.
+PREFIX_BYTES = 1 << 12
 # Threads comparing pieces at once (numpy works without the GIL).
 COMPARING_THREADS = min(8, os.cpu_count() or 1)
 
@@ -204,13 +212,40 @@ class Tally:
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
                    rtol: float) -> tuple[float, float, float]:
     """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements)."""
-    na = _numbers(sa, dtype)
-    sq_a = _squared_norm(na)
-    if np.array_equal(sa.view(np.uint8), sb.view(np.uint8)):  # the same bits: nothing more to learn
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). A piece of the
+    same bytes costs a comparison of its bytes; where a few elements differ only those are
+    widened to float64 (the others add nothing to ``a - b``); float32 pieces that differ
+    throughout are compared as stored (:func:`_float32_differences`)."""
+    sq_a = _squared_norm(sa, dtype)
+    if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
         return 0.0, 0.0, sq_a
-    nb = _numbers(sb, dtype)
+    ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
+    if ne.ndim > 1:  # complex32: (re, im) pairs
+        ne = ne.any(axis=-1)
+    count = int(np.count_nonzero(ne))
+    if not count:
+        out[:] = False
+        return 0.0, 0.0, sq_a
+    if count == ne.size:
+        found = _float32_differences(sa, sb, ne, out) if sa.dtype == np.float32 and not (atol or rtol) else None
+        if found is not None:
+            return (*found, sq_a)
+        gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
+        out[:] = bad
+    else:
+        idx = np.flatnonzero(ne)
+        gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
+        out[:] = False
+        out[idx] = bad
+    return float(gap.max()), _sum_of_squares(gap), sq_a
+
+
+def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
+                         rtol: float) -> tuple[np.ndarray, np.ndarray]:
+    """``|a - b|`` in float64 (infinite where one side is NaN, 0 where both are alike) and
+    whether each element is beyond the tolerance, for elements of ``dtype`` as stored."""
+    na, nb = _numbers(ca, dtype), _numbers(cb, dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
         gap = np.abs(na - nb)
         bound = atol + rtol * np.abs(nb) if rtol else atol
@@ -219,14 +254,45 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
         alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
         gap[odd] = np.inf
         gap[alike] = 0.0
-    if sa.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
-        bad = sa != sb
+    if ca.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
+        bad = ca != cb
         if atol or rtol:
             bad &= ~(gap <= bound)
     else:  # no tolerance brings an infinity nearer
         bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
-    out[:] = bad
-    return float(gap.max()), _sum_of_squares(gap), sq_a
+    return gap, bad
+
+
+def _float32_differences(sa: np.ndarray, sb: np.ndarray, ne: np.ndarray,
+                         out: np.ndarray) -> tuple[float, float] | None:
+    """Without a tolerance, float32 elements differ where they are unequal and not both NaN;
+    the largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps order),
+    so it is found again in float64 over the few elements that reach it; the sum of squares
+    is of the differences rounded to float32 (relative error below 2**-23). None where a
+    difference is not finite in float32 (a NaN, an overflow): then the exact path answers."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = np.abs(sa - sb)
+    top = gap.max()
+    if not np.isfinite(top):
+        return None
+    out[:] = ne
+    at = np.flatnonzero(gap == top)
+    exact = np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max()
+    return float(exact), _sum_of_squares(gap.astype(np.float64))
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one dtype and shape hold the same bytes, compared as wide words
+    (a first few kilobytes alone, where they already differ)."""
+    x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    if x.size > 2 * PREFIX_BYTES and not np.array_equal(x[:PREFIX_BYTES], y[:PREFIX_BYTES]):
+        return False
+    whole = x.size - x.size % 8
+    if whole and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:
+        if not np.array_equal(x[:whole].view(np.uint64), y[:whole].view(np.uint64)):
+            return False
+        x, y = x[whole:], y[whole:]
+    return bool(np.array_equal(x, y))
 
 
 def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
@@ -264,14 +330,17 @@ def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: 
 
 
 def _sum_of_squares(x: np.ndarray) -> float:
-    """The sum of ``x**2`` (real ``x``), in numpy's own loop: BLAS's threads would spin
-    against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
+    """The sum of ``x**2`` (real float64 ``x``), in numpy's own loop: BLAS's threads would
+    spin against the readers' on a busy machine, for a sum that memory bandwidth bounds anyway."""
     return float(np.einsum("i,i->", x, x))
 
 
-def _squared_norm(x: np.ndarray) -> float:
-    """The sum of ``|x|**2`` over the finite elements of ``x``."""
-    size = np.abs(x) if x.dtype.kind == "c" else x
+def _squared_norm(x: np.ndarray, dtype: str) -> float:
+    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``),
+    in float64."""
+    size = x if x.dtype == np.float64 else _numbers(x, dtype)
+    if size.dtype.kind == "c":
+        size = np.abs(size)
     total = _sum_of_squares(size)
     if math.isfinite(total):
         return total
@@ -313,9 +382,10 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
                 continue
             yield from blocks(shard, chunk, limit)
 
+    read_a, read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
+
     def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
-        box = box_slices(*block)
-        return block, sides.pool.submit(la.read_box, box), sides.pool.submit(lb.read_box, box)
+        return block, sides.pool.submit(read_a, block), sides.pool.submit(read_b, block)
 
     def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
         block, da, db = reading
@@ -351,6 +421,33 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
         first_index=tally.first, bytes_read=read,
     )
     return found, skipped
+
+
+def engine_serves(leaf: LazyArray) -> bool:
+    """Whether the read engine of a restore reads ``leaf``'s blocks for diff (its own shard
+    and chunk readers where the checkpoint allows, else TensorStore or another format's
+    source): a plain stored array of a stored dtype numpy holds; the rest (a mapped leaf,
+    complex32's float16 pairs) is read through the lazy reader."""
+    return type(leaf) is LazyArray and leaf.dtype != "complex32"
+
+
+def _reader(ck: Checkpoint, leaf: LazyArray, window: int) -> Callable[[Box], np.ndarray]:
+    """How one side's blocks are read: through the engine where :func:`engine_serves`,
+    else the lazy reader; either way in the stored dtype, with the same checks (that the
+    checkpoint was not replaced: once over the whole diff, see :func:`diff`)."""
+    if not engine_serves(leaf):
+        return lambda block: leaf.read_box(box_slices(*block))
+    stored = ck.aliases.get(leaf.path, leaf.path)
+    dtype = _dtypes.numpy_dtype(leaf.dtype)
+
+    def read(block: Box) -> np.ndarray:
+        _fork.enter(f"reading '{leaf.path}'")
+        out = np.empty(block[1], dtype=dtype)
+        check_backed(ck, [stored], box_slices(*block))
+        read_into(ck, [Dest(ReadItem(stored, *block), out, None)], window=window)
+        return out
+
+    return read
 
 
 def _relative(sq_diff: float, sq_a: float) -> float:
@@ -436,7 +533,7 @@ def diff(
     equal when ``|a - b| <= atol + rtol * |b|`` (numpy's isclose; NaNs at the same index are
     equal; complex numbers by the modulus of the difference); the counts of changed chunks
     are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
-    in blocks through :func:`tsckpt.open`, at most ``max_inflight_bytes`` of reads and work
+    in blocks by the reader :func:`tsckpt.restore` uses, at most ``max_inflight_bytes`` of reads and work
     at a time; a region both sides keep in the same file (a hard link) is not read.
     ``progress`` shows a bar of bytes compared (default: when stderr is a terminal)."""
     RestoreOptions.of(locals())
@@ -452,6 +549,8 @@ def diff(
     found: list[LeafDiff] = []
     read = skipped = 0
     with (
+        unchanged(ra.checkpoint),  # never data of a checkpoint that replaced the one opened,
+        unchanged(rb.checkpoint),  # checked once after every read, as a restore does
         Progress("diff", where, show=progress) as bar,
         ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
         ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
