@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ._base import dtypes as _dtypes
 from ._base.casting import CASTINGS
@@ -36,6 +35,11 @@ from ._read.open import open as open_reader
 from ._read.reader import LazyArray, normalize_index
 from ._runtime.progress import human_bytes
 from ._version import __version__
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ._base.lazytorch import torch
 
 if TYPE_CHECKING:
     from ._read.verify import VerifyReport

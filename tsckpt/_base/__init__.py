@@ -9,6 +9,8 @@ Owns:
 - :mod:`.casting`: each dtype's place in the ``casting=`` order, which casts a policy
   allows, and the check of the values a cast would lose.
 - :mod:`.jaxtree`: JAX's pytree registry when jax is imported.
+- :mod:`.lazytorch`: torch imported only when a torch object is involved, and the type
+  tests (tensor, dtype, generator) that never import it.
 
 May import: :mod:`tsckpt._errors` only.
 """
