@@ -46,16 +46,20 @@ def is_generator(obj: object) -> TypeGuard[_torch.Generator]:
     return t is not None and isinstance(obj, t.Generator)
 
 
-class _LazyTorch(types.ModuleType):
-    """Stands for the torch module; the first attribute read imports torch, and later
-    reads are served from a copy of torch's namespace without another import."""
+class _LazyTorch:
+    """Stands for the torch module: each attribute read is torch's own (imported at the first),
+    so what is patched on torch later is seen too."""
+
+    __slots__ = ()
 
     def __getattr__(self, name: str) -> Any:
-        real = importlib.import_module("torch")
-        if not self.__dict__.get("_filled"):
-            self.__dict__.update(vars(real))
-            self.__dict__["_filled"] = True
-        return getattr(real, name)  # names torch binds later (its lazily loaded submodules)
+        real = sys.modules.get("torch")
+        if real is None:
+            real = importlib.import_module("torch")
+        return getattr(real, name)
+
+    def __repr__(self) -> str:
+        return "<torch, imported when first used>"
 
 
-torch: Any = _LazyTorch("torch")
+torch: Any = _LazyTorch()
