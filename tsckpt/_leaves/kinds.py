@@ -22,7 +22,6 @@ import numpy as np
 
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
-from .._base.lazytorch import is_dtype, is_tensor
 from .._base.lazytorch import is_dtype, is_tensor, loaded
 from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
 from .._errors import LeafTypeError, ShapeMismatchError, short_repr

@@ -344,7 +344,7 @@ def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
     if rec.kind == "numpy_scalar":
         return _dtypes.numpy_dtype(rec.dtype).type(0)
     if rec.dtype == "complex32" or (as_saved and rec.kind == "torch"):
-        dtype = _dtypes.torch_dtypes().get(rec.dtype)  # checked on load where torch was imported then
+        dtype = _dtypes.torch_dtypes().get(rec.dtype)  # checked on load too, where torch was imported by then
         if dtype is None:
             raise CorruptCheckpointError(
                 f"'{rec.path}': its record's 'kind' is 'torch' but torch has no dtype {rec.dtype!r}; "
