@@ -482,6 +482,23 @@ def test_a_torch_kind_needs_a_torch_dtype(ckdir):
         "'float8_e3m4'" in str(info.value)
 
 
+def test_a_torch_kind_needs_a_torch_dtype_where_torch_was_not_imported_on_load(ckdir, monkeypatch):
+    """A process without torch skips the load's check (it reads the array as numpy); as_saved imports
+    torch and refuses the record then."""
+    from tsckpt._ondisk import root
+
+    tsckpt.save(ckdir, {"e3": np.ones(2, ml_dtypes.float8_e3m4)})
+    edit_root(ckdir, lambda r: r["attributes"]["tsckpt"]["arrays"][0].update(kind="torch"))
+    monkeypatch.setattr(root, "loaded", lambda: None)
+    assert tsckpt.restore(ckdir)["e3"].tolist() == [1.0, 1.0]
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.restore(ckdir, as_saved=True)
+    assert str(info.value) == (
+        "'e3': its record's 'kind' is 'torch' but torch has no dtype 'float8_e3m4'; restore it without "
+        "as_saved=True to read it as a numpy array"
+    )
+
+
 # ---- a checkpoint replaced or deleted while it is read ---------------------------------------
 
 

@@ -96,8 +96,8 @@ def leaf_of(name: str, shape: tuple[int, ...]):
     """A leaf of logical dtype ``name`` with random bits: a torch tensor where torch has
     the dtype, else a numpy array of the ml_dtypes type (4-bit types: low 4 bits only)."""
     n = math.prod(shape)
-    if name in tsdtypes.TORCH_DTYPES and name not in FOUR_BIT:
-        dtype = tsdtypes.TORCH_DTYPES[name]
+    if name in tsdtypes.torch_dtypes() and name not in FOUR_BIT:
+        dtype = tsdtypes.torch_dtypes()[name]
         return tensor_from_bytes(RNG.bytes(n * torch.empty((), dtype=dtype).element_size()), shape, dtype)
     dt = tsdtypes.numpy_dtype(name)
     raw = RNG.integers(0, 16 if name in FOUR_BIT else 256, size=n * dt.itemsize, dtype=np.uint8)

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ._base import dtypes as _dtypes
 from ._base.casting import CASTINGS
@@ -39,6 +38,11 @@ from ._read.reader import LazyArray, normalize_index
 from ._runtime.progress import human_bytes
 from ._version import __version__
 from .mappings import load as load_rules
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ._base.lazytorch import torch
 
 if TYPE_CHECKING:
     from ._read.diff import LeafDiff

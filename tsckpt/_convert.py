@@ -19,13 +19,13 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-import torch
 
 from ._base import dtypes as _dtypes
 from ._base.casting import CastCheck, check_cast
+from ._base.lazytorch import is_dtype, is_tensor
 from ._base.mapping import Rules
 from ._base.types import LazySource, Local
 from ._errors import NotACheckpointError
@@ -44,6 +44,11 @@ from ._storage import hfcache
 from ._storage.confine import link_refused
 from ._storage.locations import Directory, resolve
 from .tree import child, flatten, from_paths, own_order, structure_from_json, structure_to_json
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ._base.lazytorch import torch
 
 TARGETS = ("tsckpt", "safetensors")
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
@@ -97,10 +102,10 @@ def parse_size(size: int | str | None, what: str = "max_shard_size") -> int | No
 
 
 def parse_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None or is_dtype(dtype):
         return dtype
     candidate = getattr(torch, str(dtype), None)
-    if not isinstance(candidate, torch.dtype) or not candidate.is_floating_point:
+    if not is_dtype(candidate) or not candidate.is_floating_point:
         raise ValueError(f"dtype {dtype!r}: expected a floating-point torch dtype such as bfloat16 or float16")
     return candidate
 
@@ -152,7 +157,7 @@ def _reader(
     def read(box: tuple[slice, ...]) -> np.ndarray:
         block = data[box]
         arr: np.ndarray
-        if isinstance(block, torch.Tensor):
+        if is_tensor(block):
             arr = _dtypes.tensor_to_numpy(block.detach().cpu().contiguous())
         else:
             arr = np.asarray(block)
@@ -331,7 +336,7 @@ def floating_dtype(path: str, dtypes: dict[str, str]) -> str | None:
     as no config can name them (transformers would load every weight as the config's one)."""
     by_dtype: dict[str, list[str]] = {}
     for name, dt in dtypes.items():
-        tdt = _dtypes.TORCH_DTYPES.get(dt)
+        tdt = _dtypes.torch_dtypes().get(dt)
         if tdt is not None and tdt.is_floating_point:
             by_dtype.setdefault(dt, []).append(name)
     if len(by_dtype) <= 1:

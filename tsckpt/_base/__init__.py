@@ -9,6 +9,8 @@ Owns:
 - :mod:`.casting`: each dtype's place in the ``casting=`` order, which casts a policy
   allows, and the check of the values a cast would lose.
 - :mod:`.jaxtree`: JAX's pytree registry when jax is imported.
+- :mod:`.lazytorch`: torch imported only when a torch object is involved, and the type
+  tests (tensor, dtype, generator) that never import it.
 - :mod:`.mapping`: transforms on read: ``Rule``, ``Rules`` and the views, their resolution
   against stored leaves, and the planner of each target region's stored boxes.
 

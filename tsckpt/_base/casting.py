@@ -23,10 +23,11 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import torch
 
 from .._errors import LeafTypeError, LossyCastError
 from . import dtypes as _dtypes
+
+from .lazytorch import is_dtype
 
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 _KINDS = "buifc"
@@ -353,14 +354,20 @@ class CastCheck:
         return self.first
 
 
+def _is_stored_dtype(target: Any, stored: str) -> bool:
+    """``target`` is torch's dtype of the stored name itself (one lookup, no numpy dtype made)."""
+    return is_dtype(target) and target is _dtypes.torch_dtypes().get(stored)
+
+
 def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastCheck | None:
     """Whether ``casting`` lets a restore cast the stored dtype into ``target`` (a torch or
     numpy dtype): raises :class:`LeafTypeError` before anything is read when it does not.
     Returns the check to run on the values read when the cast may lose some, None when it
     cannot (same dtype, or a cast that keeps every value up to a float's rounding)."""
-    if target is _dtypes.TORCH_DTYPES.get(stored):  # the stored dtype itself, the usual case: no cast
+    if _is_stored_dtype(target, stored):  # the usual case: no cast
         return None
-    if isinstance(target, torch.dtype):
+    is_torch = is_dtype(target)
+    if is_torch:
         name = _dtypes.torch_name(target) if _dtypes.is_supported_torch(target) else None
         shown, swapped = str(target), False
     else:
@@ -374,8 +381,7 @@ def check_cast(path: str, stored: str, target: Any, *, casting: str) -> CastChec
     storage = _dtypes.storage_dtype(stored)
     raw = storage != stored and stored != "complex32"  # raw bits: no numeric value to cast
     # torch has no copy kernels for int4, and no dtype at all for some ml_dtypes
-    castable = isinstance(getattr(torch, stored, None), torch.dtype) and stored != "int4"
-    if isinstance(target, torch.dtype) and name != stored and not raw and not castable:
+    if is_torch and name != stored and not raw and (stored not in _dtypes.torch_dtypes() or stored == "int4"):
         raise LeafTypeError(
             f"'{path}': stored dtype {stored} cannot be cast to {target} by torch; use a {stored} tensor "
             "or a numpy array as the target"

@@ -9,11 +9,18 @@ and packed/bit dtypes as unsigned integers of the same width.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-import torch
+
+from .lazytorch import is_dtype
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .lazytorch import torch
 
 # Logical names whose storage dtype is the same zarr data_type.
 _NATIVE = {
@@ -58,8 +65,8 @@ _RAW_BITS = {
 }
 # Every logical dtype name this tsckpt reads (:func:`is_known`).
 LOGICAL_NAMES = (*_NATIVE, "complex32", *_RAW_BITS)
-_UINT_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_UINT_TORCH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # names: torch is imported when a tensor is met
 
 
 _TORCH_NAMES: dict[torch.dtype, str] = {}  # filled as dtypes are met: asked several times per leaf
@@ -122,7 +129,7 @@ def numpy_dtype(logical: str) -> np.dtype:
 
 def _torch_dtype_or_none(logical: str) -> torch.dtype | None:
     dt = getattr(torch, logical, None)
-    return dt if isinstance(dt, torch.dtype) else None
+    return dt if is_dtype(dt) else None
 
 
 def torch_dtype(logical: str) -> torch.dtype:
@@ -132,10 +139,11 @@ def torch_dtype(logical: str) -> torch.dtype:
     return dt
 
 
-# torch's dtype of each logical name that has one (:func:`torch_dtype`), looked up once.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: dt for name in LOGICAL_NAMES if (dt := _torch_dtype_or_none(name)) is not None
-}
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """torch's dtype of each logical name that has one (:func:`torch_dtype`), looked up once
+    (the first call imports torch)."""
+    return {name: dt for name in LOGICAL_NAMES if (dt := _torch_dtype_or_none(name)) is not None}
 
 
 _TORCH_NUMPY_OK = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -155,7 +163,7 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     if name in _TORCH_NUMPY_OK:
         return t.numpy()
     # dtypes numpy lacks: reinterpret the bits (same element size, any strides)
-    return t.view(_UINT_TORCH[t.element_size()]).numpy().view(_NATIVE[storage_dtype(name)])
+    return t.view(getattr(torch, _UINT_TORCH[t.element_size()])).numpy().view(_NATIVE[storage_dtype(name)])
 
 
 def numpy_to_tensor(a: np.ndarray, logical: str) -> torch.Tensor:

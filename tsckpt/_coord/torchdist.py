@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import sys
 import threading
 import time
 from typing import Any
@@ -220,18 +221,17 @@ def _job_store() -> Any:
         return None
 
 
-def _initialized() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_initialized()
+def torch_initialized() -> bool:
+    """Whether torch.distributed has a default process group; asked without importing torch,
+    as none exists before torch.distributed is imported (a JAX or numpy process)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def rank_of(group: Any = None) -> int:
     """This process's rank in ``group`` (default: the default group); without torch.distributed,
     its process index in a jax.distributed job, else 0."""
-    if not _initialized():
+    if not torch_initialized():
         jax = jax_coordinator(DEFAULT_TIMEOUT)
         return jax.rank if jax is not None else 0
     import torch.distributed as dist
@@ -242,7 +242,7 @@ def rank_of(group: Any = None) -> int:
 def is_distributed() -> bool:
     """torch.distributed is initialized with more than one rank, or a jax.distributed job has
     more than one process."""
-    if not _initialized():
+    if not torch_initialized():
         return jax_coordinator(DEFAULT_TIMEOUT) is not None
     import torch.distributed as dist
 
@@ -262,7 +262,7 @@ def coordinator_for(
     so a background commit never interleaves its collectives with a save or
     restore the training loop runs meanwhile.
     """
-    if not _initialized():
+    if not torch_initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return jax_coordinator(timeout or DEFAULT_TIMEOUT) or Solo()

@@ -21,12 +21,12 @@ import pickle
 import stat
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._base import dtypes as _dtypes
+from .._base.lazytorch import is_dtype
 from .._base.types import LazySource, span_slices
 from .._errors import (
     CheckpointNotFoundError,
@@ -41,6 +41,11 @@ from .._ondisk.records import MAX_ELEMENTS, MAX_NDIM
 from .._storage.confine import Root, confined, open_read
 from ..tree import MAX_STRUCTURE_DEPTH, escape, from_paths, paths_problem, structure_from_json, structure_from_paths
 from .torchfile import plain_tree, reason, weights_only_refusal
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 # The pickled metadata file dcp.save writes last: its presence marks a DCP directory.
 METADATA_FILE = ".metadata"
@@ -212,7 +217,7 @@ def _check_tensor(path: str, key: str, md: Any, listed: set[tuple[str, Any]]) ->
     if size is None:
         raise _corrupt(path, f"{field}.size", f"expected a shape under 2**59 elements, found {short_repr(md.size)}")
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
-    if not isinstance(dtype, torch.dtype) or not _dtypes.is_supported_torch(dtype):
+    if not is_dtype(dtype) or not _dtypes.is_supported_torch(dtype):
         raise _corrupt(path, f"{field}.properties.dtype", f"expected a torch dtype tsckpt stores, found {short_repr(dtype)}")
     chunks = getattr(md, "chunks", None)
     if not isinstance(chunks, list):

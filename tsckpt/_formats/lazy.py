@@ -19,12 +19,12 @@ These formats store no checksums: nothing read here is checked against one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._base import dtypes as _dtypes
+from .._base.lazytorch import is_dtype, is_tensor
 from .._base.types import LazySource
 from .._leaves.kinds import logical_dtype
 from .._leaves.registry import memory
@@ -32,6 +32,11 @@ from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
 from .._storage.locations import Location
 from ..tree import flatten, structure_to_json
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 # Bytes of one block a reader asks a source for: restore and verify read an array's region
 # block by block (the "shards" of its record), so a read that needs a buffer holds one block.
@@ -43,7 +48,7 @@ def as_source(leaf: Any) -> LazySource | None:
     sliced when read); None for a plain value."""
     if isinstance(leaf, LazySource):
         return leaf
-    if isinstance(leaf, torch.Tensor):
+    if is_tensor(leaf):
         return LazySource(tuple(leaf.shape), leaf.dtype, leaf.__getitem__, kind="torch")
     if isinstance(leaf, (np.ndarray, np.generic)):
         arr = np.asarray(leaf)
@@ -94,7 +99,7 @@ def as_checkpoint(loc: Location, fmt: str, tree: Any) -> Checkpoint:
 def storage(block: Any) -> np.ndarray:
     """A block a source returned (a torch tensor or numpy array) as numpy in its storage dtype
     (complex32 as float16 pairs); a view where it can be."""
-    if isinstance(block, torch.Tensor):
+    if is_tensor(block):
         return _dtypes.tensor_to_numpy(block)
     return np.asarray(block)
 
@@ -122,5 +127,5 @@ def _lengths(box: tuple[slice, ...]) -> tuple[int, ...]:
 
 
 def _storage_dtype(src: LazySource) -> np.dtype[Any]:
-    name = _dtypes.torch_name(src.dtype) if isinstance(src.dtype, torch.dtype) else _dtypes.numpy_name(np.dtype(src.dtype))
+    name = _dtypes.torch_name(src.dtype) if is_dtype(src.dtype) else _dtypes.numpy_name(np.dtype(src.dtype))
     return np.dtype(_dtypes.numpy_dtype(str(name)))

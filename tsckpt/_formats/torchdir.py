@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
+from .._base.lazytorch import is_tensor
 from .._errors import CorruptCheckpointError, NotACheckpointError, short_repr
 from .._storage.confine import Root, confined
 from .safetensors import read_index
 from .torchfile import read_torch_file
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 INDEX_NAME = "pytorch_model.bin.index.json"
 SINGLE_NAME = "pytorch_model.bin"
@@ -69,7 +74,7 @@ def read_torch_dir(path: str) -> Any:
         if missing:
             raise CorruptCheckpointError(f"{file}: holds no tensor {missing[0]!r}, but {index_name} maps it there")
         for name in sorted(names, key=list(shard).index):
-            if not isinstance(shard[name], torch.Tensor):
+            if not is_tensor(shard[name]):
                 raise CorruptCheckpointError(
                     f"{file}: {name!r} is {short_repr(shard[name])}, not a tensor, but {index_name} maps it there as one"
                 )

@@ -18,16 +18,21 @@ import re
 import stat
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from .._base.lazytorch import is_tensor
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, LeafTypeError, NotACheckpointError
 from .._storage.confine import Confined, file_kind, open_read
 from .._storage.hfcache import Blob
 from ..tree import ROOT_LEAF_PATH, flatten, unflatten
 from .safetensors import is_safetensors_file
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 _ZIP_MAGIC = b"PK\x03\x04"  # every torch.save since 1.6 writes a zip archive
 _PICKLE_PROTO = 0x80  # a legacy file is a pickle stream, which starts with the PROTO opcode
@@ -140,7 +145,7 @@ def plain_tree(tree: Any, where: str) -> Any:
         at = where if p == ROOT_LEAF_PATH else f"{where}: leaf '{p}'"
         if isinstance(leaf, torch.Size):
             leaf = tuple(int(n) for n in leaf)
-        elif isinstance(leaf, torch.Tensor):
+        elif is_tensor(leaf):
             if leaf.layout != torch.strided:
                 raise LeafTypeError(f"{at} is a {leaf.layout} tensor; only dense tensors are stored, save it .to_dense()")
             _check_view(leaf, at)

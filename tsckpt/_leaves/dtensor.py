@@ -10,15 +10,19 @@ that private helper.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from .._base.casting import check_cast
 from .._base.types import Dest, Local, ReadItem
 from .._errors import LayoutError
 from .._ondisk.records import ArrayRecord
 from .kinds import LeafKind, Memory, check_shape, region_leaf, tensor_memory, writable_tensor
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 
 def is_dtensor(x: Any) -> bool:

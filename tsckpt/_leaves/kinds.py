@@ -16,16 +16,21 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
+from .._base.lazytorch import is_dtype, is_tensor, loaded
 from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
 from .._errors import LeafTypeError, ShapeMismatchError, short_repr
 from .._ondisk.records import ArrayRecord, extent_problem
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 Memory = tuple[Any, ...]
 
@@ -87,7 +92,7 @@ def materialise_device(t: torch.Tensor) -> torch.device:
 
 def logical_dtype(path: str, dtype: Any) -> str:
     """tsckpt's dtype name for a torch or numpy dtype, or a precise error."""
-    if isinstance(dtype, torch.dtype):
+    if is_dtype(dtype):
         if not _dtypes.is_supported_torch(dtype):
             raise LeafTypeError(
                 f"'{path}': torch dtype {dtype} cannot be stored; convert it first "
@@ -108,7 +113,7 @@ def region_leaf(
 ) -> Local:
     """A leaf that is the region of a global array starting at ``offsets``; tensors
     without plain readable memory are refused here, before a save claims its directory."""
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
         _check_storable(path, data)
     check_extents(path, global_shape)
     dtype = logical_dtype(path, data.dtype)
@@ -160,10 +165,11 @@ def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     Restores write every byte of a fresh destination once, so its cost is
     dominated by first-touch page faults; torch's allocator asks the kernel for
     transparent huge pages on large blocks (about 5x fewer faults per GiB than
-    numpy's allocations where THP is opt-in, as on most distributions)."""
+    numpy's allocations where THP is opt-in, as on most distributions). A process that has
+    not imported torch (JAX, numpy) gets numpy's allocation instead of importing it."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < (2 << 20):
+    if nbytes < (2 << 20) or loaded() is None:
         return np.empty(shape, dtype)
     return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
 
@@ -188,7 +194,7 @@ def storage_numpy(data: Any) -> np.ndarray:
     """Local data as a CPU numpy array in its storage dtype (a view when possible)."""
     if isinstance(data, LazySource):
         data = data[tuple(slice(0, n) for n in data.shape)]
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
         if data.device.type != "cpu":
             data = data.detach().cpu()
         return _dtypes.tensor_to_numpy(data)
@@ -197,7 +203,7 @@ def storage_numpy(data: Any) -> np.ndarray:
 
 def checksum(data: Any) -> int:
     """Cheap content checksum of a local region, compared across replicas."""
-    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+    if is_tensor(data) and data.device.type != "cpu":
         flat = data.detach().contiguous().view(-1)
         if flat.numel() == 1:  # a size-1 dim may keep any stride, which view(uint8) rejects
             flat = flat.clone(memory_format=torch.contiguous_format)
@@ -250,7 +256,7 @@ class LeafKind:
 
 class TorchKind(LeafKind):
     def owns(self, leaf: Any) -> bool:
-        return isinstance(leaf, torch.Tensor)
+        return is_tensor(leaf)
 
     def describe(self, path: str, leaf: torch.Tensor) -> Local:
         return region_leaf(path, leaf, leaf.shape, (0,) * leaf.dim(), "torch")
@@ -320,7 +326,7 @@ class ShardedKind(LeafKind):
         return isinstance(leaf, ShardedArray)
 
     def describe(self, path: str, leaf: ShardedArray) -> Local:
-        kind = "torch" if isinstance(leaf.local, torch.Tensor) else "numpy"
+        kind = "torch" if is_tensor(leaf.local) else "numpy"
         return region_leaf(path, leaf.local, leaf.global_shape, leaf.offsets, kind)
 
     def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool, casting: str) -> Dest:
@@ -329,9 +335,9 @@ class ShardedKind(LeafKind):
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         item = ReadItem(path, leaf.offsets, tuple(local.shape))
         t: Any
-        if isinstance(local, torch.Tensor) and local.device.type == "meta":  # a new tensor, in place or not
+        if is_tensor(local) and local.device.type == "meta":  # a new tensor, in place or not
             t = torch.empty(local.shape, dtype=local.dtype, device=materialise_device(local))
-        elif isinstance(local, torch.Tensor):
+        elif is_tensor(local):
             t = writable_tensor(local, path) if inplace else torch.empty_like(local)
         else:
             t = writable(local if inplace else host_empty(local.shape, local.dtype), path)
@@ -341,7 +347,7 @@ class ShardedKind(LeafKind):
         return next((k.memory(leaf.local) for k in self._local_kinds if k.owns(leaf.local)), None)
 
     def materialises(self, leaf: ShardedArray) -> bool:
-        return isinstance(leaf.local, torch.Tensor) and leaf.local.device.type == "meta"
+        return is_tensor(leaf.local) and leaf.local.device.type == "meta"
 
 
 class SpecKind(LeafKind):
@@ -353,7 +359,7 @@ class SpecKind(LeafKind):
     def destination(self, rec: ArrayRecord, path: str, leaf: ArraySpec, inplace: bool, casting: str) -> Dest:
         if leaf.shape is not None:
             check_shape(path, tuple(leaf.shape), rec.shape)
-        if isinstance(leaf.dtype, torch.dtype):
+        if is_dtype(leaf.dtype):
             cast = check_cast(path, rec.dtype, leaf.dtype, casting=casting)
             t = torch.empty(rec.shape, dtype=leaf.dtype, device=leaf.device or "cpu")
             return Dest(whole(rec, path), t, t, cast=cast)

@@ -20,23 +20,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
+from .._base.lazytorch import is_generator, is_tensor
 from .._errors import StructureMismatchError
 from ..tree import flatten, leaves, unflatten
 
-# Leaves and containers that are never stateful objects, told apart by one isinstance check.
-_PLAIN = (torch.Tensor, np.ndarray, np.generic, dict, list, tuple, str, bytes, int, float, type(None))
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
+
+# Leaves and containers that are never stateful objects, told apart by one isinstance check
+# (and torch tensors, by :func:`_is_plain`).
+_PLAIN = (np.ndarray, np.generic, dict, list, tuple, str, bytes, int, float, type(None))
+
+
+def _is_plain(obj: Any) -> bool:
+    return isinstance(obj, _PLAIN) or is_tensor(obj)
 
 
 def is_stateful(obj: Any) -> bool:
     """Has ``state_dict()`` and ``load_state_dict()`` (or is a ``torch.Generator``)."""
-    if isinstance(obj, _PLAIN) or isinstance(obj, Mapping):
+    if _is_plain(obj) or isinstance(obj, Mapping):
         return False
-    if isinstance(obj, torch.Generator):
+    if is_generator(obj):
         return True
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -50,18 +60,18 @@ def is_whole_state(obj: Any) -> bool:
 
 def _is_object(node: Any) -> bool:
     """A stateful object or a whole state: a leaf of the traversal that finds them."""
-    return not isinstance(node, _PLAIN) and (is_stateful(node) or is_whole_state(node))
+    return not _is_plain(node) and (is_stateful(node) or is_whole_state(node))
 
 
 def state_of(obj: Any) -> Any:
     """The state a save stores for a stateful object."""
-    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+    return obj.get_state() if is_generator(obj) else obj.state_dict()
 
 
 def load_state(obj: Any, state: Any) -> Any:
     """Load ``state`` into a stateful object; returns the object."""
-    if isinstance(obj, torch.Generator):
-        data = state if isinstance(state, torch.Tensor) else torch.from_numpy(np.asarray(state))
+    if is_generator(obj):
+        data = state if is_tensor(state) else torch.from_numpy(np.asarray(state))
         obj.set_state(data.to(torch.uint8).cpu().contiguous())
     else:
         obj.load_state_dict(state)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
-import torch
 
 from .._base import dtypes as _dtypes
 from .._base.types import Dest, ReadItem, box_slices
@@ -33,6 +32,11 @@ from .._runtime.memory import release_free_memory
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .reader import LazyArray
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 
 def _viewable(dest: Dest, stored: str) -> bool:

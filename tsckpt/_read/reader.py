@@ -4,12 +4,11 @@ the index touches) and the :class:`Reader` mapping of leaf paths to arrays and v
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import optree
 import tensorstore as ts
-import torch
 
 from .._base import dtypes as _dtypes
 from .._formats import lazy
@@ -18,6 +17,11 @@ from .._ondisk.checkpoint import Checkpoint, Opening
 from .._ondisk.readfaults import corrupt_error, node_error, unchanged
 from .._runtime import fork as _fork
 from ..tree import ROOT_LEAF_PATH, child
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 
 def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:

@@ -9,18 +9,24 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._base import dtypes as _dtypes
+from .._base.lazytorch import is_tensor
 from .._base.mapping import Rules
 from .._base.types import ArraySpec, Dest
 from .._codec.route import setting as codec_setting
 from .._coord.protocol import phase
 from .._coord.torchdist import coordinator_for
-from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError, count_and_list
+from .._errors import (
+    CorruptCheckpointError,
+    LeafTypeError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    count_and_list,
+)
 from .._formats.sources import open_checkpoint
 from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.stateful import expand, is_whole_state
@@ -35,6 +41,11 @@ from .._storage.locations import Directory
 from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .engine import read_into
 from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 
 class RestoreWarning(UserWarning):
@@ -332,7 +343,7 @@ def _host_span(t: Any) -> tuple[int, int] | None:
         lo = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s < 0)
         hi = sum((n - 1) * s for n, s in zip(t.shape, t.strides) if s > 0) + t.itemsize
         return (base + lo, hi - lo)
-    if not isinstance(t, torch.Tensor) or not t.is_cpu or t.untyped_storage().resizable() or t.numel() == 0:
+    if not is_tensor(t) or not t.is_cpu or t.untyped_storage().resizable() or t.numel() == 0:
         return None
     return (t.data_ptr(), (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size())
 
@@ -375,7 +386,13 @@ def saved_kind_target(rec: ArrayRecord, as_saved: bool) -> Any:
     if rec.kind == "numpy_scalar":
         return _dtypes.numpy_dtype(rec.dtype).type(0)
     if rec.dtype == "complex32" or (as_saved and rec.kind == "torch"):
-        return ArraySpec(rec.shape, _dtypes.torch_dtype(rec.dtype))
+        dtype = _dtypes.torch_dtypes().get(rec.dtype)  # checked on load too, where torch was imported by then
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"'{rec.path}': its record's 'kind' is 'torch' but torch has no dtype {rec.dtype!r}; "
+                "restore it without as_saved=True to read it as a numpy array"
+            )
+        return ArraySpec(rec.shape, dtype)
     return ArraySpec(rec.shape, None)
 
 

@@ -26,12 +26,17 @@ import collections
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
+from .._base.lazytorch import is_tensor
 from .._base.types import Box
 from .._storage.native import aligned_size
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 # Offsets of the pieces in host memory (and of the tensors in a slab) are multiples of
 # ALIGN (page-aligned, :func:`align`), so every dtype is aligned and direct I/O could use them.
@@ -42,7 +47,7 @@ DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 def on_device(data: Any) -> bool:
     """Whether ``data`` is a tensor in device memory, which needs a copy to reach the host."""
-    return isinstance(data, torch.Tensor) and data.device.type in DEVICE_TYPES
+    return is_tensor(data) and data.device.type in DEVICE_TYPES
 
 
 align = aligned_size  # n rounded up to a multiple of ALIGN

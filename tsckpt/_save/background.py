@@ -39,13 +39,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
+from .._base.lazytorch import is_tensor
 from .._base.types import LazySource, ShardedArray
-from .._coord.torchdist import rank_of
+from .._coord.torchdist import coordinator_for, rank_of, torch_initialized
 from .._errors import SaveInProgressError
 from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_copy
 from .._leaves.registry import describe, memory
@@ -67,6 +67,11 @@ from .._runtime.memory import BACKGROUND_SAVE_THREAD
 from .._storage.locations import Directory, resolve
 from ..tree import flatten, unflatten
 from .guard import Guard
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 # Failed saves whose outcome nobody has asked for yet.
 _failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
@@ -191,7 +196,7 @@ class _Staging:
 
     @staticmethod
     def _key(path: Any, data: Any) -> tuple[Any, ...]:
-        if isinstance(data, torch.Tensor):
+        if is_tensor(data):
             return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
         # the dtype itself: its .str is '<V1' for several float8 formats alike
         if is_jax_array(data):
@@ -235,7 +240,7 @@ class _Staging:
                 out.append(out[tied])
                 continue
             buf = kept.get(key)
-            if isinstance(data, torch.Tensor):
+            if is_tensor(data):
                 src = data.detach()
                 if _devicecopy.on_device(src):
                     buf = kept[key]  # made by _pin
@@ -504,7 +509,7 @@ def _least(*limits: int | None) -> int | None:
 
 
 def _nbytes(data: Any) -> int:
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
         return data.numel() * data.element_size()
     return int(data.nbytes)
 
@@ -513,13 +518,7 @@ def prepare_group(group: Any, timeout: datetime.timedelta | None) -> None:
     """Under torch.distributed, create the gloo group save() coordinates over now, in the
     caller's thread: creating a group is a collective on the default group, which must
     never run in the background next to the training loop's own collectives."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return
-    if dist.is_available() and dist.is_initialized():
-        from .._coord.torchdist import coordinator_for
-
+    if torch_initialized():
         coordinator_for(group, timeout, channel="background")
 
 

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
 
+from .._base.lazytorch import is_tensor, loaded
 from .._leaves.dtensor import is_dtensor
 from .._leaves.stateful import is_stateful, is_whole_state
 from ..tree import leaves
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 # The name of the thread that makes the deferred copies.
 STAGING_THREAD = "tsckpt-staging"
@@ -48,7 +53,6 @@ STAGING_THREAD = "tsckpt-staging"
 DEFER_MIN_BYTES = 256 << 10
 
 Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -66,7 +70,8 @@ def hookable(optim: Any) -> torch.optim.Optimizer | None:
     ``step`` runs torch's hooks, else the optimizer a wrapper steps (its ``optimizer``, as
     accelerate's wrapper holds); None where there is none (its tensors are then copied at the call)."""
     seen: set[int] = set()
-    while isinstance(optim, torch.optim.Optimizer) and id(optim) not in seen:
+    t = loaded()  # no optimizer exists before torch is imported
+    while t is not None and isinstance(optim, t.optim.Optimizer) and id(optim) not in seen:
         seen.add(id(optim))
         if getattr(type(optim).step, "hooked", False) and isinstance(
             getattr(optim, "_optimizer_step_pre_hooks", None), dict
@@ -92,7 +97,9 @@ def _span(t: Any) -> Span | None:
     """The memory of ``t`` where overlapped staging may copy it later: a plain, dense,
     contiguous CPU tensor (or parameter) of at least :data:`DEFER_MIN_BYTES`; else None
     (tensor subclasses, sparse tensors and views are copied at the call)."""
-    if type(t) not in _PLAIN_TENSORS or not t.is_cpu or t.layout != torch.strided:
+    if not is_tensor(t) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if not t.is_cpu or t.layout != torch.strided:
         return None
     n = t.nbytes
     if n == 0 or n < DEFER_MIN_BYTES or not t.is_contiguous():
@@ -105,7 +112,7 @@ def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
     """The memory of the tensors ``optim.step()`` writes that may be copied later: its
     parameters and state."""
     tensors = [p for g in optim.param_groups for p in g["params"]]
-    tensors += [v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors += [v for s in optim.state.values() for v in s.values() if is_tensor(v)]
     return {m for m in (_span(_local(t)) for t in tensors) if m is not None}
 
 

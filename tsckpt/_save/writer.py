@@ -62,13 +62,13 @@ import uuid
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
+from .._base.lazytorch import is_tensor
 from .._base.types import LazySource
-from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed
+from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
 from .._errors import WriterLostError
 from .._leaves.jaxarray import JaxRegion
 from .._runtime import devicecopy as _devicecopy
@@ -76,6 +76,11 @@ from .._runtime import sharedmem
 from ..tree import Flat, structure_to_json
 from .background import BACKGROUND_NICE, AsyncSave
 from .protocol import Staged
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._base.lazytorch import torch
 
 log = logging.getLogger("tsckpt")
 
@@ -196,8 +201,8 @@ class WriterSlot:
             offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
             if offset is None:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
-            is_tensor = isinstance(copy, torch.Tensor)
-            message_leaves[i] = _Buffer(offset, is_tensor, copy.dtype, tuple(copy.shape), where)
+            tensor = is_tensor(copy)
+            message_leaves[i] = _Buffer(offset, tensor, copy.dtype, tuple(copy.shape), where)
         if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
             self.close()
             w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
@@ -215,11 +220,11 @@ class WriterSlot:
             return "its location lives in this process's memory"
         if any(isinstance(where, JaxRegion) for _, _, _, where in regions):
             return "it holds jax arrays"
-        if any(isinstance(d, torch.Tensor) and _devicecopy.on_device(d) for _, _, d, _ in regions):
+        if any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
             return "it holds CUDA tensors"
         if any(isinstance(leaf, LazySource) for leaf in leaves):
             return "it holds lazy sources"
-        if not _torch_distributed() and is_distributed():
+        if not torch_initialized() and is_distributed():
             return "a jax.distributed job: the writer processes coordinate over torch.distributed"
         return None
 
@@ -234,7 +239,7 @@ class WriterSlot:
         every rank start a new one (the writers' group lost a member: none can be used again),
         so the ranks' writers always run the same saves, in one group. Rank 0 serves the store
         the writers meet through (made once, on a port the system picks)."""
-        if not _torch_distributed():
+        if not torch_initialized():
             return reason, (None if stale else False)
         import torch.distributed as dist
 
@@ -270,14 +275,8 @@ class WriterSlot:
             w.close()
 
 
-def _torch_distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def _group_ranks(group: Any) -> tuple[int, ...] | None:
-    if group is None or not _torch_distributed():
+    if group is None or not torch_initialized():
         return None
     import torch.distributed as dist
 

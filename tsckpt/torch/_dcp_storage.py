@@ -316,7 +316,7 @@ def _index(ck: Checkpoint, checkpoint_id: Any) -> _Index:
             leaves.append(ck.values[p])
             continue
         md = ck.array_metadata(p)
-        dtype = _dtypes.TORCH_DTYPES.get(md.dtype)
+        dtype = _dtypes.torch_dtypes().get(md.dtype)
         if dtype is None:
             raise LeafTypeError(
                 f"{ck.location}: '{p}' is stored as {md.dtype}, which torch has no dtype for, and DCP loads "
