@@ -8,16 +8,18 @@ format themselves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
 from .._errors import CorruptCheckpointError
+from .._storage import faults as _faults
 from .._storage import locations as _locations
 from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
@@ -141,13 +143,29 @@ class Checkpoint:
         for any other checkpoint."""
         mirror = self._mirror()
         if mirror is not None and self.layout == LAYOUT_PLAIN:
-            mirror.add(keys, field=f"leaf {leaf!r}: the file")
+            with self._storage_faults(leaf):
+                mirror.add(keys, field=f"leaf {leaf!r}: the file")
 
     def hold_tree(self, path: str) -> None:
         """:meth:`hold` every file below array ``path`` (:meth:`Mirror.add_tree`)."""
         mirror = self._mirror()
         if mirror is not None and self.layout == LAYOUT_PLAIN:
-            mirror.add_tree(path, field=f"leaf {path!r}: the file")
+            with self._storage_faults(path):
+                mirror.add_tree(path, field=f"leaf {path!r}: the file")
+
+    @contextlib.contextmanager
+    def _storage_faults(self, leaf: str) -> Iterator[None]:
+        """An operating-system error of opening a file of ``leaf`` (permission denied, an I/O
+        error) raised as the StorageError every read raises for it, naming the file's full path."""
+        try:
+            yield
+        except OSError as e:
+            if self.location.local is not None and e.filename and not os.path.isabs(str(e.filename)):
+                e.filename = os.path.join(self.location.local, str(e.filename))
+            problem = _faults.storage_problem(self.location, e, leaf=leaf, doing="reading")
+            if problem is None:
+                raise
+            raise problem from e
 
     @property
     def layout(self) -> str:
