@@ -56,6 +56,9 @@ def _root_metadata(directory) -> dict:
         meta = json.load(f)["attributes"]["tsckpt"]
     for varying in ("created", "save_id"):
         meta.pop(varying, None)
+    content = meta.get("content", {})
+    # each file's hash and size stay; its modification time and inode are those of this copy
+    content["files"] = {rel: entry[:2] for rel, entry in content.get("files", {}).items()}
     return meta
 
 
