@@ -394,3 +394,35 @@ def make_resident(path: str, buf: bytearray) -> int:
                 while k := f.readinto(buf):
                     n += k
     return n
+
+
+def save_load_rows(med: dict[str, dict[str, float]], peer: str) -> list[str]:
+    """Markdown rows of a framework benchmark: save, load, their sum, and the sum against the
+    framework's own checkpointing (``peer``), for ``peer`` and then tsckpt."""
+    base = med[peer]["save"] + med[peer]["load"]
+    rows = []
+    for s in (peer, "tsckpt"):
+        total = med[s]["save"] + med[s]["load"]
+        rows.append(f"| {s} | {med[s]['save']:.2f} | {med[s]['load']:.2f} | {total:.2f} | {total / base:.2f}x |")
+    return rows
+
+
+def framework_main(doc: str | None, run: Any, report: Any, section: str) -> None:
+    """The command line every framework benchmark shares (bench_lightning, bench_torchtitan,
+    bench_accelerate): the model's size, rounds, where, ``--quick`` and ``--write-results``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where the checkpoints go (default: the system's temp directory)")
+    p.add_argument("--quick", action="store_true", help="2 layers of 256, 1 round")
+    p.add_argument("--write-results", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.layers, args.width, args.rounds = 2, 256, 1
+    body = report(run(args), args)
+    print(body)
+    if args.write_results:
+        write_section(section, body)

@@ -32,7 +32,7 @@ import statistics
 import tempfile
 import time
 
-from _common import machine_info, make_resident, write_section
+from _common import framework_main, machine_info, make_resident, save_load_rows
 
 SECTION = "## Lightning: TsckptCheckpointIO against TorchCheckpointIO"
 MiB = 1 << 20
@@ -157,10 +157,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "| system | save (s) | load (s) | save + load (s) | save + load vs torch |",
         "|---|---:|---:|---:|---:|",
     ]
-    base = med["torch"]["save"] + med["torch"]["load"]
-    for s in ("torch", "tsckpt"):
-        total = med[s]["save"] + med[s]["load"]
-        lines.append(f"| {s} | {med[s]['save']:.2f} | {med[s]['load']:.2f} | {total:.2f} | {total / base:.2f}x |")
+    lines += save_load_rows(med, "torch")
     lines += [
         "",
         "torch: pytorch_lightning's default `TorchCheckpointIO` (`torch.save` of the dict to one file, no fsync; "
@@ -171,21 +168,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where the checkpoints go (default: the system's temp directory)")
-    p.add_argument("--quick", action="store_true", help="2 layers of 256, 1 round")
-    p.add_argument("--write-results", action="store_true")
-    args = p.parse_args()
-    if args.quick:
-        args.layers, args.width, args.rounds = 2, 256, 1
-    results = run(args)
-    section = report(results, args)
-    print(section)
-    if args.write_results:
-        write_section(SECTION, section)
+    framework_main(__doc__, run, report, SECTION)
 
 
 if __name__ == "__main__":
