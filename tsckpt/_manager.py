@@ -66,6 +66,7 @@ from ._options import (
     READ_WINDOW_BYTES,
     WRITE_WINDOW_BYTES,
     AsyncOptions,
+    Copy,
     IfBusy,
     RestoreOptions,
     SaveOptions,
@@ -402,10 +403,11 @@ class CheckpointManager:
         max_inflight_bytes: int = READ_WINDOW_BYTES,
         casting: str = "same_kind",
         mapping: Rules | None = None,
+        copy: Copy = True,
     ) -> Any:
         """Restore step ``step`` (default: the latest complete one) with the options of
         :func:`tsckpt.restore` (``strict``, ``inplace``, ``as_saved``, ``progress``,
-        ``max_inflight_bytes``, ``casting``, ``mapping``); ``group`` and ``timeout`` are the manager's.
+        ``max_inflight_bytes``, ``casting``, ``mapping``, ``copy``); ``group`` and ``timeout`` are the manager's.
 
         Returns what :func:`tsckpt.restore` returns; but when ``target`` is an object
         restored in place (a ``tsckpt.torch.TrainState``, or any object with

@@ -38,7 +38,7 @@ its background worker behaves (``if_busy``, ``max_staging_bytes``, ``staging``, 
 once, to the constructor, and hold for every step: the steps of one run share
 a process group, a layout and one set of staging buffers. Options of a single
 call (``overwrite``, ``max_inflight_bytes``, ``progress``; when restoring
-``strict``, ``inplace``, ``as_saved``, ``casting``) are keywords of each
+``strict``, ``inplace``, ``as_saved``, ``casting``, ``copy``) are keywords of each
 method, exactly as on the module-level verbs.
 """
 
@@ -77,6 +77,9 @@ Staging = Literal["blocking", "overlapped"]
 STAGING = ("blocking", "overlapped")
 Writer = Literal["process", "thread"]
 WRITERS = ("process", "thread")
+# ``copy=``: True (new memory), False (copy-on-write mappings of the files), "read-only" (numpy arrays read-only).
+Copy = Union[bool, Literal["read-only"]]
+READ_ONLY = "read-only"
 
 _O = TypeVar("_O", bound="_Options")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -155,6 +158,14 @@ def _staging_mode(name: str, value: Any) -> None:
 def _writer(name: str, value: Any) -> None:
     if value not in WRITERS:
         raise ValueError(f"{name} must be 'process' or 'thread', not {value!r}")
+
+
+def _copy(name: str, value: Any) -> None:
+    if not isinstance(value, bool) and value != READ_ONLY:
+        raise ValueError(
+            f"{name} must be True (new memory), False (map the stored bytes, copy-on-write) or {READ_ONLY!r} "
+            f"(mapped, numpy arrays read-only), not {value!r}"
+        )
 
 
 def _format(name: str, value: Any) -> None:
@@ -318,6 +329,19 @@ class RestoreOptions(_Options):
         "arrays), applied as the data is read: tsckpt.mappings (docs/mapping.md).",
         _rules,
     )
+    copy: Copy = _option(
+        True,
+        "True: every array in new memory (the safe default). False: a leaf whose region is exactly one stored "
+        "chunk, stored raw in a local file (tsckpt's one-chunk files, safetensors tensors), maps the file's bytes "
+        "instead of copying them: copy-on-write (MAP_PRIVATE), so writing it changes only this process's pages, "
+        f"never the file; each chunk's crc32c is checked before anything is returned. {READ_ONLY!r}: so, with "
+        "numpy arrays read-only. A mapped array reads the file as it is: a file truncated while mapped kills the "
+        "process with SIGBUS when a lost page is touched, one rewritten in place shows its new bytes in pages not "
+        "yet written; one replaced (renamed over) or deleted leaves the mapping intact. Leaves mapping cannot serve "
+        "(a cast, a resharded region, inner chunks, compressed or other formats' data, object storage, in-place "
+        "targets) are copied, and the tsckpt logger says which and why (docs/zerocopy.md).",
+        _copy,
+    )
 
 
 def timeout_seconds(timeout: datetime.timedelta | float | None) -> float | None:
@@ -376,7 +400,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
         RestoreOptions: {
             "strict": _PER_CALL, "inplace": _PER_CALL, "as_saved": _PER_CALL, "progress": _PER_CALL,
             "max_inflight_bytes": _PER_CALL, "casting": _PER_CALL, "format": _OWN_STEPS, "allow_pickle": _OWN_STEPS,
-            "mapping": _PER_CALL,
+            "mapping": _PER_CALL, "copy": _PER_CALL,
         },
     },
     "CheckpointManager.save": {
@@ -404,6 +428,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "format": "it restores what tsckpt.torch.save wrote (model, optimizers, RNG, extras): a tsckpt checkpoint",
             "allow_pickle": "it restores what tsckpt.torch.save wrote: a tsckpt checkpoint, never a pickle",
             "mapping": _OWN_NAMES,
+            "copy": "it copies into the live model's and optimizers' own memory, in place",
         },
     },
     "tsckpt.torch.StorageWriter": {SaveOptions: {"base": _DCP_BASE}},
@@ -413,15 +438,19 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "as_saved": "it loads into the state dict DCP gives, never a tree of the saved kinds",
             "group": _DCP_PLANS, "timeout": _DCP_PLANS,
             "mapping": "DCP's planner matches the state dict's keys to the stored ones; map with tsckpt.restore",
+            "copy": "DCP's planner gives the state dict's tensors to read into: always a copy",
         },
     },
     "tsckpt.open": {RestoreOptions: {**_NO_TARGET_READ, "progress": _LAZY, "max_inflight_bytes": _LAZY}},
-    "tsckpt.metadata": {RestoreOptions: {**_NO_TARGET_READ, "progress": _NO_READ, "max_inflight_bytes": _NO_READ}},
+    "tsckpt.metadata": {
+        RestoreOptions: {**_NO_TARGET_READ, "progress": _NO_READ, "max_inflight_bytes": _NO_READ, "copy": _NO_READ},
+    },
     "tsckpt.verify": {
         RestoreOptions: {
             **_NO_TARGET_READ,
             "max_inflight_bytes": "verify keeps its own window of reads in flight (256 MiB): it holds no result",
             "mapping": "it checks the stored arrays as they are stored",
+            "copy": "it returns no arrays: it only checks them",
         },
     },
     "tsckpt.diff": {
@@ -429,6 +458,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             **_NO_TARGET_READ,
             "format": "diff detects each side's format from its files: the two may differ",
             "mapping": "diff compares the stored leaves as stored; map one side first with convert(mapping=...)",
+            "copy": "it returns no arrays: it compares them block by block",
         },
     },
     "tsckpt.convert": {
@@ -443,6 +473,7 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "group": _ONE_PROCESS, "timeout": _ONE_PROCESS, "strict": _NO_TARGET, "inplace": _NO_TARGET,
             "as_saved": _NO_TARGET,
             "format": "convert names its source's format from_format, beside the destination's to_format",
+            "copy": "convert writes what it reads to another checkpoint; it returns no arrays",
         },
     },
 }

@@ -137,17 +137,22 @@ class LazySource:
     so converting a file never holds more of it than the write window. A source that
     can read straight into memory also has ``fill(box, out)``, which writes the box's
     elements into ``out`` (a C-contiguous numpy array of the box's shape in the storage
-    dtype), so a restore reads into its destination without a buffer.
+    dtype), so a restore reads into its destination without a buffer. A source whose
+    bytes lie raw in a file also has ``map()``, which returns the whole array in the
+    storage dtype viewing a copy-on-write mapping of the file, or why it cannot (a phrase),
+    for zero-copy restores (``copy=False``).
     """
 
     def __init__(
-        self, shape: tuple[int, ...], dtype: Any, read: Any, *, kind: str = "torch", fill: Any = None
+        self, shape: tuple[int, ...], dtype: Any, read: Any, *, kind: str = "torch", fill: Any = None,
+        map: Any = None,  # noqa: A002 - the source's own verb, as ``read`` and ``fill`` are
     ) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype  # torch.dtype or numpy dtype
         self.kind = kind  # what a restore with as_saved=True gives back: "torch" or "numpy"
         self._read = read
         self.fill = fill
+        self.map = map
 
     def __getitem__(self, box: tuple[slice, ...]) -> Any:
         return self._read(box)

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
@@ -64,6 +65,7 @@ from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.bounds import METADATA_BYTES, read_fd
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import Root, confined, open_read
+from .._storage.filemap import map_private
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -107,6 +109,7 @@ class Header:
     file: str
     entries: dict[str, TensorEntry]
     metadata: dict[str, str]
+    size: int = 0  # the file's bytes when the header was read (its tensors tile it to the end)
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:
@@ -148,7 +151,7 @@ def read_header(path: str) -> Header:
         raise _corrupt(path, "its __metadata__ is not a map of strings")
     entries = {name: _entry(path, name, e, 8 + n) for name, e in header.items()}
     _check_cover(path, entries, 8 + n, size)
-    return Header(path, entries, meta)
+    return Header(path, entries, meta, size)
 
 
 def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
@@ -268,23 +271,72 @@ def _pread(fd: int, view: memoryview, at: int, entry: TensorEntry, file: str) ->
         pos += got
 
 
-def _source(entry: TensorEntry, file: str, kind: str = "torch") -> LazySource:
-    """``kind``: "torch", or "numpy"/"numpy_scalar" for leaves saved from numpy."""
+class FileMap:
+    """One safetensors file's copy-on-write mapping (:func:`tsckpt._storage.filemap.map_private`),
+    made when the first of its tensors is mapped and shared by all of them: one mapping per
+    file, however many tensors it holds. Opened as every read opens it (no link followed)."""
+
+    def __init__(self, file: str, size: int) -> None:
+        self.file = file
+        self.size = size  # as when its header was checked
+        self._lock = threading.Lock()
+        self._mapped: np.ndarray | str | None = None
+
+    def array(self) -> np.ndarray | str:
+        """The whole file as a uint8 array over its mapping, or why it cannot be mapped."""
+        with self._lock:
+            if self._mapped is None:
+                self._mapped = self._map()
+            return self._mapped
+
+    def _map(self) -> np.ndarray | str:
+        fd = open_read(self.file)
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.size:
+                return f"its file is {size} bytes, no longer the {self.size} its header was checked against"
+            return map_private(fd, size)
+        except (OSError, ValueError) as e:
+            return f"its file cannot be mapped ({e})"
+        finally:
+            os.close(fd)
+
+
+def map_tensor(entry: TensorEntry, filemap: FileMap) -> np.ndarray | str:
+    """The whole tensor (storage dtype and shape) viewing its file's mapping, or why it cannot be
+    (no bytes, or bytes not aligned to the dtype in the file)."""
+    dtype = _dtypes.numpy_dtype(entry.dtype)
+    if entry.end == entry.begin:
+        return "it is empty"
+    if entry.begin % dtype.itemsize:
+        return f"its bytes start at file offset {entry.begin}, not aligned to its {dtype.itemsize}-byte elements"
+    whole = filemap.array()
+    if isinstance(whole, str):
+        return whole
+    return whole[entry.begin : entry.end].view(dtype).reshape(entry.shape)
+
+
+def _source(entry: TensorEntry, file: str, kind: str = "torch", filemap: FileMap | None = None) -> LazySource:
+    """``kind``: "torch", or "numpy"/"numpy_scalar" for leaves saved from numpy; ``filemap``:
+    the file's mapping, shared with the other tensors of the file (None: the source maps nothing)."""
     dtype: Any = _dtypes.torch_dtype(entry.dtype) if kind == "torch" else _dtypes.numpy_dtype(entry.dtype)
     return LazySource(
         entry.shape, dtype, lambda box: read_box(entry, file, box), kind=kind,
         fill=lambda box, out: read_box(entry, file, box, out),
+        map=None if filemap is None else lambda: map_tensor(entry, filemap),
     )
 
 
 # ---- reading a file or a directory as a tree -------------------------------------------
 
 
-def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any) -> Any:
+def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any, sizes: dict[str, int]) -> Any:
     """The tree: rebuilt from tsckpt's metadata when the file has it (checked first, entry by
-    entry), else a flat dict by name."""
+    entry), else a flat dict by name. ``sizes``: each file's size when its header was read
+    (its tensors share one :class:`FileMap`)."""
+    maps = {file: FileMap(file, size) for file, size in sizes.items()}
     if info is None:
-        return {name: _source(e, f) for name, (e, f) in sorted(sources.items())}
+        return {name: _source(e, f, filemap=maps[f]) for name, (e, f) in sorted(sources.items())}
     info = _tsckpt_info(where, info, sources)
     kinds, aliases, values = info["kinds"], info.get("aliases", {}), info["values"]
     made: dict[str, Any] = {}
@@ -295,7 +347,7 @@ def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any) ->
         path = aliases.get(path, path)  # a tied leaf is the same source as the one stored
         if path not in made:
             entry, file = sources[path]
-            made[path] = _source(entry, file, kinds.get(path, "torch"))
+            made[path] = _source(entry, file, kinds.get(path, "torch"), maps[file])
         return made[path]
 
     leaves = [leaf(p) for p in info["leaves"]]
@@ -374,7 +426,7 @@ def _leaves_problem(info: dict[str, Any], leaves: list[str], values: dict[str, A
 def read_file(path: str) -> Any:
     """A safetensors file as a tree of lazy sources (nothing but the header is read)."""
     h = read_header(path)
-    return _tree(path, {n: (e, path) for n, e in h.entries.items()}, h.metadata.get(METADATA_KEY))
+    return _tree(path, {n: (e, path) for n, e in h.entries.items()}, h.metadata.get(METADATA_KEY), {path: h.size})
 
 
 def is_hf_dir(path: str) -> bool:
@@ -395,7 +447,8 @@ def read_dir(path: str) -> Any:
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
     index_file = confined(root, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = read_index(index_file)
-    return _tree(index_file, _shard_sources(root, index_file, weight_map), meta.get(METADATA_KEY))
+    sizes: dict[str, int] = {}
+    return _tree(index_file, _shard_sources(root, index_file, weight_map, sizes), meta.get(METADATA_KEY), sizes)
 
 
 def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -422,9 +475,12 @@ def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, meta
 
 
-def _shard_sources(root: Root, index_file: str, weight_map: dict[str, str]) -> dict[str, tuple[TensorEntry, str]]:
+def _shard_sources(
+    root: Root, index_file: str, weight_map: dict[str, str], sizes: dict[str, int]
+) -> dict[str, tuple[TensorEntry, str]]:
     """Tensor name -> (its header entry, its file) for every tensor the index maps; each
-    file it names must be inside the directory (no link), and hold the tensor."""
+    file it names must be inside the directory (no link), and hold the tensor. ``sizes``
+    gets each file's size as its header was read."""
     headers: dict[str, Header] = {}
     sources: dict[str, tuple[TensorEntry, str]] = {}
     for name, fname in weight_map.items():
@@ -433,6 +489,7 @@ def _shard_sources(root: Root, index_file: str, weight_map: dict[str, str]) -> d
             if not os.path.isfile(file):
                 raise CorruptCheckpointError(f"{file}: missing, but {os.path.basename(index_file)} maps '{name}' to it")
             headers[fname] = read_header(file)
+            sizes[file] = headers[fname].size
         if name not in headers[fname].entries:
             raise CorruptCheckpointError(f"{file}: has no tensor '{name}', but {os.path.basename(index_file)} maps it there")
         sources[name] = (headers[fname].entries[name], file)

@@ -39,7 +39,7 @@ else:
     from .._base.lazytorch import torch
 
 
-def _viewable(dest: Dest, stored: str) -> bool:
+def viewable(dest: Dest, stored: str) -> bool:
     """Whether the destination is memory that chunks can be decoded straight into (no
     buffer, no extra copy): CPU memory of the stored dtype, writable; not for a cast, a
     GPU tensor, or a conjugated or negated view."""
@@ -50,7 +50,7 @@ def _viewable(dest: Dest, stored: str) -> bool:
 
 
 def _view(dest: Dest) -> np.ndarray:
-    """The memory of a :func:`_viewable` destination as a writable numpy view in the stored
+    """The memory of a :func:`viewable` destination as a writable numpy view in the stored
     dtype and shape (complex32: its float16 pairs)."""
     t = dest.tensor
     return t if isinstance(t, np.ndarray) else _dtypes.tensor_to_numpy(t)
@@ -82,7 +82,7 @@ class _ReadPlan:
 
 def _plan_reads(ck: Checkpoint, dests: list[Dest]) -> _ReadPlan:
     """Each destination's reader: the own codec where :func:`route` says so and the
-    destination is :func:`_viewable`, else TensorStore."""
+    destination is :func:`viewable`, else TensorStore."""
     if ck.lazy:  # another format's files: no zarr arrays to route
         return _ReadPlan(Place(False, None, f"arrays of a {ck.format} checkpoint"), (), (), (), (), tuple(dests))
     where = place(ck.data(), ck.layout, foreign=ck.foreign)
@@ -90,7 +90,7 @@ def _plan_reads(ck: Checkpoint, dests: list[Dest]) -> _ReadPlan:
     copied: list[Dest] = []
     for dest in dests:
         rec = ck.arrays[dest.item.path]
-        if _viewable(dest, rec.dtype):
+        if viewable(dest, rec.dtype):
             tiers[route(rec, where)].append(dest)
         else:
             copied.append(dest)
@@ -178,7 +178,7 @@ def _read_sources(ck: Checkpoint, dests: tuple[Dest, ...], progress: Progress | 
     for dest in dests:
         item, rec = dest.item, ck.arrays[dest.item.path]
         src = sources[item.path]
-        view = _view(dest) if _viewable(dest, rec.dtype) else None
+        view = _view(dest) if viewable(dest, rec.dtype) else None
         itemsize = _dtypes.itemsize(rec.dtype)
         for off, ln in shard_boxes(item.storage_offsets, item.lengths, rec.chunking):
             box = box_slices(off, ln)

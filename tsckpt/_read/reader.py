@@ -11,10 +11,12 @@ import optree
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
+from .._base.types import ReadItem
 from .._formats import lazy
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint, Opening
 from .._ondisk.readfaults import corrupt_error, node_error, unchanged
+from .._options import READ_ONLY, Copy
 from .._runtime import fork as _fork
 from ..tree import ROOT_LEAF_PATH, child
 
@@ -60,13 +62,17 @@ def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ..
 
 
 class LazyArray:
-    """A stored array; indexing reads only the chunks the index touches."""
+    """A stored array; indexing reads only the chunks the index touches. ``copy`` as
+    :func:`tsckpt.open` takes it: False or "read-only" give a read that is exactly one
+    chunk stored raw in a local file as a view of its file's mapping (:mod:`.zerocopy`)."""
 
-    def __init__(self, ck: Checkpoint, path: str) -> None:
+    def __init__(self, ck: Checkpoint, path: str, *, copy: Copy = True) -> None:
         self._ck = ck
         self.path = path
         self.metadata = ck.array_metadata(path)
         self._store: ts.TensorStore | None = None
+        self._copy = copy
+        self._told: set[str] = set()  # why reads were copied, each logged once
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -96,11 +102,16 @@ class LazyArray:
             self.set_store(self.open_future())
         return cast(ts.TensorStore, self._store)
 
-    def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
-        """Read a bounding box (non-negative slices with unit step) in the storage dtype."""
+    def read_box(self, box: tuple[slice, ...], *, writable: bool = False) -> np.ndarray:
+        """Read a bounding box (non-negative slices with unit step) in the storage dtype
+        (``writable``: a mapped read is writable, copy-on-write, even with copy="read-only")."""
         _fork.enter(f"reading '{self.path}'")
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
         whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
+        if self._copy is not True:
+            mapped = self._mapped(whole, read_only=self._copy == READ_ONLY and not writable)
+            if mapped is not None:
+                return mapped
         if self._ck.sources is not None:  # another format's array: only the box's bytes are read
             return lazy.read(self._ck.sources[self.path], tuple(slice(b.start, max(b.start, b.stop)) for b in whole))
         with unchanged(self._ck):  # never data of a checkpoint that replaced the one opened
@@ -112,10 +123,26 @@ class LazyArray:
                 raise corrupt_error(self._ck, self.path, e) from e
         return data
 
-    def __getitem__(self, index: Any) -> np.ndarray:
+    def _mapped(self, whole: tuple[slice, ...], *, read_only: bool) -> np.ndarray | None:
+        """The box ``whole`` as a view of its file's mapping, or None (then logged, once per reason)."""
+        from .zerocopy import as_result, map_items, tell  # it reads through the engine, which imports this module
+
+        item = ReadItem(self.path, tuple(b.start for b in whole), tuple(max(0, b.stop - b.start) for b in whole))
+        with unchanged(self._ck):  # never data of a checkpoint that replaced the one opened
+            if not self._ck.lazy:
+                check_backed(self._ck, [self.path], whole)
+            got = map_items(self._ck, [item])[0]
+        if isinstance(got, str):
+            if got not in self._told:
+                self._told.add(got)
+                tell(f"read of '{self.path}' in {self._ck.location}", 0, 0, {got: [self.path]})
+            return None
+        return cast(np.ndarray, as_result(got, self.dtype, got, read_only=read_only))
+
+    def __getitem__(self, index: Any, *, writable: bool = False) -> np.ndarray:
         """numpy array in the storage dtype (complex32 comes back as float16 (..., 2) pairs)."""
         box, post = normalize_index(index, self.shape)
-        data = self.read_box(box)
+        data = self.read_box(box, writable=writable)
         if self.dtype == "complex32":
             post = post + (slice(None),)
         return data[post] if post else data
@@ -135,17 +162,19 @@ class _TorchView:
         self._arr = arr
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        data = np.asarray(self._arr[index])  # a full integer index gives a numpy scalar
+        data = np.asarray(self._arr.__getitem__(index, writable=True))  # a full integer index gives a numpy scalar
         if any(s < 0 for s in data.strides):
             data = np.ascontiguousarray(data)
         return _dtypes.numpy_to_tensor(data, self._arr.dtype)
 
 
 class Reader(Mapping[str, Any]):
-    """Mapping from leaf path to :class:`LazyArray` (arrays) or the saved value."""
+    """Mapping from leaf path to :class:`LazyArray` (arrays) or the saved value (``copy``:
+    as :func:`tsckpt.open` takes it)."""
 
-    def __init__(self, ck: Checkpoint) -> None:
+    def __init__(self, ck: Checkpoint, *, copy: Copy = True) -> None:
         self.checkpoint = ck
+        self.copy = copy
 
     def __getitem__(self, path: str) -> Any:
         ck = self.checkpoint
@@ -153,7 +182,7 @@ class Reader(Mapping[str, Any]):
             path = ROOT_LEAF_PATH
         path = ck.aliases.get(path, path)  # a tied leaf reads its stored array
         if path in ck.arrays:
-            return LazyArray(ck, path)
+            return LazyArray(ck, path, copy=self.copy)
         if path in ck.values:
             return ck.values[path]
         close = [p for p in ck.leaves if p.startswith(path.rstrip("/") + "/")][:5]

@@ -34,13 +34,14 @@ from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.readfaults import unchanged
 from .._ondisk.records import ArrayRecord
-from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
+from .._options import READ_ONLY, READ_WINDOW_BYTES, Copy, RestoreOptions, verb
 from .._runtime.memory import collector_paused, unwritable
 from .._runtime.progress import Progress
 from .._storage.locations import Directory
 from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .engine import read_into
 from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
+from .zerocopy import map_leaves
 
 if TYPE_CHECKING:
     import torch
@@ -138,6 +139,7 @@ def restore(
     format: str | None = None,  # noqa: A002 - named as convert's --from names it
     allow_pickle: bool = False,
     mapping: Rules | None = None,
+    copy: Copy = True,
 ) -> Any:
     """Restore a checkpoint, optionally shaped like ``target``.
 
@@ -195,6 +197,13 @@ def restore(
     Flax checkpoint restores straight into a torch model. The target (and ``strict``) then
     speaks of the mapped paths; each rank reads only the stored boxes its regions need,
     into views of its own memory (never a transposed copy of a whole array).
+
+    ``copy=False`` gives leaves whose region is exactly one chunk stored raw in a local file
+    (tsckpt's one-chunk files, safetensors tensors) as views of copy-on-write mappings of
+    their files, each crc32c checked first, instead of copies; ``copy="read-only"`` also
+    makes such numpy arrays read-only. A file truncated while mapped kills the process with
+    SIGBUS when a lost page is touched (:class:`tsckpt.RestoreOptions` ``copy``,
+    docs/zerocopy.md). Every other leaf is copied, and the ``tsckpt`` logger says why.
     """
     options = RestoreOptions.of(locals())  # a bad option raises here, before any work
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place
@@ -211,7 +220,7 @@ def restore(
         ck.check_links(deferred=True)
         mapped = None if mapping is None else mapped_checkpoint(ck, mapping)
         with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
-            reader = _ReadSettings(bar, max_inflight_bytes, casting, mapped)
+            reader = _ReadSettings(bar, max_inflight_bytes, casting, mapped, copy)
             if mapped is not None:
                 ck = mapped.view  # the target's paths are the mapping's; reads go to the stored one
             if target is None:
@@ -234,6 +243,7 @@ class _ReadSettings:
     window: int
     casting: str = "same_kind"
     mapped: MappedCheckpoint | None = None  # the checkpoint as the mapping shows it, and its reads
+    copy: Copy = True  # False, "read-only": leaves that can be are mapped from their files (zerocopy.py)
 
     def stored(self, ck: Checkpoint) -> Checkpoint:
         """The checkpoint the reads go to: ``ck`` itself, or the one the mapping views."""
@@ -315,12 +325,21 @@ def _fill(
             out.append(dest.result)
         else:
             out.append(leaf)
+    mapped_leaves: dict[int, Any] = {}
+    if reader.copy is not True:  # before any read: every mapped chunk's crc32c is checked by then
+        mapped_leaves, dests = map_leaves(
+            reader.stored(ck), dests, leaves, paths, inplace=inplace, read_only=reader.copy == READ_ONLY
+        )
+        for i, result in mapped_leaves.items():
+            out[i] = result
     if inplace:
         _refuse_read_only(paths, dests)
     if reader.mapped is not None:
         read_amplification(reader.mapped.stored, [d for _, d in dests])
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(reader.stored(ck), [d for _, d in dests], reader.progress, window=reader.window)
+    for result in mapped_leaves.values():
+        reader.progress.update(int(result.nbytes), 1)
     warn_lost_values([d.cast for _, d in dests] + value_casts)
     for i, dest in finishing:
         out[i] = dest.restored()

@@ -1,0 +1,105 @@
+"""Zero-copy reads of unsharded chunk files: a region that is exactly one stored chunk,
+given as a view of a private mapping of its file (:mod:`tsckpt._storage.filemap`).
+
+A chunk file of tsckpt's format is the chunk's raw bytes (C order, little endian, no
+compression) followed by their crc32c (:mod:`.encode`), so its data starts at the start
+of the file, which a mapping places on a page boundary: every dtype is aligned there.
+Each file is checked as the copying reader checks it before its array is handed out: the
+array's zarr.json against its root record, the file's size, and the crc32c of every byte
+(read through the mapping, which brings the pages into the page cache once). Anything
+not exactly as expected is left to the copying path, which reports the damage as usual.
+Which arrays the own codec reads at all is :func:`.route.route`'s rule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from stat import S_ISREG
+
+import numpy as np
+
+from .._base import dtypes as _dtypes
+from .._base.types import ReadItem
+from .._ondisk.arrays import CRC_BYTES, chunk_key
+from .._ondisk.checkpoint import Checkpoint
+from .._ondisk.records import ArrayRecord
+from .._storage.beneath import open_beneath
+from .._storage.filemap import map_private
+from . import crc
+from .files import node_agrees, opened_directory, stored_shapes
+from .route import Place, Route, route
+
+# Why a region is copied rather than mapped (a phrase after the leaf's name in the log).
+NOT_LOCAL = "the checkpoint is not a plain one on a local file system (object storage, the compact layout)"
+INNER = "it is stored in shard files of inner chunks, none of which is the whole region"
+NOT_ONE_CHUNK = "the region is not one whole stored chunk (a resharded region, or a chunk padded at the array's edge)"
+NOT_AS_WRITTEN = "its files are not exactly as written (the copying read reports what is wrong)"
+
+
+def whole_chunk(rec: ArrayRecord, item: ReadItem) -> bool:
+    """Whether the region ``item`` is exactly one chunk file's chunk (no padding in it)."""
+    grid = rec.chunking.shard_shape
+    return tuple(item.lengths) == tuple(grid) and all(o % g == 0 and o + g <= n for o, g, n in zip(item.storage_offsets, grid, rec.shape))
+
+
+def map_chunks(ck: Checkpoint, where: Place, items: Sequence[ReadItem]) -> list[np.ndarray | str]:
+    """Per region of ``items``: its stored array (storage dtype and shape, complex32 as float16
+    pairs) viewing a writable private mapping of its chunk file, its crc32c checked; or why it
+    is to be copied instead (a phrase). ``where``: the own codec's place for this checkpoint."""
+    out: list[np.ndarray | str] = []
+    if where.directory is None:
+        return [where.why or NOT_LOCAL for _ in items]
+    with opened_directory(where.directory) as dir_fd:
+        agrees: dict[str, bool] = {}
+        for item in items:
+            rec = ck.arrays[item.path]
+            why = _unmappable(rec, item, where)
+            if why is None and dir_fd is not None:
+                if rec.path not in agrees:
+                    agrees[rec.path] = node_agrees(dir_fd, rec)
+                mapped = _map_one(dir_fd, rec, item) if agrees[rec.path] else None
+                out.append(NOT_AS_WRITTEN if mapped is None else mapped)
+            else:
+                out.append(why or NOT_LOCAL)
+    return out
+
+
+def _unmappable(rec: ArrayRecord, item: ReadItem, where: Place) -> str | None:
+    """Why the region ``item`` of ``rec`` cannot be one mapped chunk file, or None."""
+    if math.prod(rec.shape) == 0:
+        return "it is empty (no file)"
+    kind = route(rec, where)
+    if kind is Route.SHARD or rec.chunking.chunk_shape is not None:
+        return INNER
+    if kind is not Route.CHUNK:
+        return where.why or NOT_LOCAL
+    if not whole_chunk(rec, item):
+        return NOT_ONE_CHUNK
+    return None
+
+
+def _map_one(dir_fd: int, rec: ArrayRecord, item: ReadItem) -> np.ndarray | None:
+    """The chunk file of the region ``item`` mapped and checked, as its stored array; None when
+    it is missing, behind a link, not a regular file of the expected size, cannot be mapped, or
+    fails its crc32c."""
+    shapes = stored_shapes(rec)
+    dtype = _dtypes.numpy_dtype(rec.dtype)  # complex32: float16 pairs
+    nbytes = math.prod(shapes.shard) * dtype.itemsize
+    try:
+        fd = open_beneath(dir_fd, chunk_key(rec, item.storage_offsets))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not S_ISREG(st.st_mode) or st.st_size != nbytes + CRC_BYTES:
+            return None
+        mapped = map_private(fd, nbytes + CRC_BYTES)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not crc.intact(mapped):
+        return None
+    return mapped[:nbytes].view(dtype).reshape(shapes.shard)
