@@ -10,6 +10,8 @@ Owns:
 - :mod:`.files`: an array's stored shapes, and the shard index (:class:`.files.ShardIndex`).
 - :mod:`.encode`: unsharded chunk files (one kvstore read or write each).
 - :mod:`.chunkread`: restore's reads of unsharded chunk files into CPU memory.
+- :mod:`.chunkmap`: zero-copy reads: a region that is exactly one unsharded chunk file, as
+  a view of the file's private mapping, its crc32c checked through it.
 - :mod:`.shardwrite`, :mod:`.shardread`: shard files of a local plain checkpoint, by
   positional I/O (direct I/O where the file system has it).
 - :mod:`.pagecache`: how much of a file the page cache holds; switching direct I/O on.

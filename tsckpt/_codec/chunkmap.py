@@ -6,9 +6,10 @@ compression) followed by their crc32c (:mod:`.encode`), so its data starts at th
 of the file, which a mapping places on a page boundary: every dtype is aligned there.
 Each file is checked as the copying reader checks it before its array is handed out: the
 array's zarr.json against its root record, the file's size, and the crc32c of every byte
-(read through the mapping, which brings the pages into the page cache once). Anything
-not exactly as expected is left to the copying path, which reports the damage as usual.
-Which arrays the own codec reads at all is :func:`.route.route`'s rule.
+(read through the mapping, which brings the pages into the page cache once; the files'
+checks run on the reading threads, one per CPU, as the crc32c releases the interpreter).
+Anything not exactly as expected is left to the copying path, which reports the damage
+as usual. Which arrays the own codec reads at all is :func:`.route.route`'s rule.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from .._storage.filemap import map_private
 from . import crc
 from .files import node_agrees, opened_directory, stored_shapes
 from .route import Place, Route, route
+from .threads import Workers, cpus, shared
+
+# Threads checking mapped files: one per CPU (the pages are cached; they never wait for storage).
+CHECK_THREADS = min(8, cpus())
+SPLIT_BYTES = 16 << 20  # fewer bytes are checked by the calling thread alone (a thread's hand-off costs more)
 
 # Why a region is copied rather than mapped (a phrase after the leaf's name in the log).
 NOT_LOCAL = "the checkpoint is not a plain one on a local file system (object storage, the compact layout)"
@@ -63,7 +69,32 @@ def map_chunks(ck: Checkpoint, where: Place, items: Sequence[ReadItem]) -> list[
                 out.append(NOT_AS_WRITTEN if mapped is None else mapped)
             else:
                 out.append(why or NOT_LOCAL)
+    files = [(i, m) for i, m in enumerate(out) if not isinstance(m, str)]
+    for (i, mapped), intact in zip(files, _checked([m for _, m in files])):
+        out[i] = _data(ck.arrays[items[i].path], mapped) if intact else NOT_AS_WRITTEN
     return out
+
+
+def _checked(files: list[np.ndarray]) -> list[bool]:
+    """Whether each mapped chunk file ends in the crc32c of its data: the files split among
+    the reading threads (one per CPU) when they hold more than :data:`SPLIT_BYTES`."""
+    threads = min(CHECK_THREADS, len(files))
+    if threads < 2 or sum(f.nbytes for f in files) < SPLIT_BYTES:
+        return _check_all(files)
+    pool = shared(CHECK_THREADS, "tsckpt-read")
+    futures = [pool.submit(_check_all, files[k::threads]) for k in range(1, threads)]
+    try:
+        parts = [_check_all(files[::threads]), *(f.result() for f in futures)]
+    finally:
+        Workers.settle(futures)
+    out = [False] * len(files)
+    for k, part in enumerate(parts):
+        out[k::threads] = part
+    return out
+
+
+def _check_all(files: list[np.ndarray]) -> list[bool]:
+    return [crc.intact(f) for f in files]
 
 
 def _unmappable(rec: ArrayRecord, item: ReadItem, where: Place) -> str | None:
@@ -81,12 +112,10 @@ def _unmappable(rec: ArrayRecord, item: ReadItem, where: Place) -> str | None:
 
 
 def _map_one(dir_fd: int, rec: ArrayRecord, item: ReadItem) -> np.ndarray | None:
-    """The chunk file of the region ``item`` mapped and checked, as its stored array; None when
-    it is missing, behind a link, not a regular file of the expected size, cannot be mapped, or
-    fails its crc32c."""
-    shapes = stored_shapes(rec)
-    dtype = _dtypes.numpy_dtype(rec.dtype)  # complex32: float16 pairs
-    nbytes = math.prod(shapes.shard) * dtype.itemsize
+    """The chunk file of the region ``item`` mapped whole (data and crc32c, not yet checked);
+    None when it is missing, behind a link, not a regular file of the expected size, or cannot
+    be mapped."""
+    nbytes = math.prod(stored_shapes(rec).shard) * _dtypes.itemsize(rec.dtype)
     try:
         fd = open_beneath(dir_fd, chunk_key(rec, item.storage_offsets))
     except OSError:
@@ -100,6 +129,10 @@ def _map_one(dir_fd: int, rec: ArrayRecord, item: ReadItem) -> np.ndarray | None
         return None
     finally:
         os.close(fd)
-    if not crc.intact(mapped):
-        return None
-    return mapped[:nbytes].view(dtype).reshape(shapes.shard)
+    return mapped
+
+
+def _data(rec: ArrayRecord, mapped: np.ndarray) -> np.ndarray:
+    """A mapped chunk file's data as the stored chunk (storage dtype and shape; complex32: float16 pairs)."""
+    shapes = stored_shapes(rec)
+    return mapped[: mapped.nbytes - CRC_BYTES].view(_dtypes.numpy_dtype(rec.dtype)).reshape(shapes.shard)

@@ -11,6 +11,8 @@ Owns:
   (fresh, in place, meta targets materialised) and checked.
 - :mod:`.engine`: the read engine: each destination's reader planned (the own codec's
   tiers, other formats' sources, TensorStore) and the reads executed within the window.
+- :mod:`.zerocopy`: ``copy=False``: leaves mapped from their files where a stored chunk is
+  exactly the region (own chunk files, safetensors tensors), the rest copied and logged.
 - :mod:`.verify`: ``verify``: node checks and a windowed read of every chunk.
 - :mod:`.diff`: ``diff``: two checkpoints compared leaf by leaf, block by block within the
   window, regions known equal from what is stored not read.

@@ -18,6 +18,8 @@ Owns:
 - :mod:`.confine`: paths inside a local checkpoint: the one check of every stored path,
   the checkpoint's directory opened once (``Root``) and its files opened from it with no
   link followed (``Confined``, ``open_read``), and the walk that finds links and special files.
+- :mod:`.filemap`: copy-on-write private mappings of a checkpoint's files (zero-copy
+  restores), made from a descriptor, and what a file may do under one.
 - :mod:`.mirror`: a local checkpoint as TensorStore reads it: a private directory of links
   to descriptors of its files, held open (``Mirror``).
 - :mod:`.hfcache`: the Hugging Face hub cache: a snapshot's files, links into their own
