@@ -115,7 +115,7 @@ def _map_one(dir_fd: int, rec: ArrayRecord, item: ReadItem) -> np.ndarray | None
     """The chunk file of the region ``item`` mapped whole (data and crc32c, not yet checked);
     None when it is missing, behind a link, not a regular file of the expected size, or cannot
     be mapped."""
-    nbytes = math.prod(stored_shapes(rec).shard) * _dtypes.itemsize(rec.dtype)
+    nbytes = math.prod(stored_shapes(rec).shard) * _dtypes.numpy_dtype(rec.dtype).itemsize  # complex32: float16 pairs
     try:
         fd = open_beneath(dir_fd, chunk_key(rec, item.storage_offsets))
     except OSError:

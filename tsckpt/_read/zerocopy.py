@@ -37,6 +37,8 @@ def map_items(ck: Checkpoint, items: Sequence[ReadItem]) -> list[np.ndarray | st
     if ck.lazy:
         sources = ck.sources or {}
         return [_map_source(ck, sources[item.path], item) for item in items]
+    if ck.foreign:
+        return [f"a {ck.format} checkpoint's arrays are encoded by their own codecs (compression), not mapped"] * len(items)
     return map_chunks(ck, place(ck.data(), ck.layout, foreign=ck.foreign), items)
 
 
