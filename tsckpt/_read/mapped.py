@@ -137,7 +137,8 @@ class MappedArray(LazyArray):
         super().__init__(mapped.view, path)
         self._mapped = mapped
 
-    def read_box(self, box: tuple[slice, ...]) -> np.ndarray:
+    def read_box(self, box: tuple[slice, ...], *, writable: bool = False) -> np.ndarray:
+        """The box read through the rules into new memory (never mapped: ``writable`` is moot)."""
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
         whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds) :])
         offsets = tuple(b.start for b in whole)

@@ -109,7 +109,7 @@ class LazyArray:
         bounds = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, self.shape))
         whole = bounds + tuple(slice(0, n) for n in self.shape[len(bounds):])
         if self._copy is not True:
-            mapped = self._mapped(whole, read_only=self._copy == READ_ONLY and not writable)
+            mapped = self._map_box(whole, read_only=self._copy == READ_ONLY and not writable)
             if mapped is not None:
                 return mapped
         if self._ck.sources is not None:  # another format's array: only the box's bytes are read
@@ -123,7 +123,7 @@ class LazyArray:
                 raise corrupt_error(self._ck, self.path, e) from e
         return data
 
-    def _mapped(self, whole: tuple[slice, ...], *, read_only: bool) -> np.ndarray | None:
+    def _map_box(self, whole: tuple[slice, ...], *, read_only: bool) -> np.ndarray | None:
         """The box ``whole`` as a view of its file's mapping, or None (then logged, once per reason)."""
         from .zerocopy import as_result, map_items, tell  # it reads through the engine, which imports this module
 
@@ -139,8 +139,12 @@ class LazyArray:
             return None
         return cast(np.ndarray, as_result(got, self.dtype, got, read_only=read_only))
 
-    def __getitem__(self, index: Any, *, writable: bool = False) -> np.ndarray:
+    def __getitem__(self, index: Any) -> np.ndarray:
         """numpy array in the storage dtype (complex32 comes back as float16 (..., 2) pairs)."""
+        return self.read(index)
+
+    def read(self, index: Any, *, writable: bool = False) -> np.ndarray:
+        """``self[index]``; ``writable``: a mapped read is writable (copy-on-write) even with copy="read-only"."""
         box, post = normalize_index(index, self.shape)
         data = self.read_box(box, writable=writable)
         if self.dtype == "complex32":
@@ -162,7 +166,7 @@ class _TorchView:
         self._arr = arr
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        data = np.asarray(self._arr.__getitem__(index, writable=True))  # a full integer index gives a numpy scalar
+        data = np.asarray(self._arr.read(index, writable=True))  # a full integer index gives a numpy scalar
         if any(s < 0 for s in data.strides):
             data = np.ascontiguousarray(data)
         return _dtypes.numpy_to_tensor(data, self._arr.dtype)
