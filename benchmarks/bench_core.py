@@ -57,6 +57,10 @@ Usage
                                                            # through the page cache (no direct I/O),
                                                            # and an in-place restore through the cache
   python benchmarks/bench_core.py --savers tsckpt,dcp      # only these savers (and their restores)
+  python benchmarks/bench_core.py --only large --large-mib 512 --large-shape 2048x2048 --cache warm \
+      --zerocopy --savers "tsckpt,dcp,safetensors,tsckpt (one-chunk arrays)"
+                                                           # zero-copy restores (copy=False) beside
+                                                           # the copying ones; its own RESULTS section
 """
 
 from __future__ import annotations
@@ -100,6 +104,11 @@ VARIANTS = {
     "tsckpt (page-cache writer)": (True, "tsckpt.save with shard files written through the page cache (no direct I/O)"),
 }
 FLOOR = "read(), 1 thread (reference)"
+# --zerocopy: a tsckpt layout that copy=False maps whole (each array one chunk file), saved in rotation
+ONE_CHUNK = "tsckpt (one-chunk arrays)"
+ZEROCOPY_SAVERS = {ONE_CHUNK: (True, "tsckpt.save with every array stored as one chunk file (no inner chunks)")}
+ZC_DEFAULT, ZC_ONE_CHUNK = "tsckpt (copy=False)", "tsckpt (copy=False, one-chunk arrays)"
+ZEROCOPY_SECTION = "## Zero-copy restores (copy=False)"
 AB_LOADER = "tsckpt (inplace, page-cache reads)"
 # restore name -> (saver whose output it reads, description)
 LOADERS = {
@@ -116,9 +125,13 @@ LOADERS = {
     "dcp (zeroed target)": ("dcp", "dcp.load into torch.zeros targets"),
     # a reference, not a peer: one thread reading the safetensors file into one reused buffer
     FLOOR: ("safetensors", "read() the safetensors file in 64 MiB pieces into one reused buffer, no decoding"),
+    # --zerocopy only: copy=False into a fresh target; the default layout's inner chunks are copied (logged)
+    ZC_DEFAULT: ("tsckpt", "tsckpt.restore(dir, target, copy=False) of the default layout (inner chunks: copied)"),
+    ZC_ONE_CHUNK: (ONE_CHUNK, "tsckpt.restore(dir, target, copy=False): views of the files' mappings, crc32c checked"),
 }
+ZEROCOPY_LOADERS = (ZC_DEFAULT, ZC_ONE_CHUNK)
 PRETOUCHED = ("tsckpt (inplace, zeroed target)", "dcp (zeroed target)")
-TARGETED = ("tsckpt (fresh target)", "tsckpt (inplace)", AB_LOADER, "dcp")  # given an empty_like target
+TARGETED = ("tsckpt (fresh target)", "tsckpt (inplace)", AB_LOADER, "dcp", *ZEROCOPY_LOADERS)  # given an empty_like target
 TS_LOADERS = ("tsckpt (fresh target)", "tsckpt (inplace)", "tsckpt (target=None)")
 MODES = ("warm", "cold")  # the order of the report; a round runs cold first (run_modes)
 # large restore targets: tsckpt / dcp at most this, by cache mode and restore
@@ -264,6 +277,8 @@ def child_save(spec: dict[str, Any]) -> dict[str, Any]:
             tsckpt._ondisk.chunking.TRAILING_PIECES = 1
         elif lib == "tsckpt (page-cache writer)":
             tsckpt._codec.shardwrite.DIRECT = False
+        elif lib == ONE_CHUNK:
+            tsckpt._ondisk.chunking.INNER_CHUNK_BYTES = 1 << 50
         tsckpt.save(path, tree)
     elif lib.startswith("torch.save"):
         os.makedirs(path)
@@ -319,6 +334,10 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
         import tsckpt
 
         out = tsckpt.restore(path, target)
+    elif lib in ZEROCOPY_LOADERS:
+        import tsckpt
+
+        out = tsckpt.restore(path, target, copy=False)
     elif lib in ("tsckpt (inplace)", AB_LOADER, "tsckpt (inplace, zeroed target)"):
         import tsckpt
         import tsckpt._codec.shardread
@@ -490,7 +509,7 @@ def workload_spec(wl: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def savers_to_run(args: argparse.Namespace) -> list[str]:
-    savers = [*SAVERS, *(VARIANTS if args.ab else ())]
+    savers = [*SAVERS, *(VARIANTS if args.ab else ()), *(ZEROCOPY_SAVERS if args.zerocopy else ())]
     return [s for s in savers if s in args.savers.split(",")] if args.savers else savers
 
 
@@ -527,7 +546,7 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace) -> dict[str, An
     root = os.path.join(base, wl)
     savers = savers_to_run(args)
     loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers and (args.ab or lib != AB_LOADER)
-               and (args.pretouched or lib not in PRETOUCHED)]
+               and (args.pretouched or lib not in PRETOUCHED) and (args.zerocopy or lib not in ZEROCOPY_LOADERS)]
     checksum = float("nan")
     for rnd in range(args.repeats):
         for lib in rotated(savers, rnd):
@@ -602,7 +621,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             log("cannot drop the page cache (not root?): cold restores only evict the checkpoint's files")
         results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "repeats": args.repeats,
                                    "cache": args.cache, "can_drop": can_drop, "large_mib": args.large_mib,
-                                   "harness": 2}
+                                   "harness": 2, "zerocopy": args.zerocopy}
         for part in parts:
             t = time.time()
             results[part] = bench_row(base, args) if part == "row" else bench_workload(part, base, args)
@@ -714,8 +733,8 @@ def save_table(res: dict[str, Any]) -> list[str]:
     nb, cases = res["nbytes"], res["save"]
     refs = ("safetensors+fsync", "dcp")
     lines = md_head(["save", "fsync", *TIME_HEAD, *(f"vs {r}" for r in refs), *CPU_HEAD, "files", *MEM_HEAD], 2)
-    for lib, runs in ordered(cases, [*SAVERS, *VARIANTS]):
-        fsync = "yes" if {**SAVERS, **VARIANTS}[lib][0] else "no"
+    for lib, runs in ordered(cases, [*SAVERS, *VARIANTS, *ZEROCOPY_SAVERS]):
+        fsync = "yes" if {**SAVERS, **VARIANTS, **ZEROCOPY_SAVERS}[lib][0] else "no"
         lines.append(md_row([lib, fsync, *time_cells(runs, nb), *(fmt_cmp(compare(runs, cases.get(r))) for r in refs),
                              *cpu_cells(runs, nb), f"{runs[0]['files']:,}", *mem_cells(runs)]))
     return lines
@@ -844,6 +863,8 @@ def large_targets(L: dict[str, Any]) -> list[str]:
                           cases.get("dcp"), DCP_LIMIT[mode, lib]) for lib in TS_LOADERS]
         out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= 1.0x safetensors load_file", cases.get(lib),
                           cases.get("safetensors"), 1.0) for lib in TS_LOADERS]
+        out += [ratio_row(f"{size} restore, {mode} cache: {lib} <= 1.5x safetensors load_file", cases.get(lib),
+                          cases.get("safetensors"), 1.5) for lib in ZEROCOPY_LOADERS if lib in cases]
     out.append(ratio_row(f"{size} save: tsckpt CPU s/GB below dcp's", save.get("tsckpt"), save.get("dcp"), 1.0,
                          "cpu", nb))
     for mode in modes_of(L):
@@ -923,7 +944,7 @@ def intro(results: dict[str, Any]) -> str:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace | None = None) -> str:
-    lines = [SECTION, "", intro(results), ""]
+    lines = [ZEROCOPY_SECTION if results.get("zerocopy") else SECTION, "", intro(results), ""]
     if "large" in results:
         lines += workload_section(results["large"], large_title(results["large"]))
     if "small" in results:
@@ -954,6 +975,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
     ap.add_argument("--ab", action="store_true",
                     help="also save with tsckpt variants (" + ", ".join(VARIANTS) + ") and restore as " + AB_LOADER)
+    ap.add_argument("--zerocopy", action="store_true",
+                    help=f"also save as {ONE_CHUNK!r} and restore with copy=False ({', '.join(ZEROCOPY_LOADERS)}); "
+                    f"--write-results writes the '{ZEROCOPY_SECTION}' section")
     ap.add_argument("--savers", default=None, help="comma-separated savers to run (default: all); restores only read what ran")
     ap.add_argument("--from-json", default=None, help="measure nothing: report (and --write-results) from a --json file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -974,7 +998,7 @@ def main() -> None:
         if args.repeats is None:
             args.repeats = 1 if args.quick else 5
         results = measure(args)
-    finish(results, args, report, SECTION)
+    finish(results, args, report, ZEROCOPY_SECTION if results.get("zerocopy") else SECTION)
 
 
 if __name__ == "__main__":
