@@ -546,7 +546,8 @@ def bench_workload(wl: str, base: str, args: argparse.Namespace) -> dict[str, An
     root = os.path.join(base, wl)
     savers = savers_to_run(args)
     loaders = [lib for lib, (src, _) in LOADERS.items() if src in savers and (args.ab or lib != AB_LOADER)
-               and (args.pretouched or lib not in PRETOUCHED) and (args.zerocopy or lib not in ZEROCOPY_LOADERS)]
+               and (args.pretouched or lib not in PRETOUCHED) and (args.zerocopy or lib not in ZEROCOPY_LOADERS)
+               and (not args.restores or lib in args.restores.split(","))]
     checksum = float("nan")
     for rnd in range(args.repeats):
         for lib in rotated(savers, rnd):
@@ -979,6 +980,7 @@ def main() -> None:
                     help=f"also save as {ONE_CHUNK!r} and restore with copy=False ({', '.join(ZEROCOPY_LOADERS)}); "
                     f"--write-results writes the '{ZEROCOPY_SECTION}' section")
     ap.add_argument("--savers", default=None, help="comma-separated savers to run (default: all); restores only read what ran")
+    ap.add_argument("--restores", default=None, help="comma-separated restores to run (default: all of the savers run)")
     ap.add_argument("--from-json", default=None, help="measure nothing: report (and --write-results) from a --json file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -16,6 +16,9 @@ import torch
 
 import tsckpt
 import tsckpt._save.plan as plan
+from tsckpt._base.types import ReadItem
+from tsckpt._codec.chunkmap import map_chunks
+from tsckpt._codec.route import place
 from tsckpt._errors import CorruptCheckpointError
 from tsckpt._ondisk.arrays import chunk_key
 from tsckpt._ondisk.records import Chunking
@@ -161,7 +164,7 @@ def test_a_region_other_than_one_chunk_is_copied_and_logged(tmp_path, monkeypatc
         half = tsckpt.restore(tmp_path / "ck", {"w": tsckpt.ShardedArray(np.empty(4, np.float32), (8,), (4,))}, copy=False)
     assert whole.tobytes() == w.tobytes() and half["w"].local.tobytes() == w[4:].tobytes()
     assert "'w': the region is not one whole stored chunk (a resharded region" in caplog.text
-    assert "'w': a ShardedArray result" in caplog.text
+    assert "'w': its result (a ShardedArray) is built around the memory a read fills" in caplog.text
     # a lazy read of exactly one chunk maps it
     reader = tsckpt.open(tmp_path / "ck", copy=False)
     second = reader["w"][4:8]
@@ -171,6 +174,15 @@ def test_a_region_other_than_one_chunk_is_copied_and_logged(tmp_path, monkeypatc
     with caplog.at_level(logging.INFO, logger="tsckpt"):
         assert reader["w"][2:6].tobytes() == w[2:6].tobytes()
     assert "'w': the region is not one whole stored chunk" in caplog.text
+
+
+def test_a_chunk_file_asked_for_twice_is_mapped_once(tmp_path, one_chunk):
+    tsckpt.save(tmp_path / "ck", {"w": torch.arange(100.0)})
+    ck = tsckpt.open(tmp_path / "ck").checkpoint
+    item = ReadItem("w", (0,), (100,))
+    first, second = map_chunks(ck, place(ck.data(), ck.layout), [item, item])
+    assert first is second and first.tobytes() == torch.arange(100.0).numpy().tobytes()
+    assert mappings_of(chunk_file(tmp_path / "ck", "w")) == 1
 
 
 def test_inner_chunks_and_in_place_targets_are_copied(tmp_path, small_chunks, caplog):

@@ -59,19 +59,29 @@ def map_chunks(ck: Checkpoint, where: Place, items: Sequence[ReadItem]) -> list[
         return [where.why or NOT_LOCAL for _ in items]
     with opened_directory(where.directory) as dir_fd:
         agrees: dict[str, bool] = {}
+        first: dict[str, int] = {}  # chunk file -> the item that maps it (a region asked for twice: one mapping)
         for item in items:
             rec = ck.arrays[item.path]
             why = _unmappable(rec, item, where)
             if why is None and dir_fd is not None:
+                key = chunk_key(rec, item.storage_offsets)
+                if key in first:
+                    out.append(out[first[key]])
+                    continue
                 if rec.path not in agrees:
                     agrees[rec.path] = node_agrees(dir_fd, rec)
-                mapped = _map_one(dir_fd, rec, item) if agrees[rec.path] else None
-                out.append(NOT_AS_WRITTEN if mapped is None else mapped)
+                first[key] = len(out)
+                out.append(_map_one(dir_fd, rec, key) if agrees[rec.path] else NOT_AS_WRITTEN)
             else:
                 out.append(why or NOT_LOCAL)
-    files = [(i, m) for i, m in enumerate(out) if not isinstance(m, str)]
-    for (i, mapped), intact in zip(files, _checked([m for _, m in files])):
-        out[i] = _data(ck.arrays[items[i].path], mapped) if intact else NOT_AS_WRITTEN
+    files = {id(m): m for m in out if not isinstance(m, str)}
+    intact = dict(zip(files, _checked(list(files.values()))))
+    done: dict[int, np.ndarray | str] = {}
+    for i, m in enumerate(out):
+        if not isinstance(m, str):
+            if id(m) not in done:
+                done[id(m)] = _data(ck.arrays[items[i].path], m) if intact[id(m)] else NOT_AS_WRITTEN
+            out[i] = done[id(m)]
     return out
 
 
@@ -111,25 +121,24 @@ def _unmappable(rec: ArrayRecord, item: ReadItem, where: Place) -> str | None:
     return None
 
 
-def _map_one(dir_fd: int, rec: ArrayRecord, item: ReadItem) -> np.ndarray | None:
-    """The chunk file of the region ``item`` mapped whole (data and crc32c, not yet checked);
-    None when it is missing, behind a link, not a regular file of the expected size, or cannot
-    be mapped."""
+def _map_one(dir_fd: int, rec: ArrayRecord, key: str) -> np.ndarray | str:
+    """The chunk file ``key`` of ``rec`` mapped whole (data and crc32c, not yet checked); or why
+    not: it is missing, behind a link, not a regular file of the expected size
+    (:data:`NOT_AS_WRITTEN`), or cannot be mapped (past the process's limit of mappings)."""
     nbytes = math.prod(stored_shapes(rec).shard) * _dtypes.numpy_dtype(rec.dtype).itemsize  # complex32: float16 pairs
     try:
-        fd = open_beneath(dir_fd, chunk_key(rec, item.storage_offsets))
+        fd = open_beneath(dir_fd, key)
     except OSError:
-        return None
+        return NOT_AS_WRITTEN
     try:
         st = os.fstat(fd)
         if not S_ISREG(st.st_mode) or st.st_size != nbytes + CRC_BYTES:
-            return None
-        mapped = map_private(fd, nbytes + CRC_BYTES)
-    except (OSError, ValueError):
-        return None
+            return NOT_AS_WRITTEN
+        return map_private(fd, nbytes + CRC_BYTES)
+    except (OSError, ValueError) as e:
+        return f"its file cannot be mapped ({e}; vm.max_map_count bounds a process's mappings)"
     finally:
         os.close(fd)
-    return mapped
 
 
 def _data(rec: ArrayRecord, mapped: np.ndarray) -> np.ndarray:

@@ -202,8 +202,8 @@ def restore(
     (tsckpt's one-chunk files, safetensors tensors) as views of copy-on-write mappings of
     their files, each crc32c checked first, instead of copies; ``copy="read-only"`` also
     makes such numpy arrays read-only. A file truncated while mapped kills the process with
-    SIGBUS when a lost page is touched (:class:`tsckpt.RestoreOptions` ``copy``,
-    docs/zerocopy.md). Every other leaf is copied, and the ``tsckpt`` logger says why.
+    SIGBUS when a lost page is touched (docs/zerocopy.md). Every other leaf is copied, and
+    the ``tsckpt`` logger says why.
     """
     options = RestoreOptions.of(locals())  # a bad option raises here, before any work
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place

@@ -102,7 +102,8 @@ def _why_not(ck: Checkpoint, dest: Dest, leaf: Any, inplace: bool, parts: int) -
     if inplace and not materialises(leaf):
         return "in place: it is copied into the target's own memory"
     if parts > 1 or dest.finish is not None or dest.result is not dest.tensor:
-        return f"a {type(dest.result if dest.result is not None else leaf).__name__} result, built from its read memory"
+        kind = type(dest.result if dest.result is not None else leaf).__name__
+        return f"its result (a {kind}) is built around the memory a read fills (its kind, or a mapping rule's view)"
     t = dest.tensor
     if is_tensor(t) and t.device.type != "cpu":
         return f"its target is on {t.device}"
