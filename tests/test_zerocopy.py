@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tsckpt
+import tsckpt.torch
 import tsckpt._save.plan as plan
 from tsckpt._base.types import ReadItem
 from tsckpt._codec.chunkmap import map_chunks
@@ -214,7 +215,15 @@ def test_compressed_arrays_of_another_format_are_copied(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tsckpt"):
         out = tsckpt.restore(tmp_path / "o", copy=False)
     assert out["w"].tobytes() == np.arange(64, dtype=np.float32).tobytes()
-    assert "'w': a orbax checkpoint's arrays are encoded by their own codecs (compression)" in caplog.text
+    assert "'w': orbax checkpoints' arrays are encoded by their own codecs (compression)" in caplog.text
+
+
+def test_a_torch_save_file_is_copied(tmp_path, caplog):
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "w.pt")
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        out = tsckpt.restore(tmp_path / "w.pt", {"w": torch.empty(6)}, copy=False)
+    assert out["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert "'w': torch checkpoints' arrays are read, not mapped (of other formats, only safetensors files map)" in caplog.text
 
 
 def test_a_safetensors_file_maps_once_for_all_its_tensors(tmp_path, caplog):
@@ -266,3 +275,23 @@ def test_the_option_is_checked_and_a_manager_takes_it(tmp_path, one_chunk):
         os.path.relpath(chunk_file(manager.directory(1), "w"), manager.directory(1))
     )
     manager.close()
+
+
+def test_a_meta_model_restored_with_copy_false_trains_on_mapped_parameters(tmp_path, one_chunk):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    tsckpt.torch.save(tmp_path / "ck", model)
+    with torch.device("meta"):
+        fresh = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    tsckpt.torch.restore(tmp_path / "ck", fresh, copy=False)
+    weight = fresh[0].weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+    assert torch.equal(weight, model[0].weight)
+    leaf = next(p for p in tsckpt.open(tmp_path / "ck") if p.endswith("0.weight"))
+    path = chunk_file(tmp_path / "ck", leaf)
+    assert mapping_of(weight)["file"] == os.path.realpath(path)
+    before = open(path, "rb").read()
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    fresh(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    assert not torch.equal(fresh[0].weight, model[0].weight) and open(path, "rb").read() == before

@@ -428,7 +428,6 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
             "format": "it restores what tsckpt.torch.save wrote (model, optimizers, RNG, extras): a tsckpt checkpoint",
             "allow_pickle": "it restores what tsckpt.torch.save wrote: a tsckpt checkpoint, never a pickle",
             "mapping": _OWN_NAMES,
-            "copy": "it copies into the live model's and optimizers' own memory, in place",
         },
     },
     "tsckpt.torch.StorageWriter": {SaveOptions: {"base": _DCP_BASE}},

@@ -38,14 +38,14 @@ def map_items(ck: Checkpoint, items: Sequence[ReadItem]) -> list[np.ndarray | st
         sources = ck.sources or {}
         return [_map_source(ck, sources[item.path], item) for item in items]
     if ck.foreign:
-        return [f"a {ck.format} checkpoint's arrays are encoded by their own codecs (compression), not mapped"] * len(items)
+        return [f"{ck.format} checkpoints' arrays are encoded by their own codecs (compression), not mapped"] * len(items)
     return map_chunks(ck, place(ck.data(), ck.layout, foreign=ck.foreign), items)
 
 
 def _map_source(ck: Checkpoint, src: Any, item: ReadItem) -> np.ndarray | str:
     """Another format's array mapped whole (a safetensors tensor), or why not."""
     if getattr(src, "map", None) is None:
-        return f"a {ck.format} checkpoint's arrays are read, not mapped (only safetensors files map)"
+        return f"{ck.format} checkpoints' arrays are read, not mapped (of other formats, only safetensors files map)"
     if any(item.storage_offsets) or tuple(item.lengths) != tuple(src.shape):
         return "the region is not the whole stored tensor (a resharded region)"
     mapped: np.ndarray | str = src.map()

@@ -42,6 +42,7 @@ from .._options import (
     WRITE_WINDOW_BYTES,
     AsyncOptions,
     BaseDirectory,
+    Copy,
     IfBusy,
     RestoreOptions,
     SaveOptions,
@@ -604,6 +605,7 @@ def restore(
     progress: bool | None = None,
     max_inflight_bytes: int = READ_WINDOW_BYTES,
     casting: str = "same_kind",
+    copy: Copy = True,
 ) -> RestoreResult:
     """Restore a :func:`save` checkpoint in place into a live model and optimizers; every rank calls it.
 
@@ -633,7 +635,10 @@ def restore(
     region is loaded, the rest keeps the model's values. ``max_inflight_bytes``
     is that read buffer's bound, ``casting`` governs tensors whose live dtype
     differs from the stored one, and ``group``, ``timeout`` and ``progress`` are
-    as for :func:`tsckpt.restore`. The same as ``tsckpt.restore(directory,
+    as for :func:`tsckpt.restore`. ``copy=False``: the new parameters and buffers of a model on
+    the meta device map the checkpoint's files where a stored chunk is exactly the tensor
+    (copy-on-write: training writes them, never the files; docs/zerocopy.md); live tensors
+    are filled in place either way. The same as ``tsckpt.restore(directory,
     TrainState(model, optimizers, extra=..., per_rank=..., rng=..., resize=...))``.
     """
     options = RestoreOptions.of(locals())
