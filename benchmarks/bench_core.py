@@ -107,7 +107,7 @@ FLOOR = "read(), 1 thread (reference)"
 # --zerocopy: a tsckpt layout that copy=False maps whole (each array one chunk file), saved in rotation
 ONE_CHUNK = "tsckpt (one-chunk arrays)"
 ZEROCOPY_SAVERS = {ONE_CHUNK: (True, "tsckpt.save with every array stored as one chunk file (no inner chunks)")}
-ZC_DEFAULT, ZC_ONE_CHUNK = "tsckpt (copy=False)", "tsckpt (copy=False, one-chunk arrays)"
+ZC_DEFAULT, ZC_ONE_CHUNK = "tsckpt copy=False (default layout)", "tsckpt copy=False (one-chunk arrays)"
 ZEROCOPY_SECTION = "## Zero-copy restores (copy=False)"
 AB_LOADER = "tsckpt (inplace, page-cache reads)"
 # restore name -> (saver whose output it reads, description)
