@@ -29,7 +29,9 @@ benchmarks/RESULTS.md, "Safetensors reading"):
 - Through the map it measured no faster into a given array or for whole rows, and faster
   where a new array is wanted (whole tensors: it returns views of the map, copying
   nothing; a few columns of every row, where this reader makes a read call per run):
-  kept there too, for the SIGBUS and the memory above.
+  kept there too, for the SIGBUS and the memory above. A restore with ``copy=False`` asks
+  for exactly that trade: its whole tensors are views of one copy-on-write mapping per
+  file (:class:`FileMap`; docs/zerocopy.md).
 
 A Hugging Face directory holds ``model.safetensors``, or
 ``model-0000N-of-0000M.safetensors`` shards and ``model.safetensors.index.json``
