@@ -210,7 +210,7 @@ def report(runs: dict[str, dict[str, list[dict[str, Any]]]], args: Any) -> str:
     lines = [
         SECTION,
         "",
-        f"Each checkpoint: {len(sh)} float32 arrays of {r} x {c} ({total / MiB:.0f} MiB), written by Orbax's "
+        f"Each checkpoint: {len(sh)} float32 array(s) of {r} x {c} ({total / MiB:.0f} MiB), written by Orbax's "
         "StandardCheckpointer from 4 CPU devices in row chunks (rows) or column chunks (cols); restored by 2 JAX "
         f"processes x 2 CPU devices into targets sharded P(None, ('p', 'd')): each process owns {total / 2 / MiB:.0f} "
         f"MiB, in two device slices. {args.repeats} job(s) per case, {args.restores} restores per process; the larger "
