@@ -85,6 +85,59 @@ def test_a_flax_nnx_checkpoint_restores_into_the_torch_module(tmp_path):
     np.testing.assert_allclose(got.numpy(), want, rtol=2e-6, atol=2e-6)  # two libraries' float32 kernels
 
 
+class FlaxStack(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(10, 8, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)])
+        self.norm = nnx.LayerNorm(4, epsilon=1e-6, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.norm(self.layers[1](nnx.relu(self.layers[0](self.embed(ids)))))
+
+
+class TorchStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)])
+        self.norm = torch.nn.LayerNorm(4, eps=1e-6)
+
+    def forward(self, ids):
+        return self.norm(self.layers[1](torch.relu(self.layers[0](self.embed(ids)))))
+
+
+def test_an_orbax_written_nnx_state_restores_into_the_torch_module_with_no_user_code(tmp_path):
+    """Orbax stores an NNX Variable with its /value level and a list's items as the string
+    keys "0", "1" (tsckpt's paths: layers/%30/kernel/value): flax_to_torch maps them onto
+    layers.0.weight with nothing else said, and the outputs match the by-hand conversion bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    flax_net = FlaxStack(nnx.Rngs(4))
+    flax_net.norm.scale[...] = jnp.linspace(0.5, 1.5, 4)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", nnx.state(flax_net, nnx.Param))
+        ck.wait_until_finished()
+    assert "layers/%30/kernel/value" in list(tsckpt.open(tmp_path / "orbax"))
+    model = TorchStack()
+    model.load_state_dict(tsckpt.restore(tmp_path / "orbax", model.state_dict(), mapping=flax_to_torch()))
+    np.testing.assert_array_equal(_bits(model.layers[0].weight.detach()), _bits(np.asarray(flax_net.layers[0].kernel[...]).T))
+    by_hand = TorchStack()
+    by_hand.load_state_dict({
+        "embed.weight": torch.from_numpy(np.array(flax_net.embed.embedding[...])),
+        **{f"layers.{i}.weight": torch.from_numpy(np.array(layer.kernel[...]).T.copy()) for i, layer in enumerate(flax_net.layers)},
+        **{f"layers.{i}.bias": torch.from_numpy(np.array(layer.bias[...])) for i, layer in enumerate(flax_net.layers)},
+        "norm.weight": torch.from_numpy(np.array(flax_net.norm.scale[...])),
+        "norm.bias": torch.from_numpy(np.array(flax_net.norm.bias[...])),
+    })
+    with torch.no_grad():
+        assert torch.equal(model(torch.from_numpy(IDS)), by_hand(torch.from_numpy(IDS)))
+    # the same rules on tsckpt's own names of that state (no /value level, the list's items as 0, 1)
+    tsckpt.save(tmp_path / "own", nnx.state(flax_net, nnx.Param))
+    again = TorchStack()
+    again.load_state_dict(tsckpt.restore(tmp_path / "own", again.state_dict(), mapping=flax_to_torch()))
+    with torch.no_grad():
+        assert torch.equal(again(torch.from_numpy(IDS)), by_hand(torch.from_numpy(IDS)))
+
+
 def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(tmp_path):
     model = TorchNet()
     torch.nn.init.uniform_(model.norm.weight, 0.5, 1.5)

@@ -92,7 +92,8 @@ class Rule:
     Templates are paths with wildcards: ``{name}`` matches one name (no ``/`` nor ``.``),
     ``{name*}`` any text; a target template uses the same names. ``sep=("/", ".")``
     replaces ``/`` by ``.`` in what the wildcards matched (``blocks/0/mlp`` becomes
-    ``blocks.0.mlp``, as torch names modules). Several stored templates (a tuple) are
+    ``blocks.0.mlp``, as torch names modules; a str key of digits, escaped as ``%30``
+    where Orbax stores a list's items so, is written as its digits). Several stored templates (a tuple) are
     joined by a :class:`Concat` view; several target templates are cut from one stored
     array by a :class:`Split` view. ``ndim`` restricts the rule to stored arrays of that
     many dimensions (a torch ``weight`` of a Linear and of a LayerNorm differ only there).
@@ -157,12 +158,26 @@ def _template(text: str) -> tuple[re.Pattern[str], list[str]]:
     return re.compile("".join(out)), names
 
 
+# A path component that is an escaped int-like str key (``"0"`` is stored as ``%30``, as
+# Orbax names a list of modules): torch names such an item by its digits.
+_ESCAPED_INT = re.compile(r"%(3[0-9]|2D)([0-9]*)")
+
+
 def _fill(text: str, captured: Mapping[str, str], sep: tuple[str, str] | None) -> str:
     def sub(m: re.Match[str]) -> str:
         value = captured[m.group(1)]
-        return value.replace(sep[0], sep[1]) if sep else value
+        if not sep:
+            return value
+        if sep[0] == "/":  # path components into a module name: an escaped digit key is its digits
+            value = "/".join(_digits(c) for c in value.split("/"))
+        return value.replace(sep[0], sep[1])
 
     return _WILD.sub(sub, text)
+
+
+def _digits(component: str) -> str:
+    m = _ESCAPED_INT.fullmatch(component)
+    return chr(int(m.group(1), 16)) + m.group(2) if m else component
 
 
 @dataclasses.dataclass(frozen=True)
