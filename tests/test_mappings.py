@@ -211,6 +211,43 @@ def test_a_cast_follows_the_casting_rule(tmp_path):
         tsckpt.restore(tmp_path / "c", {"l.weight": torch.zeros(3, 2, dtype=torch.int32)}, mapping=rules)
 
 
+def test_a_rule_casts_under_the_casting_rule(tmp_path):
+    """A rule's dtype: stored bfloat16 read as float32 (safe), stored float32 as bfloat16
+    (same_kind: rounded, refused under "safe" naming the rule, the stored and the target path);
+    open, metadata and target=None see the rule's dtype."""
+    import ml_dtypes
+
+    w = np.array([[1.0, 2.5, -3.0], [0.1, 1e-3, 7.0]], np.float32)
+    tsckpt.save(tmp_path / "c", {"a": {"kernel": w.astype(ml_dtypes.bfloat16)}, "b": {"kernel": w}})
+    up = Rules([Rule("a/kernel", "a.weight", Transpose((1, 0)), dtype="float32")], unmatched="drop")
+    out = tsckpt.restore(tmp_path / "c", {"a.weight": torch.zeros(3, 2)}, mapping=up)
+    assert torch.equal(out["a.weight"], torch.from_numpy(w.astype(ml_dtypes.bfloat16).astype(np.float32).T.copy()))
+    down = Rules([Rule("b/kernel", "b.weight", Transpose((1, 0)), dtype=torch.bfloat16)], unmatched="drop")
+    target = {"b.weight": torch.zeros(3, 2, dtype=torch.bfloat16)}
+    got = tsckpt.restore(tmp_path / "c", target, mapping=down)["b.weight"]
+    assert torch.equal(got, torch.from_numpy(w.T.copy()).to(torch.bfloat16))
+    with pytest.raises(tsckpt.LeafTypeError, match=r"casting=\"safe\" refuses stored float32 into the bfloat16 target.*"
+                       r"Rule\('b/kernel' -> 'b.weight', Transpose\(perm=\(1, 0\)\), dtype=bfloat16\) \(stored "
+                       r"'b/kernel', target 'b.weight'\)"):
+        tsckpt.restore(tmp_path / "c", target, mapping=down, casting="safe")
+    # the rule's dtype is the leaf's: a float32 target of a rule that rounds to bfloat16 is refused
+    with pytest.raises(tsckpt.LeafTypeError, match=r"rule casts stored float32 into bfloat16.*target 'b.weight'"):
+        tsckpt.restore(tmp_path / "c", {"b.weight": torch.zeros(3, 2)}, mapping=down)
+    # a float64 target of a rule that widens bfloat16 to float32 gets the same values
+    wide = tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((3, 2))}, mapping=up)["a.weight"]
+    np.testing.assert_array_equal(wide, w.astype(ml_dtypes.bfloat16).astype(np.float64).T)
+    arr = tsckpt.open(tmp_path / "c", mapping=down)["b.weight"]
+    assert arr.dtype == "bfloat16" and np.array_equal(arr[...], w.T.astype(ml_dtypes.bfloat16))
+    assert tsckpt.metadata(tmp_path / "c", mapping=up)["a.weight"].dtype == "float32"
+    # a value that does not fit the rule's dtype is refused as a restore's cast refuses it
+    tsckpt.save(tmp_path / "big", {"k": np.array([1.0, 1e39], np.float64)})
+    narrow = Rules([Rule("k", "k32", dtype="float32")])
+    with pytest.raises(tsckpt.LossyCastError, match="'k32'.*1e\\+39"):
+        tsckpt.restore(tmp_path / "big", {"k32": np.zeros(2, np.float32)}, mapping=narrow)
+    with pytest.raises(TypeError, match="dtype 'float7' is not a dtype tsckpt reads"):
+        Rule("k", "k32", dtype="float7")
+
+
 def test_errors_name_the_rule_the_stored_and_the_target_path(tmp_path):
     tsckpt.save(tmp_path / "c", {"a": {"kernel": np.zeros((2, 3), np.float32)}})
     rules = Rules([Rule("{m}/kernel", "{m}.weight", Reshape((4, 2)))])

@@ -104,7 +104,7 @@ def load(spec: str) -> Rules:
 
     A view is ``{"transpose": perm}``, ``{"reshape": shape}``, ``{"split": {"axis": a,
     "parts": n or [sizes]}}`` or ``{"concat": {"axis": a}}``; several stored or target
-    templates are lists. Raises ValueError naming what is wrong."""
+    templates are lists; ``"dtype": "float32"`` casts. Raises ValueError naming what is wrong."""
     name, _, prefix = spec.partition(":")
     if name in READY_MADE:
         return READY_MADE[name](stored_prefix=prefix)
@@ -142,9 +142,10 @@ def _rule_of(spec: str, i: int, r: Any) -> Rule:
             tuple(views),
             sep=None if sep is None else (str(sep[0]), str(sep[1])),
             ndim=r.get("ndim"),
+            dtype=r.get("dtype"),
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise ValueError(
             f"{where} ({json.dumps(r)[:200]}): {e!r}; a rule is {{\"stored\": ..., \"target\": ..., \"views\": "
-            f"[{{{' | '.join(repr(n) for n in _VIEWS)}: ...}}], \"sep\": [from, to], \"ndim\": n}}"
+            f"[{{{' | '.join(repr(n) for n in _VIEWS)}: ...}}], \"sep\": [from, to], \"ndim\": n, \"dtype\": name}}"
         ) from e

@@ -11,8 +11,11 @@ from typing import Any
 import numpy as np
 
 from .._base import dtypes as _dtypes
+from .._base.casting import CastCheck, check_cast, level
+from .._base.lazytorch import is_dtype
 from .._base.mapping import Mapped, MappingError, Rules, place, plan
 from .._base.types import Dest, ReadItem
+from .._errors import LeafTypeError
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import Chunking
 from .._ondisk.records import ArrayRecord
@@ -41,15 +44,20 @@ class MappedCheckpoint:
             return error
         return type(error)(f"{error} (the leaf as mapped by {leaf.where()}: shape {list(leaf.shape)}, {leaf.dtype})")
 
-    def dests(self, path: str, parts: tuple[Dest, ...]) -> list[Dest]:
+    def dests(self, path: str, parts: tuple[Dest, ...], *, casting: str = "same_kind") -> list[Dest]:
         """The reads of the stored arrays that fill the target regions ``parts`` of ``path``:
-        one per stored box, into a view of the region's memory."""
+        one per stored box, into a view of the region's memory. Where the rule casts, the
+        stored values are cast into the target under ``casting`` (:meth:`cast`)."""
         leaf = self.leaves[path]
         if leaf.rule is None:  # under its own name (a tied leaf: its stored array's)
             stored = leaf.sources[0]
             return [p if p.item.path == stored else dataclasses.replace(p, item=dataclasses.replace(p.item, path=stored))
                     for p in parts]
         out = []
+        casts: dict[Any, CastCheck | None] = {}  # one check per target dtype, shared by the parts
+        for part in parts:
+            if part.tensor.dtype not in casts:
+                casts[part.tensor.dtype] = self.cast(path, part.tensor.dtype, part.cast, casting)
         for part in parts:
             for piece in plan(leaf, part.item.storage_offsets, part.item.lengths):
                 try:
@@ -60,8 +68,33 @@ class MappedCheckpoint:
                         f"copy ({e}); restore into contiguous memory (inplace=False, or a contiguous target)"
                     ) from e
                 item = ReadItem(piece.source, piece.offsets, piece.lengths)
-                out.append(dataclasses.replace(part, item=item, tensor=memory, parts=()))
+                out.append(dataclasses.replace(part, item=item, tensor=memory, parts=(), cast=casts[part.tensor.dtype]))
         return out
+
+    def cast(self, path: str, target: Any, given: CastCheck | None, casting: str) -> CastCheck | None:
+        """The check of the cast from the stored dtype into a ``target`` dtype (numpy or torch)
+        of the target leaf ``path``, whose rule casts (``given``, the check of the rule's dtype
+        into the target, where it does not). The stored values go into the target at once: a
+        target of the rule's dtype, or one the rule's dtype goes into as the stored dtype would
+        (the rule's cast keeps every stored value). Refusals raise LeafTypeError naming the rule,
+        the stored and the target path."""
+        leaf = self.leaves[path]
+        if leaf.cast_from is None:
+            return given
+        name = _dtypes.torch_name(target) if is_dtype(target) else _dtypes.numpy_name(np.dtype(target))
+        try:
+            check = check_cast(path, leaf.cast_from, _dtypes.numpy_dtype(leaf.dtype), casting=casting)
+            if name == leaf.dtype:
+                return check
+            if level(leaf.cast_from, leaf.dtype) not in ("no", "safe"):
+                raise LeafTypeError(
+                    f"'{path}': the rule casts stored {leaf.cast_from} into {leaf.dtype}, which rounds or drops "
+                    f"values, but the target is {target}; restore into a {leaf.dtype} target, or give the rule the "
+                    "target's dtype"
+                )
+            return check_cast(path, leaf.cast_from, target, casting=casting)
+        except LeafTypeError as e:
+            raise self.explained(path, e) from e
 
 
 # Above this ratio of stored bytes touched to bytes needed, a mapped read is reported.
@@ -148,7 +181,10 @@ class MappedArray(LazyArray):
         for dest in self._mapped.dests(self.path, (part,)):
             if math.prod(dest.item.lengths):
                 box = tuple(slice(o, o + n) for o, n in zip(dest.item.storage_offsets, dest.item.lengths))
-                dest.tensor[...] = LazyArray(stored, dest.item.path).read_box(box)
+                raw = LazyArray(stored, dest.item.path).read_box(box)
+                if dest.cast is not None:  # the rule's cast, checked as a restore checks it
+                    dest.cast.check(raw, dest.item.storage_offsets)
+                dest.tensor[...] = raw
         return out
 
 

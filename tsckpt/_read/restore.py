@@ -304,7 +304,7 @@ def _fill(
             if dest.finish is not None:
                 finishing.append((i, dest))
             parts = dest.parts or (dest,)
-            for part in parts if reader.mapped is None else reader.mapped.dests(path, parts):
+            for part in parts if reader.mapped is None else reader.mapped.dests(path, parts, casting=reader.casting):
                 key = memory(part.tensor) if inplace else None
                 if key is not None:  # a target whose tied leaves share memory reads once
                     mem = (path, part.item.path, part.item.storage_offsets, part.item.lengths, key)
