@@ -18,6 +18,7 @@ import tsckpt
 
 ocp = pytest.importorskip("orbax.checkpoint")
 jax = pytest.importorskip("jax")
+pytestmark = pytest.mark.filterwarnings("ignore:.*target tree and checkpoint differ")  # each test reads part of one checkpoint
 if len(jax.devices()) < 4:  # tests/conftest.py asks XLA for 4 CPU devices before jax starts
     pytest.skip("these tests need 4 jax devices", allow_module_level=True)
 
@@ -87,6 +88,22 @@ def test_a_column_region_reads_its_own_chunks(saved):
         out, read = _restore(saved, {name: part}, max_inflight_bytes=NBYTES // 4)
         assert read <= most, f"'{name}': read {read} bytes, owning {NBYTES // 2}"
         assert out[name].local.numpy().tobytes() == np.ascontiguousarray(_values()[:, half:]).tobytes()
+
+
+def test_a_layout_that_makes_a_region_read_more_is_reported(saved, caplog):
+    """Half the columns of row chunks: the restore says (INFO) that it touches 2x what the
+    region needs, naming the array and its chunks; the column chunks' own half says nothing."""
+    caplog.set_level("INFO", logger="tsckpt")
+    half = COLS // 2
+    for name in ("rows", "cols"):
+        part = tsckpt.ShardedArray(torch.zeros(ROWS, half), (ROWS, COLS), (0, half))
+        tsckpt.restore(saved, {name: part}, strict=False)
+    assert "the reads touch 2.00x the stored bytes" in caplog.text
+    assert f"'rows' 2.00x (chunks [{ROWS // 4}, {COLS}])" in caplog.text and "'cols'" not in caplog.text
+    caplog.clear()
+    target = {"rows": jax.ShapeDtypeStruct((ROWS, COLS), np.float32, sharding=NamedSharding(_mesh(), P(None, "x")))}
+    tsckpt.restore(saved, target, strict=False)  # the whole array, in four slices: each chunk read once, no more
+    assert "the reads touch" not in caplog.text
 
 
 def test_jax_slices_of_one_chunk_get_a_cast_and_their_own_parts(saved):

@@ -5,6 +5,7 @@ arrays (:meth:`MappedCheckpoint.dests`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -97,39 +98,59 @@ class MappedCheckpoint:
             raise self.explained(path, e) from e
 
 
-# Above this ratio of stored bytes touched to bytes needed, a mapped read is reported.
+# Above this ratio of stored bytes touched to bytes needed, a read is reported.
 AMPLIFICATION_LIMIT = 1.1
+# The most cells :func:`_union` walks to count chunks several reads touch once; past it
+# (thousands of scattered pieces) each read's chunks are counted as if it were alone.
+_UNION_CELLS = 1 << 16
 
 
 def read_amplification(ck: Checkpoint, dests: list[Dest]) -> float:
-    """The bytes of the stored chunks that the reads ``dests`` touch over the bytes they
-    need; above :data:`AMPLIFICATION_LIMIT` the stored arrays whose chunking makes it so
-    are logged (INFO, the ``tsckpt`` logger): their chunks are larger than the regions read,
-    as when a whole-array chunk is read by each rank for its column block."""
-    needed = touched = 0
-    worst: dict[str, tuple[int, int]] = {}
+    """The elements of the stored chunks that the reads ``dests`` touch (each chunk once,
+    as the read engine decodes it once for all of them) over the elements they need;
+    above :data:`AMPLIFICATION_LIMIT` the stored arrays whose chunking makes it so are
+    logged (INFO, the ``tsckpt`` logger): their chunks are larger than the regions read,
+    as when row chunks are read for a column block, or a whole-array chunk by each rank."""
+    needed: dict[str, int] = {}
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for d in dests:
         rec = ck.arrays[d.item.path]
         chunk = rec.chunking.chunk_shape or rec.chunking.shard_shape or rec.shape
-        n = math.prod(d.item.lengths)
-        t = math.prod(
-            min(size, -(-(o + ln) // c) * c) - (o // c) * c if ln else 0
-            for o, ln, c, size in zip(d.item.storage_offsets, d.item.lengths, chunk, rec.shape)
-        )
-        needed, touched = needed + n, touched + t
-        a, b = worst.get(d.item.path, (0, 0))
-        worst[d.item.path] = (a + n, b + t)
-    ratio = touched / needed if needed else 1.0
+        needed[d.item.path] = needed.get(d.item.path, 0) + math.prod(d.item.lengths)
+        if math.prod(d.item.lengths):
+            lo = tuple((o // c) * c for o, c in zip(d.item.storage_offsets, chunk))
+            hi = tuple(min(size, -(-(o + n) // c) * c) for o, n, c, size in zip(d.item.storage_offsets, d.item.lengths,
+                                                                                  chunk, rec.shape))
+            boxes.setdefault(d.item.path, []).append((lo, hi))
+    touched = {p: _union(bs) for p, bs in boxes.items()}
+    total = sum(needed.values())
+    ratio = sum(touched.values()) / total if total else 1.0
     if ratio > AMPLIFICATION_LIMIT:
-        over = sorted(((b / a, p) for p, (a, b) in worst.items() if a and b / a > AMPLIFICATION_LIMIT), reverse=True)
+        over = sorted(((t / needed[p], p) for p, t in touched.items() if t / needed[p] > AMPLIFICATION_LIMIT), reverse=True)
         listed = ", ".join(f"'{p}' {r:.2f}x (chunks {list(ck.arrays[p].chunking.chunk_shape or ck.arrays[p].chunking.shard_shape)})"
                            for r, p in over[:5])
         logger.info(
-            "%s: the mapped reads touch %.2fx the stored bytes their regions need: the stored chunks are larger "
+            "%s: the reads touch %.2fx the stored bytes their regions need: the stored chunks are larger "
             "than the regions read (%s%s); saving with smaller chunks along the axes the targets are sharded on "
             "reads less", ck.location, ratio, listed, f" and {len(over) - 5} more" if len(over) > 5 else "",
         )
     return ratio
+
+
+def _union(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """The elements of the union of boxes (lo, hi): the cells between their edges, counted
+    once (each box's own size summed where there are too many cells)."""
+    if len(boxes) == 1 or len(set(boxes)) == 1:
+        return math.prod(h - l for l, h in zip(*boxes[0]))
+    edges = [sorted({b[0][d] for b in boxes} | {b[1][d] for b in boxes}) for d in range(len(boxes[0][0]))]
+    if math.prod(len(e) - 1 for e in edges) > _UNION_CELLS:
+        return sum(math.prod(h - l for l, h in zip(lo, hi)) for lo, hi in boxes)
+    total = 0
+    for cell in itertools.product(*(range(len(e) - 1) for e in edges)):
+        lo = tuple(e[i] for e, i in zip(edges, cell))
+        if any(all(bl <= x < bh for x, bl, bh in zip(lo, blo, bhi)) for blo, bhi in boxes):
+            total += math.prod(e[i + 1] - e[i] for e, i in zip(edges, cell))
+    return total
 
 
 def mapped_checkpoint(ck: Checkpoint, mapping: Rules) -> MappedCheckpoint:

@@ -317,8 +317,8 @@ def _fill(
             out.append(leaf)
     if inplace:
         _refuse_read_only(paths, dests)
-    if reader.mapped is not None:
-        read_amplification(reader.mapped.stored, [d for _, d in dests])
+    if reader.mapped is not None or (ck.foreign and not ck.lazy):  # Orbax chunks: reported past 1.1x too
+        read_amplification(reader.stored(ck), [d for _, d in dests])
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(reader.stored(ck), [d for _, d in dests], reader.progress, window=reader.window)
     warn_lost_values([d.cast for _, d in dests] + value_casts)
