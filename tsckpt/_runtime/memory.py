@@ -9,7 +9,9 @@ even though the bytes in flight are bounded. glibc's ``malloc_trim`` returns
 the free pages of every arena to the system. No library wraps it
 (:mod:`tsckpt._storage.native` calls it); elsewhere (musl, macOS) this is a no-op. The
 same goes for ``madvise`` (:func:`prefaulted`), which Python offers only on its own
-mappings.
+mappings. ``malloc_trim`` does not shrink the top of a thread's arena, which glibc keeps
+up to its trim threshold: :func:`bound_heap` pins that threshold before TensorStore
+decodes another library's chunks.
 """
 
 from __future__ import annotations
