@@ -265,7 +265,7 @@ def _read_tensorstore(
 
     in_flight: Window[_Block] = Window(window, settle)
     released = 0
-    targets: dict[int, Any] = {}  # id(dest) -> its memory as a TensorStore array, decoded into
+    current: tuple[Any, Any] = (None, None)  # the destination being read in place, its memory as a TensorStore array
     for i, (dest, in_place, (off, ln)) in enumerate(parts):
         if i in skipped:  # read with the first block of its chunk
             continue
@@ -290,9 +290,9 @@ def _read_tensorstore(
             src = store[box] if box else store
             dsel = box_slices(off, ln, item.storage_offsets)
             if in_place:  # TensorStore's decode buffers are bounded by the same window
-                if id(dest) not in targets:
-                    targets[id(dest)] = ts.array(_view(dest), copy=False)
-                target = targets[id(dest)]
+                if current[0] is not dest:  # its blocks come one after another
+                    current = (dest, ts.array(_view(dest), copy=False))
+                target = current[1]
                 block = _Block((target[dsel] if dsel else target).write(src), item.path, (), nbytes)
             else:
                 block = _Block(src.read(), item.path, (_Fill(dest, off, dsel, ()),), nbytes)
