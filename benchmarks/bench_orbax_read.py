@@ -67,7 +67,8 @@ def child_write(spec: dict[str, Any]) -> dict[str, Any]:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     tree = {
@@ -98,7 +99,8 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
 
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=2, process_id=spec["process"],
                                initialization_timeout=120)
@@ -210,16 +212,20 @@ def report(runs: dict[str, dict[str, list[dict[str, Any]]]], args: Any) -> str:
     lines = [
         SECTION,
         "",
-        f"Each checkpoint: {len(sh)} float32 array(s) of {r} x {c} ({total / MiB:.0f} MiB), written by Orbax's "
-        "StandardCheckpointer from 4 CPU devices in row chunks (rows) or column chunks (cols); restored by 2 JAX "
-        f"processes x 2 CPU devices into targets sharded P(None, ('p', 'd')): each process owns {total / 2 / MiB:.0f} "
-        f"MiB, in two device slices. {args.repeats} job(s) per case, {args.restores} restores per process; the larger "
-        f"of the two processes. {info['date']}, {info['nproc']} CPUs ({info['cpu']}), tensorstore {info['tensorstore']}, "
-        f"tsckpt {info['tsckpt_rev']}. 2-CPU dev machine, loaded by parallel work (load average "
-        f"{info['load_avg'][0]:.1f}): times are indicative only.",
+        (
+            f"Each checkpoint: {len(sh)} float32 array(s) of {r} x {c} ({total / MiB:.0f} MiB), written by Orbax's "
+            "StandardCheckpointer from 4 CPU devices in row chunks (rows) or column chunks (cols); restored by 2 JAX "
+            f"processes x 2 CPU devices into targets sharded P(None, ('p', 'd')): each process owns {total / 2 / MiB:.0f} "
+            f"MiB, in two device slices. {args.repeats} job(s) per case, {args.restores} restores per process; the larger "
+            f"of the two processes. {info['date']}, {info['nproc']} CPUs ({info['cpu']}), tensorstore {info['tensorstore']}, "
+            f"tsckpt {info['tsckpt_rev']}. 2-CPU dev machine, loaded by parallel work (load average "
+            f"{info['load_avg'][0]:.1f}): times are indicative only."
+        ),
         "",
-        "| chunks | system | read per process (MiB) | read / owned | time (s) | anon RSS after restore 1 (MiB) | "
-        f"after restore {args.restores} (MiB) | values |",
+        (
+            "| chunks | system | read per process (MiB) | read / owned | time (s) | anon RSS after restore 1 (MiB) | "
+            f"after restore {args.restores} (MiB) | values |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for kind in KINDS:
