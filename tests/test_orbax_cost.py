@@ -124,6 +124,20 @@ def test_jax_slices_of_one_chunk_get_a_cast_and_their_own_parts(saved):
         jax.config.update("jax_enable_x64", False)
 
 
+@pytest.mark.slow  # starts ranks
+def test_dtensor_shard1_ranks_read_their_own_column_chunks(saved):
+    """Two torch ranks restoring DTensors sharded by columns: from column chunks each reads at
+    most 1.1x what it owns; from row chunks, every chunk once (the whole array), no more."""
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    for name, most in (("cols", 1.1 * NBYTES / 2), ("rows", 1.1 * NBYTES)):
+        results = run_ranks(sc.restore_foreign_dtensor_counted, 2, saved, name, (ROWS, COLS))
+        assert np.concatenate([local for local, _ in results], axis=1).tobytes() == _values().tobytes()
+        for rank, (_, read) in enumerate(results):
+            assert read <= most, f"'{name}', rank {rank}: read {read} bytes, owning {NBYTES // 2}"
+
+
 _REPEATED = """
 import gc, sys, time
 import jax, numpy as np
