@@ -306,6 +306,21 @@ def restore_foreign_dtensor(rank: int, world: int, directory: str, path: str, sh
     return dt.to_local().numpy().copy()
 
 
+def restore_foreign_dtensor_counted(rank: int, world: int, directory: str, path: str, shape: tuple[int, ...]):
+    """:func:`restore_foreign_dtensor` by columns (Shard(1)), with the bytes TensorStore's file
+    kvstore read during the restore: (the local shard, bytes read)."""
+    import tensorstore as ts
+
+    def read() -> int:
+        names = ("/tensorstore/kvstore/file/bytes_read", "/tensorstore/file/mmap_bytes")
+        return sum(m["values"][0]["value"] for m in ts.experimental_collect_matching_metrics("/tensorstore/")
+                   if m["name"] in names)
+
+    before = read()
+    local = restore_foreign_dtensor(rank, world, directory, path, shape, "shard1")
+    return local, read() - before
+
+
 def many_leaves(rank: int, world: int, directory: str, n: int) -> None:
     """An optimizer-like state of ``n`` leaves, each row-sharded over the ranks, plus a replicated step."""
     tree = {}

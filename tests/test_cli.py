@@ -176,6 +176,11 @@ def test_ls_map_shows_what_a_mapping_makes(tmp_path, capsys):
     assert code == 0, err
     rows = {line.split()[0]: line for line in out.splitlines()[1:-1]}
     assert "[2, 2]" in rows["k"] and rows["k"].endswith("params/qkv | Split(axis=0)[2:4]")
+    rules.write_text(json.dumps({"rules": [{"stored": "params/qkv", "target": "half", "dtype": "bfloat16"}]}))
+    code, out, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", str(rules), "--long")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("half "))
+    assert "bfloat16" in row and row.endswith("params/qkv | float32 as bfloat16")
     rules.write_text(json.dumps({"rules": [{"stored": "params/qkv", "target": "w", "views": [{"spin": 1}]}]}))
     code, _, err = run_main(capsys, "ls", str(tmp_path / "c"), "--map", str(rules))
     assert code == 2 and "rule 0" in err and "'spin'" in err

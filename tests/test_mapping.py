@@ -208,3 +208,14 @@ def test_an_attention_kernel_into_torch_memory_either_way(views):
             place(region, p.ops).copy_(stored[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.lengths))])
         assert torch.equal(region, want[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]])
         assert sum(math.prod(p.lengths) for p in pieces) == math.prod(lengths)
+
+
+def test_module_names_write_escaped_digit_keys_as_digits():
+    """Orbax stores a list's items as the str keys "0", "12", "-1" (tsckpt's components
+    %30, %312, %2D1): a rule turning paths into torch module names writes their digits; other
+    components, and rules without sep, keep them as they are."""
+    rules = Rules([Rule("{m*}/kernel", "{m*}.weight", sep=("/", ".")), Rule("{m*}/bias", "{m*}/b")])
+    stored = {p: ((2,), "float32") for p in ("blocks/%30/kernel", "blocks/%312/mlp/kernel", "x/%2D1/kernel",
+                                              "a%30/kernel", "blocks/%30/bias")}
+    assert list(rules.resolve(stored)) == ["blocks.0.weight", "blocks.12.mlp.weight", "x.-1.weight", "a%30.weight",
+                                           "blocks/%30/b"]

@@ -85,6 +85,59 @@ def test_a_flax_nnx_checkpoint_restores_into_the_torch_module(tmp_path):
     np.testing.assert_allclose(got.numpy(), want, rtol=2e-6, atol=2e-6)  # two libraries' float32 kernels
 
 
+class FlaxStack(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(10, 8, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)])
+        self.norm = nnx.LayerNorm(4, epsilon=1e-6, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.norm(self.layers[1](nnx.relu(self.layers[0](self.embed(ids)))))
+
+
+class TorchStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)])
+        self.norm = torch.nn.LayerNorm(4, eps=1e-6)
+
+    def forward(self, ids):
+        return self.norm(self.layers[1](torch.relu(self.layers[0](self.embed(ids)))))
+
+
+def test_an_orbax_written_nnx_state_restores_into_the_torch_module_with_no_user_code(tmp_path):
+    """Orbax stores an NNX Variable with its /value level and a list's items as the string
+    keys "0", "1" (tsckpt's paths: layers/%30/kernel/value): flax_to_torch maps them onto
+    layers.0.weight with nothing else said, and the outputs match the by-hand conversion bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    flax_net = FlaxStack(nnx.Rngs(4))
+    flax_net.norm.scale[...] = jnp.linspace(0.5, 1.5, 4)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", nnx.state(flax_net, nnx.Param))
+        ck.wait_until_finished()
+    assert "layers/%30/kernel/value" in list(tsckpt.open(tmp_path / "orbax"))
+    model = TorchStack()
+    model.load_state_dict(tsckpt.restore(tmp_path / "orbax", model.state_dict(), mapping=flax_to_torch()))
+    np.testing.assert_array_equal(_bits(model.layers[0].weight.detach()), _bits(np.asarray(flax_net.layers[0].kernel[...]).T))
+    by_hand = TorchStack()
+    by_hand.load_state_dict({
+        "embed.weight": torch.from_numpy(np.array(flax_net.embed.embedding[...])),
+        **{f"layers.{i}.weight": torch.from_numpy(np.array(layer.kernel[...]).T.copy()) for i, layer in enumerate(flax_net.layers)},
+        **{f"layers.{i}.bias": torch.from_numpy(np.array(layer.bias[...])) for i, layer in enumerate(flax_net.layers)},
+        "norm.weight": torch.from_numpy(np.array(flax_net.norm.scale[...])),
+        "norm.bias": torch.from_numpy(np.array(flax_net.norm.bias[...])),
+    })
+    with torch.no_grad():
+        assert torch.equal(model(torch.from_numpy(IDS)), by_hand(torch.from_numpy(IDS)))
+    # the same rules on tsckpt's own names of that state (no /value level, the list's items as 0, 1)
+    tsckpt.save(tmp_path / "own", nnx.state(flax_net, nnx.Param))
+    again = TorchStack()
+    again.load_state_dict(tsckpt.restore(tmp_path / "own", again.state_dict(), mapping=flax_to_torch()))
+    with torch.no_grad():
+        assert torch.equal(again(torch.from_numpy(IDS)), by_hand(torch.from_numpy(IDS)))
+
+
 def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(tmp_path):
     model = TorchNet()
     torch.nn.init.uniform_(model.norm.weight, 0.5, 1.5)
@@ -156,6 +209,43 @@ def test_a_cast_follows_the_casting_rule(tmp_path):
     assert out["l.weight"].dtype == torch.float32 and torch.equal(out["l.weight"], torch.arange(6.0).reshape(2, 3).T)
     with pytest.raises(tsckpt.LeafTypeError, match="l.weight"):
         tsckpt.restore(tmp_path / "c", {"l.weight": torch.zeros(3, 2, dtype=torch.int32)}, mapping=rules)
+
+
+def test_a_rule_casts_under_the_casting_rule(tmp_path):
+    """A rule's dtype: stored bfloat16 read as float32 (safe), stored float32 as bfloat16
+    (same_kind: rounded, refused under "safe" naming the rule, the stored and the target path);
+    open, metadata and target=None see the rule's dtype."""
+    import ml_dtypes
+
+    w = np.array([[1.0, 2.5, -3.0], [0.1, 1e-3, 7.0]], np.float32)
+    tsckpt.save(tmp_path / "c", {"a": {"kernel": w.astype(ml_dtypes.bfloat16)}, "b": {"kernel": w}})
+    up = Rules([Rule("a/kernel", "a.weight", Transpose((1, 0)), dtype="float32")], unmatched="drop")
+    out = tsckpt.restore(tmp_path / "c", {"a.weight": torch.zeros(3, 2)}, mapping=up)
+    assert torch.equal(out["a.weight"], torch.from_numpy(w.astype(ml_dtypes.bfloat16).astype(np.float32).T.copy()))
+    down = Rules([Rule("b/kernel", "b.weight", Transpose((1, 0)), dtype=torch.bfloat16)], unmatched="drop")
+    target = {"b.weight": torch.zeros(3, 2, dtype=torch.bfloat16)}
+    got = tsckpt.restore(tmp_path / "c", target, mapping=down)["b.weight"]
+    assert torch.equal(got, torch.from_numpy(w.T.copy()).to(torch.bfloat16))
+    with pytest.raises(tsckpt.LeafTypeError, match=r"casting=\"safe\" refuses stored float32 into the bfloat16 target.*"
+                       r"Rule\('b/kernel' -> 'b.weight', Transpose\(perm=\(1, 0\)\), dtype=bfloat16\) \(stored "
+                       r"'b/kernel', target 'b.weight'\)"):
+        tsckpt.restore(tmp_path / "c", target, mapping=down, casting="safe")
+    # the rule's dtype is the leaf's: a float32 target of a rule that rounds to bfloat16 is refused
+    with pytest.raises(tsckpt.LeafTypeError, match=r"rule casts stored float32 into bfloat16.*target 'b.weight'"):
+        tsckpt.restore(tmp_path / "c", {"b.weight": torch.zeros(3, 2)}, mapping=down)
+    # a float64 target of a rule that widens bfloat16 to float32 gets the same values
+    wide = tsckpt.restore(tmp_path / "c", {"a.weight": np.zeros((3, 2))}, mapping=up)["a.weight"]
+    np.testing.assert_array_equal(wide, w.astype(ml_dtypes.bfloat16).astype(np.float64).T)
+    arr = tsckpt.open(tmp_path / "c", mapping=down)["b.weight"]
+    assert arr.dtype == "bfloat16" and np.array_equal(arr[...], w.T.astype(ml_dtypes.bfloat16))
+    assert tsckpt.metadata(tmp_path / "c", mapping=up)["a.weight"].dtype == "float32"
+    # a value that does not fit the rule's dtype is refused as a restore's cast refuses it
+    tsckpt.save(tmp_path / "big", {"k": np.array([1.0, 1e39], np.float64)})
+    narrow = Rules([Rule("k", "k32", dtype="float32")])
+    with pytest.raises(tsckpt.LossyCastError, match="'k32'.*1e\\+39"):
+        tsckpt.restore(tmp_path / "big", {"k32": np.zeros(2, np.float32)}, mapping=narrow)
+    with pytest.raises(TypeError, match="dtype 'float7' is not a dtype tsckpt reads"):
+        Rule("k", "k32", dtype="float7")
 
 
 def test_errors_name_the_rule_the_stored_and_the_target_path(tmp_path):

@@ -24,6 +24,27 @@ from tsckpt._storage import native
 from tsckpt._runtime.memory import collector_paused, page_spans, prefaulted, release_free_memory
 
 
+@pytest.mark.parametrize("user", [None, ("MALLOC_TRIM_THRESHOLD_", "1048576"),
+                                  ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1048576")])
+def test_bound_heap_pins_the_trim_threshold_once_unless_the_user_set_it(monkeypatch, user):
+    calls = []
+    monkeypatch.setattr(native, "has_mallopt", lambda: True)
+    monkeypatch.setattr(native, "mallopt", lambda param, value: calls.append((param, value)))
+    monkeypatch.setattr(_memory, "_heap_bounded", [False])
+    for var in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(var, raising=False)
+    if user is not None:
+        monkeypatch.setenv(*user)
+    _memory.bound_heap()
+    _memory.bound_heap()
+    assert calls == ([] if user else [(native.M_TRIM_THRESHOLD, 128 << 10)])
+
+
+@pytest.mark.skipif(not native.has_mallopt(), reason="glibc's mallopt")
+def test_mallopt_takes_the_trim_threshold():
+    native.mallopt(native.M_TRIM_THRESHOLD, _memory.TRIM_THRESHOLD_BYTES)  # the value bound_heap sets: no OSError
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_freed_arena_memory_is_returned():
     kept: list[bytearray] = []

@@ -42,21 +42,29 @@ _CONV_TO_TORCH = {3: (2, 1, 0), 4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}
 _CONV_TO_FLAX = {3: (2, 1, 0), 4: (2, 3, 1, 0), 5: (2, 3, 4, 1, 0)}
 _SAME = (("embedding", "weight"), ("scale", "weight"), ("bias", "bias"), ("mean", "running_mean"), ("var", "running_var"))
 _FLAX_TO_TORCH = ("/", ".")
+# A Flax leaf as tsckpt names it (``l1/kernel``), and as Orbax stores an NNX Variable
+# (``l1/kernel/value``): the ready-made rules match both.
+_VALUE_LEVELS = ("", "/value")
 
 
 def flax_to_torch(*, stored_prefix: str = "", target_prefix: str = "", unmatched: str = "keep") -> Rules:
     """Rules that restore a Flax model's parameters (NNX ``nnx.state(model)``, or a Linen
     ``params`` tree under ``stored_prefix="params/"``) into a torch module's state dict:
-    ``{m}/kernel`` -> ``{m}.weight`` transposed, and the rest of the table above.
+    ``{m}/kernel`` -> ``{m}.weight`` transposed, and the rest of the table above. An NNX
+    state Orbax wrote matches as well: its leaves' ``/value`` level (``l1/kernel/value``)
+    is dropped, and a list's items (stored as the string keys ``"0"``, ``"1"``) are named
+    by their digits (``layers.0.weight``).
     ``unmatched="drop"`` leaves out the stored leaves no rule claims (an optimizer's state
     beside the model's)."""
     s, t = stored_prefix, target_prefix
-    rules = [Rule(f"{s}{{m*}}/kernel", f"{t}{{m*}}.weight", Transpose((1, 0)), sep=_FLAX_TO_TORCH, ndim=2)]
-    rules += [
-        Rule(f"{s}{{m*}}/kernel", f"{t}{{m*}}.weight", Transpose(perm), sep=_FLAX_TO_TORCH, ndim=n)
-        for n, perm in _CONV_TO_TORCH.items()
-    ]
-    rules += [Rule(f"{s}{{m*}}/{flax}", f"{t}{{m*}}.{torch}", sep=_FLAX_TO_TORCH) for flax, torch in _SAME]
+    rules = []
+    for v in _VALUE_LEVELS:
+        rules.append(Rule(f"{s}{{m*}}/kernel{v}", f"{t}{{m*}}.weight", Transpose((1, 0)), sep=_FLAX_TO_TORCH, ndim=2))
+        rules += [
+            Rule(f"{s}{{m*}}/kernel{v}", f"{t}{{m*}}.weight", Transpose(perm), sep=_FLAX_TO_TORCH, ndim=n)
+            for n, perm in _CONV_TO_TORCH.items()
+        ]
+        rules += [Rule(f"{s}{{m*}}/{flax}{v}", f"{t}{{m*}}.{torch}", sep=_FLAX_TO_TORCH) for flax, torch in _SAME]
     return Rules(rules, unmatched=unmatched)
 
 
@@ -96,7 +104,7 @@ def load(spec: str) -> Rules:
 
     A view is ``{"transpose": perm}``, ``{"reshape": shape}``, ``{"split": {"axis": a,
     "parts": n or [sizes]}}`` or ``{"concat": {"axis": a}}``; several stored or target
-    templates are lists. Raises ValueError naming what is wrong."""
+    templates are lists; ``"dtype": "float32"`` casts. Raises ValueError naming what is wrong."""
     name, _, prefix = spec.partition(":")
     if name in READY_MADE:
         return READY_MADE[name](stored_prefix=prefix)
@@ -134,9 +142,10 @@ def _rule_of(spec: str, i: int, r: Any) -> Rule:
             tuple(views),
             sep=None if sep is None else (str(sep[0]), str(sep[1])),
             ndim=r.get("ndim"),
+            dtype=r.get("dtype"),
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise ValueError(
             f"{where} ({json.dumps(r)[:200]}): {e!r}; a rule is {{\"stored\": ..., \"target\": ..., \"views\": "
-            f"[{{{' | '.join(repr(n) for n in _VIEWS)}: ...}}], \"sep\": [from, to], \"ndim\": n}}"
+            f"[{{{' | '.join(repr(n) for n in _VIEWS)}: ...}}], \"sep\": [from, to], \"ndim\": n, \"dtype\": name}}"
         ) from e

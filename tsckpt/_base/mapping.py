@@ -25,6 +25,8 @@ from typing import Any, Union
 import numpy as np
 
 from .._errors import ShapeMismatchError, StructureMismatchError
+from . import dtypes as _dtypes
+from .lazytorch import is_dtype
 
 # The most flat runs a reshaped target region may be cut into (a region whose rows are
 # not contiguous in the reshaped array); more is refused rather than read slowly.
@@ -92,10 +94,13 @@ class Rule:
     Templates are paths with wildcards: ``{name}`` matches one name (no ``/`` nor ``.``),
     ``{name*}`` any text; a target template uses the same names. ``sep=("/", ".")``
     replaces ``/`` by ``.`` in what the wildcards matched (``blocks/0/mlp`` becomes
-    ``blocks.0.mlp``, as torch names modules). Several stored templates (a tuple) are
+    ``blocks.0.mlp``, as torch names modules; a str key of digits, escaped as ``%30``
+    where Orbax stores a list's items so, is written as its digits). Several stored templates (a tuple) are
     joined by a :class:`Concat` view; several target templates are cut from one stored
     array by a :class:`Split` view. ``ndim`` restricts the rule to stored arrays of that
     many dimensions (a torch ``weight`` of a Linear and of a LayerNorm differ only there).
+    ``dtype`` (a name such as ``"float32"``, a numpy or torch dtype) casts what is read into
+    that dtype, under the restore's ``casting=`` rules: the target leaf has that dtype.
     """
 
     stored: str | tuple[str, ...]
@@ -103,8 +108,11 @@ class Rule:
     views: tuple[View, ...] | View = ()
     sep: tuple[str, str] | None = None
     ndim: int | None = None
+    dtype: Any = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", _dtype_name(self, self.dtype))
         if not isinstance(self.views, tuple):
             object.__setattr__(self, "views", (self.views,))
         views: tuple[View, ...] = self.views  # type: ignore[assignment]
@@ -137,7 +145,20 @@ class Rule:
 
     def __str__(self) -> str:
         views = ", ".join(repr(v) for v in self.views) if isinstance(self.views, tuple) else repr(self.views)
-        return f"Rule({self.stored!r} -> {self.target!r}{', ' + views if views else ''})"
+        cast = f", dtype={self.dtype}" if self.dtype is not None else ""
+        return f"Rule({self.stored!r} -> {self.target!r}{', ' + views if views else ''}{cast})"
+
+
+def _dtype_name(rule: Rule, dtype: Any) -> str:
+    """The logical name of a rule's ``dtype``; TypeError for one tsckpt does not store."""
+    try:
+        name = _dtypes.torch_name(dtype) if is_dtype(dtype) else dtype if _dtypes.is_known(dtype) else (
+            _dtypes.numpy_name(np.dtype(dtype)))
+    except TypeError:
+        name = None
+    if name is None or not _dtypes.is_known(name):
+        raise TypeError(f"Rule({rule.stored!r} -> {rule.target!r}): dtype {dtype!r} is not a dtype tsckpt reads")
+    return str(name)
 
 
 _WILD = re.compile(r"\{(\w+)(\*?)\}")
@@ -157,12 +178,26 @@ def _template(text: str) -> tuple[re.Pattern[str], list[str]]:
     return re.compile("".join(out)), names
 
 
+# A path component that is an escaped int-like str key (``"0"`` is stored as ``%30``, as
+# Orbax names a list of modules): torch names such an item by its digits.
+_ESCAPED_INT = re.compile(r"%(3[0-9]|2D)([0-9]*)")
+
+
 def _fill(text: str, captured: Mapping[str, str], sep: tuple[str, str] | None) -> str:
     def sub(m: re.Match[str]) -> str:
         value = captured[m.group(1)]
-        return value.replace(sep[0], sep[1]) if sep else value
+        if not sep:
+            return value
+        if sep[0] == "/":  # path components into a module name: an escaped digit key is its digits
+            value = "/".join(_digits(c) for c in value.split("/"))
+        return value.replace(sep[0], sep[1])
 
     return _WILD.sub(sub, text)
+
+
+def _digits(component: str) -> str:
+    m = _ESCAPED_INT.fullmatch(component)
+    return chr(int(m.group(1), 16)) + m.group(2) if m else component
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +275,7 @@ class Mapped:
     dtype: str
     post_shapes: tuple[tuple[int, ...], ...] = ()
     is_value: bool = False
+    cast_from: str | None = None  # the stored dtype, where the rule casts it into ``dtype``
 
     def origin(self) -> str:
         """Where the target comes from, for listings: the stored paths and the views."""
@@ -247,6 +283,8 @@ class Mapped:
         if self.concat is not None:
             views.append(f"Concat(axis={self.concat})")
         views += [repr(v) for v in self.post_views]
+        if self.cast_from is not None:
+            views.append(f"{self.cast_from} as {self.dtype}")
         return " + ".join(self.sources) + (f" | {', '.join(views)}" if views else "")
 
     def where(self) -> str:
@@ -285,8 +323,8 @@ def _apply(
     where = f"{rule} (stored '{path}', target {' + '.join(repr(t) for t in targets)})"
     views: tuple[View, ...] = rule.views  # type: ignore[assignment]
     if not is_array:
-        if views:
-            raise MappingError(f"{where}: the stored leaf is a plain value, which views cannot apply to")
+        if views or rule.dtype is not None:
+            raise MappingError(f"{where}: the stored leaf is a plain value, which views and casts cannot apply to")
         return [Mapped(targets[0], rule, (path,), (), (), None, (), (), "", is_value=True)]
     lacking = [s for s in sources if s not in arrays]
     if lacking:
@@ -324,12 +362,14 @@ def _apply(
                 f"{axis}'s size {shape[axis]}"
             )
         parts = [(_Part(axis, sum(sizes[:i]), sizes[i]),) for i in range(len(sizes))]
+    stored = arrays[path][1]
+    cast_from = stored if rule.dtype is not None and rule.dtype != stored else None
     out = []
     for target, (part,) in zip(targets, parts):
         chain: tuple[Any, ...] = ((part,) if part is not None else ()) + tuple(post)
         post_shapes = _through(shape, chain, where)
         out.append(Mapped(target, rule, tuple(sources), pre_shapes, tuple(pre), concat, chain, post_shapes[-1],
-                          arrays[path][1], post_shapes))
+                          rule.dtype or stored, post_shapes, cast_from=cast_from))
     return out
 
 

@@ -60,6 +60,7 @@ from .._ondisk.backing import UNCHECKED_BYTES
 from .._ondisk.bounds import METADATA_BYTES, read_file
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord, Chunking
+from .._runtime.memory import bound_heap
 from .._storage.confine import confined, refuse_links
 from .._storage.locations import Location
 from .._storage.mirror import Mirror
@@ -689,6 +690,7 @@ def as_checkpoint(loc: Location) -> Checkpoint:
     if loc.local is None:
         raise NotACheckpointError(f"{loc}: Orbax checkpoints are read from a local directory; copy it to one")
     fc = load(loc.local)
+    bound_heap()  # its chunks are decoded by TensorStore's threads, into buffers they free
     arrays = {
         p: ArrayRecord(p, a.shape, a.dtype, "numpy", Chunking(a.chunk_shape or (1,) * len(a.shape), None))
         for p, a in fc.arrays.items()

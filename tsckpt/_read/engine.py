@@ -18,7 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
-from .._base.types import Dest, ReadItem, box_slices
+from .._base.types import Box, Dest, ReadItem, box_slices
 from .._codec.chunkread import read_chunks
 from .._codec.route import Place, Route, place, route
 from .._codec.shardread import READ_THREADS, read_sharded
@@ -192,56 +192,114 @@ def _read_sources(ck: Checkpoint, dests: tuple[Dest, ...], progress: Progress | 
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fill:
+    """Where part of a block read into a buffer goes: a destination, cast or copied in."""
+
+    dest: Dest
+    offsets: tuple[int, ...]  # where the part starts in the stored array
+    dsel: tuple[slice, ...]  # where it goes in the destination
+    within: tuple[slice, ...]  # where it lies in the block read
+
+
+@dataclasses.dataclass(frozen=True)
 class _Block:
-    """One shard's part of a destination, its TensorStore read or write started."""
+    """One read of a stored array's region, started: decoded straight into a destination
+    (no fills), or into a buffer whose parts are then cast or copied into their fills."""
 
     future: Any
-    dest: Dest
-    offsets: tuple[int, ...]  # where the block starts in the stored array
-    dsel: tuple[slice, ...]  # where it goes in the destination
-    copy: bool  # the future gives the block, to be cast or copied in (else it was decoded in place)
-    nbytes: int
+    path: str
+    fills: tuple[_Fill, ...]
+    nbytes: int  # of the destinations' elements it gives
+
+
+def _cell(rec: Any, off: tuple[int, ...], ln: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The stored chunk (the unit TensorStore decodes whole) that holds all of the block
+    (``off``, ``ln``), by its grid position; None when the block spans several or is empty."""
+    grid = rec.chunking.chunk_shape or rec.chunking.shard_shape
+    if not grid or 0 in ln:
+        return None
+    first = tuple(o // g for o, g in zip(off, grid))
+    return first if first == tuple((o + n - 1) // g for o, n, g in zip(off, ln, grid)) else None
+
+
+def _shared_chunks(ck: Checkpoint, parts: list[tuple[Dest, bool, Box]]) -> dict[tuple[str, tuple[int, ...]], list[int]]:
+    """The stored chunks that blocks of several destinations lie in (the device slices of
+    one jax.Array split within a chunk): chunk -> the indices of those blocks in ``parts``.
+    Such a chunk is read once, its region for all of them, not decoded once per slice."""
+    by_cell: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for i, (dest, _, (off, ln)) in enumerate(parts):
+        cell = _cell(ck.arrays[dest.item.path], off, ln)
+        if cell is not None:
+            by_cell.setdefault((dest.item.path, cell), []).append(i)
+    return {key: members for key, members in by_cell.items() if len(members) > 1}
 
 
 def _read_tensorstore(
     ck: Checkpoint, into: list[Dest], copied: tuple[Dest, ...], progress: Progress | None, window: int
 ) -> None:
-    """The TensorStore tiers, shard by shard: decode straight into ``into``'s memory, and
-    read blocks of ``copied`` into buffers that are then cast or copied in. After each
-    window's worth of reads the decode buffers' freed pages are given back."""
+    """The TensorStore tiers, block by block (each destination's region cut at the stored
+    chunks): decode straight into ``into``'s memory, and read blocks of ``copied`` into
+    buffers that are then cast or copied in. A chunk that blocks of several destinations
+    lie in is read once, into a buffer of their region of it, and copied into each: every
+    chunk is decoded at most once. After each window's worth of reads the decode buffers'
+    freed pages are given back."""
     stores = _open_all(ck, [d.item.path for d in (*into, *copied)])
-    tiers = [(dest, True) for dest in into] + [(dest, False) for dest in copied]
+    parts = [
+        (dest, in_place, box)
+        for dest, in_place in [(dest, True) for dest in into] + [(dest, False) for dest in copied]
+        for box in shard_boxes(dest.item.storage_offsets, dest.item.lengths, ck.arrays[dest.item.path].chunking)
+    ]
+    shared = _shared_chunks(ck, parts)
+    joined = {members[0]: members for members in shared.values()}
+    skipped = {i for members in shared.values() for i in members[1:]}
 
     def settle(b: _Block) -> None:
         try:
             raw = b.future.result()
         except ValueError as e:
-            raise corrupt_error(ck, b.dest.item.path, e) from e
+            raise corrupt_error(ck, b.path, e) from e
         if progress is not None:
             progress.update(b.nbytes, 1)
-        if b.copy:
-            _copy_in(b.dest, b.dsel, b.offsets, raw, ck.arrays[b.dest.item.path].dtype)
+        for f in b.fills:
+            _copy_in(f.dest, f.dsel, f.offsets, raw[f.within] if f.within else raw, ck.arrays[b.path].dtype)
 
     in_flight: Window[_Block] = Window(window, settle)
     released = 0
-    for dest, in_place in tiers:
+    current: tuple[Any, Any] = (None, None)  # the destination being read in place, its memory as a TensorStore array
+    for i, (dest, in_place, (off, ln)) in enumerate(parts):
+        if i in skipped:  # read with the first block of its chunk
+            continue
         item = dest.item
-        target = ts.array(_view(dest), copy=False) if in_place else None
         store = stores[item.path]
         itemsize = _dtypes.itemsize(ck.arrays[item.path].dtype)
-        for off, ln in shard_boxes(item.storage_offsets, item.lengths, ck.arrays[item.path].chunking):
+        nbytes = math.prod(ln) * itemsize
+        if i in joined:
+            members = [parts[j] for j in joined[i]]
+            lo = tuple(min(b[0][d] for _, _, b in members) for d in range(len(off)))
+            hi = tuple(max(b[0][d] + b[1][d] for _, _, b in members) for d in range(len(off)))
+            fills = tuple(
+                _Fill(m, mo, box_slices(mo, mn, m.item.storage_offsets), box_slices(mo, mn, lo))
+                for m, _, (mo, mn) in members
+            )
+            read = math.prod(h - l for l, h in zip(lo, hi)) * itemsize
+            fut = store[tuple(slice(l, h) for l, h in zip(lo, hi))].read()
+            block = _Block(fut, item.path, fills, sum(math.prod(mn) for _, _, (_, mn) in members) * itemsize)
+            in_flight.add(block, read)
+        else:
             box = box_slices(off, ln)
             src = store[box] if box else store
             dsel = box_slices(off, ln, item.storage_offsets)
-            if target is not None:  # TensorStore's decode buffers are bounded by the same window
-                fut = (target[dsel] if dsel else target).write(src)
+            if in_place:  # TensorStore's decode buffers are bounded by the same window
+                if current[0] is not dest:  # its blocks come one after another
+                    current = (dest, ts.array(_view(dest), copy=False))
+                target = current[1]
+                block = _Block((target[dsel] if dsel else target).write(src), item.path, (), nbytes)
             else:
-                fut = src.read()
-            nbytes = math.prod(ln) * itemsize
-            in_flight.add(_Block(fut, dest, off, dsel, target is None, nbytes), nbytes)
-            if in_flight.settled - released >= window:
-                released = in_flight.settled
-                release_free_memory()
+                block = _Block(src.read(), item.path, (_Fill(dest, off, dsel, ()),), nbytes)
+            in_flight.add(block, nbytes)
+        if in_flight.settled - released >= window:
+            released = in_flight.settled
+            release_free_memory()
     in_flight.drain()
     release_free_memory()
 

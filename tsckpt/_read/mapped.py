@@ -5,14 +5,18 @@ arrays (:meth:`MappedCheckpoint.dests`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
 import numpy as np
 
 from .._base import dtypes as _dtypes
+from .._base.casting import CastCheck, check_cast, level
+from .._base.lazytorch import is_dtype
 from .._base.mapping import Mapped, MappingError, Rules, place, plan
 from .._base.types import Dest, ReadItem
+from .._errors import LeafTypeError
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import Chunking
 from .._ondisk.records import ArrayRecord
@@ -41,15 +45,20 @@ class MappedCheckpoint:
             return error
         return type(error)(f"{error} (the leaf as mapped by {leaf.where()}: shape {list(leaf.shape)}, {leaf.dtype})")
 
-    def dests(self, path: str, parts: tuple[Dest, ...]) -> list[Dest]:
+    def dests(self, path: str, parts: tuple[Dest, ...], *, casting: str = "same_kind") -> list[Dest]:
         """The reads of the stored arrays that fill the target regions ``parts`` of ``path``:
-        one per stored box, into a view of the region's memory."""
+        one per stored box, into a view of the region's memory. Where the rule casts, the
+        stored values are cast into the target under ``casting`` (:meth:`cast`)."""
         leaf = self.leaves[path]
         if leaf.rule is None:  # under its own name (a tied leaf: its stored array's)
             stored = leaf.sources[0]
             return [p if p.item.path == stored else dataclasses.replace(p, item=dataclasses.replace(p.item, path=stored))
                     for p in parts]
         out = []
+        casts: dict[Any, CastCheck | None] = {}  # one check per target dtype, shared by the parts
+        for part in parts:
+            if part.tensor.dtype not in casts:
+                casts[part.tensor.dtype] = self.cast(path, part.tensor.dtype, part.cast, casting)
         for part in parts:
             for piece in plan(leaf, part.item.storage_offsets, part.item.lengths):
                 try:
@@ -60,43 +69,88 @@ class MappedCheckpoint:
                         f"copy ({e}); restore into contiguous memory (inplace=False, or a contiguous target)"
                     ) from e
                 item = ReadItem(piece.source, piece.offsets, piece.lengths)
-                out.append(dataclasses.replace(part, item=item, tensor=memory, parts=()))
+                out.append(dataclasses.replace(part, item=item, tensor=memory, parts=(), cast=casts[part.tensor.dtype]))
         return out
 
+    def cast(self, path: str, target: Any, given: CastCheck | None, casting: str) -> CastCheck | None:
+        """The check of the cast from the stored dtype into a ``target`` dtype (numpy or torch)
+        of the target leaf ``path``, whose rule casts (``given``, the check of the rule's dtype
+        into the target, where it does not). The stored values go into the target at once: a
+        target of the rule's dtype, or one the rule's dtype goes into as the stored dtype would
+        (the rule's cast keeps every stored value). Refusals raise LeafTypeError naming the rule,
+        the stored and the target path."""
+        leaf = self.leaves[path]
+        if leaf.cast_from is None:
+            return given
+        name = _dtypes.torch_name(target) if is_dtype(target) else _dtypes.numpy_name(np.dtype(target))
+        try:
+            check = check_cast(path, leaf.cast_from, _dtypes.numpy_dtype(leaf.dtype), casting=casting)
+            if name == leaf.dtype:
+                return check
+            if level(leaf.cast_from, leaf.dtype) not in ("no", "safe"):
+                raise LeafTypeError(
+                    f"'{path}': the rule casts stored {leaf.cast_from} into {leaf.dtype}, which rounds or drops "
+                    f"values, but the target is {target}; restore into a {leaf.dtype} target, or give the rule the "
+                    "target's dtype"
+                )
+            return check_cast(path, leaf.cast_from, target, casting=casting)
+        except LeafTypeError as e:
+            raise self.explained(path, e) from e
 
-# Above this ratio of stored bytes touched to bytes needed, a mapped read is reported.
+
+# Above this ratio of stored bytes touched to bytes needed, a read is reported.
 AMPLIFICATION_LIMIT = 1.1
+# The most cells :func:`_union` walks to count chunks several reads touch once; past it
+# (thousands of scattered pieces) each read's chunks are counted as if it were alone.
+_UNION_CELLS = 1 << 16
 
 
 def read_amplification(ck: Checkpoint, dests: list[Dest]) -> float:
-    """The bytes of the stored chunks that the reads ``dests`` touch over the bytes they
-    need; above :data:`AMPLIFICATION_LIMIT` the stored arrays whose chunking makes it so
-    are logged (INFO, the ``tsckpt`` logger): their chunks are larger than the regions read,
-    as when a whole-array chunk is read by each rank for its column block."""
-    needed = touched = 0
-    worst: dict[str, tuple[int, int]] = {}
+    """The elements of the stored chunks that the reads ``dests`` touch (each chunk once,
+    as the read engine decodes it once for all of them) over the elements they need;
+    above :data:`AMPLIFICATION_LIMIT` the stored arrays whose chunking makes it so are
+    logged (INFO, the ``tsckpt`` logger): their chunks are larger than the regions read,
+    as when row chunks are read for a column block, or a whole-array chunk by each rank."""
+    needed: dict[str, int] = {}
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for d in dests:
         rec = ck.arrays[d.item.path]
         chunk = rec.chunking.chunk_shape or rec.chunking.shard_shape or rec.shape
-        n = math.prod(d.item.lengths)
-        t = math.prod(
-            min(size, -(-(o + ln) // c) * c) - (o // c) * c if ln else 0
-            for o, ln, c, size in zip(d.item.storage_offsets, d.item.lengths, chunk, rec.shape)
-        )
-        needed, touched = needed + n, touched + t
-        a, b = worst.get(d.item.path, (0, 0))
-        worst[d.item.path] = (a + n, b + t)
-    ratio = touched / needed if needed else 1.0
+        needed[d.item.path] = needed.get(d.item.path, 0) + math.prod(d.item.lengths)
+        if math.prod(d.item.lengths):
+            lo = tuple((o // c) * c for o, c in zip(d.item.storage_offsets, chunk))
+            hi = tuple(min(size, -(-(o + n) // c) * c) for o, n, c, size in zip(d.item.storage_offsets, d.item.lengths,
+                                                                                  chunk, rec.shape))
+            boxes.setdefault(d.item.path, []).append((lo, hi))
+    touched = {p: _union(bs) for p, bs in boxes.items()}
+    total = sum(needed.values())
+    ratio = sum(touched.values()) / total if total else 1.0
     if ratio > AMPLIFICATION_LIMIT:
-        over = sorted(((b / a, p) for p, (a, b) in worst.items() if a and b / a > AMPLIFICATION_LIMIT), reverse=True)
+        over = sorted(((t / needed[p], p) for p, t in touched.items() if t / needed[p] > AMPLIFICATION_LIMIT), reverse=True)
         listed = ", ".join(f"'{p}' {r:.2f}x (chunks {list(ck.arrays[p].chunking.chunk_shape or ck.arrays[p].chunking.shard_shape)})"
                            for r, p in over[:5])
         logger.info(
-            "%s: the mapped reads touch %.2fx the stored bytes their regions need: the stored chunks are larger "
+            "%s: the reads touch %.2fx the stored bytes their regions need: the stored chunks are larger "
             "than the regions read (%s%s); saving with smaller chunks along the axes the targets are sharded on "
             "reads less", ck.location, ratio, listed, f" and {len(over) - 5} more" if len(over) > 5 else "",
         )
     return ratio
+
+
+def _union(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> int:
+    """The elements of the union of boxes (lo, hi): the cells between their edges, counted
+    once (each box's own size summed where there are too many cells)."""
+    if len(boxes) == 1 or len(set(boxes)) == 1:
+        return math.prod(h - l for l, h in zip(*boxes[0]))
+    edges = [sorted({b[0][d] for b in boxes} | {b[1][d] for b in boxes}) for d in range(len(boxes[0][0]))]
+    if math.prod(len(e) - 1 for e in edges) > _UNION_CELLS:
+        return sum(math.prod(h - l for l, h in zip(lo, hi)) for lo, hi in boxes)
+    total = 0
+    for cell in itertools.product(*(range(len(e) - 1) for e in edges)):
+        lo = tuple(e[i] for e, i in zip(edges, cell))
+        if any(all(bl <= x < bh for x, bl, bh in zip(lo, blo, bhi)) for blo, bhi in boxes):
+            total += math.prod(e[i + 1] - e[i] for e, i in zip(edges, cell))
+    return total
 
 
 def mapped_checkpoint(ck: Checkpoint, mapping: Rules) -> MappedCheckpoint:
@@ -149,7 +203,10 @@ class MappedArray(LazyArray):
         for dest in self._mapped.dests(self.path, (part,)):
             if math.prod(dest.item.lengths):
                 box = tuple(slice(o, o + n) for o, n in zip(dest.item.storage_offsets, dest.item.lengths))
-                dest.tensor[...] = LazyArray(stored, dest.item.path).read_box(box)
+                raw = LazyArray(stored, dest.item.path).read_box(box)
+                if dest.cast is not None:  # the rule's cast, checked as a restore checks it
+                    dest.cast.check(raw, dest.item.storage_offsets)
+                dest.tensor[...] = raw
         return out
 
 

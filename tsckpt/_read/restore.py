@@ -314,7 +314,7 @@ def _fill(
             if dest.finish is not None:
                 finishing.append((i, dest))
             parts = dest.parts or (dest,)
-            for part in parts if reader.mapped is None else reader.mapped.dests(path, parts):
+            for part in parts if reader.mapped is None else reader.mapped.dests(path, parts, casting=reader.casting):
                 key = memory(part.tensor) if inplace else None
                 if key is not None:  # a target whose tied leaves share memory reads once
                     mem = (path, part.item.path, part.item.storage_offsets, part.item.lengths, key)
@@ -334,8 +334,8 @@ def _fill(
             out[i] = result
     if inplace:
         _refuse_read_only(paths, dests)
-    if reader.mapped is not None:
-        read_amplification(reader.mapped.stored, [d for _, d in dests])
+    if reader.mapped is not None or (ck.foreign and not ck.lazy):  # Orbax chunks: reported past 1.1x too
+        read_amplification(reader.stored(ck), [d for _, d in dests])
     with cast_warnings_off(any(d.cast is not None for _, d in dests)):
         read_into(reader.stored(ck), [d for _, d in dests], reader.progress, window=reader.window)
     for result in mapped_leaves.values():

@@ -2,7 +2,8 @@
 
 Owns:
 
-- :mod:`.memory`: heap pages given back to the system, the cyclic collector paused
+- :mod:`.memory`: heap pages given back to the system (and kept from piling up in reading
+  threads' arenas: ``bound_heap``), the cyclic collector paused
   during a save or restore, fresh destination memory faulted in on a spare CPU,
   memory a restore would write checked against the process's read-only mappings.
 - :mod:`.devicecopy`: copies between CUDA and host memory through reused page-locked

@@ -9,7 +9,9 @@ even though the bytes in flight are bounded. glibc's ``malloc_trim`` returns
 the free pages of every arena to the system. No library wraps it
 (:mod:`tsckpt._storage.native` calls it); elsewhere (musl, macOS) this is a no-op. The
 same goes for ``madvise`` (:func:`prefaulted`), which Python offers only on its own
-mappings.
+mappings. ``malloc_trim`` does not shrink the top of a thread's arena, which glibc keeps
+up to its trim threshold: :func:`bound_heap` pins that threshold before TensorStore
+decodes another library's chunks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import errno
 import gc
 import mmap
+import os
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -31,6 +34,36 @@ def release_free_memory() -> None:
     """Return free heap pages of every malloc arena to the system (glibc); cheap, no effect on live data."""
     if native.has_malloc_trim():
         native.malloc_trim()
+
+
+# glibc's trim threshold as it starts: an arena whose free top grows past it gives it back.
+# glibc raises it (to twice the largest block freed) once a block of a few MiB is freed,
+# and malloc_trim never shrinks the top of a thread's arena, so after TensorStore decoded
+# chunks of a few MiB on its worker threads each of their arenas kept up to that much
+# free, resident for good (README, "Orbax checkpoints").
+TRIM_THRESHOLD_BYTES = 128 << 10
+# What tells glibc's malloc a setting of the user's own, which tsckpt leaves alone.
+_USER_MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_")
+_heap_bounded = [False]
+
+
+def bound_heap() -> None:
+    """Keep freed heap memory from staying resident in the arenas of reading threads: pin
+    glibc's trim threshold at its starting value (:data:`TRIM_THRESHOLD_BYTES`), once per
+    process, before reads whose buffers TensorStore allocates and frees on its own threads
+    (another library's compressed chunks). A process-wide setting of the allocator, so it is
+    left alone where the user chose one (``MALLOC_*`` variables or a malloc tunable in
+    ``GLIBC_TUNABLES``); a no-op without glibc."""
+    if _heap_bounded[0]:
+        return
+    _heap_bounded[0] = True
+    chosen = any(os.environ.get(v) for v in _USER_MALLOC_SETTINGS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+    if chosen or not native.has_mallopt():
+        return
+    try:
+        native.mallopt(native.M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    except OSError:
+        pass  # an allocator that takes no such setting: its memory is what it is
 
 
 # The name save_async's worker threads start with: a save there runs beside the caller's

@@ -11,7 +11,7 @@ Owns:
 - :mod:`.durable`: durable writes of small JSON objects, bulk sync before a commit,
   deletion.
 - :mod:`.native`: every call into the C library (``mincore``, ``madvise``,
-  ``malloc_trim``, ``syncfs``, ``sync_file_range``, ``openat2``), each declared once
+  ``malloc_trim``, ``mallopt``, ``syncfs``, ``sync_file_range``, ``openat2``), each declared once
   with one availability probe; the I/O limits (``ALIGN``, ``IOV_MAX``) and aligned memory.
 - :mod:`.beneath`: opens below an open directory that follow no symbolic link
   (``openat2``, else ``O_NOFOLLOW`` on each component).

@@ -14,6 +14,7 @@ call                   what for                                    where
 ``mmap``, ``mincore``  how much of a file the page cache holds     any POSIX system
 ``madvise``            faulting fresh memory in ahead of the reads Linux
 ``malloc_trim``        giving freed heap pages back to the system  Linux with glibc
+``mallopt``            keeping freed heap pages from piling up     Linux with glibc
 ``syncfs``             one flush of a whole file system            Linux
 ``sync_file_range``    starting a file's writeback without waiting Linux
 ``openat2``            opens that refuse a symbolic link           Linux 5.6
@@ -171,6 +172,25 @@ def malloc_trim() -> None:
     if _MALLOC_TRIM is None:
         raise _missing("malloc_trim")
     _MALLOC_TRIM(0)
+
+
+# ---- mallopt: malloc's thresholds -------------------------------------------------------
+
+_MALLOPT = _bind("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)  # glibc (musl has none)
+M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
+
+
+def has_mallopt() -> bool:
+    """Whether :func:`mallopt` can be called here (glibc)."""
+    return _MALLOPT is not None
+
+
+def mallopt(param: int, value: int) -> None:
+    """Set one of malloc's parameters (``M_*``); glibc returns 0 for a value it refuses."""
+    if _MALLOPT is None:
+        raise _missing("mallopt")
+    if _MALLOPT(param, value) == 0:
+        raise OSError(errno.EINVAL, f"mallopt refused parameter {param} = {value}")
 
 
 # ---- syncfs: flush a whole file system ---------------------------------------------------
