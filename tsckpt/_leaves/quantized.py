@@ -144,12 +144,13 @@ class Subclass:
 
     cls: str
     shape: tuple[int, ...]
-    parts: tuple[str, ...]
+    parts: dict[str, str]  # name -> dtype, in the order of __tensor_flatten__
     attributes: dict[str, Any]
 
     def to_json(self) -> str:
+        parts = [[name, dtype] for name, dtype in self.parts.items()]
         return json.dumps(
-            {"class": self.cls, "shape": list(self.shape), "parts": list(self.parts), "attributes": self.attributes},
+            {"class": self.cls, "shape": list(self.shape), "parts": parts, "attributes": self.attributes},
             sort_keys=True,
         )
 
@@ -157,7 +158,8 @@ class Subclass:
     def from_json(cls, path: str, text: Any) -> Subclass:
         try:
             d = json.loads(text)
-            return cls(str(d["class"]), tuple(int(s) for s in d["shape"]), tuple(d["parts"]), dict(d["attributes"]))
+            parts = {str(name): str(dtype) for name, dtype in d["parts"]}
+            return cls(str(d["class"]), tuple(int(s) for s in d["shape"]), parts, dict(d["attributes"]))
         except (TypeError, ValueError, KeyError) as e:
             raise LeafTypeError(
                 f"'{path}/{SUBCLASS_KEY}': not the metadata of a quantized tensor tsckpt wrote ({e}); "
@@ -277,7 +279,8 @@ def expand_leaf(path: str, leaf: Any) -> tuple[Any, Callable[[Any], Any]]:
     if name not in KNOWN:
         raise unknown_subclass(path, local, "the leaf" if local is leaf else "its local tensor")
     inner, ctx = local.__tensor_flatten__()
-    info = Subclass(name, placed.shape, tuple(inner), {k: _encode(path, v) for k, v in ctx.items()})
+    dtypes = {part: _dtypes.torch_name(getattr(local, part).dtype) for part in inner}
+    info = Subclass(name, placed.shape, dtypes, {k: _encode(path, v) for k, v in ctx.items()})
     parts: dict[str, Any] = {}
     lengths = tuple(int(s) for s in local.shape)
     for part in inner:
@@ -308,12 +311,14 @@ def _rebuild(path: str, leaf: Any, placed: _Placed, want: Subclass, lengths: tup
             f"{want.cls} of shape {list(want.shape)}; give a target of the stored kind, or restore with "
             "target=None to read the parts"
         )
-    if stored.parts != want.parts:
-        raise StructureMismatchError(
-            f"'{path}': the checkpoint stores the parts {list(stored.parts)} but the target has {list(want.parts)} "
-            "(e.g. an NVFP4 tensor with and without a per-tensor scale); give a target with the stored parts"
-        )
     parts = {k: (v.local if isinstance(v, ShardedArray) else v) for k, v in restored.items() if k != SUBCLASS_KEY}
+    for k, dtype in stored.parts.items():  # parts are data, never cast: the target's must be the stored dtypes
+        if k in parts and _dtypes.torch_name(parts[k].dtype) != dtype:
+            raise StructureMismatchError(
+                f"'{path}': part '{k}' is stored as {dtype} but the target's is {_dtypes.torch_name(parts[k].dtype)} "
+                f"(a {stored.cls.rpartition('.')[2]} of other attributes: stored {stored.attributes}); give a target "
+                "quantized as stored, or restore with target=None to read the parts"
+            )
     local = placed.local
     if all(parts[k] is getattr(local, k) for k in parts) and stored.attributes == want.attributes:
         return leaf  # read in place into the target's own parts, metadata the same

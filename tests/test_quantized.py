@@ -1,0 +1,152 @@
+"""Quantized tensor subclasses (torchao's MX, NVFP4 and float8 training tensors) as leaves:
+saved as groups of arrays, restored into the same subclass, resharded, read offline, staged
+by save_async, and unknown subclasses refused (tsckpt/_leaves/quantized.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tsckpt
+from tests import quantized_scenarios as qs
+from tests.dist_helpers import run_ranks
+
+pytest.importorskip("torchao")
+
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
+
+
+def _zeroed(q):
+    return type(q).__tensor_unflatten__(
+        {n: torch.zeros_like(t) for n, t in qs.parts(q).items()}, q.__tensor_flatten__()[1], q.shape, q.stride()
+    )
+
+
+@pytest.mark.parametrize("kind", qs.KINDS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_each_format_restores_into_its_subclass_bit_exact(tmp_path, kind, inplace):
+    q = qs.quantized(kind)
+    tsckpt.save(tmp_path / "c", {"w": q, "b": torch.ones(3)})
+    target = {"w": _zeroed(q), "b": torch.zeros(3)}
+    out = tsckpt.restore(tmp_path / "c", target, inplace=inplace)
+    assert qs.same(out["w"], q)
+    assert (out["w"] is target["w"]) == inplace
+    assert torch.equal(out["b"], torch.ones(3))
+
+
+def test_stored_as_parts_with_metadata(tmp_path):
+    q = qs.quantized("mxfp4")
+    tsckpt.save(tmp_path / "c", {"w": q})
+    r = tsckpt.open(tmp_path / "c")
+    assert sorted(r) == ["w/qdata", "w/scale", "w/subclass"]
+    assert (r["w/qdata"].dtype, r["w/qdata"].shape) == ("uint8", (8, 32))  # fp4 packed two to a byte
+    assert (r["w/scale"].dtype, r["w/scale"].shape) == ("float8_e8m0fnu", (8, 2))  # one per 32 elements
+    meta = json.loads(r["w/subclass"])
+    assert meta["class"] == "torchao.prototype.mx_formats.mx_tensor.MXTensor"
+    assert meta["shape"] == [8, 64] and meta["parts"] == [["qdata", "uint8"], ["scale", "float8_e8m0fnu"]]
+    assert meta["attributes"]["elem_dtype"] == {"dtype": "float4_e2m1fn_x2"}
+    assert meta["attributes"]["block_size"] == 32
+    assert meta["attributes"]["orig_dtype"] == {"dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("kind", qs.KINDS)
+def test_open_gives_parts_and_dequantized_values(tmp_path, kind):
+    q = qs.quantized(kind)
+    tsckpt.save(tmp_path / "c", {"w": q})
+    view = tsckpt.open(tmp_path / "c")["w"]
+    assert view.shape == (8, 64) and view.subclass.endswith(type(q).__name__)
+    for name, t in qs.parts(q).items():
+        np.testing.assert_array_equal(view.parts[name].torch[...].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    ref = q.to_original_precision() if kind.startswith("float8") else q.dequantize()
+    got = view.dequantize()
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    assert qs.same(view.to_torch(), q)
+
+
+def test_restore_without_target_gives_the_parts(tmp_path):
+    q = qs.quantized("nvfp4_pts")
+    tsckpt.save(tmp_path / "c", {"w": q})
+    out = tsckpt.restore(tmp_path / "c")["w"]
+    assert sorted(out) == ["per_tensor_scale", "qdata", "scale", "subclass"]
+    np.testing.assert_array_equal(out["qdata"], q.qdata.numpy())
+    assert float(out["per_tensor_scale"]) == 0.75
+
+
+def test_save_async_stages_the_parts_exactly(tmp_path):
+    q = qs.quantized("mxfp8")
+    ref = {n: t.clone() for n, t in qs.parts(q).items()}
+    saver = tsckpt.save_async(tmp_path / "c", {"w": q})
+    q.qdata.view(torch.uint8).fill_(0x7F)  # NaN in float8_e4m3fn
+    q.scale.view(torch.uint8).fill_(0xFF)  # NaN in e8m0
+    saver.result(timeout=60)
+    out = tsckpt.restore(tmp_path / "c", {"w": _zeroed(q)})["w"]
+    for n, t in ref.items():
+        assert torch.equal(getattr(out, n).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert not out.dequantize().isnan().any()
+
+
+def test_wrong_format_target_is_refused(tmp_path):
+    tsckpt.save(tmp_path / "c", {"w": qs.quantized("nvfp4_pts")})
+    with pytest.raises(tsckpt.StructureMismatchError, match="'w/per_tensor_scale'"):
+        tsckpt.restore(tmp_path / "c", {"w": qs.quantized("nvfp4")})
+    tsckpt.save(tmp_path / "d", {"w": qs.quantized("mxfp8")})
+    with pytest.raises(tsckpt.StructureMismatchError, match="'w': part 'qdata' is stored as float8_e4m3fn but the target's is float8_e5m2"):
+        tsckpt.restore(tmp_path / "d", {"w": qs.quantized("mxfp8_e5m2")}, casting="unsafe")
+
+
+def test_unknown_subclass_is_refused_naming_leaf_and_type(tmp_path):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with pytest.raises(tsckpt.LeafTypeError, match=r"'model/w'.*TwoTensor.*does not know"):
+        tsckpt.save(tmp_path / "c", {"model": {"w": TwoTensor(torch.ones(2), torch.ones(2))}})
+    assert not (tmp_path / "c").exists()
+
+
+def test_hp_float8_weight_is_saved_as_its_tensor(tmp_path):
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    x = qs.hp()
+    w = WeightWithDynamicFloat8CastTensor(x.clone(), LinearMMConfig(), torch.float8_e4m3fn)
+    tsckpt.save(tmp_path / "c", {"w": w})
+    r = tsckpt.open(tmp_path / "c")
+    assert list(r) == ["w"] and r["w"].dtype == "bfloat16"  # a plain array: the float8 cast is no state
+    target = WeightWithDynamicFloat8CastTensor(torch.zeros_like(x), LinearMMConfig(), torch.float8_e4m3fn)
+    assert tsckpt.restore(tmp_path / "c", {"w": target}, inplace=True)["w"] is target
+    assert torch.equal(target._tensor, x)
+    assert torch.equal(tsckpt.restore(tmp_path / "c", {"w": torch.zeros_like(x)})["w"], x)  # into a plain model
+
+
+def test_region_off_a_block_boundary_is_refused(tmp_path):
+    q = qs.quantized("mxfp8")
+    half = qs.shard(q, 1, 0, 32)
+    bad = tsckpt.ShardedArray(half, (8, 64), (0, 16))  # columns 16..48: not on blocks of 32
+    with pytest.raises(tsckpt.LeafTypeError, match=r"'w'.*dimension 1.*blocks of 32"):
+        tsckpt.save(tmp_path / "c", {"w": bad})
+
+
+@pytest.mark.slow  # starts gloo ranks
+@pytest.mark.parametrize("dim,hand_made", [(0, False), (1, False), (0, True)])
+def test_two_ranks_to_one_and_one_to_two(tmp_path, dim, hand_made):
+    d2, d1 = str(tmp_path / "two"), str(tmp_path / "one")
+    run_ranks(qs.save_sharded, 2, d2, dim, hand_made, timeout=180)
+    kinds = [k for k in qs.KINDS if not (dim == 1 and k == "float8_axiswise")]
+    for kind in kinds:  # 2 -> 1: the whole tensor, bit-exact
+        full = qs.quantized(kind)
+        got = tsckpt.restore(d2, {kind: _zeroed(full)}, strict=False)[kind]
+        assert qs.same(got, full), kind
+    tsckpt.save(d1, {k: qs.quantized(k) for k in kinds})
+    for inplace in (False, True):  # 1 -> 2
+        assert run_ranks(qs.restore_sharded, 2, d1, dim, hand_made, inplace, timeout=180) == [[], []]
+
+
+@pytest.mark.slow  # starts gloo ranks
+def test_fsdp2_float8_training_two_ranks_to_one_and_back(tmp_path):
+    d = str(tmp_path / "c")
+    assert run_ranks(qs.save_fsdp2_float8, 2, d, timeout=180) == ["WeightWithDynamicFloat8CastTensor"] * 2
+    r = tsckpt.open(d)
+    assert r["model/0.weight"].dtype == "float32" and r["model/0.weight"].shape == (32, 64)
+    assert run_ranks(qs.restore_fsdp2_float8, 2, d, timeout=180) == [[], []]
