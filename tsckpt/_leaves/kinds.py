@@ -153,7 +153,7 @@ def unknown_subclass(path: str, t: torch.Tensor, where: str = "the leaf") -> Lea
     cls = type(t)
     return LeafTypeError(
         f"'{path}': {where} is a tensor subclass {cls.__module__}.{cls.__qualname__} that tsckpt does not know how "
-        "to store (its storage is not an array of its values); tsckpt stores torchao's MXTensor, NVFP4Tensor, "
+        "to store (its storage is not an array of its values); tsckpt stores torchao's MXTensor, NVFP4Tensor, Float8Tensor, "
         "Float8TrainingTensor and WeightWithDynamicFloat8CastTensor; save t.dequantize() (or its inner tensors) "
         "as plain leaves instead"
     )

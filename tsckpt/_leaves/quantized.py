@@ -53,9 +53,12 @@ SUBCLASS_KEY = "subclass"
 MX = "torchao.prototype.mx_formats.mx_tensor.MXTensor"
 NVFP4 = "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor"
 FLOAT8 = "torchao.float8.float8_training_tensor.Float8TrainingTensor"
+# torchao's float8 weights for inference; with block_size [128, 128] the layout of block-scaled
+# fp8 checkpoints (DeepSeek-V3's weight and weight_scale_inv)
+FLOAT8_BLOCKS = "torchao.quantization.quantize_.workflows.float8.float8_tensor.Float8Tensor"
 HP_WEIGHT = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
 # Subclasses saved as their parts; the high-precision weight is saved as its tensor.
-KNOWN = (MX, NVFP4, FLOAT8)
+KNOWN = (MX, NVFP4, FLOAT8, FLOAT8_BLOCKS)
 
 # Modules whose classes a stored attribute may name (enums, named tuples, dataclasses).
 _TRUSTED_MODULES = ("torchao.",)
@@ -209,6 +212,10 @@ def part_ratios(path: str, info: Subclass, name: str, part_ndim: int) -> Ratios:
         else:
             raise LeafTypeError(f"'{path}': part '{name}' of a sharded {info.cls} has no known layout")
         return tuple(ones)
+    if info.cls == FLOAT8_BLOCKS and name == "scale":
+        block = attrs.get("block_size") or {"list": list(info.shape)}
+        sizes = [int(b) for b in block["list"]]
+        return tuple(None if b >= n else b for b, n in zip(sizes, info.shape))
     if info.cls == FLOAT8 and name == "_scale":
         axis = attrs.get("_axiswise_dim")
         if axis is not None:
@@ -228,12 +235,13 @@ def part_region(
         if r is None:
             g.append(1), o.append(0), n.append(1)
             continue
-        if shape[d] % r or offsets[d] % r or (lengths[d] % r and offsets[d] + lengths[d] != shape[d]):
+        if offsets[d] % r or (lengths[d] % r and offsets[d] + lengths[d] != shape[d]):
             raise LeafTypeError(
                 f"'{path}': the region [{offsets[d]}:{offsets[d] + lengths[d]}] of dimension {d} (of {shape[d]}) does "
                 f"not fall on blocks of {r} elements, as part '{name}' needs; shard on multiples of {r}"
             )
-        g.append(shape[d] // r), o.append(offsets[d] // r), n.append(-(-lengths[d] // r))
+        # a last block may be partial (a dimension not a multiple of 128 in a 128 x 128 block-scaled weight)
+        g.append(-(-shape[d] // r)), o.append(offsets[d] // r), n.append(-(-lengths[d] // r))
     return tuple(g), tuple(o), tuple(n)
 
 
