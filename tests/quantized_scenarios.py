@@ -11,7 +11,7 @@ import tsckpt
 from tests.dist_helpers import rank_layout
 
 ROWS, COLS = 8, 64
-KINDS = ("mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4", "nvfp4_pts", "float8", "float8_axiswise")
+KINDS = ("mxfp8", "mxfp8_e5m2", "mxfp4", "nvfp4", "nvfp4_pts", "float8", "float8_axiswise", "float8_block")
 
 
 def hp(seed: int = 0) -> torch.Tensor:
@@ -33,6 +33,11 @@ def quantized(kind: str, x: torch.Tensor | None = None) -> Any:
         return MXTensor.to_mx(x, elem, 32)
     if kind.startswith("nvfp4"):
         return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=torch.tensor(0.75) if kind == "nvfp4_pts" else None)
+    if kind == "float8_block":
+        from torchao.quantization import Float8Tensor
+        from torchao.quantization.granularity import PerBlock
+
+        return Float8Tensor.from_hp(x, granularity=PerBlock([4, 32]))
     axiswise = kind == "float8_axiswise"
     return hp_tensor_to_float8_dynamic(
         x, torch.float8_e4m3fn, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT,

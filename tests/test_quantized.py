@@ -60,7 +60,7 @@ def test_open_gives_parts_and_dequantized_values(tmp_path, kind):
     assert view.shape == (8, 64) and view.subclass.endswith(type(q).__name__)
     for name, t in qs.parts(q).items():
         np.testing.assert_array_equal(view.parts[name].torch[...].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
-    ref = q.to_original_precision() if kind.startswith("float8") else q.dequantize()
+    ref = q.to_original_precision() if kind in ("float8", "float8_axiswise") else q.dequantize()
     got = view.dequantize()
     assert got.dtype == ref.dtype and torch.equal(got, ref)
     assert qs.same(view.to_torch(), q)
@@ -150,3 +150,71 @@ def test_fsdp2_float8_training_two_ranks_to_one_and_back(tmp_path):
     r = tsckpt.open(d)
     assert r["model/0.weight"].dtype == "float32" and r["model/0.weight"].shape == (32, 64)
     assert run_ranks(qs.restore_fsdp2_float8, 2, d, timeout=180) == [[], []]
+
+
+# ---- block-scaled fp8 weights to and from Hugging Face checkpoints -----------------------
+
+
+def _block_fp8(x, block=(128, 128)):
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerBlock
+
+    return Float8Tensor.from_hp(x, granularity=PerBlock(list(block)))
+
+
+def _hf_fp8_dir(tmp_path, config):
+    """A tsckpt checkpoint of a block-scaled fp8 weight (256 x 384, 2 x 3 blocks) and a
+    bf16 norm, converted to a Hugging Face directory with ``config`` copied from."""
+    import tsckpt.torch  # noqa: F401
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 384, generator=g).to(torch.bfloat16)
+    w = _block_fp8(x)
+    norm = torch.randn(384, generator=g).to(torch.bfloat16)
+    tsckpt.save(tmp_path / "c", {"l.weight": w, "norm.weight": norm})
+    tsckpt.convert(tmp_path / "c", tmp_path / "hf", to_format="safetensors", copy_from=src)
+    return w, norm, tmp_path / "hf"
+
+
+def test_convert_writes_block_fp8_as_weight_and_scale_inv(tmp_path):
+    from safetensors import safe_open
+
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    w, norm, hf = _hf_fp8_dir(tmp_path, {"model_type": "x", "torch_dtype": "float32", "quantization_config": qc})
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["l.weight", "l.weight_scale_inv", "norm.weight"]
+        weight, scale = f.get_tensor("l.weight"), f.get_tensor("l.weight_scale_inv")
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (2, 3)
+        assert torch.equal(weight.view(torch.uint8), w.qdata.view(torch.uint8)) and torch.equal(scale, w.scale)
+        assert torch.equal(f.get_tensor("norm.weight"), norm)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["quantization_config"] == qc and config["torch_dtype"] == "bfloat16"
+
+
+def test_convert_adds_a_quantization_config_where_none_is(tmp_path):
+    _, _, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
+    qc = json.loads((hf / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path):
+    import tsckpt.torch
+
+    w, norm, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
+    ref = w.dequantize()
+    out = tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": torch.zeros(256, 384, dtype=torch.bfloat16),
+                                               "norm.weight": torch.zeros(384, dtype=torch.bfloat16)})
+    assert torch.equal(out["l.weight"], ref) and torch.equal(out["norm.weight"], norm)
+    target = _block_fp8(torch.zeros(256, 384, dtype=torch.bfloat16))
+    tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": target})
+    assert qs.same(target, w)
+    rows = tsckpt.ShardedArray(torch.zeros(100, 384, dtype=torch.bfloat16), (256, 384), (100, 0))  # inside blocks
+    tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": rows})
+    assert torch.equal(rows.local, ref[100:200])
+    half = _block_fp8(torch.zeros(128, 384, dtype=torch.bfloat16))
+    tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": tsckpt.ShardedArray(half, (256, 384), (128, 0))})
+    assert torch.equal(half.qdata.view(torch.uint8), w.qdata[128:].view(torch.uint8))
+    assert torch.equal(half.scale, w.scale[1:])

@@ -55,7 +55,7 @@ NVFP4 = "torchao.prototype.mx_formats.nvfp4_tensor.NVFP4Tensor"
 FLOAT8 = "torchao.float8.float8_training_tensor.Float8TrainingTensor"
 # torchao's float8 weights for inference; with block_size [128, 128] the layout of block-scaled
 # fp8 checkpoints (DeepSeek-V3's weight and weight_scale_inv)
-FLOAT8_BLOCKS = "torchao.quantization.quantize_.workflows.float8.float8_tensor.Float8Tensor"
+FLOAT8_BLOCKS = "torchao.quantization.Float8Tensor"  # its module names itself so
 HP_WEIGHT = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
 # Subclasses saved as their parts; the high-precision weight is saved as its tensor.
 KNOWN = (MX, NVFP4, FLOAT8, FLOAT8_BLOCKS)
