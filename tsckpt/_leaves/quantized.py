@@ -98,7 +98,8 @@ def _encode(path: str, value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"dtype": _dtypes.torch_name(value)}
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return {"namedtuple": _qualified(type(value)), "fields": {k: _encode(path, getattr(value, k)) for k in value._fields}}
+        fields = {k: _encode(path, getattr(value, k)) for k in getattr(type(value), "_fields")}
+        return {"namedtuple": _qualified(type(value)), "fields": fields}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _encode(path, getattr(value, f.name)) for f in dataclasses.fields(value)}
         return {"dataclass": _qualified(type(value)), "fields": fields}
@@ -230,10 +231,14 @@ def part_region(
     ``lengths`` of a tensor of global ``shape``."""
     if not ratios:
         return (), (), ()
-    g, o, n = [], [], []
+    g: list[int] = []
+    o: list[int] = []
+    n: list[int] = []
     for d, r in enumerate(ratios):
         if r is None:
-            g.append(1), o.append(0), n.append(1)
+            g.append(1)
+            o.append(0)
+            n.append(1)
             continue
         if offsets[d] % r or (lengths[d] % r and offsets[d] + lengths[d] != shape[d]):
             raise LeafTypeError(
@@ -241,7 +246,9 @@ def part_region(
                 f"not fall on blocks of {r} elements, as part '{name}' needs; shard on multiples of {r}"
             )
         # a last block may be partial (a dimension not a multiple of 128 in a 128 x 128 block-scaled weight)
-        g.append(-(-shape[d] // r)), o.append(offsets[d] // r), n.append(-(-lengths[d] // r))
+        g.append(-(-shape[d] // r))
+        o.append(offsets[d] // r)
+        n.append(-(-lengths[d] // r))
     return tuple(g), tuple(o), tuple(n)
 
 

@@ -104,8 +104,8 @@ def expand(tree: Any, *, rank: int = 0, prefix: str = "") -> Expanded:
     if is_whole_state(tree):
         return Expanded(expand(tree.__tsckpt_tree__(rank), rank=rank).tree)
     if is_subclass_leaf(tree):
-        subtree, load = expand_leaf(prefix, tree)
-        return Expanded(subtree, load)
+        subtree, rebuild = expand_leaf(prefix, tree)
+        return Expanded(subtree, rebuild)
     if is_stateful(tree):
         inner = expand(state_of(tree), rank=rank, prefix=prefix)
         return Expanded(inner.tree, lambda restored: load_state(tree, inner.load(restored)))
