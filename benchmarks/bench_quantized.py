@@ -7,7 +7,7 @@ Workload
   bf16 master weight, and AdamW's state for the master (exp_avg, exp_avg_sq in float32,
   step), one flat dict.
 
-Systems (the same process, each repeated; the checkpoint directory removed between runs)
+Systems (the same process, each repeated; each save into a new directory)
   tsckpt        tsckpt.save(dir, state); tsckpt.restore(dir, target, inplace=True) into a
                 state of the same structure (the float8 weights restored as Float8Tensor)
   dcp           torch.distributed.checkpoint.save / load of the same state where it saves
@@ -75,11 +75,14 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(all(torch.equal(x, y) for x, y in zip(raw(a[k]), raw(b[k]))) for k in a)
 
 
-def timed(fn: Any, repeats: int) -> float:
+def timed(fn: Any, repeats: int, arg: Any = None) -> float:
+    """Median time of ``fn(arg(i))`` over ``repeats`` runs (``arg``: what each run is given,
+    made outside the timing)."""
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        given = None if arg is None else arg(i)
         t0 = time.perf_counter()
-        fn()
+        fn() if arg is None else fn(given)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -98,34 +101,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="bench_quantized_")
     results: dict[str, Any] = {"nbytes": nbytes, "layers": args.layers, "width": args.width}
     try:
+        # each save into a new directory: removing the last one's files is no part of a save
         d = f"{root}/tsckpt"
-
-        def ts_save() -> None:
-            shutil.rmtree(d, ignore_errors=True)
-            tsckpt.save(d, state)
-
         target = build(args.layers, args.width, seed=2)
-        results["tsckpt"] = {"save": timed(ts_save, args.repeats)}
+        results["tsckpt"] = {"save": timed(lambda p: tsckpt.save(p, state), args.repeats, lambda i: f"{d}{i}")}
+        d = f"{d}0"
         results["tsckpt"]["restore"] = timed(lambda: tsckpt.restore(d, target, inplace=True), args.repeats)
         results["tsckpt"]["exact"] = same(state, target)
 
         dd = f"{root}/dcp"
         dcp_state: dict[str, Any] = state
         try:
-            shutil.rmtree(dd, ignore_errors=True)
-            dcp.save(state, checkpoint_id=dd)
+            dcp.save(state, checkpoint_id=f"{dd}-probe")
             results["dcp_refusal"] = None
         except Exception as e:  # noqa: BLE001 - reported
             results["dcp_refusal"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             dcp_state = as_plain(state)
-
-        def dcp_save() -> None:
-            shutil.rmtree(dd, ignore_errors=True)
-            dcp.save(dcp_state, checkpoint_id=dd)
-
         dcp_target = build(args.layers, args.width, seed=2)
         dcp_target = dcp_target if results["dcp_refusal"] is None else as_plain(dcp_target)
-        results["dcp"] = {"save": timed(dcp_save, args.repeats)}
+        results["dcp"] = {
+            "save": timed(lambda p: dcp.save(dcp_state, checkpoint_id=p), args.repeats, lambda i: f"{dd}{i}")
+        }
+        dd = f"{dd}0"
         results["dcp"]["restore"] = timed(lambda: dcp.load(dcp_target, checkpoint_id=dd), args.repeats)
         results["dcp"]["exact"] = same(dcp_state, dcp_target)
     finally:
