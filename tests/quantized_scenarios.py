@@ -176,3 +176,37 @@ def restore_fsdp2_float8(rank: int, world: int, directory: str) -> list[str]:
     tsckpt.restore(directory, {"model": model}, inplace=True)
     sd = model.state_dict()
     return [k for k, v in ref.items() if not torch.equal(sd[k].full_tensor(), v)]
+
+
+def restore_hf_fp8(rank: int, world: int, directory: str) -> list[str]:
+    """Block-scaled fp8 weights of a Hugging Face directory into DTensor row shards: bf16 (dequantized)
+    and Float8Tensor (as stored); the names whose local shard differs from the reference."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, Shard
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerBlock
+
+    import tsckpt.torch
+
+    stored = load_file(f"{directory}/model.safetensors")
+    weight, scale = stored["l.weight"], stored["l.weight_scale_inv"]
+    ref = (weight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.bfloat16)
+    m = _mesh(world)
+    rows = weight.shape[0] // world
+    lo, hi = rank * rows, (rank + 1) * rows
+
+    def dt(local: Any) -> Any:
+        return DTensor.from_local(local, m, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride())
+
+    bf16 = dt(torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16))
+    fp8 = dt(Float8Tensor.from_hp(torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16), granularity=PerBlock([128, 128])))
+    tsckpt.torch.restore_fp8_blocks(directory, {"l.weight": bf16})
+    tsckpt.torch.restore_fp8_blocks(directory, {"l.weight": fp8})
+    bad = []
+    if not torch.equal(bf16.to_local(), ref[lo:hi]):
+        bad.append("bf16")
+    local = fp8._local_tensor
+    if not (torch.equal(local.qdata.view(torch.uint8), weight[lo:hi].view(torch.uint8))
+            and torch.equal(local.scale, scale[lo // 128:hi // 128])):
+        bad.append("float8")
+    return bad

@@ -200,8 +200,18 @@ def test_convert_adds_a_quantization_config_where_none_is(tmp_path):
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path):
+def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path, monkeypatch):
     import tsckpt.torch
+    from tsckpt._read.reader import LazyArray
+
+    reads = []
+    real = LazyArray.__getitem__
+
+    def recording(self, index):
+        reads.append((self.path, tuple((s.start, s.stop) for s in index) if isinstance(index, tuple) else index))
+        return real(self, index)
+
+    monkeypatch.setattr(LazyArray, "__getitem__", recording)
 
     w, norm, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
     ref = w.dequantize()
@@ -212,9 +222,18 @@ def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path):
     tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": target})
     assert qs.same(target, w)
     rows = tsckpt.ShardedArray(torch.zeros(100, 384, dtype=torch.bfloat16), (256, 384), (100, 0))  # inside blocks
+    reads.clear()
     tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": rows})
     assert torch.equal(rows.local, ref[100:200])
+    # only the rows of the region, and the two row blocks of scales that cover them
+    assert sorted(reads) == [("l.weight", ((100, 200), (0, 384))), ("l.weight_scale_inv", ((0, 2), (0, 3)))]
     half = _block_fp8(torch.zeros(128, 384, dtype=torch.bfloat16))
     tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": tsckpt.ShardedArray(half, (256, 384), (128, 0))})
     assert torch.equal(half.qdata.view(torch.uint8), w.qdata[128:].view(torch.uint8))
     assert torch.equal(half.scale, w.scale[1:])
+
+
+@pytest.mark.slow  # starts gloo ranks
+def test_hf_block_fp8_into_dtensor_row_shards_on_two_ranks(tmp_path):
+    _, _, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
+    assert run_ranks(qs.restore_hf_fp8, 2, str(hf), timeout=180) == [[], []]
