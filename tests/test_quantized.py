@@ -162,10 +162,11 @@ def _block_fp8(x, block=(128, 128)):
     return Float8Tensor.from_hp(x, granularity=PerBlock(list(block)))
 
 
-def _hf_fp8_dir(tmp_path, config):
+def _hf_fp8_dir(tmp_path, config, cli=False):
     """A tsckpt checkpoint of a block-scaled fp8 weight (256 x 384, 2 x 3 blocks) and a
-    bf16 norm, converted to a Hugging Face directory with ``config`` copied from."""
-    import tsckpt.torch  # noqa: F401
+    bf16 norm, converted to a Hugging Face directory with ``config`` copied from (through
+    ``tsckpt convert`` with ``cli``)."""
+    from tsckpt._cli import main
 
     src = tmp_path / "model"
     src.mkdir()
@@ -175,7 +176,11 @@ def _hf_fp8_dir(tmp_path, config):
     w = _block_fp8(x)
     norm = torch.randn(384, generator=g).to(torch.bfloat16)
     tsckpt.save(tmp_path / "c", {"l.weight": w, "norm.weight": norm})
-    tsckpt.convert(tmp_path / "c", tmp_path / "hf", to_format="safetensors", copy_from=src)
+    if cli:
+        argv = ["convert", str(tmp_path / "c"), str(tmp_path / "hf"), "--to", "safetensors", "--copy-from", str(src)]
+        assert main(argv) == 0
+    else:
+        tsckpt.convert(tmp_path / "c", tmp_path / "hf", to_format="safetensors", copy_from=src)
     return w, norm, tmp_path / "hf"
 
 
@@ -195,7 +200,7 @@ def test_convert_writes_block_fp8_as_weight_and_scale_inv(tmp_path):
 
 
 def test_convert_adds_a_quantization_config_where_none_is(tmp_path):
-    _, _, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
+    _, _, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"}, cli=True)
     qc = json.loads((hf / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
