@@ -105,6 +105,22 @@ def test_unknown_subclass_is_refused_naming_leaf_and_type(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_metadata_naming_other_classes_is_refused_or_a_plain_value(tmp_path):
+    meta = {"class": "torchao.prototype.mx_formats.mx_tensor.MXTensor", "shape": [2], "parts": [["qdata", "float32"]],
+            "attributes": {"k": {"enum": "os:system", "value": "true"}}}
+    tsckpt.save(tmp_path / "c", {"w": {"qdata": torch.ones(2), "subclass": json.dumps(meta)},
+                                 "v": {"a": torch.ones(2), "subclass": "a user's string"}})
+    r = tsckpt.open(tmp_path / "c")
+    with pytest.raises(tsckpt.LeafTypeError, match="'w'.*'os:system'; tsckpt only builds classes of torchao"):
+        r["w"].to_torch()
+    with pytest.raises(KeyError, match="'v' is not a leaf"):
+        r["v"]
+    meta["class"] = "torchao.no_such_module.Y"
+    tsckpt.save(tmp_path / "d", {"w": {"qdata": torch.ones(2), "subclass": json.dumps(meta)}})
+    with pytest.raises(tsckpt.LeafTypeError, match="'w'.*'torchao.no_such_module:Y', which cannot be imported"):
+        tsckpt.open(tmp_path / "d")["w"].to_torch()
+
+
 def test_hp_float8_weight_is_saved_as_its_tensor(tmp_path):
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor

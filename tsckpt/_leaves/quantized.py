@@ -121,9 +121,15 @@ def _trusted_class(path: str, name: str) -> Any:
         raise LeafTypeError(
             f"'{path}': the stored metadata names the class {name!r}; tsckpt only builds classes of torchao"
         )
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise LeafTypeError(
+            f"'{path}': the stored metadata names {name!r}, which cannot be imported here ({e}); install the torchao "
+            "version that saved it, or read the parts as plain arrays (tsckpt.open(...)[path].parts)"
+        ) from e
     return obj
 
 
@@ -250,6 +256,16 @@ def part_region(
         o.append(offsets[d] // r)
         n.append(-(-lengths[d] // r))
     return tuple(g), tuple(o), tuple(n)
+
+
+def is_subclass_json(value: Any) -> bool:
+    """Whether a stored value is a quantized tensor's metadata (not a user's value that
+    happens to be named ``subclass``)."""
+    try:
+        info = Subclass.from_json("", value)
+    except LeafTypeError:
+        return False
+    return info.cls.startswith(_TRUSTED_MODULES)
 
 
 # ---- the expansion -------------------------------------------------------------------

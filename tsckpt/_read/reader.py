@@ -12,7 +12,7 @@ import tensorstore as ts
 
 from .._base import dtypes as _dtypes
 from .._formats import lazy
-from .._leaves.quantized import SUBCLASS_KEY, Subclass, dequantized
+from .._leaves.quantized import SUBCLASS_KEY, Subclass, dequantized, is_subclass_json
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint, Opening
 from .._ondisk.readfaults import corrupt_error, node_error, unchanged
@@ -195,7 +195,7 @@ class Reader(Mapping[str, Any]):
         if path in ck.values:
             return ck.values[path]
         marker = f"{path.rstrip('/')}/{SUBCLASS_KEY}"
-        if marker in ck.values and path:
+        if marker in ck.values and path and is_subclass_json(ck.values[marker]):
             return QuantizedArray(self, path.rstrip("/"), ck.values[marker])
         close = [p for p in ck.leaves if p.startswith(path.rstrip("/") + "/")][:5]
         hint = f"; leaves below it: {close}" if close else "; `tsckpt ls` lists the paths"
