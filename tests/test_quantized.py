@@ -178,7 +178,7 @@ def _block_fp8(x, block=(128, 128)):
     return Float8Tensor.from_hp(x, granularity=PerBlock(list(block)))
 
 
-def _hf_fp8_dir(tmp_path, config, cli=False):
+def _hf_fp8_dir(tmp_path, config, cli=False, max_shard_size=None):
     """A tsckpt checkpoint of a block-scaled fp8 weight (256 x 384, 2 x 3 blocks) and a
     bf16 norm, converted to a Hugging Face directory with ``config`` copied from (through
     ``tsckpt convert`` with ``cli``)."""
@@ -196,7 +196,9 @@ def _hf_fp8_dir(tmp_path, config, cli=False):
         argv = ["convert", str(tmp_path / "c"), str(tmp_path / "hf"), "--to", "safetensors", "--copy-from", str(src)]
         assert main(argv) == 0
     else:
-        tsckpt.convert(tmp_path / "c", tmp_path / "hf", to_format="safetensors", copy_from=src)
+        tsckpt.convert(
+            tmp_path / "c", tmp_path / "hf", to_format="safetensors", copy_from=src, max_shard_size=max_shard_size
+        )
     return w, norm, tmp_path / "hf"
 
 
@@ -252,6 +254,17 @@ def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path, 
     tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": tsckpt.ShardedArray(half, (256, 384), (128, 0))})
     assert torch.equal(half.qdata.view(torch.uint8), w.qdata[128:].view(torch.uint8))
     assert torch.equal(half.scale, w.scale[1:])
+
+
+def test_hf_block_fp8_from_a_sharded_directory(tmp_path):
+    import tsckpt.torch
+
+    w, norm, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"}, max_shard_size="64KB")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 2 and set(index) == {"l.weight", "l.weight_scale_inv", "norm.weight"}
+    target = _block_fp8(torch.zeros(256, 384, dtype=torch.bfloat16))
+    out = tsckpt.torch.restore_fp8_blocks(hf, {"l.weight": target, "norm.weight": torch.zeros(384, dtype=torch.bfloat16)})
+    assert qs.same(target, w) and torch.equal(out["norm.weight"], norm)
 
 
 @pytest.mark.slow  # starts gloo ranks
