@@ -16,8 +16,6 @@ from tests.dist_helpers import run_ranks
 
 pytest.importorskip("torchao")
 
-from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
-
 
 def _zeroed(q):
     return type(q).__tensor_unflatten__(

@@ -152,10 +152,10 @@ def unknown_subclass(path: str, t: torch.Tensor, where: str = "the leaf") -> Lea
     """The refusal of a tensor subclass tsckpt does not store (see tsckpt/_leaves/quantized.py)."""
     cls = type(t)
     return LeafTypeError(
-        f"'{path}': {where} is a tensor subclass {cls.__module__}.{cls.__qualname__} that tsckpt does not know how "
-        "to store (its storage is not an array of its values); tsckpt stores torchao's MXTensor, NVFP4Tensor, Float8Tensor, "
-        "Float8TrainingTensor and WeightWithDynamicFloat8CastTensor; save t.dequantize() (or its inner tensors) "
-        "as plain leaves instead"
+        f"'{path}': {where} is a tensor subclass {cls.__module__}.{cls.__qualname__} that tsckpt does not know "
+        "how to store or restore (its storage is not an array of its values); tsckpt stores torchao's MXTensor, "
+        "NVFP4Tensor, Float8Tensor, Float8TrainingTensor and WeightWithDynamicFloat8CastTensor; save "
+        "t.dequantize() (or its inner tensors) as plain leaves instead"
     )
 
 

@@ -33,7 +33,8 @@ import enum
 import importlib
 import json
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .._base import dtypes as _dtypes
 from .._base.lazytorch import is_tensor
@@ -98,7 +99,8 @@ def _encode(path: str, value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {"dtype": _dtypes.torch_name(value)}
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        fields = {k: _encode(path, getattr(value, k)) for k in getattr(type(value), "_fields")}
+        names: tuple[str, ...] = type(value)._fields  # type: ignore[attr-defined]
+        fields = {k: _encode(path, getattr(value, k)) for k in names}
         return {"namedtuple": _qualified(type(value)), "fields": fields}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _encode(path, getattr(value, f.name)) for f in dataclasses.fields(value)}
