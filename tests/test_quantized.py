@@ -73,6 +73,12 @@ def test_restore_without_target_gives_the_parts(tmp_path):
     assert float(out["per_tensor_scale"]) == 0.75
 
 
+def test_plain_target_of_a_stored_quantized_tensor_is_told_how(tmp_path):
+    tsckpt.save(tmp_path / "c", {"w": qs.quantized("mxfp8")})
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"1 \('w'\) are stored as quantized tensors.*dequantize"):
+        tsckpt.restore(tmp_path / "c", {"w": torch.zeros(8, 64, dtype=torch.bfloat16)})
+
+
 def test_save_async_stages_the_parts_exactly(tmp_path):
     q = qs.quantized("mxfp8")
     ref = {n: t.clone() for n, t in qs.parts(q).items()}
