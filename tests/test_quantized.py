@@ -16,6 +16,8 @@ from tests.dist_helpers import run_ranks
 
 pytest.importorskip("torchao")
 
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402 - after the skip
+
 
 def _zeroed(q):
     return type(q).__tensor_unflatten__(
@@ -123,6 +125,22 @@ def test_metadata_naming_other_classes_is_refused_or_a_plain_value(tmp_path):
     tsckpt.save(tmp_path / "d", {"w": {"qdata": torch.ones(2), "subclass": json.dumps(meta)}})
     with pytest.raises(tsckpt.LeafTypeError, match="'w'.*'torchao.no_such_module:Y', which cannot be imported"):
         tsckpt.open(tmp_path / "d")["w"].to_torch()
+
+
+def test_swizzled_scales_whole_but_not_by_region(tmp_path):
+    x = qs.hp().repeat(32, 2)  # 256 x 128: whole tiles of the swizzle
+    q = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True)
+    tsckpt.save(tmp_path / "c", {"w": q})
+    assert qs.same(tsckpt.restore(tmp_path / "c", {"w": _zeroed(q)})["w"], q)
+    assert torch.equal(tsckpt.open(tmp_path / "c")["w"].dequantize(), q.dequantize())
+    with pytest.raises(tsckpt.LeafTypeError, match="'v': a sharded MXTensor with swizzled"):
+        tsckpt.save(tmp_path / "d", {"v": tsckpt.ShardedArray(q, (512, 128), (256, 0))})
+
+
+@pytest.mark.parametrize("kind", ["mxfp8", "mxfp4"])
+def test_transposed_quantized_tensor_is_refused(tmp_path, kind):
+    with pytest.raises(tsckpt.LeafTypeError, match=r"'w': part 'qdata' of the MXTensor is not contiguous"):
+        tsckpt.save(tmp_path / "c", {"w": qs.quantized(kind).t()})
 
 
 def test_hp_float8_weight_is_saved_as_its_tensor(tmp_path):

@@ -318,6 +318,13 @@ def expand_leaf(path: str, leaf: Any) -> tuple[Any, Callable[[Any], Any]]:
     lengths = tuple(int(s) for s in local.shape)
     for part in inner:
         t = getattr(local, part)
+        if not t.is_contiguous():  # a transposed tensor: its subclass reads its layout from the strides
+            raise LeafTypeError(
+                f"'{path}': part '{part}' of the {name.rpartition('.')[2]} is not contiguous (shape {list(t.shape)}, "
+                f"strides {list(t.stride())}: a transposed tensor), and the subclass reads its layout (fp4 packing, "
+                "scale blocks) from the strides; tsckpt stores quantized tensors in row-major layout only: save "
+                "one quantized from a contiguous tensor"
+            )
         if placed.offsets is None:
             parts[part] = t
             continue
