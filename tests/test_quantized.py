@@ -16,7 +16,7 @@ from tests.dist_helpers import run_ranks
 
 pytest.importorskip("torchao")
 
-from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402 - after the skip
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 
 def _zeroed(q):
