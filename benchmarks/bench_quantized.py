@@ -140,9 +140,11 @@ def report(r: dict[str, Any]) -> str:
     rows = [
         SECTION,
         "",
-        f"{r['layers']} weights of {r['width']} x {r['width']}: Float8Tensor (128 x 128 blocks) + bf16 master + AdamW "
-        f"(float32 moments), {mib:.0f} MiB; median of the runs, one process, page cache warm. "
-        "2-CPU dev machine, loaded by parallel work: the times are noisy, compare the systems only with each other.",
+        (
+            f"{r['layers']} weights of {r['width']} x {r['width']}: Float8Tensor (128 x 128 blocks) + bf16 master + "
+            f"AdamW (float32 moments), {mib:.0f} MiB; median of the runs, one process, page cache warm. 2-CPU dev "
+            "machine, loaded by parallel work: the times are noisy, compare the systems only with each other."
+        ),
         "",
         "| system | save s | restore s | save MiB/s | restore MiB/s | stored MiB | bit-exact |",
         "| --- | --- | --- | --- | --- | --- | --- |",
