@@ -28,9 +28,10 @@ from ._base.casting import CastCheck, check_cast
 from ._base.lazytorch import is_dtype, is_tensor
 from ._base.mapping import Rules
 from ._base.types import LazySource, Local
-from ._errors import NotACheckpointError
+from ._errors import LeafTypeError, NotACheckpointError
 from ._formats import safetensors
 from ._formats.sources import FORMATS, KVSTORE_FORMATS, detect, open_checkpoint, unknown_format
+from ._leaves.quantized import FLOAT8_BLOCKS, SUBCLASS_KEY, Subclass
 from ._leaves.registry import describe, memory
 from ._ondisk.checkpoint import Checkpoint
 from ._ondisk.records import LAYOUT_PLAIN, ArrayRecord, encode_value
@@ -136,6 +137,57 @@ def select(tree: Any, subtree: str | None, strip_prefix: str | None, add_prefix:
     renamed = bool(strip_prefix or add_prefix)
     structure = structure_to_json(flat.spec)
     return Selected(names, flat.leaves, None if renamed else structure, own_order(structure))
+
+
+# The Hugging Face name of a block-scaled fp8 weight's scales: ``<weight>`` + this
+# (DeepSeek-V3's layout; transformers' FineGrainedFP8 reads it).
+HF_SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclasses.dataclass(frozen=True)
+class HfFp8:
+    """Block-scaled fp8 weights renamed as Hugging Face checkpoints carry them."""
+
+    names: frozenset[str]  # output names of the fp8 weights and their scales
+    block_size: tuple[int, ...] | None  # the one block size of them all (None: no such weight)
+
+
+def hf_fp8_names(sel: Selected) -> tuple[Selected, HfFp8]:
+    """A torchao ``Float8Tensor`` of 2-D blocks stored at ``W`` (``W/qdata``, ``W/scale``,
+    ``W/subclass``, tsckpt/_leaves/quantized.py) written as ``W`` (float8) and
+    ``W_scale_inv`` (float32, one per block: dequantized = weight * scale_inv), its
+    metadata left out; every other leaf as it is."""
+    index = {n: i for i, n in enumerate(sel.names)}
+    renamed: dict[str, str] = {}
+    dropped: set[str] = set()
+    blocks: set[tuple[int, ...]] = set()
+    for name, leaf in zip(sel.names, sel.leaves):
+        base, _, last = name.rpartition("/")
+        if last != SUBCLASS_KEY or not isinstance(leaf, str) or f"{base}/qdata" not in index:
+            continue
+        try:
+            info = Subclass.from_json(base, leaf)
+        except LeafTypeError:  # a value of that name that is no metadata of tsckpt's: a plain leaf
+            continue
+        block = info.attributes.get("block_size")
+        if info.cls != FLOAT8_BLOCKS or not isinstance(block, dict) or len(block.get("list", ())) != 2:
+            continue
+        blocks.add(tuple(int(b) for b in block["list"]))
+        renamed[f"{base}/qdata"], renamed[f"{base}/scale"] = base, base + HF_SCALE_SUFFIX
+        dropped.add(name)
+    if not renamed:
+        return sel, HfFp8(frozenset(), None)
+    if len(blocks) > 1:
+        raise ValueError(
+            f"the block-scaled fp8 weights have {len(blocks)} block sizes ({sorted(blocks)}); a Hugging Face "
+            "config names one weight_block_size: quantize them all with one block size"
+        )
+    keep = [i for i, n in enumerate(sel.names) if n not in dropped]
+    names = [renamed.get(sel.names[i], sel.names[i]) for i in keep]
+    position = {i: k for k, i in enumerate(keep)}
+    order = [position[i] for i in sel.order if i in position]
+    out = Selected(names, [sel.leaves[i] for i in keep], None, order)
+    return out, HfFp8(frozenset(renamed.values()), next(iter(blocks)))
 
 
 def _reader(
@@ -307,11 +359,13 @@ def _read_side(path: str, out: BinaryIO | None = None) -> bytes:
     return b"".join(kept)
 
 
-def _config_naming(path: str, dtype: str) -> bytes | None:
+def _config_naming(path: str, dtype: str | None, fp8: HfFp8) -> bytes | None:
     """config.json with its dtype key(s) naming ``dtype``, the one floating-point dtype of the
     weights written: those of :data:`CONFIG_DTYPE_KEYS` already there (``torch_dtype`` if none is), so
-    transformers loads the weights as written. None when it names ``dtype`` already (the
-    file is copied byte for byte)."""
+    transformers loads the weights as written; with block-scaled fp8 weights (``fp8``) its
+    ``quantization_config`` as it is, or else one naming them (transformers' ``fp8``
+    method, ``weight_block_size``). None when it needs no change (the file is copied
+    byte for byte)."""
     data = _read_side(path)
     try:
         config = json.loads(data)
@@ -323,10 +377,17 @@ def _config_naming(path: str, dtype: str) -> bytes | None:
     if not isinstance(config, dict):
         raise ValueError(f"copy_from: {path} is not a JSON object, as a model's config.json is")
     keys = [k for k in CONFIG_DTYPE_KEYS if k in config]
-    if keys and all(config[k] == dtype for k in keys):
+    quantized = fp8.block_size is not None and "quantization_config" not in config
+    if (dtype is None or (keys and all(config[k] == dtype for k in keys))) and not quantized:
         return None
-    for key in keys or [CONFIG_DTYPE_KEYS[0]]:
-        config[key] = dtype
+    if dtype is not None:
+        for key in keys or [CONFIG_DTYPE_KEYS[0]]:
+            config[key] = dtype
+    if quantized:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8.block_size or ()),
+        }
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
 
 
@@ -412,7 +473,9 @@ def hf_side_names(copy_from: str) -> list[str]:
     return names
 
 
-def hf_side_files(copy_from: str, names: list[str], dtypes: dict[str, str]) -> list[safetensors.SideFile]:
+def hf_side_files(
+    copy_from: str, names: list[str], dtypes: dict[str, str], fp8: HfFp8 = HfFp8(frozenset(), None)
+) -> list[safetensors.SideFile]:
     """The side files ``names`` of ``copy_from`` (:func:`hf_side_names`) to write beside the
     weights, whose dtypes ``dtypes`` gives (stored name -> dtype): config.json names their one
     floating-point dtype (:func:`floating_dtype`; several are refused), the others are copied
@@ -421,9 +484,9 @@ def hf_side_files(copy_from: str, names: list[str], dtypes: dict[str, str]) -> l
     for name in names:
         path = side_path(copy_from, name)
         data = None
-        if name == "config.json":
-            dtype = floating_dtype(path, dtypes)
-            data = None if dtype is None else _config_naming(path, dtype)
+        if name == "config.json":  # the fp8 weights and their scales are the quantization's
+            dtype = floating_dtype(path, {n: d for n, d in dtypes.items() if n not in fp8.names})
+            data = _config_naming(path, dtype, fp8)
         sides.append(safetensors.SideFile(name, _side_writer(path, data)))
     return sides
 
@@ -576,6 +639,10 @@ def convert(
     weights, in the same all-or-nothing write; the copied config.json names the dtype of
     the floating-point weights written (``torch_dtype``/``dtype``, those it has), so
     transformers loads them as written; weights of several such dtypes need ``dtype``.
+    A torchao ``Float8Tensor`` of 2-D blocks (block-scaled fp8) is written to safetensors
+    as Hugging Face checkpoints carry it: ``W`` (float8_e4m3fn) and ``W_scale_inv``
+    (float32 per block), the copied config's ``quantization_config`` kept (one naming
+    the block size added where it has none).
     ``mapping`` (:mod:`tsckpt.mappings`) writes the target leaves its rules make of the
     source's (renamed, transposed, split, joined) before ``subtree`` and the prefixes apply:
     a Flax checkpoint becomes a torch state dict's safetensors, region by region.
@@ -603,10 +670,13 @@ def convert(
     side_names = _copied(copy_from, to, dst_name)
     fmt, tree = open_source(src, from_format, allow_pickle=allow_pickle, mapping=mapping)
     sel = select(tree, subtree, strip_prefix, add_prefix)
+    fp8 = HfFp8(frozenset(), None)
+    if to == "safetensors":
+        sel, fp8 = hf_fp8_names(sel)
     with Progress("convert", dst_name, show=progress) as counter:
         prep = _prepare(sel, cast, casting, counter.update)
         counter.set_total(prep.nbytes_in)
-        sides = hf_side_files(copy_dir(copy_from), side_names, prep.dtypes) if copy_from is not None else []
+        sides = hf_side_files(copy_dir(copy_from), side_names, prep.dtypes, fp8) if copy_from is not None else []
         files: list[str] = []
         if to == "tsckpt":
             _write_tsckpt(dst, sel, prep, writing)

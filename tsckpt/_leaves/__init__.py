@@ -10,6 +10,8 @@ Owns:
 - :mod:`.jaxarray`: ``jax.Array`` leaves, saved shard by shard and restored device slice
   by device slice; typed PRNG keys (jax is never imported by tsckpt itself).
 - :mod:`.stateful`: objects with ``state_dict()``/``load_state_dict()`` anywhere in a tree.
+- :mod:`.quantized`: torchao's quantized tensor subclasses (MX, NVFP4, float8) as groups of
+  plain arrays and their metadata; unknown tensor subclasses refused (torchao is never imported).
 
 May import: :mod:`tsckpt._ondisk`, :mod:`tsckpt._runtime`, :mod:`tsckpt._storage`,
 ``tree`` and the foundations.

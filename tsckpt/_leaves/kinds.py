@@ -140,7 +140,28 @@ def check_extents(path: str, shape: Sequence[int]) -> None:
         )
 
 
+def is_wrapper_subclass(t: torch.Tensor) -> bool:
+    """A tensor of a wrapper subclass (one ``__tensor_flatten__`` describes: torchao's quantized
+    tensors, DTensor), not a plain tensor or parameter: its storage is not its values."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    return callable(getattr(type(t), "__tensor_flatten__", None))
+
+
+def unknown_subclass(path: str, t: torch.Tensor, where: str = "the leaf") -> LeafTypeError:
+    """The refusal of a tensor subclass tsckpt does not store (see tsckpt/_leaves/quantized.py)."""
+    cls = type(t)
+    return LeafTypeError(
+        f"'{path}': {where} is a tensor subclass {cls.__module__}.{cls.__qualname__} that tsckpt does not know "
+        "how to store or restore (its storage is not an array of its values); tsckpt stores torchao's MXTensor, "
+        "NVFP4Tensor, Float8Tensor, Float8TrainingTensor and WeightWithDynamicFloat8CastTensor; save "
+        "t.dequantize() (or its inner tensors) as plain leaves instead"
+    )
+
+
 def _check_storable(path: str, t: torch.Tensor) -> None:
+    if is_wrapper_subclass(t):
+        raise unknown_subclass(path, t)
     if t.device.type == "meta":
         raise LeafTypeError(
             f"'{path}': a tensor on the meta device has no data to save; materialize the module first "

@@ -26,7 +26,8 @@ import numpy as np
 
 from .._base.lazytorch import is_generator, is_tensor
 from .._errors import StructureMismatchError
-from ..tree import flatten, leaves, unflatten
+from ..tree import flatten, join, leaves, unflatten
+from .quantized import expand_leaf, is_subclass_leaf
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +60,10 @@ def is_whole_state(obj: Any) -> bool:
 
 
 def _is_object(node: Any) -> bool:
-    """A stateful object or a whole state: a leaf of the traversal that finds them."""
+    """A stateful object, a whole state or a tensor subclass (:mod:`.quantized`): a leaf of the
+    traversal that finds them."""
+    if is_subclass_leaf(node):
+        return True
     return not _is_plain(node) and (is_stateful(node) or is_whole_state(node))
 
 
@@ -92,27 +96,35 @@ class Expanded:
     load: Callable[[Any], Any] = _same
 
 
-def expand(tree: Any, *, rank: int = 0) -> Expanded:
+def expand(tree: Any, *, rank: int = 0, prefix: str = "") -> Expanded:
     """``tree`` with each stateful object replaced by its state; a whole state (at the root
-    only) by the tree it saves on ``rank``. A tree without stateful objects comes back as is."""
+    only) by the tree it saves on ``rank``; a tensor subclass by the subtree of its parts
+    (:func:`tsckpt._leaves.quantized.expand_leaf`). A tree without them comes back as is.
+    ``prefix``: the path of ``tree`` in the whole tree, for errors."""
     if is_whole_state(tree):
         return Expanded(expand(tree.__tsckpt_tree__(rank), rank=rank).tree)
+    if is_subclass_leaf(tree):
+        subtree, rebuild = expand_leaf(prefix, tree)
+        return Expanded(subtree, rebuild)
     if is_stateful(tree):
-        inner = expand(state_of(tree), rank=rank)
+        inner = expand(state_of(tree), rank=rank, prefix=prefix)
         return Expanded(inner.tree, lambda restored: load_state(tree, inner.load(restored)))
     found, spec = leaves(tree, stop=_is_object)
     objects = {i: leaf for i, leaf in enumerate(found) if _is_object(leaf)}
     if not objects:
         return Expanded(tree)
+    all_paths = flatten(tree).paths
+    paths = all_paths if len(all_paths) == len(found) else ["<inside the tree>"] * len(found)
     whole = [i for i, leaf in objects.items() if is_whole_state(leaf)]
     if whole:
-        paths = flatten(tree).paths
-        path = paths[whole[0]] if len(paths) == len(found) else "<inside the tree>"
         raise StructureMismatchError(
-            f"at '{path}': a {type(objects[whole[0]]).__name__} is a whole checkpoint's state; give it as the "
+            f"at '{join([prefix, paths[whole[0]]] if prefix else [paths[whole[0]]])}': a "
+            f"{type(objects[whole[0]]).__name__} is a whole checkpoint's state; give it as the "
             "whole tree (save(directory, state), restore(directory, state)), not inside another tree"
         )
-    parts = {i: expand(obj, rank=rank) for i, obj in objects.items()}
+    parts = {
+        i: expand(obj, rank=rank, prefix=join([prefix, paths[i]]) if prefix else paths[i]) for i, obj in objects.items()
+    }
 
     def load(restored: Any) -> Any:
         subtrees = spec.flatten_up_to(restored)

@@ -13,6 +13,7 @@ import tensorstore as ts
 from .._base import dtypes as _dtypes
 from .._base.types import ReadItem
 from .._formats import lazy
+from .._leaves.quantized import SUBCLASS_KEY, Subclass, dequantized, is_subclass_json
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint, Opening
 from .._ondisk.readfaults import corrupt_error, node_error, unchanged
@@ -172,6 +173,43 @@ class _TorchView:
         return _dtypes.numpy_to_tensor(data, self._arr.dtype)
 
 
+class QuantizedArray:
+    """A quantized tensor subclass saved as its parts (tsckpt/_leaves/quantized.py): each part
+    a :class:`LazyArray`, the subclass's metadata, and the tensor or its values on request
+    (these need torch and torchao)."""
+
+    def __init__(self, reader: Reader, path: str, metadata: Any) -> None:
+        self.path = path
+        self.info = Subclass.from_json(path, metadata)
+        self.parts: dict[str, LazyArray] = {name: reader[f"{path}/{name}"] for name in self.info.parts}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    @property
+    def subclass(self) -> str:
+        """The class's module and name, e.g. ``torchao.prototype.mx_formats.mx_tensor.MXTensor``."""
+        return self.info.cls
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        """The attributes the class is built with, as stored (JSON: dtypes as ``{"dtype": name}``)."""
+        return self.info.attributes
+
+    def to_torch(self) -> Any:
+        """The whole tensor as its subclass (every part read whole)."""
+        parts = {name: arr.torch[...] for name, arr in self.parts.items()}
+        return self.info.build(self.path, parts, self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The values, in the dtype the tensor was quantized from (torchao dequantizes)."""
+        return dequantized(self.to_torch())
+
+    def __repr__(self) -> str:
+        return f"QuantizedArray('{self.path}', {self.subclass.rpartition('.')[2]}, shape={list(self.shape)})"
+
+
 class Reader(Mapping[str, Any]):
     """Mapping from leaf path to :class:`LazyArray` (arrays) or the saved value (``copy``:
     as :func:`tsckpt.open` takes it)."""
@@ -189,6 +227,9 @@ class Reader(Mapping[str, Any]):
             return LazyArray(ck, path, copy=self.copy)
         if path in ck.values:
             return ck.values[path]
+        marker = f"{path.rstrip('/')}/{SUBCLASS_KEY}"
+        if marker in ck.values and path and is_subclass_json(ck.values[marker]):
+            return QuantizedArray(self, path.rstrip("/"), ck.values[marker])
         close = [p for p in ck.leaves if p.startswith(path.rstrip("/") + "/")][:5]
         hint = f"; leaves below it: {close}" if close else "; `tsckpt ls` lists the paths"
         raise KeyError(f"'{path}' is not a leaf of {ck.location}{hint}")

@@ -29,6 +29,7 @@ from .._errors import (
 )
 from .._formats.sources import open_checkpoint
 from .._leaves.registry import destination, kind_of, materialises, memory
+from .._leaves.quantized import SUBCLASS_KEY
 from .._leaves.stateful import expand, is_whole_state
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
@@ -66,6 +67,12 @@ def _check_structure(ck: Checkpoint, paths: list[str], strict: bool) -> None:
     if unexpected:
         parts.append(f"in the checkpoint but not in the target: {count_and_list(unexpected)}")
     msg = f"{ck.location}: target tree and checkpoint differ; " + "; ".join(parts)
+    quantized = [p for p in missing if f"{p}/{SUBCLASS_KEY}" in stored]
+    if quantized:  # a plain target where a quantized tensor is stored
+        msg += (
+            f". {count_and_list(quantized)} are stored as quantized tensors (parts and metadata, docs/format.md): "
+            "give targets of their class, or read their values with tsckpt.open(...)[path].dequantize()"
+        )
     shift = prefix_shift(missing, unexpected)
     shifted = ""
     if shift is not None:

@@ -10,6 +10,8 @@ with the options of :func:`tsckpt.save`, :func:`tsckpt.save_async` and
 :func:`tsckpt.restore` under the same names. ``StorageWriter`` / ``StorageReader``
 (``_dcp_storage``) are torch.distributed.checkpoint storage: ``dcp.save`` and
 ``dcp.async_save`` write a tsckpt checkpoint, ``dcp.load`` reads any checkpoint tsckpt reads.
+``restore_fp8_blocks`` (``_fp8blocks``) reads a Hugging Face checkpoint of block-scaled fp8
+weights (``weight`` + ``weight_scale_inv``) into torchao float8 or bf16 targets, region by region.
 
     import tsckpt, tsckpt.torch
     manager = tsckpt.CheckpointManager("ckpt", keep_last=3)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._fp8blocks import restore_fp8_blocks
 from ._state import get_state_dict, set_state_dict
 from ._train import RestoreResult, TrainState, get_rng_state, restore, save, save_async, set_rng_state
 
@@ -39,6 +42,7 @@ __all__ = [
     "get_rng_state",
     "get_state_dict",
     "restore",
+    "restore_fp8_blocks",
     "save",
     "save_async",
     "set_rng_state",
