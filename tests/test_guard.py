@@ -95,13 +95,15 @@ def _differences(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 @pytest.fixture
 def slow_copies(monkeypatch):
-    """Defer the copies of tensors of any size and slow each down; returns the number of
-    copies made so far (a list of one)."""
+    """Defer the copies of tensors of any size, one per batch, and slow each down; returns the
+    number of copies made so far (a list of one)."""
     monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
+    monkeypatch.setattr(guard_module, "COPY_BATCH_BYTES", 0)
     made = [0]
     real = guard_module._copy
 
     def slow(dst, src):
+        assert len(dst) == len(src) == 1
         time.sleep(COPY_DELAY_S)
         real(dst, src)
         made[0] += 1
@@ -173,6 +175,7 @@ def test_the_hooks_are_removed_after_staging(tmp_path, slow_copies):
 
 def test_a_failed_copy_releases_the_step_and_raises_from_result(tmp_path, monkeypatch):
     monkeypatch.setattr(guard_module, "DEFER_MIN_BYTES", 0)
+    monkeypatch.setattr(guard_module, "COPY_BATCH_BYTES", 0)
     real = guard_module._copy
     made = [0]
 

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import keyword
 import re
+import sys
 import urllib.parse
 from typing import Any, Callable, NamedTuple, cast
 
@@ -126,10 +127,20 @@ def _make_dataclass_unflatten(cls: type) -> Callable[[Any, Any], Any]:
     return unflatten
 
 
+# Types whose nodes are known to need nothing from _register_dataclasses (it runs once per
+# node of every tree flattened). Until jax is imported only types that can never be JAX
+# containers are remembered, since importing jax may make other types containers.
+_passed: set[type] = set()
+_NEVER_JAX = ("builtins", "collections", "torch", "numpy")
+_dataclass_nodes: set[type] = set()  # the dataclasses registered here: their paths are their fields
+
+
 def _register_dataclasses(node: Any) -> bool:
+    cls = type(node)
+    if cls in _passed:
+        return False
     if isinstance(node, (ArraySpec, ShardedArray, LazySource)):
         return True  # tsckpt's own leaf dataclasses are leaves, not containers
-    cls = type(node)
     if cls not in _registered and _jaxtree.node_type(node):  # JAX's registry first: it knows static fields
         optree.register_pytree_node(cls, _jaxtree.flatten_one, _jaxtree.unflatten_one, namespace=NAMESPACE)
         _registered.add(cls)
@@ -138,6 +149,9 @@ def _register_dataclasses(node: Any) -> bool:
             cls, _dataclass_flatten, _make_dataclass_unflatten(cls), namespace=NAMESPACE
         )
         _registered.add(cls)
+        _dataclass_nodes.add(cls)
+    if "jax" in sys.modules or cls.__module__.partition(".")[0] in _NEVER_JAX:
+        _passed.add(cls)
     return False
 
 
@@ -179,25 +193,61 @@ TSCKPT_NAMES = "tsckpt"
 def flatten(tree: Any, *, names: str = TSCKPT_NAMES) -> Flat:
     """Leaves in a fixed order, each with its unique path string (as tsckpt names them, or
     as Orbax does: :data:`ORBAX_NAMES`). A tree deeper than a checkpoint's structure may be
-    (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`."""
+    (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`. The paths of a structure met
+    before are remembered (:func:`_known_paths`): a training loop flattens the same tree at
+    every save."""
     orbax = names == ORBAX_NAMES
     try:
-        accessors, leaves, spec = optree.tree_flatten_with_accessor(
-            tree, is_leaf=_register_dataclasses, namespace=NAMESPACE
-        )
+        leaves, spec = optree.tree_flatten(tree, is_leaf=_register_dataclasses, namespace=NAMESPACE)
     except RecursionError:  # optree recurses once per level
         raise too_deep() from None
+    paths = _known_paths(spec, orbax)
+    if paths is None:
+        paths = _paths(spec, orbax)
+    return Flat(list(paths), leaves, spec)
+
+
+# Paths by (structure, names): a structure whose every node names its children by its type
+# and the structure's own data (dicts, sequences, named tuples, dataclasses) has the same
+# paths wherever it is met; other registered nodes may name children by what only their
+# flatten function returns, which a structure's equality does not compare.
+_PATHS: dict[tuple[optree.PyTreeSpec, bool], tuple[str, ...]] = {}
+_PATHS_KEPT = 64
+_NAMED_BY_STRUCTURE = (dict, list, tuple, collections.OrderedDict, collections.defaultdict, collections.deque)
+
+
+def _known_paths(spec: optree.PyTreeSpec, orbax: bool) -> tuple[str, ...] | None:
+    try:
+        return _PATHS.get((spec, orbax))
+    except TypeError:  # a node's data is not hashable
+        return None
+
+
+def _paths(spec: optree.PyTreeSpec, orbax: bool) -> tuple[str, ...]:
     paths = []
-    for acc in accessors:
+    named_by_structure = True
+    for acc in spec.accessors():
         comps: list[str] = []
         for entry in acc:
+            named_by_structure = named_by_structure and (
+                entry.type in _NAMED_BY_STRUCTURE or entry.type in _dataclass_nodes
+                or (issubclass(entry.type, tuple) and hasattr(entry.type, "_fields"))
+            )
             component = _component(entry, comps, orbax)
             if component:
                 comps.append(component)
         if len(comps) >= MAX_STRUCTURE_DEPTH:  # the leaf is one more level
             raise too_deep(join(comps))
         paths.append(join(comps))
-    return Flat(paths, leaves, spec)
+    out = tuple(paths)
+    if named_by_structure:
+        try:
+            if len(_PATHS) >= _PATHS_KEPT:
+                _PATHS.pop(next(iter(_PATHS)))
+            _PATHS[spec, orbax] = out
+        except TypeError:  # a node's data is not hashable
+            pass
+    return out
 
 
 def leaves(tree: Any, *, stop: Callable[[Any], bool] | None = None) -> tuple[list[Any], optree.PyTreeSpec]:

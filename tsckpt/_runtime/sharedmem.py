@@ -53,12 +53,13 @@ class SharedBlock:
         self.fd = fd
         self._map: mmap.mmap | None = mmap.mmap(fd, size)
         self.base = np.frombuffer(self._map, dtype=np.uint8)  # every view is a slice of this
+        self._start: int = self.base.__array_interface__["data"][0]
 
     def address(self, view: Any) -> int | None:
         """The offset in this block of the memory ``view`` (a tensor or numpy array) starts at, or
         None if it is not in the block."""
         ptr = view.data_ptr() if hasattr(view, "data_ptr") else view.__array_interface__["data"][0]
-        offset = ptr - self.base.__array_interface__["data"][0]
+        offset = ptr - self._start
         return offset if 0 <= offset < self.size else None
 
     def numpy(self, offset: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:

@@ -39,11 +39,11 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
 
-from .._base.lazytorch import is_tensor
+from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray
 from .._coord.torchdist import coordinator_for, rank_of, torch_initialized
 from .._errors import SaveInProgressError
@@ -181,11 +181,60 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
             _failed.add(self)
 
 
+def _copy_now(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """The copies a call makes, in one call into torch that runs without the interpreter
+    (no_grad: a parameter's copy records nothing)."""
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """What :meth:`_Staging.stage` decided for regions of one signature: each region's copy
+    (tied regions share one), which are copied in the call and which later, into which buffers."""
+
+    signature: tuple[Any, ...]
+    deferred: frozenset[Any] | None  # the guard's deferred memory the decisions were made with
+    reserve: Any  # the staging's buffer maker they were made with
+    out: list[Any]
+    now: list[int]
+    now_buffers: list[Any]
+    later: list[int]
+    later_buffers: list[Any]
+    arrays: list[int]  # the numpy arrays', copied in the call
+    array_buffers: list[Any]
+    addresses: tuple[int, ...]  # where each region's memory was
+    held: frozenset[int]  # the regions whose place matters: tied to another, or deferred
+
+    def fits(self, data: list[Any]) -> bool:
+        """Whether the decisions hold for ``data``, regions of the plan's signature: every region
+        is where it was, or moved (a state made anew at each call, as the RNG states are) where
+        no other region is and no deferred memory is, being neither tied nor deferred itself."""
+        now = [_address(d) for d in data]
+        if now == list(self.addresses):
+            return True
+        moved = [i for i, (a, b) in enumerate(zip(now, self.addresses)) if a != b]
+        if any(i in self.held for i in moved):
+            return False
+        taken = set(self.addresses)
+        taken.update(p for p, _ in self.deferred or ())
+        fresh = [now[i] for i in moved if now[i]]
+        return len(set(fresh)) == len(fresh) and not any(a in taken for a in fresh)
+
+    def replay(self, data: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        _copy_now(self.now_buffers, [data[i] for i in self.now])
+        for buf, i in zip(self.array_buffers, self.arrays):
+            np.copyto(buf, data[i], casting="no")
+        return list(self.out), [(b, data[i]) for b, i in zip(self.later_buffers, self.later)]
+
+
 class _Staging:
     """Reusable host buffers, keyed by (path, kind, shape, dtype, pinned)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Any] = {}
+        self._plan: _Plan | None = None  # the last stage()'s decisions, for a next call on the same regions
         # Makes the host arrays' buffers ahead of the copies, all at once, given the buffers
         # and the keys (the writer process's shared block: writer.py); None: each at its copy.
         self.reserve: Callable[[dict[tuple[Any, ...], Any], list[tuple[Any, ...]]], None] | None = None
@@ -197,23 +246,37 @@ class _Staging:
     @staticmethod
     def _key(path: Any, data: Any) -> tuple[Any, ...]:
         if is_tensor(data):
-            return (path, "torch", tuple(data.shape), data.dtype, _devicecopy.on_device(data))
+            return (path, "torch", tuple(data.shape), data.dtype, data.device.type in _devicecopy.DEVICE_TYPES)
         # the dtype itself: its .str is '<V1' for several float8 formats alike
         if is_jax_array(data):
             return (path, "jax", tuple(data.shape), np.dtype(data.dtype))
         return (path, "numpy", tuple(data.shape), data.dtype)
 
     def stage(
-        self, regions: list[tuple[Any, Any]], *, defer: Callable[[Any], bool] | None = None
+        self, regions: list[tuple[Any, Any]], *, guard: Guard | None = None, signature: tuple[Any, ...] | None = None
     ) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copy each ``(path, data)`` into its buffer; returns the copies in order, and the
-        ``(buffer, tensor)`` copies left to make: those of CPU tensors ``defer`` takes.
+        ``(buffer, tensor)`` copies left to make: those of CPU tensors the ``guard`` defers.
 
         ``path`` is unique per region (a jax shard's: the leaf path and its box). Regions
         that are the same memory (tied weights) share one copy, so the
         save that follows still sees them tied and stores them once. Device tensors
         are copied asynchronously into one page-locked slab and awaited once; the
-        copies of all jax shards start before the first is awaited."""
+        copies of all jax shards start before the first is awaited.
+
+        ``signature``: what identifies the regions when they are all plain CPU tensors
+        (:class:`_Checked`'s keys: path, memory, shape, strides, dtype, device); a call
+        with the signature, deferred set and buffers of the last repeats its decisions
+        (:class:`_Plan`) without looking at each region again."""
+        deferred = guard.deferred if guard is not None else None
+        plan = self._plan
+        sources = [d for _, d in regions]
+        if (
+            plan is not None and plan.signature == signature and plan.deferred == deferred
+            and plan.reserve is self.reserve and plan.fits(sources)
+        ):
+            return plan.replay(sources)
+        self._plan = None
         keys = [self._key(p, d) for p, d in regions]
         wanted = set(keys)
         # release what this tree no longer has before allocating what it gained
@@ -234,24 +297,28 @@ class _Staging:
                 start_host_copy(data)
         out: list[Any] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []  # the CPU tensors' copies, made at once below
+        now_at: list[int] = []  # the region of each
+        later_at: list[int] = []
         copies: list[Any] = []  # the device-to-host copies started
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is not None:
                 out.append(out[tied])
                 continue
             buf = kept.get(key)
-            if is_tensor(data):
-                src = data.detach()
-                if _devicecopy.on_device(src):
+            if key[1] == "torch":
+                if key[-1]:  # on a device
                     buf = kept[key]  # made by _pin
-                    copies.append(_devicecopy.ops().to_host(src, buf))
+                    copies.append(_devicecopy.ops().to_host(data.detach(), buf))
                 else:
                     if buf is None:
-                        buf = torch.empty(src.shape, dtype=src.dtype)
-                    if defer is not None and defer(src):
-                        later.append((buf, src))
+                        buf = torch.empty(data.shape, dtype=data.dtype)
+                    if guard is not None and guard.defers(data):
+                        later.append((buf, data))
+                        later_at.append(len(out))
                     else:
-                        buf.copy_(src)
+                        now.append((buf, data))
+                        now_at.append(len(out))
             elif key[1] == "jax":
                 buf, reusable = host_copy(data, buf)
                 if not reusable:  # jax's own host copy: this save's alone, never kept for the next
@@ -264,6 +331,14 @@ class _Staging:
                 np.copyto(buf, data, casting="no")
             kept[key] = buf
             out.append(buf)
+        if signature is not None and not copies and all(k[1] in ("torch", "numpy") for k in keys):
+            numpy_at = [i for i, k in enumerate(keys) if k[1] == "numpy" and staged[i] is None]
+            tied = {i for i, t in enumerate(staged) if t is not None} | {t for t in staged if t is not None}
+            self._plan = _Plan(
+                signature, deferred, self.reserve, out, now_at, [b for b, _ in now], later_at, [b for b, _ in later],
+                numpy_at, [out[i] for i in numpy_at], tuple(_address(d) for d in sources), frozenset(tied | set(later_at)),
+            )
+        _copy_now([b for b, _ in now], [d for _, d in now])
         for started in copies:
             _devicecopy.ops().wait(started)
         return out, later
@@ -285,17 +360,75 @@ def _in_host_memory(key: tuple[Any, ...]) -> bool:
     return key[1] == "numpy" or (key[1] == "torch" and not key[-1])
 
 
-def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list[tuple[int, Any, Any, Any]]]:
+class _Checked:
+    """The plain tensors and numpy arrays a previous save of the same saver found storable: a
+    training loop saves the same tensors every time, and checking each again is most of the
+    per-leaf work of a ``save_async`` call. A leaf's key holds what its check looks at (path,
+    type, shape, strides, dtype, device) but not its address, so that it also names the
+    regions of a save (:class:`_Plan`); a tensor is known by its key and address (a freed
+    storage has none). Only the leaves of this save are kept for the next."""
+
+    def __init__(self) -> None:
+        self._last: set[tuple[Any, ...]] = set()
+        self._now: set[tuple[Any, ...]] = set()
+        self._types: tuple[type, ...] = ()
+
+    def key(self, path: str, leaf: Any) -> tuple[Any, ...] | None:
+        """The leaf's key where it is a plain tensor (a torch.Tensor or Parameter, no subclass) or
+        numpy array, else None."""
+        cls = type(leaf)
+        if cls is np.ndarray:
+            return (path, cls, leaf.shape, leaf.strides, leaf.dtype)
+        if not self._types:
+            t = loaded()
+            if t is None:  # no tensor exists
+                return None
+            self._types = (t.Tensor, t.nn.Parameter)
+        if cls not in self._types:
+            return None
+        try:
+            return (path, cls, leaf.shape, leaf.stride(), leaf.dtype, leaf.device)
+        except RuntimeError:  # no strides (sparse): checked in full
+            return None
+
+    def known(self, key: tuple[Any, ...], leaf: Any) -> bool:
+        """Whether the last save checked this leaf; remembered for the next."""
+        entry = (key, _address(leaf)) if type(leaf) is not np.ndarray else key
+        self._now.add(entry)
+        return entry in self._last
+
+    def turn(self) -> None:
+        """End of a save: what it checked is what the next may skip."""
+        self._last, self._now = self._now, set()
+
+
+def _address(data: Any) -> int:
+    """Where a tensor's or numpy array's memory starts."""
+    return int(data.data_ptr()) if type(data) is not np.ndarray else int(data.__array_interface__["data"][0])
+
+
+def _array_regions(
+    paths: list[str], leaves: list[Any], checked: _Checked | None = None
+) -> tuple[list[Any], list[tuple[int, Any, Any, Any]], tuple[Any, ...] | None]:
     """Validate every leaf (errors surface in the caller) and pick out the array data to copy.
 
     Returns the leaves with plain values already final, and for each array leaf
     ``(index, path, data, where)``: ``where`` is None for a whole array, the
     ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard), or for a
     jax.Array its :class:`JaxRegion`, one entry per distinct shard this process holds
-    (``path``: the leaf path and the shard's box)."""
+    (``path``: the leaf path and the shard's box). ``checked``: plain tensors a
+    previous call checked are not checked again. Last, the regions' signature for
+    :meth:`_Staging.stage` when every region is a plain tensor (their keys), else None."""
     out: list[Any] = []
     regions: list[tuple[int, Any, Any, Any]] = []
+    keys: list[Any] = []  # per region: its key where it is a plain tensor, else None
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        key = checked.key(path, leaf) if checked is not None else None
+        if key is not None and cast(_Checked, checked).known(key, leaf):
+            out.append(None)
+            regions.append((i, path, leaf, None))
+            keys.append(key)
+            continue
         if is_jax_array(leaf):  # donated or deleted by the next step: its shards are copied
             leaf = JaxRegion.of(path, leaf)
         local = describe(path, leaf)  # raises LeafTypeError for unsupported leaves
@@ -310,9 +443,11 @@ def _array_regions(paths: list[str], leaves: list[Any]) -> tuple[list[Any], list
             regions.extend((i, (path, box), data, leaf) for box, data in leaf.shards.items())
         elif local.data is leaf:  # a whole tensor or numpy array
             regions.append((i, path, leaf, None))
+            keys.append(key)
         else:  # ShardedArray, DTensor: a region, kept at its place in the global array
             regions.append((i, path, local.data, (local.desc.global_shape, local.desc.offsets)))
-    return out, regions
+    keys.extend([None] * (len(regions) - len(keys)))  # jax shards and regions: never keyed
+    return out, regions, (tuple(keys) if None not in keys else None)
 
 
 def _place(leaves: list[Any], regions: list[tuple[int, Any, Any, Any]], copies: list[Any]) -> None:
@@ -338,6 +473,7 @@ class AsyncSaver:
     def __init__(self, *, max_staging_bytes: int | None = None) -> None:
         self.max_staging_bytes = max_staging_bytes
         self._staging = _Staging()
+        self._checked = _Checked()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: AsyncSave | None = None
@@ -427,7 +563,8 @@ class AsyncSaver:
             guard = Guard.of(tree) if staging == "overlapped" else None
             tree = expand(tree, rank=rank).tree
             flat = flatten(tree)
-            leaves, regions = _array_regions(flat.paths, flat.leaves)
+            leaves, regions, signature = _array_regions(flat.paths, flat.leaves, self._checked)
+            self._checked.turn()
             nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
             if limit is not None and nbytes > limit:
                 warnings.warn(
@@ -448,7 +585,7 @@ class AsyncSaver:
                 if writer == "process":
                     self._process.share(self._staging)
                 copies, later = self._staging.stage(
-                    [(path, data) for _, path, data, _ in regions], defer=guard.defers if guard else None
+                    [(path, data) for _, path, data, _ in regions], guard=guard, signature=signature
                 )
                 if later and guard is not None:
                     guard.start(later)

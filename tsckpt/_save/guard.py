@@ -50,14 +50,36 @@ STAGING_THREAD = "tsckpt-staging"
 # Tensors smaller than this are copied in the call even when overlapped: below it a copy
 # takes about as long as the bookkeeping of deferring it, which the copying thread would
 # do holding the interpreter, beside a training loop that needs it.
-DEFER_MIN_BYTES = 256 << 10
+DEFER_MIN_BYTES = 0
 
 Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One deferred copy (a function of its own: tests slow it down so that training races it)."""
-    dst.copy_(src)
+# The deferred copies are made in batches of about this many bytes, each one call into torch
+# that runs without the interpreter (a copy per call would hold it once per tensor, beside a
+# training loop that needs it); a batch has one tensor at least.
+COPY_BATCH_BYTES = 4 << 20
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """One batch of deferred copies (a function of its own: tests slow it down so that training races it)."""
+    with torch.no_grad():
+        torch._foreach_copy_(dst, src)
+
+
+def _batches(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """Where each batch of ``copies`` ends (exclusive indices, the last ``len(copies)``): runs of
+    up to :data:`COPY_BATCH_BYTES`, one copy at least each."""
+    ends: list[int] = []
+    size = 0
+    for i, (_, src) in enumerate(copies):
+        size += src.nbytes
+        if size >= COPY_BATCH_BYTES:
+            ends.append(i + 1)
+            size = 0
+    if not ends or ends[-1] != len(copies):
+        ends.append(len(copies))
+    return ends
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,16 +118,30 @@ def saved_objects(tree: Any) -> list[Any]:
 def _span(t: Any) -> Span | None:
     """The memory of ``t`` where overlapped staging may copy it later: a plain, dense,
     contiguous CPU tensor (or parameter) of at least :data:`DEFER_MIN_BYTES`; else None
-    (tensor subclasses, sparse tensors and views are copied at the call)."""
-    if not is_tensor(t) or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return None
-    if not t.is_cpu or t.layout != torch.strided:
+    (tensor subclasses, sparse tensors and views are copied at the call). Runs once per
+    tensor per save, hence torch's types looked up once."""
+    plain, strided = _torch_types()
+    if type(t) not in plain or not t.is_cpu or t.layout is not strided:
         return None
     n = t.nbytes
     if n == 0 or n < DEFER_MIN_BYTES or not t.is_contiguous():
         return None
     ptr = t.data_ptr()
     return (ptr, n) if ptr else None
+
+
+_TYPES: tuple[tuple[type, ...], Any] | None = None
+
+
+def _torch_types() -> tuple[tuple[type, ...], Any]:
+    """(torch.Tensor and nn.Parameter exactly, torch.strided), looked up once torch is imported."""
+    global _TYPES
+    if _TYPES is None:
+        t = loaded()
+        if t is None:  # no tensor exists: nothing is deferred
+            return (), None
+        _TYPES = ((t.Tensor, t.nn.Parameter), t.strided)
+    return _TYPES
 
 
 def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
@@ -138,19 +174,24 @@ class Guard:
         found = {id(o): o for o in (hookable(obj) for obj in saved_objects(tree)) if o is not None}
         return cls(list(found.values())) if found else None
 
+    @property
+    def deferred(self) -> frozenset[Span]:
+        """The memory this guard's optimizers update, which :meth:`defers` takes."""
+        return frozenset(self._deferred)
+
     def defers(self, data: Any) -> bool:
         """Whether ``data`` (a region a save stages) may be copied after the call returns."""
         return _span(data) in self._deferred
 
     def start(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hook the optimizers, then make ``copies`` ((staging buffer, source) pairs, each source
-        one :meth:`defers` took) in a thread of their own, smallest first; each optimizer's next
-        step waits for the copies of its own tensors."""
-        order = sorted(copies, key=lambda c: c[1].numel() * c[1].element_size())
-        position = {_span(src): i for i, (_, src) in enumerate(order)}
+        one :meth:`defers` took) in a thread of their own, smallest first, in batches; each
+        optimizer's next step waits for the copies of its own tensors."""
+        order = sorted(copies, key=lambda c: c[1].nbytes)
+        position = {src.data_ptr(): i for i, (_, src) in enumerate(order)}  # each a span defers() took
         self.deferred_bytes = sum(src.nbytes for _, src in order)
         for optim, memories in self._updates.values():
-            need = max((position[m] for m in memories if m in position), default=-1)
+            need = max((position[p] for p, _ in memories if p in position), default=-1)
             if need >= 0:
                 self._needed.add(need)
                 self._handles.append(optim.register_step_pre_hook(self._hold(need)))
@@ -167,12 +208,15 @@ class Guard:
 
     def _run(self) -> None:
         try:
-            for i, (dst, src) in enumerate(self._copies):
-                _copy(dst, src)
-                if i in self._needed:  # a step may wait for this one: wake it
+            start = 0
+            for end in _batches(self._copies):
+                batch = self._copies[start:end]
+                _copy([dst for dst, _ in batch], [src for _, src in batch])
+                if any(i in self._needed for i in range(start, end)):  # a step may wait for one: wake it
                     with self._cond:
-                        self._done = i + 1
+                        self._done = end
                         self._cond.notify_all()
+                start = end
         except BaseException as e:  # noqa: BLE001 - raised by join(), in the save
             self._error = e
         finally:

@@ -138,6 +138,23 @@ def _key_bytes(key: tuple[Any, ...]) -> int:
     return count * np.dtype(key[3]).itemsize
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Arrays:
+    """The array leaves of a save's message: leaf index -> its buffer. Sent whole once per writer
+    and reused by the next saves while the same object (:meth:`_Writer._deliver`)."""
+
+    buffers: dict[int, _Buffer]
+    indices: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+    """A save's leaves: the arrays' buffers and every other leaf's value, by leaf index."""
+
+    arrays: _Arrays
+    values: dict[int, Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Buffer:
     """An array leaf in the message to the writer: its place in the shared block."""
@@ -159,6 +176,7 @@ class WriterSlot:
         self._store: Any = None  # rank 0: the TCPStore the ranks' writers meet through
         self._key: Any = None  # the group and timeout the writer was started for
         self._structure: tuple[Any, Any] = (None, None)  # the last tree's spec and its structure JSON
+        self._last_arrays: tuple[Any, _Arrays] | None = None  # the last save's copies and their buffers
 
     @property
     def pid(self) -> int | None:
@@ -196,21 +214,36 @@ class WriterSlot:
             return False
         remote = job.in_writer()
         block = self._shared.block if self._shared is not None else None
-        message_leaves = list(leaves)
-        for (i, _, _, where), copy in zip(regions, copies):
-            offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
-            if offset is None:
-                raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
-            tensor = is_tensor(copy)
-            message_leaves[i] = _Buffer(offset, tensor, copy.dtype, tuple(copy.shape), where)
+        arrays = self._arrays(block, flat, regions, copies)
+        values = {i: leaf for i, leaf in enumerate(leaves) if i not in arrays.indices}
         if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
             self.close()
             w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
             self._key = key
         if self._structure[0] is None or self._structure[0] != flat.spec:  # made once for a loop's saves
             self._structure = (flat.spec, structure_to_json(flat.spec))
-        w.save(handle, remote, block, flat.paths, self._structure[1], message_leaves, job, ready)
+        w.save(handle, remote, block, flat.paths, self._structure[1], _Leaves(arrays, values), job, ready)
         return True
+
+    def _arrays(
+        self, block: sharedmem.SharedBlock | None, flat: Flat, regions: list[tuple[int, Any, Any, Any]],
+        copies: list[Any],
+    ) -> _Arrays:
+        """The array leaves' places in the block: those of the last save where its staged copies
+        are the same buffers for the same leaves (a training loop's saves), else found again."""
+        key = (block, [id(c) for c in copies], [(i, where) for i, _, _, where in regions])
+        last = self._last_arrays
+        if last is not None and last[0] == key:
+            return last[1]
+        buffers = {}
+        for (i, _, _, where), copy in zip(regions, copies):
+            offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
+            if offset is None:
+                raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
+            buffers[i] = _Buffer(offset, is_tensor(copy), copy.dtype, tuple(copy.shape), where)
+        arrays = _Arrays(buffers, frozenset(buffers))
+        self._last_arrays = (key, arrays)
+        return arrays
 
     def _refused(self, job: Any, leaves: list[Any], regions: list[tuple[int, Any, Any, Any]]) -> str | None:
         """Why this save cannot go to a writer process, or None."""
@@ -322,6 +355,7 @@ class _Writer:
         self._pending: dict[int, tuple[AsyncSave, str]] = {}
         self._seq = 0
         self._closed = False
+        self._sent: tuple[Any, Any, Any] = (None, None, None)  # the paths, structure and arrays the writer has
         self._watch = threading.Thread(target=self._replies, name="tsckpt-writer-watch", daemon=True)
         self._watch.start()
         _live.add(self)
@@ -348,7 +382,7 @@ class _Writer:
 
     def save(
         self, handle: AsyncSave, job: Any, block: sharedmem.SharedBlock | None, paths: list[str], structure: Any,
-        leaves: list[Any], caller_job: Any, ready: Callable[[], None] | None = None,
+        leaves: _Leaves, caller_job: Any, ready: Callable[[], None] | None = None,
     ) -> None:
         """Send one save; ``handle`` is settled by the writer's reply (or its death). ``ready``:
         waits for the copies left after the call (overlapped staging) and raises the failure of
@@ -382,7 +416,7 @@ class _Writer:
 
     def _deliver(
         self, seq: int, block: sharedmem.SharedBlock | None, job: Any, paths: list[str], structure: Any,
-        leaves: list[Any],
+        leaves: _Leaves,
     ) -> None:
         """Send the message of save ``seq`` (its shared block first, where new)."""
         try:
@@ -391,7 +425,15 @@ class _Writer:
                     self.conn.send(("block", block.size))
                     send_handle(self.conn, block.fd, self.proc.pid)
                     self.block = block
-                self.conn.send(("save", seq, job, paths, structure, leaves))
+                # what the writer has from the last save is not sent again (None: as before)
+                had_paths, had_structure, had_arrays = self._sent
+                self.conn.send((
+                    "save", seq, job,
+                    None if paths == had_paths else paths,
+                    None if structure is had_structure else structure,
+                    leaves.values if leaves.arrays is had_arrays else leaves,
+                ))
+                self._sent = (paths, structure, leaves.arrays)
         except OSError:
             pass  # the writer died: the watch thread reports it through the handle
 
@@ -509,6 +551,7 @@ def main() -> None:
         except BaseException as e:  # noqa: BLE001 - every save through this writer fails with it
             joined = e
     block: sharedmem.SharedBlock | None = None
+    last: tuple[Any, Any, Any] = (None, None, None)  # the last save's paths, structure and arrays
     while True:
         message = inbox.get()
         kind = message[0]
@@ -521,10 +564,15 @@ def main() -> None:
             block = sharedmem.SharedBlock(message[1], fd=message[2])
         elif kind == "save":
             _, seq, job, paths, structure, leaves = message
+            paths = last[0] if paths is None else paths  # None: as the last save's
+            structure = last[1] if structure is None else structure
+            arrays = leaves.arrays if isinstance(leaves, _Leaves) else last[2]
+            values = leaves.values if isinstance(leaves, _Leaves) else leaves
+            last = (paths, structure, arrays)
             try:
                 if joined is not None:
                     raise joined
-                job(Staged(paths, _views(block, leaves), structure))
+                job(Staged(paths, _views(block, _merged(arrays, values, len(paths))), structure))
             except BaseException as e:  # noqa: BLE001 - sent to the training process
                 conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
             else:
@@ -579,6 +627,16 @@ def _join(r: dict[str, Any]) -> None:
     dist.init_process_group(
         "gloo", store=dist.PrefixStore(r["prefix"], store), rank=r["rank"], world_size=r["world_size"], timeout=timeout
     )
+
+
+def _merged(arrays: _Arrays, values: dict[int, Any], count: int) -> list[Any]:
+    """A save's leaves in order from its message: the arrays' buffers and the other values."""
+    out: list[Any] = [None] * count
+    for i, buffer in arrays.buffers.items():
+        out[i] = buffer
+    for i, value in values.items():
+        out[i] = value
+    return out
 
 
 def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:

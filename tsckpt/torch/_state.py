@@ -24,6 +24,7 @@ from .._errors import LeafTypeError, ShapeMismatchError, StructureMismatchError,
 from .._leaves.dtensor import is_dtensor
 from .._leaves.registry import memory
 from .._read.restore import cast_warnings_off, warn_lost_values
+from ._statenames import cached_names, model_state, optim_state, renamed
 
 MODEL = "model"
 OPTIM = "optim"
@@ -70,12 +71,6 @@ def _names_of(names: dict[int, list[str]], p: torch.Tensor, optim: torch.optim.O
     return names[id(p)]
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return dict(get_model_state_dict(model, options=StateDictOptions()))
-
-
 def optimizer_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...], *, init: bool) -> dict[str, Any]:
     """Optimizer state keyed by parameter name (torch's layout) plus the optimizer types.
 
@@ -84,26 +79,24 @@ def optimizer_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer,
     leaves such an optimizer untouched (its state is saved as empty), since that
     step would change what the next real step does (Adam's step count).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    names = param_names(model)
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
+    names: dict[int, list[str]] | None = None
     for optim in optims:
-        for g in optim.param_groups:
-            for p in g[PARAMS]:
-                _names_of(names, p, optim)
+        learned = cached_names(model, optim)
+        if learned is None:  # check the parameters are the model's before torch names them
+            names = param_names(model) if names is None else names
+            for g in optim.param_groups:
+                for p in g[PARAMS]:
+                    _names_of(names, p, optim)
         osd: dict[str, Any]
-        if optim.state or init:
-            osd = get_optimizer_state_dict(model, optim, options=StateDictOptions())
+        if optim.state and learned is not None:
+            osd = renamed(optim.state_dict(), learned)
+        elif optim.state or init:
+            osd = optim_state(model, optim)
         else:
-            osd = {
-                STATE: {},
-                GROUPS: [
-                    {**{k: v for k, v in g.items() if k != PARAMS}, PARAMS: [names[id(p)][0] for p in g[PARAMS]]}
-                    for g in optim.param_groups
-                ],
-            }
+            own = learned or tuple(cast("dict[int, list[str]]", names)[id(p)][0] for g in optim.param_groups for p in g[PARAMS])
+            osd = renamed(optim.state_dict(), own)
         state.update(cast("dict[str, Any]", osd[STATE]))
         groups.extend(cast("list[dict[str, Any]]", osd[GROUPS]))
     return {STATE: state, GROUPS: groups, TYPES: [optimizer_type(o) for o in optims]}
@@ -118,7 +111,7 @@ def get_state_dict(model: torch.nn.Module, optimizers: Optimizers = None) -> dic
     removed); tied parameters appear under every name and are stored once.
     Several optimizers are merged, as torch does. Calling this has no side effects.
     """
-    out: dict[str, Any] = {MODEL: _model_state(model)}
+    out: dict[str, Any] = {MODEL: model_state(model)}
     optims = optimizer_tuple(optimizers)
     if optims:
         out[OPTIM] = optimizer_state(model, optims, init=False)
@@ -127,7 +120,7 @@ def get_state_dict(model: torch.nn.Module, optimizers: Optimizers = None) -> dic
 
 def live_state(model: torch.nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
     """Like :func:`get_state_dict`, with never-stepped optimizers' state created (a restore target)."""
-    out: dict[str, Any] = {MODEL: _model_state(model)}
+    out: dict[str, Any] = {MODEL: model_state(model)}
     if optims:
         out[OPTIM] = optimizer_state(model, optims, init=True)
     return out
