@@ -333,10 +333,10 @@ class _Staging:
             out.append(buf)
         if signature is not None and not copies and all(k[1] in ("torch", "numpy") for k in keys):
             numpy_at = [i for i, k in enumerate(keys) if k[1] == "numpy" and staged[i] is None]
-            tied = {i for i, t in enumerate(staged) if t is not None} | {t for t in staged if t is not None}
+            bound = {i for i, t in enumerate(staged) if t is not None} | {t for t in staged if t is not None}
             self._plan = _Plan(
                 signature, deferred, self.reserve, out, now_at, [b for b, _ in now], later_at, [b for b, _ in later],
-                numpy_at, [out[i] for i in numpy_at], tuple(_address(d) for d in sources), frozenset(tied | set(later_at)),
+                numpy_at, [out[i] for i in numpy_at], tuple(_address(d) for d in sources), frozenset(bound | set(later_at)),
             )
         _copy_now([b for b, _ in now], [d for _, d in now])
         for started in copies:

@@ -98,7 +98,7 @@ def _order(model: torch.nn.Module, raw: Sequence[str]) -> tuple[tuple[str, int],
 def model_state(model: torch.nn.Module) -> dict[str, Any]:
     """``get_model_state_dict(model)`` with default options (module docstring)."""
     cached = _models.get(model, False)
-    if cached and _own_state_dict(model):
+    if isinstance(cached, _ModelNames) and _own_state_dict(model):
         raw = model.state_dict()
         if tuple(raw) == cached.raw:
             values = list(raw.values())
