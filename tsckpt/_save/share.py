@@ -35,6 +35,7 @@ from .._ondisk import root as _root
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.locations import Directory, Location, resolve
+from . import versions as _versions
 
 log = logging.getLogger("tsckpt")
 
@@ -125,18 +126,46 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
     return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
 
 
+# Where a file's data comes from, for a hash known without reading it (:mod:`.versions`):
+# the leaf's tensor, its state before the save read it, and the file's box of it.
+Proof = tuple[Any, _versions.State, _versions.Box]
+
+
 class Sharer:
     """One rank's files of an incremental save: each hashed, then shared or written (by the
-    write threads, through :meth:`put`)."""
+    write threads, through :meth:`put`). ``versions``: a synchronous save of the caller's own
+    tensors, whose files' hashes may be known from an earlier save (:mod:`.versions`)."""
 
-    def __init__(self, directory: str, base: Base | None) -> None:
-        self.directory, self.base = directory, base
+    def __init__(self, directory: str, base: Base | None, *, versions: bool = False) -> None:
+        self.directory, self.base, self.versions = directory, base, versions
         self.hashes: dict[str, str] = {}
         self.shared: set[str] = set()
+        self._states: dict[int, tuple[Any, _versions.State | None]] = {}
+        self.known: set[str] = set()  # files whose hash was known, their data not read
 
-    def put(self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None]) -> None:
-        """Hash ``src``, the data of file ``key``; link the base's file, or ``write()``."""
-        digest = contenthash.digest(src)
+    def proof(self, data: Any, region: tuple[str, tuple[int, ...]], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Proof | None:
+        """The :data:`Proof` of the file of box (``offsets``, ``lengths``) of a leaf's local
+        ``data`` (``region``: its stored dtype and offsets), None where no proof is possible.
+        The data's state is taken once per save, at its first file, before any is read."""
+        if not self.versions:
+            return None
+        got = self._states.get(id(data))
+        if got is None or got[0] is not data:
+            got = self._states[id(data)] = (data, _versions.state(data))
+        return None if got[1] is None else (data, got[1], (*region, offsets, lengths))
+
+    def put(
+        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None], proof: Proof | None = None
+    ) -> None:
+        """Hash ``src``, the data of file ``key`` (or take the hash ``proof`` proves known);
+        link the base's file, or ``write()``."""
+        digest = None if proof is None else _versions.known(*proof)
+        if digest is not None:
+            self.known.add(key)
+        else:
+            digest = contenthash.digest(src)
+            if proof is not None:
+                _versions.remember(*proof, digest)
         self.hashes[key] = digest
         if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
             self.shared.add(key)
