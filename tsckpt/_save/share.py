@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base.lazytorch import is_tensor
 from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
@@ -138,7 +139,8 @@ class Sharer:
 
     def __init__(self, directory: str, base: Base | None, *, versions: bool = False) -> None:
         self.directory, self.base, self.versions = directory, base, versions
-        self.hashes: dict[str, str] = {}
+        self.hashes: dict[str, str] = {}  # the shared files' hashes
+        self.written: dict[str, ContentEntry] = {}  # the written files' entries
         self.shared: set[str] = set()
         self._states: dict[int, tuple[Any, _versions.State | None]] = {}
         self.known: set[str] = set()  # files whose hash was known, their data not read
@@ -147,7 +149,7 @@ class Sharer:
         """The :data:`Proof` of the file of box (``offsets``, ``lengths``) of a leaf's local
         ``data`` (``region``: its stored dtype and offsets), None where no proof is possible.
         The data's state is taken once per save, at its first file, before any is read."""
-        if not self.versions:
+        if not self.versions or not is_tensor(data):
             return None
         got = self._states.get(id(data))
         if got is None or got[0] is not data:
@@ -166,11 +168,14 @@ class Sharer:
             digest = contenthash.digest(src)
             if proof is not None:
                 _versions.remember(*proof, digest)
-        self.hashes[key] = digest
-        if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
+        path = os.path.join(self.directory, key)
+        if self.base is not None and self.base.link(key, rec, digest, path):
+            self.hashes[key] = digest
             self.shared.add(key)
             return
         write()
+        st = os.lstat(path)  # here, on the write threads: its size, time and inode are final
+        self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
 
     def close(self) -> None:
         """Close the base's directory (once every file is shared or written)."""
@@ -181,14 +186,14 @@ class Sharer:
         """Every file's entry once the files are durable. A shared file whose base changed since
         the base recorded it (edited during this save) raises: the step would not hold what
         was saved."""
-        out: dict[str, ContentEntry] = {}
-        newest = -1
-        for key, digest in self.hashes.items():
+        out: dict[str, ContentEntry] = dict(self.written)
+        newest = max((e[2] for e in out.values()), default=-1)
+        for key, digest in self.hashes.items():  # the shared files: stat again once durable
             path = os.path.join(self.directory, key)
             st = os.lstat(path)
             out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
             newest = max(newest, st.st_mtime_ns)
-            if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
+            if self.base is not None and self.base.files[key][1:] != out[key][1:]:
                 raise StorageError(
                     f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",
