@@ -32,9 +32,11 @@ def tree() -> dict:
     }
 
 
-def saved(tmp_path, name: str, state: dict) -> str:
+def saved(tmp_path, name: str, state: dict, *, incremental: bool = False) -> str:
+    """``state`` saved at ``name``; without content hashes unless ``incremental`` (with them,
+    diff decides equal files without reading them: most tests here are of the reading)."""
     where = str(tmp_path / name)
-    tsckpt.save(where, state)
+    tsckpt.save(where, state, incremental=incremental)
     return where
 
 
@@ -258,7 +260,7 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     after = tree()
     after["w"] = before["w"].clone()
     after["w"][0, 0] = 5.0
-    a = saved(tmp_path, "a", before)
+    a = saved(tmp_path, "a", before, incremental=True)
     b = str(tmp_path / "b")
     tsckpt.save(b, after, base=a)  # an incremental save: the unchanged files are hard links to a's
     assert _shared_files(b) > 4
@@ -274,6 +276,25 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     shard_rows = md.shard_shape[0]  # the changed shard: the first rows
     assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-9)
     assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
+
+
+def test_recorded_content_hashes_decide_equal_files_unread(tmp_path, small_chunks, largest_read):
+    before, after = tree(), tree()
+    after["w"] = before["w"].clone()
+    after["w"][0, 0] = 5.0
+    a = saved(tmp_path, "a", before, incremental=True)
+    b = saved(tmp_path, "b", after, incremental=True)  # no base: no file shared, only hashes recorded
+    assert _shared_files(b) == 0
+    report = tsckpt.diff(a, b)
+    shard = math.prod(tsckpt.open(a)["w"].metadata.shard_shape) * 4
+    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    found = {leaf.path: leaf for leaf in report.leaves}
+    assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
+    assert (found["w"].changed_chunks, found["w"].first_index, found["w"].max_abs) == (1, (0, 0), 5.0)
+    largest_read.clear()
+    c = saved(tmp_path, "c", after)  # no hashes on one side: everything read
+    assert tsckpt.diff(a, c).bytes_read == sum(largest_read) == 2 * (64 * 64 * 4 + 100 * 4 + 50 * 8)
 
 
 def test_one_checkpoint_given_twice_reads_nothing(tmp_path, largest_read):

@@ -5,8 +5,8 @@ window, each block read from both sides by restore's read engine (:func:`.engine
 the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
 stays within the window whatever the checkpoints' size. A block of the same bytes on both
 sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
-reading (:func:`known_equal`: today the same file on disk, a hard link or one checkpoint
-given twice) is not read.
+reading (:func:`known_equal`: the same content hash recorded on both sides, the same file
+on disk, a hard link or one checkpoint given twice) is not read.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
 from .._ondisk.readfaults import unchanged
-from .._ondisk.records import LAYOUT_PLAIN
+from .._ondisk.records import LAYOUT_PLAIN, content_entries
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from .._runtime import fork as _fork
 from .._runtime.progress import Progress
@@ -133,26 +133,43 @@ def _json_number(v: Any) -> Any:
 # ---- what is known without reading ----------------------------------------------------
 
 
-def known_equal(a: Checkpoint, b: Checkpoint, path: str, region: Box) -> bool | None:
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """What one side records of its files: their content hashes (key -> hash; none for
+    another library's checkpoint, or one saved without them)."""
+
+    ck: Checkpoint
+    hashes: Mapping[str, str]
+
+    @classmethod
+    def of(cls, ck: Checkpoint) -> Stored:
+        entries = {} if ck.foreign else content_entries(ck.raw)
+        return cls(ck, {k: e[0] for k, e in entries.items()})
+
+
+def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
     """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
-    stored shards), known from what is stored, without reading it: True when both sides keep
+    stored shards), known from what is stored, without reading it: True when both sides
+    recorded the same content hash for its file (docs/format.md, "Content hashes"), or keep
     it in the same file (one checkpoint given twice, or a file hard-linked from the other);
-    None when that is not known, and the region must be read. Content hashes stored per chunk
-    answer here too once the format stores them."""
-    if a.location.local is None or b.location.local is None:
-        return None
-    if _same_path(a.location.local, b.location.local) and a.root_generation == b.root_generation:
+    None when that is not known, and the region must be read."""
+    ca, cb = a.ck, b.ck
+    local = ca.location.local is not None and cb.location.local is not None
+    if local and _same_path(str(ca.location.local), str(cb.location.local)) and ca.root_generation == cb.root_generation:
         return True  # one checkpoint given twice (of any format or layout), not replaced in between
-    ra, rb = a.arrays.get(a.aliases.get(path, path)), b.arrays.get(b.aliases.get(path, path))
-    if ra is None or rb is None or a.foreign or b.foreign or LAYOUT_PLAIN != a.layout or LAYOUT_PLAIN != b.layout:
+    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path, path))
+    if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
         return None
     if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
         return None  # the same bytes would not decode to the same elements
     # a shard not stored (all fill value) or unreadable is read
-    same = _same_path(
-        os.path.join(a.location.local, chunk_key(ra, region[0])), os.path.join(b.location.local, chunk_key(rb, region[0]))
-    )
-    return True if same else None
+    ka, kb = chunk_key(ra, region[0]), chunk_key(rb, region[0])
+    ha = a.hashes.get(ka)
+    if ha is not None and ha == b.hashes.get(kb):
+        return True
+    if not local:
+        return None
+    return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
 
 
 def _same_path(x: str, y: str) -> bool:
@@ -353,6 +370,8 @@ class _Sides:
 
     a: Checkpoint
     b: Checkpoint
+    stored_a: Stored
+    stored_b: Stored
     atol: float
     rtol: float
     window: int
@@ -376,7 +395,7 @@ def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> t
 
     def to_read() -> Iterator[Box]:
         for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
-            if known_equal(sides.a, sides.b, path, shard):
+            if known_equal(sides.stored_a, sides.stored_b, path, shard):
                 known[0] += math.prod(shard[1]) * itemsize
                 sides.progress.update(2 * math.prod(shard[1]) * itemsize)
                 continue
@@ -534,7 +553,8 @@ def diff(
     equal; complex numbers by the modulus of the difference); the counts of changed chunks
     are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
     in blocks by the reader :func:`tsckpt.restore` uses, at most ``max_inflight_bytes`` of reads and work
-    at a time; a region both sides keep in the same file (a hard link) is not read.
+    at a time; a file both sides recorded the same content hash for, or keep as the same
+    file (a hard link), is not read.
     ``progress`` shows a bar of bytes compared (default: when stderr is a terminal)."""
     RestoreOptions.of(locals())
     tolerance = _tolerance("atol", atol), _tolerance("rtol", rtol)
@@ -557,7 +577,10 @@ def diff(
     ):
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
         many = workers if COMPARING_THREADS > 1 else None
-        sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, many, bar)
+        sides = _Sides(
+            ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
+            max_inflight_bytes, pool, many, bar,
+        )
         for p in in_a:
             if p not in set_b:
                 x = ra[p]
