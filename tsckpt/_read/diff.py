@@ -227,27 +227,29 @@ class Tally:
 
 
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
-                   rtol: float) -> tuple[float, float, float]:
+                   rtol: float) -> tuple[float, float, float, int]:
     """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). A piece of the
-    same bytes costs a comparison of its bytes; where a few elements differ only those are
-    widened to float64 (the others add nothing to ``a - b``); float32 pieces that differ
-    throughout are compared as stored (:func:`_float32_differences`)."""
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements), and the count
+    of elements that differ. A piece of the same bytes costs a comparison of its bytes;
+    float32 and float64 pieces without a tolerance are compared as stored
+    (:func:`_stored_differences`); elsewhere only the elements that differ are widened to
+    float64 (the others add nothing to ``a - b``)."""
     sq_a = _squared_norm(sa, dtype)
     if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
-        return 0.0, 0.0, sq_a
+        return 0.0, 0.0, sq_a, 0
+    if sa.dtype in STORED_FLOATS and not (atol or rtol):
+        found = _stored_differences(sa, sb, out)
+        if found is not None:
+            return found[0], found[1], sq_a, found[2]
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
     count = int(np.count_nonzero(ne))
     if not count:
         out[:] = False
-        return 0.0, 0.0, sq_a
+        return 0.0, 0.0, sq_a, 0
     if count == ne.size:
-        found = _float32_differences(sa, sb, ne, out) if sa.dtype == np.float32 and not (atol or rtol) else None
-        if found is not None:
-            return (*found, sq_a)
         gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
         out[:] = bad
     else:
@@ -255,7 +257,7 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
         gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
         out[:] = False
         out[idx] = bad
-    return float(gap.max()), _sum_of_squares(gap), sq_a
+    return float(gap.max()), _sum_of_squares(gap), sq_a, int(np.count_nonzero(bad))
 
 
 def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
@@ -280,22 +282,46 @@ def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: fl
     return gap, bad
 
 
-def _float32_differences(sa: np.ndarray, sb: np.ndarray, ne: np.ndarray,
-                         out: np.ndarray) -> tuple[float, float] | None:
-    """Without a tolerance, float32 elements differ where they are unequal and not both NaN;
-    the largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps order),
-    so it is found again in float64 over the few elements that reach it; the sum of squares
-    is of the differences rounded to float32 (relative error below 2**-23). None where a
-    difference is not finite in float32 (a NaN, an overflow): then the exact path answers."""
+# Stored dtypes whose pieces are compared as stored when no tolerance is given.
+STORED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray) -> tuple[float, float, int] | None:
+    """Without a tolerance, finite float32 or float64 elements differ where they are unequal,
+    found in a few passes over the stored dtype: ``|a - b|`` once, its largest, the mask, its
+    count. The largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps
+    order), so it is found again in float64 over the few elements that reach it; the sum of
+    squares is summed pairwise in the stored dtype (relative error below 1e-6). None where a
+    difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then the
+    widened path answers."""
     with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.abs(sa - sb)
+        gap = np.subtract(sa, sb)
+    np.abs(gap, out=gap)
     top = gap.max()
     if not np.isfinite(top):
         return None
-    out[:] = ne
-    at = np.flatnonzero(gap == top)
-    exact = np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max()
-    return float(exact), _sum_of_squares(gap.astype(np.float64))
+    np.not_equal(sa, sb, out=out)  # every element finite: no NaN to tell apart
+    count = int(np.count_nonzero(out))
+    if not count:
+        return 0.0, 0.0, 0
+    if gap.dtype == np.float64:
+        exact = float(top)
+    else:
+        at = np.flatnonzero(gap == top)
+        exact = float(np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max())
+    fits = float(top) ** 2 * gap.size < float(np.finfo(gap.dtype).max)  # no square nor sum overflows
+    return exact, _stored_sum_of_squares(gap, scratch=gap if fits else None), count
+
+
+def _stored_sum_of_squares(x: np.ndarray, *, scratch: np.ndarray | None = None) -> float:
+    """The sum of ``x**2`` for float32 or float64 ``x``, squared and summed pairwise in its own
+    dtype (relative error below 1e-6); in float64 where float32 squares overflow. ``scratch``
+    holds the squares: ``x`` itself, when it is not needed after and no square can overflow."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = float(np.square(x, out=scratch).sum())
+    if math.isfinite(total) or x.dtype == np.float64:
+        return total
+    return _sum_of_squares(x.astype(np.float64))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -324,16 +350,17 @@ def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: 
     fb = b.reshape(-1, 2) if pairs else b.reshape(-1)
     differs = np.empty(math.prod(shape), dtype=bool)
 
-    def one(i: int) -> tuple[float, float, float]:
+    def one(i: int) -> tuple[float, float, float, int]:
         j = i + piece
         return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol)
 
     starts = range(0, differs.size, piece)
-    for max_abs, sq_diff, sq_a in (map(one, starts) if workers is None else workers.map(one, starts)):
+    count = 0
+    for max_abs, sq_diff, sq_a, n in (map(one, starts) if workers is None else workers.map(one, starts)):
         tally.max_abs = max(tally.max_abs, max_abs)
         tally.sq_diff += sq_diff
         tally.sq_a += sq_a
-    count = int(differs.sum())
+        count += n
     if not count:
         return
     tally.changed_elements += count
@@ -353,8 +380,12 @@ def _sum_of_squares(x: np.ndarray) -> float:
 
 
 def _squared_norm(x: np.ndarray, dtype: str) -> float:
-    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``),
-    in float64."""
+    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
+    float32 and float64 as :func:`_stored_sum_of_squares` sums them, the others in float64."""
+    if x.dtype in STORED_FLOATS:
+        total = _stored_sum_of_squares(x)
+        if math.isfinite(total):
+            return total
     size = x if x.dtype == np.float64 else _numbers(x, dtype)
     if size.dtype.kind == "c":
         size = np.abs(size)
