@@ -411,66 +411,90 @@ class _Sides:
     progress: Progress
 
 
-def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> tuple[LeafDiff, int]:
-    """The diff of one array of the same dtype and shape on both sides, and its bytes of A
-    known equal without reading."""
-    rec = sides.a.arrays[sides.a.aliases.get(path, path)]
-    chunk = la.metadata.chunk_shape
-    itemsize = _dtypes.itemsize(la.dtype)
-    # half the window: two blocks of both sides (one compared while the next is read) and the
-    # mask of one; the other half: the float64 work on pieces of a block
-    limit = max(1, sides.window // 2 // (4 * itemsize + 1))
-    piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
-    tally = Tally()
-    known = [0]  # bytes of A known equal, not read
+class _ArrayWork:
+    """The comparison of one array of the same dtype and shape on both sides: its blocks to
+    read (:meth:`blocks`), what their comparisons found, and its :class:`LeafDiff` once every
+    block is compared (:meth:`result`)."""
 
-    def to_read() -> Iterator[Box]:
-        for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
-            if known_equal(sides.stored_a, sides.stored_b, path, shard):
-                known[0] += math.prod(shard[1]) * itemsize
-                sides.progress.update(2 * math.prod(shard[1]) * itemsize)
+    def __init__(self, sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> None:
+        self.sides, self.path, self.la, self.lb = sides, path, la, lb
+        self.rec = sides.a.arrays[sides.a.aliases.get(path, path)]
+        self.chunk = la.metadata.chunk_shape
+        self.itemsize = _dtypes.itemsize(la.dtype)
+        # half the window: two blocks of both sides (one compared while the next is read) and the
+        # mask of one; the other half: the float64 work on pieces of a block
+        self.limit = max(1, sides.window // 2 // (4 * self.itemsize + 1))
+        self.piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
+        self.tally = Tally()
+        self.known = 0  # bytes of A known equal, not read
+        self.read = 0  # bytes read, both sides
+        self.read_a, self.read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
+
+    def blocks(self) -> Iterator[Box]:
+        """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
+        sides = self.sides
+        for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
+            if known_equal(sides.stored_a, sides.stored_b, self.path, shard):
+                self.known += math.prod(shard[1]) * self.itemsize
+                sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
                 continue
-            yield from blocks(shard, chunk, limit)
+            yield from blocks(shard, self.chunk, self.limit)
 
-    read_a, read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
-
-    def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
-        return block, sides.pool.submit(read_a, block), sides.pool.submit(read_b, block)
-
-    def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
-        block, da, db = reading
-        compare_block(da.result(), db.result(), la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol,
-                      piece=piece, workers=sides.workers)
-        n = 2 * math.prod(block[1]) * itemsize
+    def compare(self, block: Box, a: np.ndarray, b: np.ndarray) -> None:
+        sides = self.sides
+        compare_block(a, b, self.la.dtype, block, self.chunk, self.tally, atol=sides.atol, rtol=sides.rtol,
+                      piece=self.piece, workers=sides.workers)
+        n = 2 * math.prod(block[1]) * self.itemsize
         sides.progress.update(n, 2)
-        return n
+        self.read += n
 
-    read = 0
-    ahead: collections.deque[tuple[Box, Future[np.ndarray], Future[np.ndarray]]] = collections.deque()
-    try:
-        for block in to_read():
-            ahead.append(start(block))
-            if len(ahead) > 1:
-                read += settle(ahead.popleft())
-        while ahead:
-            read += settle(ahead.popleft())
-    finally:  # an error: the reads under way are waited for, not left to write into freed blocks
-        for _, da, db in ahead:
+    def result(self) -> LeafDiff:
+        tally, read, shape = self.tally, self.read, self.la.shape
+        return LeafDiff(
+            self.path, "different" if tally.changed_elements else "equal",
+            "read" if read or not self.known else "same files",
+            self.la.dtype, self.lb.dtype, shape, self.lb.shape,
+            chunks=math.prod(-(-n // c) for n, c in zip(shape, self.chunk)),
+            changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
+            max_abs=tally.max_abs if read else 0.0,
+            rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
+            first_index=tally.first, bytes_read=read,
+        )
+
+
+_Reading = tuple[_ArrayWork, Box, "Future[np.ndarray]", "Future[np.ndarray]"]
+
+
+class _Pipeline:
+    """The blocks of every array, read one block ahead of the comparison, across arrays: the
+    next block's reads (the next array's, at an array's last block) run while a block is
+    compared, so reading and comparing overlap whatever the size of the arrays."""
+
+    def __init__(self, pool: Executor) -> None:
+        self.pool = pool
+        self.ahead: collections.deque[_Reading] = collections.deque()
+
+    def add(self, work: _ArrayWork) -> None:
+        for block in work.blocks():
+            self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block)))
+            if len(self.ahead) > 1:
+                self._settle()
+
+    def drain(self) -> None:
+        while self.ahead:
+            self._settle()
+
+    def close(self) -> None:
+        """After an error: the reads under way are waited for, not left to write into freed blocks."""
+        for _, _, da, db in self.ahead:
             da.cancel()
             db.cancel()
             wait([da, db])
-    skipped = known[0]
-    shape = la.shape
-    found = LeafDiff(
-        path, "different" if tally.changed_elements else "equal", "read" if read or not skipped else "same files",
-        la.dtype, lb.dtype, shape, lb.shape,
-        chunks=math.prod(-(-n // c) for n, c in zip(shape, chunk)),
-        changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
-        max_abs=tally.max_abs if read else 0.0,
-        rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
-        first_index=tally.first, bytes_read=read,
-    )
-    return found, skipped
+        self.ahead.clear()
+
+    def _settle(self) -> None:
+        work, block, da, db = self.ahead.popleft()
+        work.compare(block, da.result(), db.result())
 
 
 def engine_serves(leaf: LazyArray) -> bool:
@@ -524,18 +548,20 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> tuple[LeafDiff, int]:
+def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _ArrayWork:
+    """The diff of one leaf in both sides, or for two arrays of one dtype and shape the work
+    of comparing them (run by a :class:`_Pipeline`)."""
     (dtype_a, shape_a), (dtype_b, shape_b) = _kind(x), _kind(y)
     kinds = LeafDiff(path, "equal", "", dtype_a, dtype_b, shape_a, shape_b)
     if dtype_a != dtype_b or isinstance(x, LazyArray) != isinstance(y, LazyArray):
-        return dataclasses.replace(kinds, status="dtype_changed"), 0
+        return dataclasses.replace(kinds, status="dtype_changed")
     if shape_a != shape_b:
-        return dataclasses.replace(kinds, status="shape_changed"), 0
+        return dataclasses.replace(kinds, status="shape_changed")
     if isinstance(x, LazyArray) and isinstance(y, LazyArray):
-        return _compare_arrays(sides, path, x, y)
+        return _ArrayWork(sides, path, x, y)
     if _same_value(x, y):
-        return dataclasses.replace(kinds, how="value"), 0
-    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y)), 0
+        return dataclasses.replace(kinds, how="value")
+    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y))
 
 
 def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
@@ -597,8 +623,7 @@ def diff(
     set_a, set_b = set(in_a), set(in_b)
     both = [p for p in in_a if p in set_b]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
-    found: list[LeafDiff] = []
-    read = skipped = 0
+    found: list[LeafDiff | _ArrayWork] = []
     with (
         unchanged(ra.checkpoint),  # never data of a checkpoint that replaced the one opened,
         unchanged(rb.checkpoint),  # checked once after every read, as a restore does
@@ -612,18 +637,27 @@ def diff(
             ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
             max_inflight_bytes, pool, many, bar,
         )
-        for p in in_a:
-            if p not in set_b:
-                x = ra[p]
-                found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
-                continue
-            leaf, known = _compare_leaf(sides, p, ra[p], rb[p])
-            found.append(leaf)
-            read, skipped = read + leaf.bytes_read, skipped + known
-        for p in in_b:
-            if p not in set_a:
-                y = rb[p]
-                found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+        pipeline = _Pipeline(pool)
+        try:
+            for p in in_a:
+                if p not in set_b:
+                    x = ra[p]
+                    found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
+                    continue
+                leaf = _compare_leaf(sides, p, ra[p], rb[p])
+                found.append(leaf)
+                if isinstance(leaf, _ArrayWork):
+                    pipeline.add(leaf)
+            for p in in_b:
+                if p not in set_a:
+                    y = rb[p]
+                    found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+            pipeline.drain()
+        finally:
+            pipeline.close()
+    leaves = tuple(f.result() if isinstance(f, _ArrayWork) else f for f in found)
+    skipped = sum(f.known for f in found if isinstance(f, _ArrayWork))
     return DiffReport(
-        str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, tuple(found), read, skipped
+        str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, leaves,
+        sum(leaf.bytes_read for leaf in leaves), skipped,
     )
