@@ -157,10 +157,11 @@ class Sharer:
         return None if got[1] is None else (data, got[1], (*region, offsets, lengths))
 
     def put(
-        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None], proof: Proof | None = None
+        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], os.stat_result | None],
+        proof: Proof | None = None,
     ) -> None:
         """Hash ``src``, the data of file ``key`` (or take the hash ``proof`` proves known);
-        link the base's file, or ``write()``."""
+        link the base's file, or ``write()`` it (which may return the file's status as written)."""
         digest = None if proof is None else _versions.known(*proof)
         if digest is not None:
             self.known.add(key)
@@ -173,8 +174,7 @@ class Sharer:
             self.hashes[key] = digest
             self.shared.add(key)
             return
-        write()
-        st = os.lstat(path)  # here, on the write threads: its size, time and inode are final
+        st = write() or os.lstat(path)  # here, on the write threads: its size, time and inode are final
         self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
 
     def close(self) -> None:

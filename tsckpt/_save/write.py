@@ -192,7 +192,7 @@ def _write_chunk_files(
         if sharer is None:
             shardwrite.write_chunk(path, src, chunk)
         else:
-            sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk), proof)
+            sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk, stat=True), proof)
 
 
 def _write_small_files(files: list[tuple[str, bytes]]) -> None:
