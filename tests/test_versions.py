@@ -204,3 +204,19 @@ def test_a_remembered_hash_belongs_to_one_tensor_object():
 def test_incremental_takes_hash_and_refuses_other_strings(tmp_path):
     with pytest.raises(TypeError, match='incremental must be True, False or "hash"'):
         tsckpt.save(tmp_path / "a", {"x": np.zeros(2)}, incremental="yes")
+
+
+def test_background_saves_hash_their_staged_copies(tmp_path, hashed):
+    """save_async saves staging buffers refilled with copy_ at every save: their counter moves,
+    so each save hashes them, and a tensor changed between saves is saved changed."""
+    p = _param()
+    frozen = torch.ones(32, 32)
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+    m.save_async(1, {"p": p, "frozen": frozen}).result()
+    with torch.no_grad():
+        p.add_(2)
+    hashed.clear()
+    m.save_async(2, {"p": p, "frozen": frozen}).result()
+    assert sorted(hashed) == [64, 32 * 32 * 4]
+    assert _links(m.directory(2)) == {"frozen/c/0/0": 2, "p/c/0/0": 1}  # shared by its hash
+    assert np.array_equal(m.restore(2)["p"], np.full((4, 4), 2.0, np.float32))
