@@ -12,9 +12,13 @@ Anything else (no base, another layout, a file missing or changed, a link refuse
 the file, as a full save does. The files stay standard zarr files: a later step holds its
 own directory entries, so deleting the base (retention) leaves it whole.
 
-Once the files are durable, each rank records, per file, its hash and the file's size,
-modification time and inode (``content`` in the root metadata, docs/format.md); a file
-shared whose base changed during the save fails the save (:meth:`Sharer.recorded`).
+The hash of a file whose source is a tensor torch's version counter shows unchanged since
+this process hashed it is taken from then, its data not read (:mod:`.versions`).
+
+Each rank records, per file, its hash and the file's size, modification time and inode
+(``content`` in the root metadata, docs/format.md): a written file's as its write thread
+closes it, a shared file's once the files are durable; a file shared whose base changed
+during the save fails the save (:meth:`Sharer.recorded`).
 """
 
 from __future__ import annotations
@@ -134,8 +138,8 @@ Proof = tuple[Any, _versions.State, _versions.Box]
 
 class Sharer:
     """One rank's files of an incremental save: each hashed, then shared or written (by the
-    write threads, through :meth:`put`). ``versions``: a synchronous save of the caller's own
-    tensors, whose files' hashes may be known from an earlier save (:mod:`.versions`)."""
+    write threads, through :meth:`put`). ``versions``: a file's hash may be known from an
+    earlier save of the same unchanged tensor (:mod:`.versions`; off with ``incremental="hash"``)."""
 
     def __init__(self, directory: str, base: Base | None, *, versions: bool = False) -> None:
         self.directory, self.base, self.versions = directory, base, versions
@@ -183,9 +187,9 @@ class Sharer:
             self.base.close()
 
     def recorded(self) -> dict[str, ContentEntry]:
-        """Every file's entry once the files are durable. A shared file whose base changed since
-        the base recorded it (edited during this save) raises: the step would not hold what
-        was saved."""
+        """Every file's entry once the files are durable (the shared files' stat'd again now).
+        A shared file whose base changed since the base recorded it (edited during this save)
+        raises: the step would not hold what was saved."""
         out: dict[str, ContentEntry] = dict(self.written)
         newest = max((e[2] for e in out.values()), default=-1)
         for key, digest in self.hashes.items():  # the shared files: stat again once durable
