@@ -220,3 +220,24 @@ def test_background_saves_hash_their_staged_copies(tmp_path, hashed):
     assert sorted(hashed) == [64, 32 * 32 * 4]
     assert _links(m.directory(2)) == {"frozen/c/0/0": 2, "p/c/0/0": 1}  # shared by its hash
     assert np.array_equal(m.restore(2)["p"], np.full((4, 4), 2.0, np.float32))
+
+
+def test_the_state_is_taken_before_the_data_is_read(tmp_path, monkeypatch):
+    """A write racing a save's read (against the contract of a synchronous save) then leaves a
+    hash remembered for the version before it, never one the racing write produced."""
+    versions.forget()
+    order: list[str] = []
+    real_state, real_digest = versions.state, contenthash.digest
+
+    def state(data):
+        order.append("state")
+        return real_state(data)
+
+    def digest(src):
+        order.append("read")
+        return real_digest(src)
+
+    monkeypatch.setattr(versions, "state", state)
+    monkeypatch.setattr(contenthash, "digest", digest)
+    tsckpt.save(tmp_path / "a", {"p": _param()})
+    assert order == ["state", "read"]
