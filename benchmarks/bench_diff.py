@@ -7,14 +7,18 @@ Workload
   C      A with one leaf in ten changed (one element each), saved, then every file whose bytes
          equal A's replaced by a hard link to it: 90% of the chunks shared, as an incremental
          save would leave them
+  D      the state of C saved on its own (no file shared): its files' recorded content hashes
+         equal A's for the 90% unchanged
 
 Measures (warm page cache: every checkpoint was just written; median of the rounds)
   read both    ``tsckpt.restore(A)`` then ``tsckpt.restore(B)``, each result dropped
   diff A B     ``tsckpt.diff(A, B)``: every block of both read and compared
   diff A C     ``tsckpt.diff(A, C)``: only the changed leaves' shards read
+  diff A D     ``tsckpt.diff(A, D)``: the same, decided by the recorded content hashes
 
 Usage
   python benchmarks/bench_diff.py --quick          # smoke run
+  python benchmarks/bench_diff.py --leaves 32      # 128 MiB each
   python benchmarks/bench_diff.py --write-results  # rewrite the '## tsckpt diff' section
 """
 
@@ -59,10 +63,12 @@ def timed(fn: Callable[[], Any], rounds: int) -> tuple[tuple[float, float], Any]
 
 
 def main() -> None:
-    args = bench_parser(__doc__, 3).parse_args()
-    leaves = 16 if args.quick else 64
+    parser = bench_parser(__doc__, 3)
+    parser.add_argument("--leaves", type=int, default=64, help="leaves of 4 MiB in each checkpoint")
+    args = parser.parse_args()
+    leaves = 16 if args.quick else args.leaves
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        a, b, c = (os.path.join(tmp, n) for n in "abc")
+        a, b, c, d = (os.path.join(tmp, n) for n in "abcd")
         base = state(leaves, 0)
         tsckpt.save(a, base)
         tsckpt.save(b, state(leaves, 1))
@@ -72,6 +78,7 @@ def main() -> None:
             changed[name] = base[name].clone()
             changed[name][7, 9] += 1.0
         tsckpt.save(c, changed, base=a)  # incremental: the unchanged files are hard links to a's
+        tsckpt.save(d, changed)  # no base: nothing linked, the content hashes recorded
         linked = shared_files(c)
         del base, changed
         rows = {}
@@ -83,16 +90,18 @@ def main() -> None:
         rows["read both"], _ = timed(read_both, args.repeats)
         rows["diff A B"], unrelated = timed(lambda: tsckpt.diff(a, b, progress=False), args.repeats)
         rows["diff A C"], shared = timed(lambda: tsckpt.diff(a, c, progress=False), args.repeats)
+        rows["diff A D"], hashed = timed(lambda: tsckpt.diff(a, d, progress=False), args.repeats)
     assert len(unrelated.differences) == leaves and len(shared.differences) == len(range(0, leaves, 10))
+    assert len(hashed.differences) == len(shared.differences)
     nbytes = leaves * LEAF_ELEMENTS * 4
-    section = report(rows, nbytes, leaves, linked, unrelated, shared, args.repeats)
+    section = report(rows, nbytes, leaves, linked, unrelated, shared, hashed, args.repeats)
     print(section)
     if args.write_results:
         write_section(TITLE, section)
 
 
 def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linked: int, unrelated: Any, shared: Any,
-           rounds: int) -> str:
+           hashed: Any, rounds: int) -> str:
     info = machine_info()
     load = ", ".join(f"{x:.1f}" for x in info["load_avg"])
     mib = nbytes / (1 << 20)
@@ -101,7 +110,8 @@ def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linke
         TITLE,
         "",
         (
-            f"Run {info['date']} by `python benchmarks/bench_diff.py --write-results` on {info['nproc']} CPUs "
+            f"Run {info['date']} by `python benchmarks/bench_diff.py --leaves {leaves} --write-results` on "
+            f"{info['nproc']} CPUs "
             f"({info['cpu']}), Python {info['python']}, tsckpt {info['tsckpt']} ({info['tsckpt_rev']}): a 2-CPU "
             f"dev machine, loaded by parallel work (load average at the end: {load}), so times are noisy. "
             f"Median of {rounds} rounds, warm page cache; CPU: seconds of all this process's threads."
@@ -110,7 +120,8 @@ def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linke
         (
             f"A and B: {leaves} float32 leaves of 4 MiB ({mib:.0f} MiB each), unrelated values. C: A with one leaf "
             f"in ten changed by one element, its other files hard links to A's ({linked} files linked), as an "
-            "incremental save leaves them. Read both: `tsckpt.restore` of each, whole."
+            "incremental save leaves them. D: C's state saved on its own (no file linked; its recorded content "
+            "hashes equal A's for the unchanged files). Read both: `tsckpt.restore` of each, whole."
         ),
         "",
         (
@@ -120,7 +131,8 @@ def report(rows: dict[str, tuple[float, float]], nbytes: int, leaves: int, linke
         "|---|---:|---:|---:|---:|---:|---:|",
         f"| read both (restore A, restore B) | {both[0]:.2f} | 1.00x | {both[1]:.2f} | 1.00x | | |",
         row("diff A B (unrelated)", rows["diff A B"], both, unrelated),
-        row("diff A C (90% shared)", rows["diff A C"], both, shared),
+        row("diff A C (90% shared, hard links)", rows["diff A C"], both, shared),
+        row("diff A D (90% equal, content hashes)", rows["diff A D"], both, hashed),
     ]
     return "\n".join(lines) + "\n"
 

@@ -32,9 +32,11 @@ def tree() -> dict:
     }
 
 
-def saved(tmp_path, name: str, state: dict) -> str:
+def saved(tmp_path, name: str, state: dict, *, incremental: bool = False) -> str:
+    """``state`` saved at ``name``; without content hashes unless ``incremental`` (with them,
+    diff decides equal files without reading them: most tests here are of the reading)."""
     where = str(tmp_path / name)
-    tsckpt.save(where, state)
+    tsckpt.save(where, state, incremental=incremental)
     return where
 
 
@@ -73,7 +75,7 @@ def test_one_changed_element(tmp_path, small_chunks):
     assert (leaf.changed_chunks, leaf.changed_elements, leaf.first_index) == (1, 1, (37, 5))
     x, y = before["w"].double().numpy(), after["w"].double().numpy()
     assert leaf.max_abs == pytest.approx(np.abs(x - y).max(), rel=1e-12)
-    assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-9)
+    assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-6)
 
 
 def test_first_index_is_the_first_in_c_order(tmp_path, small_chunks):
@@ -258,7 +260,7 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     after = tree()
     after["w"] = before["w"].clone()
     after["w"][0, 0] = 5.0
-    a = saved(tmp_path, "a", before)
+    a = saved(tmp_path, "a", before, incremental=True)
     b = str(tmp_path / "b")
     tsckpt.save(b, after, base=a)  # an incremental save: the unchanged files are hard links to a's
     assert _shared_files(b) > 4
@@ -272,8 +274,27 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     assert (found["w"].changed_chunks, found["w"].first_index) == (1, (0, 0))
     x, y = before["w"].double().numpy(), after["w"].double().numpy()
     shard_rows = md.shard_shape[0]  # the changed shard: the first rows
-    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-9)
+    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-6)
     assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
+
+
+def test_recorded_content_hashes_decide_equal_files_unread(tmp_path, small_chunks, largest_read):
+    before, after = tree(), tree()
+    after["w"] = before["w"].clone()
+    after["w"][0, 0] = 5.0
+    a = saved(tmp_path, "a", before, incremental=True)
+    b = saved(tmp_path, "b", after, incremental=True)  # no base: no file shared, only hashes recorded
+    assert _shared_files(b) == 0
+    report = tsckpt.diff(a, b)
+    shard = math.prod(tsckpt.open(a)["w"].metadata.shard_shape) * 4
+    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    found = {leaf.path: leaf for leaf in report.leaves}
+    assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
+    assert (found["w"].changed_chunks, found["w"].first_index, found["w"].max_abs) == (1, (0, 0), 5.0)
+    largest_read.clear()
+    c = saved(tmp_path, "c", after)  # no hashes on one side: everything read
+    assert tsckpt.diff(a, c).bytes_read == sum(largest_read) == 2 * (64 * 64 * 4 + 100 * 4 + 50 * 8)
 
 
 def test_one_checkpoint_given_twice_reads_nothing(tmp_path, largest_read):
@@ -440,8 +461,9 @@ def test_complex32_is_read_by_the_lazy_reader():
 
 
 def test_only_differing_elements_are_widened(monkeypatch):
-    """A block equal bit for bit is settled by comparing its bytes, and of a block with one
-    changed element only that element is widened to float64 for its difference."""
+    """A block equal bit for bit is settled by comparing its bytes; a float32 block with one
+    changed element is compared as stored without a tolerance, and with one only that element
+    is widened to float64 for its difference."""
     a = np.arange(1001, dtype=np.float32)
     widened: list[int] = []
     real = diff_module._widened_differences
@@ -454,12 +476,15 @@ def test_only_differing_elements_are_widened(monkeypatch):
     tally = Tally()
     compare_block(a, a.copy(), "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
     assert (widened, tally.changed_elements, tally.max_abs, tally.sq_diff) == ([], 0, 0.0, 0.0)
-    assert tally.sq_a == float(np.sum(a.astype(np.float64) ** 2))
+    assert tally.sq_a == pytest.approx(float(np.sum(a.astype(np.float64) ** 2)), rel=1e-6)  # summed as stored
     b = a.copy()
     b[500] += 1
     compare_block(a, b, "float32", ((0,), (1001,)), (100,), tally, atol=0.0, rtol=0.0, piece=300)
-    assert (widened, tally.changed_elements, tally.first, tally.changed_chunks) == ([1], 1, (500,), {(5,)})
-    assert tally.max_abs == 1.0
+    assert (widened, tally.changed_elements, tally.first, tally.changed_chunks) == ([], 1, (500,), {(5,)})
+    assert (tally.max_abs, tally.sq_diff) == (1.0, 1.0)  # no tolerance: compared as stored, nothing widened
+    tolerant = Tally()
+    compare_block(a, b, "float32", ((0,), (1001,)), (100,), tolerant, atol=0.5, rtol=0.0, piece=300)
+    assert (widened, tolerant.changed_elements, tolerant.first, tolerant.max_abs) == ([1], 1, (500,), 1.0)
 
 
 @pytest.mark.parametrize("tolerance", [{}, {"atol": 0.5}])
@@ -479,3 +504,15 @@ def test_float32_differing_throughout_agrees_with_float64(tolerance):
         assert tally.changed_elements == int((gap > tolerance.get("atol", 0.0)).sum())
         assert tally.max_abs == gap.max()
         assert tally.sq_diff == pytest.approx(float(np.sum(gap**2)), rel=1e-6)
+
+
+def test_float32_differences_whose_squares_overflow_are_summed_in_float64():
+    a = np.array([3e19, 1.0, 2.0, 5.0], np.float32)
+    b = np.array([-1e19, 1.0, 0.0, 5.0], np.float32)
+    tally = Tally()
+    compare_block(a, b, "float32", ((0,), (4,)), (2,), tally, atol=0.0, rtol=0.0, piece=4)
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    assert tally.max_abs == np.abs(x - y).max()
+    assert tally.sq_diff == pytest.approx(float(np.sum((x - y) ** 2)), rel=1e-6)
+    assert tally.sq_a == pytest.approx(float(np.sum(x**2)), rel=1e-6)
+    assert (tally.changed_elements, tally.first, tally.changed_chunks) == (2, (0,), {(0,), (1,)})

@@ -137,11 +137,11 @@ def test_a_crash_mid_save_lists_no_partial_step(tmp_path, monkeypatch):
     real = shardwrite.write_chunk
     calls = []
 
-    def failing(path, src, chunk):
+    def failing(path, src, chunk, **kw):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(5, "injected", path)
-        real(path, src, chunk)
+        return real(path, src, chunk, **kw)
 
     monkeypatch.setattr(shardwrite, "write_chunk", failing)
     with pytest.raises(OSError, match="injected"):

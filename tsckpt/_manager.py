@@ -68,6 +68,7 @@ from ._options import (
     AsyncOptions,
     Copy,
     IfBusy,
+    Incremental,
     RestoreOptions,
     SaveOptions,
     Staging,
@@ -128,7 +129,7 @@ class CheckpointManager:
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
         writer: Writer = "process",
-        incremental: bool = True,
+        incremental: Incremental = True,
     ) -> None:
         self._saving = SaveOptions.of(locals())  # each save adds its own per-call options
         self._reading = RestoreOptions.of(locals())  # each restore adds its own

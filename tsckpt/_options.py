@@ -76,6 +76,7 @@ IF_BUSY = ("wait", "error")
 Staging = Literal["blocking", "overlapped"]
 STAGING = ("blocking", "overlapped")
 Writer = Literal["process", "thread"]
+Incremental = bool | Literal["hash"]  # "hash": every file hashed, none taken as unchanged from torch's version counters
 WRITERS = ("process", "thread")
 # ``copy=``: True (new memory), False (copy-on-write mappings of the files), "read-only" (numpy arrays read-only).
 Copy = Union[bool, Literal["read-only"]]
@@ -91,6 +92,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, not {value!r} ({type(value).__name__})")
+
+
+def _incremental(name: str, value: Any) -> None:
+    if not isinstance(value, bool) and value != "hash":
+        raise TypeError(f"{name} must be True, False or \"hash\" (every file hashed), not {value!r} ({type(value).__name__})")
 
 
 def _bar(name: str, value: Any) -> None:
@@ -230,12 +236,15 @@ class SaveOptions(_Options):
     progress: bool | None = _option(
         None, "A bar of bytes written on rank 0 (None: when stderr is a terminal).", _bar
     )
-    incremental: bool = _option(
+    incremental: Incremental = _option(
         True,
         "Record a content hash of every file (a later save may share the files with this one), and share "
         "with ``base`` every file whose content is proven equal (plain layout on a local file system; "
-        "False: neither, every file written as before).",
-        _flag,
+        "False: neither, every file written as before). A CPU tensor that torch's version counter shows "
+        "unchanged since this process hashed it is not hashed again; \"hash\": every file hashed, for "
+        "programs that write tensors unseen by that counter (through ``.data`` or numpy views; "
+        "docs/incremental.md).",
+        _incremental,
     )
     base: BaseDirectory = _option(
         None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
@@ -44,6 +45,19 @@ def is_dtype(obj: object) -> TypeGuard[_torch.dtype]:
 def is_generator(obj: object) -> TypeGuard[_torch.Generator]:
     t = sys.modules.get("torch")
     return t is not None and isinstance(obj, t.Generator)
+
+
+def mark_written(objs: Iterable[object]) -> None:
+    """Tell torch that the tensors among ``objs`` were written other than by its own
+    operations (a restore writes through numpy views): their version counter moves, as an
+    in-place operation's does, so autograd and incremental saves
+    (:mod:`tsckpt._save.versions`) see the write. Inference tensors have no counter."""
+    t = sys.modules.get("torch")
+    if t is None:
+        return
+    for obj in objs:
+        if isinstance(obj, t.Tensor) and not obj.is_inference():
+            t.autograd.graph.increment_version(obj)
 
 
 class _LazyTorch:

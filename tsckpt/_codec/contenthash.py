@@ -19,4 +19,6 @@ import xxhash
 def digest(src: np.ndarray) -> str:
     """The hash (:data:`tsckpt._ondisk.records.CONTENT_HASH`, recorded beside it) of ``src``'s bytes in C order, as 32 lowercase hex digits."""
     data = src if src.flags.c_contiguous else np.ascontiguousarray(src)
-    return xxhash.xxh3_128_hexdigest(data.reshape(-1).view(np.uint8).data)
+    if data.dtype.isbuiltin == 2 or not data.ndim:  # a dtype numpy cannot export (bfloat16, float8), a scalar
+        data = data.reshape(-1).view(np.uint8)
+    return xxhash.xxh3_128_hexdigest(data.data)

@@ -109,10 +109,12 @@ class _File:
                 sizes[0] -= done
         self.bufs, self.sizes, self.used = [], [], 0
 
-    def close(self, *, writeback: bool) -> None:
-        """Write what is queued and close; ``writeback`` starts writing the file to disk."""
+    def close(self, *, writeback: bool, stat: bool = False) -> os.stat_result | None:
+        """Write what is queued and close; ``writeback`` starts writing the file to disk.
+        ``stat``: returns the file's status once written (its size and time are final)."""
         try:
             self.flush()
+            st = os.fstat(self.fd) if stat else None
             # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writing the file's dirty
             # pages to disk without waiting (no journal commit, unlike fsync), so the disk
             # works while later files are encoded and the final fsync finds little left.
@@ -121,6 +123,7 @@ class _File:
                     native.sync_file_range(self.fd, 0, 0, native.SYNC_FILE_RANGE_WRITE)
                 except OSError:
                     pass  # a hint: the final fsync reports errors
+            return st
         finally:
             os.close(self.fd)
 
@@ -207,18 +210,21 @@ def _open(path: str, chunk_bytes: int) -> _File | _DirectFile:
     return _File(path, chunk_bytes)
 
 
-def write_chunk(path: str, src: np.ndarray, chunk: tuple[int, ...]) -> None:
+def write_chunk(path: str, src: np.ndarray, chunk: tuple[int, ...], *, stat: bool = False) -> os.stat_result | None:
     """The unsharded chunk file whose in-bounds part is ``src`` (:func:`.encode.chunk_parts`),
     written from the source memory: one open, one ``pwritev``, one close, where
     TensorStore's file kvstore takes about 13 system calls (a lock file, a temporary
-    file, a rename); its parent directory exists (:func:`make_parents`)."""
+    file, a rename); its parent directory exists (:func:`make_parents`). ``stat``: returns
+    the file's status as written (an ``fstat``, cheaper than a later look-up by path)."""
     data, checksum = chunk_parts(src, chunk)
     f = _File(path, 0)
     try:
         f.add(data, data.nbytes)
         f.add(checksum, len(checksum))
-    finally:
+    except BaseException:
         f.close(writeback=False)
+        raise
+    return f.close(writeback=False, stat=stat)
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -5,8 +5,8 @@ window, each block read from both sides by restore's read engine (:func:`.engine
 the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
 stays within the window whatever the checkpoints' size. A block of the same bytes on both
 sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
-reading (:func:`known_equal`: today the same file on disk, a hard link or one checkpoint
-given twice) is not read.
+reading (:func:`known_equal`: the same content hash recorded on both sides, the same file
+on disk, a hard link or one checkpoint given twice) is not read.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
 from .._ondisk.readfaults import unchanged
-from .._ondisk.records import LAYOUT_PLAIN
+from .._ondisk.records import LAYOUT_PLAIN, content_entries
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from .._runtime import fork as _fork
 from .._runtime.progress import Progress
@@ -133,26 +133,43 @@ def _json_number(v: Any) -> Any:
 # ---- what is known without reading ----------------------------------------------------
 
 
-def known_equal(a: Checkpoint, b: Checkpoint, path: str, region: Box) -> bool | None:
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """What one side records of its files: their content hashes (key -> hash; none for
+    another library's checkpoint, or one saved without them)."""
+
+    ck: Checkpoint
+    hashes: Mapping[str, str]
+
+    @classmethod
+    def of(cls, ck: Checkpoint) -> Stored:
+        entries = {} if ck.foreign else content_entries(ck.raw)
+        return cls(ck, {k: e[0] for k, e in entries.items()})
+
+
+def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
     """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
-    stored shards), known from what is stored, without reading it: True when both sides keep
+    stored shards), known from what is stored, without reading it: True when both sides
+    recorded the same content hash for its file (docs/format.md, "Content hashes"), or keep
     it in the same file (one checkpoint given twice, or a file hard-linked from the other);
-    None when that is not known, and the region must be read. Content hashes stored per chunk
-    answer here too once the format stores them."""
-    if a.location.local is None or b.location.local is None:
-        return None
-    if _same_path(a.location.local, b.location.local) and a.root_generation == b.root_generation:
+    None when that is not known, and the region must be read."""
+    ca, cb = a.ck, b.ck
+    local = ca.location.local is not None and cb.location.local is not None
+    if local and _same_path(str(ca.location.local), str(cb.location.local)) and ca.root_generation == cb.root_generation:
         return True  # one checkpoint given twice (of any format or layout), not replaced in between
-    ra, rb = a.arrays.get(a.aliases.get(path, path)), b.arrays.get(b.aliases.get(path, path))
-    if ra is None or rb is None or a.foreign or b.foreign or LAYOUT_PLAIN != a.layout or LAYOUT_PLAIN != b.layout:
+    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path, path))
+    if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
         return None
     if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
         return None  # the same bytes would not decode to the same elements
     # a shard not stored (all fill value) or unreadable is read
-    same = _same_path(
-        os.path.join(a.location.local, chunk_key(ra, region[0])), os.path.join(b.location.local, chunk_key(rb, region[0]))
-    )
-    return True if same else None
+    ka, kb = chunk_key(ra, region[0]), chunk_key(rb, region[0])
+    ha = a.hashes.get(ka)
+    if ha is not None and ha == b.hashes.get(kb):
+        return True
+    if not local:
+        return None
+    return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
 
 
 def _same_path(x: str, y: str) -> bool:
@@ -210,27 +227,29 @@ class Tally:
 
 
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
-                   rtol: float) -> tuple[float, float, float]:
+                   rtol: float) -> tuple[float, float, float, int]:
     """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements). A piece of the
-    same bytes costs a comparison of its bytes; where a few elements differ only those are
-    widened to float64 (the others add nothing to ``a - b``); float32 pieces that differ
-    throughout are compared as stored (:func:`_float32_differences`)."""
+    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements), and the count
+    of elements that differ. A piece of the same bytes costs a comparison of its bytes;
+    float32 and float64 pieces without a tolerance are compared as stored
+    (:func:`_stored_differences`); elsewhere only the elements that differ are widened to
+    float64 (the others add nothing to ``a - b``)."""
     sq_a = _squared_norm(sa, dtype)
     if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
-        return 0.0, 0.0, sq_a
+        return 0.0, 0.0, sq_a, 0
+    if sa.dtype in STORED_FLOATS and not (atol or rtol):
+        found = _stored_differences(sa, sb, out)
+        if found is not None:
+            return found[0], found[1], sq_a, found[2]
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
     count = int(np.count_nonzero(ne))
     if not count:
         out[:] = False
-        return 0.0, 0.0, sq_a
+        return 0.0, 0.0, sq_a, 0
     if count == ne.size:
-        found = _float32_differences(sa, sb, ne, out) if sa.dtype == np.float32 and not (atol or rtol) else None
-        if found is not None:
-            return (*found, sq_a)
         gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
         out[:] = bad
     else:
@@ -238,7 +257,7 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
         gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
         out[:] = False
         out[idx] = bad
-    return float(gap.max()), _sum_of_squares(gap), sq_a
+    return float(gap.max()), _sum_of_squares(gap), sq_a, int(np.count_nonzero(bad))
 
 
 def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
@@ -263,22 +282,46 @@ def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: fl
     return gap, bad
 
 
-def _float32_differences(sa: np.ndarray, sb: np.ndarray, ne: np.ndarray,
-                         out: np.ndarray) -> tuple[float, float] | None:
-    """Without a tolerance, float32 elements differ where they are unequal and not both NaN;
-    the largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps order),
-    so it is found again in float64 over the few elements that reach it; the sum of squares
-    is of the differences rounded to float32 (relative error below 2**-23). None where a
-    difference is not finite in float32 (a NaN, an overflow): then the exact path answers."""
+# Stored dtypes whose pieces are compared as stored when no tolerance is given.
+STORED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray) -> tuple[float, float, int] | None:
+    """Without a tolerance, finite float32 or float64 elements differ where they are unequal,
+    found in a few passes over the stored dtype: ``|a - b|`` once, its largest, the mask, its
+    count. The largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps
+    order), so it is found again in float64 over the few elements that reach it; the sum of
+    squares is summed pairwise in the stored dtype (relative error below 1e-6). None where a
+    difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then the
+    widened path answers."""
     with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.abs(sa - sb)
+        gap = np.subtract(sa, sb)
+    np.abs(gap, out=gap)
     top = gap.max()
     if not np.isfinite(top):
         return None
-    out[:] = ne
-    at = np.flatnonzero(gap == top)
-    exact = np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max()
-    return float(exact), _sum_of_squares(gap.astype(np.float64))
+    np.not_equal(sa, sb, out=out)  # every element finite: no NaN to tell apart
+    count = int(np.count_nonzero(out))
+    if not count:
+        return 0.0, 0.0, 0
+    if gap.dtype == np.float64:
+        exact = float(top)
+    else:
+        at = np.flatnonzero(gap == top)
+        exact = float(np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max())
+    fits = float(top) ** 2 * gap.size < float(np.finfo(gap.dtype).max)  # no square nor sum overflows
+    return exact, _stored_sum_of_squares(gap, scratch=gap if fits else None), count
+
+
+def _stored_sum_of_squares(x: np.ndarray, *, scratch: np.ndarray | None = None) -> float:
+    """The sum of ``x**2`` for float32 or float64 ``x``, squared and summed pairwise in its own
+    dtype (relative error below 1e-6); in float64 where float32 squares overflow. ``scratch``
+    holds the squares: ``x`` itself, when it is not needed after and no square can overflow."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = float(np.square(x, out=scratch).sum())
+    if math.isfinite(total) or x.dtype == np.float64:
+        return total
+    return _sum_of_squares(x.astype(np.float64))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -307,16 +350,17 @@ def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: 
     fb = b.reshape(-1, 2) if pairs else b.reshape(-1)
     differs = np.empty(math.prod(shape), dtype=bool)
 
-    def one(i: int) -> tuple[float, float, float]:
+    def one(i: int) -> tuple[float, float, float, int]:
         j = i + piece
         return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol)
 
     starts = range(0, differs.size, piece)
-    for max_abs, sq_diff, sq_a in (map(one, starts) if workers is None else workers.map(one, starts)):
+    count = 0
+    for max_abs, sq_diff, sq_a, n in (map(one, starts) if workers is None else workers.map(one, starts)):
         tally.max_abs = max(tally.max_abs, max_abs)
         tally.sq_diff += sq_diff
         tally.sq_a += sq_a
-    count = int(differs.sum())
+        count += n
     if not count:
         return
     tally.changed_elements += count
@@ -336,8 +380,12 @@ def _sum_of_squares(x: np.ndarray) -> float:
 
 
 def _squared_norm(x: np.ndarray, dtype: str) -> float:
-    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``),
-    in float64."""
+    """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
+    float32 and float64 as :func:`_stored_sum_of_squares` sums them, the others in float64."""
+    if x.dtype in STORED_FLOATS:
+        total = _stored_sum_of_squares(x)
+        if math.isfinite(total):
+            return total
     size = x if x.dtype == np.float64 else _numbers(x, dtype)
     if size.dtype.kind == "c":
         size = np.abs(size)
@@ -353,6 +401,8 @@ class _Sides:
 
     a: Checkpoint
     b: Checkpoint
+    stored_a: Stored
+    stored_b: Stored
     atol: float
     rtol: float
     window: int
@@ -361,66 +411,90 @@ class _Sides:
     progress: Progress
 
 
-def _compare_arrays(sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> tuple[LeafDiff, int]:
-    """The diff of one array of the same dtype and shape on both sides, and its bytes of A
-    known equal without reading."""
-    rec = sides.a.arrays[sides.a.aliases.get(path, path)]
-    chunk = la.metadata.chunk_shape
-    itemsize = _dtypes.itemsize(la.dtype)
-    # half the window: two blocks of both sides (one compared while the next is read) and the
-    # mask of one; the other half: the float64 work on pieces of a block
-    limit = max(1, sides.window // 2 // (4 * itemsize + 1))
-    piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
-    tally = Tally()
-    known = [0]  # bytes of A known equal, not read
+class _ArrayWork:
+    """The comparison of one array of the same dtype and shape on both sides: its blocks to
+    read (:meth:`blocks`), what their comparisons found, and its :class:`LeafDiff` once every
+    block is compared (:meth:`result`)."""
 
-    def to_read() -> Iterator[Box]:
-        for shard in shard_boxes((0,) * len(la.shape), la.shape, rec.chunking):
-            if known_equal(sides.a, sides.b, path, shard):
-                known[0] += math.prod(shard[1]) * itemsize
-                sides.progress.update(2 * math.prod(shard[1]) * itemsize)
+    def __init__(self, sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> None:
+        self.sides, self.path, self.la, self.lb = sides, path, la, lb
+        self.rec = sides.a.arrays[sides.a.aliases.get(path, path)]
+        self.chunk = la.metadata.chunk_shape
+        self.itemsize = _dtypes.itemsize(la.dtype)
+        # half the window: two blocks of both sides (one compared while the next is read) and the
+        # mask of one; the other half: the float64 work on pieces of a block
+        self.limit = max(1, sides.window // 2 // (4 * self.itemsize + 1))
+        self.piece = max(1, min(PIECE_ELEMENTS, sides.window // 2 // WORK_BYTES_PER_ELEMENT // COMPARING_THREADS))
+        self.tally = Tally()
+        self.known = 0  # bytes of A known equal, not read
+        self.read = 0  # bytes read, both sides
+        self.read_a, self.read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
+
+    def blocks(self) -> Iterator[Box]:
+        """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
+        sides = self.sides
+        for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
+            if known_equal(sides.stored_a, sides.stored_b, self.path, shard):
+                self.known += math.prod(shard[1]) * self.itemsize
+                sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
                 continue
-            yield from blocks(shard, chunk, limit)
+            yield from blocks(shard, self.chunk, self.limit)
 
-    read_a, read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
-
-    def start(block: Box) -> tuple[Box, Future[np.ndarray], Future[np.ndarray]]:
-        return block, sides.pool.submit(read_a, block), sides.pool.submit(read_b, block)
-
-    def settle(reading: tuple[Box, Future[np.ndarray], Future[np.ndarray]]) -> int:
-        block, da, db = reading
-        compare_block(da.result(), db.result(), la.dtype, block, chunk, tally, atol=sides.atol, rtol=sides.rtol,
-                      piece=piece, workers=sides.workers)
-        n = 2 * math.prod(block[1]) * itemsize
+    def compare(self, block: Box, a: np.ndarray, b: np.ndarray) -> None:
+        sides = self.sides
+        compare_block(a, b, self.la.dtype, block, self.chunk, self.tally, atol=sides.atol, rtol=sides.rtol,
+                      piece=self.piece, workers=sides.workers)
+        n = 2 * math.prod(block[1]) * self.itemsize
         sides.progress.update(n, 2)
-        return n
+        self.read += n
 
-    read = 0
-    ahead: collections.deque[tuple[Box, Future[np.ndarray], Future[np.ndarray]]] = collections.deque()
-    try:
-        for block in to_read():
-            ahead.append(start(block))
-            if len(ahead) > 1:
-                read += settle(ahead.popleft())
-        while ahead:
-            read += settle(ahead.popleft())
-    finally:  # an error: the reads under way are waited for, not left to write into freed blocks
-        for _, da, db in ahead:
+    def result(self) -> LeafDiff:
+        tally, read, shape = self.tally, self.read, self.la.shape
+        return LeafDiff(
+            self.path, "different" if tally.changed_elements else "equal",
+            "read" if read or not self.known else "same files",
+            self.la.dtype, self.lb.dtype, shape, self.lb.shape,
+            chunks=math.prod(-(-n // c) for n, c in zip(shape, self.chunk)),
+            changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
+            max_abs=tally.max_abs if read else 0.0,
+            rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
+            first_index=tally.first, bytes_read=read,
+        )
+
+
+_Reading = tuple[_ArrayWork, Box, "Future[np.ndarray]", "Future[np.ndarray]"]
+
+
+class _Pipeline:
+    """The blocks of every array, read one block ahead of the comparison, across arrays: the
+    next block's reads (the next array's, at an array's last block) run while a block is
+    compared, so reading and comparing overlap whatever the size of the arrays."""
+
+    def __init__(self, pool: Executor) -> None:
+        self.pool = pool
+        self.ahead: collections.deque[_Reading] = collections.deque()
+
+    def add(self, work: _ArrayWork) -> None:
+        for block in work.blocks():
+            self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block)))
+            if len(self.ahead) > 1:
+                self._settle()
+
+    def drain(self) -> None:
+        while self.ahead:
+            self._settle()
+
+    def close(self) -> None:
+        """After an error: the reads under way are waited for, not left to write into freed blocks."""
+        for _, _, da, db in self.ahead:
             da.cancel()
             db.cancel()
             wait([da, db])
-    skipped = known[0]
-    shape = la.shape
-    found = LeafDiff(
-        path, "different" if tally.changed_elements else "equal", "read" if read or not skipped else "same files",
-        la.dtype, lb.dtype, shape, lb.shape,
-        chunks=math.prod(-(-n // c) for n, c in zip(shape, chunk)),
-        changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
-        max_abs=tally.max_abs if read else 0.0,
-        rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
-        first_index=tally.first, bytes_read=read,
-    )
-    return found, skipped
+        self.ahead.clear()
+
+    def _settle(self) -> None:
+        work, block, da, db = self.ahead.popleft()
+        work.compare(block, da.result(), db.result())
 
 
 def engine_serves(leaf: LazyArray) -> bool:
@@ -474,18 +548,20 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> tuple[LeafDiff, int]:
+def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _ArrayWork:
+    """The diff of one leaf in both sides, or for two arrays of one dtype and shape the work
+    of comparing them (run by a :class:`_Pipeline`)."""
     (dtype_a, shape_a), (dtype_b, shape_b) = _kind(x), _kind(y)
     kinds = LeafDiff(path, "equal", "", dtype_a, dtype_b, shape_a, shape_b)
     if dtype_a != dtype_b or isinstance(x, LazyArray) != isinstance(y, LazyArray):
-        return dataclasses.replace(kinds, status="dtype_changed"), 0
+        return dataclasses.replace(kinds, status="dtype_changed")
     if shape_a != shape_b:
-        return dataclasses.replace(kinds, status="shape_changed"), 0
+        return dataclasses.replace(kinds, status="shape_changed")
     if isinstance(x, LazyArray) and isinstance(y, LazyArray):
-        return _compare_arrays(sides, path, x, y)
+        return _ArrayWork(sides, path, x, y)
     if _same_value(x, y):
-        return dataclasses.replace(kinds, how="value"), 0
-    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y)), 0
+        return dataclasses.replace(kinds, how="value")
+    return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y))
 
 
 def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
@@ -534,7 +610,8 @@ def diff(
     equal; complex numbers by the modulus of the difference); the counts of changed chunks
     are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
     in blocks by the reader :func:`tsckpt.restore` uses, at most ``max_inflight_bytes`` of reads and work
-    at a time; a region both sides keep in the same file (a hard link) is not read.
+    at a time; a file both sides recorded the same content hash for, or keep as the same
+    file (a hard link), is not read.
     ``progress`` shows a bar of bytes compared (default: when stderr is a terminal)."""
     RestoreOptions.of(locals())
     tolerance = _tolerance("atol", atol), _tolerance("rtol", rtol)
@@ -546,8 +623,7 @@ def diff(
     set_a, set_b = set(in_a), set(in_b)
     both = [p for p in in_a if p in set_b]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
-    found: list[LeafDiff] = []
-    read = skipped = 0
+    found: list[LeafDiff | _ArrayWork] = []
     with (
         unchanged(ra.checkpoint),  # never data of a checkpoint that replaced the one opened,
         unchanged(rb.checkpoint),  # checked once after every read, as a restore does
@@ -557,19 +633,31 @@ def diff(
     ):
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
         many = workers if COMPARING_THREADS > 1 else None
-        sides = _Sides(ra.checkpoint, rb.checkpoint, *tolerance, max_inflight_bytes, pool, many, bar)
-        for p in in_a:
-            if p not in set_b:
-                x = ra[p]
-                found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
-                continue
-            leaf, known = _compare_leaf(sides, p, ra[p], rb[p])
-            found.append(leaf)
-            read, skipped = read + leaf.bytes_read, skipped + known
-        for p in in_b:
-            if p not in set_a:
-                y = rb[p]
-                found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+        sides = _Sides(
+            ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
+            max_inflight_bytes, pool, many, bar,
+        )
+        pipeline = _Pipeline(pool)
+        try:
+            for p in in_a:
+                if p not in set_b:
+                    x = ra[p]
+                    found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
+                    continue
+                leaf = _compare_leaf(sides, p, ra[p], rb[p])
+                found.append(leaf)
+                if isinstance(leaf, _ArrayWork):
+                    pipeline.add(leaf)
+            for p in in_b:
+                if p not in set_a:
+                    y = rb[p]
+                    found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+            pipeline.drain()
+        finally:
+            pipeline.close()
+    leaves = tuple(f.result() if isinstance(f, _ArrayWork) else f for f in found)
+    skipped = sum(f.known for f in found if isinstance(f, _ArrayWork))
     return DiffReport(
-        str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, tuple(found), read, skipped
+        str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, leaves,
+        sum(leaf.bytes_read for leaf in leaves), skipped,
     )

@@ -18,6 +18,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._base import dtypes as _dtypes
+from .._base.lazytorch import mark_written
 from .._base.types import Box, Dest, ReadItem, box_slices
 from .._codec.chunkread import read_chunks
 from .._codec.route import Place, Route, place, route
@@ -108,7 +109,8 @@ def read_into(
     the stored dtype, leaving to TensorStore what it finds not exactly as expected;
     TensorStore decodes the others straight into such memory, and reads blocks into
     buffers for the rest (a cast, a GPU tensor). ``window`` bounds the bytes of reads
-    in flight, which bounds the extra memory a restore needs.
+    in flight, which bounds the extra memory a restore needs. Every torch destination is
+    marked written (:func:`mark_written`), even after a failure: its version counter moves.
     """
     if progress is not None:
         progress.set_total(sum(math.prod(d.item.lengths) * _dtypes.itemsize(ck.arrays[d.item.path].dtype) for d in dests))
@@ -116,9 +118,12 @@ def read_into(
     device: list[Dest] = []
     for d in dests:
         (device if _devicecopy.on_device(d.tensor) else host).append(d)
-    if device:
-        _read_device(ck, device, progress, window)
-    _read_host(ck, host, progress, window)
+    try:
+        if device:
+            _read_device(ck, device, progress, window)
+        _read_host(ck, host, progress, window)
+    finally:
+        mark_written(d.tensor for d in dests)
 
 
 def _read_host(ck: Checkpoint, dests: list[Dest], progress: Progress | None, window: int) -> None:

@@ -8,6 +8,8 @@ Owns:
   straddling pieces, shard and chunk files, the arrays' nodes).
 - :mod:`.share`: incremental saves: each file shared with the base checkpoint (a hard
   link) where its content is proven unchanged, and the content hashes recorded.
+- :mod:`.versions`: the content hashes known without reading: tensors torch's version
+  counter shows unchanged since this process hashed them.
 - :mod:`.descs`: what each rank sends rank 0 (its leaves' descriptors, packed), and rank
   0's view of them.
 - :mod:`.plan`: the pure save plan (frozen dataclasses): who writes what, laid out how.

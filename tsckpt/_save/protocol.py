@@ -32,7 +32,7 @@ from .._ondisk import chunking as _chunking
 from .._ondisk.arrays import OCDBT_PREFIX, data_spec
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_field
 from .._ondisk.stepindex import mark_if_managed
-from .._options import WRITE_WINDOW_BYTES, BaseDirectory, SaveOptions, verb
+from .._options import WRITE_WINDOW_BYTES, BaseDirectory, Incremental, SaveOptions, verb
 from .._runtime.memory import collector_paused
 from .._runtime.progress import Progress
 from .._storage import durable as _durable
@@ -79,7 +79,7 @@ def save(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
-    incremental: bool = True,
+    incremental: Incremental = True,
     base: BaseDirectory = None,
 ) -> None:
     """Save a pytree as a committed zarr v3 checkpoint.
@@ -378,7 +378,9 @@ def _write(
     with _faults.storage_errors(loc, doing="writing"):
         sharer = None
         if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
-            sharer = _share.Sharer(loc.local, _share.open_base(options.base, loc))
+            sharer = _share.Sharer(
+                loc.local, _share.open_base(options.base, loc), versions=options.incremental is True
+            )
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         try:
             keys = _write_regions(

@@ -12,9 +12,13 @@ Anything else (no base, another layout, a file missing or changed, a link refuse
 the file, as a full save does. The files stay standard zarr files: a later step holds its
 own directory entries, so deleting the base (retention) leaves it whole.
 
-Once the files are durable, each rank records, per file, its hash and the file's size,
-modification time and inode (``content`` in the root metadata, docs/format.md); a file
-shared whose base changed during the save fails the save (:meth:`Sharer.recorded`).
+The hash of a file whose source is a tensor torch's version counter shows unchanged since
+this process hashed it is taken from then, its data not read (:mod:`.versions`).
+
+Each rank records, per file, its hash and the file's size, modification time and inode
+(``content`` in the root metadata, docs/format.md): a written file's as its write thread
+closes it, a shared file's once the files are durable; a file shared whose base changed
+during the save fails the save (:meth:`Sharer.recorded`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from .._base.lazytorch import is_tensor
 from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.locations import Directory, Location, resolve
+from . import versions as _versions
 
 log = logging.getLogger("tsckpt")
 
@@ -125,23 +131,55 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
     return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
 
 
+# Where a file's data comes from, for a hash known without reading it (:mod:`.versions`):
+# the leaf's tensor, its state before the save read it, and the file's box of it.
+Proof = tuple[Any, _versions.State, _versions.Box]
+
+
 class Sharer:
     """One rank's files of an incremental save: each hashed, then shared or written (by the
-    write threads, through :meth:`put`)."""
+    write threads, through :meth:`put`). ``versions``: a file's hash may be known from an
+    earlier save of the same unchanged tensor (:mod:`.versions`; off with ``incremental="hash"``)."""
 
-    def __init__(self, directory: str, base: Base | None) -> None:
-        self.directory, self.base = directory, base
-        self.hashes: dict[str, str] = {}
+    def __init__(self, directory: str, base: Base | None, *, versions: bool = False) -> None:
+        self.directory, self.base, self.versions = directory, base, versions
+        self.hashes: dict[str, str] = {}  # the shared files' hashes
+        self.written: dict[str, ContentEntry] = {}  # the written files' entries
         self.shared: set[str] = set()
+        self._states: dict[int, tuple[Any, _versions.State | None]] = {}
+        self.known: set[str] = set()  # files whose hash was known, their data not read
 
-    def put(self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None]) -> None:
-        """Hash ``src``, the data of file ``key``; link the base's file, or ``write()``."""
-        digest = contenthash.digest(src)
-        self.hashes[key] = digest
-        if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
+    def proof(self, data: Any, region: tuple[str, tuple[int, ...]], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Proof | None:
+        """The :data:`Proof` of the file of box (``offsets``, ``lengths``) of a leaf's local
+        ``data`` (``region``: its stored dtype and offsets), None where no proof is possible.
+        The data's state is taken once per save, at its first file, before any is read."""
+        if not self.versions or not is_tensor(data):
+            return None
+        got = self._states.get(id(data))
+        if got is None or got[0] is not data:
+            got = self._states[id(data)] = (data, _versions.state(data))
+        return None if got[1] is None else (data, got[1], (*region, offsets, lengths))
+
+    def put(
+        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], os.stat_result | None],
+        proof: Proof | None = None,
+    ) -> None:
+        """Hash ``src``, the data of file ``key`` (or take the hash ``proof`` proves known);
+        link the base's file, or ``write()`` it (which may return the file's status as written)."""
+        digest = None if proof is None else _versions.known(*proof)
+        if digest is not None:
+            self.known.add(key)
+        else:
+            digest = contenthash.digest(src)
+            if proof is not None:
+                _versions.remember(*proof, digest)
+        path = os.path.join(self.directory, key)
+        if self.base is not None and self.base.link(key, rec, digest, path):
+            self.hashes[key] = digest
             self.shared.add(key)
             return
-        write()
+        st = write() or os.lstat(path)  # here, on the write threads: its size, time and inode are final
+        self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
 
     def close(self) -> None:
         """Close the base's directory (once every file is shared or written)."""
@@ -149,17 +187,17 @@ class Sharer:
             self.base.close()
 
     def recorded(self) -> dict[str, ContentEntry]:
-        """Every file's entry once the files are durable. A shared file whose base changed since
-        the base recorded it (edited during this save) raises: the step would not hold what
-        was saved."""
-        out: dict[str, ContentEntry] = {}
-        newest = -1
-        for key, digest in self.hashes.items():
+        """Every file's entry once the files are durable (the shared files' stat'd again now).
+        A shared file whose base changed since the base recorded it (edited during this save)
+        raises: the step would not hold what was saved."""
+        out: dict[str, ContentEntry] = dict(self.written)
+        newest = max((e[2] for e in out.values()), default=-1)
+        for key, digest in self.hashes.items():  # the shared files: stat again once durable
             path = os.path.join(self.directory, key)
             st = os.lstat(path)
             out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
             newest = max(newest, st.st_mtime_ns)
-            if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
+            if self.base is not None and self.base.files[key][1:] != out[key][1:]:
                 raise StorageError(
                     f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",

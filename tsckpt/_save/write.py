@@ -38,7 +38,7 @@ from .._runtime.window import Window
 from .._storage import durable as _durable
 from .._storage import locations as _locations
 from .plan import RankPlan, WriteItem
-from .share import Sharer
+from .share import Proof, Sharer
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
 # (_codec/shardwrite.py; pwritev and large copies release the GIL), by this many threads:
@@ -159,12 +159,12 @@ class _Batch:
 
     def __init__(self, pool: Workers, directory: str, made: set[str], sharer: Sharer | None) -> None:
         self.pool, self.directory, self.made, self.sharer = pool, directory, made, sharer
-        self.files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord]] = []
+        self.files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord, Proof | None]] = []
         self.nbytes = 0
         self.future: Any = None
 
-    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...], rec: ArrayRecord) -> None:
-        self.files.append((key, src, chunk, rec))
+    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...], rec: ArrayRecord, proof: Proof | None) -> None:
+        self.files.append((key, src, chunk, rec, proof))
         self.nbytes += src.nbytes
 
     def submit(self) -> None:
@@ -180,19 +180,19 @@ class _Batch:
 
 
 def _write_chunk_files(
-    directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord]], made: set[str],
+    directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord, Proof | None]], made: set[str],
     sharer: Sharer | None,
 ) -> None:
     """One batch: the directories of its files not yet made (on this worker, so that the
     directories are made while the main thread reads the next sources), then the files
     (an incremental save's shared with its base where ``sharer`` proves them equal)."""
-    shardwrite.make_parents(directory, (key for key, _, _, _ in files), made)
-    for key, src, chunk, rec in files:
+    shardwrite.make_parents(directory, (key for key, _, _, _, _ in files), made)
+    for key, src, chunk, rec, proof in files:
         path = os.path.join(directory, key)
         if sharer is None:
             shardwrite.write_chunk(path, src, chunk)
         else:
-            sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk))
+            sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk, stat=True), proof)
 
 
 def _write_small_files(files: list[tuple[str, bytes]]) -> None:
@@ -233,12 +233,15 @@ class _Writers:
         if self.directory is not None:
             shardwrite.make_parents(self.directory, (w.key for w in files if w.route is Route.SHARD), self.made)
 
-    def start(self, w: _ShardWrite, src: np.ndarray, done: Callable[[], None] | None = None) -> _Started:
-        """Start writing ``src``; ``done`` runs once the write has finished with it."""
+    def start(
+        self, w: _ShardWrite, src: np.ndarray, done: Callable[[], None] | None = None, proof: Proof | None = None
+    ) -> _Started:
+        """Start writing ``src``; ``done`` runs once the write has finished with it. ``proof``:
+        where the file's hash may be known without reading ``src`` (:meth:`Sharer.proof`)."""
         if w.route is Route.SHARD:
-            fut = self._shard_file(w, src)
+            fut = self._shard_file(w, src, proof)
         elif w.route is Route.CHUNK and self.directory is not None:
-            fut = self._chunk_file(self.directory, w, src)
+            fut = self._chunk_file(self.directory, w, src, proof)
         elif w.route is Route.CHUNK:
             kv = self.kv if self.txn is None else self.kv.with_transaction(self.txn)
             fut = kv.write(w.key, encode_chunk(src, w.shapes.shard))
@@ -246,16 +249,16 @@ class _Writers:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes, done
 
-    def _chunk_file(self, directory: str, w: _ShardWrite, src: np.ndarray) -> _Batch:
+    def _chunk_file(self, directory: str, w: _ShardWrite, src: np.ndarray, proof: Proof | None) -> _Batch:
         batch = self.batch
         if batch is None or batch.future is not None:
             batch = self.batch = _Batch(self.pool, directory, self.made, self.sharer)
-        batch.add(w.key, src, w.shapes.shard, w.rec)
+        batch.add(w.key, src, w.shapes.shard, w.rec, proof)
         if batch.nbytes >= BATCH_BYTES or len(batch.files) >= BATCH_FILES:
             batch.submit()
         return batch
 
-    def _shard_file(self, w: _ShardWrite, src: np.ndarray) -> Any:
+    def _shard_file(self, w: _ShardWrite, src: np.ndarray, proof: Proof | None) -> Any:
         shapes = w.shapes
         path = os.path.join(str(self.directory), w.key)
         inner = shapes.inner or shapes.shard
@@ -264,7 +267,7 @@ class _Writers:
         def write() -> None:
             shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
 
-        return self.pool.submit(write if sharer is None else lambda: sharer.put(w.key, w.rec, src, write))
+        return self.pool.submit(write if sharer is None else lambda: sharer.put(w.key, w.rec, src, write, proof))
 
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
@@ -334,8 +337,14 @@ def write_regions(
             if not w.item.assembled and _devicecopy.on_device(lf.data):
                 device.add(w, lf.data[_box_sel(lf, w.offsets, w.lengths)])
             else:
-                src = _assemble(w.item, lf, plan, received) if w.item.assembled else _local_box(lf, w.offsets, w.lengths)
-                in_flight.add(writers.start(w, src), src.nbytes)
+                proof = None
+                if w.item.assembled:
+                    src = _assemble(w.item, lf, plan, received)
+                else:
+                    if sharer is not None:  # before the data is read
+                        proof = sharer.proof(lf.data, (lf.desc.dtype, lf.desc.offsets), w.offsets, w.lengths)
+                    src = _local_box(lf, w.offsets, w.lengths)
+                in_flight.add(writers.start(w, src, proof=proof), src.nbytes)
             written.append(w.key)
         device.flush()
         in_flight.drain()

@@ -46,7 +46,7 @@ from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.readfaults import unchanged
 from .._ondisk.records import LAYOUT_PLAIN
-from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, RestoreOptions, SaveOptions, verb
+from .._options import READ_WINDOW_BYTES, WRITE_WINDOW_BYTES, Incremental, RestoreOptions, SaveOptions, verb
 from .._read.engine import read_into
 from .._read.restore import cast_warnings_off, warn_lost_values
 from .._runtime.progress import Progress
@@ -233,7 +233,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         max_inflight_bytes: int = WRITE_WINDOW_BYTES,
         layout: str = LAYOUT_PLAIN,
         progress: bool | None = None,
-        incremental: bool = True,
+        incremental: Incremental = True,
     ) -> None:
         super().__init__()
         self.options = SaveOptions.of(locals())

@@ -44,6 +44,7 @@ from .._options import (
     BaseDirectory,
     Copy,
     IfBusy,
+    Incremental,
     RestoreOptions,
     SaveOptions,
     Staging,
@@ -268,7 +269,7 @@ def save(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
-    incremental: bool = True,
+    incremental: Incremental = True,
     base: BaseDirectory = None,
 ) -> None:
     """Save the training state; every rank calls it.
@@ -303,7 +304,7 @@ def save_async(
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
     progress: bool | None = None,
-    incremental: bool = True,
+    incremental: Incremental = True,
     base: BaseDirectory = None,
     if_busy: IfBusy = "wait",
     max_staging_bytes: int | None = None,
