@@ -1,9 +1,9 @@
 """Incremental saves: a frozen base plus a small changing adapter and its AdamW state.
 
 A CheckpointManager saves the same run of steps twice in one process: with
-``incremental=True`` (the default: every file hashed, except those of tensors torch's
+``incremental="versions"`` (every file hashed, except those of tensors torch's
 version counter shows unchanged since their last save; unchanged files shared with the
-previous step by hard links) and with ``incremental=False`` (every file written, no
+previous step by hard links; the default ``True`` hashes every file) and with ``incremental=False`` (every file written, no
 hashes: a save as before). Reported per step: the bytes of new files (files shared
 with an earlier step are not counted) and the save time; then the restore time of the
 last step of each (warm page cache), ``du`` of each manager's root, and the throughput
@@ -72,7 +72,7 @@ def _du(path: str) -> int:
     return int(out.split()[0]) * 1024
 
 
-def _run(root: str, base_mib: int, adapter_mib: int, steps: int, incremental: bool) -> dict[str, Any]:
+def _run(root: str, base_mib: int, adapter_mib: int, steps: int, incremental: bool | str) -> dict[str, Any]:
     base, adapter, opt = _model(base_mib, adapter_mib)
     m = tsckpt.CheckpointManager(root, incremental=incremental)
     times, written = [], []
@@ -116,7 +116,7 @@ def main() -> None:
     adapter_mib = max(1, base_mib // 64)
     work = tempfile.mkdtemp(dir=args.dir)
     try:
-        on = _run(os.path.join(work, "incremental"), base_mib, adapter_mib, steps, True)
+        on = _run(os.path.join(work, "incremental"), base_mib, adapter_mib, steps, "versions")
         off = _run(os.path.join(work, "full"), base_mib, adapter_mib, steps, False)
         _restores([on, off], steps, 7)
     finally:

@@ -47,9 +47,20 @@ def _state() -> dict[str, Any]:
     return {"frozen": torch.randn(64, 64, generator=g), "w": torch.nn.Parameter(torch.randn(8, 8, generator=g))}
 
 
-def test_an_unchanged_tensor_is_linked_without_being_hashed(tmp_path, hashed):
+def test_by_default_every_file_is_hashed_again(tmp_path, hashed):
+    """The default proves each shared file by its content; torch's counters are not trusted."""
     state = _state()
     m = tsckpt.CheckpointManager(tmp_path)
+    m.save(1, state)
+    hashed.clear()
+    m.save(2, state)
+    assert sorted(hashed) == [8 * 8 * 4, 64 * 64 * 4]
+    assert set(_links(m.directory(2)).values()) == {2}
+
+
+def test_an_unchanged_tensor_is_linked_without_being_hashed(tmp_path, hashed):
+    state = _state()
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
     m.save(1, state)
     assert sorted(hashed) == [8 * 8 * 4, 64 * 64 * 4]
     hashed.clear()
@@ -110,7 +121,7 @@ SEEN = {
 @pytest.mark.parametrize("how", sorted(SEEN))
 def test_every_write_torch_counts_is_saved(tmp_path, hashed, how):
     p = _param()
-    m = tsckpt.CheckpointManager(tmp_path)
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
     m.save(1, {"p": p})
     SEEN[how](p)
     want = p.detach().clone()
@@ -123,7 +134,7 @@ def test_every_write_torch_counts_is_saved(tmp_path, hashed, how):
 
 def test_a_restore_in_place_counts_as_a_write(tmp_path, hashed):
     p = _param()
-    m = tsckpt.CheckpointManager(tmp_path)
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
     m.save(1, {"p": p})
     with torch.no_grad():
         p.add_(1)
@@ -151,18 +162,19 @@ UNSEEN = {"tensor.data": _through_data, "a numpy view": _through_numpy, "the sto
 
 
 @pytest.mark.parametrize("how", sorted(UNSEEN))
-def test_writes_the_counter_misses_need_incremental_hash(tmp_path, hashed, how):
-    """What docs/incremental.md says the counter cannot see: with the default, the step keeps
-    the unchanged file (the documented limit); with incremental="hash" the new values."""
+def test_writes_the_counter_misses_are_saved_by_default(tmp_path, hashed, how):
+    """What docs/incremental.md says the counter cannot see: trusting the counters
+    (incremental="versions"), the step keeps the unchanged file (the documented limit); with
+    the default (every file hashed) the new values."""
     p = _param()
-    m = tsckpt.CheckpointManager(tmp_path / "default")
+    m = tsckpt.CheckpointManager(tmp_path / "versions", incremental="versions")
     m.save(1, {"p": p})
     UNSEEN[how](p)
     want = p.detach().clone()
     assert not torch.equal(want, torch.zeros(4, 4))
     m.save(2, {"p": p})
     assert np.array_equal(m.restore(2)["p"], np.zeros((4, 4), np.float32))  # unseen: the limit
-    h = tsckpt.CheckpointManager(tmp_path / "hash", incremental="hash")
+    h = tsckpt.CheckpointManager(tmp_path / "default")
     q = _param()
     h.save(1, {"p": q})
     UNSEEN[how](q)
@@ -177,7 +189,7 @@ def test_what_is_always_hashed(tmp_path, hashed):
     with torch.inference_mode():
         inference = torch.zeros(4, 4)
     state = {"shared": shared, "numpy": arr, "inference": inference}
-    m = tsckpt.CheckpointManager(tmp_path)
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
     m.save(1, state)
     hashed.clear()
     m.save(2, state)
@@ -201,8 +213,8 @@ def test_a_remembered_hash_belongs_to_one_tensor_object():
     assert versions.state(t.to(torch.float64)) != before
 
 
-def test_incremental_takes_hash_and_refuses_other_strings(tmp_path):
-    with pytest.raises(TypeError, match='incremental must be True, False or "hash"'):
+def test_incremental_takes_versions_and_refuses_other_strings(tmp_path):
+    with pytest.raises(TypeError, match='incremental must be True, False or "versions"'):
         tsckpt.save(tmp_path / "a", {"x": np.zeros(2)}, incremental="yes")
 
 
@@ -239,5 +251,5 @@ def test_the_state_is_taken_before_the_data_is_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(versions, "state", state)
     monkeypatch.setattr(contenthash, "digest", digest)
-    tsckpt.save(tmp_path / "a", {"p": _param()})
+    tsckpt.save(tmp_path / "a", {"p": _param()}, incremental="versions")
     assert order == ["state", "read"]

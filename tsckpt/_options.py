@@ -76,7 +76,7 @@ IF_BUSY = ("wait", "error")
 Staging = Literal["blocking", "overlapped"]
 STAGING = ("blocking", "overlapped")
 Writer = Literal["process", "thread"]
-Incremental = bool | Literal["hash"]  # "hash": every file hashed, none taken as unchanged from torch's version counters
+Incremental = bool | Literal["versions"]  # "versions": CPU tensors torch's version counters show unchanged are not hashed again
 WRITERS = ("process", "thread")
 # ``copy=``: True (new memory), False (copy-on-write mappings of the files), "read-only" (numpy arrays read-only).
 Copy = Union[bool, Literal["read-only"]]
@@ -95,8 +95,11 @@ def _flag(name: str, value: Any) -> None:
 
 
 def _incremental(name: str, value: Any) -> None:
-    if not isinstance(value, bool) and value != "hash":
-        raise TypeError(f"{name} must be True, False or \"hash\" (every file hashed), not {value!r} ({type(value).__name__})")
+    if not isinstance(value, bool) and value != "versions":
+        raise TypeError(
+            f"{name} must be True, False or \"versions\" (trust torch's version counters), not {value!r} "
+            f"({type(value).__name__})"
+        )
 
 
 def _bar(name: str, value: Any) -> None:
@@ -240,9 +243,9 @@ class SaveOptions(_Options):
         True,
         "Record a content hash of every file (a later save may share the files with this one), and share "
         "with ``base`` every file whose content is proven equal (plain layout on a local file system; "
-        "False: neither, every file written as before). A CPU tensor that torch's version counter shows "
-        "unchanged since this process hashed it is not hashed again; \"hash\": every file hashed, for "
-        "programs that write tensors unseen by that counter (through ``.data`` or numpy views; "
+        "False: neither, every file written as before). \"versions\": also a CPU tensor that torch's "
+        "version counter shows unchanged since this process hashed it is not hashed again, for programs "
+        "that never write tensors unseen by that counter (through ``.data``, numpy views or the storage; "
         "docs/incremental.md).",
         _incremental,
     )

@@ -379,7 +379,7 @@ def _write(
         sharer = None
         if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
             sharer = _share.Sharer(
-                loc.local, _share.open_base(options.base, loc), versions=options.incremental is True
+                loc.local, _share.open_base(options.base, loc), versions=options.incremental == "versions"
             )
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         try:

@@ -139,7 +139,7 @@ Proof = tuple[Any, _versions.State, _versions.Box]
 class Sharer:
     """One rank's files of an incremental save: each hashed, then shared or written (by the
     write threads, through :meth:`put`). ``versions``: a file's hash may be known from an
-    earlier save of the same unchanged tensor (:mod:`.versions`; off with ``incremental="hash"``)."""
+    earlier save of the same unchanged tensor (:mod:`.versions`; only with ``incremental="versions"``)."""
 
     def __init__(self, directory: str, base: Base | None, *, versions: bool = False) -> None:
         self.directory, self.base, self.versions = directory, base, versions

@@ -18,9 +18,10 @@ What the counter cannot see, and what is therefore excluded or must be declared:
 - writes through ``tensor.data`` (a new tensor with a counter of its own), through a numpy
   view (``tensor.numpy()``, or the array a ``torch.from_numpy`` tensor views), through the
   storage (``untyped_storage()``), from native code, or to a memory-mapped file under a
-  tensor (``torch.load(mmap=True)``): invisible. A program that writes tensors that way
-  between saves saves with ``incremental="hash"`` (every file hashed). tsckpt's own
-  restores tell torch of their writes (:func:`tsckpt._base.lazytorch.mark_written`).
+  tensor (``torch.load(mmap=True)``): invisible. This is why the counters are trusted
+  only where a save asks (``incremental="versions"``): a program that never writes its
+  tensors that way between saves. tsckpt's own restores tell torch of their writes
+  (:func:`tsckpt._base.lazytorch.mark_written`).
 
 A ``save_async`` saves staged copies: tsckpt fills its reused staging tensors with
 ``copy_`` (their version moves at every staging) and a writer process's views are new
