@@ -406,3 +406,26 @@ def test_a_failed_deferred_copy_under_the_writer_process_raises_from_result(tmp_
     assert again.writer_peak_bytes is not None
     assert _differences(_saved(tmp_path / "again"), expected) == []
     background._default.close()
+
+
+def test_deferred_copies_are_made_in_batches(tmp_path, monkeypatch):
+    """One call into torch per COPY_BATCH_BYTES of deferred copies, each batch at least one."""
+    calls: list[int] = []
+    real = guard_module._copy
+
+    def counted(dst, src):
+        calls.append(len(dst))
+        real(dst, src)
+
+    monkeypatch.setattr(guard_module, "_copy", counted)
+    run = Run()
+    expected = run.snapshot()
+    tensors = 4 * len(list(run.model.parameters()))  # each parameter, its step count and 2 moments
+    tsckpt.save_async(tmp_path / "one", run.state, staging="overlapped").result(timeout=30)
+    assert calls == [tensors]
+    assert _differences(_saved(tmp_path / "one"), expected) == []
+    calls.clear()
+    monkeypatch.setattr(guard_module, "COPY_BATCH_BYTES", 1)
+    tsckpt.save_async(tmp_path / "each", run.state, staging="overlapped").result(timeout=30)
+    assert calls == [1] * tensors
+    assert _differences(_saved(tmp_path / "each"), expected) == []

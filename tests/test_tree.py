@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import urllib.parse
+from typing import Any
 
 import numpy as np
 import pytest
@@ -304,3 +305,24 @@ def test_structure_problem_refuses_deep_nesting_without_recursion():
     assert tree.structure_problem(node, ["/".join(["0"] * (tree.MAX_STRUCTURE_DEPTH + 1))]) == (
         f"it is nested more than {tree.MAX_STRUCTURE_DEPTH} levels deep"
     )
+
+
+class _Keyed:
+    """A registered node whose children's names are its own data, not its structure's."""
+
+    def __init__(self, names: list[str], values: list[Any]) -> None:
+        self.names, self.values = names, values
+
+
+tree.register_node(_Keyed, lambda n: (n.values, None, n.names), lambda aux, children: _Keyed([], list(children)))
+
+
+def test_paths_are_remembered_by_structure_only_where_the_structure_names_them():
+    first = flatten({"a": {"x": 1, "y": [2, 3]}, "p": Point(4, 5)})
+    again = flatten({"a": {"x": 6, "y": [7, 8]}, "p": Point(9, 10)})
+    assert again.paths == first.paths == ["a/x", "a/y/0", "a/y/1", "p/x", "p/y"]
+    assert again.leaves == [6, 7, 8, 9, 10]
+    assert flatten({"a": {"z": 1, "y": [2, 3]}, "p": Point(4, 5)}).paths[0] == "a/y/0"  # other keys
+    # equal structures (optree does not compare a node's child names) with other names
+    assert flatten({"k": _Keyed(["u", "v"], [1, 2])}).paths == ["k/u", "k/v"]
+    assert flatten({"k": _Keyed(["s", "t"], [1, 2])}).paths == ["k/s", "k/t"]

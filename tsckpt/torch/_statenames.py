@@ -6,8 +6,8 @@
 of a few hundred tensors that is most of what a ``save_async`` call costs. The names
 depend only on the model's structure, so they are computed here by torch's helpers once,
 checked against torch's own result, and then reused while the model's and the optimizer's
-``state_dict()`` keep the same keys over the same parameters. Anything else takes torch's
-path every time: FSDP1 (its state dicts are made under its own contexts), an object whose
+``state_dict()`` keep the same keys over the same parameters (learned again when they
+change). Anything else takes torch's path every time: FSDP1 (its state dicts are made under its own contexts), an object whose
 ``state_dict`` was replaced on the instance (DCP's patching), a state whose names torch
 computes differently from here, or an optimizer whose state is still to be created.
 """
@@ -104,7 +104,7 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
             values = list(raw.values())
             return {name: values[i] for name, i in cached.order}
     out = _torch_model_state(model)
-    if cached is False:  # a first call: learn the names where this module may serve them
+    if cached is not None:  # a first call, or the keys changed: learn them where this module may serve them
         _models[model] = _learn_model(model, out)
     return out
 
@@ -140,7 +140,7 @@ def optim_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[st
     ``{"state": {name: {...}}, "param_groups": [...]}``; learns the names for
     :func:`cached_names` at the first call whose state exists."""
     out = _torch_optim_state(model, optim)
-    if optim not in _optims and optim.state:
+    if optim.state and _optims.get(optim, False) is not None:  # never refused: learn (again)
         _optims[optim] = _learn_optim(model, optim, out)
     return out
 
