@@ -3,14 +3,13 @@ that keep the checkpoint at the values of the call.
 
 With ``staging="overlapped"`` a background save returns before it has copied the tensors
 that an optimizer among the saved objects updates in place: that optimizer's parameters
-and its state (moments). Those are copied in a thread of their own, smallest first, while
-training goes on, and the next ``step()`` of such an optimizer is held back by a step
+and its state (moments). Those are copied in a thread of their own, smallest first, in
+batches that each are one call into torch run without the interpreter, while training goes on, and the next ``step()`` of such an optimizer is held back by a step
 pre-hook until its own tensors are copied. Everything else is copied before the call
 returns, as with ``staging="blocking"``: buffers (the forward that updates them follows
 the call at once, so holding it back would only move the wait), tensors that no optimizer
 of the saved objects holds (given in a plain dict, or a module's own without its optimizer),
-tensors smaller than :data:`DEFER_MIN_BYTES` (a step count, a bias: their copy costs less
-than the bookkeeping of deferring it), non-contiguous views, numpy arrays, device tensors
+tensors smaller than :data:`DEFER_MIN_BYTES`, non-contiguous views, numpy arrays, device tensors
 and jax arrays; plain values and stateful objects' states are taken at the call in both
 modes.
 
@@ -47,9 +46,10 @@ else:
 # The name of the thread that makes the deferred copies.
 STAGING_THREAD = "tsckpt-staging"
 
-# Tensors smaller than this are copied in the call even when overlapped: below it a copy
-# takes about as long as the bookkeeping of deferring it, which the copying thread would
-# do holding the interpreter, beside a training loop that needs it.
+# Tensors smaller than this are copied in the call even when overlapped. None are: since the
+# deferred copies are batched (COPY_BATCH_BYTES), deferring a small tensor costs the copying
+# thread no per-tensor work holding the interpreter, and the call saves its copy
+# (benchmarks/RESULTS.md, "save_async call time"); kept as the one place to change it.
 DEFER_MIN_BYTES = 0
 
 Span = tuple[int, int]  # (address, bytes) of a contiguous CPU tensor's memory
