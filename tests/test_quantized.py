@@ -250,13 +250,13 @@ def test_hf_block_fp8_restores_into_float8_and_bf16_targets_by_region(tmp_path, 
     from tsckpt._read.reader import LazyArray
 
     reads = []
-    real = LazyArray.__getitem__
+    real = LazyArray.read  # what arr[...] and arr.torch[...] both read through
 
-    def recording(self, index):
+    def recording(self, index, **kw):
         reads.append((self.path, tuple((s.start, s.stop) for s in index) if isinstance(index, tuple) else index))
-        return real(self, index)
+        return real(self, index, **kw)
 
-    monkeypatch.setattr(LazyArray, "__getitem__", recording)
+    monkeypatch.setattr(LazyArray, "read", recording)
 
     w, norm, hf = _hf_fp8_dir(tmp_path, {"model_type": "x"})
     ref = w.dequantize()

@@ -194,17 +194,20 @@ def flatten(tree: Any, *, names: str = TSCKPT_NAMES) -> Flat:
     """Leaves in a fixed order, each with its unique path string (as tsckpt names them, or
     as Orbax does: :data:`ORBAX_NAMES`). A tree deeper than a checkpoint's structure may be
     (:data:`MAX_STRUCTURE_DEPTH`) raises :func:`too_deep`. The paths of a structure met
-    before are remembered (:func:`_known_paths`): a training loop flattens the same tree at
+    before are remembered (:func:`paths_of`): a training loop flattens the same tree at
     every save."""
-    orbax = names == ORBAX_NAMES
     try:
         leaves, spec = optree.tree_flatten(tree, is_leaf=_register_dataclasses, namespace=NAMESPACE)
     except RecursionError:  # optree recurses once per level
         raise too_deep() from None
+    return Flat(list(paths_of(spec, names=names)), leaves, spec)
+
+
+def paths_of(spec: optree.PyTreeSpec, *, names: str = TSCKPT_NAMES) -> tuple[str, ...]:
+    """The path of each leaf of a structure (as :func:`flatten` names them), remembered by structure."""
+    orbax = names == ORBAX_NAMES
     paths = _known_paths(spec, orbax)
-    if paths is None:
-        paths = _paths(spec, orbax)
-    return Flat(list(paths), leaves, spec)
+    return _paths(spec, orbax) if paths is None else paths
 
 
 # Paths by (structure, names): a structure whose every node names its children by its type

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .._base.lazytorch import is_generator, is_tensor
+from .._base.lazytorch import is_generator, is_tensor, loaded
 from .._errors import StructureMismatchError
-from ..tree import flatten, join, leaves, unflatten
+from ..tree import join, leaves, paths_of, unflatten
 from .quantized import expand_leaf, is_subclass_leaf
 
 if TYPE_CHECKING:
@@ -59,9 +59,20 @@ def is_whole_state(obj: Any) -> bool:
     )
 
 
+# Types whose nodes are never objects: answered without a look at the node (a training
+# state's traversal meets hundreds of them at every save).
+_NEVER_OBJECTS = frozenset((dict, list, tuple, str, bytes, int, float, bool, type(None), np.ndarray))
+
+
 def _is_object(node: Any) -> bool:
     """A stateful object, a whole state or a tensor subclass (:mod:`.quantized`): a leaf of the
     traversal that finds them."""
+    cls = type(node)
+    if cls in _NEVER_OBJECTS:
+        return False
+    t = loaded()
+    if t is not None and (cls is t.Tensor or cls is t.nn.Parameter):
+        return False
     if is_subclass_leaf(node):
         return True
     return not _is_plain(node) and (is_stateful(node) or is_whole_state(node))
@@ -113,8 +124,7 @@ def expand(tree: Any, *, rank: int = 0, prefix: str = "") -> Expanded:
     objects = {i: leaf for i, leaf in enumerate(found) if _is_object(leaf)}
     if not objects:
         return Expanded(tree)
-    all_paths = flatten(tree).paths
-    paths = all_paths if len(all_paths) == len(found) else ["<inside the tree>"] * len(found)
+    paths = paths_of(spec)
     whole = [i for i, leaf in objects.items() if is_whole_state(leaf)]
     if whole:
         raise StructureMismatchError(
