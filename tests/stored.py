@@ -58,7 +58,7 @@ def count_files(directory: str | os.PathLike[str]) -> int:
 
 def layout_record(layout: str) -> tuple[str, int]:
     """What the root of a checkpoint in ``layout`` records: (layout, format version)."""
-    return layout, {"plain": 1, "compact": 2}[layout]
+    return layout, {"plain": 3, "compact": 3}[layout]
 
 
 def root_layout(meta: dict) -> tuple[str, object]:

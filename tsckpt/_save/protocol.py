@@ -393,7 +393,7 @@ def _write(
         if compact:
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            shared = set() if sharer is None else sharer.shared
+            shared = set() if sharer is None else set(sharer.shared)
             _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
         return None if sharer is None else sharer.recorded()
 

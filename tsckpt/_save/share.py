@@ -2,7 +2,8 @@
 it (a hard link), every other file written.
 
 A file is shared only when that is proven: its array's record (dtype, shape, chunking,
-kind) is the base's, the content hash of the data it would hold
+kind) is the base's (whose file of the same cell may have another key: a base of an older
+format names a one-file array's file ``c/0``, a newer save ``c.0``), the content hash of the data it would hold
 (:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
 base's file is still the one its save wrote: after the link, its size, modification time
 and inode are those the base recorded once its files were durable (a file rewritten or
@@ -32,8 +33,10 @@ import numpy as np
 from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
+from .._ondisk.arrays import same_cell_key
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
 from .._storage.beneath import open_beneath, open_directory
+from .._storage.faults import leaf_of_key
 from .._storage.locations import Directory, Location, resolve
 
 log = logging.getLogger("tsckpt")
@@ -55,24 +58,31 @@ class Base:
     def close(self) -> None:
         os.close(self.dir_fd)
 
-    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
-        """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
-        write there (see the module's docstring); False, with nothing left at ``dest``, if not."""
+    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> str | None:
+        """Link the base's file of this save's file ``key`` at ``dest`` if it provably holds what
+        this save would write there (see the module's docstring): its key in the base; None,
+        with nothing left at ``dest``, if not."""
+        theirs = self.records.get(rec.path)
+        if theirs is None or (theirs.shape, theirs.dtype, theirs.kind, theirs.chunking) != (
+            rec.shape, rec.dtype, rec.kind, rec.chunking
+        ):
+            return None
+        key = same_cell_key(key, rec, theirs)
         entry = self.files.get(key)
-        if entry is None or entry[0] != digest or self.records.get(rec.path) != rec:
-            return False
+        if entry is None or entry[0] != digest:
+            return None
         try:
             os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
         except OSError:
-            return False  # gone (the base deleted), too many links, another file system: written instead
+            return None  # gone (the base deleted), too many links, another file system: written instead
         try:
             st = os.lstat(dest)
             if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:] and self._inside(key, st):
-                return True
+                return key
         except OSError:
             pass
         os.unlink(dest)  # never written through: that would change the base's file too
-        return False
+        return None
 
 
     def _inside(self, key: str, linked: os.stat_result) -> bool:
@@ -132,14 +142,15 @@ class Sharer:
     def __init__(self, directory: str, base: Base | None) -> None:
         self.directory, self.base = directory, base
         self.hashes: dict[str, str] = {}
-        self.shared: set[str] = set()
+        self.shared: dict[str, str] = {}  # this save's key -> the base's key of the file shared
 
     def put(self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], None]) -> None:
         """Hash ``src``, the data of file ``key``; link the base's file, or ``write()``."""
         digest = contenthash.digest(src)
         self.hashes[key] = digest
-        if self.base is not None and self.base.link(key, rec, digest, os.path.join(self.directory, key)):
-            self.shared.add(key)
+        theirs = None if self.base is None else self.base.link(key, rec, digest, os.path.join(self.directory, key))
+        if theirs is not None:
+            self.shared[key] = theirs
             return
         write()
 
@@ -159,11 +170,11 @@ class Sharer:
             st = os.lstat(path)
             out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
             newest = max(newest, st.st_mtime_ns)
-            if key in self.shared and self.base is not None and self.base.files[key][1:] != out[key][1:]:
+            if key in self.shared and self.base is not None and self.base.files[self.shared[key]][1:] != out[key][1:]:
                 raise StorageError(
                     f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",
-                    filename=path, leaf=key.rpartition("/c")[0],
+                    filename=path, leaf=leaf_of_key(key),
                 )
         if out:
             settle_clock(newest, fine=any(e[2] % 1_000_000_000 for e in out.values()))
