@@ -27,9 +27,10 @@ def array_store(directory: str | os.PathLike[str]) -> ts.KvStore:
 
 
 def chunk_keys(directory: str | os.PathLike[str], leaf: str) -> list[str]:
-    """The chunk keys of array ``leaf`` relative to its ``c/`` prefix, sorted (e.g. ``["0/0", "1/0"]``)."""
-    prefix = f"{leaf}/c/".encode()
-    keys = array_store(directory).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + b"0")).result()
+    """The chunk keys of array ``leaf`` after its ``c`` (its chunk key separator included), sorted:
+    ``["/0/0", "/1/0"]`` for several files, ``[".0.0"]`` for one (``[""]``: a 0-d array's ``c``)."""
+    prefix = f"{leaf}/c".encode()
+    keys = array_store(directory).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + b"d")).result()
     return sorted(k[len(prefix):].decode() for k in keys)
 
 

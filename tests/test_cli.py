@@ -66,10 +66,9 @@ def multi(tmp_path, small_chunks):
 
 
 def _files(root: str, leaf: str) -> list[str]:
-    base = os.path.join(root, *leaf.split("/"), "c")
-    if os.path.isfile(base):
-        return [base]
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
+    """The chunk files of ``leaf``: its ``c.0...`` (or a 0-d array's ``c``), or those below its ``c/``."""
+    base = os.path.join(root, *leaf.split("/"))
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f != "zarr.json")
 
 
 def _flip(path: str, pos: int) -> None:
