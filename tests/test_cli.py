@@ -609,7 +609,7 @@ def test_subprocess_errors_have_no_traceback(ck, tmp_path):
 def test_subprocess_on_a_record_far_larger_than_its_files(ck):
     """TensorStore aborted the process (std::bad_alloc) reading a chunk the record said held 4 PB."""
     _damage_record(ck, "model/b", shape=[10**15], shard_shape=[10**15])
-    want = "model/b/c/0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000]"
+    want = "model/b/c.0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000]"
     r = run_cli("verify", ck)
     assert r.returncode == 1 and f"FAIL  model/b: {want}" in r.stdout, r.stdout + r.stderr
     assert len(r.stderr.splitlines()) == 1 and "1 of 6 arrays bad ('model/b')" in r.stderr
