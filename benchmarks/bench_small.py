@@ -8,8 +8,9 @@ timer starts; dirty pages synced before every save):
   save     tsckpt (default), tsckpt plain, tsckpt compact, dcp (FileSystemWriter,
            sync_files=True), safetensors+fsync (save_file, fsync of file and directory)
   files    the plain layout's directories and files without tsckpt: per leaf a mkdir of
-           the leaf and of its "c", then zarr.json and the chunk file written with
-           open/write/close, then one syncfs(): the file system's share of a plain save
+           the leaf, then zarr.json and the chunk file c.0 beside it (format 3: a one-file
+           array's key) written with open/write/close, then one syncfs(): the file
+           system's share of a plain save
   restore  warm (every file of the checkpoint read just before the child starts):
            tsckpt.restore(dir) of each layout, safetensors load_file, dcp.load into a
            preallocated target; every tensor is summed afterwards (timed), as bench_core does
@@ -102,8 +103,7 @@ def plain_files(path: str, state: dict[str, Any]) -> None:
     for name, t in state.items():
         leaf = os.path.join(path, name)
         os.mkdir(leaf)
-        os.mkdir(os.path.join(leaf, "c"))
-        for file, data in ((os.path.join(leaf, "zarr.json"), node), (os.path.join(leaf, "c", "0"), t.numpy())):
+        for file, data in ((os.path.join(leaf, "c.0"), t.numpy()), (os.path.join(leaf, "zarr.json"), node)):
             fd = os.open(file, flags, 0o644)
             try:
                 os.write(fd, data)
