@@ -17,7 +17,7 @@ timer starts; dirty pages synced before every save):
 
 A/B: ``--base DIR`` also runs every tsckpt case with the tsckpt checkout at DIR (on
 PYTHONPATH), alternating with this one case by case (which goes first alternates by
-round). Rounds rotate the case order.
+round); each checkout restores the checkpoint it saved. Rounds rotate the case order.
 The report gives medians of wall and CPU seconds (user + system, this process and its
 threads) and, per round, tsckpt over DCP; the load average is printed beside each round,
 as the CPU seconds are steadier than wall time on a shared machine.
@@ -191,7 +191,8 @@ def measure(args: Any) -> dict[str, Any]:
             k = rnd % max(len(restores), 1)
             for lib in restores[k:] + restores[:k]:
                 for tree_name in (order(trees, rnd) if lib.startswith("tsckpt") else ["this"]):
-                    src = os.path.join(base, f"this-{SOURCE[lib]}")
+                    # each checkout restores its own save (a newer format is refused by an older reader)
+                    src = os.path.join(base, f"{tree_name if lib.startswith('tsckpt') else 'this'}-{SOURCE[lib]}")
                     make_resident(src, buf)
                     r = run(trees[tree_name], {"op": "restore", "lib": lib, "path": src, "quick": args.quick},
                             args.timeout)
