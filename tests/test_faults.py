@@ -143,7 +143,7 @@ def test_disk_full_injected(ckdir, layout, monkeypatch):
 
     def full(*args, **kwargs):
         real(*args, **kwargs)
-        raise _enospc(os.path.join(ckdir, "a", "c", "0"))
+        raise _enospc(os.path.join(ckdir, "a", "c.0"))
 
     monkeypatch.setattr(save_module, "_write_regions", full)
     with pytest.raises(OSError) as e:
@@ -263,7 +263,7 @@ def test_when_removal_fails_the_error_says_overwrite_is_needed(ckdir, monkeypatc
 
     def full(*args, **kwargs):
         real(*args, **kwargs)
-        raise _enospc(os.path.join(ckdir, "a", "c", "0"))
+        raise _enospc(os.path.join(ckdir, "a", "c.0"))
 
     def refused(loc):
         raise PermissionError(errno.EACCES, "Permission denied", loc.local)
