@@ -15,7 +15,7 @@ import torch
 
 import tsckpt
 from tests.stored import array_store
-from tsckpt._codec import files
+from tsckpt._codec import files as codec_files
 from tsckpt._ondisk.arrays import chunk_key, same_cell_key, stored_files
 from tsckpt._ondisk.records import FORMAT_VERSION, ArrayRecord, Chunking
 from tsckpt._storage.faults import leaf_of_key
@@ -105,7 +105,7 @@ def older_writer(monkeypatch, directory, tree, layout: str) -> None:
     with monkeypatch.context() as m:
         m.setattr(ArrayRecord, "separator", property(lambda self: "/"))
         tsckpt.save(directory, tree, layout=layout)
-    files._one_chunk_template.cache_clear()  # nodes made while patched
+    codec_files._one_chunk_template.cache_clear()  # nodes made while patched
     root = _root(directory)
     root["attributes"]["tsckpt"]["format_version"] = {"plain": 1, "compact": 2}[layout]
     _write_root(directory, root)

@@ -2,9 +2,10 @@
 it (a hard link), every other file written.
 
 A file is shared only when that is proven: its array's record (dtype, shape, chunking,
-kind) is the base's (whose file of the same cell may have another key: a base of an older
-format names a one-file array's file ``c/0``, a newer save ``c.0``), the content hash of the data it would hold
-(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
+kind) is the base's, the content hash of the data it would hold
+(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same file (under
+the base's key: a base of an older format names a one-file array's file ``c/0`` where this
+save names it ``c.0``), and the
 base's file is still the one its save wrote: after the link, its size, modification time
 and inode are those the base recorded once its files were durable (a file rewritten or
 edited in place since, even to the same size, has another modification time or inode),
@@ -172,7 +173,7 @@ class Sharer:
             newest = max(newest, st.st_mtime_ns)
             if key in self.shared and self.base is not None and self.base.files[self.shared[key]][1:] != out[key][1:]:
                 raise StorageError(
-                    f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
+                    f"{path}: the base's file {self.shared[key]} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",
                     filename=path, leaf=leaf_of_key(key),
                 )
