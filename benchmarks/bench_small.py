@@ -8,15 +8,16 @@ timer starts; dirty pages synced before every save):
   save     tsckpt (default), tsckpt plain, tsckpt compact, dcp (FileSystemWriter,
            sync_files=True), safetensors+fsync (save_file, fsync of file and directory)
   files    the plain layout's directories and files without tsckpt: per leaf a mkdir of
-           the leaf and of its "c", then zarr.json and the chunk file written with
-           open/write/close, then one syncfs(): the file system's share of a plain save
+           the leaf, then zarr.json and the chunk file c.0 beside it (format 3: a one-file
+           array's key) written with open/write/close, then one syncfs(): the file
+           system's share of a plain save
   restore  warm (every file of the checkpoint read just before the child starts):
            tsckpt.restore(dir) of each layout, safetensors load_file, dcp.load into a
            preallocated target; every tensor is summed afterwards (timed), as bench_core does
 
 A/B: ``--base DIR`` also runs every tsckpt case with the tsckpt checkout at DIR (on
 PYTHONPATH), alternating with this one case by case (which goes first alternates by
-round). Rounds rotate the case order.
+round); each checkout restores the checkpoint it saved. Rounds rotate the case order.
 The report gives medians of wall and CPU seconds (user + system, this process and its
 threads) and, per round, tsckpt over DCP; the load average is printed beside each round,
 as the CPU seconds are steadier than wall time on a shared machine.
@@ -102,8 +103,7 @@ def plain_files(path: str, state: dict[str, Any]) -> None:
     for name, t in state.items():
         leaf = os.path.join(path, name)
         os.mkdir(leaf)
-        os.mkdir(os.path.join(leaf, "c"))
-        for file, data in ((os.path.join(leaf, "zarr.json"), node), (os.path.join(leaf, "c", "0"), t.numpy())):
+        for file, data in ((os.path.join(leaf, "c.0"), t.numpy()), (os.path.join(leaf, "zarr.json"), node)):
             fd = os.open(file, flags, 0o644)
             try:
                 os.write(fd, data)
@@ -191,7 +191,8 @@ def measure(args: Any) -> dict[str, Any]:
             k = rnd % max(len(restores), 1)
             for lib in restores[k:] + restores[:k]:
                 for tree_name in (order(trees, rnd) if lib.startswith("tsckpt") else ["this"]):
-                    src = os.path.join(base, f"this-{SOURCE[lib]}")
+                    # each checkout restores its own save (a newer format is refused by an older reader)
+                    src = os.path.join(base, f"{tree_name if lib.startswith('tsckpt') else 'this'}-{SOURCE[lib]}")
                     make_resident(src, buf)
                     r = run(trees[tree_name], {"op": "restore", "lib": lib, "path": src, "quick": args.quick},
                             args.timeout)

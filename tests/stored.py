@@ -27,9 +27,10 @@ def array_store(directory: str | os.PathLike[str]) -> ts.KvStore:
 
 
 def chunk_keys(directory: str | os.PathLike[str], leaf: str) -> list[str]:
-    """The chunk keys of array ``leaf`` relative to its ``c/`` prefix, sorted (e.g. ``["0/0", "1/0"]``)."""
-    prefix = f"{leaf}/c/".encode()
-    keys = array_store(directory).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + b"0")).result()
+    """The chunk keys of array ``leaf`` after its ``c`` (its chunk key separator included), sorted:
+    ``["/0/0", "/1/0"]`` for several files, ``[".0.0"]`` for one (``[""]``: a 0-d array's ``c``)."""
+    prefix = f"{leaf}/c".encode()
+    keys = array_store(directory).list(ts.KvStore.KeyRange(prefix, prefix[:-1] + b"d")).result()
     return sorted(k[len(prefix):].decode() for k in keys)
 
 
@@ -58,7 +59,7 @@ def count_files(directory: str | os.PathLike[str]) -> int:
 
 def layout_record(layout: str) -> tuple[str, int]:
     """What the root of a checkpoint in ``layout`` records: (layout, format version)."""
-    return layout, {"plain": 1, "compact": 2}[layout]
+    return layout, {"plain": 3, "compact": 3}[layout]
 
 
 def root_layout(meta: dict) -> tuple[str, object]:

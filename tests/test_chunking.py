@@ -145,7 +145,10 @@ def test_saved_array_uses_sharding_codec_with_crc32c(ckdir, small_chunks):
     with open(os.path.join(ckdir, "small", "zarr.json")) as f:
         small = json.load(f)
     assert small["codecs"] == checked and small["chunk_grid"]["configuration"]["chunk_shape"] == [3]
-    assert os.path.getsize(os.path.join(ckdir, "small", "c", "0")) == 3 * 2 + 4
+    # one file: named with the "." separator, beside the zarr.json (no "c/" directory)
+    assert small["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "."}}
+    assert sorted(os.listdir(os.path.join(ckdir, "small"))) == ["c.0", "zarr.json"]
+    assert os.path.getsize(os.path.join(ckdir, "small", "c.0")) == 3 * 2 + 4
 
     md = tsckpt.metadata(ckdir)["x"]
     assert (md.chunk_shape, md.shard_shape, md.nbytes) == ((1, 256), (4, 256), 8 * 256 * 4)

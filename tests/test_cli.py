@@ -66,10 +66,9 @@ def multi(tmp_path, small_chunks):
 
 
 def _files(root: str, leaf: str) -> list[str]:
-    base = os.path.join(root, *leaf.split("/"), "c")
-    if os.path.isfile(base):
-        return [base]
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
+    """The chunk files of ``leaf``: its ``c.0...`` (or a 0-d array's ``c``), or those below its ``c/``."""
+    base = os.path.join(root, *leaf.split("/"))
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f != "zarr.json")
 
 
 def _flip(path: str, pos: int) -> None:
@@ -615,7 +614,7 @@ def test_subprocess_errors_have_no_traceback(ck, tmp_path):
 def test_subprocess_on_a_record_far_larger_than_its_files(ck):
     """TensorStore aborted the process (std::bad_alloc) reading a chunk the record said held 4 PB."""
     _damage_record(ck, "model/b", shape=[10**15], shard_shape=[10**15])
-    want = "model/b/c/0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000]"
+    want = "model/b/c.0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000]"
     r = run_cli("verify", ck)
     assert r.returncode == 1 and f"FAIL  model/b: {want}" in r.stdout, r.stdout + r.stderr
     assert len(r.stderr.splitlines()) == 1 and "1 of 6 arrays bad ('model/b')" in r.stderr

@@ -205,7 +205,7 @@ def test_tensorstores_files_read_by_the_own_reader(tmp_path, chunking_of, own_io
     assert own_io["shard files"] == own_io["chunk files"] == []  # TensorStore wrote every file
     monkeypatch.delenv(_route.ENV)
     tsckpt.save(mine, {"x": x})
-    assert len(own_io["shard files" if inner else "chunk files"]) == len(files_of(mine / "x" / "c"))  # every file
+    assert len(own_io["shard files" if inner else "chunk files"]) == len(files_of(mine / "x"))  # every file
     assert files_of(theirs) == files_of(mine)  # byte for byte
 
     # the own reader reads TensorStore's files: whole, in place, and a partial box
@@ -236,7 +236,7 @@ def test_int4_is_stored_one_element_a_byte(tmp_path, chunking_of, monkeypatch):
     for codec in ("tensorstore", "auto"):
         monkeypatch.setenv(_route.ENV, codec)
         tsckpt.save(tmp_path / codec, {"x": x})
-        data = (tmp_path / codec / "x/c/0/0").read_bytes()
+        data = (tmp_path / codec / "x/c.0.0").read_bytes()
         assert len(data) == 4 * (1024 + 4) + 4 * 16 + 4 == 4180
         assert data[:32] == x[0, :32].view(np.uint8).tobytes()
 
@@ -365,7 +365,7 @@ def test_one_chunk_files_not_as_written_are_left_to_the_kvstore_path(tmp_path, o
     the kvstore path and then TensorStore read it, and damage is reported as before."""
     x = np.arange(100, dtype=np.float32)
     tsckpt.save(tmp_path / "ck", {"x": x})
-    f = tmp_path / "ck" / "x" / "c" / "0"
+    f = tmp_path / "ck" / "x" / "c.0"
     data = f.read_bytes()
     f.write_bytes({"longer": data + b"\0", "shorter": data[:-1], "flipped": data[:7] + bytes([data[7] ^ 1]) + data[8:]}[change])
     if change == "longer":  # TensorStore reads the chunk and its crc32c at the start of the file, as before
@@ -476,7 +476,7 @@ def test_the_cache_probe_is_false_for_a_missing_file(tmp_path):
     tsckpt.save(tmp_path / "ck", tree)
     ck = open_checkpoint(tmp_path / "ck")
     dests = [_kinds_whole_dest(ck, p) for p in tree]
-    os.remove(tmp_path / "ck" / "t0" / "c" / "0")
+    os.remove(tmp_path / "ck" / "t0" / "c.0")
     assert not chunkread._cached(str(tmp_path / "ck"), ck, dests)
     if sys.platform == "linux":
         assert chunkread._cached(str(tmp_path / "ck"), ck, dests[1:])  # just written: cached

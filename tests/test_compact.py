@@ -48,9 +48,9 @@ def test_root_records_the_layout_and_version(tmp_path):
     tsckpt.save(tmp_path / "c", {"w": np.arange(4)}, layout="compact")
     tsckpt.save(tmp_path / "p", {"w": np.arange(4)})
     meta = json.loads((tmp_path / "c" / "zarr.json").read_text())["attributes"]["tsckpt"]
-    assert meta["layout"] == "compact" and meta["format_version"] == 2
+    assert meta["layout"] == "compact" and meta["format_version"] == 3
     meta = json.loads((tmp_path / "p" / "zarr.json").read_text())["attributes"]["tsckpt"]
-    assert "layout" not in meta and meta["format_version"] == 1  # older readers still read plain checkpoints
+    assert "layout" not in meta and meta["format_version"] == 3  # one-file arrays' keys c.0: older readers refuse both
 
 
 def test_tensorstore_alone_reads_the_arrays(tmp_path):

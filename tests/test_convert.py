@@ -207,7 +207,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def test_corrupt_chunk_mid_conversion_removes_partial_output(ck, tmp_path, capsys):
-    chunk = os.path.join(ck, "model", "layers.0.w", "c", "0", "0")
+    chunk = os.path.join(ck, "model", "layers.0.w", "c.0.0")
     data = bytearray(open(chunk, "rb").read())
     data[3] ^= 0xFF
     open(chunk, "wb").write(bytes(data))

@@ -366,7 +366,7 @@ def test_changed_chunks_count_in_a_grid(tmp_path, monkeypatch):
 def test_damaged_data_is_an_error(tmp_path, capsys):
     a = saved(tmp_path, "a", {"w": torch.ones(1000)})
     b = saved(tmp_path, "b", {"w": torch.ones(1000)})
-    (shard,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(b, "w", "c")) for f in fs]
+    shard = os.path.join(b, "w", "c.0")
     with open(shard, "r+b") as f:
         f.seek(100)
         f.write(b"\xff")

@@ -28,6 +28,7 @@ from tsckpt._save.descs import gather_descs, pack_descs
 from tsckpt._save.plan import plan_save, split_plan
 from tsckpt._runtime.progress import Progress
 from tsckpt._formats.sources import open_checkpoint
+from tsckpt._save import write as _write_module
 from tsckpt._save.write import whole_shard as _whole_shard
 from tsckpt._save.write import write_regions as _write_regions
 
@@ -361,7 +362,7 @@ def test_saved_shards_are_tensorstores_and_zarr_reads_them(tmp_path, small_chunk
 def test_small_leaves_saved_as_tensorstore_saves_them(tmp_path, monkeypatch):
     """Every file of a plain checkpoint of small leaves in nested groups (chunk files and
     array and group zarr.json) equals the file TensorStore writes for it, and each
-    directory is made with one mkdir."""
+    directory is made with one mkdir: one per group and per array, none below an array."""
     tree = {
         "a": {"w": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int16), "s": torch.tensor(2.5)},
         "m": {"deep": {"x": torch.randn(4).to(torch.bfloat16), "y": torch.rand(3) > 0.5}},
@@ -379,8 +380,27 @@ def test_small_leaves_saved_as_tensorstore_saves_them(tmp_path, monkeypatch):
     for key in mine:
         assert mine[key] == theirs[key], key
     dirs = [os.path.join(d, n) for d, names, _ in os.walk(tmp_path / "mine") for n in names]
-    assert len(dirs) == 3 + 6 + 5 + 2  # groups, arrays, their "c" (a scalar's file is "c"), 2-D arrays' "c/0"
+    assert len(dirs) == 3 + 6  # groups and arrays: each array's one file is c.0... beside its zarr.json
     assert sorted(made) == sorted(dirs)  # each once
+
+
+def test_a_one_file_arrays_node_is_written_with_its_chunk_file(tmp_path, monkeypatch, small_chunks):
+    """The batch that writes a one-file array's chunk file writes its zarr.json too (its
+    directory made and filled by one task); the nodes of groups and of arrays of several
+    files are left to write_nodes."""
+    import tsckpt._save.protocol as protocol
+
+    left, batches = [], []
+    real_nodes, real_batch = protocol._write_nodes, _write_module._write_chunk_files
+    monkeypatch.setattr(protocol, "_write_nodes", lambda data, nodes, **kw: left.append(sorted(nodes)) or real_nodes(data, nodes, **kw))
+    monkeypatch.setattr(_write_module, "_write_chunk_files", lambda d, files, nodes, *a: batches.append(
+        ([k for k, *_ in files], [k for k, _ in nodes])) or real_batch(d, files, nodes, *a))
+    tree = {"g": {"a": torch.randn(3), "b": torch.randn(2, 2)}, "big": torch.zeros(64, 32)}  # big: several files
+    tsckpt.save(tmp_path / "ck", tree)
+    assert left == [["big/zarr.json", "g/zarr.json"]]
+    assert batches == [(["g/a/c.0", "g/b/c.0.0"], ["g/a/zarr.json", "g/b/zarr.json"])]
+    assert json.loads((tmp_path / "ck" / "g" / "b" / "zarr.json").read_text())["shape"] == [2, 2]
+    assert torch.equal(torch.as_tensor(tsckpt.restore(tmp_path / "ck")["g"]["b"]), tree["g"]["b"])
 
 
 def _all_files(root) -> dict[str, bytes]:

@@ -99,7 +99,7 @@ def test_newer_format_version(saved):
     with pytest.raises(tsckpt.FormatVersionError) as ei:
         tsckpt.open(saved)
     assert str(ei.value) == (
-        f"{saved}: written with format version 999 by tsckpt 9.0, but this tsckpt reads versions up to 2; upgrade tsckpt"
+        f"{saved}: written with format version 999 by tsckpt 9.0, but this tsckpt reads versions up to 3; upgrade tsckpt"
     )
     assert isinstance(ei.value, ValueError)
 
@@ -123,7 +123,7 @@ def test_leaf_listed_without_record(saved):
 
 
 def test_flipped_byte_in_a_chunk_file(saved):
-    flip_byte(os.path.join(saved, "small", "c", "0"), 3)
+    flip_byte(os.path.join(saved, "small", "c.0"), 3)
     with pytest.raises(tsckpt.CorruptCheckpointError) as ei:
         tsckpt.restore(saved)
     msg = str(ei.value)
@@ -146,7 +146,7 @@ def test_flipped_byte_in_a_shard_index(saved):
         tsckpt.restore(saved)
 
 
-@pytest.mark.parametrize("leaf, chunk, keep", [("small", "c/0", -3), ("x", "c/1/0", 100), ("x", "c/0/0", 0)])
+@pytest.mark.parametrize("leaf, chunk, keep", [("small", "c.0", -3), ("x", "c/1/0", 100), ("x", "c/0/0", 0)])
 def test_truncated_chunk_file(saved, leaf, chunk, keep):
     path = os.path.join(saved, leaf, *chunk.split("/"))
     with open(path, "rb") as f:
@@ -159,7 +159,7 @@ def test_truncated_chunk_file(saved, leaf, chunk, keep):
     assert msg.startswith(f"'{leaf}' in {saved}: ") and "restore from another checkpoint" in msg
 
 
-@pytest.mark.parametrize("leaf, chunk", [("small", "c/0"), ("x", "c/1/0")])
+@pytest.mark.parametrize("leaf, chunk", [("small", "c.0"), ("x", "c/1/0")])
 def test_deleted_chunk_file(saved, leaf, chunk):
     os.remove(os.path.join(saved, leaf, *chunk.split("/")))
     with pytest.raises(tsckpt.CorruptCheckpointError) as ei:

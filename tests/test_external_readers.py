@@ -66,7 +66,7 @@ def test_zarr_python_reads_every_array(ckdir, small_chunks):
 
     g = zarr.open_group(ckdir, mode="r")
     meta = g.attrs["tsckpt"]
-    assert meta["state"] == "committed" and meta["format_version"] == 1
+    assert meta["state"] == "committed" and meta["format_version"] == 3
     assert meta["values"]["step"] == {"type": "int", "value": 12}
 
     arrays = {name: node for name, node in g.members(max_depth=None) if isinstance(node, zarr.Array)}

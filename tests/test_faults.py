@@ -75,7 +75,7 @@ def _root(directory: str) -> dict:
 def _assert_disk_full(err: BaseException, ckdir: str) -> None:
     assert isinstance(err, tsckpt.StorageFullError) and isinstance(err, tsckpt.StorageError)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
-    file = os.path.join(ckdir, "a", "c", "0")
+    file = os.path.join(ckdir, "a", "c.0")
     assert err.filename == file and err.leaf == "a"
     msg = str(err)
     assert msg.startswith(f"{ckdir}: no space left on device (ENOSPC) while writing leaf 'a' (")
@@ -143,7 +143,7 @@ def test_disk_full_injected(ckdir, layout, monkeypatch):
 
     def full(*args, **kwargs):
         real(*args, **kwargs)
-        raise _enospc(os.path.join(ckdir, "a", "c", "0"))
+        raise _enospc(os.path.join(ckdir, "a", "c.0"))
 
     monkeypatch.setattr(save_module, "_write_regions", full)
     with pytest.raises(OSError) as e:
@@ -263,7 +263,7 @@ def test_when_removal_fails_the_error_says_overwrite_is_needed(ckdir, monkeypatc
 
     def full(*args, **kwargs):
         real(*args, **kwargs)
-        raise _enospc(os.path.join(ckdir, "a", "c", "0"))
+        raise _enospc(os.path.join(ckdir, "a", "c.0"))
 
     def refused(loc):
         raise PermissionError(errno.EACCES, "Permission denied", loc.local)
@@ -330,7 +330,7 @@ def _unprivileged(what: str, directory: str, probe: str) -> dict:
 @pytest.mark.slow
 def test_unreadable_chunk_file_on_restore(ckdir):
     tsckpt.save(ckdir, _tree())
-    file = os.path.join(ckdir, "a", "c", "0")
+    file = os.path.join(ckdir, "a", "c.0")
     os.chmod(file, 0)
     try:
         got = _unprivileged("restore", ckdir, file)
@@ -345,7 +345,7 @@ def test_unreadable_chunk_file_on_restore(ckdir):
 def test_unreadable_chunk_file_injected(ckdir, monkeypatch):
     """Runs everywhere: reads of 'a' fail as TensorStore's do on a file without read permission."""
     tsckpt.save(ckdir, _tree())
-    file = os.path.join(ckdir, "a", "c", "0")
+    file = os.path.join(ckdir, "a", "c.0")
 
     class Unreadable:
         def __getitem__(self, box):

@@ -54,7 +54,7 @@ def test_a_manager_writes_only_what_changed(tmp_path):
     assert shared == {k for k in second if k.startswith("frozen/")}
     assert all(second[k].st_ino == first[k].st_ino for k in shared)
     written = {k for k, st in second.items() if st.st_nlink == 1}
-    assert written == {"adapter/c/0/0", "opt/m/c/0/0"}
+    assert written == {"adapter/c.0.0", "opt/m/c.0.0"}
     _equal(m.restore(2), _state(2))
     _equal(m.restore(1), _state(1))
 
@@ -64,8 +64,8 @@ def test_the_content_hashes_are_recorded_per_file(tmp_path):
     tsckpt.save(tmp_path / "a", state)
     content = json.loads((tmp_path / "a" / "zarr.json").read_text())["attributes"]["tsckpt"]["content"]
     assert content["algorithm"] == "xxh3-128"
-    entry = content["files"]["adapter/c/0/0"]
-    st = os.stat(tmp_path / "a" / "adapter" / "c" / "0" / "0")
+    entry = content["files"]["adapter/c.0.0"]
+    st = os.stat(tmp_path / "a" / "adapter" / "c.0.0")
     assert entry == [digest(state["adapter"]), st.st_size, st.st_mtime_ns, st.st_ino]
     tsckpt.save(tmp_path / "off", state, incremental=False)
     assert "content" not in json.loads((tmp_path / "off" / "zarr.json").read_text())["attributes"]["tsckpt"]
@@ -88,28 +88,28 @@ def test_a_step_outlives_its_base_and_reads_without_it(tmp_path):
 def test_a_base_file_edited_after_its_save_is_not_shared(tmp_path):
     state = _state(1)
     tsckpt.save(tmp_path / "a", state)
-    path = tmp_path / "a" / "frozen" / "w" / "c" / "0" / "0"
+    path = tmp_path / "a" / "frozen" / "w" / "c.0.0"
     with open(path, "r+b") as f:  # same size, other bytes, the same inode
         f.seek(16)
         f.write(b"\xff" * 8)
     tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
-    assert os.stat(tmp_path / "b" / "frozen" / "w" / "c" / "0" / "0").st_nlink == 1
-    assert os.stat(tmp_path / "b" / "frozen" / "b" / "c" / "0").st_nlink == 2
+    assert os.stat(tmp_path / "b" / "frozen" / "w" / "c.0.0").st_nlink == 1
+    assert os.stat(tmp_path / "b" / "frozen" / "b" / "c.0").st_nlink == 2
     _equal(tsckpt.restore(tmp_path / "b"), state)
 
 
 def test_a_base_file_replaced_or_gone_is_written(tmp_path):
     state = _state(1)
     tsckpt.save(tmp_path / "a", state)
-    w = tmp_path / "a" / "frozen" / "w" / "c" / "0" / "0"
+    w = tmp_path / "a" / "frozen" / "w" / "c.0.0"
     data = w.read_bytes()
     w.unlink()
     w.write_bytes(data)  # the same bytes in a new file: not the file the base recorded
-    os.unlink(tmp_path / "a" / "frozen" / "b" / "c" / "0")
+    os.unlink(tmp_path / "a" / "frozen" / "b" / "c.0")
     tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
     files = _files(str(tmp_path / "b"))
-    assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
-    assert files["adapter/c/0/0"].st_nlink == 2
+    assert files["frozen/w/c.0.0"].st_nlink == 1 and files["frozen/b/c.0"].st_nlink == 1
+    assert files["adapter/c.0.0"].st_nlink == 2
     _equal(tsckpt.restore(tmp_path / "b"), state)
 
 
@@ -122,8 +122,8 @@ def test_a_changed_dtype_shape_or_chunking_writes_the_leaf(tmp_path):
     })
     tsckpt.save(tmp_path / "b", changed, base=tmp_path / "a")
     files = _files(str(tmp_path / "b"))
-    assert files["adapter/c/0/0"].st_nlink == 1 and files["frozen/w/c/0/0"].st_nlink == 1
-    assert files["frozen/b/c/0"].st_nlink == 2 and files["opt/m/c/0/0"].st_nlink == 2
+    assert files["adapter/c.0.0"].st_nlink == 1 and files["frozen/w/c.0.0"].st_nlink == 1
+    assert files["frozen/b/c.0"].st_nlink == 2 and files["opt/m/c.0.0"].st_nlink == 2
     out = tsckpt.restore(tmp_path / "b")
     assert out["adapter"].dtype == np.float64 and np.array_equal(out["frozen"]["w"], changed["frozen"]["w"])
     # the chunking: a smaller window cuts the same array into other files
@@ -153,7 +153,7 @@ def test_a_crash_mid_save_lists_no_partial_step(tmp_path, monkeypatch):
     m.save(2, _state(2))
     assert m.all_steps() == [1, 2]
     _equal(m.restore(2), _state(2))
-    assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+    assert _files(m.directory(2))["frozen/w/c.0.0"].st_nlink == 2
 
 
 def test_off_and_bad_bases(tmp_path):
@@ -180,13 +180,13 @@ def test_verify_checks_the_content_hashes(tmp_path):
     state = _state(1)
     tsckpt.save(tmp_path / "a", state)
     assert tsckpt.verify(tmp_path / "a").ok
-    path = tmp_path / "a" / "adapter" / "c" / "0" / "0"
+    path = tmp_path / "a" / "adapter" / "c.0.0"
     forged = np.full((64, 32), 9.0, np.float32).tobytes()
     with open(path, "r+b") as f:  # other data with a valid crc32c, in place
         f.write(forged + crc.encoded(forged))
     report = tsckpt.verify(tmp_path / "a")
     assert list(report.bad) == ["adapter"]
-    assert "its file adapter/c/0/0 does not hold the data its save hashed" in report.bad["adapter"]
+    assert "its file adapter/c.0.0 does not hold the data its save hashed" in report.bad["adapter"]
 
 
 @pytest.mark.slow  # starts rank processes
@@ -201,7 +201,7 @@ def test_ranks_share_their_own_files(tmp_path):
     m = tsckpt.CheckpointManager(root)
     second = _files(m.directory(2))
     assert {k for k, st in second.items() if st.st_nlink == 2} == {"frozen/c/0/0", "frozen/c/1/0"}
-    assert second["adapter/c/0/0"].st_nlink == 1
+    assert second["adapter/c.0.0"].st_nlink == 1
     out = m.restore(2)
     assert np.array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
     assert np.array_equal(out["adapter"], torch.full((8, 8), 2.0).numpy())
@@ -212,10 +212,10 @@ def test_background_saves_share_too(tmp_path):
     m = tsckpt.CheckpointManager(tmp_path / "run", writer="thread")
     m.save_async(1, _state(1)).result(timeout=60)
     m.save_async(2, _state(2)).result(timeout=60)
-    assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+    assert _files(m.directory(2))["frozen/w/c.0.0"].st_nlink == 2
     tsckpt.save_async(tmp_path / "b", _state(3), base=m.directory(2), writer="thread").result(timeout=60)
     files = _files(str(tmp_path / "b"))
-    assert files["frozen/w/c/0/0"].st_nlink == 3 and files["adapter/c/0/0"].st_nlink == 1
+    assert files["frozen/w/c.0.0"].st_nlink == 3 and files["adapter/c.0.0"].st_nlink == 1
     _equal(tsckpt.restore(tmp_path / "b"), _state(3))
 
 
@@ -224,7 +224,7 @@ def test_the_writer_process_shares(tmp_path, writer_process):
     with tsckpt.CheckpointManager(tmp_path / "run") as m:
         m.save_async(1, _state(1)).result(timeout=120)
         m.save_async(2, _state(2)).result(timeout=120)
-        assert _files(m.directory(2))["frozen/w/c/0/0"].st_nlink == 2
+        assert _files(m.directory(2))["frozen/w/c.0.0"].st_nlink == 2
         _equal(m.restore(2), _state(2))
 
 
@@ -237,8 +237,8 @@ def test_a_link_on_the_way_in_the_base_is_never_followed(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / "a" / "frozen")
     tsckpt.save(tmp_path / "b", state, base=tmp_path / "a")
     files = _files(str(tmp_path / "b"))
-    assert files["frozen/w/c/0/0"].st_nlink == 1 and files["frozen/b/c/0"].st_nlink == 1
-    assert files["adapter/c/0/0"].st_nlink == 2
+    assert files["frozen/w/c.0.0"].st_nlink == 1 and files["frozen/b/c.0"].st_nlink == 1
+    assert files["adapter/c.0.0"].st_nlink == 2
     _equal(tsckpt.restore(tmp_path / "b"), state)
 
 

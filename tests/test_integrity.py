@@ -34,7 +34,7 @@ def ck(tmp_path, monkeypatch, layout):
 
 
 def _chunks(ck: Path, leaf: str) -> list[str]:
-    return [f"{leaf}/c/{k}" for k in chunk_keys(ck, leaf)]
+    return [f"{leaf}/c{k}" for k in chunk_keys(ck, leaf)]
 
 
 def _restore_fails(ck: Path, leaf: str, what: str) -> str:
@@ -158,7 +158,7 @@ def test_flipped_byte_in_a_memory_store():
     loc = "memory://integrity/ck"
     tsckpt.save(loc, {"w": np.arange(100, dtype=np.float32)})
     kv = tsckpt._storage.locations.resolve(loc).kvstore()
-    key = next(k for k in kv.list().result() if k.startswith(b"w/c/"))
+    key = next(k for k in kv.list().result() if k.startswith(b"w/c."))
     data = bytearray(kv.read(key).result().value)
     data[7] ^= 0x01
     kv.write(key, bytes(data)).result()

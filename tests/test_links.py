@@ -23,7 +23,7 @@ def linked(tmp_path, small_chunks):
     """A checkpoint whose chunk file of 'm/b' is a link to a copy of its bytes outside."""
     path = str(tmp_path / "ck")
     tsckpt.save(path, {"m": {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(3)}, "n": 1})
-    chunk = os.path.join(path, "m", "b", "c", "0")
+    chunk = os.path.join(path, "m", "b", "c.0")
     outside = tmp_path / "elsewhere"
     outside.write_bytes(open(chunk, "rb").read())
     os.remove(chunk)
@@ -33,7 +33,7 @@ def linked(tmp_path, small_chunks):
 
 def _message(path: str, outside: str) -> str:
     return (
-        f"{path}: leaf 'm/b': m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a "
+        f"{path}: leaf 'm/b': m/b/c.0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a "
         "checkpoint, which must hold its own files (a link could lead anywhere; docs/security.md): replace each "
         "link with a copy of its file (`tsckpt verify` lists them)"
     )
@@ -52,7 +52,7 @@ def test_open_and_convert_refuse_a_linked_file(linked, tmp_path):
     with pytest.raises(tsckpt.LinkRefusedError) as info:
         tsckpt.open(path)
     assert str(info.value) == _message(path, outside)
-    with pytest.raises(tsckpt.LinkRefusedError, match="m/b/c/0 is a symbolic link"):
+    with pytest.raises(tsckpt.LinkRefusedError, match="m/b/c.0 is a symbolic link"):
         tsckpt.convert(path, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 
@@ -173,11 +173,11 @@ def test_a_link_the_restore_never_meets_is_left_to_open_and_verify(linked):
         tsckpt.open(path)
     assert str(info.value) == _message(path, outside)
     report = tsckpt.verify(path)
-    assert not report.ok and "m/b/c/0 is a symbolic link" in report.bad["m/b"]
+    assert not report.ok and "m/b/c.0 is a symbolic link" in report.bad["m/b"]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("fifo", ["b/c/0", "w/c/1/0", "w/zarr.json"])
+@pytest.mark.parametrize("fifo", ["b/c.0", "w/c/1/0", "w/zarr.json"])
 def test_a_fifo_in_a_checkpoint_is_refused_never_waited_on(tmp_path, small_chunks, fifo):
     """Opening a FIFO waits for a writer forever: restore and open refuse it, naming it, and
     verify lists it without reading it (nor anything else of its array)."""
@@ -302,13 +302,13 @@ def test_a_link_in_a_checkpoint_is_refused_as_a_link_and_verify_says_so(linked, 
     with pytest.raises(tsckpt.LinkRefusedError) as info:
         tsckpt.open(path)
     assert not isinstance(info.value, tsckpt.CorruptCheckpointError)
-    assert info.value.link == os.path.join(path, "m", "b", "c", "0") and info.value.target == outside
+    assert info.value.link == os.path.join(path, "m", "b", "c.0") and info.value.target == outside
     report = tsckpt.verify(path, progress=False)
     assert report.unread == ("m/b",) and list(report.bad) == ["m/b"]
     assert main(["verify", path]) == 1
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        f"FAIL  m/b: m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, "
+        f"FAIL  m/b: m/b/c.0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, "
         "which must hold its own files (a link could lead anywhere; docs/security.md): replace each link with a copy "
         "of its file"
     ]

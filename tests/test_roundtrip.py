@@ -120,7 +120,7 @@ def test_root_metadata_records_the_tree(ckdir):
         root = json.load(f)
     assert root["zarr_format"] == 3 and root["node_type"] == "group"
     meta = root["attributes"]["tsckpt"]
-    assert meta["format_version"] == 1 and meta["state"] == "committed"
+    assert meta["format_version"] == 3 and meta["state"] == "committed"
     assert meta["leaves"] == ["a/n", "b"]
     assert meta["arrays"] == [
         {"path": "b", "kind": "torch", "shape": [2], "dtype": "bfloat16", "shard_shape": [2], "chunk_shape": None}

@@ -44,7 +44,7 @@ def test_every_written_file_and_directory_is_fsynced_before_commit(tmp_path, mon
     data_files = {f for f in _files(d) if f != "zarr.json"}
     rel = {os.path.relpath(p, d) for p in synced}
     assert data_files <= rel, data_files - rel
-    assert {"a", "a/w", "a/w/c", "c/c/0", "."} <= rel  # new directories too
+    assert {"a", "a/w", "c", "."} <= rel  # new directories too (one-file arrays have no c/ below)
     # the claim (the pending root) before anything else, the commit once, after every data file was synced
     assert committed_after == [0, len(synced)]
 

@@ -34,7 +34,7 @@ def test_every_damaged_leaf_is_listed(ck):
         b = f.read(1)
         f.seek(10)
         f.write(bytes([b[0] ^ 0xFF]))
-    os.remove(os.path.join(ck, "m/b/c/0"))
+    os.remove(os.path.join(ck, "m/b/c.0"))
     node = os.path.join(ck, "s/zarr.json")
     meta = json.load(open(node))
     meta["shape"] = [5]
@@ -80,7 +80,7 @@ def test_subtree_reads_one_branch_with_its_containers(tmp_path):
 def test_a_symlinked_chunk_file_is_reported(ck, tmp_path, capsys):
     """The link points at a copy of the very bytes, outside the checkpoint: the data reads
     back fine, but the checkpoint no longer holds its own files."""
-    chunk = os.path.join(ck, "m", "b", "c", "0")
+    chunk = os.path.join(ck, "m", "b", "c.0")
     outside = tmp_path / "elsewhere"
     outside.write_bytes(open(chunk, "rb").read())
     os.remove(chunk)
@@ -88,14 +88,14 @@ def test_a_symlinked_chunk_file_is_reported(ck, tmp_path, capsys):
     r = tsckpt.verify(ck, progress=False)
     assert not r.ok and list(r.bad) == ["m/b"]
     assert r.bad["m/b"] == (
-        f"m/b/c/0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, which "
+        f"m/b/c.0 is a symbolic link (to {outside}); tsckpt does not follow symbolic links in a checkpoint, which "
         "must hold its own files (a link could lead anywhere; docs/security.md): replace each link with a copy of "
         "its file"
     )
     from tsckpt._cli import main
 
     assert main(["verify", ck]) == 1
-    assert "FAIL  m/b: m/b/c/0 is a symbolic link" in capsys.readouterr().out
+    assert "FAIL  m/b: m/b/c.0 is a symbolic link" in capsys.readouterr().out
 
 
 def _edit_root(path, fn):
@@ -169,7 +169,7 @@ def test_a_record_larger_than_its_files_is_reported_per_leaf(ck, monkeypatch):
     json.dump(meta, open(node, "w"))
     r = tsckpt.verify(ck, progress=False)
     assert list(r.bad) == ["m/b"] and r.bad["m/b"].startswith(
-        "m/b/c/0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000], "
+        "m/b/c.0 holds fewer than the 4000000000000004 bytes that its record's 'shape' [1000000000000000], "
         "'shard_shape' [1000000000000000], 'chunk_shape' None and 'dtype' 'float32' give it"
     )
     assert r.files_read == 4 + 1  # the other arrays were read

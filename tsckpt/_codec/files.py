@@ -148,7 +148,7 @@ def written_node(rec: ArrayRecord) -> bytes | None:
     shape, chunking = rec.shape, rec.chunking
     if chunking.chunk_shape is not None or tuple(chunking.shard_shape) != tuple(shape):
         return None
-    parts = _one_chunk_template(rec.dtype, rec.kind, len(shape))
+    parts = _one_chunk_template(rec.dtype, rec.kind, len(shape), rec.slash_keys)
     if parts is None:
         return None
     # the JSON of a list of ints, as encode_json writes it (no spaces), without its per-call cost
@@ -160,11 +160,12 @@ _SENTINEL = 7_654_321_987  # a length no real array has: marks where a template'
 
 
 @functools.lru_cache(maxsize=256)
-def _one_chunk_template(dtype: str, kind: str, ndim: int) -> list[bytes] | None:
-    """The node of a one-chunk array of this dtype, kind and rank, split around its two shape
-    lists (the array's, and its chunk grid's, which is the same); None when the split does not
-    find exactly those two (a rank-0 array's ``[]``)."""
+def _one_chunk_template(dtype: str, kind: str, ndim: int, slash_keys: bool) -> list[bytes] | None:
+    """The node of a one-chunk array of this dtype, kind and rank (and key encoding, see
+    :attr:`ArrayRecord.slash_keys`), split around its two shape lists (the array's, and its chunk
+    grid's, which is the same); None when the split does not find exactly those two (a rank-0
+    array's ``[]``)."""
     shape = tuple(_SENTINEL + i for i in range(ndim))
-    raw = encode_json(array_node(ArrayRecord("", shape, dtype, kind, Chunking(shape, None))))
+    raw = encode_json(array_node(ArrayRecord("", shape, dtype, kind, Chunking(shape, None), slash_keys)))
     parts = raw.split(encode_json(list(_dtypes.storage_shape(dtype, shape))))
     return parts if len(parts) == 3 and ndim > 0 else None

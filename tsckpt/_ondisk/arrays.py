@@ -41,7 +41,7 @@ CACHED = float("-inf")
 
 
 def data_spec(loc: Location, layout: str, *, writer: int | None = None) -> dict[str, Any]:
-    """kvstore spec under which the array keys (``<path>/zarr.json``, ``<path>/c/...``) live.
+    """kvstore spec under which the array keys (``<path>/zarr.json``, its chunk keys) live.
 
     Plain: the checkpoint directory itself. Compact: an OCDBT database, the
     merged one at the root for readers, rank ``writer``'s own for a writer; on an
@@ -71,14 +71,28 @@ def array_node(rec: ArrayRecord) -> dict[str, Any]:
         _dtypes.storage_dtype(rec.dtype),
         chunking,
         {"tsckpt": {"dtype": rec.dtype, "kind": rec.kind}},
+        separator=rec.separator,
     )
 
 
 def chunk_key(rec: ArrayRecord, offsets: tuple[int, ...]) -> str:
-    """Key of the file holding the shard that starts at ``offsets`` (default chunk key encoding)."""
+    """Key of the file holding the shard that starts at ``offsets`` (zarr's default chunk key
+    encoding with the record's separator: ``<path>/c.0.0`` or ``<path>/c/0/1``; ``<path>/c``
+    for a 0-d array)."""
     cell = [str(o // g) for o, g in zip(offsets, rec.chunking.shard_shape)]
     cell += ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]  # complex32's (re, im) dim
-    return "/".join([rec.path, "c", *cell])
+    return f"{rec.path}/{rec.separator.join(['c', *cell])}"
+
+
+def same_cell_key(key: str, rec: ArrayRecord, other: ArrayRecord) -> str:
+    """The key of the file ``key`` of ``rec`` (one of its chunk keys) under the key encoding of
+    ``other``, a record of the same array in another checkpoint (one older than
+    DOT_KEYS_VERSION names a one-file array's file ``c/0`` where a newer one names it ``c.0``)."""
+    mine, theirs = rec.separator, other.separator
+    if mine == theirs:
+        return key
+    prefix = f"{rec.path}/c"
+    return f"{other.path}/c{key[len(prefix):].replace(mine, theirs)}"
 
 
 # Bytes a stored file adds to its data: the crc32c of a chunk, and each entry of a shard index.
@@ -154,11 +168,12 @@ def stored_files(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Iter
     else:
         index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
         chunk = math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES
+    sep = rec.separator
     for cell in _cells([(lo, hi) for lo, hi, _, _ in dims]):
         if rec.chunking.chunk_shape is not None:
             inner = math.prod(min(per, total - i * per) for i, (_, _, per, total) in zip(cell, dims))
             size = index + inner * chunk
-        yield "/".join([rec.path, "c", *map(str, cell), *extra]), size
+        yield f"{rec.path}/{sep.join(['c', *map(str, cell), *extra])}", size
 
 
 def node_problem(node: Any, rec: ArrayRecord) -> str | None:

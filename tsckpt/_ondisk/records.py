@@ -14,9 +14,14 @@ from typing import Any
 from .._errors import short_repr
 from .._storage.confine import path_problem
 
-# The newest version this tsckpt reads. Plain checkpoints are written as 1, so
-# older readers still read them; compact ones as 2 (older readers refuse them).
-FORMAT_VERSION = 2
+# The version this tsckpt writes and the newest it reads (docs/format.md, "Versioning"): 1
+# plain and 2 compact checkpoints of older writers, every chunk key '/'-separated; 3 (either
+# layout) names the file of an array stored as one chunk file with the '.' separator
+# (``<path>/c.0.0`` beside its zarr.json, no ``c/`` directories), which older readers
+# would not find, so they refuse it.
+FORMAT_VERSION = 3
+# The first version whose one-file arrays use the '.' chunk key separator.
+DOT_KEYS_VERSION = 3
 ROOT_KEY = "zarr.json"
 STATE_PENDING = "pending"
 STATE_COMMITTED = "committed"
@@ -32,11 +37,6 @@ def check_layout(layout: str) -> None:
     """Refuse a ``layout=`` option tsckpt does not write."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, not {layout!r}")
-
-
-def format_version(layout: str) -> int:
-    """The format version a checkpoint of ``layout`` is written with."""
-    return 2 if layout == LAYOUT_COMPACT else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,20 @@ class ArrayRecord:
     dtype: str  # logical dtype name
     kind: str  # "torch" | "numpy" | "numpy_scalar" | "jax_key:<impl>": what restore(target=None) returns
     chunking: Chunking
+    # read from a checkpoint older than DOT_KEYS_VERSION: every chunk key '/'-separated
+    slash_keys: bool = False
+
+    @property
+    def one_file(self) -> bool:
+        """Whether the array is stored as (at most) one chunk file: one cell of its chunk grid."""
+        return all(n <= g for n, g in zip(self.shape, self.chunking.shard_shape))
+
+    @property
+    def separator(self) -> str:
+        """The chunk key separator of the array's files (zarr's default chunk key encoding):
+        '.' for an array stored as one file (``<path>/c.0.0``: no directory below the
+        array's own), '/' for more files (``<path>/c/0/1``) or a checkpoint of an older format."""
+        return "." if self.one_file and not self.slash_keys else "/"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,7 +88,8 @@ class ArrayRecord:
         }
 
     @staticmethod
-    def from_json(j: dict[str, Any]) -> ArrayRecord:
+    def from_json(j: dict[str, Any], *, version: int = FORMAT_VERSION) -> ArrayRecord:
+        """The record ``j`` of a root of format ``version`` (which says its chunk keys)."""
         chunk = j.get("chunk_shape")
         return ArrayRecord(
             path=j["path"],
@@ -82,6 +97,7 @@ class ArrayRecord:
             dtype=j["dtype"],
             kind=j["kind"],
             chunking=Chunking(tuple(j["shard_shape"]), None if chunk is None else tuple(chunk)),
+            slash_keys=version < DOT_KEYS_VERSION,
         )
 
 
@@ -166,8 +182,11 @@ def record_problem(j: Any, known_dtype: Any) -> str | None:
     return None
 
 
-def array_metadata(storage_shape: tuple[int, ...], data_type: str, chunking: Chunking, attrs: dict[str, Any]) -> dict[str, Any]:
-    """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index."""
+def array_metadata(
+    storage_shape: tuple[int, ...], data_type: str, chunking: Chunking, attrs: dict[str, Any], *, separator: str
+) -> dict[str, Any]:
+    """zarr v3 array ``zarr.json``: little-endian bytes and crc32c on every chunk and index;
+    chunk keys with ``separator``."""
     checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
     if chunking.chunk_shape is None:
         codecs: list[Any] = checked
@@ -190,7 +209,7 @@ def array_metadata(storage_shape: tuple[int, ...], data_type: str, chunking: Chu
         "shape": list(storage_shape),
         "data_type": data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunking.shard_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": fill,
         "codecs": codecs,
         "attributes": attrs,

@@ -288,7 +288,7 @@ def _leaf_records(loc: Location, meta: Mapping[str, Any]) -> _Leaves:
     good); a root whose fields are not of their JSON types at all is refused here."""
     fields = _fields(loc, meta)
     bad: dict[str, str] = {}
-    arrays = _array_records(fields.records, bad)
+    arrays = _array_records(fields.records, meta["format_version"], bad)
     values = _values(fields.encoded, arrays, bad)
     aliases = _aliases(fields.tied, arrays, fields.encoded, bad)
     _check_listed(fields.listed, arrays, values, aliases, bad)
@@ -335,8 +335,9 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _array_records(records: list[Any], bad: dict[str, str]) -> dict[str, ArrayRecord]:
-    """The valid array records by path; an invalid one, or a path with two, goes to ``bad``."""
+def _array_records(records: list[Any], version: int, bad: dict[str, str]) -> dict[str, ArrayRecord]:
+    """The valid array records by path (of a root of format ``version``); an invalid one, or a
+    path with two, goes to ``bad``."""
     arrays: dict[str, ArrayRecord] = {}
     for i, rec in enumerate(records):
         why = _record_problem(rec)
@@ -348,7 +349,7 @@ def _array_records(records: list[Any], bad: dict[str, str]) -> dict[str, ArrayRe
             key = name if name != "?" else f"arrays[{i}]"
             bad.setdefault(key, f"the record of array '{name}' in the root metadata is invalid: {why}")
         elif name not in bad:
-            arrays[name] = ArrayRecord.from_json(rec)
+            arrays[name] = ArrayRecord.from_json(rec, version=version)
     return arrays
 
 

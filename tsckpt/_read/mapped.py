@@ -171,7 +171,7 @@ def mapped_checkpoint(ck: Checkpoint, mapping: Rules) -> MappedCheckpoint:
         if leaf.rule is not None and rec.dtype == "complex32" and (leaf.pre_views or leaf.post_views or leaf.concat is not None):
             raise MappingError(f"{leaf.where()}: complex32 arrays cannot be viewed; save them as complex64")
         chunking = rec.chunking if leaf.rule is None else Chunking(leaf.shape, None)
-        records[target] = ArrayRecord(target, leaf.shape, leaf.dtype, rec.kind, chunking)
+        records[target] = ArrayRecord(target, leaf.shape, leaf.dtype, rec.kind, chunking, rec.slash_keys)
     view = dataclasses.replace(
         ck,
         leaves=tuple(leaves),

@@ -29,7 +29,7 @@ import tensorstore as ts
 
 from .._errors import CheckpointExistsError, SaveInProgressError, amend
 from .._ondisk.arrays import MANIFEST
-from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, format_version, group_metadata
+from .._ondisk.records import FORMAT_VERSION, LAYOUT_PLAIN, ROOT_KEY, STATE_COMMITTED, STATE_PENDING, group_metadata
 from .._ondisk.root import root_file_problem, root_state
 from .._storage import durable as _durable
 from .._storage import faults as _faults
@@ -41,7 +41,7 @@ from . import lease as _lease
 
 def root_json(state: str, extra: dict[str, Any] | None = None, *, layout: str = LAYOUT_PLAIN) -> bytes:
     """The root ``zarr.json`` of a save in ``state``, with ``extra`` tsckpt metadata."""
-    meta: dict[str, Any] = {"format_version": format_version(layout), "state": state, "library": f"tsckpt {__version__}"}
+    meta: dict[str, Any] = {"format_version": FORMAT_VERSION, "state": state, "library": f"tsckpt {__version__}"}
     if layout != LAYOUT_PLAIN:
         meta["layout"] = layout
     meta.update(extra or {})

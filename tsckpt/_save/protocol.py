@@ -52,6 +52,7 @@ from .commit import pending_root as _pending_root
 from .descs import ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
 from .plan import RankPlan, plan_aliases, plan_save, split_plan
 from .write import exchange as _exchange
+from .write import node_files as _node_files
 from .write import write_context
 from .write import write_nodes as _write_nodes
 from .write import write_regions as _write_regions
@@ -382,20 +383,22 @@ def _write(
                 loc.local, _share.open_base(options.base, loc), versions=options.incremental == "versions"
             )
         made: set[str] = set()  # directories made for the own codec's files, by both steps
+        nodes = {} if job.commit is None else _node_files(job.commit.arrays)  # rank 0's
+        node_keys = list(nodes)
         try:
             keys = _write_regions(
                 data, job.plan, job.local, received, job.window, compact=compact, progress=progress, made=made,
-                context=context, sharer=sharer,
+                context=context, sharer=sharer, nodes=nodes,
             )
         finally:
             if sharer is not None:
                 sharer.close()
-        if job.commit is not None:
-            keys += _write_nodes(data, job.commit.arrays, compact=compact, made=made, context=context)
+        _write_nodes(data, nodes, compact=compact, made=made, context=context)  # those the regions' writes left
+        keys += node_keys
         if compact:
             _durable.sync_paths(loc, [f"{OCDBT_PREFIX}{rank}"])
         else:
-            shared = set() if sharer is None else sharer.shared
+            shared = set() if sharer is None else set(sharer.shared)
             _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
         return None if sharer is None else sharer.recorded()
 

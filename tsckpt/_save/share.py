@@ -3,7 +3,9 @@ it (a hard link), every other file written.
 
 A file is shared only when that is proven: its array's record (dtype, shape, chunking,
 kind) is the base's, the content hash of the data it would hold
-(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same key, and the
+(:mod:`tsckpt._codec.contenthash`) is the one the base recorded for the same file (under
+the base's key: a base of an older format names a one-file array's file ``c/0`` where this
+save names it ``c.0``), and the
 base's file is still the one its save wrote: after the link, its size, modification time
 and inode are those the base recorded once its files were durable (a file rewritten or
 edited in place since, even to the same size, has another modification time or inode),
@@ -37,8 +39,10 @@ from .._base.lazytorch import is_tensor
 from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
+from .._ondisk.arrays import same_cell_key
 from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
 from .._storage.beneath import open_beneath, open_directory
+from .._storage.faults import leaf_of_key
 from .._storage.locations import Directory, Location, resolve
 from . import versions as _versions
 
@@ -61,24 +65,31 @@ class Base:
     def close(self) -> None:
         os.close(self.dir_fd)
 
-    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> bool:
-        """Link the base's file ``key`` at ``dest`` if it provably holds what this save would
-        write there (see the module's docstring); False, with nothing left at ``dest``, if not."""
+    def link(self, key: str, rec: ArrayRecord, digest: str, dest: str) -> str | None:
+        """Link the base's file of this save's file ``key`` at ``dest`` if it provably holds what
+        this save would write there (see the module's docstring): its key in the base; None,
+        with nothing left at ``dest``, if not."""
+        theirs = self.records.get(rec.path)
+        if theirs is None or (theirs.shape, theirs.dtype, theirs.kind, theirs.chunking) != (
+            rec.shape, rec.dtype, rec.kind, rec.chunking
+        ):
+            return None
+        key = same_cell_key(key, rec, theirs)
         entry = self.files.get(key)
-        if entry is None or entry[0] != digest or self.records.get(rec.path) != rec:
-            return False
+        if entry is None or entry[0] != digest:
+            return None
         try:
             os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
         except OSError:
-            return False  # gone (the base deleted), too many links, another file system: written instead
+            return None  # gone (the base deleted), too many links, another file system: written instead
         try:
             st = os.lstat(dest)
             if stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns, st.st_ino) == entry[1:] and self._inside(key, st):
-                return True
+                return key
         except OSError:
             pass
         os.unlink(dest)  # never written through: that would change the base's file too
-        return False
+        return None
 
 
     def _inside(self, key: str, linked: os.stat_result) -> bool:
@@ -145,7 +156,7 @@ class Sharer:
         self.directory, self.base, self.versions = directory, base, versions
         self.hashes: dict[str, str] = {}  # the shared files' hashes
         self.written: dict[str, ContentEntry] = {}  # the written files' entries
-        self.shared: set[str] = set()
+        self.shared: dict[str, str] = {}  # this save's key -> the base's key of the file shared
         self._states: dict[int, tuple[Any, _versions.State | None]] = {}
         self.known: set[str] = set()  # files whose hash was known, their data not read
 
@@ -174,9 +185,10 @@ class Sharer:
             if proof is not None:
                 _versions.remember(*proof, digest)
         path = os.path.join(self.directory, key)
-        if self.base is not None and self.base.link(key, rec, digest, path):
+        theirs = None if self.base is None else self.base.link(key, rec, digest, path)
+        if theirs is not None:
             self.hashes[key] = digest
-            self.shared.add(key)
+            self.shared[key] = theirs
             return
         st = write() or os.lstat(path)  # here, on the write threads: its size, time and inode are final
         self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
@@ -197,11 +209,11 @@ class Sharer:
             st = os.lstat(path)
             out[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
             newest = max(newest, st.st_mtime_ns)
-            if self.base is not None and self.base.files[key][1:] != out[key][1:]:
+            if self.base is not None and self.base.files[self.shared[key]][1:] != out[key][1:]:
                 raise StorageError(
-                    f"{path}: the base's file {key} changed while this incremental save shared it, so this step "
+                    f"{path}: the base's file {self.shared[key]} changed while this incremental save shared it, so this step "
                     "would not hold what was saved; save again (with base=None for a full save)",
-                    filename=path, leaf=key.rpartition("/c")[0],
+                    filename=path, leaf=leaf_of_key(key),
                 )
         if out:
             settle_clock(newest, fine=any(e[2] % 1_000_000_000 for e in out.values()))

@@ -153,25 +153,34 @@ def write_place(data: dict[str, Any], compact: bool) -> Place:
 class _Batch:
     """Unsharded chunk files of a local plain checkpoint written by one worker task (a
     task per file cost more Python, in a future, a lock and a thread switch, than the
-    file's own three system calls), their directories made by that task. Every write of
-    the batch shares this handle as its future: waiting on it hands the batch to the
-    workers if it is still being filled."""
+    file's own three system calls), their directories made by that task, and the zarr.json
+    of each one-file array among them where this rank writes the nodes (so each array's
+    directory is made and filled by one task, while the main thread reads the next
+    sources). Every write of the batch shares this handle as its future: waiting on it
+    hands the batch to the workers if it is still being filled."""
 
     def __init__(self, pool: Workers, directory: str, made: set[str], sharer: Sharer | None) -> None:
         self.pool, self.directory, self.made, self.sharer = pool, directory, made, sharer
         self.files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord, Proof | None]] = []
+        self.nodes: list[tuple[str, bytes]] = []
         self.nbytes = 0
         self.future: Any = None
 
-    def add(self, key: str, src: np.ndarray, chunk: tuple[int, ...], rec: ArrayRecord, proof: Proof | None) -> None:
+    def add(
+        self, key: str, src: np.ndarray, chunk: tuple[int, ...], rec: ArrayRecord, proof: Proof | None,
+        node: tuple[str, bytes] | None,
+    ) -> None:
         self.files.append((key, src, chunk, rec, proof))
+        if node is not None:
+            self.nodes.append(node)
         self.nbytes += src.nbytes
 
     def submit(self) -> None:
         """Hand the batch to the workers (once); nothing may be added after."""
         if self.future is None:
-            files = self.files
-            self.future = self.pool.submit(_write_chunk_files, self.directory, files, self.made, self.sharer)
+            self.future = self.pool.submit(
+                _write_chunk_files, self.directory, self.files, self.nodes, self.made, self.sharer
+            )
 
     def result(self) -> None:
         """Wait until every file of the batch is written; raise the first failure."""
@@ -180,12 +189,13 @@ class _Batch:
 
 
 def _write_chunk_files(
-    directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord, Proof | None]], made: set[str],
-    sharer: Sharer | None,
+    directory: str, files: list[tuple[str, np.ndarray, tuple[int, ...], ArrayRecord, Proof | None]],
+    nodes: list[tuple[str, bytes]], made: set[str], sharer: Sharer | None,
 ) -> None:
     """One batch: the directories of its files not yet made (on this worker, so that the
     directories are made while the main thread reads the next sources), then the files
-    (an incremental save's shared with its base where ``sharer`` proves them equal)."""
+    (an incremental save's shared with its base where ``sharer`` proves them equal) and
+    the ``nodes`` (key, bytes) among them."""
     shardwrite.make_parents(directory, (key for key, _, _, _, _ in files), made)
     for key, src, chunk, rec, proof in files:
         path = os.path.join(directory, key)
@@ -193,6 +203,8 @@ def _write_chunk_files(
             shardwrite.write_chunk(path, src, chunk)
         else:
             sharer.put(key, rec, src, functools.partial(shardwrite.write_chunk, path, src, chunk, stat=True), proof)
+    for key, body in nodes:
+        shardwrite.write_bytes(os.path.join(directory, key), body)
 
 
 def _write_small_files(files: list[tuple[str, bytes]]) -> None:
@@ -212,13 +224,15 @@ class _Writers:
 
     The directories of the files are made once each: those of shard files before any is
     written (:meth:`make_dirs`), those of unsharded chunk files by their batch's task;
-    ``made`` holds those known to exist."""
+    ``made`` holds those known to exist. ``nodes``: the zarr.json nodes this rank writes
+    (key -> bytes); a batch takes those of its one-file arrays out of it."""
 
     def __init__(
         self, data: dict[str, Any], where: Place, progress: Progress, *, compact: bool, made: set[str] | None = None,
-        context: ts.Context | None = None, sharer: Sharer | None = None,
+        context: ts.Context | None = None, sharer: Sharer | None = None, nodes: dict[str, bytes] | None = None,
     ) -> None:
         self.data, self.directory, self.progress, self.sharer = data, where.directory, progress, sharer
+        self.nodes = {} if nodes is None else nodes
         self.made: set[str] = set() if made is None else made
         self.context = context or write_context()
         self.kv = ts.KvStore.open(data, context=self.context).result()
@@ -253,7 +267,10 @@ class _Writers:
         batch = self.batch
         if batch is None or batch.future is not None:
             batch = self.batch = _Batch(self.pool, directory, self.made, self.sharer)
-        batch.add(w.key, src, w.shapes.shard, w.rec, proof)
+        node = f"{w.rec.path}/{ROOT_KEY}"
+        batch.add(
+            w.key, src, w.shapes.shard, w.rec, proof, (node, self.nodes.pop(node)) if node in self.nodes else None
+        )
         if batch.nbytes >= BATCH_BYTES or len(batch.files) >= BATCH_FILES:
             batch.submit()
         return batch
@@ -305,7 +322,7 @@ class _Writers:
 def write_regions(
     data: dict[str, Any], plan: RankPlan, local: dict[str, Local], received: dict[int, np.ndarray], window: int,
     *, compact: bool, progress: Progress, made: set[str] | None = None, context: ts.Context | None = None,
-    sharer: Sharer | None = None,
+    sharer: Sharer | None = None, nodes: dict[str, bytes] | None = None,
 ) -> list[str]:
     """Write this rank's items into the kvstore ``data`` shard by shard, keeping a bounded
     window in flight: plan each file's writer (:func:`_shard_writes`), then start each
@@ -318,12 +335,14 @@ def write_regions(
     underneath. The compact layout's database gets one transaction per window, so each
     window becomes a few large files rather than a commit (and files) per write.
     ``sharer`` (an incremental save's, local plain layout): the own codec's files are
-    hashed, and shared with its base where proven equal.
+    hashed, and shared with its base where proven equal. ``nodes`` (rank 0: :func:`node_files`):
+    the zarr.json of each one-file array whose chunk file goes in a batch is written by
+    that batch and taken out of it; :func:`write_nodes` writes the rest.
     """
     writes = plan.writes  # built from the plan's groups on each access
     progress.set_total(sum(math.prod(w.lengths) * local[w.path].desc.itemsize for w in writes))
     where = write_place(data, compact)
-    writers = _Writers(data, where, progress, compact=compact, made=made, context=context, sharer=sharer)
+    writers = _Writers(data, where, progress, compact=compact, made=made, context=context, sharer=sharer, nodes=nodes)
     files = list(_shard_writes(writes, {a.path: a for a in plan.arrays}, where))
     writers.make_dirs(files)
     in_flight: Window[_Started] = (
@@ -404,7 +423,7 @@ class DeviceSources:
         return False
 
 
-def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
+def node_files(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     """zarr.json of every array and of every intermediate group (root excluded), by key."""
     nodes = {f"{rec.path}/{ROOT_KEY}": _durable.encode_json(array_node(rec)) for rec in arrays}
     groups: set[str] = set()
@@ -418,13 +437,15 @@ def _nodes(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
 
 
 def write_nodes(
-    data: dict[str, Any], arrays: tuple[ArrayRecord, ...], *, compact: bool, made: set[str], context: ts.Context | None = None,
+    data: dict[str, Any], nodes: dict[str, bytes], *, compact: bool, made: set[str], context: ts.Context | None = None,
 ) -> list[str]:
-    """Write :func:`_nodes` into the kvstore ``data``: on a local plain checkpoint as the
-    own codec writes chunk files (``made``: the directories known to exist, as
-    :func:`write_regions` takes them), elsewhere by kvstore writes (one transaction
-    in a compact layout's database). Returns their keys."""
-    nodes = _nodes(arrays)
+    """Write ``nodes`` (:func:`node_files`, less those :func:`write_regions` wrote) into the
+    kvstore ``data``: on a local plain checkpoint as the own codec writes chunk files
+    (``made``: the directories known to exist, as :func:`write_regions` takes them),
+    elsewhere by kvstore writes (one transaction in a compact layout's database). Returns
+    their keys."""
+    if not nodes:
+        return []
     where = write_place(data, compact)
     if where.directory is not None:
         directory = where.directory

@@ -209,9 +209,9 @@ def os_errno(msg: str, local: bool) -> int | None:
 
 
 def leaf_of_key(key: str) -> str | None:
-    """The leaf path a key below a checkpoint belongs to (``w/c/0/1`` and ``w/zarr.json``
-    give ``w``); None for the root and the compact layout's database files."""
-    m = re.fullmatch(r"(.+)/c(?:/[0-9]+)*", key) or re.fullmatch(r"(.+)/zarr\.json", key)
+    """The leaf path a key below a checkpoint belongs to (``w/c/0/1``, ``w/c.0.1`` and
+    ``w/zarr.json`` give ``w``); None for the root and the compact layout's database files."""
+    m = re.fullmatch(r"(.+)/c(?:(?:/[0-9]+)*|(?:\.[0-9]+)+)", key) or re.fullmatch(r"(.+)/zarr\.json", key)
     return m.group(1) if m else None
 
 
