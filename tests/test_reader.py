@@ -268,18 +268,18 @@ def two(ckdir, small_chunks, layout):
     "leaf, fields, want",
     [
         # a plain chunk said to hold 4 PB: TensorStore allocated the chunk before reading it
-        ("small", {"shape": [_HUGE], "shard_shape": [_HUGE]}, "small/c/0 holds fewer than the 4000000000000004 bytes"),
-        ("small", {"shard_shape": [_HUGE]}, "small/c/0 holds fewer than the 4000000000000004 bytes"),
+        ("small", {"shape": [_HUGE], "shard_shape": [_HUGE]}, "small/c.0 holds fewer than the 4000000000000004 bytes"),
+        ("small", {"shard_shape": [_HUGE]}, "small/c.0 holds fewer than the 4000000000000004 bytes"),
         # 3 * 10**14 shard files said to exist: the first missing one is named
-        ("small", {"shape": [_HUGE], "shard_shape": [3]}, "a chunk file is missing (small/c/1 does not exist;"),
+        ("small", {"shape": [_HUGE], "shard_shape": [3]}, "a chunk file is missing (small/c/0 does not exist;"),
         # sharded: inner chunks and a shard index far larger than the files
         ("x", {"shape": [8, _HUGE], "shard_shape": [4, _HUGE], "chunk_shape": [1, _HUGE]}, "x/c/0/0 holds fewer than"),
         ("x", {"shard_shape": [4, 2**40], "chunk_shape": [1, 256]}, "x/c/0/0 holds fewer than"),
         # a shard said to hold 2**62 bytes or more: no file can
         ("x", {"dtype": "complex128", "shard_shape": [2**20, 2**38], "chunk_shape": [2**20, 2**38]},
-         "x/c/0/0 cannot hold the 4611686018427387928 bytes"),  # index 20 + chunk 2**62 + 4
+         "x/c.0.0 cannot hold the 4611686018427387928 bytes"),  # index 20 + chunk 2**62 + 4
         # a million 1-byte inner chunks: TensorStore's bookkeeping alone took a gigabyte
-        ("small", {"dtype": "int8", "shape": [2**20], "shard_shape": [2**20], "chunk_shape": [1]}, "small/c/0 holds fewer than"),
+        ("small", {"dtype": "int8", "shape": [2**20], "shard_shape": [2**20], "chunk_shape": [1]}, "small/c.0 holds fewer than"),
     ],
 )
 def test_a_record_larger_than_its_files_is_refused_before_any_allocation(two, leaf, fields, want):

@@ -120,5 +120,3 @@ def test_a_tensor_replaced_by_another_of_the_same_shape_is_saved(tmp_path, stage
     assert (out["weight"] == 7.0).all() and (out["running_mean"] == 5.0).all()
     m.close()
 
-
-pytestmark = pytest.mark.slow  # every test starts a writer or saves several steps through one

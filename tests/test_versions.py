@@ -66,12 +66,12 @@ def test_an_unchanged_tensor_is_linked_without_being_hashed(tmp_path, hashed):
     hashed.clear()
     m.save(2, state)
     assert hashed == []
-    assert _links(m.directory(2)) == {"frozen/c/0/0": 2, "w/c/0/0": 2}
+    assert _links(m.directory(2)) == {"frozen/c.0.0": 2, "w/c.0.0": 2}
     with torch.no_grad():
         state["w"].add_(1)
     m.save(3, state)
     assert hashed == [8 * 8 * 4]  # only the tensor written since
-    assert _links(m.directory(3)) == {"frozen/c/0/0": 3, "w/c/0/0": 1}
+    assert _links(m.directory(3)) == {"frozen/c.0.0": 3, "w/c.0.0": 1}
     out = m.restore(3)
     assert np.array_equal(out["w"], state["w"].detach().numpy())
     assert np.array_equal(out["frozen"], state["frozen"].numpy())
@@ -128,7 +128,7 @@ def test_every_write_torch_counts_is_saved(tmp_path, hashed, how):
     assert not torch.equal(want, torch.zeros(4, 4))
     m.save(2, {"p": p})
     assert hashed == [64, 64]
-    assert _links(m.directory(2)) == {"p/c/0/0": 1}
+    assert _links(m.directory(2)) == {"p/c.0.0": 1}
     assert np.array_equal(m.restore(2)["p"], want.numpy())
 
 
@@ -230,7 +230,7 @@ def test_background_saves_hash_their_staged_copies(tmp_path, hashed):
     hashed.clear()
     m.save_async(2, {"p": p, "frozen": frozen}).result()
     assert sorted(hashed) == [64, 32 * 32 * 4]
-    assert _links(m.directory(2)) == {"frozen/c/0/0": 2, "p/c/0/0": 1}  # shared by its hash
+    assert _links(m.directory(2)) == {"frozen/c.0.0": 2, "p/c.0.0": 1}  # shared by its hash
     assert np.array_equal(m.restore(2)["p"], np.full((4, 4), 2.0, np.float32))
 
 

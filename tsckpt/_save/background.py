@@ -373,6 +373,7 @@ class _Checked:
         self._last: set[tuple[Any, ...]] = set()
         self._now: set[tuple[Any, ...]] = set()
         self._types: tuple[type, ...] = ()
+        self._strided: Any = None
 
     def key(self, path: str, leaf: Any) -> tuple[Any, ...] | None:
         """The leaf's key where it is a plain tensor (a torch.Tensor or Parameter, no subclass) or
@@ -384,13 +385,10 @@ class _Checked:
             t = loaded()
             if t is None:  # no tensor exists
                 return None
-            self._types = (t.Tensor, t.nn.Parameter)
-        if cls not in self._types:
+            self._types, self._strided = (t.Tensor, t.nn.Parameter), t.strided
+        if cls not in self._types or leaf.layout is not self._strided:  # sparse: checked in full
             return None
-        try:
-            return (path, cls, leaf.shape, leaf.stride(), leaf.dtype, leaf.device)
-        except RuntimeError:  # no strides (sparse): checked in full
-            return None
+        return (path, cls, leaf.shape, leaf.stride(), leaf.dtype, leaf.device)
 
     def known(self, key: tuple[Any, ...], leaf: Any) -> bool:
         """Whether the last save checked this leaf; remembered for the next."""
