@@ -33,6 +33,7 @@ class CpuOps(_devicecopy.DeviceOps):
         self.log: list[tuple[str, int]] = []  # (step, number of the copy)
         self.allocated: list[int] = []  # bytes of each host allocation
         self.copied = {"to_host": 0, "to_device": 0}  # bytes
+        self.registrations: list[tuple[int, int]] = []  # (address, bytes) page-locked by register
 
     def pinned(self, size: int) -> torch.Tensor:
         self.allocated.append(size)
@@ -52,6 +53,20 @@ class CpuOps(_devicecopy.DeviceOps):
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         return self._copy("to_device", src, dst)
+
+    def to_host_all(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Every copy at once (save_async's staging), as one: waited for once."""
+        for src, dst in copies:
+            self._copy("to_host", src, dst)
+        self.log.append(("to_host_all", len(self.log)))
+        return len(self.log) - 1
+
+    def register(self, ptr: int, size: int) -> None:
+        self.log.append(("register", ptr))
+        self.registrations.append((ptr, size))
+
+    def unregister(self, ptr: int) -> None:
+        self.log.append(("unregister", ptr))
 
     def wait(self, started: int) -> None:
         self.log.append(("wait", started))
