@@ -14,9 +14,11 @@ Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
 a training loop that saves the same state repeatedly allocates (and page-faults)
 host memory once; buffers for leaves that disappeared are released before new
 ones are allocated, so staging never holds more than one copy of the state.
-Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_runtime/devicecopy.py),
-made again only when the device tensors change; their device-to-host copies are
-issued asynchronously and awaited once. A jax.Array is staged shard by shard (each
+Buffers for CUDA tensors are page-locked host memory made again only when the device
+tensors change: views of the writer's shared block (page-locked by writer.py) when saves go
+to a writer process, else of one private page-locked slab (tsckpt/_runtime/devicecopy.py);
+their device-to-host copies are issued on a side stream, the CPU copies made meanwhile, and
+awaited once, in the call. A jax.Array is staged shard by shard (each
 distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray.py):
 the copies of all shards are started before any is awaited; a shard on a CPU device
 is copied into a reused buffer, one elsewhere is kept as the host copy jax made

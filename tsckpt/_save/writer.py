@@ -33,9 +33,18 @@ failed a save, every rank starts a new one (a group that lost a member is unusab
 ranks' writers always run the same saves in one group. The store's address travels with
 that gather when writers start.
 
-What a writer process cannot take is saved by the thread instead: jax arrays and CUDA
-tensors (their staging is not in the shared block: jax's own host copies, the pinned slab),
-lazy sources (they read another file through the caller's open readers), a ``memory://``
+CUDA tensors go to the writer too: their host buffers are views of the shared block, which
+:class:`SharedStaging` page-locks once when it makes it (registered with CUDA through
+:class:`DeviceOps`, unregistered before the block is given up). background.py's staging
+issues their copies on one reused side stream per device, after the work queued on the
+training stream, and waits for them once (an event) within the call, before the message
+leaves: CUDA copies are never deferred past the call (guard.py says why). Where the block
+cannot be page-locked, a warning says why, those tensors are staged in background.py's
+private page-locked slab, and saves that hold them run in the thread.
+
+What a writer process cannot take is saved by the thread instead: jax arrays (their staging
+is jax's own host copies, not the shared block), CUDA tensors where the block could not be
+page-locked, lazy sources (they read another file through the caller's open readers), a ``memory://``
 location (it lives in the caller's memory), a jax.distributed job without torch.distributed
 (the writers coordinate over torch.distributed), and platforms without anonymous shared
 memory files (Linux has them).
