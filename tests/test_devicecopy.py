@@ -538,3 +538,17 @@ def test_cuda_model_and_adamw_saved_by_the_writer_process_bit_exact_after_mutati
         else:
             assert got == want, path
     background._default.close()  # save_async's own saver: its writer leaves with it
+
+
+@cuda
+def test_cuda_staging_copies_run_on_one_reused_side_stream_after_the_queued_work():
+    ops = _devicecopy.DeviceOps()
+    side = ops.side_stream(torch.device("cuda"))
+    assert ops.side_stream(torch.device("cuda", torch.cuda.current_device())) is side
+    assert side != torch.cuda.current_stream()
+    src = torch.zeros(1 << 22, device="cuda")
+    host = ops.registered(src.numel() * 4).view(torch.float32)
+    for value in (1.0, 2.0):  # queued on the training stream just before: the copy sees it
+        src.fill_(value)
+        ops.wait(ops.to_host_all([(src, host)]))
+        assert bool((host == value).all())

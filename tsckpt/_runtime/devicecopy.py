@@ -11,8 +11,10 @@ previous ones. Both lend their host memory from one :class:`HostRing` of the ver
 size of the state (a single piece larger than that, as a save's shard of one inner
 chunk can be, runs alone in a ring of its size), and the ring's memory is reused piece
 after piece. ``save_async``
-stages a whole state at once into one :class:`PinnedSlab`, registered once and reused
-by the saves that follow.
+stages a whole state at once (:meth:`DeviceOps.to_host_all`: on a side stream, awaited
+once) into one :class:`PinnedSlab`, or into the writer process's shared block, which
+tsckpt/_save/writer.py page-locks with :meth:`DeviceOps.register`; either is registered
+once and reused by the saves that follow.
 
 The steps that need a device are the methods of :class:`DeviceOps` (allocate page-locked
 host memory, start a copy, wait for it); everything else (the ring, the pieces, the
@@ -113,7 +115,8 @@ class DeviceOps:
                 side = self.side_stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.device(device), torch.cuda.stream(side):
-                    torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs], non_blocking=True)
+                    for src, dst in pairs:
+                        dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(side)
                 events.append(event)
@@ -134,7 +137,7 @@ class DeviceOps:
         return self._record(dst.device)
 
     def wait(self, started: Any) -> None:
-        """Wait until a copy started by :meth:`to_host` or :meth:`to_device` is done."""
+        """Wait until the copies started by :meth:`to_host`, :meth:`to_host_all` or :meth:`to_device` are done."""
         started.synchronize()
 
     @staticmethod
