@@ -349,7 +349,9 @@ def test_the_shared_block_is_registered_once_and_unregistered_before_it_is_relea
 
 
 @pytest.mark.slow
-def test_device_tensors_go_to_the_writer_process_through_the_page_locked_shared_block(ckdir, cpu_as_device, writer_process):
+def test_device_tensors_go_to_the_writer_process_through_the_page_locked_shared_block(
+    ckdir, cpu_as_device, writer_process
+):
     ops = cpu_as_device
     state = bf16_state(1 << 14, seed=5)
     tree = {**state, "tied": state["a"], "host": np.arange(6, dtype=np.int16)}
@@ -373,7 +375,9 @@ def test_device_tensors_go_to_the_writer_process_through_the_page_locked_shared_
     saver.close()
 
 
-def test_a_block_that_cannot_be_page_locked_sends_the_save_to_the_thread_saying_why(ckdir, cpu_as_device, monkeypatch, caplog):
+def test_a_block_that_cannot_be_page_locked_sends_the_save_to_the_thread_saying_why(
+    ckdir, cpu_as_device, monkeypatch, caplog
+):
     monkeypatch.setattr(WriterSlot, "_refused", REFUSED)  # the real refusal; no writer starts here
 
     def refuse(ptr: int, size: int) -> None:
@@ -386,7 +390,10 @@ def test_a_block_that_cannot_be_page_locked_sends_the_save_to_the_thread_saying_
     handle = saver.submit(ckdir, state, SaveJob(ckdir, SaveOptions()), writer="process")
     handle.result(timeout=60)
     assert handle.writer_peak_bytes is None and saver.writer_pid is None  # saved by the thread
-    why = "page-locking the shared staging block failed (RuntimeError: page-locking 4096 bytes of host memory failed with CUDA error 801)"
+    why = (
+        "page-locking the shared staging block failed "
+        "(RuntimeError: page-locking 4096 bytes of host memory failed with CUDA error 801)"
+    )
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [f"tsckpt: asynchronous saves of CUDA tensors run in a thread of this process: {why}"]
     assert any(r.getMessage().endswith(f"runs in a thread: it holds CUDA tensors and {why}") for r in caplog.records)

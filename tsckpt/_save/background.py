@@ -294,7 +294,8 @@ class _Staging:
                 first.setdefault(mem, i)
         on_device = [k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]]
         if self.reserve is not None:  # the shared block: host arrays, and device tensors where it can be page-locked
-            self.reserve(self._buffers, [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)] + on_device)
+            host = [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)]
+            self.reserve(self._buffers, host + on_device)
         self._pin(on_device if self.reserve is None else [k for k in on_device if k not in self._buffers])
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is None and key[1] == "jax":

@@ -295,8 +295,9 @@ class WriterSlot:
             return "its location lives in this process's memory"
         if any(isinstance(where, JaxRegion) for _, _, _, where in regions):
             return "it holds jax arrays"
-        if self._shared.unpinned is not None and any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
-            return f"it holds CUDA tensors and {self._shared.unpinned}"
+        unpinned = self._shared.unpinned
+        if unpinned is not None and any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
+            return f"it holds CUDA tensors and {unpinned}"
         if any(isinstance(leaf, LazySource) for leaf in leaves):
             return "it holds lazy sources"
         if not torch_initialized() and is_distributed():
