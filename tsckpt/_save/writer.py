@@ -585,6 +585,10 @@ def main() -> None:
     log.setLevel(setup["log_level"])
     log.addHandler(kept)
     log.propagate = False  # each record goes to the training process, which logs it
+    if setup["rendezvous"] is not None:
+        # imported before the listening thread starts: it unpickles messages that import torch,
+        # and torch imported by two threads at once can fail in one of them
+        import torch.distributed  # noqa: F401
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
     joined: BaseException | None = None
