@@ -10,6 +10,8 @@ CUDA and skip without it.
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 
 import numpy as np
@@ -18,10 +20,19 @@ import torch
 
 import tsckpt
 from tsckpt._runtime import devicecopy as _devicecopy
-from tsckpt._save.background import AsyncSaver
+from tsckpt._leaves.stateful import expand
+from tsckpt._options import SaveOptions
+from tsckpt._runtime import sharedmem
+from tsckpt._save import background
+from tsckpt._save.background import AsyncSaver, SaveJob
+from tsckpt._save.writer import SharedStaging, WriterSlot
 from tsckpt._storage.native import ALIGN
 from tsckpt._runtime.devicecopy import HostRing, batches, pieces
+from tsckpt.tree import flatten
 from tests.dist_helpers import run_ranks
+
+# The writer's own refusal (tests/conftest.py replaces it so that saves stay in a thread).
+REFUSED = WriterSlot._refused
 
 KiB = 1 << 10
 
@@ -33,6 +44,7 @@ class CpuOps(_devicecopy.DeviceOps):
         self.log: list[tuple[str, int]] = []  # (step, number of the copy)
         self.allocated: list[int] = []  # bytes of each host allocation
         self.copied = {"to_host": 0, "to_device": 0}  # bytes
+        self.registrations: list[tuple[int, int]] = []  # (address, bytes) page-locked by register
 
     def pinned(self, size: int) -> torch.Tensor:
         self.allocated.append(size)
@@ -52,6 +64,20 @@ class CpuOps(_devicecopy.DeviceOps):
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         return self._copy("to_device", src, dst)
+
+    def to_host_all(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Every copy at once (save_async's staging), as one: waited for once."""
+        for src, dst in copies:
+            self._copy("to_host", src, dst)
+        self.log.append(("to_host_all", len(self.log)))
+        return len(self.log) - 1
+
+    def register(self, ptr: int, size: int) -> None:
+        self.log.append(("register", ptr))
+        self.registrations.append((ptr, size))
+
+    def unregister(self, ptr: int) -> None:
+        self.log.append(("unregister", ptr))
 
     def wait(self, started: int) -> None:
         self.log.append(("wait", started))
@@ -290,6 +316,95 @@ def test_async_larger_than_its_bound_saves_through_the_write_window(ckdir, cpu_a
     assert all(same_bits(back[k], t) for k, t in state.items())
 
 
+# ---- save_async through a writer process: the shared block ------------------------------
+
+
+def test_the_shared_block_is_registered_once_and_unregistered_before_it_is_released(cpu_as_device, monkeypatch):
+    ops = cpu_as_device
+    close = sharedmem.SharedBlock.close
+    monkeypatch.setattr(
+        sharedmem.SharedBlock, "close", lambda self: (ops.log.append(("close", self.pointer)), close(self))[1]
+    )
+    shared, buffers = SharedStaging(), {}
+    keys = [("a", "torch", (64, 8), torch.bfloat16, True), ("n", "numpy", (5,), np.dtype("int32")),
+            ("b", "torch", (3,), torch.float32, True)]
+    shared.reserve(buffers, keys)
+    first = shared.block
+    assert ops.registrations == [(first.pointer, first.size)] and shared.unpinned is None
+    assert [first.address(buffers[k]) for k in keys] == [0, 1024, 1088]  # every buffer a view of the block
+    shared.reserve(buffers, keys)  # the same arrays: the same block, registered once
+    assert shared.block is first and len(ops.registrations) == 1
+    for k in keys:
+        buffers.pop(k)
+    shared.reserve(buffers, [("a", "torch", (32,), torch.bfloat16, True)])  # another state: a new block
+    second = shared.block
+    steps = [s for s in ops.log if s[0] in ("register", "unregister", "close")]
+    assert steps == [("register", first.pointer), ("unregister", first.pointer), ("close", first.pointer),
+                     ("register", second.pointer)]
+    buffers.clear()
+    shared.reserve(buffers, [("n", "numpy", (5,), np.dtype("int32"))])  # host arrays alone: not page-locked
+    shared.release()
+    assert [s[0] for s in ops.log if s[0] in ("register", "unregister")][-2:] == ["register", "unregister"]
+    assert len(ops.registrations) == 2
+
+
+@pytest.mark.slow
+def test_device_tensors_go_to_the_writer_process_through_the_page_locked_shared_block(
+    ckdir, cpu_as_device, writer_process
+):
+    ops = cpu_as_device
+    state = bf16_state(1 << 14, seed=5)
+    tree = {**state, "tied": state["a"], "host": np.arange(6, dtype=np.int16)}
+    expected = {k: t.clone() for k, t in state.items()}
+    saver = AsyncSaver()
+    handle = saver.submit(ckdir, tree, SaveJob(ckdir, SaveOptions()), writer="process")
+    state["a"].view(torch.int16).add_(1)  # training moves on at once
+    handle.result(timeout=60)
+    assert handle.writer_peak_bytes is not None and saver.writer_pid is not None  # saved by the writer process
+    block = saver._process._shared.block
+    assert ops.registrations == [(block.pointer, block.size)]
+    staged = [b for b in saver._staging._buffers.values() if b.nbytes]
+    assert len(staged) == 4 and all(block.address(b) is not None for b in staged)  # a, b, scalar, host
+    assert [s for s, _ in ops.log].count("to_host_all") == 1 and ops.log[-1][0] == "wait"  # issued at once, one wait
+    with _plain():
+        back = tsckpt.restore(ckdir, as_saved=True)
+    assert all(same_bits(back[k], t) for k, t in expected.items()) and same_bits(back["tied"], expected["a"])
+    pid = saver.writer_pid
+    saver.submit(ckdir, tree, SaveJob(ckdir, SaveOptions(overwrite=True)), writer="process").result(timeout=60)
+    assert saver.writer_pid == pid and len(ops.registrations) == 1  # the same writer and block
+    saver.close()
+
+
+def test_a_block_that_cannot_be_page_locked_sends_the_save_to_the_thread_saying_why(
+    ckdir, cpu_as_device, monkeypatch, caplog
+):
+    monkeypatch.setattr(WriterSlot, "_refused", REFUSED)  # the real refusal; no writer starts here
+
+    def refuse(ptr: int, size: int) -> None:
+        raise RuntimeError("page-locking 4096 bytes of host memory failed with CUDA error 801")
+
+    monkeypatch.setattr(cpu_as_device, "register", refuse)
+    caplog.set_level(logging.DEBUG, logger="tsckpt")
+    state = bf16_state(1 << 12, seed=6)
+    saver = AsyncSaver()
+    handle = saver.submit(ckdir, state, SaveJob(ckdir, SaveOptions()), writer="process")
+    handle.result(timeout=60)
+    assert handle.writer_peak_bytes is None and saver.writer_pid is None  # saved by the thread
+    why = (
+        "page-locking the shared staging block failed "
+        "(RuntimeError: page-locking 4096 bytes of host memory failed with CUDA error 801)"
+    )
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"tsckpt: asynchronous saves of CUDA tensors run in a thread of this process: {why}"]
+    assert any(r.getMessage().endswith(f"runs in a thread: it holds CUDA tensors and {why}") for r in caplog.records)
+    block = saver._process._shared.block
+    assert all(block.address(b) is None for b in saver._staging._buffers.values())  # the private slab
+    with _plain():
+        back = tsckpt.restore(ckdir, as_saved=True)
+    assert all(same_bits(back[k], t) for k, t in state.items())
+    saver.close()
+
+
 # ---- on a GPU ---------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -394,3 +509,53 @@ def test_cuda_dtensor_one_process_nccl(ckdir):
 def test_cuda_dtensor_two_processes_nccl_coordinates_on_gloo(ckdir):
     assert run_ranks(_dtensor_on_cuda, 2, ckdir, backend="nccl", timeout=300) == ["gloo", "gloo"]
 
+
+
+@pytest.mark.slow
+@cuda
+def test_cuda_model_and_adamw_saved_by_the_writer_process_bit_exact_after_mutating_at_once(ckdir, writer_process):
+    import tsckpt.torch as tt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.randn(16, 64, device="cuda")).square().mean().backward()  # BatchNorm's running stats
+        opt.step()  # parameters, moments, step counts
+        opt.zero_grad()
+
+    step()
+    state = tt.TrainState(model, opt)
+    flat = flatten(copy.deepcopy(expand(state.__tsckpt_tree__(0)).tree))
+    expected = {p: (v.cpu() if isinstance(v, torch.Tensor) else v) for p, v in zip(flat.paths, flat.leaves)}
+    handle = tsckpt.save_async(ckdir, state, writer="process")
+    step()  # right after the call
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    handle.result(timeout=120)
+    assert handle.writer_peak_bytes is not None and background._default.writer_pid is not None  # the writer process
+    saved = flatten(tsckpt.restore(ckdir))
+    assert saved.paths == flat.paths
+    for path, got in zip(saved.paths, saved.leaves):
+        want = expected[path]
+        if isinstance(want, torch.Tensor):
+            assert same_bits(torch.as_tensor(got), want), path
+        else:
+            assert got == want, path
+    background._default.close()  # save_async's own saver: its writer leaves with it
+
+
+@cuda
+def test_cuda_staging_copies_run_on_one_reused_side_stream_after_the_queued_work():
+    ops = _devicecopy.DeviceOps()
+    side = ops.side_stream(torch.device("cuda"))
+    assert ops.side_stream(torch.device("cuda", torch.cuda.current_device())) is side
+    assert side != torch.cuda.current_stream()
+    src = torch.zeros(1 << 22, device="cuda")
+    host = ops.registered(src.numel() * 4).view(torch.float32)
+    for value in (1.0, 2.0):  # queued on the training stream just before: the copy sees it
+        src.fill_(value)
+        ops.wait(ops.to_host_all([(src, host)]))
+        assert bool((host == value).all())

@@ -11,8 +11,10 @@ previous ones. Both lend their host memory from one :class:`HostRing` of the ver
 size of the state (a single piece larger than that, as a save's shard of one inner
 chunk can be, runs alone in a ring of its size), and the ring's memory is reused piece
 after piece. ``save_async``
-stages a whole state at once into one :class:`PinnedSlab`, registered once and reused
-by the saves that follow.
+stages a whole state at once (:meth:`DeviceOps.to_host_all`: on a side stream, awaited
+once) into one :class:`PinnedSlab`, or into the writer process's shared block, which
+tsckpt/_save/writer.py page-locks with :meth:`DeviceOps.register`; either is registered
+once and reused by the saves that follow.
 
 The steps that need a device are the methods of :class:`DeviceOps` (allocate page-locked
 host memory, start a copy, wait for it); everything else (the ring, the pieces, the
@@ -74,11 +76,21 @@ class DeviceOps:
         if size:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))  # 1: cudaHostRegisterPortable
-            if err:
-                raise RuntimeError(f"page-locking {size} bytes of host memory failed with CUDA error {err}")
-            weakref.finalize(storage, _unregister, ptr).atexit = False  # not after CUDA is torn down
+            self.register(ptr, size)
+            weakref.finalize(storage, self.unregister, ptr).atexit = False  # not after CUDA is torn down
         return t
+
+    def register(self, ptr: int, size: int) -> None:
+        """Page-lock ``size`` bytes of host memory at ``ptr`` (memory this process mapped, such
+        as a shared block), so that copies from the device into it run asynchronously; raises
+        RuntimeError where CUDA refuses. Registered portable: pinned for every device."""
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))  # 1: cudaHostRegisterPortable
+        if err:
+            raise RuntimeError(f"page-locking {size} bytes of host memory failed with CUDA error {err}")
+
+    def unregister(self, ptr: int) -> None:
+        """Undo :meth:`register` of the memory at ``ptr`` (before that memory is unmapped)."""
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying device ``src`` into host ``dst`` after the work queued on its
@@ -87,6 +99,37 @@ class DeviceOps:
             dst.copy_(src, non_blocking=True)
         return self._record(src.device)
 
+    def to_host_all(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Start copying each device source into its page-locked host buffer (``(source,
+        buffer)`` pairs) on one side stream per device, reused by every call, after the work
+        queued so far on the device's current stream (so the copies hold the values of the
+        call, and the training stream is not held behind them); returns what :meth:`wait`
+        takes, which waits for all of them at once (one event per device). The caller waits
+        before a source may be freed or written (the sources are not recorded on the side stream)."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for src, dst in copies:
+            by_device.setdefault(src.device, []).append((src, dst))
+        events = []
+        with torch.no_grad():  # sources may be parameters that require grad
+            for device, pairs in by_device.items():
+                side = self.side_stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.device(device), torch.cuda.stream(side):
+                    for src, dst in pairs:
+                        dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+                events.append(event)
+        return _AllOf(events)
+
+    def side_stream(self, device: torch.device) -> Any:
+        """The stream of ``device`` that staging copies run on: made once, then reused."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = _SIDE_STREAMS.get(index)
+        if stream is None:
+            stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        return stream
+
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying host ``src`` into device ``dst``; returns what :meth:`wait` takes."""
         with torch.no_grad():  # targets may be parameters that require grad
@@ -94,7 +137,7 @@ class DeviceOps:
         return self._record(dst.device)
 
     def wait(self, started: Any) -> None:
-        """Wait until a copy started by :meth:`to_host` or :meth:`to_device` is done."""
+        """Wait until the copies started by :meth:`to_host`, :meth:`to_host_all` or :meth:`to_device` are done."""
         started.synchronize()
 
     @staticmethod
@@ -104,8 +147,21 @@ class DeviceOps:
         return event
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+# Staging's side stream of each device (by index), made at its first use.
+_SIDE_STREAMS: dict[int, Any] = {}
+
+
+class _AllOf:
+    """Events waited for together (:meth:`DeviceOps.wait` takes it as one)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
 
 
 OPS = DeviceOps()

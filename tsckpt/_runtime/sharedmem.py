@@ -55,6 +55,11 @@ class SharedBlock:
         self.base = np.frombuffer(self._map, dtype=np.uint8)  # every view is a slice of this
         self._start: int = self.base.__array_interface__["data"][0]
 
+    @property
+    def pointer(self) -> int:
+        """Where the block is mapped in this process (for page-locking it)."""
+        return self._start
+
     def address(self, view: Any) -> int | None:
         """The offset in this block of the memory ``view`` (a tensor or numpy array) starts at, or
         None if it is not in the block."""

@@ -14,9 +14,11 @@ Staging buffers are kept between saves, keyed by leaf path, shape and dtype, so
 a training loop that saves the same state repeatedly allocates (and page-faults)
 host memory once; buffers for leaves that disappeared are released before new
 ones are allocated, so staging never holds more than one copy of the state.
-Buffers for CUDA tensors are views of one page-locked slab (tsckpt/_runtime/devicecopy.py),
-made again only when the device tensors change; their device-to-host copies are
-issued asynchronously and awaited once. A jax.Array is staged shard by shard (each
+Buffers for CUDA tensors are page-locked host memory made again only when the device
+tensors change: views of the writer's shared block (page-locked by writer.py) when saves go
+to a writer process, else of one private page-locked slab (tsckpt/_runtime/devicecopy.py);
+their device-to-host copies are issued on a side stream, the CPU copies made meanwhile, and
+awaited once, in the call. A jax.Array is staged shard by shard (each
 distinct device shard this process holds, replicas once; tsckpt/_leaves/jaxarray.py):
 the copies of all shards are started before any is awaited; a shard on a CPU device
 is copied into a reused buffer, one elsewhere is kept as the host copy jax made
@@ -290,9 +292,11 @@ class _Staging:
             staged.append(first.get(mem) if mem is not None else None)
             if mem is not None:
                 first.setdefault(mem, i)
-        self._pin([k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]])
-        if self.reserve is not None:
-            self.reserve(self._buffers, [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)])
+        on_device = [k for k, tied in zip(keys, staged) if tied is None and k[1] == "torch" and k[-1]]
+        if self.reserve is not None:  # the shared block: host arrays, and device tensors where it can be page-locked
+            host = [k for k, tied in zip(keys, staged) if tied is None and _in_host_memory(k)]
+            self.reserve(self._buffers, host + on_device)
+        self._pin(on_device if self.reserve is None else [k for k in on_device if k not in self._buffers])
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is None and key[1] == "jax":
                 start_host_copy(data)
@@ -301,7 +305,7 @@ class _Staging:
         now: list[tuple[torch.Tensor, torch.Tensor]] = []  # the CPU tensors' copies, made at once below
         now_at: list[int] = []  # the region of each
         later_at: list[int] = []
-        copies: list[Any] = []  # the device-to-host copies started
+        from_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, page-locked buffer)
         for key, (_, data), tied in zip(keys, regions, staged):
             if tied is not None:
                 out.append(out[tied])
@@ -309,8 +313,8 @@ class _Staging:
             buf = kept.get(key)
             if key[1] == "torch":
                 if key[-1]:  # on a device
-                    buf = kept[key]  # made by _pin
-                    copies.append(_devicecopy.ops().to_host(data.detach(), buf))
+                    buf = kept[key]  # made by reserve or _pin
+                    from_device.append((data.detach(), buf))
                 else:
                     if buf is None:
                         buf = torch.empty(data.shape, dtype=data.dtype)
@@ -332,23 +336,26 @@ class _Staging:
                 np.copyto(buf, data, casting="no")
             kept[key] = buf
             out.append(buf)
-        if signature is not None and not copies and all(k[1] in ("torch", "numpy") for k in keys):
+        started = _devicecopy.ops().to_host_all(from_device) if from_device else None
+        if signature is not None and not from_device and all(k[1] in ("torch", "numpy") for k in keys):
             numpy_at = [i for i, k in enumerate(keys) if k[1] == "numpy" and staged[i] is None]
             bound = {i for i, t in enumerate(staged) if t is not None} | {t for t in staged if t is not None}
             self._plan = _Plan(
                 signature, deferred, self.reserve, out, now_at, [b for b, _ in now], later_at, [b for b, _ in later],
                 numpy_at, [out[i] for i in numpy_at], tuple(_address(d) for d in sources), frozenset(bound | set(later_at)),
             )
-        _copy_now([b for b, _ in now], [d for _, d in now])
-        for started in copies:
-            _devicecopy.ops().wait(started)
+        _copy_now([b for b, _ in now], [d for _, d in now])  # while the device copies run
+        if started is not None:
+            _devicecopy.ops().wait(started)  # once, before the call returns (see guard.py: never deferred)
         return out, later
 
     def _pin(self, keys: list[tuple[Any, ...]]) -> None:
-        """Buffers for the device tensors: kept from the last save when every one of them is,
-        else all made again in one page-locked slab (the old ones released first, so staging
-        never holds the device tensors twice; a slab is freed only with all its buffers)."""
-        if all(k in self._buffers for k in keys):
+        """Buffers for the device tensors that ``reserve`` did not place (all of them without a
+        writer process, or where its shared block could not be page-locked): kept from the last
+        save when every one of them is, else all made again in one page-locked slab (the old ones
+        released first, so staging never holds the device tensors twice; a slab is freed only
+        with all its buffers)."""
+        if not keys or all(k in self._buffers for k in keys):
             return
         for k in keys:
             self._buffers.pop(k, None)

@@ -13,6 +13,12 @@ tensors smaller than :data:`DEFER_MIN_BYTES`, non-contiguous views, numpy arrays
 and jax arrays; plain values and stateful objects' states are taken at the call in both
 modes.
 
+Device (CUDA) tensors are copied in the call, on a side stream awaited once: deferring them
+would need the optimizer's hook to order the training stream after the copies, and every
+other write into them on any stream (a forward's buffers, the caching allocator reusing a
+freed source) ordered too, which no hook sees; into page-locked memory the copies run at
+the device's transfer rate, so the call is held for little more than that.
+
 What no hook sees: a write into such a parameter or state that is not that optimizer's
 step (an EMA or weight clipping written into the parameters, a module's
 ``load_state_dict``, ``tsckpt.restore`` in place (the manager's ``restore`` waits by

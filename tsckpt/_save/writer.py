@@ -33,9 +33,18 @@ failed a save, every rank starts a new one (a group that lost a member is unusab
 ranks' writers always run the same saves in one group. The store's address travels with
 that gather when writers start.
 
-What a writer process cannot take is saved by the thread instead: jax arrays and CUDA
-tensors (their staging is not in the shared block: jax's own host copies, the pinned slab),
-lazy sources (they read another file through the caller's open readers), a ``memory://``
+CUDA tensors go to the writer too: their host buffers are views of the shared block, which
+:class:`SharedStaging` page-locks once when it makes it (registered with CUDA through
+:class:`DeviceOps`, unregistered before the block is given up). background.py's staging
+issues their copies on one reused side stream per device, after the work queued on the
+training stream, and waits for them once (an event) within the call, before the message
+leaves: CUDA copies are never deferred past the call (guard.py says why). Where the block
+cannot be page-locked, a warning says why, those tensors are staged in background.py's
+private page-locked slab, and saves that hold them run in the thread.
+
+What a writer process cannot take is saved by the thread instead: jax arrays (their staging
+is jax's own host copies, not the shared block), CUDA tensors where the block could not be
+page-locked, lazy sources (they read another file through the caller's open readers), a ``memory://``
 location (it lives in the caller's memory), a jax.distributed job without torch.distributed
 (the writers coordinate over torch.distributed), and platforms without anonymous shared
 memory files (Linux has them).
@@ -96,25 +105,50 @@ CLOSE_WAIT_S = 30.0
 
 
 class SharedStaging:
-    """The staging's host buffers (numpy arrays, CPU tensors) as views of one shared block,
-    made again, all at once, when the state's arrays change (the old block given up first,
-    so staging holds at most one copy of the state): ``reserve`` of background.py's staging."""
+    """The staging's host buffers (numpy arrays, CPU tensors, and the CUDA tensors' host
+    copies) as views of one shared block, made again, all at once, when the state's arrays
+    change (the old block given up first, so staging holds at most one copy of the state):
+    ``reserve`` of background.py's staging.
+
+    A block that holds CUDA tensors' buffers is page-locked once, when made (registered with
+    CUDA: :meth:`DeviceOps.register`), so the copies from the device into it run
+    asynchronously, and unregistered before it is given up. Where registration fails, the
+    block is made again without them (they go to background.py's private page-locked slab),
+    ``unpinned`` says why, and such saves run in the thread (:meth:`WriterSlot._refused`)."""
 
     def __init__(self) -> None:
         self.block: sharedmem.SharedBlock | None = None
         self.on_release: Any = None  # called with a block given up (the writer drops its mapping)
+        self.unpinned: str | None = None  # why the block could not hold the CUDA tensors' buffers
+        self._unregister: weakref.finalize | None = None  # undoes the block's registration, once
 
     def reserve(self, buffers: dict[tuple[Any, ...], Any], keys: list[tuple[Any, ...]]) -> None:
-        """Put a view of the block in ``buffers`` for each of ``keys`` (the host arrays to copy):
-        the block of the last save while it has them all, else a new one for exactly these."""
+        """Put a view of the block in ``buffers`` for each of ``keys`` (the host arrays to copy,
+        and the device tensors to copy into page-locked memory): the block of the last save
+        while it has them all, else a new one for exactly these."""
         if all(k in buffers for k in keys) and self.block is not None:
             return
         for k in keys:
             buffers.pop(k, None)
         self.release()
-        sizes = [_key_bytes(k) for k in keys]
-        offsets, size = sharedmem.layout(sizes)
-        block = sharedmem.SharedBlock(size)
+        self.unpinned = None
+        on_device = [k for k in keys if k[1] == "torch" and k[-1]]
+        block = self._make(keys)
+        if on_device:
+            try:
+                _devicecopy.ops().register(block.pointer, block.size)
+            except Exception as e:  # noqa: BLE001 - any refusal: the thread saves, as before
+                self.unpinned = f"page-locking the shared staging block failed ({type(e).__name__}: {e})"
+                log.warning(
+                    "tsckpt: asynchronous saves of CUDA tensors run in a thread of this process: %s", self.unpinned
+                )
+                block.close()
+                keys = [k for k in keys if not (k[1] == "torch" and k[-1])]
+                block = self._make(keys)
+            else:  # undone by release(), or when the block is dropped unreleased (before its unmapping)
+                self._unregister = weakref.finalize(block, _devicecopy.ops().unregister, block.pointer)
+                self._unregister.atexit = False  # not after CUDA is torn down
+        offsets, _ = sharedmem.layout([_key_bytes(k) for k in keys])
         for k, offset in zip(keys, offsets):
             if k[1] == "torch":
                 buffers[k] = block.torch(offset, k[3], k[2])
@@ -122,9 +156,17 @@ class SharedStaging:
                 buffers[k] = block.numpy(offset, k[3], k[2])
         self.block = block
 
+    @staticmethod
+    def _make(keys: list[tuple[Any, ...]]) -> sharedmem.SharedBlock:
+        _, size = sharedmem.layout([_key_bytes(k) for k in keys])
+        return sharedmem.SharedBlock(size)
+
     def release(self) -> None:
-        """Give up the block (its buffers must be gone from the staging already)."""
+        """Give up the block (its buffers must be gone from the staging already), unregistered first."""
         block, self.block = self.block, None
+        unregister, self._unregister = self._unregister, None
+        if unregister is not None:
+            unregister()
         if block is not None:
             if self.on_release is not None:
                 self.on_release(block)
@@ -253,8 +295,9 @@ class WriterSlot:
             return "its location lives in this process's memory"
         if any(isinstance(where, JaxRegion) for _, _, _, where in regions):
             return "it holds jax arrays"
-        if any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
-            return "it holds CUDA tensors"
+        unpinned = self._shared.unpinned
+        if unpinned is not None and any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
+            return f"it holds CUDA tensors and {unpinned}"
         if any(isinstance(leaf, LazySource) for leaf in leaves):
             return "it holds lazy sources"
         if not torch_initialized() and is_distributed():
@@ -542,6 +585,10 @@ def main() -> None:
     log.setLevel(setup["log_level"])
     log.addHandler(kept)
     log.propagate = False  # each record goes to the training process, which logs it
+    if setup["rendezvous"] is not None:
+        # imported before the listening thread starts: it unpickles messages that import torch,
+        # and torch imported by two threads at once can fail in one of them
+        import torch.distributed  # noqa: F401
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
     joined: BaseException | None = None
