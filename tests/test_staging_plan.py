@@ -120,3 +120,15 @@ def test_a_tensor_replaced_by_another_of_the_same_shape_is_saved(tmp_path, stage
     assert (out["weight"] == 7.0).all() and (out["running_mean"] == 5.0).all()
     m.close()
 
+
+
+def test_a_byte_swapped_array_is_saved_by_value_at_every_call(tmp_path):
+    big = np.arange(6, dtype=">f4")
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+    for step in (1, 2, 3):
+        big[0] = step
+        m.save_async(step, {"big": big, "w": torch.ones(2)}).result()
+    for step in (1, 2, 3):
+        got = m.restore(step)["big"]
+        assert got.dtype == np.float32 and got.tolist() == [float(step), 1, 2, 3, 4, 5], step
+    m.close()

@@ -386,8 +386,8 @@ class _Checked:
         """The leaf's key where it is a plain tensor (a torch.Tensor or Parameter, no subclass) or
         numpy array, else None."""
         cls = type(leaf)
-        if cls is np.ndarray:
-            return (path, cls, leaf.shape, leaf.strides, leaf.dtype)
+        if cls is np.ndarray:  # a byte-swapped array is saved through a native copy: checked in full
+            return (path, cls, leaf.shape, leaf.strides, leaf.dtype) if leaf.dtype.isnative else None
         if not self._types:
             t = loaded()
             if t is None:  # no tensor exists
