@@ -186,7 +186,6 @@ class _Arrays:
     and reused by the next saves while the same object (:meth:`_Writer._deliver`)."""
 
     buffers: dict[int, _Buffer]
-    indices: frozenset[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +256,7 @@ class WriterSlot:
         remote = job.in_writer()
         block = self._shared.block if self._shared is not None else None
         arrays = self._arrays(block, flat, regions, copies)
-        values = {i: leaf for i, leaf in enumerate(leaves) if i not in arrays.indices}
+        values = {i: leaf for i, leaf in enumerate(leaves) if i not in arrays.buffers}
         if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
             self.close()
             w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
@@ -283,7 +282,7 @@ class WriterSlot:
             if offset is None:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
             buffers[i] = _Buffer(offset, is_tensor(copy), copy.dtype, tuple(copy.shape), where)
-        arrays = _Arrays(buffers, frozenset(buffers))
+        arrays = _Arrays(buffers)
         self._last_arrays = (key, arrays)
         return arrays
 
