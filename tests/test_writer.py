@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tsckpt
+import tsckpt.torch
 from tests.dist_helpers import run_ranks
 from tests.writer_helpers import gone, hold_next_save, one_writer_killed, state, wait_for
 from tsckpt._ondisk.records import ROOT_KEY
@@ -84,6 +85,99 @@ def test_round_trip_is_bit_exact_and_the_same_checkpoint_as_a_synchronous_save(t
     assert torch.equal(out["pair"]["weight"], torch.arange(4)) and out["pair"]["count"] == 3
     assert out["values"] == {"lr": 0.5, "name": "run", "blob": b"\x00\x01", "none": None, "scalar": 2.5}
     background._default.close()  # save_async's own saver: its writer leaves with it
+
+
+def _train_state(seed: int) -> tsckpt.torch.TrainState:
+    """A small model in bfloat16 and float32 with float16, int64 and bool buffers; AdamW stepped
+    once; a scheduler; a step counter."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    model[0].to(torch.bfloat16)
+    model.register_buffer("scale", torch.randn(3).half())
+    model.register_buffer("index", torch.arange(5) * seed)
+    model.register_buffer("mask", torch.tensor([True, False, seed % 2 == 0]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sched.step()
+    return tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": seed}, rng=False)
+
+
+def _files(directory) -> dict[str, bytes]:
+    """Every file of a checkpoint by relative path, but its root metadata (see :func:`_root_metadata`)."""
+    out = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(parent, name), directory)
+            if rel != ROOT_KEY:
+                with open(os.path.join(parent, name), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def _maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_train_state_is_saved_by_a_writer_that_never_imports_torch_as_a_synchronous_save_saves_it(tmp_path, writer_process):
+    state = _train_state(3)
+    tsckpt.save(tmp_path / "sync", state)
+    try:
+        handle = tsckpt.save_async(tmp_path / "async", state)
+        handle.result()
+        pid = background._default.writer_pid
+        assert pid is not None and not _maps_libtorch(pid)
+    finally:
+        background._default.close()  # save_async's own saver: its writer leaves with it
+    assert handle.writer_peak_bytes is not None  # saved by a writer process
+    # the writer's own peak, not the training process's resident memory (torch's libraries alone are more)
+    assert 0 < handle.writer_peak_bytes < _rss(os.getpid())
+    sync, written = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert sorted(written) == sorted(sync)
+    assert [rel for rel in sync if written[rel] != sync[rel]] == []  # every array file and zarr.json
+    assert _root_metadata(tmp_path / "async") == _root_metadata(tmp_path / "sync")  # kinds, dtypes, hashes
+    with open(tmp_path / "async" / "model" / "0.weight" / "zarr.json") as f:
+        assert json.load(f)["attributes"]["tsckpt"]["kind"] == "torch"
+    target = _train_state(4)
+    tsckpt.restore(tmp_path / "async", target)
+    for got, want in [(target.model.state_dict(), state.model.state_dict()),
+                      (target.optimizers[0].state_dict()["state"], state.optimizers[0].state_dict()["state"])]:
+        flat_got, flat_want = tsckpt.tree.flatten(got), tsckpt.tree.flatten(want)
+        assert flat_got.paths == flat_want.paths
+        for path, a, b in zip(flat_got.paths, flat_got.leaves, flat_want.leaves):
+            assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), path
+    assert target.extra["scheduler"].state_dict() == state.extra["scheduler"].state_dict()
+    assert target.extra["step"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tensors_of_dtypes_numpy_lacks_are_saved_by_the_writer_through_torch(tmp_path, writer_process):
+    tree = {
+        "c32": torch.randn(4, 3, dtype=torch.complex64).to(torch.complex32),
+        "fp4": torch.arange(6, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "region": tsckpt.ShardedArray(torch.randn(2, 3).half(), (2, 3), (0, 0)),
+    }
+    tsckpt.save(tmp_path / "sync", tree)
+    try:
+        handle = tsckpt.save_async(tmp_path / "async", tree)
+        handle.result()
+        pid = background._default.writer_pid
+        assert pid is not None and _maps_libtorch(pid)  # complex32 and float4 x2 tensors: torch's views
+    finally:
+        background._default.close()
+    assert _files(tmp_path / "async") == _files(tmp_path / "sync")
+    assert _root_metadata(tmp_path / "async") == _root_metadata(tmp_path / "sync")
+    out = tsckpt.restore(tmp_path / "async", as_saved=True)
+    for key in ("c32", "fp4", "bf16"):
+        assert out[key].dtype == tree[key].dtype
+        assert torch.equal(out[key].view(torch.uint8), tree[key].view(torch.uint8)), key
 
 
 @pytest.mark.slow

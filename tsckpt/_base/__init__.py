@@ -3,8 +3,8 @@ JAX's pytree registry for :mod:`tsckpt.tree`.
 
 Owns:
 
-- :mod:`.types`: ``ShardedArray``, ``ArraySpec``, ``LazySource``, the descriptor
-  ``LeafDesc``, ``ReadItem``, a region (``Box``).
+- :mod:`.types`: ``ShardedArray`` (and ``TorchRegion``), ``ArraySpec``, ``LazySource``,
+  the descriptor ``LeafDesc``, ``ReadItem``, a region (``Box``).
 - :mod:`.dtypes`: dtype names, storage dtypes, itemsizes, zero-copy torch/numpy views.
 - :mod:`.casting`: each dtype's place in the ``casting=`` order, which casts a policy
   allows, and the check of the values a cast would lose.

@@ -122,6 +122,12 @@ def is_supported_torch(dtype: torch.dtype) -> bool:
     return name in _NATIVE or name == "complex32" or name in _RAW_BITS
 
 
+def numpy_twin(logical: str) -> np.dtype | None:
+    """The numpy (or ml_dtypes) dtype whose elements are those of the torch dtype named
+    ``logical``, byte for byte; None where numpy has none (complex32, the packed and bit dtypes)."""
+    return _NATIVE.get(logical)
+
+
 def numpy_dtype(logical: str) -> np.dtype:
     """numpy dtype of an array read from storage for this logical dtype."""
     return _NATIVE[storage_dtype(logical)]

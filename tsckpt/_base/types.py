@@ -91,6 +91,15 @@ class ShardedArray:
 
 
 @dataclasses.dataclass(frozen=True)
+class TorchRegion(ShardedArray):
+    """A :class:`ShardedArray` whose ``local`` numpy array holds a torch tensor's elements,
+    byte for byte (the numpy or ml_dtypes dtype of the same name), saved as that tensor's
+    region is: a ``kind: "torch"`` record. save_async's writer process saves the staged
+    copies of tensors so, without importing torch (a whole tensor is the region at offset 0
+    of its own shape)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ArraySpec:
     """A restore target leaf that only names the shape and dtype to produce.
 

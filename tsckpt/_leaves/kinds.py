@@ -23,7 +23,7 @@ import numpy as np
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
 from .._base.lazytorch import is_dtype, is_tensor, loaded
-from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray
+from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray, TorchRegion
 from .._errors import LeafTypeError, ShapeMismatchError, short_repr
 from .._ondisk.records import ArrayRecord, extent_problem
 
@@ -338,7 +338,8 @@ class NumpyKind(LeafKind):
 
 
 class ShardedKind(LeafKind):
-    """:class:`ShardedArray`: a hand-made region; its local array is a tensor or numpy array."""
+    """:class:`ShardedArray`: a hand-made region; its local array is a tensor or numpy array
+    (a :class:`TorchRegion`'s numpy array is a tensor's elements: saved as the tensor's)."""
 
     def __init__(self, local_kinds: Sequence[LeafKind]) -> None:
         self._local_kinds = local_kinds
@@ -347,7 +348,7 @@ class ShardedKind(LeafKind):
         return isinstance(leaf, ShardedArray)
 
     def describe(self, path: str, leaf: ShardedArray) -> Local:
-        kind = "torch" if is_tensor(leaf.local) else "numpy"
+        kind = "torch" if is_tensor(leaf.local) or isinstance(leaf, TorchRegion) else "numpy"
         return region_leaf(path, leaf.local, leaf.global_shape, leaf.offsets, kind)
 
     def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool, casting: str) -> Dest:

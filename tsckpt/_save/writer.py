@@ -75,8 +75,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .._base.lazytorch import is_tensor
-from .._base.types import LazySource
+from .._base import dtypes as _dtypes
+from .._base.lazytorch import is_tensor, loaded
+from .._base.types import LazySource, ShardedArray, TorchRegion
 from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
 from .._errors import WriterLostError
 from .._leaves.jaxarray import JaxRegion
@@ -198,11 +199,12 @@ class _Leaves:
 
 @dataclasses.dataclass(frozen=True)
 class _Buffer:
-    """An array leaf in the message to the writer: its place in the shared block."""
+    """An array leaf in the message to the writer: its place in the shared block. A tensor's
+    dtype travels as its name: a torch dtype would import torch where it is unpickled."""
 
     offset: int
-    torch: bool  # a tensor (else a numpy array)
-    dtype: Any
+    tensor: bool  # a tensor (else a numpy array)
+    dtype: Any  # a tensor's: its name (tsckpt/_base/dtypes.py); a numpy array's: its numpy dtype
     shape: tuple[int, ...]
     where: tuple[tuple[int, ...], tuple[int, ...]] | None  # a region's (global_shape, offsets)
 
@@ -281,7 +283,9 @@ class WriterSlot:
             offset = block.address(copy) if block is not None and math.prod(copy.shape) else 0  # no bytes: anywhere
             if offset is None:
                 raise RuntimeError(f"a staged copy of {flat.paths[i]!r} is not in the shared staging block")
-            buffers[i] = _Buffer(offset, is_tensor(copy), copy.dtype, tuple(copy.shape), where)
+            tensor = is_tensor(copy)
+            dtype = _dtypes.torch_name(copy.dtype) if tensor else copy.dtype
+            buffers[i] = _Buffer(offset, tensor, dtype, tuple(copy.shape), where)
         arrays = _Arrays(buffers)
         self._last_arrays = (key, arrays)
         return arrays
@@ -687,10 +691,14 @@ def _merged(arrays: _Arrays, values: dict[int, Any], count: int) -> list[Any]:
 
 def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:
     """The message's leaves with each array a view of the shared block (the same view for the
-    same buffer: tied leaves stay tied)."""
-    from .._base.types import ShardedArray
+    same buffer: tied leaves stay tied).
 
-    made: dict[tuple[Any, ...], Any] = {}
+    A tensor's buffer becomes a numpy view in the numpy (or ml_dtypes) dtype of the same name,
+    saved as the tensor is (:class:`TorchRegion`), so that this process never imports torch
+    for it (its libraries alone are hundreds of MiB of resident memory); a tensor view where
+    numpy has no such dtype (complex32, packed and bit dtypes), or where torch is imported
+    already (the writers of several ranks, which talk over torch.distributed)."""
+    made: dict[tuple[Any, ...], tuple[Any, bool]] = {}  # buffer -> its view, and whether a tensor's in numpy
     out = []
     for leaf in leaves:
         if not isinstance(leaf, _Buffer):
@@ -698,20 +706,39 @@ def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:
             continue
         if block is None:
             raise RuntimeError("a save names shared staging buffers but no block was received")
-        key = (leaf.offset, leaf.torch, leaf.dtype, leaf.shape)
+        key = (leaf.offset, leaf.tensor, leaf.dtype, leaf.shape)
         if key not in made:
-            made[key] = (block.torch if leaf.torch else block.numpy)(leaf.offset, leaf.dtype, leaf.shape)
-        view = made[key]
-        out.append(view if leaf.where is None else ShardedArray(view, *leaf.where))
+            made[key] = _view(block, leaf)
+        view, as_numpy = made[key]
+        if as_numpy:
+            out.append(TorchRegion(view, *(leaf.where or (leaf.shape, (0,) * len(leaf.shape)))))
+        else:
+            out.append(view if leaf.where is None else ShardedArray(view, *leaf.where))
     return out
 
 
-def _peak() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB, macOS bytes)."""
-    import resource  # Unix only, as writer processes are
+def _view(block: sharedmem.SharedBlock, leaf: _Buffer) -> tuple[Any, bool]:
+    """A buffer's view of the block, and whether it is a tensor's held as a numpy array."""
+    if not leaf.tensor:
+        return block.numpy(leaf.offset, leaf.dtype, leaf.shape), False
+    twin = _dtypes.numpy_twin(leaf.dtype) if loaded() is None else None
+    if twin is None:
+        return block.torch(leaf.offset, _dtypes.torch_dtype(leaf.dtype), leaf.shape), False
+    return block.numpy(leaf.offset, twin, leaf.shape), True
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+def _peak() -> int:
+    """This process's peak resident memory so far, in bytes: Linux's ``VmHWM``, not getrusage's
+    ``ru_maxrss``, which a process started by another begins at its starter's resident memory
+    (exec keeps the larger of the two), so it would report the training process's."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource  # Unix only, as writer processes are
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def _portable(e: BaseException) -> bytes | None:
