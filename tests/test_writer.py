@@ -21,9 +21,9 @@ import torch
 import tsckpt
 import tsckpt.torch
 from tests.dist_helpers import run_ranks
-from tests.writer_helpers import gone, hold_next_save, one_writer_killed, state, wait_for
+from tests.writer_helpers import Unreadable, gone, hold_next_save, one_writer_killed, state, wait_for
 from tsckpt._ondisk.records import ROOT_KEY
-from tsckpt._save import background
+from tsckpt._save import background, writer
 from tsckpt._save.background import AsyncSaver, SaveJob
 from tsckpt._options import SaveOptions
 
@@ -89,7 +89,7 @@ def test_round_trip_is_bit_exact_and_the_same_checkpoint_as_a_synchronous_save(t
 
 def _train_state(seed: int) -> tsckpt.torch.TrainState:
     """A small model in bfloat16 and float32 with float16, int64 and bool buffers; AdamW stepped
-    once; a scheduler; a step counter."""
+    once; a scheduler; a step counter; the RNG states."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
     model[0].to(torch.bfloat16)
@@ -102,7 +102,7 @@ def _train_state(seed: int) -> tsckpt.torch.TrainState:
         p.grad = torch.randn_like(p)
     opt.step()
     sched.step()
-    return tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": seed}, rng=False)
+    return tsckpt.torch.TrainState(model, opt, extra={"scheduler": sched, "step": seed})
 
 
 def _files(directory) -> dict[str, bytes]:
@@ -178,6 +178,53 @@ def test_tensors_of_dtypes_numpy_lacks_are_saved_by_the_writer_through_torch(tmp
     for key in ("c32", "fp4", "bf16"):
         assert out[key].dtype == tree[key].dtype
         assert torch.equal(out[key].view(torch.uint8), tree[key].view(torch.uint8)), key
+
+
+ENUMS = textwrap.dedent("""
+    import enum, json, sys
+    import numpy as np
+    import tsckpt
+
+    class Mode(enum.IntEnum):  # in __main__, which the writer process does not have
+        A = 3
+
+    class Name(str, enum.Enum):
+        B = "b"
+
+    handle = tsckpt.save_async(sys.argv[1], {"mode": Mode.A, "name": Name.B, "x": np.arange(3)})
+    handle.result(timeout=120)
+    out = tsckpt.restore(sys.argv[1])
+    print(json.dumps([handle.writer_peak_bytes is not None, out["mode"], out["name"], out["x"].tolist()]))
+""")
+
+
+@pytest.mark.slow
+def test_values_of_a_training_scripts_own_enums_are_saved_by_the_writer_as_their_builtin_values(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", ENUMS, str(tmp_path / "ck")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [True, 3, "b", [0, 1, 2]]  # saved by the writer process
+
+
+@pytest.mark.slow
+def test_a_save_the_writer_cannot_read_fails_with_why_and_the_next_save_starts_a_new_writer(tmp_path, writer_process):
+    saver = AsyncSaver()
+    try:
+        handle = saver.submit("file", {"x": torch.ones(3)}, Unreadable(SaveJob(str(tmp_path / "a"), SaveOptions())),
+                              writer="process")
+        first = saver._process._writer.proc
+        with pytest.raises(ValueError, match="^a test's job the writer cannot read$") as raised:
+            handle.result(timeout=120)
+        assert "in the writer process" in str(raised.value.__cause__)
+        assert first.wait(timeout=30) == writer.UNREADABLE
+        handle = saver.submit("file", {"x": torch.ones(3)}, SaveJob(str(tmp_path / "b"), SaveOptions()), writer="process")
+        handle.result(timeout=120)
+        assert handle.writer_peak_bytes is not None and saver.writer_pid not in (None, first.pid)
+    finally:
+        saver.close()
+    assert torch.equal(torch.as_tensor(tsckpt.restore(tmp_path / "b")["x"]), torch.ones(3))
+    assert not os.path.exists(tmp_path / "a")
 
 
 @pytest.mark.slow

@@ -64,6 +64,30 @@ class Held:
         return None if inner is None else dataclasses.replace(self, inner=inner)
 
 
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+    """A job the writer process cannot unpickle (its unpickling raises ValueError)."""
+
+    inner: Any
+
+    def __call__(self, tree: Any) -> None:
+        self.inner(tree)
+
+    @property
+    def options(self) -> Any:
+        return self.inner.options
+
+    def in_writer(self) -> Unreadable:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_unpickling, ("a test's job the writer cannot read",))
+
+
+def _refuse_unpickling(why: str) -> None:
+    raise ValueError(why)
+
+
 def hold_next_save(manager: tsckpt.CheckpointManager, flag: str, *, before: bool = False) -> None:
     """Make ``manager``'s next save a :class:`Held` one (later saves as usual)."""
     real = manager._job

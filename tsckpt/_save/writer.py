@@ -9,6 +9,17 @@ values and, for each array, its place in the block. The writer rebuilds the leav
 views of the block (no array data is pickled or copied) and runs the ordinary save on them,
 with the commit protocol, the lease and the retention of a synchronous save.
 
+The writer of one rank never imports torch (its libraries are most of a writer's resident
+memory): the message names tensors' dtypes (no torch object is pickled in it), and a
+tensor's buffer becomes a numpy view in the numpy or ml_dtypes dtype of the same name,
+saved as the tensor is (:class:`TorchRegion`: the same records, bytes and hashes). Only
+tensors of dtypes numpy lacks (complex32, packed and bit dtypes) are torch views, importing
+torch then; the writers of several ranks import it anyway (torch.distributed) and keep
+torch views. Plain values of subclasses of builtin types (enums) travel as the builtin
+values they are saved as, so the writer needs no module of the training script's. A
+message the writer cannot read (a job's class it cannot import) fails its save with why,
+and the writer leaves (the next save starts a new one).
+
 One writer per training process, started at the first save that goes to it and reused
 after (the same process id), made again after it died. It is a fresh interpreter
 (``python -c``, never a fork of the training process, whose threads a fork would not
@@ -100,6 +111,8 @@ PARENT_POLL_S = 1.0
 ORPHANED = 3
 # How long close() waits for a writer with no save in flight to leave before killing it.
 CLOSE_WAIT_S = 30.0
+# The exit status of a writer that could not read a save's message (after failing that save with why).
+UNREADABLE = 4
 
 
 # ---- the training process's side ------------------------------------------------------------
@@ -258,7 +271,7 @@ class WriterSlot:
         remote = job.in_writer()
         block = self._shared.block if self._shared is not None else None
         arrays = self._arrays(block, flat, regions, copies)
-        values = {i: leaf for i, leaf in enumerate(leaves) if i not in arrays.buffers}
+        values = {i: _builtin(leaf) for i, leaf in enumerate(leaves) if i not in arrays.buffers}
         if w is None or meet is not False:  # a new writer: none yet, or the ranks agreed to start new ones
             self.close()
             w = self._writer = _Writer(meet if isinstance(meet, dict) else None)
@@ -354,6 +367,26 @@ class WriterSlot:
             w.close()
 
 
+# The builtin types of plain values, each with what takes a subclass's value as exactly that
+# type (not through methods a subclass may override: a str enum's str() is its name).
+_EXACT: tuple[tuple[type, Callable[[Any], Any]], ...] = (
+    (int, int.__int__), (float, float.__float__), (str, str.__str__), (bytes, bytes)
+)
+
+
+def _builtin(value: Any) -> Any:
+    """A plain value of a subclass of a builtin type (an IntEnum's member, a str enum's) as that
+    builtin's value, which is what its record stores: the writer would import the subclass's
+    module to unpickle it (torch's, or a training script's ``__main__``, which it has not).
+    numpy scalars stay as they are (they are saved as arrays)."""
+    if type(value) in (bool, int, float, str, bytes) or isinstance(value, np.generic):
+        return value
+    for base, exact in _EXACT:
+        if isinstance(value, base):
+            return exact(value)
+    return value
+
+
 def _group_ranks(group: Any) -> tuple[int, ...] | None:
     if group is None or not torch_initialized():
         return None
@@ -395,6 +428,7 @@ class _Writer:
             os.close(fd)
         self.ranks = rendezvous["world_size"] if rendezvous else 1
         self.failed = False  # a save through it failed
+        self.leaving = False  # it could not read a save's message: it leaves, and is not used again
         self.block: sharedmem.SharedBlock | None = None  # the block the writer maps
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
@@ -410,7 +444,7 @@ class _Writer:
             _exit_registered = True
 
     def alive(self) -> bool:
-        return self.proc.poll() is None and not self._closed
+        return self.proc.poll() is None and not self._closed and not self.leaving
 
     def _send(self, *message: Any) -> None:
         with self._send_lock:
@@ -471,14 +505,16 @@ class _Writer:
                     self.conn.send(("block", block.size))
                     send_handle(self.conn, block.fd, self.proc.pid)
                     self.block = block
-                # what the writer has from the last save is not sent again (None: as before)
+                # what the writer has from the last save is not sent again (None: as before); the
+                # save's part pickled apart, so that a writer that cannot read it fails this save
                 had_paths, had_structure, had_arrays = self._sent
-                self.conn.send((
-                    "save", seq, job,
+                payload = pickle.dumps((
+                    job,
                     None if paths == had_paths else paths,
                     None if structure is had_structure else structure,
                     leaves.values if leaves.arrays is had_arrays else leaves,
-                ))
+                ), protocol=pickle.HIGHEST_PROTOCOL)
+                self.conn.send(("save", seq, payload))
                 self._sent = (paths, structure, leaves.arrays)
         except OSError:
             pass  # the writer died: the watch thread reports it through the handle
@@ -499,6 +535,8 @@ class _Writer:
             handle.writer_peak_bytes = peak
             if kind != "done":
                 self.failed = True
+            if kind == "unreadable":  # before the handle wakes its caller, whose next save starts a new writer
+                self.leaving = True
             handle.settle(None if kind == "done" else _rebuilt(reply[4], reply[5]))
         self.proc.wait()
         with self._state_lock:
@@ -588,10 +626,6 @@ def main() -> None:
     log.setLevel(setup["log_level"])
     log.addHandler(kept)
     log.propagate = False  # each record goes to the training process, which logs it
-    if setup["rendezvous"] is not None:
-        # imported before the listening thread starts: it unpickles messages that import torch,
-        # and torch imported by two threads at once can fail in one of them
-        import torch.distributed  # noqa: F401
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
     joined: BaseException | None = None
@@ -613,7 +647,15 @@ def main() -> None:
         if kind == "block":
             block = sharedmem.SharedBlock(message[1], fd=message[2])
         elif kind == "save":
-            _, seq, job, paths, structure, leaves = message
+            seq = message[1]
+            try:
+                job, paths, structure, leaves = pickle.loads(message[2])
+            except BaseException as e:  # noqa: BLE001 - e.g. a class the writer cannot import
+                # what this writer holds of the last saves no longer matches the training
+                # process's idea of it: the save fails with why, the writer leaves, the next starts anew
+                conn.send(("unreadable", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
+                conn.close()
+                os._exit(UNREADABLE)
             paths = last[0] if paths is None else paths  # None: as the last save's
             structure = last[1] if structure is None else structure
             arrays = leaves.arrays if isinstance(leaves, _Leaves) else last[2]
