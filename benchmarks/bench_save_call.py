@@ -9,8 +9,10 @@ staging may hold back) and waited for, so no save is in flight at the next call.
 
 Reported per case: the median wall time of the call, the median CPU time the calling thread
 spent in it (``time.thread_time``: less sensitive to other load on the machine than wall
-time), and the median time of the step right after the call (held-back optimizer steps
-show there). Cases:
+time), the median time of the step right after the call (held-back optimizer steps
+show there), and the peak resident memory (``VmHWM``) of the saver's processes (tsckpt's
+writer, DCP's daemon) after the last save, summed, read from outside the process, so every
+version and peer is measured alike. Cases:
 
   tsckpt               ``CheckpointManager.save_async`` of a ``tsckpt.torch.TrainState``, its
                        defaults (writer process, overlapped staging)
@@ -63,7 +65,7 @@ def _case(case: str, workload: str, saves: int) -> dict[str, Any]:
         tensors = [t for t in model.state_dict().values()] + [
             v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ]
-        return {"call": bt.plain_copy(tensors, saves), "cpu": None, "next_step": None}
+        return {"call": bt.plain_copy(tensors, saves), "cpu": None, "next_step": None, "helpers_peak": None}
     root = tempfile.mkdtemp(prefix="bench-call-")
     if case == "dcp-process":
         bt.init_group(root)
@@ -83,8 +85,27 @@ def _case(case: str, workload: str, saves: int) -> dict[str, Any]:
         fut.result()
         if n:  # the first starts the writer processes
             calls.append(w), cpus.append(c), nexts.append(t)
+    helpers = _children_peak()
     saver.finish()
-    return {"call": statistics.median(calls), "cpu": statistics.median(cpus), "next_step": statistics.median(nexts)}
+    return {
+        "call": statistics.median(calls), "cpu": statistics.median(cpus), "next_step": statistics.median(nexts),
+        "helpers_peak": helpers,
+    }
+
+
+def _children_peak() -> int | None:
+    """The peak resident memory (VmHWM) of this process's child processes alive now, summed
+    (a saver's writer or daemon), in bytes; None where there are none."""
+    import psutil
+
+    peaks = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            with open(f"/proc/{child.pid}/status") as f:
+                peaks.append(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")))
+        except (OSError, StopIteration):
+            continue  # gone meanwhile, or a zombie
+    return sum(peaks) if peaks else None
 
 
 def _spawn(case: str, workload: str, saves: int, before: str | None) -> dict[str, Any]:
@@ -129,21 +150,25 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"--rounds {args.rounds} --saves {args.saves}`; {m['nproc']} CPUs ({m['cpu']}), tsckpt {m['tsckpt_rev']}, load average at start "
         f"{', '.join(f'{x:.1f}' for x in m['load_avg'])}. Medians over the rounds of each round's median (ms); each case a fresh process.",
         "",
-        "| workload | case | call, wall | call, thread CPU | step after the call |",
-        "|---|---|---:|---:|---:|",
+        "| workload | case | call, wall | call, thread CPU | step after the call | saver processes' peak RSS (MiB) |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for workload, cases in results["rows"].items():
         for case, rounds in cases.items():
             ok = [r for r in rounds if "error" not in r]
             if not ok:
-                lines.append(f"| {workload} | {case} | failed: {rounds[0]['error'][:80]} | | |")
+                lines.append(f"| {workload} | {case} | failed: {rounds[0]['error'][:80]} | | | |")
                 continue
 
             def med(key: str) -> float | None:
-                xs = [r[key] for r in ok if r[key] is not None]
+                xs = [r[key] for r in ok if r.get(key) is not None]
                 return statistics.median(xs) if xs else None
 
-            lines.append(f"| {workload} | {case} | {_ms(med('call'))} | {_ms(med('cpu'))} | {_ms(med('next_step'))} |")
+            peak = med("helpers_peak")
+            lines.append(
+                f"| {workload} | {case} | {_ms(med('call'))} | {_ms(med('cpu'))} | {_ms(med('next_step'))} "
+                f"| {'-' if peak is None else f'{peak / (1 << 20):.0f}'} |"
+            )
     return "\n".join(lines) + "\n"
 
 

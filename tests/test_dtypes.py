@@ -221,3 +221,19 @@ def test_big_endian_numpy_is_stored_little_endian_with_same_values(ckdir):
     np.testing.assert_array_equal(out, a)
     with open(os.path.join(ckdir, "a", "zarr.json")) as f:
         assert json.load(f)["data_type"] == "float64"
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_a_torch_dtypes_numpy_twin_holds_its_elements_byte_for_byte(dtype):
+    from tsckpt._base import dtypes as _dtypes
+
+    name = _dtypes.torch_name(dtype)
+    twin = _dtypes.numpy_twin(name)
+    if name == "complex32" or name.endswith("_x2") or name.startswith("bits"):
+        assert twin is None
+        return
+    t = torch.arange(8).to(dtype) if dtype != torch.bool else torch.arange(8) % 3 == 0
+    assert twin is not None and twin.itemsize == t.element_size()
+    held = t.view(torch.uint8).numpy().view(twin)
+    saved = _dtypes.tensor_to_numpy(t)  # what a save of the tensor writes
+    assert held.dtype == saved.dtype and held.shape == saved.shape and held.tobytes() == saved.tobytes()

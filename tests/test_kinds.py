@@ -10,7 +10,8 @@ import tsckpt
 from tsckpt._ondisk.records import ArrayRecord, Chunking
 from tsckpt._leaves.kinds import LazyKind, NumpyKind, ShardedKind, SpecKind, TorchKind
 from tsckpt._leaves.registry import describe, destination, kind_of, memory
-from tsckpt._base.types import LazySource
+from tsckpt._base import dtypes as _dtypes
+from tsckpt._base.types import LazySource, TorchRegion
 
 
 def rec(shape, dtype="float32", kind="torch"):
@@ -44,6 +45,18 @@ def test_describe_records_region_dtype_and_itemsize():
         "torch", "complex32", 4, (4, 3), (2, 0), (2, 3))
     d = describe("s", np.float16(1)).desc
     assert (d.kind, d.dtype, d.itemsize, d.global_shape) == ("numpy_scalar", "float16", 2, ())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.bool])
+def test_a_torch_region_describes_as_the_tensor_it_holds(dtype):
+    t = torch.arange(6).reshape(2, 3).to(dtype)
+    held = t.view(torch.uint8 if t.element_size() == 1 else getattr(torch, f"int{8 * t.element_size()}")).numpy()
+    region = TorchRegion(held.view(_dtypes.numpy_twin(_dtypes.torch_name(dtype))), (2, 3), (0, 0))
+    got, want = describe("w", region), describe("w", t)
+    assert got.desc == want.desc and got.desc.kind == "torch"
+    assert isinstance(got.data, np.ndarray) and got.data.tobytes() == t.view(torch.uint8).numpy().tobytes()
+    d = describe("w", TorchRegion(np.zeros((2, 3), np.float32), (4, 3), (2, 0))).desc
+    assert (d.kind, d.dtype, d.global_shape, d.offsets) == ("torch", "float32", (4, 3), (2, 0))
 
 
 def test_memory_identity_is_equal_for_the_same_view_only():

@@ -4,6 +4,7 @@ from shared staging buffers; its reuse, its death, its trainer's death, several 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 import textwrap
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,10 @@ import tsckpt
 import tsckpt.torch
 from tests.dist_helpers import run_ranks
 from tests.writer_helpers import Unreadable, gone, hold_next_save, one_writer_killed, state, wait_for
+from tsckpt._base.types import TorchRegion
+from tsckpt._leaves.registry import describe
 from tsckpt._ondisk.records import ROOT_KEY
+from tsckpt._runtime import sharedmem
 from tsckpt._save import background, writer
 from tsckpt._save.background import AsyncSaver, SaveJob
 from tsckpt._options import SaveOptions
@@ -389,6 +394,52 @@ def test_what_a_writer_process_cannot_take_is_saved_by_the_thread(tmp_path, writ
     handle.result()
     assert handle.writer_peak_bytes is not None and saver.writer_pid is not None
     saver.close()
+
+
+@pytest.mark.skipif(not sharedmem.supported(), reason="no anonymous shared memory files")
+def test_a_writer_without_torch_views_tensors_as_numpy_arrays_saved_as_tensors_except_dtypes_numpy_lacks(monkeypatch):
+    block = sharedmem.SharedBlock(4096)
+    try:
+        block.base[:] = np.arange(4096) % 251
+        ours = writer._Buffer(64, True, "bfloat16", (2, 3), None)
+        tied = writer._Buffer(64, True, "bfloat16", (2, 3), ((4, 3), (2, 0)))
+        arrays = writer._Buffer(128, False, np.dtype(np.int16), (4,), None)
+        c32 = writer._Buffer(192, True, "complex32", (2,), None)
+        monkeypatch.setattr(writer, "loaded", lambda: None)  # a writer that has not imported torch
+        whole, region, plain, half = writer._views(block, [ours, tied, arrays, c32, 7])[:4]
+        assert isinstance(whole, TorchRegion) and isinstance(region, TorchRegion)
+        assert whole.local is region.local  # one view per buffer: tied leaves stay tied
+        assert (whole.global_shape, whole.offsets, region.global_shape, region.offsets) == ((2, 3), (0, 0), (4, 3), (2, 0))
+        assert whole.local.dtype == np.dtype(ml_dtypes.bfloat16) and whole.local.tobytes() == bytes(range(64, 76))
+        assert type(plain) is np.ndarray and plain.dtype == np.int16
+        assert torch.is_tensor(half) and half.dtype == torch.complex32  # numpy has no complex32: torch's view
+        tensor = torch.frombuffer(bytearray(range(64, 76)), dtype=torch.bfloat16).view(2, 3)
+        assert describe("w", whole).desc == describe("w", tensor).desc  # saved as the tensor is
+        monkeypatch.setattr(writer, "loaded", lambda: torch)  # torch imported already: its views, as before
+        as_tensor = writer._views(block, [ours])[0]
+        assert torch.is_tensor(as_tensor) and as_tensor.dtype == torch.bfloat16
+    finally:
+        block.close()
+
+
+class _Mode(enum.IntEnum):
+    A = 3
+
+
+class _Name(str, enum.Enum):
+    B = "b"
+
+
+def test_plain_values_of_builtin_subclasses_go_to_the_writer_as_the_builtin_values_they_are_saved_as():
+    class Ratio(float):
+        pass
+
+    for value, want in [(_Mode.A, 3), (_Name.B, "b"), (Ratio(0.25), 0.25), (True, True), (b"x", b"x")]:
+        got = writer._builtin(value)
+        assert type(got) is type(want) and got == want
+        assert describe("v", got).desc == describe("v", value).desc  # the same record
+    scalar = np.float64(2.5)  # a float subclass, saved as an array
+    assert writer._builtin(scalar) is scalar and writer._builtin(None) is None
 
 
 def test_the_writer_option_is_checked_in_the_caller(tmp_path):
