@@ -737,7 +737,7 @@ def _views(block: sharedmem.SharedBlock | None, leaves: list[Any]) -> list[Any]:
 
     A tensor's buffer becomes a numpy view in the numpy (or ml_dtypes) dtype of the same name,
     saved as the tensor is (:class:`TorchRegion`), so that this process never imports torch
-    for it (its libraries alone are hundreds of MiB of resident memory); a tensor view where
+    for it (its libraries are most of a writer's resident memory); a tensor view where
     numpy has no such dtype (complex32, packed and bit dtypes), or where torch is imported
     already (the writers of several ranks, which talk over torch.distributed)."""
     made: dict[tuple[Any, ...], tuple[Any, bool]] = {}  # buffer -> its view, and whether a tensor's in numpy
