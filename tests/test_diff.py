@@ -206,12 +206,13 @@ def test_errors_exit_2(tmp_path, capsys):
 
 @pytest.fixture
 def largest_read(monkeypatch):
-    """Every block diff reads of either side (engine or lazy reader), in bytes of the stored dtype."""
+    """Every block diff reads of either side (as stored chunks, by the engine or the lazy
+    reader), in bytes of the stored dtype."""
     sizes: list[int] = []
     real = diff_module._reader
 
-    def reader(ck, leaf, window):
-        read = real(ck, leaf, window)
+    def reader(ck, leaf, window, stored=None):
+        read = real(ck, leaf, window, stored)
 
         def recording(block):
             data = read(block)
