@@ -271,12 +271,12 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
     float64 (the others add nothing to ``a - b``)."""
     if same or _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
-        return Found(0.0, 0.0, _squared_norm(sa, dtype, scratch), 0)
+        return Found(0.0, 0.0, _squared_norm(sa, dtype), 0)
     if sa.dtype in STORED_FLOATS and not (atol or rtol):
         found = _stored_differences(sa, sb, out, scratch)
         if found is not None:
             return found
-    sq_a = _squared_norm(sa, dtype, scratch)
+    sq_a = _squared_norm(sa, dtype)
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
@@ -323,18 +323,17 @@ STORED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray, scratch: Scratch) -> Found | None:
     """Without a tolerance, finite float32 or float64 elements differ where they are unequal,
-    found in passes over the stored dtype in reused memory: ``|a|**2`` summed; ``(a - b)**2``,
-    its largest and its sum (pairwise in the stored dtype, relative error below 1e-6); the
-    mask and its count. The largest ``|a - b|`` itself is left pending: rounding keeps order,
-    so it lies where the largest square does, and :func:`_exact_max` finds it in float64 for
-    the pieces whose largest square is the largest of their block only. None where a
-    difference or its square is not finite in the stored dtype (a NaN, an infinity, an
-    overflow): then the widened path answers."""
-    sq_a = _squared_norm(sa, "", scratch)
+    found in passes over the stored dtype in reused memory: ``|a - b|``, its largest and the
+    sum of its squares (:func:`_stored_sum_of_squares`), the mask and its count. The largest
+    ``|a - b|`` exactly is left pending: ``|a - b|`` rounded to the stored dtype keeps the
+    order of the exact ones, so :func:`_exact_max` finds it again in float64 where the rounded
+    one is largest, in the pieces whose largest is the largest of their block only. None where
+    a difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then
+    the widened path answers."""
+    sq_a = _squared_norm(sa, "")
     d = scratch.get(sa.dtype, sa.size)
-    with np.errstate(invalid="ignore", over="ignore"):
-        np.subtract(sa, sb, out=d)
-        np.square(d, out=d)
+    np.subtract(sa, sb, out=d)  # an overflow is found below (the pieces run without FP warnings)
+    np.abs(d, out=d)
     top = d.max()
     if not np.isfinite(top):
         return None
@@ -342,34 +341,52 @@ def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray, scratch
     count = int(np.count_nonzero(out))
     if not count:
         return Found(0.0, 0.0, sq_a, 0)
-    with np.errstate(over="ignore"):
-        sq = float(d.sum())
-    if not math.isfinite(sq):  # every square finite, their sum not: summed in float64
-        sq = float(d.sum(dtype=np.float64))
+    sq = _stored_sum_of_squares(d)
+    if not math.isfinite(sq):  # squares beyond the stored dtype: summed in float64
+        sq = _sum_of_squares(d.astype(np.float64))
     return Found(float(top), sq, sq_a, count, pending=True)
 
 
 def _exact_max(sa: np.ndarray, sb: np.ndarray, top: float) -> float:
-    """The largest ``|a - b|`` in float64 over the elements of a piece whose ``(a - b)**2`` in
-    the stored dtype is ``top``, the piece's largest (:func:`_stored_differences`)."""
+    """The largest ``|a - b|`` in float64 over the elements of a piece whose ``|a - b|`` in the
+    stored dtype is ``top``, the piece's largest (:func:`_stored_differences`)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.subtract(sa, sb)
-        np.square(d, out=d)
+        d = np.abs(np.subtract(sa, sb))
     at = np.flatnonzero(d == top)
     return float(np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max())
+
+
+# Elements whose squares one BLAS dot product sums in the stored dtype (:func:`_stored_sum_of_squares`).
+DOT_ELEMENTS = 1024
+
+
+def _stored_sum_of_squares(x: np.ndarray) -> float:
+    """The sum of ``x**2`` for flat float32 or float64 ``x``, in one pass without a temporary:
+    each :data:`DOT_ELEMENTS` summed by one BLAS dot product in the stored dtype (a few dozen
+    terms per accumulator, as numpy's pairwise sum has), those sums added in float64. Not
+    finite where a sum overflows or ``x`` holds an infinity or a NaN."""
+    n = x.size - x.size % DOT_ELEMENTS
+    total = 0.0
+    if n:
+        rows = x[:n].reshape(-1, 1, DOT_ELEMENTS)
+        total = float(np.matmul(rows, rows.reshape(-1, DOT_ELEMENTS, 1)).sum(dtype=np.float64))
+    if n < x.size:
+        rest = x[n:].astype(np.float64)
+        total += float(np.dot(rest, rest))
+    return total
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays of one dtype and shape hold the same bytes, compared as the widest
     words their addresses allow (a first few kilobytes alone, where they already differ)."""
     x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    if x.size > 2 * PREFIX_BYTES and not np.array_equal(x[:PREFIX_BYTES], y[:PREFIX_BYTES]):
+    if x.size > 2 * PREFIX_BYTES and x[:PREFIX_BYTES].tobytes() != y[:PREFIX_BYTES].tobytes():
         return False
     for word in (np.dtype(np.uint64), np.dtype(np.uint32)):
-        w = word.itemsize
-        whole = x.size - x.size % w
-        if whole and x.ctypes.data % w == 0 and y.ctypes.data % w == 0:
-            if not np.array_equal(x[:whole].view(word), y[:whole].view(word)):
+        whole = x.size - x.size % word.itemsize
+        wx, wy = x[:whole].view(word), y[:whole].view(word)
+        if whole and wx.flags.aligned and wy.flags.aligned:
+            if not np.array_equal(wx, wy):
                 return False
             x, y = x[whole:], y[whole:]
             break
@@ -416,8 +433,9 @@ def compare_blocks(pairs: Sequence[Pair], dtype: str, chunk: Sequence[int], tall
         k, i = job
         fa, fb, differs = flat[k]
         j = i + piece
-        return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol, scratch=scratch,
-                              same=pairs[k].same)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflows and NaNs are looked for where they matter
+            return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol, scratch=scratch,
+                                  same=pairs[k].same)
 
     found = list(map(one, jobs) if workers is None or len(jobs) < 2 else workers.map(one, jobs))
     top = max((f.max_abs for f in found if f.pending), default=None)
@@ -460,13 +478,12 @@ def _sum_of_squares(x: np.ndarray) -> float:
     return float(np.einsum("i,i->", x, x))
 
 
-def _squared_norm(x: np.ndarray, dtype: str, scratch: Scratch) -> float:
+def _squared_norm(x: np.ndarray, dtype: str) -> float:
     """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
-    float32 and float64 squared into ``scratch`` and summed pairwise in their own dtype
-    (relative error below 1e-6; in float64 where that overflows), the others in float64."""
+    float32 and float64 as :func:`_stored_sum_of_squares` sums them (in float64 where that
+    overflows), the others in float64."""
     if x.dtype in STORED_FLOATS:
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = float(np.square(x, out=scratch.get(x.dtype, x.size)).sum())
+        total = _stored_sum_of_squares(x)
         if math.isfinite(total):
             return total
     size = x if x.dtype == np.float64 else _numbers(x, dtype)
@@ -629,20 +646,30 @@ class _ArrayWork:
     def _stored_pairs(self, block: Box, a: _StoredBlock, b: _StoredBlock) -> list[Pair]:
         """The chunks of a block read as stored from both sides, as regions to compare: a chunk
         of the same stored bytes (its crc32c first) is known the same; the crc32c of any other
-        is checked on both sides (damage raises) before its elements are compared."""
+        is checked on both sides (damage raises) before its elements are compared. Chunks are
+        settled on the comparing threads, several at once."""
         rec, sides = self.rec, self.sides
+        path_b = sides.b.aliases.get(self.path, self.path)
+
+        def alike(pair: tuple[StoredChunk, StoredChunk]) -> bool:
+            x, y = pair
+            if x.crc == y.crc and _same_bits(x.data, y.data):
+                return True
+            check_stored(sides.a, rec.path, x)
+            check_stored(sides.b, path_b, y)
+            return False
+
+        chunks = list(zip(a.chunks, b.chunks))
+        workers = sides.workers if len(chunks) > 1 else None
+        same = list(map(alike, chunks) if workers is None else workers.map(alike, chunks))
         dt = _dtypes.numpy_dtype(rec.dtype)
         chunk = rec.chunking.chunk_shape or ()
         origin = tuple(o // s * s for o, s in zip(block[0], rec.chunking.shard_shape))
         pairs = []
-        for x, y in zip(a.chunks, b.chunks):
-            same = x.crc == y.crc and _same_bits(x.data, y.data)
-            if not same:
-                check_stored(sides.a, rec.path, x)
-                check_stored(sides.b, sides.b.aliases.get(self.path, self.path), y)
+        for (x, y), known in zip(chunks, same):
             first = tuple(g + k * c for g, k, c in zip(origin, x.cell, chunk))
             ln = tuple(min(c, n - f) for c, f, n in zip(chunk, first, rec.shape))
-            pairs.append(Pair((first, ln), _chunk_elements(x, dt, chunk, ln), _chunk_elements(y, dt, chunk, ln), same))
+            pairs.append(Pair((first, ln), _chunk_elements(x, dt, chunk, ln), _chunk_elements(y, dt, chunk, ln), known))
         return pairs
 
     def _array(self, block: Box, got: np.ndarray | _StoredBlock, ck: Checkpoint) -> np.ndarray:
