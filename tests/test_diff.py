@@ -517,3 +517,132 @@ def test_float32_differences_whose_squares_overflow_are_summed_in_float64():
     assert tally.sq_diff == pytest.approx(float(np.sum((x - y) ** 2)), rel=1e-6)
     assert tally.sq_a == pytest.approx(float(np.sum(x**2)), rel=1e-6)
     assert (tally.changed_elements, tally.first, tally.changed_chunks) == (2, (0,), {(0,), (1,)})
+
+
+# ---- blocks read as stored chunks -------------------------------------------------------------
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """What diff did with each stored chunk: those whose crc32c it checked, and the elements it
+    compared one by one (pieces not known to hold the same bytes)."""
+    seen: dict[str, list] = {"checked": [], "compared": []}
+    check, piece = diff_module.check_stored, diff_module._compare_piece
+
+    def checking(ck, path, chunk):
+        seen["checked"].append((path, chunk.cell))
+        return check(ck, path, chunk)
+
+    def comparing(sa, sb, dtype, out, *, same=False, **kw):
+        if not same:
+            seen["compared"].append(sa.shape[0])
+        return piece(sa, sb, dtype, out, same=same, **kw)
+
+    monkeypatch.setattr(diff_module, "check_stored", checking)
+    monkeypatch.setattr(diff_module, "_compare_piece", comparing)
+    return seen
+
+
+def test_one_changed_inner_chunk_of_a_shard(tmp_path, small_chunks, settled, largest_read):
+    """A shard whose files differ in one inner chunk: only that chunk's crc32c is checked and
+    its elements compared; the others are equal by their stored bytes. The report is as before:
+    one changed chunk, the first index, the exact largest difference, ||a - b|| / ||a|| over all."""
+    before = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
+    after = {"w": before["w"].clone()}
+    after["w"][21, 40] += 0.25
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    md = tsckpt.open(a)["w"].metadata
+    assert math.prod(md.shard_shape) // math.prod(md.chunk_shape) >= 4  # several inner chunks per shard
+    report = tsckpt.diff(a, b)
+    (leaf,) = report.differences
+    assert (leaf.changed_chunks, leaf.changed_elements, leaf.first_index) == (1, 1, (21, 40))
+    cell = tuple(i // c % (s // c) for i, c, s in zip((21, 40), md.chunk_shape, md.shard_shape))
+    assert sorted(settled["checked"]) == [("w", cell), ("w", cell)]  # that chunk, on both sides
+    assert sum(settled["compared"]) == math.prod(md.chunk_shape)  # its elements only
+    x, y = before["w"].double().numpy(), after["w"].double().numpy()
+    assert leaf.max_abs == np.abs(x - y).max()
+    assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-6)
+    assert report.bytes_read == sum(largest_read) == 2 * 64 * 64 * 4  # every byte of both, once
+
+
+def test_stored_chunks_at_the_array_edges(tmp_path, small_chunks, settled):
+    """Inner chunks the array's end cuts (stored whole): only their part in the array counts."""
+    gen = torch.Generator().manual_seed(2)
+    before = {"w": torch.randn(50, 37, generator=gen), "v": torch.randn(1001, generator=gen, dtype=torch.float64)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["w"][49, 36] = 4.0
+    after["v"][1000] = -1.0
+    report = tsckpt.diff(saved(tmp_path, "a", before), saved(tmp_path, "b", after))
+    found = {leaf.path: leaf for leaf in report.differences}
+    assert (found["w"].first_index, found["w"].changed_elements) == ((49, 36), 1)
+    assert (found["v"].first_index, found["v"].changed_elements) == ((1000,), 1)
+    assert found["v"].max_abs == abs(before["v"][1000].item() + 1.0)
+    assert len(settled["checked"]) == 4  # one chunk of each array, both sides
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
+def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, small_chunks, settled, tolerance):
+    """Read as stored chunks, by the engine, or one side each way (a file left to the engine):
+    one report (sums of squares compared to rounding)."""
+    a, b = changed_pair(tmp_path)
+    stored = tsckpt.diff(a, b, **tolerance).to_dict()
+    assert settled["checked"]  # read as stored
+    real = diff_module.read_stored
+    ckb = tsckpt.open(b)
+
+    def only_a(ck, *args):
+        return None if str(ck.location) == str(ckb.checkpoint.location) else real(ck, *args)
+
+    monkeypatch.setattr(diff_module, "read_stored", only_a)
+    mixed = tsckpt.diff(a, b, **tolerance).to_dict()
+    monkeypatch.setattr(diff_module, "read_stored", lambda *args: None)
+    settled["checked"].clear()
+    by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
+    assert settled["checked"] == []
+    for other in (mixed, by_engine):
+        for x, y in zip(stored["leaves"], other["leaves"]):
+            assert {k: v for k, v in x.items() if k != "rel_l2"} == {k: v for k, v in y.items() if k != "rel_l2"}
+            assert x["rel_l2"] == y["rel_l2"] or x["rel_l2"] == pytest.approx(y["rel_l2"], rel=1e-9)
+
+
+def test_damaged_stored_chunk(tmp_path, small_chunks):
+    """A stored chunk that differs is checked: damage is an error naming the leaf. The same
+    damage on both sides is the same stored bytes: equal, as files of one content hash are."""
+    state = {"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}
+    a, b = saved(tmp_path, "a", state), saved(tmp_path, "b", state)
+    for ck in (a, b):
+        with open(os.path.join(ck, "w", "c", "1", "0"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0x40]))
+    assert tsckpt.diff(a, b).equal
+    c = saved(tmp_path, "c", state)
+    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'w' in .*w/c/1/0: inner chunk \[0, 0\] fails its crc32c"):
+        tsckpt.diff(c, b)
+
+
+def test_the_exact_largest_difference_where_float32_ties():
+    """Differences that round to the same float32 in different pieces: the exact largest is
+    found in float64 among all of them, whichever piece holds it."""
+    a = np.array([1e8, 5.0, 1e8, 1e8], np.float32)
+    b = np.array([0.5, 5.0, 0.25, 0.75], np.float32)
+    assert len({float(np.float32(x - y)) for x, y in zip(a[[0, 2, 3]], b[[0, 2, 3]])}) == 1  # one float32
+    for piece in (1, 2, 4):
+        tally = Tally()
+        compare_block(a, b, "float32", ((0,), (4,)), (2,), tally, atol=0.0, rtol=0.0, piece=piece)
+        assert tally.max_abs == 1e8 - 0.25 and (tally.changed_elements, tally.first) == (3, (0,))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1024, 5000, 70001])
+def test_stored_sums_of_squares(n):
+    """Dot products of DOT_ELEMENTS in the stored dtype, added in float64: within 1e-6."""
+    rng = np.random.default_rng(n)
+    for dtype in (np.float32, np.float64):
+        x = (rng.standard_normal(n) * 1e3).astype(dtype)
+        exact = float(np.sum(x.astype(np.float64) ** 2))
+        assert diff_module._stored_sum_of_squares(x) == pytest.approx(exact, rel=1e-6)
+    huge = np.full(n, 3e20, np.float32)  # squares beyond float32: not finite (callers sum in float64), or exact
+    with np.errstate(over="ignore"):
+        got = diff_module._stored_sum_of_squares(huge)
+    assert got == (math.inf if n >= diff_module.DOT_ELEMENTS else pytest.approx(n * 9e40, rel=1e-6))
