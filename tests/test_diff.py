@@ -524,28 +524,27 @@ def test_float32_differences_whose_squares_overflow_are_summed_in_float64():
 
 @pytest.fixture
 def settled(monkeypatch):
-    """What diff did with each stored chunk: those whose crc32c it checked, and the elements it
-    compared one by one (pieces not known to hold the same bytes)."""
+    """What diff did with stored chunks: those whose crc32c it checked, and the elements it
+    compared one by one (float pieces not of the same bytes)."""
     seen: dict[str, list] = {"checked": [], "compared": []}
-    check, piece = diff_module.check_stored, diff_module._compare_piece
+    check, differences = diff_module.check_stored, diff_module._stored_differences
 
     def checking(ck, path, chunk):
         seen["checked"].append((path, chunk.cell))
         return check(ck, path, chunk)
 
-    def comparing(sa, sb, dtype, out, *, same=False, **kw):
-        if not same:
-            seen["compared"].append(sa.shape[0])
-        return piece(sa, sb, dtype, out, same=same, **kw)
+    def comparing(sa, sb, out, scratch):
+        seen["compared"].append(sa.shape[0])
+        return differences(sa, sb, out, scratch)
 
     monkeypatch.setattr(diff_module, "check_stored", checking)
-    monkeypatch.setattr(diff_module, "_compare_piece", comparing)
+    monkeypatch.setattr(diff_module, "_stored_differences", comparing)
     return seen
 
 
 def test_one_changed_inner_chunk_of_a_shard(tmp_path, small_chunks, settled, largest_read):
-    """A shard whose files differ in one inner chunk: only that chunk's crc32c is checked and
-    its elements compared; the others are equal by their stored bytes. The report is as before:
+    """A shard whose files differ in one inner chunk: every chunk read is checked (crc32c), and
+    only that chunk's elements are compared one by one (the others: their bytes). The report:
     one changed chunk, the first index, the exact largest difference, ||a - b|| / ||a|| over all."""
     before = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
     after = {"w": before["w"].clone()}
@@ -556,9 +555,9 @@ def test_one_changed_inner_chunk_of_a_shard(tmp_path, small_chunks, settled, lar
     report = tsckpt.diff(a, b)
     (leaf,) = report.differences
     assert (leaf.changed_chunks, leaf.changed_elements, leaf.first_index) == (1, 1, (21, 40))
-    cell = tuple(i // c % (s // c) for i, c, s in zip((21, 40), md.chunk_shape, md.shard_shape))
-    assert sorted(settled["checked"]) == [("w", cell), ("w", cell)]  # that chunk, on both sides
-    assert sum(settled["compared"]) == math.prod(md.chunk_shape)  # its elements only
+    chunks = 64 * 64 // math.prod(md.chunk_shape)
+    assert len(settled["checked"]) == 2 * chunks  # read as stored, each checked
+    assert sum(settled["compared"]) == math.prod(md.chunk_shape)  # the changed chunk's elements only
     x, y = before["w"].double().numpy(), after["w"].double().numpy()
     assert leaf.max_abs == np.abs(x - y).max()
     assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-6)
@@ -577,7 +576,7 @@ def test_stored_chunks_at_the_array_edges(tmp_path, small_chunks, settled):
     assert (found["w"].first_index, found["w"].changed_elements) == ((49, 36), 1)
     assert (found["v"].first_index, found["v"].changed_elements) == ((1000,), 1)
     assert found["v"].max_abs == abs(before["v"][1000].item() + 1.0)
-    assert len(settled["checked"]) == 4  # one chunk of each array, both sides
+    assert settled["checked"]  # read as stored
 
 
 @pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
@@ -606,20 +605,20 @@ def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, sma
 
 
 def test_damaged_stored_chunk(tmp_path, small_chunks):
-    """A stored chunk that differs is checked: damage is an error naming the leaf. The same
-    damage on both sides is the same stored bytes: equal, as files of one content hash are."""
+    """Every stored chunk read is checked: damage is an error naming the leaf and the chunk,
+    even where both sides hold the same damaged bytes."""
     state = {"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}
-    a, b = saved(tmp_path, "a", state), saved(tmp_path, "b", state)
+    a, b, c = (saved(tmp_path, name, state) for name in "abc")
+    assert tsckpt.diff(a, b).equal
     for ck in (a, b):
         with open(os.path.join(ck, "w", "c", "1", "0"), "r+b") as f:
             f.seek(100)
             byte = f.read(1)
             f.seek(100)
             f.write(bytes([byte[0] ^ 0x40]))
-    assert tsckpt.diff(a, b).equal
-    c = saved(tmp_path, "c", state)
-    with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'w' in .*w/c/1/0: inner chunk \[0, 0\] fails its crc32c"):
-        tsckpt.diff(c, b)
+    for x, y in ((c, b), (a, c), (a, b)):
+        with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'w' in .*w/c/1/0: inner chunk \[0, 0\] fails its crc32c"):
+            tsckpt.diff(x, y)
 
 
 def test_the_exact_largest_difference_where_float32_ties():

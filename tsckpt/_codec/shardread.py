@@ -484,10 +484,6 @@ class StoredChunk(NamedTuple):
     def data(self) -> np.ndarray:
         return self.stored[:-CRC_BYTES]
 
-    @property
-    def crc(self) -> int:
-        return int.from_bytes(self.stored[-CRC_BYTES:].tobytes(), "little")
-
 
 def read_stored(
     ck: Checkpoint,

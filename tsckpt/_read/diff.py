@@ -57,8 +57,10 @@ PIECE_ELEMENTS = 1 << 16
 PREFIX_BYTES = 1 << 12
 # Threads comparing pieces at once (numpy works without the GIL).
 COMPARING_THREADS = min(8, os.cpu_count() or 1)
-# Read buffers kept for reuse (:class:`_Buffers`): a block of each side compared, one of each read.
-KEPT_BUFFERS = 4
+# Blocks read while one is compared, at most (:class:`_Pipeline`), each on two threads (A, B).
+READS_AHEAD = 2
+# Read buffers kept for reuse (:class:`_Buffers`): a block of each side compared, and those read ahead.
+KEPT_BUFFERS = 2 * (READS_AHEAD + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,13 +265,13 @@ class Found(NamedTuple):
 
 
 def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float, rtol: float,
-                   scratch: Scratch, same: bool = False) -> Found:
+                   scratch: Scratch) -> Found:
     """Compare one piece of both sides: whether each element differs into ``out``, and what
-    :class:`Found` says. A piece of the same bytes (``same``: known so) costs a comparison of
-    its bytes; float32 and float64 pieces without a tolerance are compared as stored
-    (:func:`_stored_differences`); elsewhere only the elements that differ are widened to
-    float64 (the others add nothing to ``a - b``)."""
-    if same or _same_bits(sa, sb):  # nothing more to learn
+    :class:`Found` says. A piece of the same bytes costs a comparison of its bytes; float32
+    and float64 pieces without a tolerance are compared as stored (:func:`_stored_differences`);
+    elsewhere only the elements that differ are widened to float64 (the others add nothing
+    to ``a - b``)."""
+    if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
         return Found(0.0, 0.0, _squared_norm(sa, dtype), 0)
     if sa.dtype in STORED_FLOATS and not (atol or rtol):
@@ -396,13 +398,11 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Pair:
     """One region read from both sides: ``a`` and ``b`` in the stored dtype, C-contiguous, of
-    the region's shape (complex32: with its pair dimension); ``same`` when they are known to
-    hold the same bytes (then only ``|a|`` is summed)."""
+    the region's shape (complex32: with its pair dimension)."""
 
     region: Box
     a: np.ndarray
     b: np.ndarray
-    same: bool = False
 
 
 def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
@@ -434,8 +434,7 @@ def compare_blocks(pairs: Sequence[Pair], dtype: str, chunk: Sequence[int], tall
         fa, fb, differs = flat[k]
         j = i + piece
         with np.errstate(over="ignore", invalid="ignore"):  # overflows and NaNs are looked for where they matter
-            return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol, scratch=scratch,
-                                  same=pairs[k].same)
+            return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol, scratch=scratch)
 
     found = list(map(one, jobs) if workers is None or len(jobs) < 2 else workers.map(one, jobs))
     top = max((f.max_abs for f in found if f.pending), default=None)
@@ -582,8 +581,9 @@ class _ArrayWork:
     read (:meth:`blocks`), what their comparisons found, and its :class:`LeafDiff` once every
     block is compared (:meth:`result`). Where both sides store it in shard files of one
     layout that the own codec reads, blocks of whole inner chunks are read as stored and
-    compared chunk by chunk (:meth:`_stored_pairs`): a chunk of the same stored bytes on both
-    sides is equal without checking its crc32c or comparing its elements."""
+    compared chunk by chunk where they lie in the buffer read (:meth:`_stored_pairs`): no
+    chunk is placed into a block, and a chunk of the same bytes on both sides costs a byte
+    comparison (and the sum of its squares), as any piece does."""
 
     def __init__(self, sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> None:
         self.sides, self.path, self.la, self.lb = sides, path, la, lb
@@ -632,7 +632,7 @@ class _ArrayWork:
             if isinstance(a, _StoredBlock) and isinstance(b, _StoredBlock):
                 pairs = self._stored_pairs(block, a, b)
             else:
-                pairs = [Pair(block, self._array(block, a, sides.a), self._array(block, b, sides.b))]
+                pairs = [Pair(block, self._array(block, a), self._array(block, b))]
             compare_blocks(pairs, self.la.dtype, self.chunk, self.tally, atol=sides.atol, rtol=sides.rtol,
                            piece=self.piece, workers=sides.workers, scratch=sides.scratch)
         finally:
@@ -644,37 +644,23 @@ class _ArrayWork:
         self.read += n
 
     def _stored_pairs(self, block: Box, a: _StoredBlock, b: _StoredBlock) -> list[Pair]:
-        """The chunks of a block read as stored from both sides, as regions to compare: a chunk
-        of the same stored bytes (its crc32c first) is known the same; the crc32c of any other
-        is checked on both sides (damage raises) before its elements are compared. Chunks are
-        settled on the comparing threads, several at once."""
-        rec, sides = self.rec, self.sides
-        path_b = sides.b.aliases.get(self.path, self.path)
-
-        def alike(pair: tuple[StoredChunk, StoredChunk]) -> bool:
-            x, y = pair
-            if x.crc == y.crc and _same_bits(x.data, y.data):
-                return True
-            check_stored(sides.a, rec.path, x)
-            check_stored(sides.b, path_b, y)
-            return False
-
-        chunks = list(zip(a.chunks, b.chunks))
-        workers = sides.workers if len(chunks) > 1 else None
-        same = list(map(alike, chunks) if workers is None else workers.map(alike, chunks))
+        """The chunks of a block read as stored from both sides, as regions to compare, each
+        in the array's coordinates: its elements in place, not copied into a block (a chunk
+        at the array's end: its part in the array)."""
+        rec = self.rec
         dt = _dtypes.numpy_dtype(rec.dtype)
         chunk = rec.chunking.chunk_shape or ()
         origin = tuple(o // s * s for o, s in zip(block[0], rec.chunking.shard_shape))
         pairs = []
-        for (x, y), known in zip(chunks, same):
+        for x, y in zip(a.chunks, b.chunks):
             first = tuple(g + k * c for g, k, c in zip(origin, x.cell, chunk))
             ln = tuple(min(c, n - f) for c, f, n in zip(chunk, first, rec.shape))
-            pairs.append(Pair((first, ln), _chunk_elements(x, dt, chunk, ln), _chunk_elements(y, dt, chunk, ln), known))
+            pairs.append(Pair((first, ln), _chunk_elements(x, dt, chunk, ln), _chunk_elements(y, dt, chunk, ln)))
         return pairs
 
-    def _array(self, block: Box, got: np.ndarray | _StoredBlock, ck: Checkpoint) -> np.ndarray:
+    def _array(self, block: Box, got: np.ndarray | _StoredBlock) -> np.ndarray:
         """A block of one side as an array: read so, or assembled from its stored chunks (where
-        the other side's file was read by the engine), each checked first."""
+        the other side's file was read by the engine)."""
         if isinstance(got, np.ndarray):
             return got
         rec = self.rec
@@ -683,7 +669,6 @@ class _ArrayWork:
         origin = tuple(o // s * s for o, s in zip(block[0], rec.chunking.shard_shape))
         out = np.empty(block[1], dtype=dt)
         for x in got.chunks:
-            check_stored(ck, ck.aliases.get(self.path, self.path), x)
             first = tuple(g + k * c for g, k, c in zip(origin, x.cell, chunk))
             ln = tuple(min(c, n - f) for c, f, n in zip(chunk, first, rec.shape))
             out[box_slices(first, ln, block[0])] = _chunk_elements(x, dt, chunk, ln)
@@ -712,23 +697,36 @@ def _chunk_elements(chunk: StoredChunk, dtype: np.dtype, shape: Sequence[int], w
     return np.ascontiguousarray(elements[tuple(slice(0, n) for n in within)])
 
 
-_Reading = tuple[_ArrayWork, Box, "Future[Any]", "Future[Any]"]
+_Reading = tuple[_ArrayWork, Box, "Future[Any]", "Future[Any]", int]
 
 
 class _Pipeline:
-    """The blocks of every array, read one block ahead of the comparison, across arrays: the
-    next block's reads (the next array's, at an array's last block) run while a block is
-    compared, so reading and comparing overlap whatever the size of the arrays."""
+    """The blocks of every array, read ahead of the comparison, across arrays: the next
+    blocks' reads (the next array's, at an array's last block) run while a block is compared,
+    so reading and comparing overlap whatever the size of the arrays. Blocks are read ahead
+    while those held (read, being read, or compared: both sides and a mask each) fit in
+    ``budget`` bytes, at most :data:`READS_AHEAD` blocks while one is compared, always one."""
 
-    def __init__(self, pool: Executor) -> None:
-        self.pool = pool
+    def __init__(self, pool: Executor, budget: int) -> None:
+        self.pool, self.budget = pool, budget
         self.ahead: collections.deque[_Reading] = collections.deque()
+        self.held = 0
 
     def add(self, work: _ArrayWork) -> None:
         for block in work.blocks():
-            self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block)))
-            if len(self.ahead) > 1:
+            cost = math.prod(block[1]) * (2 * work.itemsize + 1)
+            while self.ahead and (self.held + cost > self.budget or len(self.ahead) > READS_AHEAD):
+                if len(self.ahead) == 1:  # the next block's reads start before this one is compared
+                    self._submit(work, block, cost)
+                    self._settle()
+                    break
                 self._settle()
+            else:
+                self._submit(work, block, cost)
+
+    def _submit(self, work: _ArrayWork, block: Box, cost: int) -> None:
+        self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block), cost))
+        self.held += cost
 
     def drain(self) -> None:
         while self.ahead:
@@ -736,15 +734,18 @@ class _Pipeline:
 
     def close(self) -> None:
         """After an error: the reads under way are waited for, not left to write into freed blocks."""
-        for _, _, da, db in self.ahead:
+        for _, _, da, db, _ in self.ahead:
             da.cancel()
             db.cancel()
             wait([da, db])
         self.ahead.clear()
 
     def _settle(self) -> None:
-        work, block, da, db = self.ahead.popleft()
-        work.compare(block, da.result(), db.result())
+        work, block, da, db, cost = self.ahead.popleft()
+        try:
+            work.compare(block, da.result(), db.result())
+        finally:
+            self.held -= cost
 
 
 def engine_serves(leaf: LazyArray) -> bool:
@@ -781,7 +782,7 @@ def _reader(ck: Checkpoint, leaf: LazyArray, window: int,
 
 def _read_stored_block(side: _StoredSide, block: Box) -> _StoredBlock | None:
     """``block`` of one side read as its stored chunks (:func:`read_stored`), into a buffer of
-    ``side.buffers``; None where it is not whole inner chunks, the array's zarr.json does not
+    ``side.buffers``, each chunk's crc32c checked; None where it is not whole inner chunks, the array's zarr.json does not
     agree with its record, or its file is left to the engine."""
     where = _block_cells(side.rec, block)
     if where is None:
@@ -801,6 +802,8 @@ def _read_stored_block(side: _StoredSide, block: Box) -> _StoredBlock | None:
         for buf in taken:
             side.buffers.give(buf)
         return None
+    for chunk in chunks:  # as the engine checks every chunk it reads (on this reading thread)
+        check_stored(side.ck, side.rec.path, chunk)
     return _StoredBlock(chunks, taken[0], math.prod(block[1]) * _dtypes.itemsize(side.rec.dtype))
 
 
@@ -931,7 +934,7 @@ def diff(
         Progress("diff", where, show=progress) as bar,
         _directory(places[0]) as dir_a,
         _directory(places[1]) as dir_b,
-        ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
+        ThreadPoolExecutor(2 * READS_AHEAD, thread_name_prefix="tsckpt-diff-read") as pool,
         ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
     ):
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
@@ -940,7 +943,7 @@ def diff(
             ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
             max_inflight_bytes, pool, many, bar, places, (dir_a, dir_b), _Buffers(), Scratch(),
         )
-        pipeline = _Pipeline(pool)
+        pipeline = _Pipeline(pool, max_inflight_bytes // 2)
         try:
             for p in in_a:
                 if p not in set_b:
