@@ -158,16 +158,22 @@ class Stored:
         return cls(ck, {k: e[0] for k, e in entries.items()})
 
 
+def one_checkpoint(a: Checkpoint, b: Checkpoint) -> bool:
+    """Whether A and B are one checkpoint given twice (of any format or layout), not replaced
+    in between: every region is known equal."""
+    if a.location.local is None or b.location.local is None:
+        return False
+    return _same_path(str(a.location.local), str(b.location.local)) and a.root_generation == b.root_generation
+
+
 def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
     """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
     stored shards), known from what is stored, without reading it: True when both sides
     recorded the same content hash for its file (docs/format.md, "Content hashes"), or keep
-    it in the same file (one checkpoint given twice, or a file hard-linked from the other);
-    None when that is not known, and the region must be read."""
+    it in the same file (a file hard-linked from the other; one checkpoint given twice is
+    :func:`one_checkpoint`'s); None when that is not known, and the region must be read."""
     ca, cb = a.ck, b.ck
     local = ca.location.local is not None and cb.location.local is not None
-    if local and _same_path(str(ca.location.local), str(cb.location.local)) and ca.root_generation == cb.root_generation:
-        return True  # one checkpoint given twice (of any format or layout), not replaced in between
     ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path, path))
     if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
         return None
@@ -175,9 +181,9 @@ def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
         return None  # the same bytes would not decode to the same elements
     # a shard not stored (all fill value) or unreadable is read
     ka, kb = chunk_key(ra, region[0]), chunk_key(rb, region[0])
-    ha = a.hashes.get(ka)
-    if ha is not None and ha == b.hashes.get(kb):
-        return True
+    ha, hb = a.hashes.get(ka), b.hashes.get(kb)
+    if ha is not None and hb is not None:
+        return True if ha == hb else None  # files of other contents are not one file
     if not local:
         return None
     return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
@@ -382,17 +388,22 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays of one dtype and shape hold the same bytes, compared as the widest
     words their addresses allow (a first few kilobytes alone, where they already differ)."""
     x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    if x.size > 2 * PREFIX_BYTES and x[:PREFIX_BYTES].tobytes() != y[:PREFIX_BYTES].tobytes():
+    n = x.size
+    if n > 2 * PREFIX_BYTES and x[:PREFIX_BYTES].tobytes() != y[:PREFIX_BYTES].tobytes():
         return False
-    for word in (np.dtype(np.uint64), np.dtype(np.uint32)):
-        whole = x.size - x.size % word.itemsize
+    whole = 0
+    for word in _WORDS:
+        whole = n - n % word.itemsize
         wx, wy = x[:whole].view(word), y[:whole].view(word)
         if whole and wx.flags.aligned and wy.flags.aligned:
-            if not np.array_equal(wx, wy):
+            if not (wx == wy).all():
                 return False
-            x, y = x[whole:], y[whole:]
             break
-    return bool(np.array_equal(x, y))
+        whole = 0
+    return whole == n or x[whole:].tobytes() == y[whole:].tobytes()
+
+
+_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,6 +547,7 @@ class _Sides:
     dirs: tuple[int | None, int | None]
     buffers: _Buffers
     scratch: Scratch
+    twice: bool  # one checkpoint given twice (:func:`one_checkpoint`)
 
 
 @dataclasses.dataclass
@@ -620,7 +632,7 @@ class _ArrayWork:
         """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
         sides = self.sides
         for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
-            if known_equal(sides.stored_a, sides.stored_b, self.path, shard):
+            if sides.twice or known_equal(sides.stored_a, sides.stored_b, self.path, shard):
                 self.known += math.prod(shard[1]) * self.itemsize
                 sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
                 continue
@@ -942,6 +954,7 @@ def diff(
         sides = _Sides(
             ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
             max_inflight_bytes, pool, many, bar, places, (dir_a, dir_b), _Buffers(), Scratch(),
+            one_checkpoint(ra.checkpoint, rb.checkpoint),
         )
         pipeline = _Pipeline(pool, max_inflight_bytes // 2)
         try:
