@@ -645,3 +645,39 @@ def test_stored_sums_of_squares(n):
     with np.errstate(over="ignore"):
         got = diff_module._stored_sum_of_squares(huge)
     assert got == (math.inf if n >= diff_module.DOT_ELEMENTS else pytest.approx(n * 9e40, rel=1e-6))
+
+
+def test_blocks_held_at_once_fit_half_the_window(tmp_path, monkeypatch, small_chunks):
+    """Blocks are read ahead while those held (read, being read or compared) fit in half the
+    window, at most READS_AHEAD besides the one compared; always the next one."""
+    held: list[tuple[int, int]] = []
+    submit = diff_module._Pipeline._submit
+
+    def recording(self, work, block, cost):
+        submit(self, work, block, cost)
+        held.append((self.held, len(self.ahead)))
+
+    monkeypatch.setattr(diff_module._Pipeline, "_submit", recording)
+    before = {"w": torch.randn(256, 64)}
+    after = {"w": before["w"] + 1}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    for window in (1 << 20, 16 << 10, 4 << 10):
+        held.clear()
+        report = tsckpt.diff(a, b, max_inflight_bytes=window)
+        assert report.differences[0].changed_elements == 256 * 64
+        most = max(n for _, n in held)
+        assert most <= diff_module.READS_AHEAD + 1
+        assert all(cost <= window // 2 or n <= 2 for cost, n in held), (window, held)
+        assert most == (2 if window == 4 << 10 else diff_module.READS_AHEAD + 1)  # read ahead as far as fits
+
+
+def test_read_buffers_kept_for_reuse_are_bounded():
+    buffers = diff_module._Buffers(10_000)
+    given = [buffers.take(n) for n in (4096, 8192, 100, 3000, 5000, 2000)]
+    for buf in given:
+        buffers.give(buf)
+    kept = buffers._free
+    assert len(kept) <= diff_module.KEPT_BUFFERS and sum(b.size for b in kept) <= 10_000
+    again = buffers.take(2500)
+    assert again.size >= 2500 and any(again is b for b in given)  # reused, the smallest that fits
+    assert again.ctypes.data % 4096 == 0

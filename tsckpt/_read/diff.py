@@ -59,8 +59,8 @@ PREFIX_BYTES = 1 << 12
 COMPARING_THREADS = min(8, os.cpu_count() or 1)
 # Blocks read while one is compared, at most (:class:`_Pipeline`), each on two threads (A, B).
 READS_AHEAD = 2
-# Read buffers kept for reuse (:class:`_Buffers`): a block of each side compared, and those read ahead.
-KEPT_BUFFERS = 2 * (READS_AHEAD + 1)
+# Read buffers kept for reuse (:class:`_Buffers`): those of a block compared, for the next one read.
+KEPT_BUFFERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,11 +507,13 @@ def _squared_norm(x: np.ndarray, dtype: str) -> float:
 
 class _Buffers:
     """Aligned memory for the stored bytes of blocks (:func:`read_stored`), given back once a
-    block is compared and taken again by the next: at most :data:`KEPT_BUFFERS` are kept."""
+    block is compared and taken again by the next (fresh memory costs page faults): at most
+    :data:`KEPT_BUFFERS` are kept, of ``kept_bytes`` in all."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept_bytes: int) -> None:
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self._kept = kept_bytes
 
     def take(self, n: int) -> np.ndarray:
         with self._lock:
@@ -523,8 +525,9 @@ class _Buffers:
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > KEPT_BUFFERS:
-                self._free.remove(min(self._free, key=lambda b: b.size))
+            self._free.sort(key=lambda b: b.size)
+            while self._free and (len(self._free) > KEPT_BUFFERS or sum(b.size for b in self._free) > self._kept):
+                self._free.pop()  # the largest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -953,7 +956,7 @@ def diff(
         many = workers if COMPARING_THREADS > 1 else None
         sides = _Sides(
             ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
-            max_inflight_bytes, pool, many, bar, places, (dir_a, dir_b), _Buffers(), Scratch(),
+            max_inflight_bytes, pool, many, bar, places, (dir_a, dir_b), _Buffers(max_inflight_bytes // 4), Scratch(),
             one_checkpoint(ra.checkpoint, rb.checkpoint),
         )
         pipeline = _Pipeline(pool, max_inflight_bytes // 2)
