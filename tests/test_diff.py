@@ -661,14 +661,14 @@ def test_blocks_held_at_once_fit_half_the_window(tmp_path, monkeypatch, small_ch
     before = {"w": torch.randn(256, 64)}
     after = {"w": before["w"] + 1}
     a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
-    for window in (1 << 20, 16 << 10, 4 << 10):
+    # blocks of a shard of 1024 elements (9 KiB held each): 3 fit in half of 1 MiB, 2 in half of 40 KiB;
+    # blocks of a row, or of its chunk's rows: 3 fit in half of 16 or 4 KiB
+    for window, most in ((1 << 20, 3), (40 << 10, 2), (16 << 10, 3), (4 << 10, 3)):
         held.clear()
         report = tsckpt.diff(a, b, max_inflight_bytes=window)
         assert report.differences[0].changed_elements == 256 * 64
-        most = max(n for _, n in held)
-        assert most <= diff_module.READS_AHEAD + 1
         assert all(cost <= window // 2 or n <= 2 for cost, n in held), (window, held)
-        assert most == (2 if window == 4 << 10 else diff_module.READS_AHEAD + 1)  # read ahead as far as fits
+        assert max(n for _, n in held) == most == min(most, diff_module.READS_AHEAD + 1)
 
 
 def test_read_buffers_kept_for_reuse_are_bounded():
