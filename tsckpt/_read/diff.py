@@ -2,11 +2,14 @@
 
 Arrays are compared over A's stored chunk grid, in blocks of whole chunks where one fits the
 window, each block read from both sides by restore's read engine (:func:`.engine.read_into`:
-the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
-stays within the window whatever the checkpoints' size. A block of the same bytes on both
-sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
-reading (:func:`known_equal`: the same content hash recorded on both sides, the same file
-on disk, a hard link or one checkpoint given twice) is not read.
+the own shard and chunk readers, crc32c checked, where the checkpoint allows), or, where
+both sides keep the array in local shard files of one layout, as its stored inner chunks
+(:func:`.shardread.read_stored`, crc32c checked) compared where they lie in the buffer
+read; so memory stays within the window whatever the checkpoints' size. A piece of the
+same bytes on both sides costs a byte comparison; only elements that differ are widened
+to float64. A region whose stored data is known equal without reading
+(:func:`known_equal`: the same content hash recorded on both sides, the same file on disk,
+a hard link, or :func:`one_checkpoint` given twice) is not read.
 """
 
 from __future__ import annotations
