@@ -407,14 +407,17 @@ def test_blocks_and_compare_agree_with_numpy(shape, data):
 
 def changed_pair(tmp_path) -> tuple[str, str]:
     """Two checkpoints whose arrays differ in many ways: values, NaNs at the same and other
-    indices, infinities, integers, a half-precision and a bfloat16 leaf, one leaf equal."""
+    indices, infinities, integers, a half-precision and a bfloat16 leaf, booleans, complex
+    numbers, one leaf equal (with ``small_chunks``, most in shard files of several chunks)."""
     gen = torch.Generator().manual_seed(5)
     before = {
         "w": torch.randn(96, 40, generator=gen),
         "d": torch.randn(300, generator=gen, dtype=torch.float64),
-        "h": torch.randn(70, generator=gen).half(),
-        "bf": torch.randn(70, generator=gen).bfloat16(),
-        "i": torch.arange(90, dtype=torch.int64) * (2**40),
+        "h": torch.randn(1500, generator=gen).half(),
+        "bf": torch.randn(1500, generator=gen).bfloat16(),
+        "i": torch.arange(900, dtype=torch.int64) * (2**40),
+        "flag": torch.arange(3000) % 3 == 0,
+        "c": torch.randn(700, generator=gen, dtype=torch.complex64),
         "same": torch.randn(33, generator=gen),
     }
     after = {k: v.clone() for k, v in before.items()}
@@ -426,7 +429,19 @@ def changed_pair(tmp_path) -> tuple[str, str]:
     after["h"][10:20] += 1
     after["bf"][-1] = 4.0
     after["i"][17] += 1
+    after["flag"][2999] = True
+    after["c"][650] += 1j
     return saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+
+
+def same_report(x: dict, y: dict) -> None:
+    """Two reports (as dicts) alike, the relative L2 to rounding (sums of squares added in
+    another order where blocks are cut otherwise)."""
+    assert {k: v for k, v in x.items() if k != "leaves"} == {k: v for k, v in y.items() if k != "leaves"}
+    assert len(x["leaves"]) == len(y["leaves"])
+    for p, q in zip(x["leaves"], y["leaves"]):
+        assert {k: v for k, v in p.items() if k != "rel_l2"} == {k: v for k, v in q.items() if k != "rel_l2"}
+        assert p["rel_l2"] == q["rel_l2"] or p["rel_l2"] == pytest.approx(q["rel_l2"], rel=1e-12)
 
 
 @pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
@@ -435,7 +450,7 @@ def test_the_engine_and_the_lazy_reader_give_one_report(tmp_path, monkeypatch, s
     by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
     monkeypatch.setattr(diff_module, "engine_serves", lambda leaf: False)
     by_lazy = tsckpt.diff(a, b, **tolerance).to_dict()
-    assert by_engine == by_lazy
+    same_report(by_engine, by_lazy)
     found = {leaf["path"]: leaf for leaf in by_engine["leaves"]}
     assert found["same"]["status"] == "equal" and found["d"]["max_abs"] == "inf"
     assert found["i"]["changed_elements"] == (0 if "rtol" in tolerance else 1)  # 1 in 17 * 2**40
@@ -450,7 +465,7 @@ def test_arrays_of_a_tsckpt_checkpoint_are_read_by_the_engine(tmp_path, monkeypa
 
     monkeypatch.setattr(LazyArray, "read_box", refused)
     report = tsckpt.diff(a, b)
-    assert {leaf.path for leaf in report.differences} == {"w", "d", "h", "bf", "i"}
+    assert {leaf.path for leaf in report.differences} == {"w", "d", "h", "bf", "i", "flag", "c"}
     ra = tsckpt.open(a)
     assert all(engine_serves(ra[p]) for p in ("w", "d", "h", "bf", "i", "same"))
 
@@ -599,9 +614,7 @@ def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, sma
     by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
     assert settled["checked"] == []
     for other in (mixed, by_engine):
-        for x, y in zip(stored["leaves"], other["leaves"]):
-            assert {k: v for k, v in x.items() if k != "rel_l2"} == {k: v for k, v in y.items() if k != "rel_l2"}
-            assert x["rel_l2"] == y["rel_l2"] or x["rel_l2"] == pytest.approx(y["rel_l2"], rel=1e-9)
+        same_report(stored, other)
 
 
 def test_damaged_stored_chunk(tmp_path, small_chunks):
