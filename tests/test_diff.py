@@ -594,10 +594,16 @@ def test_stored_chunks_at_the_array_edges(tmp_path, small_chunks, settled):
     assert settled["checked"]  # read as stored
 
 
+@pytest.mark.parametrize("io", ["mapped", "buffered", "direct"])
 @pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
-def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, small_chunks, settled, tolerance):
-    """Read as stored chunks, by the engine, or one side each way (a file left to the engine):
-    one report (sums of squares compared to rounding)."""
+def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, small_chunks, settled, tolerance, io):
+    """Read as stored chunks (views of the files' mappings, or read through the page cache or
+    with direct I/O), by the engine, or one side each way (a file left to the engine): one
+    report (sums of squares compared to rounding)."""
+    from tsckpt._codec import shardread
+
+    monkeypatch.setattr(shardread, "MAPPED_FROM", 0.0 if io == "mapped" else 2.0)
+    monkeypatch.setattr(shardread, "DIRECT_BELOW", 2.0 if io == "direct" else 0.0)
     a, b = changed_pair(tmp_path)
     stored = tsckpt.diff(a, b, **tolerance).to_dict()
     assert settled["checked"]  # read as stored

@@ -496,11 +496,12 @@ def read_stored(
     """The inner chunks ``cells`` of one shard file of ``rec`` (a sharded array of the plain
     checkpoint whose directory is open as ``dir_fd``; the file of the shard that starts at
     element ``shard``) as stored, in the order of ``cells``, unchecked: for comparing two
-    checkpoints chunk by chunk without decoding or placing any (equal stored bytes under the
-    same codecs are equal data). Runs of chunks adjacent in the file are read with one
+    checkpoints chunk by chunk without decoding or placing any. As :func:`read_sharded`
+    reads: a file the page cache holds whole is mapped (the chunks are views of the mapping,
+    unmapped once none is left), else runs of chunks adjacent in the file are read with one
     positional read each, with direct I/O where the page cache holds less than
-    :data:`DIRECT_BELOW` of the file (as :func:`read_sharded` reads), into the memory
-    ``buffer(n)`` gives (``n`` bytes or more, starting at a multiple of ALIGN).
+    :data:`DIRECT_BELOW` of the file, into the memory ``buffer(n)`` gives (``n`` bytes or
+    more, starting at a multiple of ALIGN).
 
     None when the file cannot be read here for a reason other than damage (a link on the
     way, not a regular file): the read engine reads it. Damage raises CorruptCheckpointError.
@@ -518,6 +519,10 @@ def read_stored(
         index, size, cached = _open_index(ck, rec.path, key, fd, shapes.grid)
         starts = [_chunk_start(ck, rec.path, key, index, (*cell, *(0 for _ in shapes.shape[len(cell):])), stride, size)
                   for cell in cells]
+        if cached is not None and cached >= MAPPED_FROM:
+            mapped = _map_stored(key, fd, list(cells), starts, stride)
+            if mapped is not None:
+                return mapped
         direct = cached is not None and cached < DIRECT_BELOW and set_direct(fd)
         return _read_stored_runs(ck, rec.path, key, fd, list(cells), starts, stride, buffer, direct)
     except _Fallback:
@@ -528,6 +533,22 @@ def read_stored(
         return None
     finally:
         os.close(fd)
+
+
+def _map_stored(
+    key: str, fd: int, cells: list[tuple[int, ...]], starts: list[int], stride: int
+) -> list[StoredChunk] | None:
+    """The chunks starting at ``starts`` of the open file ``key`` as views of one read-only
+    mapping of their span, populated up front (every page is cached); None when it cannot be
+    mapped. The mapping is unmapped when the last view of it is freed."""
+    first = _mapped_from(min(starts))
+    try:
+        mm = mmap.mmap(fd, max(starts) + stride - first, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                       offset=first)
+    except (OSError, ValueError):
+        return None
+    view = np.frombuffer(mm, np.uint8)
+    return [StoredChunk(key, cell, view[start - first : start - first + stride]) for cell, start in zip(cells, starts)]
 
 
 def _read_stored_runs(

@@ -569,11 +569,12 @@ class _StoredSide:
 
 @dataclasses.dataclass(frozen=True)
 class _StoredBlock:
-    """A block read as its stored chunks, in the C order of their cells; ``nbytes``: the block's
-    elements' (as a block read into an array would hold)."""
+    """A block read as its stored chunks, in the C order of their cells, into ``buffer`` (None:
+    they are views of the file's mapping); ``nbytes``: the block's elements' (as a block read
+    into an array would hold)."""
 
     chunks: list[StoredChunk]
-    buffer: np.ndarray
+    buffer: np.ndarray | None
     nbytes: int
 
 
@@ -655,7 +656,7 @@ class _ArrayWork:
                            piece=self.piece, workers=sides.workers, scratch=sides.scratch)
         finally:
             for got in (a, b):
-                if isinstance(got, _StoredBlock):
+                if isinstance(got, _StoredBlock) and got.buffer is not None:
                     sides.buffers.give(got.buffer)
         n = 2 * math.prod(block[1]) * self.itemsize
         sides.progress.update(n, 2)
@@ -822,7 +823,7 @@ def _read_stored_block(side: _StoredSide, block: Box) -> _StoredBlock | None:
         return None
     for chunk in chunks:  # as the engine checks every chunk it reads (on this reading thread)
         check_stored(side.ck, side.rec.path, chunk)
-    return _StoredBlock(chunks, taken[0], math.prod(block[1]) * _dtypes.itemsize(side.rec.dtype))
+    return _StoredBlock(chunks, taken[0] if taken else None, math.prod(block[1]) * _dtypes.itemsize(side.rec.dtype))
 
 
 def _relative(sq_diff: float, sq_a: float) -> float:
