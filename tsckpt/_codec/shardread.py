@@ -23,7 +23,8 @@ process while mapped would fault the reader, as any mapped read; checkpoint file
 never rewritten once committed.)
 
 Which arrays are read here is :func:`.route.route`'s rule (the same the writer
-follows); the file format is in :mod:`.files`.
+follows); the file format is in :mod:`.files`. :func:`read_stored` gives inner chunks as
+stored instead, unplaced, for comparing two checkpoints chunk by chunk (diff).
 """
 
 from __future__ import annotations
