@@ -206,12 +206,13 @@ def test_errors_exit_2(tmp_path, capsys):
 
 @pytest.fixture
 def largest_read(monkeypatch):
-    """Every block diff reads of either side (engine or lazy reader), in bytes of the stored dtype."""
+    """Every block diff reads of either side (as stored chunks, by the engine or the lazy
+    reader), in bytes of the stored dtype."""
     sizes: list[int] = []
     real = diff_module._reader
 
-    def reader(ck, leaf, window):
-        read = real(ck, leaf, window)
+    def reader(ck, leaf, window, stored=None):
+        read = real(ck, leaf, window, stored)
 
         def recording(block):
             data = read(block)
@@ -406,14 +407,17 @@ def test_blocks_and_compare_agree_with_numpy(shape, data):
 
 def changed_pair(tmp_path) -> tuple[str, str]:
     """Two checkpoints whose arrays differ in many ways: values, NaNs at the same and other
-    indices, infinities, integers, a half-precision and a bfloat16 leaf, one leaf equal."""
+    indices, infinities, integers, a half-precision and a bfloat16 leaf, booleans, complex
+    numbers, one leaf equal (with ``small_chunks``, most in shard files of several chunks)."""
     gen = torch.Generator().manual_seed(5)
     before = {
         "w": torch.randn(96, 40, generator=gen),
         "d": torch.randn(300, generator=gen, dtype=torch.float64),
-        "h": torch.randn(70, generator=gen).half(),
-        "bf": torch.randn(70, generator=gen).bfloat16(),
-        "i": torch.arange(90, dtype=torch.int64) * (2**40),
+        "h": torch.randn(1500, generator=gen).half(),
+        "bf": torch.randn(1500, generator=gen).bfloat16(),
+        "i": torch.arange(900, dtype=torch.int64) * (2**40),
+        "flag": torch.arange(3000) % 3 == 0,
+        "c": torch.randn(700, generator=gen, dtype=torch.complex64),
         "same": torch.randn(33, generator=gen),
     }
     after = {k: v.clone() for k, v in before.items()}
@@ -425,7 +429,19 @@ def changed_pair(tmp_path) -> tuple[str, str]:
     after["h"][10:20] += 1
     after["bf"][-1] = 4.0
     after["i"][17] += 1
+    after["flag"][2999] = True
+    after["c"][650] += 1j
     return saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+
+
+def same_report(x: dict, y: dict) -> None:
+    """Two reports (as dicts) alike, the relative L2 to rounding (sums of squares added in
+    another order where blocks are cut otherwise)."""
+    assert {k: v for k, v in x.items() if k != "leaves"} == {k: v for k, v in y.items() if k != "leaves"}
+    assert len(x["leaves"]) == len(y["leaves"])
+    for p, q in zip(x["leaves"], y["leaves"]):
+        assert {k: v for k, v in p.items() if k != "rel_l2"} == {k: v for k, v in q.items() if k != "rel_l2"}
+        assert p["rel_l2"] == q["rel_l2"] or p["rel_l2"] == pytest.approx(q["rel_l2"], rel=1e-12)
 
 
 @pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
@@ -434,7 +450,7 @@ def test_the_engine_and_the_lazy_reader_give_one_report(tmp_path, monkeypatch, s
     by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
     monkeypatch.setattr(diff_module, "engine_serves", lambda leaf: False)
     by_lazy = tsckpt.diff(a, b, **tolerance).to_dict()
-    assert by_engine == by_lazy
+    same_report(by_engine, by_lazy)
     found = {leaf["path"]: leaf for leaf in by_engine["leaves"]}
     assert found["same"]["status"] == "equal" and found["d"]["max_abs"] == "inf"
     assert found["i"]["changed_elements"] == (0 if "rtol" in tolerance else 1)  # 1 in 17 * 2**40
@@ -449,7 +465,7 @@ def test_arrays_of_a_tsckpt_checkpoint_are_read_by_the_engine(tmp_path, monkeypa
 
     monkeypatch.setattr(LazyArray, "read_box", refused)
     report = tsckpt.diff(a, b)
-    assert {leaf.path for leaf in report.differences} == {"w", "d", "h", "bf", "i"}
+    assert {leaf.path for leaf in report.differences} == {"w", "d", "h", "bf", "i", "flag", "c"}
     ra = tsckpt.open(a)
     assert all(engine_serves(ra[p]) for p in ("w", "d", "h", "bf", "i", "same"))
 
@@ -516,3 +532,171 @@ def test_float32_differences_whose_squares_overflow_are_summed_in_float64():
     assert tally.sq_diff == pytest.approx(float(np.sum((x - y) ** 2)), rel=1e-6)
     assert tally.sq_a == pytest.approx(float(np.sum(x**2)), rel=1e-6)
     assert (tally.changed_elements, tally.first, tally.changed_chunks) == (2, (0,), {(0,), (1,)})
+
+
+# ---- blocks read as stored chunks -------------------------------------------------------------
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """What diff did with stored chunks: those whose crc32c it checked, and the elements it
+    compared one by one (float pieces not of the same bytes)."""
+    seen: dict[str, list] = {"checked": [], "compared": []}
+    check, differences = diff_module.check_stored, diff_module._stored_differences
+
+    def checking(ck, path, chunk):
+        seen["checked"].append((path, chunk.cell))
+        return check(ck, path, chunk)
+
+    def comparing(sa, sb, out, scratch):
+        seen["compared"].append(sa.shape[0])
+        return differences(sa, sb, out, scratch)
+
+    monkeypatch.setattr(diff_module, "check_stored", checking)
+    monkeypatch.setattr(diff_module, "_stored_differences", comparing)
+    return seen
+
+
+def test_one_changed_inner_chunk_of_a_shard(tmp_path, small_chunks, settled, largest_read):
+    """A shard whose files differ in one inner chunk: every chunk read is checked (crc32c), and
+    only that chunk's elements are compared one by one (the others: their bytes). The report:
+    one changed chunk, the first index, the exact largest difference, ||a - b|| / ||a|| over all."""
+    before = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(1))}
+    after = {"w": before["w"].clone()}
+    after["w"][21, 40] += 0.25
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    md = tsckpt.open(a)["w"].metadata
+    assert math.prod(md.shard_shape) // math.prod(md.chunk_shape) >= 4  # several inner chunks per shard
+    report = tsckpt.diff(a, b)
+    (leaf,) = report.differences
+    assert (leaf.changed_chunks, leaf.changed_elements, leaf.first_index) == (1, 1, (21, 40))
+    chunks = 64 * 64 // math.prod(md.chunk_shape)
+    assert len(settled["checked"]) == 2 * chunks  # read as stored, each checked
+    assert sum(settled["compared"]) == math.prod(md.chunk_shape)  # the changed chunk's elements only
+    x, y = before["w"].double().numpy(), after["w"].double().numpy()
+    assert leaf.max_abs == np.abs(x - y).max()
+    assert leaf.rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x), rel=1e-6)
+    assert report.bytes_read == sum(largest_read) == 2 * 64 * 64 * 4  # every byte of both, once
+
+
+def test_stored_chunks_at_the_array_edges(tmp_path, small_chunks, settled):
+    """Inner chunks the array's end cuts (stored whole): only their part in the array counts."""
+    gen = torch.Generator().manual_seed(2)
+    before = {"w": torch.randn(50, 37, generator=gen), "v": torch.randn(1001, generator=gen, dtype=torch.float64)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["w"][49, 36] = 4.0
+    after["v"][1000] = -1.0
+    report = tsckpt.diff(saved(tmp_path, "a", before), saved(tmp_path, "b", after))
+    found = {leaf.path: leaf for leaf in report.differences}
+    assert (found["w"].first_index, found["w"].changed_elements) == ((49, 36), 1)
+    assert (found["v"].first_index, found["v"].changed_elements) == ((1000,), 1)
+    assert found["v"].max_abs == abs(before["v"][1000].item() + 1.0)
+    assert settled["checked"]  # read as stored
+
+
+@pytest.mark.parametrize("io", ["mapped", "buffered", "direct"])
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 0.1}, {"rtol": 0.3}])
+def test_stored_chunks_and_the_engine_give_one_report(tmp_path, monkeypatch, small_chunks, settled, tolerance, io):
+    """Read as stored chunks (views of the files' mappings, or read through the page cache or
+    with direct I/O), by the engine, or one side each way (a file left to the engine): one
+    report (sums of squares compared to rounding)."""
+    from tsckpt._codec import shardread
+
+    monkeypatch.setattr(shardread, "MAPPED_FROM", 0.0 if io == "mapped" else 2.0)
+    monkeypatch.setattr(shardread, "DIRECT_BELOW", 2.0 if io == "direct" else 0.0)
+    a, b = changed_pair(tmp_path)
+    stored = tsckpt.diff(a, b, **tolerance).to_dict()
+    assert settled["checked"]  # read as stored
+    real = diff_module.read_stored
+    ckb = tsckpt.open(b)
+
+    def only_a(ck, *args):
+        return None if str(ck.location) == str(ckb.checkpoint.location) else real(ck, *args)
+
+    monkeypatch.setattr(diff_module, "read_stored", only_a)
+    mixed = tsckpt.diff(a, b, **tolerance).to_dict()
+    monkeypatch.setattr(diff_module, "read_stored", lambda *args: None)
+    settled["checked"].clear()
+    by_engine = tsckpt.diff(a, b, **tolerance).to_dict()
+    assert settled["checked"] == []
+    for other in (mixed, by_engine):
+        same_report(stored, other)
+
+
+def test_damaged_stored_chunk(tmp_path, small_chunks):
+    """Every stored chunk read is checked: damage is an error naming the leaf and the chunk,
+    even where both sides hold the same damaged bytes."""
+    state = {"w": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)}
+    a, b, c = (saved(tmp_path, name, state) for name in "abc")
+    assert tsckpt.diff(a, b).equal
+    for ck in (a, b):
+        with open(os.path.join(ck, "w", "c", "1", "0"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0x40]))
+    for x, y in ((c, b), (a, c), (a, b)):
+        with pytest.raises(tsckpt.CorruptCheckpointError, match=r"^'w' in .*w/c/1/0: inner chunk \[0, 0\] fails its crc32c"):
+            tsckpt.diff(x, y)
+
+
+def test_the_exact_largest_difference_where_float32_ties():
+    """Differences that round to the same float32 in different pieces: the exact largest is
+    found in float64 among all of them, whichever piece holds it."""
+    a = np.array([1e8, 5.0, 1e8, 1e8], np.float32)
+    b = np.array([0.5, 5.0, 0.25, 0.75], np.float32)
+    assert len({float(np.float32(x - y)) for x, y in zip(a[[0, 2, 3]], b[[0, 2, 3]])}) == 1  # one float32
+    for piece in (1, 2, 4):
+        tally = Tally()
+        compare_block(a, b, "float32", ((0,), (4,)), (2,), tally, atol=0.0, rtol=0.0, piece=piece)
+        assert tally.max_abs == 1e8 - 0.25 and (tally.changed_elements, tally.first) == (3, (0,))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1024, 5000, 70001])
+def test_stored_sums_of_squares(n):
+    """Dot products of DOT_ELEMENTS in the stored dtype, added in float64: within 1e-6."""
+    rng = np.random.default_rng(n)
+    for dtype in (np.float32, np.float64):
+        x = (rng.standard_normal(n) * 1e3).astype(dtype)
+        exact = float(np.sum(x.astype(np.float64) ** 2))
+        assert diff_module._stored_sum_of_squares(x) == pytest.approx(exact, rel=1e-6)
+    huge = np.full(n, 3e20, np.float32)  # squares beyond float32: not finite (callers sum in float64), or exact
+    with np.errstate(over="ignore"):
+        got = diff_module._stored_sum_of_squares(huge)
+    assert got == (math.inf if n >= diff_module.DOT_ELEMENTS else pytest.approx(n * 9e40, rel=1e-6))
+
+
+def test_blocks_held_at_once_fit_half_the_window(tmp_path, monkeypatch, small_chunks):
+    """Blocks are read ahead while those held (read, being read or compared) fit in half the
+    window, at most READS_AHEAD besides the one compared; always the next one."""
+    held: list[tuple[int, int]] = []
+    submit = diff_module._Pipeline._submit
+
+    def recording(self, work, block, cost):
+        submit(self, work, block, cost)
+        held.append((self.held, len(self.ahead)))
+
+    monkeypatch.setattr(diff_module._Pipeline, "_submit", recording)
+    before = {"w": torch.randn(256, 64)}
+    after = {"w": before["w"] + 1}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    # blocks of a shard of 1024 elements (9 KiB held each): 3 fit in half of 1 MiB, 2 in half of 40 KiB;
+    # blocks of a row, or of its chunk's rows: 3 fit in half of 16 or 4 KiB
+    for window, most in ((1 << 20, 3), (40 << 10, 2), (16 << 10, 3), (4 << 10, 3)):
+        held.clear()
+        report = tsckpt.diff(a, b, max_inflight_bytes=window)
+        assert report.differences[0].changed_elements == 256 * 64
+        assert all(cost <= window // 2 or n <= 2 for cost, n in held), (window, held)
+        assert max(n for _, n in held) == most == min(most, diff_module.READS_AHEAD + 1)
+
+
+def test_read_buffers_kept_for_reuse_are_bounded():
+    buffers = diff_module._Buffers(10_000)
+    given = [buffers.take(n) for n in (4096, 8192, 100, 3000, 5000, 2000)]
+    for buf in given:
+        buffers.give(buf)
+    kept = buffers._free
+    assert len(kept) <= diff_module.KEPT_BUFFERS and sum(b.size for b in kept) <= 10_000
+    again = buffers.take(2500)
+    assert again.size >= 2500 and any(again is b for b in given)  # reused, the smallest that fits
+    assert again.ctypes.data % 4096 == 0

@@ -517,3 +517,86 @@ def test_files_the_page_cache_holds_are_read_by_one_thread_per_cpu(tmp_path, sma
     expected_cached = _shardread.CACHED_THREADS if sys.platform == "linux" else _shardread.READ_THREADS
     assert used == [expected_cached, _shardread.READ_THREADS]
     assert _shardread.CACHED_THREADS == min(_shardread.READ_THREADS, len(os.sched_getaffinity(0)))
+
+
+# ---- inner chunks as stored (read_stored, for diff) ---------------------------------------------
+
+
+def _stored_checkpoint(ck):
+    from tsckpt._read.open import open as open_reader
+
+    return open_reader(str(ck)).checkpoint
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_read_stored_gives_each_inner_chunk_as_stored(tmp_path, layout_of, io_mode, name):
+    """Every inner chunk of every shard file, in any order asked: its bytes as the file stores
+    them (the array's elements where it lies in the array, then their crc32c); unchecked.
+    Read into the memory asked for, or views of the file's mapping (files the cache holds)."""
+    from tsckpt._codec.files import opened_directory
+    from tsckpt._ondisk.arrays import chunk_key
+    from tsckpt._ondisk.chunking import shard_boxes
+
+    ck, x = saved(tmp_path, layout_of, name, np.float64)
+    shape, shard, chunk = LAYOUTS[name]
+    checkpoint = _stored_checkpoint(ck)
+    rec = checkpoint.arrays["w"]
+    taken: list[int] = []
+
+    def buffer(n):
+        taken.append(n)
+        return native.aligned_empty(n)
+
+    with opened_directory(str(ck)) as fd:
+        for origin, lengths in shard_boxes((0,) * len(shape), shape, rec.chunking):
+            grid = [range(-(-n // c)) for n, c in zip(lengths, chunk)]
+            cells = [tuple(int(i) for i in c) for c in np.ndindex(*[len(g) for g in grid])][::-1]  # any order
+            found = _shardread.read_stored(checkpoint, fd, rec, origin, cells, buffer)
+            assert [c.cell for c in found] == cells
+            raw = (ck / chunk_key(rec, origin)).read_bytes()
+            index = _entries(raw, shard, chunk)
+            for c in found:
+                start, nbytes = (int(v) for v in index[c.cell])
+                assert c.stored.tobytes() == raw[start : start + nbytes]
+                assert c.stored[-4:].tobytes() == google_crc32c.value(c.data.tobytes()).to_bytes(4, "little")
+                assert c.key == chunk_key(rec, origin)
+                first = [o + k * n for o, k, n in zip(origin, c.cell, chunk)]
+                inside = tuple(slice(0, min(n, s - f)) for n, f, s in zip(chunk, first, shape))
+                region = tuple(slice(f, f + sl.stop) for f, sl in zip(first, inside))
+                same(c.data.view(np.float64).reshape(chunk)[inside], x[region])
+                _shardread.check_stored(checkpoint, "w", c)  # intact
+    assert bool(taken) == (io_mode != "mapped") and all(n % native.ALIGN == 0 for n in taken)
+
+
+def _entries(raw: bytes, shard, chunk) -> np.ndarray:
+    """A shard file's index: (offset, length) per inner chunk of its grid."""
+    grid = [s // c for s, c in zip(shard, chunk)]
+    return np.frombuffer(raw[-4 - 16 * int(np.prod(grid)) : -4], "<u8").reshape(*grid, 2)
+
+
+def test_read_stored_damage_and_files_left_to_the_engine(damaged):
+    """A missing shard file is damage; a link on the way is left to the engine (None); a
+    flipped byte is found by check_stored, naming the leaf, the file and the chunk."""
+    from tsckpt._codec.files import opened_directory
+
+    ck, _ = damaged
+    checkpoint = _stored_checkpoint(ck)
+    rec = checkpoint.arrays["w"]
+    f = ck / "w/c/1/0"
+    data, index = _index(f)
+    bad = bytearray(data)
+    bad[int(index[1, 2, 0]) + 17] ^= 0x01
+    f.write_bytes(bytes(bad))
+    with opened_directory(str(ck)) as fd:
+        found = _shardread.read_stored(checkpoint, fd, rec, (8, 0), [(1, 2), (0, 0)], native.aligned_empty)
+        _shardread.check_stored(checkpoint, "w", found[1])
+        with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+            _shardread.check_stored(checkpoint, "w", found[0])
+        assert str(info.value).startswith(f"'w' in {ck}: checksum mismatch")
+        assert str(info.value).endswith("(w/c/1/0: inner chunk [1, 2] fails its crc32c)")
+        os.rename(f, ck / "elsewhere")
+        os.symlink(ck / "elsewhere", f)
+        assert _shardread.read_stored(checkpoint, fd, rec, (8, 0), [(0, 0)], native.aligned_empty) is None
+        os.remove(f)
+        with pytest.raises(tsckpt.CorruptCheckpointError, match="w/c/1/0 does not exist"):
+            _shardread.read_stored(checkpoint, fd, rec, (8, 0), [(0, 0)], native.aligned_empty)

@@ -13,7 +13,8 @@ Owns:
 - :mod:`.chunkmap`: zero-copy reads: a region that is exactly one unsharded chunk file, as
   a view of the file's private mapping, its crc32c checked through it.
 - :mod:`.shardwrite`, :mod:`.shardread`: shard files of a local plain checkpoint, by
-  positional I/O (direct I/O where the file system has it).
+  positional I/O (direct I/O where the file system has it); shardread also gives a shard's
+  inner chunks as stored, for diff's chunk-by-chunk comparison.
 - :mod:`.pagecache`: how much of a file the page cache holds; switching direct I/O on.
 - :mod:`.threads`: the I/O worker pool, which keeps working while the interpreter exits.
 

@@ -23,7 +23,8 @@ process while mapped would fault the reader, as any mapped read; checkpoint file
 never rewritten once committed.)
 
 Which arrays are read here is :func:`.route.route`'s rule (the same the writer
-follows); the file format is in :mod:`.files`.
+follows); the file format is in :mod:`.files`. :func:`read_stored` gives inner chunks as
+stored instead, unplaced, for comparing two checkpoints chunk by chunk (diff).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._base import dtypes as _dtypes
 from .._base.types import Dest, span_slices
 from .._errors import CorruptCheckpointError
 from .._ondisk.arrays import CRC_BYTES, chunk_key
@@ -206,9 +208,10 @@ def _run(
     return fell_back
 
 
-def _damage(ck: Checkpoint, job: _Job, what: str, detail: str) -> CorruptCheckpointError:
-    """The error of damaged shard data, worded as :func:`tsckpt._ondisk.readfaults.corrupt_error` words TensorStore's."""
-    where = f"'{job.rec.path}' in {ck.location}"
+def _damage(ck: Checkpoint, path: str, what: str, detail: str) -> CorruptCheckpointError:
+    """The error of damaged shard data of the array ``path``, worded as
+    :func:`tsckpt._ondisk.readfaults.corrupt_error` words TensorStore's."""
+    where = f"'{path}' in {ck.location}"
     return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
 
 
@@ -219,7 +222,7 @@ def _read_shard(ck: Checkpoint, dir_fd: int, job: _Job, room: _Room) -> None:
     try:
         fd = open_beneath(dir_fd, job.key)
     except FileNotFoundError:
-        raise _damage(ck, job, CHUNK_MISSING, f"{job.key} does not exist") from None
+        raise _damage(ck, job.rec.path, CHUNK_MISSING, f"{job.key} does not exist") from None
     except OSError as e:
         raise _Fallback(str(e)) from e
     try:
@@ -246,38 +249,14 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
     chunk = shapes.inner or ()
     data_bytes = math.prod(chunk) * job.view.dtype.itemsize
     stride = data_bytes + CRC_BYTES  # a stored inner chunk
-    stat = os.fstat(fd)
-    if not S_ISREG(stat.st_mode):
-        raise _Fallback(f"{key} is not a regular file")
-    size = stat.st_size
-    index_bytes = ShardIndex.nbytes(shapes.grid)
-    if size < index_bytes:
-        raise _damage(ck, job, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
-    cached = resident_fraction(fd, 0, size - index_bytes)  # before reading the index brings its pages in
-    tail = os.pread(fd, index_bytes, size - index_bytes)
-    if len(tail) != index_bytes:
-        raise _damage(ck, job, UNDECODABLE, f"{key} shrank while being read")
-    index = ShardIndex.parse(tail, shapes.grid)
-    if index is None:
-        raise _damage(ck, job, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
+    index, size, cached = _open_index(ck, job.rec.path, key, fd, shapes.grid)
 
     origin = tuple((o // s) * s for o, s in zip(job.offsets, shapes.shard))
     ends = tuple(o + n for o, n in zip(job.offsets, job.lengths))
     ranges = [range((o - g) // c, -(-(e - g) // c)) for o, e, g, c in zip(job.offsets, ends, origin, chunk)]
     plan: list[_Chunk] = []
     for cell in itertools.product(*ranges):
-        entry = index.entry(cell)
-        if entry is None:
-            raise _damage(ck, job, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
-        start, nbytes = entry
-        if nbytes != stride or start > size or nbytes > size - start:
-            raise _damage(
-                ck,
-                job,
-                UNDECODABLE,
-                f"{key}: the shard index gives inner chunk {list(cell)} bytes [{start}, {start + nbytes}) "
-                f"of a {size}-byte file; expected {stride} bytes inside the file",
-            )
+        start = _chunk_start(ck, job.rec.path, key, index, cell, stride, size)
         first = tuple(g + k * c for g, k, c in zip(origin, cell, chunk))
         lo = tuple(max(f, o) for f, o in zip(first, job.offsets))
         hi = tuple(min(f + c, e) for f, c, e in zip(first, chunk, ends))
@@ -305,6 +284,46 @@ def _read_open_shard(ck: Checkpoint, job: _Job, fd: int, room: _Room) -> None:
         scratch_used += need
     if run:
         _read_run(ck, job, fd, run, room, data_bytes, direct_io)
+
+
+def _open_index(ck: Checkpoint, path: str, key: str, fd: int, grid: tuple[int, ...]) -> tuple[ShardIndex, int, float | None]:
+    """The index of the open shard file ``key`` of array ``path``, the file's size, and the
+    fraction of its chunks' bytes the page cache holds (measured before reading the index
+    brings its pages in; None where that cannot be told)."""
+    stat = os.fstat(fd)
+    if not S_ISREG(stat.st_mode):
+        raise _Fallback(f"{key} is not a regular file")
+    size = stat.st_size
+    index_bytes = ShardIndex.nbytes(grid)
+    if size < index_bytes:
+        raise _damage(ck, path, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
+    cached = resident_fraction(fd, 0, size - index_bytes)
+    tail = os.pread(fd, index_bytes, size - index_bytes)
+    if len(tail) != index_bytes:
+        raise _damage(ck, path, UNDECODABLE, f"{key} shrank while being read")
+    index = ShardIndex.parse(tail, grid)
+    if index is None:
+        raise _damage(ck, path, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
+    return index, size, cached
+
+
+def _chunk_start(ck: Checkpoint, path: str, key: str, index: ShardIndex, cell: tuple[int, ...], stride: int,
+                 size: int) -> int:
+    """Where inner chunk ``cell`` (``stride`` bytes with its crc32c) starts in the shard file
+    ``key`` of ``size`` bytes, as its index says; damage when it is missing or lies outside."""
+    entry = index.entry(cell)
+    if entry is None:
+        raise _damage(ck, path, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
+    start, nbytes = entry
+    if nbytes != stride or start > size or nbytes > size - start:
+        raise _damage(
+            ck,
+            path,
+            UNDECODABLE,
+            f"{key}: the shard index gives inner chunk {list(cell)} bytes [{start}, {start + nbytes}) "
+            f"of a {size}-byte file; expected {stride} bytes inside the file",
+        )
+    return start
 
 
 def _read_mapped(ck: Checkpoint, job: _Job, fd: int, plan: list[_Chunk], room: _Room, data_bytes: int) -> bool:
@@ -359,7 +378,7 @@ def _copy_mapped(ck: Checkpoint, job: _Job, mapped: np.ndarray, first: int, plan
     for c in plan:
         at = c.start - first
         if not crc.intact(mapped[at : at + stride]):
-            raise _damage(ck, job, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
+            raise _damage(ck, job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
         data = mapped[at : at + data_bytes]
         if c.direct is not None:
             c.direct[:] = data
@@ -399,7 +418,7 @@ def _read_run(
             datas, crcs = _preadv_buffered(ck, job, fd, run, room.scratch, data_bytes)
         for data, c, stored in zip(datas, run, crcs):
             if crc.value(data) != stored:
-                raise _damage(ck, job, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
+                raise _damage(ck, job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
         chunk = job.shapes.inner or ()
         for data, c in zip(datas, run):
             if c.direct is None:
@@ -429,7 +448,7 @@ def _preadv_buffered(
     total = len(run) * (data_bytes + CRC_BYTES)
     got = os.preadv(fd, buffers, run[0].start)
     if got != total:
-        raise _damage(ck, job, UNDECODABLE, f"{job.key} ended {total - got} bytes early while being read")
+        raise _damage(ck, job.rec.path, UNDECODABLE, f"{job.key} ended {total - got} bytes early while being read")
     return datas, crcs.tolist()
 
 
@@ -445,7 +464,141 @@ def _preadv_direct(
     buffers: list[Any] = [buf]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
     got = os.preadv(fd, buffers, first)
     if got < end - first:
-        raise _damage(ck, job, UNDECODABLE, f"{job.key} ended {end - first - got} bytes early while being read")
+        raise _damage(ck, job.rec.path, UNDECODABLE, f"{job.key} ended {end - first - got} bytes early while being read")
     at = [start - first + i * stride for i in range(len(run))]
     crcs = [int.from_bytes(buf[a + data_bytes : a + stride].tobytes(), "little") for a in at]
     return [buf[a : a + data_bytes] for a in at], crcs
+
+
+# ---- inner chunks as stored, for comparisons ---------------------------------------------
+
+
+class StoredChunk(NamedTuple):
+    """One inner chunk of a shard file as stored, read by :func:`read_stored` (its crc32c not
+    yet checked: :func:`check_stored`)."""
+
+    key: str  # the shard file's key
+    cell: tuple[int, ...]  # its position in the shard's grid of inner chunks
+    stored: np.ndarray  # its bytes, then their crc32c (uint8): a view of the reader's buffer
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.stored[:-CRC_BYTES]
+
+
+def read_stored(
+    ck: Checkpoint,
+    dir_fd: int,
+    rec: ArrayRecord,
+    shard: tuple[int, ...],
+    cells: Sequence[tuple[int, ...]],
+    buffer: Callable[[int], np.ndarray],
+) -> list[StoredChunk] | None:
+    """The inner chunks ``cells`` of one shard file of ``rec`` (a sharded array of the plain
+    checkpoint whose directory is open as ``dir_fd``; the file of the shard that starts at
+    element ``shard``) as stored, in the order of ``cells``, unchecked: for comparing two
+    checkpoints chunk by chunk without decoding or placing any. As :func:`read_sharded`
+    reads: a file the page cache holds whole is mapped (the chunks are views of the mapping,
+    unmapped once none is left), else runs of chunks adjacent in the file are read with one
+    positional read each, with direct I/O where the page cache holds less than
+    :data:`DIRECT_BELOW` of the file, into the memory ``buffer(n)`` gives (``n`` bytes or
+    more, starting at a multiple of ALIGN).
+
+    None when the file cannot be read here for a reason other than damage (a link on the
+    way, not a regular file): the read engine reads it. Damage raises CorruptCheckpointError.
+    """
+    key = chunk_key(rec, shard)
+    shapes = stored_shapes(rec)
+    stride = math.prod(shapes.inner or shapes.shard) * _dtypes.numpy_dtype(rec.dtype).itemsize + CRC_BYTES
+    try:
+        fd = open_beneath(dir_fd, key)
+    except FileNotFoundError:
+        raise _damage(ck, rec.path, CHUNK_MISSING, f"{key} does not exist") from None
+    except OSError:
+        return None
+    try:
+        index, size, cached = _open_index(ck, rec.path, key, fd, shapes.grid)
+        starts = [_chunk_start(ck, rec.path, key, index, (*cell, *(0 for _ in shapes.shape[len(cell):])), stride, size)
+                  for cell in cells]
+        if cached is not None and cached >= MAPPED_FROM:
+            mapped = _map_stored(key, fd, list(cells), starts, stride)
+            if mapped is not None:
+                return mapped
+        direct = cached is not None and cached < DIRECT_BELOW and set_direct(fd)
+        return _read_stored_runs(ck, rec.path, key, fd, list(cells), starts, stride, buffer, direct)
+    except _Fallback:
+        return None
+    except OSError as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        return None
+    finally:
+        os.close(fd)
+
+
+def _map_stored(
+    key: str, fd: int, cells: list[tuple[int, ...]], starts: list[int], stride: int
+) -> list[StoredChunk] | None:
+    """The chunks starting at ``starts`` of the open file ``key`` as views of one read-only
+    mapping of their span, populated up front (every page is cached); None when it cannot be
+    mapped. The mapping is unmapped when the last view of it is freed."""
+    first = _mapped_from(min(starts))
+    try:
+        mm = mmap.mmap(fd, max(starts) + stride - first, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                       offset=first)
+    except (OSError, ValueError):
+        return None
+    view = np.frombuffer(mm, np.uint8)
+    return [StoredChunk(key, cell, view[start - first : start - first + stride]) for cell, start in zip(cells, starts)]
+
+
+def _read_stored_runs(
+    ck: Checkpoint, path: str, key: str, fd: int, cells: list[tuple[int, ...]], starts: list[int], stride: int,
+    buffer: Callable[[int], np.ndarray], direct: bool,
+) -> list[StoredChunk]:
+    """Read the chunks starting at ``starts`` (``stride`` bytes each) of the open file ``key``,
+    each run of adjacent ones with one read at a multiple of ALIGN in the buffer (widened to
+    ALIGN at both ends in the file for direct I/O)."""
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and starts[i] == starts[runs[-1][-1]] + stride:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    spans = [(starts[run[0]], starts[run[-1]] + stride) for run in runs]
+    buf = buffer(sum(native.aligned_size(end - start) + ALIGN for start, end in spans))
+    found: list[StoredChunk | None] = [None] * len(starts)
+    at = 0
+    for run, (start, end) in zip(runs, spans):
+        first = start - start % ALIGN if direct else start  # where in the file the read starts
+        room = native.aligned_size(end - first)  # at most the run's slot: aligned_size(end - start) + ALIGN
+        got = -1
+        if direct:
+            try:
+                got = os.preadv(fd, _buffers(buf[at : at + room]), first)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                direct = not set_direct(fd, on=False)
+                first = start
+        if got < 0:
+            got = os.preadv(fd, _buffers(buf[at : at + end - first]), first)
+        if got < end - first:
+            raise _damage(ck, path, UNDECODABLE, f"{key} ended {end - first - got} bytes early while being read")
+        for i in run:
+            lo = at + starts[i] - first
+            found[i] = StoredChunk(key, cells[i], buf[lo : lo + stride])
+        at += native.aligned_size(end - start) + ALIGN
+    return [c for c in found if c is not None]
+
+
+def _buffers(*arrays: np.ndarray) -> list[Any]:
+    """Numpy arrays as preadv's buffers (writable buffers, not typed as such before Python 3.12)."""
+    return list(arrays)
+
+
+def check_stored(ck: Checkpoint, path: str, chunk: StoredChunk) -> None:
+    """Raise CorruptCheckpointError when ``chunk`` of the array ``path`` fails its crc32c."""
+    if not crc.intact(chunk.stored):
+        raise _damage(ck, path, CHECKSUM_MISMATCH, f"{chunk.key}: inner chunk {list(chunk.cell)} fails its crc32c")

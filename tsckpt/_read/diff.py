@@ -2,38 +2,48 @@
 
 Arrays are compared over A's stored chunk grid, in blocks of whole chunks where one fits the
 window, each block read from both sides by restore's read engine (:func:`.engine.read_into`:
-the own shard and chunk readers, crc32c checked, where the checkpoint allows), so memory
-stays within the window whatever the checkpoints' size. A block of the same bytes on both
-sides costs a byte comparison; only elements that differ are widened to float64. A region whose stored data is known equal without
-reading (:func:`known_equal`: the same content hash recorded on both sides, the same file
-on disk, a hard link or one checkpoint given twice) is not read.
+the own shard and chunk readers, crc32c checked, where the checkpoint allows), or, where
+both sides keep the array in local shard files of one layout, as its stored inner chunks
+(:func:`.shardread.read_stored`, crc32c checked) compared where they lie in the buffer
+read; so memory stays within the window whatever the checkpoints' size. A piece of the
+same bytes on both sides costs a byte comparison; only elements that differ are widened
+to float64. A region whose stored data is known equal without reading
+(:func:`known_equal`: the same content hash recorded on both sides, the same file on disk,
+a hard link, or :func:`one_checkpoint` given twice) is not read.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fnmatch
+import itertools
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from .._base import dtypes as _dtypes
 from .._base.types import Box, Dest, ReadItem, box_slices
+from .._codec.files import node_agrees, opened_directory
+from .._codec.route import Place, Route, place, route
+from .._codec.shardread import StoredChunk, check_stored, read_stored
 from .._ondisk.arrays import chunk_key
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
 from .._ondisk.readfaults import unchanged
-from .._ondisk.records import LAYOUT_PLAIN, content_entries
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, content_entries
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from .._runtime import fork as _fork
 from .._runtime.progress import Progress
+from .._storage import native
 from .._storage.locations import Directory
 from .engine import read_into
 from .open import open as open_reader
@@ -50,6 +60,10 @@ PIECE_ELEMENTS = 1 << 16
 PREFIX_BYTES = 1 << 12
 # Threads comparing pieces at once (numpy works without the GIL).
 COMPARING_THREADS = min(8, os.cpu_count() or 1)
+# Blocks read while one is compared, at most (:class:`_Pipeline`), each on two threads (A, B).
+READS_AHEAD = 2
+# Read buffers kept for reuse (:class:`_Buffers`): those of a block compared, for the next one read.
+KEPT_BUFFERS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +161,22 @@ class Stored:
         return cls(ck, {k: e[0] for k, e in entries.items()})
 
 
+def one_checkpoint(a: Checkpoint, b: Checkpoint) -> bool:
+    """Whether A and B are one checkpoint given twice (of any format or layout), not replaced
+    in between: every region is known equal."""
+    if a.location.local is None or b.location.local is None:
+        return False
+    return _same_path(str(a.location.local), str(b.location.local)) and a.root_generation == b.root_generation
+
+
 def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
     """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
     stored shards), known from what is stored, without reading it: True when both sides
     recorded the same content hash for its file (docs/format.md, "Content hashes"), or keep
-    it in the same file (one checkpoint given twice, or a file hard-linked from the other);
-    None when that is not known, and the region must be read."""
+    it in the same file (a file hard-linked from the other; one checkpoint given twice is
+    :func:`one_checkpoint`'s); None when that is not known, and the region must be read."""
     ca, cb = a.ck, b.ck
     local = ca.location.local is not None and cb.location.local is not None
-    if local and _same_path(str(ca.location.local), str(cb.location.local)) and ca.root_generation == cb.root_generation:
-        return True  # one checkpoint given twice (of any format or layout), not replaced in between
     ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path, path))
     if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
         return None
@@ -164,9 +184,9 @@ def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
         return None  # the same bytes would not decode to the same elements
     # a shard not stored (all fill value) or unreadable is read
     ka, kb = chunk_key(ra, region[0]), chunk_key(rb, region[0])
-    ha = a.hashes.get(ka)
-    if ha is not None and ha == b.hashes.get(kb):
-        return True
+    ha, hb = a.hashes.get(ka), b.hashes.get(kb)
+    if ha is not None and hb is not None:
+        return True if ha == hb else None  # files of other contents are not one file
     if not local:
         return None
     return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
@@ -226,29 +246,55 @@ class Tally:
     first: tuple[int, ...] | None = None
 
 
-def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float,
-                   rtol: float) -> tuple[float, float, float, int]:
-    """Compare one piece of both sides: whether each element differs into ``out``; the largest
-    ``|a - b|``, the sum of its squares and that of ``|a|`` (finite elements), and the count
-    of elements that differ. A piece of the same bytes costs a comparison of its bytes;
-    float32 and float64 pieces without a tolerance are compared as stored
-    (:func:`_stored_differences`); elsewhere only the elements that differ are widened to
-    float64 (the others add nothing to ``a - b``)."""
-    sq_a = _squared_norm(sa, dtype)
+class Scratch:
+    """Work memory of the comparisons: one buffer per thread and dtype, reused from piece to
+    piece (a fresh temporary per piece costs the allocator, and page faults where it maps one)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, dtype: np.dtype, n: int) -> np.ndarray:
+        held: dict[np.dtype, np.ndarray] = self._local.__dict__.setdefault("held", {})
+        buf = held.get(dtype)
+        if buf is None or buf.size < n:
+            buf = held[dtype] = np.empty(n, dtype)
+        return buf[:n]
+
+
+class Found(NamedTuple):
+    """What the comparison of one piece found: the largest ``|a - b|`` (where ``pending``, rounded
+    to the stored dtype: :func:`_exact_max` finds it exactly), the sums of the squares of
+    ``|a - b|`` and of ``|a|``, and how many elements differ."""
+
+    max_abs: float
+    sq_diff: float
+    sq_a: float
+    changed: int
+    pending: bool = False
+
+
+def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, *, atol: float, rtol: float,
+                   scratch: Scratch) -> Found:
+    """Compare one piece of both sides: whether each element differs into ``out``, and what
+    :class:`Found` says. A piece of the same bytes costs a comparison of its bytes; float32
+    and float64 pieces without a tolerance are compared as stored (:func:`_stored_differences`);
+    elsewhere only the elements that differ are widened to float64 (the others add nothing
+    to ``a - b``)."""
     if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
-        return 0.0, 0.0, sq_a, 0
+        return Found(0.0, 0.0, _squared_norm(sa, dtype), 0)
     if sa.dtype in STORED_FLOATS and not (atol or rtol):
-        found = _stored_differences(sa, sb, out)
+        found = _stored_differences(sa, sb, out, scratch)
         if found is not None:
-            return found[0], found[1], sq_a, found[2]
+            return found
+    sq_a = _squared_norm(sa, dtype)
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
     count = int(np.count_nonzero(ne))
     if not count:
         out[:] = False
-        return 0.0, 0.0, sq_a, 0
+        return Found(0.0, 0.0, sq_a, 0)
     if count == ne.size:
         gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
         out[:] = bad
@@ -257,7 +303,7 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
         gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
         out[:] = False
         out[idx] = bad
-    return float(gap.max()), _sum_of_squares(gap), sq_a, int(np.count_nonzero(bad))
+    return Found(float(gap.max()), _sum_of_squares(gap), sq_a, int(np.count_nonzero(bad)))
 
 
 def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
@@ -286,91 +332,158 @@ def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: fl
 STORED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray) -> tuple[float, float, int] | None:
+def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray, scratch: Scratch) -> Found | None:
     """Without a tolerance, finite float32 or float64 elements differ where they are unequal,
-    found in a few passes over the stored dtype: ``|a - b|`` once, its largest, the mask, its
-    count. The largest ``|a - b|`` rounded to float32 is the exact one rounded (rounding keeps
-    order), so it is found again in float64 over the few elements that reach it; the sum of
-    squares is summed pairwise in the stored dtype (relative error below 1e-6). None where a
-    difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then the
-    widened path answers."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.subtract(sa, sb)
-    np.abs(gap, out=gap)
-    top = gap.max()
+    found in passes over the stored dtype in reused memory: ``|a - b|``, its largest and the
+    sum of its squares (:func:`_stored_sum_of_squares`), the mask and its count. The largest
+    ``|a - b|`` exactly is left pending: ``|a - b|`` rounded to the stored dtype keeps the
+    order of the exact ones, so :func:`_exact_max` finds it again in float64 where the rounded
+    one is largest, in the pieces whose largest is the largest of their block only. None where
+    a difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then
+    the widened path answers."""
+    sq_a = _squared_norm(sa, "")
+    d = scratch.get(sa.dtype, sa.size)
+    np.subtract(sa, sb, out=d)  # an overflow is found below (the pieces run without FP warnings)
+    np.abs(d, out=d)
+    top = d.max()
     if not np.isfinite(top):
         return None
     np.not_equal(sa, sb, out=out)  # every element finite: no NaN to tell apart
     count = int(np.count_nonzero(out))
     if not count:
-        return 0.0, 0.0, 0
-    if gap.dtype == np.float64:
-        exact = float(top)
-    else:
-        at = np.flatnonzero(gap == top)
-        exact = float(np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max())
-    fits = float(top) ** 2 * gap.size < float(np.finfo(gap.dtype).max)  # no square nor sum overflows
-    return exact, _stored_sum_of_squares(gap, scratch=gap if fits else None), count
+        return Found(0.0, 0.0, sq_a, 0)
+    sq = _stored_sum_of_squares(d)
+    if not math.isfinite(sq):  # squares beyond the stored dtype: summed in float64
+        sq = _sum_of_squares(d.astype(np.float64))
+    return Found(float(top), sq, sq_a, count, pending=True)
 
 
-def _stored_sum_of_squares(x: np.ndarray, *, scratch: np.ndarray | None = None) -> float:
-    """The sum of ``x**2`` for float32 or float64 ``x``, squared and summed pairwise in its own
-    dtype (relative error below 1e-6); in float64 where float32 squares overflow. ``scratch``
-    holds the squares: ``x`` itself, when it is not needed after and no square can overflow."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = float(np.square(x, out=scratch).sum())
-    if math.isfinite(total) or x.dtype == np.float64:
-        return total
-    return _sum_of_squares(x.astype(np.float64))
+def _exact_max(sa: np.ndarray, sb: np.ndarray, top: float) -> float:
+    """The largest ``|a - b|`` in float64 over the elements of a piece whose ``|a - b|`` in the
+    stored dtype is ``top``, the piece's largest (:func:`_stored_differences`)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(np.subtract(sa, sb))
+    at = np.flatnonzero(d == top)
+    return float(np.abs(sa[at].astype(np.float64) - sb[at].astype(np.float64)).max())
+
+
+# Elements whose squares one BLAS dot product sums in the stored dtype (:func:`_stored_sum_of_squares`).
+DOT_ELEMENTS = 1024
+
+
+def _stored_sum_of_squares(x: np.ndarray) -> float:
+    """The sum of ``x**2`` for flat float32 or float64 ``x``, in one pass without a temporary:
+    each :data:`DOT_ELEMENTS` summed by one BLAS dot product in the stored dtype, those sums
+    added in float64 (within a relative 1e-6 of a float64 sum; numpy's pairwise sum of the
+    squares took about 3x as long). Not finite where a sum overflows or ``x`` holds an
+    infinity or a NaN."""
+    n = x.size - x.size % DOT_ELEMENTS
+    total = 0.0
+    if n:
+        rows = x[:n].reshape(-1, 1, DOT_ELEMENTS)
+        total = float(np.matmul(rows, rows.reshape(-1, DOT_ELEMENTS, 1)).sum(dtype=np.float64))
+    if n < x.size:
+        rest = x[n:].astype(np.float64)
+        total += float(np.dot(rest, rest))
+    return total
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays of one dtype and shape hold the same bytes, compared as wide words
-    (a first few kilobytes alone, where they already differ)."""
+    """Whether two arrays of one dtype and shape hold the same bytes, compared as the widest
+    words their addresses allow (a first few kilobytes alone, where they already differ)."""
     x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    if x.size > 2 * PREFIX_BYTES and not np.array_equal(x[:PREFIX_BYTES], y[:PREFIX_BYTES]):
+    n = x.size
+    if n > 2 * PREFIX_BYTES and x[:PREFIX_BYTES].tobytes() != y[:PREFIX_BYTES].tobytes():
         return False
-    whole = x.size - x.size % 8
-    if whole and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:
-        if not np.array_equal(x[:whole].view(np.uint64), y[:whole].view(np.uint64)):
-            return False
-        x, y = x[whole:], y[whole:]
-    return bool(np.array_equal(x, y))
+    whole = 0
+    for word in _WORDS:
+        whole = n - n % word.itemsize
+        wx, wy = x[:whole].view(word), y[:whole].view(word)
+        if whole and wx.flags.aligned and wy.flags.aligned:
+            if not (wx == wy).all():
+                return False
+            break
+        whole = 0
+    return whole == n or x[whole:].tobytes() == y[whole:].tobytes()
+
+
+_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One region read from both sides: ``a`` and ``b`` in the stored dtype, C-contiguous, of
+    the region's shape (complex32: with its pair dimension)."""
+
+    region: Box
+    a: np.ndarray
+    b: np.ndarray
 
 
 def compare_block(a: np.ndarray, b: np.ndarray, dtype: str, region: Box, chunk: Sequence[int], tally: Tally,
-                  *, atol: float, rtol: float, piece: int, workers: Executor | None = None) -> None:
-    """Compare one block read from both sides (stored dtype), ``piece`` elements of float64
-    work at a time (on ``workers``, several pieces at once), into ``tally``. An element differs
-    when ``|a - b| > atol + rtol * |b|`` (numpy's isclose); NaNs at the same index are equal,
-    NaN against a number infinitely far."""
-    pairs = dtype == "complex32"
-    shape = region[1]
-    fa = a.reshape(-1, 2) if pairs else a.reshape(-1)
-    fb = b.reshape(-1, 2) if pairs else b.reshape(-1)
-    differs = np.empty(math.prod(shape), dtype=bool)
+                  *, atol: float, rtol: float, piece: int, workers: Executor | None = None,
+                  scratch: Scratch | None = None) -> None:
+    """Compare one block read from both sides (:func:`compare_blocks`)."""
+    compare_blocks([Pair(region, a, b)], dtype, chunk, tally, atol=atol, rtol=rtol, piece=piece, workers=workers,
+                   scratch=scratch)
 
-    def one(i: int) -> tuple[float, float, float, int]:
+
+def compare_blocks(pairs: Sequence[Pair], dtype: str, chunk: Sequence[int], tally: Tally, *, atol: float,
+                   rtol: float, piece: int, workers: Executor | None = None, scratch: Scratch | None = None) -> None:
+    """Compare regions read from both sides, ``piece`` elements at a time (on ``workers``, the
+    pieces of every region at once; ``scratch``: their reused work memory), into ``tally``; the
+    changed chunks are counted on the grid of ``chunk``. An element differs when
+    ``|a - b| > atol + rtol * |b|`` (numpy's isclose); NaNs at the same index are equal, NaN
+    against a number infinitely far."""
+    scratch = Scratch() if scratch is None else scratch
+    two = dtype == "complex32"
+    flat = [
+        (p.a.reshape(-1, 2) if two else p.a.reshape(-1), p.b.reshape(-1, 2) if two else p.b.reshape(-1),
+         np.empty(math.prod(p.region[1]), dtype=bool))
+        for p in pairs
+    ]
+    jobs = [(k, i) for k, (_, _, differs) in enumerate(flat) for i in range(0, differs.size, piece)]
+
+    def one(job: tuple[int, int]) -> Found:
+        k, i = job
+        fa, fb, differs = flat[k]
         j = i + piece
-        return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflows and NaNs are looked for where they matter
+            return _compare_piece(fa[i:j], fb[i:j], dtype, differs[i:j], atol=atol, rtol=rtol, scratch=scratch)
 
-    starts = range(0, differs.size, piece)
-    count = 0
-    for max_abs, sq_diff, sq_a, n in (map(one, starts) if workers is None else workers.map(one, starts)):
-        tally.max_abs = max(tally.max_abs, max_abs)
-        tally.sq_diff += sq_diff
-        tally.sq_a += sq_a
-        count += n
-    if not count:
-        return
+    found = list(map(one, jobs) if workers is None or len(jobs) < 2 else workers.map(one, jobs))
+    top = max((f.max_abs for f in found if f.pending), default=None)
+    counts = [0] * len(pairs)
+    for (k, i), f in zip(jobs, found):
+        if f.pending and f.max_abs == top:
+            fa, fb, _ = flat[k]
+            tally.max_abs = max(tally.max_abs, _exact_max(fa[i : i + piece], fb[i : i + piece], f.max_abs))
+        elif not f.pending:
+            tally.max_abs = max(tally.max_abs, f.max_abs)
+        tally.sq_diff += f.sq_diff
+        tally.sq_a += f.sq_a
+        counts[k] += f.changed
+    for p, (_, _, differs), count in zip(pairs, flat, counts):
+        if count:
+            _count_changed(p.region, chunk, differs, count, tally)
+
+
+def _count_changed(region: Box, chunk: Sequence[int], differs: np.ndarray, count: int, tally: Tally) -> None:
+    """Add the ``count`` elements of ``region`` that differ (``differs``, in C order) to ``tally``:
+    the first of them, and the chunks of the grid of ``chunk`` they lie in."""
+    shape = region[1]
     tally.changed_elements += count
     first = tuple(int(o + i) for o, i in zip(region[0], np.unravel_index(int(differs.argmax()), shape)))
     tally.first = first if tally.first is None else min(tally.first, first)
-    grid = differs.reshape(shape)
     cuts = [range((o // c + 1) * c, o + n, c) for o, n, c in zip(*region, chunk)]
-    for cell in cells(region, cuts):
-        if grid[box_slices(cell[0], cell[1], region[0])].any():
-            tally.changed_chunks.add(tuple(o // c for o, c in zip(cell[0], chunk)))
+    boxes = cells(region, cuts)
+    if len(boxes) == 1 or count == differs.size:  # every chunk of the region changed
+        tally.changed_chunks.update(tuple(o // c for o, c in zip(box[0], chunk)) for box in boxes)
+        return
+    grid = differs.reshape(shape)
+    for box in boxes:
+        if grid[box_slices(box[0], box[1], region[0])].any():
+            tally.changed_chunks.add(tuple(o // c for o, c in zip(box[0], chunk)))
 
 
 def _sum_of_squares(x: np.ndarray) -> float:
@@ -381,7 +494,8 @@ def _sum_of_squares(x: np.ndarray) -> float:
 
 def _squared_norm(x: np.ndarray, dtype: str) -> float:
     """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
-    float32 and float64 as :func:`_stored_sum_of_squares` sums them, the others in float64."""
+    float32 and float64 as :func:`_stored_sum_of_squares` sums them (in float64 where that
+    overflows), the others in float64."""
     if x.dtype in STORED_FLOATS:
         total = _stored_sum_of_squares(x)
         if math.isfinite(total):
@@ -395,9 +509,36 @@ def _squared_norm(x: np.ndarray, dtype: str) -> float:
     return _sum_of_squares(size[np.isfinite(size)])
 
 
+class _Buffers:
+    """Aligned memory for the stored bytes of blocks (:func:`read_stored`), given back once a
+    block is compared and taken again by the next (fresh memory costs page faults): at most
+    :data:`KEPT_BUFFERS` are kept, of ``kept_bytes`` in all."""
+
+    def __init__(self, kept_bytes: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._kept = kept_bytes
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if buf.size >= n]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+        return native.aligned_empty(n)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.size)
+            while self._free and (len(self._free) > KEPT_BUFFERS or sum(b.size for b in self._free) > self._kept):
+                self._free.pop()  # the largest
+
+
 @dataclasses.dataclass(frozen=True)
 class _Sides:
-    """Both checkpoints, the tolerance and the window: what every leaf's comparison needs."""
+    """Both checkpoints, the tolerance and the window: what every leaf's comparison needs.
+    ``dirs``: each side's directory, open, where its sharded arrays can be read as stored
+    chunks (:func:`read_stored`: a local plain checkpoint of the own codec), else None."""
 
     a: Checkpoint
     b: Checkpoint
@@ -409,12 +550,60 @@ class _Sides:
     pool: ThreadPoolExecutor  # the reads of both sides
     workers: ThreadPoolExecutor | None  # the comparisons, several pieces at once
     progress: Progress
+    places: tuple[Place | None, Place | None]
+    dirs: tuple[int | None, int | None]
+    buffers: _Buffers
+    scratch: Scratch
+    twice: bool  # one checkpoint given twice (:func:`one_checkpoint`)
+
+
+@dataclasses.dataclass
+class _StoredSide:
+    """One side's array, read as stored chunks where a block is whole chunks (:func:`read_stored`)."""
+
+    ck: Checkpoint
+    dir_fd: int
+    rec: ArrayRecord
+    buffers: _Buffers
+    agrees: bool | None = None  # its zarr.json agrees with its record (checked at its first block)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoredBlock:
+    """A block read as its stored chunks, in the C order of their cells, into ``buffer`` (None:
+    they are views of the file's mapping); ``nbytes``: the block's elements' (as a block read
+    into an array would hold)."""
+
+    chunks: list[StoredChunk]
+    buffer: np.ndarray | None
+    nbytes: int
+
+
+def _block_cells(rec: ArrayRecord, block: Box) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
+    """Where the shard holding ``block`` starts, and the cells of its inner chunks the block is,
+    in C order; None unless the block is whole inner chunks of one shard (the array's end
+    may cut the last)."""
+    chunk, shard = rec.chunking.chunk_shape, rec.chunking.shard_shape
+    off, ln = block
+    if chunk is None or not off:
+        return None
+    origin = tuple(o // s * s for o, s in zip(off, shard))
+    ends = tuple(o + n for o, n in zip(off, ln))
+    if any(o % c or (e % c and e != size) or e > g + s
+           for o, e, c, size, g, s in zip(off, ends, chunk, rec.shape, origin, shard)):
+        return None
+    ranges = [range((o - g) // c, -(-(e - g) // c)) for o, e, g, c in zip(off, ends, origin, chunk)]
+    return origin, list(itertools.product(*ranges))
 
 
 class _ArrayWork:
     """The comparison of one array of the same dtype and shape on both sides: its blocks to
     read (:meth:`blocks`), what their comparisons found, and its :class:`LeafDiff` once every
-    block is compared (:meth:`result`)."""
+    block is compared (:meth:`result`). Where both sides store it in shard files of one
+    layout that the own codec reads, blocks of whole inner chunks are read as stored and
+    compared chunk by chunk where they lie in the buffer read (:meth:`_stored_pairs`): no
+    chunk is placed into a block, and a chunk of the same bytes on both sides costs a byte
+    comparison (and the sum of its squares), as any piece does."""
 
     def __init__(self, sides: _Sides, path: str, la: LazyArray, lb: LazyArray) -> None:
         self.sides, self.path, self.la, self.lb = sides, path, la, lb
@@ -428,25 +617,82 @@ class _ArrayWork:
         self.tally = Tally()
         self.known = 0  # bytes of A known equal, not read
         self.read = 0  # bytes read, both sides
-        self.read_a, self.read_b = _reader(sides.a, la, sides.window), _reader(sides.b, lb, sides.window)
+        stored_a, stored_b = self._stored_sides()
+        self.read_a = _reader(sides.a, la, sides.window, stored_a)
+        self.read_b = _reader(sides.b, lb, sides.window, stored_b)
+
+    def _stored_sides(self) -> tuple[_StoredSide | None, _StoredSide | None]:
+        """Both sides' array as :class:`_StoredSide`, where both store it in shard files the own
+        codec reads (:func:`.route`), of one dtype, shape and chunking; else neither."""
+        sides, la, lb = self.sides, self.la, self.lb
+        rb = sides.b.arrays[sides.b.aliases.get(self.path, self.path)]
+        (pa, pb), (da, db) = sides.places, sides.dirs
+        if (
+            pa is None or pb is None or da is None or db is None
+            or not (engine_serves(la) and engine_serves(lb))
+            or (self.rec.dtype, self.rec.shape, self.rec.chunking) != (rb.dtype, rb.shape, rb.chunking)
+            or route(self.rec, pa) is not Route.SHARD or route(rb, pb) is not Route.SHARD
+        ):
+            return None, None
+        return _StoredSide(sides.a, da, self.rec, sides.buffers), _StoredSide(sides.b, db, rb, sides.buffers)
 
     def blocks(self) -> Iterator[Box]:
         """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
         sides = self.sides
         for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
-            if known_equal(sides.stored_a, sides.stored_b, self.path, shard):
+            if sides.twice or known_equal(sides.stored_a, sides.stored_b, self.path, shard):
                 self.known += math.prod(shard[1]) * self.itemsize
                 sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
                 continue
             yield from blocks(shard, self.chunk, self.limit)
 
-    def compare(self, block: Box, a: np.ndarray, b: np.ndarray) -> None:
+    def compare(self, block: Box, a: np.ndarray | _StoredBlock, b: np.ndarray | _StoredBlock) -> None:
         sides = self.sides
-        compare_block(a, b, self.la.dtype, block, self.chunk, self.tally, atol=sides.atol, rtol=sides.rtol,
-                      piece=self.piece, workers=sides.workers)
+        try:
+            if isinstance(a, _StoredBlock) and isinstance(b, _StoredBlock):
+                pairs = self._stored_pairs(block, a, b)
+            else:
+                pairs = [Pair(block, self._array(block, a), self._array(block, b))]
+            compare_blocks(pairs, self.la.dtype, self.chunk, self.tally, atol=sides.atol, rtol=sides.rtol,
+                           piece=self.piece, workers=sides.workers, scratch=sides.scratch)
+        finally:
+            for got in (a, b):
+                if isinstance(got, _StoredBlock) and got.buffer is not None:
+                    sides.buffers.give(got.buffer)
         n = 2 * math.prod(block[1]) * self.itemsize
         sides.progress.update(n, 2)
         self.read += n
+
+    def _stored_pairs(self, block: Box, a: _StoredBlock, b: _StoredBlock) -> list[Pair]:
+        """The chunks of a block read as stored from both sides, as regions to compare, each
+        in the array's coordinates: its elements in place, not copied into a block (a chunk
+        at the array's end: its part in the array)."""
+        rec = self.rec
+        dt = _dtypes.numpy_dtype(rec.dtype)
+        chunk = rec.chunking.chunk_shape or ()
+        origin = tuple(o // s * s for o, s in zip(block[0], rec.chunking.shard_shape))
+        pairs = []
+        for x, y in zip(a.chunks, b.chunks):
+            first = tuple(g + k * c for g, k, c in zip(origin, x.cell, chunk))
+            ln = tuple(min(c, n - f) for c, f, n in zip(chunk, first, rec.shape))
+            pairs.append(Pair((first, ln), _chunk_elements(x, dt, chunk, ln), _chunk_elements(y, dt, chunk, ln)))
+        return pairs
+
+    def _array(self, block: Box, got: np.ndarray | _StoredBlock) -> np.ndarray:
+        """A block of one side as an array: read so, or assembled from its stored chunks (where
+        the other side's file was read by the engine)."""
+        if isinstance(got, np.ndarray):
+            return got
+        rec = self.rec
+        dt = _dtypes.numpy_dtype(rec.dtype)
+        chunk = rec.chunking.chunk_shape or ()
+        origin = tuple(o // s * s for o, s in zip(block[0], rec.chunking.shard_shape))
+        out = np.empty(block[1], dtype=dt)
+        for x in got.chunks:
+            first = tuple(g + k * c for g, k, c in zip(origin, x.cell, chunk))
+            ln = tuple(min(c, n - f) for c, f, n in zip(chunk, first, rec.shape))
+            out[box_slices(first, ln, block[0])] = _chunk_elements(x, dt, chunk, ln)
+        return out
 
     def result(self) -> LeafDiff:
         tally, read, shape = self.tally, self.read, self.la.shape
@@ -462,23 +708,45 @@ class _ArrayWork:
         )
 
 
-_Reading = tuple[_ArrayWork, Box, "Future[np.ndarray]", "Future[np.ndarray]"]
+def _chunk_elements(chunk: StoredChunk, dtype: np.dtype, shape: Sequence[int], within: tuple[int, ...]) -> np.ndarray:
+    """The elements of a stored chunk of ``shape`` that lie in the array (the first ``within``
+    along each dimension; a chunk at the array's end is stored whole), C-contiguous."""
+    elements = chunk.data.view(dtype).reshape(tuple(shape))
+    if within == tuple(shape):
+        return elements
+    return np.ascontiguousarray(elements[tuple(slice(0, n) for n in within)])
+
+
+_Reading = tuple[_ArrayWork, Box, "Future[Any]", "Future[Any]", int]
 
 
 class _Pipeline:
-    """The blocks of every array, read one block ahead of the comparison, across arrays: the
-    next block's reads (the next array's, at an array's last block) run while a block is
-    compared, so reading and comparing overlap whatever the size of the arrays."""
+    """The blocks of every array, read ahead of the comparison, across arrays: the next
+    blocks' reads (the next array's, at an array's last block) run while a block is compared,
+    so reading and comparing overlap whatever the size of the arrays. Blocks are read ahead
+    while those held (read, being read, or compared: both sides and a mask each) fit in
+    ``budget`` bytes, at most :data:`READS_AHEAD` blocks while one is compared, always one."""
 
-    def __init__(self, pool: Executor) -> None:
-        self.pool = pool
+    def __init__(self, pool: Executor, budget: int) -> None:
+        self.pool, self.budget = pool, budget
         self.ahead: collections.deque[_Reading] = collections.deque()
+        self.held = 0
 
     def add(self, work: _ArrayWork) -> None:
         for block in work.blocks():
-            self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block)))
-            if len(self.ahead) > 1:
+            cost = math.prod(block[1]) * (2 * work.itemsize + 1)
+            while self.ahead and (self.held + cost > self.budget or len(self.ahead) > READS_AHEAD):
+                if len(self.ahead) == 1:  # the next block's reads start before this one is compared
+                    self._submit(work, block, cost)
+                    self._settle()
+                    break
                 self._settle()
+            else:
+                self._submit(work, block, cost)
+
+    def _submit(self, work: _ArrayWork, block: Box, cost: int) -> None:
+        self.ahead.append((work, block, self.pool.submit(work.read_a, block), self.pool.submit(work.read_b, block), cost))
+        self.held += cost
 
     def drain(self) -> None:
         while self.ahead:
@@ -486,15 +754,18 @@ class _Pipeline:
 
     def close(self) -> None:
         """After an error: the reads under way are waited for, not left to write into freed blocks."""
-        for _, _, da, db in self.ahead:
+        for _, _, da, db, _ in self.ahead:
             da.cancel()
             db.cancel()
             wait([da, db])
         self.ahead.clear()
 
     def _settle(self) -> None:
-        work, block, da, db = self.ahead.popleft()
-        work.compare(block, da.result(), db.result())
+        work, block, da, db, cost = self.ahead.popleft()
+        try:
+            work.compare(block, da.result(), db.result())
+        finally:
+            self.held -= cost
 
 
 def engine_serves(leaf: LazyArray) -> bool:
@@ -505,23 +776,55 @@ def engine_serves(leaf: LazyArray) -> bool:
     return type(leaf) is LazyArray and leaf.dtype != "complex32"
 
 
-def _reader(ck: Checkpoint, leaf: LazyArray, window: int) -> Callable[[Box], np.ndarray]:
-    """How one side's blocks are read: through the engine where :func:`engine_serves`,
-    else the lazy reader; either way in the stored dtype, with the same checks (that the
-    checkpoint was not replaced: once over the whole diff, see :func:`diff`)."""
+def _reader(ck: Checkpoint, leaf: LazyArray, window: int,
+            stored: _StoredSide | None = None) -> Callable[[Box], np.ndarray | _StoredBlock]:
+    """How one side's blocks are read: as stored chunks where ``stored`` says so and a block
+    is whole inner chunks (:func:`read_stored`), else through the engine where
+    :func:`engine_serves`, else the lazy reader; the last two in the stored dtype, with the
+    same checks (that the checkpoint was not replaced: once over the whole diff, see :func:`diff`)."""
     if not engine_serves(leaf):
         return lambda block: leaf.read_box(box_slices(*block))
-    stored = ck.aliases.get(leaf.path, leaf.path)
+    path = ck.aliases.get(leaf.path, leaf.path)
     dtype = _dtypes.numpy_dtype(leaf.dtype)
 
-    def read(block: Box) -> np.ndarray:
+    def read(block: Box) -> np.ndarray | _StoredBlock:
         _fork.enter(f"reading '{leaf.path}'")
+        found = None if stored is None else _read_stored_block(stored, block)
+        if found is not None:
+            return found
         out = np.empty(block[1], dtype=dtype)
-        check_backed(ck, [stored], box_slices(*block))
-        read_into(ck, [Dest(ReadItem(stored, *block), out, None)], window=window)
+        check_backed(ck, [path], box_slices(*block))
+        read_into(ck, [Dest(ReadItem(path, *block), out, None)], window=window)
         return out
 
     return read
+
+
+def _read_stored_block(side: _StoredSide, block: Box) -> _StoredBlock | None:
+    """``block`` of one side read as its stored chunks (:func:`read_stored`), into a buffer of
+    ``side.buffers``, each chunk's crc32c checked; None where it is not whole inner chunks, the array's zarr.json does not
+    agree with its record, or its file is left to the engine."""
+    where = _block_cells(side.rec, block)
+    if where is None:
+        return None
+    if side.agrees is None:
+        side.agrees = node_agrees(side.dir_fd, side.rec)
+    if not side.agrees:
+        return None
+    taken: list[np.ndarray] = []
+
+    def take(n: int) -> np.ndarray:
+        taken.append(side.buffers.take(n))
+        return taken[-1]
+
+    chunks = read_stored(side.ck, side.dir_fd, side.rec, *where, take)
+    if chunks is None:
+        for buf in taken:
+            side.buffers.give(buf)
+        return None
+    for chunk in chunks:  # as the engine checks every chunk it reads (on this reading thread)
+        check_stored(side.ck, side.rec.path, chunk)
+    return _StoredBlock(chunks, taken[0] if taken else None, math.prod(block[1]) * _dtypes.itemsize(side.rec.dtype))
 
 
 def _relative(sq_diff: float, sq_a: float) -> float:
@@ -585,6 +888,26 @@ def _patterns(paths: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return patterns
 
 
+def _own_shards(ck: Checkpoint) -> Place | None:
+    """Where the own codec reads ``ck``'s shard files itself (a local plain checkpoint, as
+    :func:`.route.place` says), else None."""
+    if ck.lazy:
+        return None
+    where = place(ck.data(), ck.layout, foreign=ck.foreign)
+    return where if where.directory is not None else None
+
+
+@contextlib.contextmanager
+def _directory(where: Place | None) -> Iterator[int | None]:
+    """The directory of ``where`` open while the diff runs; None when there is none or it
+    cannot be opened (the engine then reads every block)."""
+    if where is None or where.directory is None:
+        yield None
+        return
+    with opened_directory(where.directory) as fd:
+        yield fd
+
+
 def _array_bytes(reader_leaf: Any) -> int:
     return reader_leaf.metadata.nbytes if isinstance(reader_leaf, LazyArray) else 0
 
@@ -624,20 +947,24 @@ def diff(
     both = [p for p in in_a if p in set_b]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff | _ArrayWork] = []
+    places = _own_shards(ra.checkpoint), _own_shards(rb.checkpoint)
     with (
         unchanged(ra.checkpoint),  # never data of a checkpoint that replaced the one opened,
         unchanged(rb.checkpoint),  # checked once after every read, as a restore does
         Progress("diff", where, show=progress) as bar,
-        ThreadPoolExecutor(2, thread_name_prefix="tsckpt-diff-read") as pool,
+        _directory(places[0]) as dir_a,
+        _directory(places[1]) as dir_b,
+        ThreadPoolExecutor(2 * READS_AHEAD, thread_name_prefix="tsckpt-diff-read") as pool,
         ThreadPoolExecutor(COMPARING_THREADS, thread_name_prefix="tsckpt-diff") as workers,
     ):
         bar.set_total(2 * sum(_array_bytes(ra[p]) for p in both))
         many = workers if COMPARING_THREADS > 1 else None
         sides = _Sides(
             ra.checkpoint, rb.checkpoint, Stored.of(ra.checkpoint), Stored.of(rb.checkpoint), *tolerance,
-            max_inflight_bytes, pool, many, bar,
+            max_inflight_bytes, pool, many, bar, places, (dir_a, dir_b), _Buffers(max_inflight_bytes // 4), Scratch(),
+            one_checkpoint(ra.checkpoint, rb.checkpoint),
         )
-        pipeline = _Pipeline(pool)
+        pipeline = _Pipeline(pool, max_inflight_bytes // 2)
         try:
             for p in in_a:
                 if p not in set_b:
