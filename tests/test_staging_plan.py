@@ -132,3 +132,91 @@ def test_a_byte_swapped_array_is_saved_by_value_at_every_call(tmp_path):
         got = m.restore(step)["big"]
         assert got.dtype == np.float32 and got.tolist() == [float(step), 1, 2, 3, 4, 5], step
     m.close()
+
+
+@pytest.fixture
+def described(monkeypatch):
+    """Counts the leaves save_async's call checks one by one (the arrays: none when its last
+    verdict is replayed)."""
+    seen: list[str] = []
+    real = background.describe
+
+    def describe(path, leaf):
+        seen.append(path)
+        return real(path, leaf)
+
+    monkeypatch.setattr(background, "describe", describe)
+    return seen
+
+
+def test_the_last_verdict_is_replayed_and_plain_values_are_taken_at_each_call(tmp_path, described):
+    w, b = torch.randn(4, 4), np.arange(3.0)
+    raw = bytearray(b"ab")
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+    m.save_async(1, {"w": w, "b": b, "step": 1, "raw": raw}).result()
+    m.save_async(2, {"w": w, "b": b, "step": 2, "raw": raw}).result()
+    described.clear()
+    handle = m.save_async(3, {"w": w, "b": b, "step": 3.5, "raw": raw})
+    raw[0] = ord("z")  # after the call: the checkpoint keeps the value at the call
+    handle.result()
+    assert sorted(described) == ["raw", "step"]  # the arrays were not checked again; the values were
+    out = m.restore(3)
+    assert out["step"] == 3.5 and out["raw"] == b"ab" and np.array_equal(out["w"], w.numpy())
+    m.close()
+
+
+def test_a_leaf_of_another_type_at_the_same_place_is_checked(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+    w = torch.ones(3)
+    for step in (1, 2):
+        m.save_async(step, {"w": w, "x": 1}).result()
+    with pytest.raises(tsckpt.LeafTypeError, match="'x': leaf of type builtins.object cannot be stored"):
+        m.save_async(3, {"w": w, "x": object()})
+    m.close()
+
+
+def test_a_tensor_changed_in_place_to_another_dtype_is_checked_and_saved(tmp_path, described):
+    p = torch.nn.Parameter(torch.arange(4.0))
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+    for step in (1, 2):
+        m.save_async(step, {"p": p}).result()
+    p.data = p.data.to(torch.float64) + 1  # the same object, another dtype and memory
+    described.clear()
+    m.save_async(3, {"p": p}).result()
+    assert described == ["p"]
+    out = m.restore(3)["p"]
+    assert out.dtype == np.float64 and out.tolist() == [1.0, 2.0, 3.0, 4.0]
+    m.close()
+
+
+def test_overlapped_saves_start_no_thread_after_the_first(tmp_path, monkeypatch):
+    """The deferred copies run in kept threads: a call never waits for a thread to start."""
+    import threading
+
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def start(self):
+        if threading.current_thread() is threading.main_thread():  # by the call (the save's own run elsewhere)
+            started.append(self.name)
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    state = tsckpt.torch.TrainState(model, opt)
+    m = tsckpt.CheckpointManager(tmp_path, writer="thread")
+
+    def step(n):
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        handle = m.save_async(n, state)
+        assert handle.deferred_bytes > 0
+        handle.result()
+
+    step(1)
+    started.clear()
+    for n in (2, 3, 4):
+        step(n)
+    assert started == []
+    m.close()

@@ -257,8 +257,10 @@ def leaves(tree: Any, *, stop: Callable[[Any], bool] | None = None) -> tuple[lis
     """The leaves and structure of ``tree`` as :func:`flatten` traverses it, without the
     paths (a twentieth of its cost); a node for which ``stop`` is true is a leaf."""
 
-    def is_leaf(node: Any) -> bool:
-        return (stop is not None and stop(node)) or _register_dataclasses(node)
+    passed = _passed
+
+    def is_leaf(node: Any) -> bool:  # once per node: types known to be no containers answered here
+        return (stop is not None and stop(node)) or (type(node) not in passed and _register_dataclasses(node))
 
     try:
         return optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)

@@ -60,8 +60,9 @@ def is_whole_state(obj: Any) -> bool:
 
 
 # Types whose nodes are never objects: answered without a look at the node (a training
-# state's traversal meets hundreds of them at every save).
-_NEVER_OBJECTS = frozenset((dict, list, tuple, str, bytes, int, float, bool, type(None), np.ndarray))
+# state's traversal meets hundreds of them at every save); torch's Tensor and Parameter join
+# once torch is imported.
+_NEVER_OBJECTS: set[type] = {dict, list, tuple, str, bytes, int, float, bool, type(None), np.ndarray}
 
 
 def _is_object(node: Any) -> bool:
@@ -72,6 +73,7 @@ def _is_object(node: Any) -> bool:
         return False
     t = loaded()
     if t is not None and (cls is t.Tensor or cls is t.nn.Parameter):
+        _NEVER_OBJECTS.update((t.Tensor, t.nn.Parameter))  # once torch exists: answered by the first test
         return False
     if is_subclass_leaf(node):
         return True
@@ -121,7 +123,7 @@ def expand(tree: Any, *, rank: int = 0, prefix: str = "") -> Expanded:
         inner = expand(state_of(tree), rank=rank, prefix=prefix)
         return Expanded(inner.tree, lambda restored: load_state(tree, inner.load(restored)))
     found, spec = leaves(tree, stop=_is_object)
-    objects = {i: leaf for i, leaf in enumerate(found) if _is_object(leaf)}
+    objects = {i: leaf for i, leaf in enumerate(found) if type(leaf) not in _NEVER_OBJECTS and _is_object(leaf)}
     if not objects:
         return Expanded(tree)
     paths = paths_of(spec)

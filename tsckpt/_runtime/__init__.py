@@ -13,6 +13,7 @@ Owns:
 - :mod:`.window`: ``Window``, the one bound on reads, writes and probes in flight.
 - :mod:`.fork`: refusing to run in a child forked after tsckpt was used.
 - :mod:`.progress`: progress bars (rank 0) and each verb's closing log line.
+- :mod:`.threads`: short jobs handed to kept threads (a call never waits for a thread to start).
 
 May import: :mod:`tsckpt._storage` and the foundations.
 """

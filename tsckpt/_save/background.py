@@ -336,6 +336,9 @@ class _Staging:
                 np.copyto(buf, data, casting="no")
             kept[key] = buf
             out.append(buf)
+        if later:
+            ranked = Guard.order([src.nbytes for _, src in later])
+            later, later_at = [later[j] for j in ranked], [later_at[j] for j in ranked]
         started = _devicecopy.ops().to_host_all(from_device) if from_device else None
         if signature is not None and not from_device and all(k[1] in ("torch", "numpy") for k in keys):
             numpy_at = [i for i, k in enumerate(keys) if k[1] == "numpy" and staged[i] is None]
@@ -374,13 +377,19 @@ class _Checked:
     per-leaf work of a ``save_async`` call. A leaf's key holds what its check looks at (path,
     type, shape, strides, dtype, device) but not its address, so that it also names the
     regions of a save (:class:`_Plan`); a tensor is known by its key and address (a freed
-    storage has none). Only the leaves of this save are kept for the next."""
+    storage has none). Only the leaves of this save are kept for the next.
+
+    Where a save's array leaves were all plain, the verdict on its whole leaf list is kept too
+    (:class:`_Verdict`): a next call whose leaves have the same paths and types, and whose
+    arrays the same shapes, strides, dtypes and devices, takes it with one look at each array
+    (:meth:`replay`) instead of a check per leaf; its other leaves are checked as always."""
 
     def __init__(self) -> None:
         self._last: set[tuple[Any, ...]] = set()
         self._now: set[tuple[Any, ...]] = set()
         self._types: tuple[type, ...] = ()
         self._strided: Any = None
+        self.verdict: _Verdict | None = None
 
     def key(self, path: str, leaf: Any) -> tuple[Any, ...] | None:
         """The leaf's key where it is a plain tensor (a torch.Tensor or Parameter, no subclass) or
@@ -407,24 +416,98 @@ class _Checked:
         """End of a save: what it checked is what the next may skip."""
         self._last, self._now = self._now, set()
 
+    def replay(self, paths: list[str], leaves: list[Any]) -> _Regions | None:
+        """The last verdict where it holds for these leaves (class docstring), else None."""
+        v = self.verdict
+        if v is None or len(leaves) != len(v.types) or list(map(type, leaves)) != v.types or paths != v.paths:
+            return None
+        try:
+            looks = [_look(leaves[i]) for i in v.arrays]
+        except Exception:  # noqa: BLE001 - a tensor without strides or memory now: checked in full
+            return None
+        if looks != v.looks:
+            return None
+        out: list[Any] = [None] * len(leaves)
+        for i in v.others:
+            out[i] = _settled(paths[i], leaves[i])
+        regions = [(i, paths[i], leaves[i], None) for i in v.arrays]
+        return _Regions(out, regions, v.signature, v.nbytes)
+
+    def remember(self, paths: list[str], leaves: list[Any], found: _Regions) -> None:
+        """Keep ``found``'s verdict for :meth:`replay` where every region is a whole plain array."""
+        self.verdict = None
+        if found.signature is None:
+            return
+        arrays = [i for i, _, _, _ in found.regions]
+        whole = set(arrays)
+        self.verdict = _Verdict(
+            list(paths), list(map(type, leaves)), arrays, [_look(leaves[i]) for i in arrays],
+            [i for i in range(len(leaves)) if i not in whole], found.signature, found.nbytes,
+        )
+
+
+def _look(leaf: Any) -> tuple[Any, ...]:
+    """What a plain array's check depends on besides its type (:meth:`_Checked.replay`)."""
+    if type(leaf) is np.ndarray:
+        return (leaf.shape, leaf.strides, leaf.dtype)
+    return (leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.data_ptr() == 0)  # 0: freed, or empty
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Verdict:
+    """:func:`_array_regions`' result for a leaf list whose array leaves were all plain."""
+
+    paths: list[str]
+    types: list[type]
+    arrays: list[int]  # the array leaves' indices
+    looks: list[tuple[Any, ...]]  # each one's :func:`_look`
+    others: list[int]  # the other leaves' indices: checked at every call
+    signature: tuple[Any, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Regions:
+    """:func:`_array_regions`' result: the leaves with plain values final (None at the
+    arrays), each array region ``(index, path, data, where)``, their signature for
+    :meth:`_Staging.stage` (None unless all are plain tensors or numpy arrays) and their bytes."""
+
+    out: list[Any]
+    regions: list[tuple[int, Any, Any, Any]]
+    signature: tuple[Any, ...] | None
+    nbytes: int
+
 
 def _address(data: Any) -> int:
     """Where a tensor's or numpy array's memory starts."""
     return int(data.data_ptr()) if type(data) is not np.ndarray else int(data.__array_interface__["data"][0])
 
 
-def _array_regions(
-    paths: list[str], leaves: list[Any], checked: _Checked | None = None
-) -> tuple[list[Any], list[tuple[int, Any, Any, Any]], tuple[Any, ...] | None]:
+def _settled(path: str, leaf: Any) -> Any:
+    """A leaf that is not an array region, checked (LeafTypeError for unsupported leaves), as
+    the staged tree holds it: plain values final, numpy scalars and lazy sources as they are
+    (immutable)."""
+    describe(path, leaf)
+    return _final(leaf)
+
+
+def _final(value: Any) -> Any:
+    """A plain value as the staged tree holds it (a bytearray may change after the call)."""
+    return bytes(value) if isinstance(value, bytearray) else value
+
+
+def _array_regions(paths: list[str], leaves: list[Any], checked: _Checked | None = None) -> _Regions:
     """Validate every leaf (errors surface in the caller) and pick out the array data to copy.
 
-    Returns the leaves with plain values already final, and for each array leaf
-    ``(index, path, data, where)``: ``where`` is None for a whole array, the
-    ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard), or for a
-    jax.Array its :class:`JaxRegion`, one entry per distinct shard this process holds
-    (``path``: the leaf path and the shard's box). ``checked``: plain tensors a
-    previous call checked are not checked again. Last, the regions' signature for
-    :meth:`_Staging.stage` when every region is a plain tensor (their keys), else None."""
+    The regions: for each array leaf ``(index, path, data, where)``; ``where`` is None for a
+    whole array, the ``(global_shape, offsets)`` of a region (ShardedArray, DTensor shard),
+    or for a jax.Array its :class:`JaxRegion`, one entry per distinct shard this process
+    holds (``path``: the leaf path and the shard's box). ``checked``: plain tensors a
+    previous call checked are not checked again (:class:`_Checked`)."""
+    if checked is not None:
+        again = checked.replay(paths, leaves)
+        if again is not None:
+            return again
     out: list[Any] = []
     regions: list[tuple[int, Any, Any, Any]] = []
     keys: list[Any] = []  # per region: its key where it is a plain tensor, else None
@@ -439,7 +522,7 @@ def _array_regions(
             leaf = JaxRegion.of(path, leaf)
         local = describe(path, leaf)  # raises LeafTypeError for unsupported leaves
         if local.desc.kind == "value":
-            out.append(bytes(leaf) if isinstance(leaf, bytearray) else leaf)
+            out.append(_final(leaf))
             continue
         if isinstance(leaf, (np.generic, LazySource)):  # immutable
             out.append(leaf)
@@ -453,7 +536,13 @@ def _array_regions(
         else:  # ShardedArray, DTensor: a region, kept at its place in the global array
             regions.append((i, path, local.data, (local.desc.global_shape, local.desc.offsets)))
     keys.extend([None] * (len(regions) - len(keys)))  # jax shards and regions: never keyed
-    return out, regions, (tuple(keys) if None not in keys else None)
+    found = _Regions(
+        out, regions, tuple(keys) if None not in keys else None, sum(_nbytes(data) for _, _, data, _ in regions)
+    )
+    if checked is not None:
+        checked.turn()
+        checked.remember(paths, leaves, found)
+    return found
 
 
 def _place(leaves: list[Any], regions: list[tuple[int, Any, Any, Any]], copies: list[Any]) -> None:
@@ -569,9 +658,8 @@ class AsyncSaver:
             guard = Guard.of(tree) if staging == "overlapped" else None
             tree = expand(tree, rank=rank).tree
             flat = flatten(tree)
-            leaves, regions, signature = _array_regions(flat.paths, flat.leaves, self._checked)
-            self._checked.turn()
-            nbytes = sum(_nbytes(data) for _, _, data, _ in regions)
+            found = _array_regions(flat.paths, flat.leaves, self._checked)
+            leaves, regions, signature, nbytes = found.out, found.regions, found.signature, found.nbytes
             if limit is not None and nbytes > limit:
                 warnings.warn(
                     f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "

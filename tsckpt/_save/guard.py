@@ -34,14 +34,16 @@ the saver); until then a hook whose copies are done returns at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
-
 
 from .._base.lazytorch import is_tensor, loaded
 from .._leaves.dtensor import is_dtensor
 from .._leaves.stateful import is_stateful, is_whole_state
+from .._runtime.threads import run_soon
 from ..tree import leaves
 
 if TYPE_CHECKING:
@@ -150,12 +152,30 @@ def _torch_types() -> tuple[tuple[type, ...], Any]:
     return _TYPES
 
 
+# Per optimizer, the spans :func:`_updated_by` found last, with the tensors' identities and
+# addresses they were found for: a training loop's optimizer keeps its tensors between saves.
+_SPANS: weakref.WeakKeyDictionary[Any, tuple[Any, set[Span]]] = weakref.WeakKeyDictionary()
+
+
 def _updated_by(optim: torch.optim.Optimizer) -> set[Span]:
     """The memory of the tensors ``optim.step()`` writes that may be copied later: its
-    parameters and state."""
+    parameters and state. Found again only when a tensor is another object or moved: a span
+    found for a tensor that since changed its size or strides in place is harmless, since
+    :meth:`Guard.defers` defers only a region whose own span is among them."""
     tensors = [p for g in optim.param_groups for p in g["params"]]
     tensors += [v for s in optim.state.values() for v in s.values() if is_tensor(v)]
-    return {m for m in (_span(_local(t)) for t in tensors) if m is not None}
+    try:
+        # a DTensor's own address is 0: its local shard's is what moves
+        seen = (DEFER_MIN_BYTES, [(id(t), t.data_ptr() or _local(t).data_ptr()) for t in tensors])
+    except RuntimeError:  # a tensor without an address (a fake tensor): found at every save
+        seen = None
+    kept = _SPANS.get(optim)
+    if seen is not None and kept is not None and kept[0] == seen:
+        return kept[1]
+    spans = {m for m in (_span(_local(t)) for t in tensors) if m is not None}
+    if seen is not None:
+        _SPANS[optim] = (seen, spans)
+    return spans
 
 
 class Guard:
@@ -171,7 +191,7 @@ class Guard:
         self._error: BaseException | None = None
         self._handles: list[Any] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._thread: threading.Thread | None = None
+        self._running: concurrent.futures.Future[Any] | None = None
         self.deferred_bytes = 0
 
     @classmethod
@@ -189,11 +209,17 @@ class Guard:
         """Whether ``data`` (a region a save stages) may be copied after the call returns."""
         return _span(data) in self._deferred
 
-    def start(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Hook the optimizers, then make ``copies`` ((staging buffer, source) pairs, each source
-        one :meth:`defers` took) in a thread of their own, smallest first, in batches; each
-        optimizer's next step waits for the copies of its own tensors."""
-        order = sorted(copies, key=lambda c: c[1].nbytes)
+    @staticmethod
+    def order(sizes: list[int]) -> list[int]:
+        """The order in which :meth:`start` takes copies of ``sizes`` bytes (indices into them):
+        smallest first, so that the steps of small optimizers go on soonest (the staging
+        orders a loop's copies once, and replays them in this order)."""
+        return sorted(range(len(sizes)), key=sizes.__getitem__)
+
+    def start(self, order: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hook the optimizers, then make the copies ``order`` ((staging buffer, source) pairs,
+        each source one :meth:`defers` took, in :meth:`order`) in a thread of their own, in
+        batches; each optimizer's next step waits for the copies of its own tensors."""
         position = {src.data_ptr(): i for i, (_, src) in enumerate(order)}  # each a span defers() took
         self.deferred_bytes = sum(src.nbytes for _, src in order)
         for optim, memories in self._updates.values():
@@ -202,8 +228,7 @@ class Guard:
                 self._needed.add(need)
                 self._handles.append(optim.register_step_pre_hook(self._hold(need)))
         self._copies = order
-        self._thread = threading.Thread(target=self._run, name=STAGING_THREAD)
-        self._thread.start()
+        self._running = run_soon(self._run, name=STAGING_THREAD)
 
     def _hold(self, need: int) -> Callable[..., None]:
         def hook(optim: Any, args: Any, kwargs: Any) -> None:
@@ -255,8 +280,8 @@ class Guard:
         with self._cond:
             if not self._cond.wait_for(lambda: self._finished, timeout):
                 return False
-        if self._thread is not None:
-            self._thread.join()  # it has nothing left to do but return
+        if self._running is not None:
+            self._running.result()  # it has nothing left to do but return
         return True
 
     def release(self) -> None:

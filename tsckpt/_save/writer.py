@@ -94,6 +94,7 @@ from .._errors import WriterLostError
 from .._leaves.jaxarray import JaxRegion
 from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
+from .._runtime.threads import run_soon
 from ..tree import Flat, structure_to_json
 from .background import BACKGROUND_NICE, AsyncSave
 from .protocol import Staged
@@ -492,7 +493,7 @@ class _Writer:
                 return
             self._deliver(seq, block, job, paths, structure, leaves)
 
-        threading.Thread(target=deliver_when_ready, name="tsckpt-staging-send", daemon=True).start()
+        run_soon(deliver_when_ready, name="tsckpt-staging-send")
 
     def _deliver(
         self, seq: int, block: sharedmem.SharedBlock | None, job: Any, paths: list[str], structure: Any,

@@ -1,0 +1,43 @@
+"""Short jobs handed to threads that already exist.
+
+A call that starts a thread waits until the new thread has run (``Thread.start``), which
+takes the interpreter away from the caller for a scheduling round, longer when the CPUs
+are busy; ``save_async``'s call hands off two jobs per save (the deferred copies and the
+message that waits for them), so its threads are kept and reused here
+(benchmarks/RESULTS.md, "save_async call time"). A job runs under the name it is given,
+and the thread is named :data:`IDLE` again when it ends, so a thread list shows what runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable
+
+# The name of a kept thread between jobs.
+IDLE = "tsckpt-idle"
+# At most this many jobs run at once (more wait for a thread); each waits for little.
+MAX_THREADS = 8
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def run_soon(fn: Callable[[], Any], *, name: str) -> concurrent.futures.Future[Any]:
+    """Run ``fn()`` in a kept thread named ``name`` while it runs; returns its future (an
+    exception ``fn`` raises is only kept there)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix=IDLE)
+        pool = _pool
+    return pool.submit(_named, fn, name)
+
+
+def _named(fn: Callable[[], Any], name: str) -> Any:
+    me = threading.current_thread()
+    me.name = name
+    try:
+        return fn()
+    finally:
+        me.name = IDLE
