@@ -28,7 +28,7 @@ OPTIONAL = ("jax", "flax", "optax", "orbax")  # test extras a block may need; sk
 
 # The README's set-up commands; .ci/run runs the second one, exactly.
 DEMO_COMMAND = "pip install torch==2.13.0 && pip install -e . && python examples/demo.py"
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -n 4 --dist worksteal'
 
 
 @dataclasses.dataclass(frozen=True)
