@@ -611,3 +611,40 @@ def test_the_first_save_applies_the_retention_a_crash_left_owed(tmp_path, monkey
     assert at_claim == [[2, 3]]  # step 1 was owed to retention before step 4 was claimed
     assert manager.all_steps() == [3, 4]
     assert (manager.restore(4)["x"] == 4.0).all()
+
+
+def test_an_async_saves_result_is_out_at_its_commit_before_retention_removes_files(tmp_path, monkeypatch):
+    """Retention renames an expired step away before the result (it is no step from then on) and
+    removes its files after: the save is over at its commit."""
+    import shutil
+    import threading
+
+    release, removing = threading.Event(), threading.Event()
+    real = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        if os.path.basename(str(path)).startswith(".tsckpt-deleting-00000001"):
+            removing.set()
+            assert release.wait(30)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    m = tsckpt.CheckpointManager(tmp_path, keep_last=1, writer="thread")
+    m.save_async(1, {"w": np.arange(4.0)}).result(timeout=30)
+    handle = m.save_async(2, {"w": np.arange(4.0) + 1})
+    handle.result(timeout=30)  # while step 1's files are still being removed
+    assert removing.wait(30)
+    assert m.all_steps() == [2]
+    assert not (tmp_path / "00000001").exists()
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".tsckpt-deleting-00000001")]
+    release.set()
+    m.close()  # the worker finishes its housekeeping
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tsckpt-deleting-")]
+    assert m.restore(2)["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_synchronous_save_returns_with_retention_done(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2, 3):
+        m.save(step, {"w": np.full(3, float(step))})
+    assert m.all_steps() == [3] and sorted(os.listdir(tmp_path)) == [n for n in sorted(os.listdir(tmp_path)) if not n.startswith(".tsckpt-deleting-")]

@@ -151,6 +151,7 @@ class CheckpointManager:
         # Nothing is written until the first save (which cleans up first): a manager that only
         # reads (an evaluation job on a read-only mount) needs no write access.
         self._tidied = False
+        self._removals: list[str] = []  # steps retention renamed away, their files still to remove (_tidy)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._loc)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -276,7 +277,7 @@ class CheckpointManager:
         # rank 0 clears (and the save then lists the step in the root's index first)
         save_with(self.directory(step), tree, plain, before_claim=clear if self._rank == 0 else None)
         if self._rank == 0:
-            self._after_commit()
+            self._after_commit(later=True)  # the expired steps' files: removed by _tidy(), once the save's result is out
 
     def _latest_other(self, step: int) -> int | None:
         """The most recent complete step other than ``step`` (an incremental save's base), its
@@ -331,7 +332,9 @@ class CheckpointManager:
 
         def run() -> None:
             self._check_free(step, overwrite, judge_running=self._solo())
-            self._job(step, options)(tree)
+            job = self._job(step, options)
+            job(tree)
+            job.tidy()
 
         self._saver.run(run, if_busy=self._if_busy)
 
@@ -348,7 +351,9 @@ class CheckpointManager:
         """Like :meth:`save` (with the same options), but returns once ``tree`` is staged
         (copied to host memory; with the manager's ``staging="overlapped"``, the optimizers'
         large tensors while training goes on, as for :func:`tsckpt.save_async`); writing, the
-        commit and retention continue in the background."""
+        commit and retention continue in the background. The handle's ``result()`` returns at
+        the commit, the expired steps renamed away; their files are removed after, before the
+        next save (:meth:`wait` and :meth:`close` wait for that too)."""
         options = SaveOptions.of(locals(), self._saving)
 
         def prepare() -> None:  # an early refusal; the step is judged again when the save claims it
@@ -431,12 +436,22 @@ class CheckpointManager:
 
     # ---- retention and cleanup -------------------------------------------------
 
-    def _after_commit(self) -> None:
+    def _after_commit(self, *, later: bool = False) -> None:
+        """Retention and clean-up. ``later``: an expired step on a local disk is only renamed
+        away (no longer a step from then on); its files are removed by :meth:`_tidy`."""
         steps = self._step_states()
         complete = sorted(s for s, found in steps.items() if found.root.state == STATE_COMMITTED)
         for s in self._expired(complete):
-            self._delete(steps[s])  # not when the step was replaced since it was listed
+            self._delete(steps[s], later=later)  # not when the step was replaced since it was listed
         self._clean(steps)
+
+    def _tidy(self) -> None:
+        """Remove the files of the steps the last saves' retention renamed away: after the save's
+        result is out (a save is over at its commit; this is housekeeping, which a crash leaves
+        to the next save's clean-up). Run by the save's own worker before its next save."""
+        removals, self._removals = self._removals, []
+        for trash in removals:
+            shutil.rmtree(trash, ignore_errors=True)
 
     def _expired(self, complete: list[int]) -> list[int]:
         if not complete or (self.keep_last is None and self.keep_every is None):
@@ -463,9 +478,11 @@ class CheckpointManager:
             elif root.state != STATE_COMMITTED and not _lease.save_running(root) and name not in self._reported:
                 self._report(name, root)
         if self._loc.local is not None:
+            due = set(self._removals)  # this manager's own, left to _tidy()
             for name in self._names():
-                if name.startswith(_TRASH):
-                    shutil.rmtree(os.path.join(self._loc.local, name), ignore_errors=True)
+                trash = os.path.join(self._loc.local, name)
+                if name.startswith(_TRASH) and trash not in due:
+                    shutil.rmtree(trash, ignore_errors=True)
 
     def _report(self, name: str, root: RootState) -> None:
         """Warn, once per manager, of a step directory that tsckpt did not provably write."""
@@ -480,7 +497,7 @@ class CheckpointManager:
             "listed, restored, counted for retention or deleted", self._loc, name, _unidentified(root),
         )
 
-    def _delete(self, found: _Step) -> bool:
+    def _delete(self, found: _Step, *, later: bool = False) -> bool:
         """Delete one step directory, if its root is still the one ``found`` (as judged): False
         when it changed meanwhile (another job saved, claimed or deleted the step), and nothing
         was deleted.
@@ -490,8 +507,8 @@ class CheckpointManager:
         there was none), by a pending root recording this deletion's claim, which counts as a
         running save while the deletion runs (so no other job judges the step free, nor its
         save claims it), and which no crash leaves looking complete. Then, on a local disk, the
-        directory is renamed away in one atomic step and removed; elsewhere its keys are
-        deleted, the root last."""
+        directory is renamed away in one atomic step and removed (``later``: by :meth:`_tidy`);
+        elsewhere its keys are deleted, the root last."""
         from ._save.commit import pending_root
 
         name = found.name
@@ -506,7 +523,10 @@ class CheckpointManager:
                     trash = os.path.join(self._loc.local, f"{_TRASH}{name}-{uuid.uuid4().hex[:8]}")
                     os.rename(os.path.join(self._loc.local, name), trash)
                     fsync_path(self._loc.local)
-                    shutil.rmtree(trash, ignore_errors=True)
+                    if later:
+                        self._removals.append(trash)
+                    else:
+                        shutil.rmtree(trash, ignore_errors=True)
                     return True
                 kv = self._loc.kvstore()
                 root = f"{name}/{ROOT_KEY}"
@@ -545,6 +565,11 @@ class _StepSave:
     def __call__(self, tree: Any) -> None:
         manager = self.manager if self.manager is not None else _writer_manager(self.kept, self.options)
         manager._save_step(self.step, tree, self.options)
+
+    def tidy(self) -> None:
+        """After the save's result is out: remove what its retention renamed away (:meth:`CheckpointManager._tidy`)."""
+        manager = self.manager if self.manager is not None else _writer_manager(self.kept, self.options)
+        manager._tidy()
 
     def in_writer(self) -> _StepSave | None:
         """The job a writer process runs (its group: the writers' own), None where it cannot run

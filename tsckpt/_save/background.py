@@ -35,6 +35,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import datetime
+import logging
 import os
 import sys
 import threading
@@ -76,6 +77,8 @@ if TYPE_CHECKING:
 else:
     from .._base.lazytorch import torch
 
+log = logging.getLogger("tsckpt")
+
 # Failed saves whose outcome nobody has asked for yet.
 _failed: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
 
@@ -113,6 +116,7 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         self.writer_peak_bytes: int | None = None
         self.retrieved = False  # result() or exception() has reported the outcome
         self._guard = guard
+        self._tidied = threading.Event()  # the save's housekeeping after its outcome is over (tidy)
 
     @property
     def deferred_bytes(self) -> int:
@@ -163,8 +167,10 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         return TimeoutError(f"asynchronous save to {self.directory} still running after {seconds:g} s")
 
     def run(self, job: Callable[[Any], None], tree: Any) -> None:
-        """Run ``job(tree)`` and settle this future with its outcome (in the worker thread)."""
+        """Run ``job(tree)`` and settle this future with its outcome (in the worker thread), then
+        the job's housekeeping (:func:`tidy`)."""
         if not self.set_running_or_notify_cancel():
+            self.tidied()
             return
         try:
             if self._guard is not None:
@@ -174,6 +180,18 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
             self.settle(e)
         else:
             self.settle(None)
+        try:
+            tidy(job)
+        finally:
+            self.tidied()
+
+    def tidied(self) -> None:
+        """Mark the save's housekeeping over (run by whoever ran it, or found it will not run)."""
+        self._tidied.set()
+
+    def wait_tidied(self, timeout: float | None = None) -> bool:
+        """Wait until the save's housekeeping after its outcome is over (:meth:`AsyncSaver.wait`)."""
+        return self._tidied.wait(timeout)
 
     def settle(self, error: BaseException | None) -> None:
         """End the save: committed (``error`` None), or failed with ``error``."""
@@ -182,6 +200,19 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
         else:
             self.set_exception(error)
             _failed.add(self)
+
+
+def tidy(job: Any) -> None:
+    """A save job's housekeeping once its outcome is out (a manager's job: removing the files of
+    the steps its retention renamed away), where it has any; a failure there is logged, never
+    the save's: the step is committed, and a later save's clean-up removes what is left."""
+    done: Callable[[], None] | None = getattr(job, "tidy", None)
+    if done is None:
+        return
+    try:
+        done()
+    except Exception as e:  # noqa: BLE001
+        log.warning("tsckpt: removing the files of expired steps failed (a later save removes them): %s", e)
 
 
 def _copy_now(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -580,11 +611,16 @@ class AsyncSaver:
         return self._staging.nbytes
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any, and re-raise its failure."""
+        """Wait for the save in flight, if any, and its housekeeping (its result is out at the
+        commit; a manager's retention removes the files of expired steps after), and re-raise its
+        failure."""
         inflight = self._inflight
         if inflight is not None:
             inflight.wait_for_staging()
-            inflight.result()
+            try:
+                inflight.result()
+            finally:
+                inflight.wait_tidied()
 
     def wait_for_staging(self) -> None:
         """Wait until the save in flight, if any, no longer reads the live tensors."""

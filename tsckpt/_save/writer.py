@@ -96,7 +96,7 @@ from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
 from .._runtime.threads import run_soon
 from ..tree import Flat, structure_to_json
-from .background import BACKGROUND_NICE, AsyncSave
+from .background import BACKGROUND_NICE, AsyncSave, tidy
 from .protocol import Staged
 
 if TYPE_CHECKING:
@@ -434,6 +434,7 @@ class _Writer:
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
         self._pending: dict[int, tuple[AsyncSave, str]] = {}
+        self._tidying: dict[int, AsyncSave] = {}  # saves settled whose housekeeping the writer still runs
         self._seq = 0
         self._closed = False
         self._sent: tuple[Any, Any, Any] = (None, None, None)  # the paths, structure and arrays the writer has
@@ -475,6 +476,7 @@ class _Writer:
         handle.set_running_or_notify_cancel()
         with self._state_lock:
             if self._closed:  # died since it was judged alive: nothing will answer
+                handle.tidied()
                 handle.settle(self._lost(what))
                 return
             self._pending[self._seq] = (handle, what)
@@ -489,6 +491,7 @@ class _Writer:
             except BaseException as e:  # noqa: BLE001 - delivered through the handle
                 with self._state_lock:
                     self._pending.pop(seq, None)
+                handle.tidied()
                 handle.settle(e)
                 return
             self._deliver(seq, block, job, paths, structure, leaves)
@@ -531,8 +534,16 @@ class _Writer:
             kind, seq, peak, records = reply[0], reply[1], reply[2], reply[3]
             for record in records:  # the save's log lines, as a save in this process logs them
                 log.handle(record)
+            if kind == "tidied":
+                with self._state_lock:
+                    self._tidying.pop(seq).tidied()
+                continue
             with self._state_lock:
                 handle, _ = self._pending.pop(seq)
+                if kind != "unreadable":  # the writer leaves at once: no housekeeping follows
+                    self._tidying[seq] = handle
+            if kind == "unreadable":
+                handle.tidied()
             handle.writer_peak_bytes = peak
             if kind != "done":
                 self.failed = True
@@ -543,8 +554,12 @@ class _Writer:
         with self._state_lock:
             self._closed = True
             lost, self._pending = self._pending, {}
+            cut, self._tidying = self._tidying, {}
+        for handle in cut.values():  # the writer is gone: the next save's clean-up removes what it left
+            handle.tidied()
         for _, (handle, what) in sorted(lost.items()):
             self.failed = True
+            handle.tidied()
             handle.settle(self._lost(what))
 
     def _lost(self, what: str) -> WriterLostError:
@@ -670,6 +685,8 @@ def main() -> None:
                 conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
             else:
                 conn.send(("done", seq, _peak(), kept.take()))
+            tidy(job)  # after the reply: the save is over at its commit
+            conn.send(("tidied", seq, _peak(), kept.take()))
     conn.close()
     os._exit(0)  # no interpreter teardown: gloo's destructors can abort at exit
 
