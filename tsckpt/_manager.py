@@ -49,6 +49,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -152,6 +153,8 @@ class CheckpointManager:
         # reads (an evaluation job on a read-only mount) needs no write access.
         self._tidied = False
         self._removals: list[str] = []  # steps retention renamed away, their files still to remove (_tidy)
+        self._removing: set[str] = set()  # those _tidy removes now (beside the next save)
+        self._removals_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._loc)!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -352,7 +355,7 @@ class CheckpointManager:
         (copied to host memory; with the manager's ``staging="overlapped"``, the optimizers'
         large tensors while training goes on, as for :func:`tsckpt.save_async`); writing, the
         commit and retention continue in the background. The handle's ``result()`` returns at
-        the commit, the expired steps renamed away; their files are removed after, before the
+        the commit, the expired steps renamed away; their files are removed after, beside the
         next save (:meth:`wait` and :meth:`close` wait for that too)."""
         options = SaveOptions.of(locals(), self._saving)
 
@@ -448,10 +451,14 @@ class CheckpointManager:
     def _tidy(self) -> None:
         """Remove the files of the steps the last saves' retention renamed away: after the save's
         result is out (a save is over at its commit; this is housekeeping, which a crash leaves
-        to the next save's clean-up). Run by the save's own worker before its next save."""
-        removals, self._removals = self._removals, []
+        to the next save's clean-up). Run by the save's own worker, beside its next save."""
+        with self._removals_lock:
+            removals, self._removals = self._removals, []
+            self._removing.update(removals)
         for trash in removals:
             shutil.rmtree(trash, ignore_errors=True)
+            with self._removals_lock:
+                self._removing.discard(trash)
 
     def _expired(self, complete: list[int]) -> list[int]:
         if not complete or (self.keep_last is None and self.keep_every is None):
@@ -478,7 +485,8 @@ class CheckpointManager:
             elif root.state != STATE_COMMITTED and not _lease.save_running(root) and name not in self._reported:
                 self._report(name, root)
         if self._loc.local is not None:
-            due = set(self._removals)  # this manager's own, left to _tidy()
+            with self._removals_lock:
+                due = set(self._removals) | self._removing  # this manager's own, left to _tidy()
             for name in self._names():
                 trash = os.path.join(self._loc.local, name)
                 if name.startswith(_TRASH) and trash not in due:
@@ -524,7 +532,8 @@ class CheckpointManager:
                     os.rename(os.path.join(self._loc.local, name), trash)
                     fsync_path(self._loc.local)
                     if later:
-                        self._removals.append(trash)
+                        with self._removals_lock:
+                            self._removals.append(trash)
                     else:
                         shutil.rmtree(trash, ignore_errors=True)
                     return True

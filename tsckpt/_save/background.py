@@ -35,6 +35,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -68,6 +69,7 @@ from .._options import (
 )
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
+from .._runtime.threads import run_soon
 from .._storage.locations import Directory, resolve
 from ..tree import flatten, unflatten
 from .guard import Guard
@@ -180,6 +182,9 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
             self.settle(e)
         else:
             self.settle(None)
+        run_soon(functools.partial(self._tidy, job), name="tsckpt-tidy")  # beside the next save
+
+    def _tidy(self, job: Any) -> None:
         try:
             tidy(job)
         finally:

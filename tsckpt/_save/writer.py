@@ -66,6 +66,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -669,7 +670,8 @@ def main() -> None:
             except BaseException as e:  # noqa: BLE001 - e.g. a class the writer cannot import
                 # what this writer holds of the last saves no longer matches the training
                 # process's idea of it: the save fails with why, the writer leaves, the next starts anew
-                conn.send(("unreadable", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
+                with _SENDING:
+                    conn.send(("unreadable", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
                 conn.close()
                 os._exit(UNREADABLE)
             paths = last[0] if paths is None else paths  # None: as the last save's
@@ -682,13 +684,28 @@ def main() -> None:
                     raise joined
                 job(Staged(paths, _views(block, _merged(arrays, values, len(paths))), structure))
             except BaseException as e:  # noqa: BLE001 - sent to the training process
-                conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
+                with _SENDING:
+                    conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
             else:
-                conn.send(("done", seq, _peak(), kept.take()))
-            tidy(job)  # after the reply: the save is over at its commit
-            conn.send(("tidied", seq, _peak(), kept.take()))
+                with _SENDING:
+                    conn.send(("done", seq, _peak(), kept.take()))
+            # after the reply (the save is over at its commit), beside the next save: its own files only
+            run_soon(functools.partial(_tidy_then_say, job, seq, conn, kept), name="tsckpt-tidy")
     conn.close()
     os._exit(0)  # no interpreter teardown: gloo's destructors can abort at exit
+
+
+def _tidy_then_say(job: Any, seq: int, conn: Connection, kept: _Kept) -> None:
+    """A save's housekeeping (:func:`tidy`), then the message that it is over."""
+    try:
+        tidy(job)
+    finally:
+        with _SENDING:
+            conn.send(("tidied", seq, _peak(), kept.take()))
+
+
+# The writer's replies leave from its main loop and from its housekeeping: one at a time.
+_SENDING = threading.Lock()
 
 
 class _Kept(logging.Handler):
