@@ -447,3 +447,18 @@ def test_the_writer_option_is_checked_in_the_caller(tmp_path):
         tsckpt.save_async(tmp_path / "ck", {"x": 1}, writer="fork")
     with pytest.raises(ValueError, match="writer must be 'process' or 'thread', not 'fork'"):
         tsckpt.CheckpointManager(tmp_path, writer="fork")
+
+
+@pytest.mark.slow
+def test_retention_through_the_writer_renames_before_the_result_and_removes_before_wait_returns(tmp_path, writer_process):
+    """The writer replies at the commit, the expired step renamed away; its files go beside the
+    next save, and the manager's wait() returns once they are gone."""
+    manager = tsckpt.CheckpointManager(tmp_path, keep_last=1)
+    for step in range(1, 5):
+        manager.save_async(step, {"w": torch.full((64, 64), float(step)), "step": step}).result()
+        assert manager.all_steps() == [step]
+        assert not (tmp_path / f"{step - 1:08d}").exists()
+    manager.wait()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tsckpt-deleting-")]
+    assert manager.restore(4)["step"] == 4
+    manager.close()

@@ -608,6 +608,7 @@ class AsyncSaver:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: AsyncSave | None = None
+        self._untidied: list[AsyncSave] = []  # saves whose housekeeping may still run (wait() waits for it)
         self._process: Any = None  # writer.WriterSlot, made at the first save by a writer process
 
     @property
@@ -620,12 +621,14 @@ class AsyncSaver:
         commit; a manager's retention removes the files of expired steps after), and re-raise its
         failure."""
         inflight = self._inflight
-        if inflight is not None:
-            inflight.wait_for_staging()
-            try:
+        try:
+            if inflight is not None:
+                inflight.wait_for_staging()
                 inflight.result()
-            finally:
-                inflight.wait_tidied()
+        finally:
+            for handle in self._untidied:
+                handle.wait_tidied()
+            self._untidied = []
 
     def wait_for_staging(self) -> None:
         """Wait until the save in flight, if any, no longer reads the live tensors."""
@@ -740,6 +743,7 @@ class AsyncSaver:
                         )
                     self._executor.submit(handle.run, job, staged)
             self._inflight = handle
+            self._untidied = [h for h in self._untidied if not h.wait_tidied(0)] + [handle]
         handle.blocked_s = time.perf_counter() - start
         return handle
 
