@@ -581,7 +581,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
         "committed after its phase stopped training (`--tail`), so part of it ran without a step competing. "
         "Peak extra memory: of the trainer and all its child processes, from just before the column was created "
         "until it was closed. torch-checkpointing never fsyncs: its commit is to the page cache, the others' to "
-        "the disk. Not judged here: no growth of memory over 50 saves (a test), the JAX donated-step loop, "
+        "the disk. Not judged here: no growth of memory over 50 saves (a test), the JAX donated-step loop (bench_jax_donate.py), "
         "GPU staging.",
     ]
     return "\n".join(lines) + "\n"
