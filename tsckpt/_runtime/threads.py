@@ -6,11 +6,14 @@ are busy; ``save_async``'s call hands off two jobs per save (the deferred copies
 message that waits for them), so its threads are kept and reused here
 (benchmarks/RESULTS.md, "save_async call time"). A job runs under the name it is given,
 and the thread is named :data:`IDLE` again when it ends, so a thread list shows what runs.
+Jobs that must yield to the training loop (``nice``) run in threads of their own, kept at a
+lower scheduling priority (a thread's priority can be lowered, never raised back).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from typing import Any, Callable
 
@@ -19,19 +22,31 @@ IDLE = "tsckpt-idle"
 # At most this many jobs run at once (more wait for a thread); each waits for little.
 MAX_THREADS = 8
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
 
-def run_soon(fn: Callable[[], Any], *, name: str) -> concurrent.futures.Future[Any]:
-    """Run ``fn()`` in a kept thread named ``name`` while it runs; returns its future (an
-    exception ``fn`` raises is only kept there)."""
-    global _pool
+def run_soon(fn: Callable[[], Any], *, name: str, nice: int = 0) -> concurrent.futures.Future[Any]:
+    """Run ``fn()`` in a kept thread named ``name`` while it runs, whose nice value is raised
+    by ``nice`` (Linux: per thread); returns its future (an exception ``fn`` raises is only
+    kept there)."""
     with _lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix=IDLE)
-        pool = _pool
+        pool = _pools.get(nice)
+        if pool is None:
+            pool = _pools[nice] = concurrent.futures.ThreadPoolExecutor(
+                MAX_THREADS, thread_name_prefix=IDLE, initializer=lower_priority, initargs=(nice,)
+            )
     return pool.submit(_named, fn, name)
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: per thread); elsewhere, nothing."""
+    if not nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def _named(fn: Callable[[], Any], name: str) -> Any:

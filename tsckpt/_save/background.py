@@ -69,7 +69,7 @@ from .._options import (
 )
 from .._runtime import devicecopy as _devicecopy
 from .._runtime.memory import BACKGROUND_SAVE_THREAD
-from .._runtime.threads import run_soon
+from .._runtime.threads import lower_priority, run_soon
 from .._storage.locations import Directory, resolve
 from ..tree import flatten, unflatten
 from .guard import Guard
@@ -182,7 +182,7 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
             self.settle(e)
         else:
             self.settle(None)
-        run_soon(functools.partial(self._tidy, job), name="tsckpt-tidy")  # beside the next save
+        run_soon(functools.partial(self._tidy, job), name="tsckpt-tidy", nice=BACKGROUND_NICE)  # beside the next save
 
     def _tidy(self, job: Any) -> None:
         try:
@@ -772,10 +772,7 @@ BACKGROUND_NICE = 10
 
 def _yield_to_training() -> None:
     """Lower this thread's scheduling priority (Linux: per thread); elsewhere, nothing."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        pass
+    lower_priority(BACKGROUND_NICE)
 
 
 def _least(*limits: int | None) -> int | None:
