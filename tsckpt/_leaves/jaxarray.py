@@ -120,6 +120,16 @@ class _Shards:
             shards.setdefault(index_box(s.index, shape), s.data)
         return cls(path, shape, np.dtype(arr.dtype), shards)
 
+    def holding(self, shards: dict[Box, Any]) -> _Shards:
+        """The same boxes holding other data (their host copies): the region and what it holds
+        as found for these boxes, not found again (save_async stages every shard of every leaf)."""
+        if list(shards) != list(self.shards):
+            raise ValueError(f"'{self.path}': shards {sorted(shards)} for boxes {sorted(self.shards)}")
+        new = object.__new__(_Shards)
+        new.path, new.shape, new.dtype, new.shards = self.path, self.shape, self.dtype, shards
+        new.region, new.held = self.region, self.held
+        return new
+
     def cuts(self) -> tuple[tuple[int, ...], ...]:
         """Per dimension, the offsets inside this process's region where a shard begins
         (:attr:`LeafDesc.cuts`); () when one shard holds all of it."""
@@ -336,7 +346,7 @@ class JaxRegion:
         boxes = list(old.shards)
         if len(copies) != len(boxes) or any(tuple(c.shape) != b[1] for c, b in zip(copies, boxes)):
             raise ValueError(f"'{old.path}': host copies {[c.shape for c in copies]} for shards {boxes}")
-        return JaxRegion(self.kind, _Shards(old.path, old.shape, old.dtype, dict(zip(boxes, copies))))
+        return JaxRegion(self.kind, old.holding(dict(zip(boxes, copies))))
 
     def describe(self, path: str) -> Local:
         shards = self._shards
