@@ -7,7 +7,9 @@ message that waits for them), so its threads are kept and reused here
 (benchmarks/RESULTS.md, "save_async call time"). A job runs under the name it is given,
 and the thread is named :data:`IDLE` again when it ends, so a thread list shows what runs.
 Jobs that must yield to the training loop (``nice``) run in threads of their own, kept at a
-lower scheduling priority (a thread's priority can be lowered, never raised back).
+lower scheduling priority (a thread's priority can be lowered, never raised back). Once
+the interpreter exits and concurrent.futures takes no new work, a job runs in the caller, as
+:class:`tsckpt._codec.threads.Workers` runs its work.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ def run_soon(fn: Callable[[], Any], *, name: str, nice: int = 0) -> concurrent.f
             pool = _pools[nice] = concurrent.futures.ThreadPoolExecutor(
                 MAX_THREADS, thread_name_prefix=IDLE, initializer=lower_priority, initargs=(nice,)
             )
-    return pool.submit(_named, fn, name)
+    try:
+        return pool.submit(_named, fn, name)
+    except RuntimeError:  # the interpreter is exiting (a save finished at exit): no new work taken
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered through the future, as the pool would
+            done.set_exception(e)
+        return done
 
 
 def lower_priority(nice: int) -> None:
