@@ -12,6 +12,8 @@ import os
 import threading
 from typing import Any, Callable
 
+from .._runtime.threads import run_here
+
 
 def cpus() -> int:
     """The CPUs this process may run on (its affinity where the system tells it)."""
@@ -36,12 +38,7 @@ class Workers:
                 return self._pool.submit(fn, *args)
             except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
                 self._inline = True
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future, as the pool would
-            fut.set_exception(e)
-        return fut
+        return run_here(fn, *args)
 
     def shutdown(self) -> None:
         """Wait for the work in flight; drop what has not started."""

@@ -8,8 +8,8 @@ message that waits for them), so its threads are kept and reused here
 and the thread is named :data:`IDLE` again when it ends, so a thread list shows what runs.
 Jobs that must yield to the training loop (``nice``) run in threads of their own, kept at a
 lower scheduling priority (a thread's priority can be lowered, never raised back). Once
-the interpreter exits and concurrent.futures takes no new work, a job runs in the caller, as
-:class:`tsckpt._codec.threads.Workers` runs its work.
+the interpreter exits and concurrent.futures takes no new work, a job runs in the caller
+(:func:`run_here`, which :class:`tsckpt._codec.threads.Workers` uses too).
 """
 
 from __future__ import annotations
@@ -41,12 +41,18 @@ def run_soon(fn: Callable[[], Any], *, name: str, nice: int = 0) -> concurrent.f
     try:
         return pool.submit(_named, fn, name)
     except RuntimeError:  # the interpreter is exiting (a save finished at exit): no new work taken
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        try:
-            done.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - delivered through the future, as the pool would
-            done.set_exception(e)
-        return done
+        return run_here(fn)
+
+
+def run_here(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """Run ``fn(*args)`` in the caller, its outcome in a future as a pool would give it: the
+    work a pool refuses once the interpreter exits (a save finishing at exit still runs)."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    try:
+        done.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - delivered through the future, as the pool would
+        done.set_exception(e)
+    return done
 
 
 def lower_priority(nice: int) -> None:
