@@ -259,3 +259,46 @@ def test_the_torch_bridge_takes_a_base(tmp_path):
     assert frozen and all(files[k].st_nlink == 2 for k in frozen)
     assert all(files[k].st_nlink == 1 for k in files if k.startswith("model/1."))
     assert tsckpt.verify(tmp_path / "b").ok
+
+
+def test_a_file_changed_right_after_a_save_gets_a_later_time(tmp_path):
+    """The settle after recording the files' times: another file written right after it is
+    stamped later than the newest time recorded (the stamp clock has ticked past it)."""
+    from tsckpt._save import share
+
+    recorded, later = tmp_path / "recorded", tmp_path / "later"
+    for i in range(20):
+        recorded.write_bytes(bytes([i]))
+        newest = os.stat(recorded).st_mtime_ns
+        share.settle_clock(newest, fine=True)
+        later.write_bytes(bytes([i]))
+        assert os.stat(later).st_mtime_ns > newest
+
+
+def test_the_settle_waits_until_the_stamp_clock_has_passed_the_newest_time(monkeypatch):
+    """(On a kernel whose stamps are never equal across files the test above cannot fail; this
+    one checks the wait itself, with a stamp clock that lags.)"""
+    import time
+
+    from tsckpt._save import share
+
+    newest, reads = time.time_ns(), []
+
+    def lagging(clock: int) -> int:
+        reads.append(clock)
+        return newest - 1 if len(reads) < 4 else newest + 1
+
+    monkeypatch.setattr(share.time, "clock_gettime_ns", lagging)
+    share.settle_clock(newest, fine=True)
+    assert reads == [share.STAMP_CLOCK] * 4
+
+
+def test_the_settle_waits_a_whole_tick_where_the_stamp_clock_cannot_be_read(monkeypatch):
+    import time
+
+    from tsckpt._save import share
+
+    monkeypatch.setattr(share, "STAMP_CLOCK", None)
+    newest = time.time_ns()
+    share.settle_clock(newest, fine=True)
+    assert time.time_ns() >= newest + share.CLOCK_TICK_NS

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,10 +93,12 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
     """:func:`root_state` of several root keys below ``loc``, read concurrently, each with the
     generation it was read at (TensorStore's generation of a missing key when there is none):
     the condition of replacing or removing it. A root that is not read (:func:`root_file_problem`)
-    is "invalid" (problem "file"), with no generation."""
+    is "invalid" (problem "file"), with no generation. A local root read before at the same
+    generation is not read or parsed again (:class:`_Parsed`)."""
     problems = {k: root_file_problem(loc, k) for k in keys}
     kv, _held = _root_store(loc, [k for k in keys if problems[k] is None])
-    reads = {k: kv.read(k) for k in keys if problems[k] is None}
+    seen = {k: _PARSED.get(loc, k) for k in keys}
+    reads = {k: kv.read(k, if_not_equal=seen[k][0] if seen[k] else None) for k in keys if problems[k] is None}
     out = {}
     for key in keys:
         problem = problems[key]
@@ -103,8 +106,43 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
             out[key] = (RootState("invalid", problem="file", detail=f"its root zarr.json {problem}"), b"")
             continue
         r = reads[key].result()
-        out[key] = (root_state(r.value if r.state == "value" else None), bytes(r.stamp.generation))
+        generation, before = bytes(r.stamp.generation), seen[key]
+        if r.state == "unspecified" and before is not None and before[0] == generation:
+            out[key] = (before[1], generation)
+            continue
+        out[key] = (root_state(r.value if r.state == "value" else None), generation)
+        _PARSED.put(loc, key, *out[key])
     return out
+
+
+class _Parsed:
+    """The states of local roots read before, by checkpoint, key and the generation read (a
+    manager reads the root of every step at each save: each is parsed once while it stays
+    the same file, TensorStore's conditional read telling so, its bytes not read again).
+    A root whose file is replaced or written has another generation; a missing one is never kept."""
+
+    LIMIT = 4096  # entries kept at most (emptied when full)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[tuple[str, str], tuple[bytes, RootState]] = {}
+
+    def get(self, loc: Location, key: str) -> tuple[bytes, RootState] | None:
+        if loc.local is None:
+            return None
+        with self._lock:
+            return self._states.get((loc.local, key))
+
+    def put(self, loc: Location, key: str, state: RootState, generation: bytes) -> None:
+        if loc.local is None or state.state is None or not generation:
+            return
+        with self._lock:
+            if len(self._states) >= self.LIMIT:
+                self._states.clear()
+            self._states[(loc.local, key)] = (generation, state)
+
+
+_PARSED = _Parsed()
 
 
 def load(loc: Location, *, keep_bad: bool = False) -> Checkpoint:

@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import functools
 import logging
-import os
 import sys
 import threading
 import time

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -52,6 +53,9 @@ log = logging.getLogger("tsckpt")
 # advances once per kernel tick), and for one whose timestamps are whole seconds.
 CLOCK_TICK_NS = 20_000_000
 COARSE_TICK_NS = 2_000_000_000
+# The clock a Linux file system stamps times from (CLOCK_REALTIME_COARSE; a fine-grained
+# stamp is never behind it): read, it says when the tick has passed, rather than a bound.
+STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else None)
 @dataclasses.dataclass(frozen=True)
 class Base:
     """What a save shares with: the base's local directory (and a descriptor of it, open until
@@ -184,14 +188,32 @@ class Sharer:
             digest = contenthash.digest(src)
             if proof is not None:
                 _versions.remember(*proof, digest)
-        path = os.path.join(self.directory, key)
-        theirs = None if self.base is None else self.base.link(key, rec, digest, path)
-        if theirs is not None:
-            self.hashes[key] = digest
-            self.shared[key] = theirs
+        if self._share(key, rec, digest):
             return
-        st = write() or os.lstat(path)  # here, on the write threads: its size, time and inode are final
+        st = write() or os.lstat(os.path.join(self.directory, key))  # here, on the write threads: its size, time and inode are final
         self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def share_known(self, key: str, rec: ArrayRecord, proof: Proof) -> bool:
+        """Share file ``key`` with the base, its data never read, where ``proof`` shows its hash
+        known (:mod:`.versions`) and the base's file provably holds it: True, the file is
+        done; False, it goes to :meth:`put` (its directory made). A frozen base's files take
+        this way in the calling thread, not a write thread's turn each."""
+        digest = _versions.known(*proof)
+        if digest is None or self.base is None:
+            return False
+        if self._share(key, rec, digest):
+            self.known.add(key)
+            return True
+        return False
+
+    def _share(self, key: str, rec: ArrayRecord, digest: str) -> bool:
+        """Link the base's file for file ``key`` of hash ``digest`` where proven equal (:meth:`Base.link`)."""
+        theirs = None if self.base is None else self.base.link(key, rec, digest, os.path.join(self.directory, key))
+        if theirs is None:
+            return False
+        self.hashes[key] = digest
+        self.shared[key] = theirs
+        return True
 
     def close(self) -> None:
         """Close the base's directory (once every file is shared or written)."""
@@ -225,8 +247,17 @@ def settle_clock(newest_ns: int, *, fine: bool) -> None:
     time recorded, so that a file changed after this save, however soon, gets a later one
     (a file system stamps times from a clock that ticks every few milliseconds: a change
     within the same tick would keep the recorded time). ``fine``: the file system stamps
-    nanoseconds (else whole seconds, as some do)."""
+    nanoseconds (else whole seconds, as some do). Where the stamping clock can be read
+    (:data:`STAMP_CLOCK`), until it has passed ``newest_ns``, within the bound of a tick."""
     tick = CLOCK_TICK_NS if fine else COARSE_TICK_NS
-    wait = newest_ns + tick - time.time_ns()
+    deadline = newest_ns + tick
+    if fine and STAMP_CLOCK is not None:
+        try:
+            while (now := time.clock_gettime_ns(STAMP_CLOCK)) <= newest_ns and time.time_ns() < deadline:
+                time.sleep((newest_ns - now) / 1e9 + 0.0005)
+            return
+        except OSError:  # no such clock here: the bound
+            pass
+    wait = deadline - time.time_ns()
     if wait > 0:
         time.sleep(wait / 1e9)

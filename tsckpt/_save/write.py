@@ -11,6 +11,7 @@ nodes (:func:`write_nodes`), all within the save's window of bytes in flight.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import os
@@ -263,6 +264,17 @@ class _Writers:
             fut = self._tensorstore(w, src)
         return fut, src.nbytes, done
 
+    def share_known(self, w: _ShardWrite, proof: Proof, nbytes: int) -> bool:
+        """Share the own codec's file of ``w`` (``nbytes`` of data) with the base where ``proof``
+        shows it unchanged (:meth:`Sharer.share_known`), here, its data never read: True when done."""
+        if self.sharer is None or self.directory is None or w.route is Route.TENSORSTORE:
+            return False
+        shardwrite.make_parents(self.directory, (w.key,), self.made)
+        if not self.sharer.share_known(w.key, w.rec, proof):
+            return False
+        self.progress.update(nbytes, 1)
+        return True
+
     def _chunk_file(self, directory: str, w: _ShardWrite, src: np.ndarray, proof: Proof | None) -> _Batch:
         batch = self.batch
         if batch is None or batch.future is not None:
@@ -362,6 +374,9 @@ def write_regions(
                 else:
                     if sharer is not None:  # before the data is read
                         proof = sharer.proof(lf.data, (lf.desc.dtype, lf.desc.offsets), w.offsets, w.lengths)
+                        if proof is not None and writers.share_known(w, proof, math.prod(w.lengths) * lf.desc.itemsize):
+                            written.append(w.key)
+                            continue
                     src = _local_box(lf, w.offsets, w.lengths)
                 in_flight.add(writers.start(w, src, proof=proof), src.nbytes)
             written.append(w.key)
@@ -425,7 +440,7 @@ class DeviceSources:
 
 def node_files(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     """zarr.json of every array and of every intermediate group (root excluded), by key."""
-    nodes = {f"{rec.path}/{ROOT_KEY}": _durable.encode_json(array_node(rec)) for rec in arrays}
+    nodes = {f"{rec.path}/{ROOT_KEY}": _node_bytes(dataclasses.replace(rec, path=""), rec.separator) for rec in arrays}
     groups: set[str] = set()
     for rec in arrays:
         parts = rec.path.split("/")
@@ -434,6 +449,14 @@ def node_files(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     body = _durable.encode_json(group_metadata())
     nodes.update((f"{g}/{ROOT_KEY}", body) for g in sorted(groups))
     return nodes
+
+
+@functools.lru_cache(maxsize=4096)
+def _node_bytes(rec: ArrayRecord, separator: str) -> bytes:
+    """An array's zarr.json (it names no path: arrays alike share it), encoded once for the
+    saves of a process (a manager saves the same records at every step); ``separator``, the
+    record's chunk key separator, is part of the key as it is of the node."""
+    return _durable.encode_json(array_node(rec))
 
 
 def write_nodes(
