@@ -98,7 +98,7 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
     problems = {k: root_file_problem(loc, k) for k in keys}
     kv, _held = _root_store(loc, [k for k in keys if problems[k] is None])
     seen = {k: _PARSED.get(loc, k) for k in keys}
-    reads = {k: kv.read(k, if_not_equal=seen[k][0] if seen[k] else None) for k in keys if problems[k] is None}
+    reads = {k: kv.read(k, if_not_equal=_generation(seen[k])) for k in keys if problems[k] is None}
     out = {}
     for key in keys:
         problem = problems[key]
@@ -113,6 +113,10 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
         out[key] = (root_state(r.value if r.state == "value" else None), generation)
         _PARSED.put(loc, key, *out[key])
     return out
+
+
+def _generation(seen: tuple[bytes, RootState] | None) -> bytes | None:
+    return None if seen is None else seen[0]
 
 
 class _Parsed:
