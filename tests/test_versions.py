@@ -88,6 +88,12 @@ def _optimizer_step(p: Any) -> None:
     opt.step()
 
 
+def _fused_optimizer_step(p: Any) -> None:
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)  # one native kernel: torch's counter stays
+    p.grad = torch.ones_like(p)
+    opt.step()
+
+
 def _inference_mode_add(p: Any) -> None:
     with torch.inference_mode():
         p.add_(1)
@@ -112,6 +118,7 @@ SEEN = {
     "through detach()": lambda p: p.detach().mul_(0).add_(7),
     "copy_": _no_grad(lambda p: p.copy_(torch.arange(16.0).reshape(4, 4))),
     "an optimizer step": _optimizer_step,
+    "a fused optimizer step": _fused_optimizer_step,
     "inference_mode": _inference_mode_add,
     "p.data = another tensor": _swap_data,
     "set_": _no_grad(lambda p: p.set_(torch.full((4, 4), 9.0))),
@@ -130,6 +137,43 @@ def test_every_write_torch_counts_is_saved(tmp_path, hashed, how):
     assert hashed == [64, 64]
     assert _links(m.directory(2)) == {"p/c.0.0": 1}
     assert np.array_equal(m.restore(2)["p"], want.numpy())
+
+
+def test_a_fused_optimizers_state_is_saved_at_every_step(tmp_path, hashed):
+    """Its moments, updated by the same fused kernel, are hashed again at each step; a frozen
+    tensor beside them is not."""
+    p, frozen = torch.nn.Parameter(torch.ones(8, 8)), torch.arange(64.0).reshape(8, 8)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
+    for step in range(1, 4):
+        p.grad = torch.full_like(p, float(step))
+        opt.step()
+        hashed.clear()
+        m.save(step, {"p": p, "frozen": frozen, "optim": opt.state_dict()})
+        if step > 1:
+            assert sorted(hashed) == [4, 256, 256, 256]  # step, p and both moments; not the frozen tensor
+        out = m.restore(step)
+        assert np.array_equal(out["p"], p.detach().numpy())
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert np.array_equal(out["optim"]["state"][0][name], opt.state[p][name].numpy())
+
+
+def test_a_saved_tensor_can_still_be_swapped(tmp_path, monkeypatch):
+    """No weak reference to the tensor itself is kept (torch.utils.swap_tensors refuses a
+    tensor that has one, as ``Module.to`` uses it when torch's future flag asks): a module
+    converted by swapping after a save is saved anew."""
+    versions.forget()
+    model = torch.nn.Linear(4, 4)
+    m = tsckpt.CheckpointManager(tmp_path, incremental="versions")
+    m.save(1, {"w": model.weight, "b": model.bias})
+    monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
+    model.to(torch.float64)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    m.save(2, {"w": model.weight, "b": model.bias})
+    out = m.restore(2)
+    assert out["w"].dtype == np.float64 and np.array_equal(out["w"], np.full((4, 4), 2.0))
+    assert np.array_equal(out["b"], model.bias.detach().numpy())
 
 
 def test_a_restore_in_place_counts_as_a_write(tmp_path, hashed):

@@ -6,9 +6,16 @@ frozen base that is most of a save's time, spent to prove what did not change. t
 counts the in-place writes to a tensor: every in-place operation (``add_``, ``copy_``,
 indexed assignment, an optimizer's step, ``torch.no_grad`` and ``torch.inference_mode``
 included, through any view or ``detach()`` of it) increments the version counter its
-views share. So a tensor that is the very object hashed before (a weak reference, never
-keeping it alive), at the same address, offset, shape, strides and dtype, with the same
-version, holds the bytes that were hashed, and the hash recorded then is this box's.
+views share. So a tensor that is the object hashed before, over the same storage (a weak
+reference to the storage, never keeping it alive; not to the tensor, which
+``torch.utils.swap_tensors`` would then refuse to swap), at the same address, offset,
+shape, strides and dtype, with the same version, holds the bytes that were hashed, and the
+hash recorded then is this box's.
+
+A fused optimizer (torch.optim's ``fused=True``) updates its parameters and state in one
+native kernel that does not move the counters: once a hash is remembered, a global
+optimizer step post-hook moves the counters of every tensor of a fused optimizer's groups
+and state after each of its steps (:func:`_after_fused_step`).
 
 What the counter cannot see, and what is therefore excluded or must be declared:
 
@@ -17,8 +24,9 @@ What the counter cannot see, and what is therefore excluded or must be declared:
   ``nn.Parameter``, numpy arrays: always hashed;
 - writes through ``tensor.data`` (a new tensor with a counter of its own), through a numpy
   view (``tensor.numpy()``, or the array a ``torch.from_numpy`` tensor views), through the
-  storage (``untyped_storage()``), from native code, or to a memory-mapped file under a
-  tensor (``torch.load(mmap=True)``): invisible. This is why the counters are trusted
+  storage (``untyped_storage()``), from native code other than torch's fused optimizers
+  (an extension's optimizer kernel), or to a memory-mapped file under a tensor
+  (``torch.load(mmap=True)``): invisible. This is why the counters are trusted
   only where a save asks (``incremental="versions"``): a program that never writes its
   tensors that way between saves. tsckpt's own restores tell torch of their writes
   (:func:`tsckpt._base.lazytorch.mark_written`).
@@ -52,14 +60,20 @@ class _Seen:
     __slots__ = ("ref", "state", "digests")
 
     def __init__(self, tensor: torch.Tensor, state: State) -> None:
-        self.ref = weakref.ref(tensor)
+        self.ref = weakref.ref(tensor.untyped_storage())  # torch keeps one storage object per storage
         self.state = state
         self.digests: dict[Box, str] = {}
+
+    def holds(self, tensor: Any, state: State) -> bool:
+        """Whether ``tensor``, whose state is ``state``, is over the storage seen, as it was then."""
+        storage = self.ref()
+        return storage is not None and self.state == state and storage is tensor.untyped_storage()
 
 
 _lock = threading.Lock()
 _seen: dict[int, _Seen] = {}
 _pruned_at = 64  # entries at which dead ones are next dropped
+_hooked = False  # the fused optimizers' hook registered
 
 
 def state(data: Any) -> State | None:
@@ -85,7 +99,7 @@ def known(tensor: Any, now: State, box: Box) -> str | None:
     read it) is the state it had then; else None."""
     with _lock:
         seen = _seen.get(id(tensor))
-        if seen is None or seen.ref() is not tensor or seen.state != now:
+        if seen is None or not seen.holds(tensor, now):
             return None
         return seen.digests.get(box)
 
@@ -93,10 +107,15 @@ def known(tensor: Any, now: State, box: Box) -> str | None:
 def remember(tensor: Any, before: State, box: Box, digest: str) -> None:
     """Remember ``digest``, the hash of ``box`` of ``tensor`` read after its state was
     ``before`` (a write during the save changes the version, so the entry is never used)."""
-    global _pruned_at
+    global _pruned_at, _hooked
     with _lock:
+        if not _hooked:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            register_optimizer_step_post_hook(_after_fused_step)
+            _hooked = True
         seen = _seen.get(id(tensor))
-        if seen is None or seen.ref() is not tensor or seen.state != before:
+        if seen is None or not seen.holds(tensor, before):
             seen = _seen[id(tensor)] = _Seen(tensor, before)
         seen.digests[box] = digest
         if len(_seen) >= _pruned_at:
@@ -109,3 +128,18 @@ def forget() -> None:
     """Drop every remembered hash (tests; a process that wants every file hashed again)."""
     with _lock:
         _seen.clear()
+
+
+def _after_fused_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Move the version counters of every tensor of ``optimizer``'s fused groups (their
+    parameters and state) after its step: its fused kernel wrote them unseen."""
+    tensors: list[Any] = []
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            for p in group["params"]:
+                tensors.append(p)
+                tensors.extend(v for v in optimizer.state.get(p, {}).values() if is_tensor(v))
+    if tensors:
+        from torch.autograd.graph import increment_version
+
+        increment_version(tensors)
