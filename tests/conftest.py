@@ -7,8 +7,11 @@ are marked in the source: ``pytestmark = pytest.mark.slow`` in a module whose ev
 starts processes, ``@pytest.mark.slow`` on a test elsewhere, and here, at collection
 (:func:`pytest_collection_modifyitems`), every test that uses a fixture of
 :data:`SLOW_FIXTURES` (moto's S3 server), directly or through another fixture.
-``tests/test_suite_rules.py`` checks, from the tests' source, that every test that starts
-processes is marked so. Everything else runs in this process and is fast: its
+A test that starts no process but is too heavy for the fast tier (a JAX compile, a
+framework's whole fit, ``torch.compile``) is marked ``@pytest.mark.slow(reason="...")``,
+saying why. ``tests/test_suite_rules.py`` checks, from the tests' source, that every test
+that starts processes is marked so, and that no other test is marked slow without a
+reason. Everything else runs in this process and is fast: its
 asynchronous saves run in a thread, and only a test that asks for the ``writer_process``
 fixture (a slow one) lets them start tsckpt's writer processes.
 

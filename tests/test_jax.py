@@ -293,6 +293,7 @@ def test_key_of_another_or_unknown_implementation(ckdir):
     assert tsckpt.restore(ckdir)["k"].dtype == np.uint32
 
 
+@pytest.mark.slow(reason="jit compiles of the README's Flax example (its README block runs in the fast tier)")
 def test_readme_jax_example(tmp_path, monkeypatch):
     """The README's JAX section: a Flax NNX model saved, restored abstractly (sharded), read by PyTorch."""
     pytest.importorskip("flax")

@@ -50,6 +50,7 @@ def _same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.slow(reason="jitted donated steps compiled for each save")
 def test_donated_step_after_each_async_save(tmp_path):
     """The training pattern: save_async, then at once the jitted step that donates the saved
     params. Every step commits, bit-exact to the values when save_async was called."""
@@ -165,7 +166,9 @@ def test_every_host_copy_starts_before_any_is_awaited(tmp_path, monkeypatch):
     assert events == ["start"] * shards + ["wait"] * shards
 
 
-@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize(
+    "impl", ["threefry2x32", pytest.param("rbg", marks=pytest.mark.slow(reason="a second key implementation compiled"))]
+)
 def test_typed_key_leaves_are_staged(tmp_path, impl):
     """Typed PRNG keys are staged as their key data (sharded ones shard by shard) and stored as
     tsckpt stores keys; the step that splits them may donate them."""

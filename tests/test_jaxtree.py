@@ -29,6 +29,7 @@ class Config:
     fn: object = struct.field(pytree_node=False, default=None)
 
 
+@pytest.mark.slow(reason="Flax NNX models built and run: JAX compiles")
 def test_nnx_state_paths_are_the_states_own_names():
     paths = flatten(nnx.state(Model(nnx.Rngs(0)))).paths
     assert paths == ["bn/bias", "bn/mean", "bn/scale", "bn/var", "layers/0/bias", "layers/0/kernel",

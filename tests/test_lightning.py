@@ -65,6 +65,7 @@ def test_fit_resumes_from_last_bit_exact(tmp_path):
     assert len(then) == 4 and then == whole[8:]  # the third epoch's losses, bit for bit
 
 
+@pytest.mark.slow(reason="three whole Lightning fits (the synchronous twin runs in the fast tier)")
 def test_async_save_resumes_bit_exact(tmp_path):
     whole = fit(tmp_path / "whole", 3, resume=False)
     fit(tmp_path / "run", 2, resume=False, plugins=[TsckptCheckpointIO(async_save=True)])

@@ -57,6 +57,7 @@ def _bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint32)
 
 
+@pytest.mark.slow(reason="Flax NNX models built and run: JAX compiles")
 def test_a_flax_nnx_checkpoint_restores_into_the_torch_module(tmp_path):
     flax_net = _flax_net(0)
     tsckpt.save(tmp_path / "flax", nnx.state(flax_net, nnx.Param))
@@ -138,6 +139,7 @@ def test_an_orbax_written_nnx_state_restores_into_the_torch_module_with_no_user_
         assert torch.equal(again(torch.from_numpy(IDS)), by_hand(torch.from_numpy(IDS)))
 
 
+@pytest.mark.slow(reason="Flax NNX models built and run: JAX compiles")
 def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(tmp_path):
     model = TorchNet()
     torch.nn.init.uniform_(model.norm.weight, 0.5, 1.5)
@@ -160,6 +162,7 @@ def test_a_torch_checkpoint_restores_into_the_flax_nnx_model_and_back_bit_exact(
         assert torch.equal(again(torch.from_numpy(IDS)), torch.from_numpy(want))
 
 
+@pytest.mark.slow(reason="Flax NNX models built and run: JAX compiles")
 def test_conv_kernels_are_permuted(tmp_path):
     conv = nnx.Conv(3, 5, kernel_size=(3, 2), padding="VALID", rngs=nnx.Rngs(2))
     tsckpt.save(tmp_path / "c", {"conv": nnx.state(conv, nnx.Param)})

@@ -64,7 +64,9 @@ def torch_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("wrap", ["plain", "compiled", "checkpointed"])
+@pytest.mark.parametrize(
+    "wrap", ["plain", pytest.param("compiled", marks=pytest.mark.slow(reason="torch.compile of the model")), "checkpointed"]
+)
 def test_learned_names_give_torchs_state_dicts(wrap, torch_calls):
     model: torch.nn.Module = Tied()
     opt = _trained(model)

@@ -127,7 +127,8 @@ def _names(node: ast.AST) -> set[str]:
     return found
 
 
-def _named(key: Key) -> tuple[bool, set[Key]]:
+@functools.cache  # each definition walked once, however many tests reach it
+def _named(key: Key) -> tuple[bool, frozenset[Key]]:
     """Whether the function or class ``key`` names a process helper itself, and the functions
     and classes of this package it names (a module of it it names: the members it names)."""
     src = sources()[key[0]]
@@ -147,7 +148,7 @@ def _named(key: Key) -> tuple[bool, set[Key]]:
                 targets.add((module, member))
         else:  # a module of this package: the members of it the code names (sc.save_dtensors)
             targets.update((ref, m) for m in names if m in sources()[ref].defs)
-    return bool(names & PROCESS_HELPERS), targets - {key}
+    return bool(names & PROCESS_HELPERS), frozenset(targets - {key})
 
 
 @functools.cache
@@ -178,6 +179,17 @@ def _is_slow_mark(nodes: Iterator[ast.AST]) -> bool:
         isinstance(n, ast.Attribute) and n.attr == "slow" and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
         for n in nodes
     )
+
+
+def _heavy_reason(nodes: Iterator[ast.AST]) -> str | None:
+    """The ``reason`` of a ``pytest.mark.slow(reason=...)`` among ``nodes``: a test too heavy for
+    the fast tier though it starts no process (a JAX compile, a framework's whole fit)."""
+    for n in nodes:
+        if isinstance(n, ast.Call) and _is_slow_mark(iter([n.func])):
+            for kw in n.keywords:
+                if kw.arg == "reason" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    return kw.value.value
+    return None
 
 
 def _used_fixtures(nodes: Iterator[ast.AST]) -> set[str]:
@@ -235,6 +247,7 @@ class Case:
     fixtures: frozenset[str]  # the names of every fixture it uses, directly or through others
     fixture_defs: frozenset[Key]  # those of this package
     marked_slow: bool  # by pytestmark, or its own decorator
+    heavy: str | None = None  # the reason a test that starts no process is marked slow
 
     @property
     def slow(self) -> bool:
@@ -279,7 +292,8 @@ def cases() -> list[Case]:
             requested |= _used_fixtures(_marks(node.decorator_list))
             names, defs = _closure(src.name, requested)
             slow = _is_slow_mark(iter(module_marks)) or _is_slow_mark(_marks(node.decorator_list))
-            found.append(Case(src.name, node.name, frozenset(names), frozenset(defs), slow))
+            heavy = _heavy_reason(_marks(node.decorator_list))
+            found.append(Case(src.name, node.name, frozenset(names), frozenset(defs), slow, heavy))
     return found
 
 
@@ -294,9 +308,19 @@ def test_every_test_that_starts_processes_is_slow():
 
 
 def test_a_test_marked_slow_starts_processes():
-    # the slow tier is what starts processes or a server, no more: the rest stays in the fast tier
-    idle = [f"{t.module}::{t.name}" for t in cases() if t.marked_slow and not t.starts_processes]
-    assert idle == [], "marked slow but start no process: " + ", ".join(idle)
+    # the slow tier is what starts processes or a server, and the tests too heavy for the fast
+    # tier, each saying why (pytest.mark.slow(reason=...)): the rest stays in the fast tier
+    idle = [f"{t.module}::{t.name}" for t in cases() if t.marked_slow and not t.starts_processes and not t.heavy]
+    assert idle == [], "marked slow but start no process and give no reason: " + ", ".join(idle)
+
+
+def test_a_heavy_test_says_why_and_starts_no_process():
+    heavy = [t for t in cases() if t.heavy is not None]
+    assert heavy, "no test is marked slow for its weight: the fast tier would carry JAX compiles and whole fits"
+    vague = [f"{t.module}::{t.name}" for t in heavy if len(t.heavy.split()) < 3]
+    assert vague == [], "a reason of fewer than three words: " + ", ".join(vague)
+    both = [f"{t.module}::{t.name}" for t in heavy if t.starts_processes]
+    assert both == [], "start processes (slow for that; no reason needed): " + ", ".join(both)
 
 
 def test_which_tests_start_processes():

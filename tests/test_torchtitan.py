@@ -98,7 +98,9 @@ class Run:
         return losses
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize(
+    "async_mode", ["disabled", pytest.param("async", marks=pytest.mark.slow(reason="a second torchtitan run, resumed"))]
+)
 def test_resume_bit_exact(tmp_path, async_mode):
     whole = Run(tmp_path / "whole", 6).train()
     first = Run(tmp_path / "run", 6, async_mode=async_mode)
