@@ -129,6 +129,39 @@ def test_tolerance_makes_a_small_change_equal(tmp_path, capsys):
     assert run(capsys, "diff", a, b, "--rtol", "1e-5")[0] == 1
 
 
+def test_path_filter_spellings_as_ls_takes_them(tmp_path, capsys):
+    """``/`` and ``.`` alike, a leaf path selecting the leaves below it, as ls takes them."""
+    before = {"model": {"w": np.zeros(3), "layers": [{"b": np.zeros(2)}, {"b": np.zeros(2)}]}, "opt": np.zeros(1)}
+    after = {"model": {"w": np.ones(3), "layers": [{"b": np.zeros(2)}, {"b": np.ones(2)}]}, "opt": np.ones(1)}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    for spelling in ("model/*", "model.*", "model", "model/", ["model.layers.*.b", "model.w"]):
+        report = tsckpt.diff(a, b, paths=spelling)
+        assert [leaf.path for leaf in report.leaves] == ["model/layers/0/b", "model/layers/1/b", "model/w"], spelling
+    assert [leaf.path for leaf in tsckpt.diff(a, b, paths="model.layers.1").leaves] == ["model/layers/1/b"]
+    code, out, _ = run(capsys, "diff", a, b, "--paths", "model.*")
+    assert code == 1 and out.splitlines()[-1].startswith("different: 2 of 3 leaves differ")
+
+
+def test_paths_that_select_no_leaf_are_an_error(tmp_path, capsys):
+    before, after = {"model": {"w": np.zeros(3)}, "step": 1}, {"model": {"w": np.ones(3)}, "step": 1}
+    a, b = saved(tmp_path, "a", before), saved(tmp_path, "b", after)
+    message = (
+        f"paths 'modle/*' select no leaf of {a} or {b}; a leaf path has '/' or '.' between its parts, as "
+        f"`tsckpt ls` lists them (here 'model/w', 'step'), and a glob selects the leaves it matches and those "
+        f"below (e.g. 'model/*' or 'model'); did you mean 'model/w' or 'model'?"
+    )
+    with pytest.raises(tsckpt.StructureMismatchError) as raised:
+        tsckpt.diff(a, b, paths="modle/*")
+    assert isinstance(raised.value, KeyError) and str(raised.value) == message
+    with pytest.raises(tsckpt.StructureMismatchError, match=r"^paths 'nothing' select no leaf"):
+        tsckpt.diff(a, b, paths=["model/*", "nothing"])  # one of several: still a mistake
+    code, out, err = run(capsys, "diff", a, b, "--paths", "modle/*")
+    assert (code, out, err) == (2, "", f"tsckpt diff: error: {message}\n")
+    code, out, err = run(capsys, "diff", a, b, "--paths", "model/*", "stpe", "--json")
+    assert (code, out) == (2, "") and err.startswith("tsckpt diff: error: paths 'stpe' select no leaf of ")
+    assert err.rstrip().endswith("did you mean 'step'?")
+
+
 def test_path_filter(tmp_path, capsys):
     before = {"model": {"w": torch.ones(3), "b": torch.ones(2)}, "opt": {"m": torch.ones(3)}, "step": 1}
     after = {"model": {"w": torch.ones(3), "b": torch.ones(2)}, "opt": {"m": torch.zeros(3)}, "step": 2}
@@ -170,6 +203,103 @@ def test_integers_are_compared_exactly(tmp_path):
     b = saved(tmp_path, "b", {"i": torch.tensor([big + 1, 1])})  # the same float64
     leaf = tsckpt.diff(a, b).leaves[0]
     assert (leaf.status, leaf.first_index, leaf.changed_elements) == ("different", (0,), 1)
+
+
+def one_leaf(tmp_path, x, y, **options):
+    """The diff of ``{"x": x}`` against ``{"x": y}``, and where both are saved."""
+    a, b = saved(tmp_path, "a", {"x": x}), saved(tmp_path, "b", {"x": y})
+    return tsckpt.diff(a, b, **options).leaves[0], a, b
+
+
+def test_int64_beyond_2_53_are_compared_exactly(tmp_path, capsys):
+    """2**62 and 2**62 + 3 are one float64: the difference is taken as stored, exactly, the
+    tolerance compared with it exactly, and the largest said as an exact int."""
+    x, y = np.array([2**62, 5], np.int64), np.array([2**62 + 3, 5], np.int64)
+    leaf, a, b = one_leaf(tmp_path, x, y)
+    assert (leaf.status, leaf.max_abs, type(leaf.max_abs), leaf.changed_elements) == ("different", 3, int, 1)
+    assert tsckpt.diff(a, b, atol=2).leaves[0].status == "different"  # 3 > 2
+    assert tsckpt.diff(a, b, atol=2.999).leaves[0].status == "different"
+    assert tsckpt.diff(a, b, atol=3).equal
+    assert tsckpt.diff(a, b, rtol=2.0**-61).leaves[0].status == "different"  # |b| * rtol = 2
+    assert tsckpt.diff(a, b, rtol=2.0**-60).equal  # 4
+    code, out, _ = run(capsys, "diff", a, b, "--atol", "2")
+    assert code == 1
+    assert "changed    x  1 of 1 chunk, 1 element; max |a-b| 3, rel L2 6.51e-19, first at [0]" in out.splitlines()
+    code, out, _ = run(capsys, "diff", a, b, "--json")
+    assert code == 1 and '"max_abs": 3,' in out and json.loads(out)["leaves"][0]["max_abs"] == 3
+    assert run(capsys, "diff", a, b, "--atol", "3")[0] == 0
+
+
+def test_integer_differences_next_to_2_53_and_of_uint64_extremes(tmp_path):
+    big = 2**53
+    leaf = one_leaf(tmp_path / "i", np.array([big + 1], np.int64), np.array([big + 2], np.int64))[0]
+    assert (leaf.max_abs, type(leaf.max_abs)) == (1, int)
+    top = 2**64 - 1
+    leaf = one_leaf(tmp_path / "u", np.array([0, top], np.uint64), np.array([top, top - 1], np.uint64))[0]
+    assert (leaf.max_abs, leaf.changed_elements, leaf.first_index) == (top, 2, (0,))
+    leaf = one_leaf(tmp_path / "v", np.array([top], np.uint64), np.array([top - 1], np.uint64), atol=0.5)[0]
+    assert (leaf.status, leaf.max_abs) == ("different", 1)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"])
+def test_every_integer_dtype_from_its_least_to_its_largest(tmp_path, dtype):
+    """The widest difference of each integer dtype, exact, against tolerances just below it
+    (the largest whole number within it decides) and at it."""
+    least, most = (0, 1) if dtype == "bool" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+    span = most - least
+    x, y = np.array([least, most, 1], dtype), np.array([most, least, 1], dtype)
+    leaf, a, b = one_leaf(tmp_path, x, y)
+    assert (leaf.max_abs, type(leaf.max_abs), leaf.changed_elements) == (span, int, 2)
+    assert tsckpt.diff(a, b, atol=float(span // 2)).leaves[0].changed_elements == 2
+    if span < 2**53:
+        assert tsckpt.diff(a, b, atol=span - 0.5).leaves[0].changed_elements == 2  # the whole 2**k - 1 is beyond
+    assert tsckpt.diff(a, b, atol=float(span)).equal
+    assert tsckpt.diff(a, a).leaves[0].max_abs == 0 and type(tsckpt.diff(a, a).leaves[0].max_abs) is int
+
+
+def test_int4_is_compared_as_an_integer(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x, y = np.array([-8, 7, 1], ml_dtypes.int4), np.array([7, -8, 1], ml_dtypes.int4)
+    leaf, a, b = one_leaf(tmp_path, x, y)
+    assert (leaf.dtype_a, leaf.max_abs, type(leaf.max_abs), leaf.changed_elements) == ("int4", 15, int, 2)
+    assert not tsckpt.diff(a, b, atol=14.9).equal and tsckpt.diff(a, b, atol=15).equal
+
+
+@pytest.mark.parametrize("tolerance", [{}, {"atol": 1e-300}])
+def test_relative_l2_of_float64_beyond_the_squares_of_float64(tmp_path, tolerance):
+    """Squares beyond float64 (values above 1e154, or below 1e-154) are summed scaled: finite
+    values give the finite relative L2 ``||a - b|| / ||a||``, compared as stored or widened."""
+    cases = [
+        (np.full(4, 2e200), np.full(4, 1e200), 0.5, 1e200),
+        (np.full(4, 1e200), np.full(4, 2e200), 1.0, 1e200),
+        (np.full(4, 2e-200), np.full(4, 1e-200), 0.5, 1e-200),
+        (np.array([3e200, 4e200]), np.array([0.0, 4e200]), 0.6, 3e200),
+        (np.array([1.7e308, 1.0]), np.array([-1.7e308, 1.0]), 2.0, math.inf),  # |a - b| beyond float64
+    ]
+    for k, (x, y, rel, largest) in enumerate(cases):
+        leaf = one_leaf(tmp_path / str(k), x, y, **tolerance)[0]
+        assert leaf.status == "different" and leaf.max_abs == largest, k
+        assert leaf.rel_l2 == pytest.approx(rel, rel=1e-12), k
+    x = np.full(4, 1e200)
+    y = x * (1 + np.array([0, 0, 0, 1e-10]))
+    leaf = one_leaf(tmp_path / "t", x, y)[0]
+    assert leaf.rel_l2 == pytest.approx(float(y[3] - x[3]) / 2e200, rel=1e-12)
+
+
+def test_sums_of_squares_of_every_scale_add_up():
+    """Pieces summed plainly and scaled, of any sizes, add into one finite sum: ``||a||`` of
+    values whose squares overflow one by one, many pieces at once."""
+    a = np.concatenate([np.full(1000, 1.3e154), np.full(24, 1e-170), [3.0]])
+    b = np.concatenate([a[:1000] / 2, a[1000:]])
+    for piece in (1, 10, 1 << 16):
+        tally = Tally()
+        compare_block(a, b, "float64", ((0,), (a.size,)), (100,), tally, atol=0.0, rtol=0.0, piece=piece)
+        assert diff_module._relative(tally.squares_diff, tally.squares_a) == pytest.approx(0.5, rel=1e-12)
+        assert (tally.sq_a, tally.changed_elements) == (math.inf, 1000)  # as one float64: beyond it
+    many = diff_module.Squares(0.0)
+    for _ in range(5000):
+        many = many.plus(diff_module.Squares(1e308))
+    assert math.sqrt(many.ssq) * many.scale == pytest.approx(math.sqrt(5000) * 1e154, rel=1e-12)
 
 
 def test_bfloat16_and_complex(tmp_path):

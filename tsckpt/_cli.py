@@ -11,7 +11,6 @@ says it is a bug in tsckpt).
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import re
@@ -25,6 +24,7 @@ import numpy as np
 
 from ._base import dtypes as _dtypes
 from ._base.casting import CASTINGS
+from ._base.leafnames import did_you_mean, listed, spelled, under
 from ._convert import TARGETS, parse_size
 from ._errors import CheckpointExistsError, TsckptError
 from ._formats.dcp import PICKLE_WARNING
@@ -83,64 +83,9 @@ def _clip(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _names(paths: list[str], limit: int = 10) -> str:
-    shown = ", ".join(f"'{p}'" for p in paths[:limit]) or "none"
-    return shown + (f", ... {len(paths) - limit} more" if len(paths) > limit else "")
-
-
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
-def _spelled(path: str) -> str:
-    """``path`` with its separators written alike: users type leaf names with ``/`` or ``.``
-    (tsckpt joins keys with ``/``; Hugging Face names hold dots inside one key)."""
-    return path.replace("/", ".")
-
-
-def _under(path: str, prefix: str | None) -> bool:
-    """Whether ``path`` is ``prefix`` or below it, ``/`` and ``.`` both separating components:
-    ``model.layers.0`` holds ``model/layers/0/w`` and ``model.layers.0.mlp.weight``, not
-    ``model.layers.01``."""
-    want = _spelled(prefix or "").strip(".")
-    if not want:
-        return True
-    have = _spelled(path)
-    return have == want or have.startswith(want + ".")
-
-
-def _or_list(names: list[str]) -> str:
-    quoted = [f"'{n}'" for n in names]
-    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
-
-
-def did_you_mean(name: str, leaves: Sequence[str], directory: str, *, prefixes: bool = False) -> str:
-    """What to say after "no leaf ``name``": the leaf paths (and, with ``prefixes``, the
-    prefixes of them ls takes), ``/`` and ``.`` alike, that hold it (the shortest three, none
-    below another), else
-    the closest to it (difflib); else how to list them all."""
-    want = _spelled(name).strip(".")
-    shown: dict[str, str] = {}  # spelled -> as ls writes it (the spelling keeps every position)
-    for p in leaves:
-        spelled = _spelled(p)
-        shown.setdefault(spelled, p)
-        if prefixes:
-            for i, ch in enumerate(spelled):
-                if ch == ".":
-                    shown.setdefault(spelled[:i], p[:i])
-    holding: list[str] = []  # the shortest first, none below another
-    for c in sorted((c for c in shown if want and want in c), key=lambda c: (len(c), c)):
-        if len(holding) < 3 and not any(c.startswith(h + ".") for h in holding):
-            holding.append(c)
-    picked = [shown[c] for c in holding]
-    if not picked:
-        close = difflib.get_close_matches(want, list(shown), n=10, cutoff=0.6)
-        scores = [difflib.SequenceMatcher(None, want, c).ratio() for c in close]
-        picked = [shown[c] for c, score in zip(close, scores) if score >= max(scores) - 0.05][:3]
-    if picked:
-        return f"did you mean {_or_list(picked)}?"
-    return f"`tsckpt ls {shlex.quote(directory)}` lists every leaf"
 
 
 def resolve_leaf(leaves: Sequence[str], name: str) -> str:
@@ -149,13 +94,13 @@ def resolve_leaf(leaves: Sequence[str], name: str) -> str:
     them. None: ``name`` as given, for the reader to say it is missing."""
     if name in leaves:
         return name
-    same = [p for p in leaves if _spelled(p) == _spelled(name)]
+    same = [p for p in leaves if spelled(p) == spelled(name)]
     if len(same) > 1:
-        raise UsageError(f"'{name}' may name {len(same)} leaves ({_names(same)}); give the path of one as ls writes it")
-    below = same or [p for p in leaves if _under(p, name)]
+        raise UsageError(f"'{name}' may name {len(same)} leaves ({listed(same)}); give the path of one as ls writes it")
+    below = same or [p for p in leaves if under(p, name)]
     if len(below) > 1:
         raise UsageError(
-            f"'{name}' is not a leaf; {len(below)} leaves below it ({_names(below)}); give the full path of one"
+            f"'{name}' is not a leaf; {len(below)} leaves below it ({listed(below)}); give the full path of one"
         )
     return below[0] if below else name
 
@@ -312,7 +257,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from e
         mapped = mapped_checkpoint(ck, rules)
         ck = mapped.view
-    paths = [p for p in ck.leaves if _under(p, args.prefix)]
+    paths = [p for p in ck.leaves if under(p, args.prefix)]
     if args.prefix and not paths:
         raise UsageError(
             f"no leaf at or below '{args.prefix}' in {ck.location}; "
@@ -410,15 +355,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         arrays = [p for p in report.bad if p in report.arrays and p not in report.unread]
         others = [p for p in report.bad if p not in report.arrays and p not in report.unread]
         parts = (
-            [f"{len(arrays)} of {report.n_arrays} arrays bad ({_names(arrays)})"] if arrays or not (others or unread)
+            [f"{len(arrays)} of {report.n_arrays} arrays bad ({listed(arrays)})"] if arrays or not (others or unread)
             else []
         )
         if others:
-            parts.append(f"{_count(len(others), 'other leaf', 'other leaves')} bad ({_names(others)})")
+            parts.append(f"{_count(len(others), 'other leaf', 'other leaves')} bad ({listed(others)})")
         if unread:
             parts.append(
                 f"{len(unread)} not read, as their files include a symbolic link (never followed) or a special "
-                f"file ({_names(unread)})"
+                f"file ({listed(unread)})"
             )
         if report.group_problems:
             parts.append(f"{len(report.group_problems)} group node(s) bad")
@@ -493,9 +438,10 @@ def _diff_line(leaf: LeafDiff) -> str:
     if leaf.how == "value":
         return f"value      {leaf.path}  {_clip(leaf.value_a or '')} -> {_clip(leaf.value_b or '')}"
     first = "" if leaf.first_index is None else _shape_text(leaf.first_index)
+    largest = str(leaf.max_abs) if isinstance(leaf.max_abs, int) else f"{leaf.max_abs:.6g}"  # integers: exact
     return (
         f"changed    {leaf.path}  {leaf.changed_chunks} of {_count(leaf.chunks, 'chunk')}, "
-        f"{_count(leaf.changed_elements, 'element')}; max |a-b| {leaf.max_abs:.6g}, rel L2 {leaf.rel_l2:.3g}, "
+        f"{_count(leaf.changed_elements, 'element')}; max |a-b| {largest}, rel L2 {leaf.rel_l2:.3g}, "
         f"first at {first}"
     )
 
@@ -610,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default: 0, exact)")
     p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to |b| (default: 0, exact)")
     p.add_argument("--paths", metavar="GLOB", nargs="+",
-                   help="compare only the leaves matching one of these glob patterns (e.g. 'model/*'); quote them")
+                   help="compare only the leaves at or below a match of one of these paths or glob patterns, '/' "
+                   "and '.' alike between their parts, as ls takes them (e.g. 'model/*', 'model.layers.0'); quote "
+                   "them; one that selects no leaf of A or B is an error (exit 2)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (non-finite numbers as strings)")
     p.add_argument("--max-inflight-bytes", metavar="SIZE",
                    help=f"reads and work in memory at once, e.g. 64MiB (default: {human_bytes(READ_WINDOW_BYTES)})")

@@ -11,6 +11,8 @@ Owns:
 - :mod:`.jaxtree`: JAX's pytree registry when jax is imported.
 - :mod:`.lazytorch`: torch imported only when a torch object is involved, and the type
   tests (tensor, dtype, generator) that never import it.
+- :mod:`.leafnames`: leaf paths as people type them (``/`` and ``.`` alike, a path or glob
+  selecting the leaves at or below it) and what to suggest for a name that selects none.
 - :mod:`.mapping`: transforms on read: ``Rule``, ``Rules`` and the views, their resolution
   against stored leaves, and the planner of each target region's stored boxes.
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fnmatch
 import itertools
 import json
 import math
@@ -30,10 +29,12 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from .._base import dtypes as _dtypes
+from .._base.leafnames import did_you_mean, listed, under
 from .._base.types import Box, Dest, ReadItem, box_slices
 from .._codec.files import node_agrees, opened_directory
 from .._codec.route import Place, Route, place, route
 from .._codec.shardread import StoredChunk, check_stored, read_stored
+from .._errors import StructureMismatchError
 from .._ondisk.arrays import chunk_key
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
@@ -76,8 +77,9 @@ class LeafDiff:
     equal from what is stored, nothing read), ``value`` (plain values compared), or empty
     when the two sides were not compared. For arrays compared by reading: ``chunks`` in A's
     stored chunk grid, of which ``changed_chunks`` hold an element beyond the tolerance;
-    ``changed_elements``; ``max_abs``, the largest ``|a - b|`` (infinite where one side is
-    NaN; NaNs at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
+    ``changed_elements``; ``max_abs``, the largest ``|a - b|`` (for integer dtypes an exact
+    ``int``; infinite where one side is NaN, or where it is beyond the largest float64; NaNs
+    at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
     over the finite elements read (a region known equal unread adds nothing to ``a - b``,
     but its part of ``||a||`` is unknown: then an upper bound); ``first_index``, the first element beyond the tolerance in C
     order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ.
@@ -93,7 +95,7 @@ class LeafDiff:
     chunks: int = 0
     changed_chunks: int = 0
     changed_elements: int = 0
-    max_abs: float | None = None
+    max_abs: int | float | None = None
     rel_l2: float | None = None
     first_index: tuple[int, ...] | None = None
     value_a: str | None = None
@@ -234,16 +236,65 @@ def _numbers(data: np.ndarray, dtype: str) -> np.ndarray:
     return data.astype(np.float32).astype(np.float64)  # bfloat16, float8 and other ml_dtypes
 
 
+class Squares(NamedTuple):
+    """A sum of squares as ``scale**2 * ssq``: ``scale`` is 1 where the plain sum is a normal
+    float64, else the largest element (:func:`_squares`), so any finite elements give a finite
+    sum, whatever their size; infinite ``ssq`` where an element is."""
+
+    ssq: float
+    scale: float = 1.0
+
+    @property
+    def value(self) -> float:
+        """The sum as one float64 (infinite or 0 where it is beyond float64)."""
+        with np.errstate(over="ignore", under="ignore"):
+            return float(np.float64(self.scale) ** 2 * self.ssq)
+
+    def plus(self, other: Squares) -> Squares:
+        """The sum of both, on the larger scale (the smaller one's part of it rounded as it must)."""
+        x, y = self.kept(), other.kept()
+        if x.scale < y.scale:
+            x, y = y, x
+        if y.ssq == 0.0:
+            return x
+        if x.ssq == 0.0:
+            return y
+        return Squares(x.ssq + (y.ssq if y.scale == x.scale else y.ssq * (y.scale / x.scale) ** 2), x.scale).kept()
+
+    def kept(self) -> Squares:
+        """The same sum with ``ssq`` kept far from overflow (rescaled by an exact power of two),
+        so that any number of them can be added."""
+        if _RESCALE < self.ssq < math.inf:
+            return Squares(self.ssq * _RESCALE_BY**2, self.scale / _RESCALE_BY)
+        return self
+
+
+# Sums of squares above this are rescaled by an exact power of two (:meth:`Squares.kept`).
+_RESCALE = 2.0**600
+_RESCALE_BY = 2.0**-300
+NO_SQUARES = Squares(0.0)
+
+
 @dataclasses.dataclass
 class Tally:
-    """What the blocks of one array found so far."""
+    """What the blocks of one array found so far: ``max_abs`` an ``int`` for integer dtypes;
+    the sums of the squares of ``|a - b|`` and of ``|a|`` as :class:`Squares` (``sq_diff``
+    and ``sq_a``: each as one float64)."""
 
     changed_chunks: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
     changed_elements: int = 0
-    max_abs: float = 0.0
-    sq_diff: float = 0.0
-    sq_a: float = 0.0
+    max_abs: int | float = 0.0
+    squares_diff: Squares = NO_SQUARES
+    squares_a: Squares = NO_SQUARES
     first: tuple[int, ...] | None = None
+
+    @property
+    def sq_diff(self) -> float:
+        return self.squares_diff.value
+
+    @property
+    def sq_a(self) -> float:
+        return self.squares_a.value
 
 
 class Scratch:
@@ -262,13 +313,13 @@ class Scratch:
 
 
 class Found(NamedTuple):
-    """What the comparison of one piece found: the largest ``|a - b|`` (where ``pending``, rounded
-    to the stored dtype: :func:`_exact_max` finds it exactly), the sums of the squares of
-    ``|a - b|`` and of ``|a|``, and how many elements differ."""
+    """What the comparison of one piece found: the largest ``|a - b|`` (an ``int`` for integer
+    dtypes; where ``pending``, rounded to the stored dtype: :func:`_exact_max` finds it
+    exactly), the sums of the squares of ``|a - b|`` and of ``|a|``, and how many elements differ."""
 
-    max_abs: float
-    sq_diff: float
-    sq_a: float
+    max_abs: int | float
+    sq_diff: Squares
+    sq_a: Squares
     changed: int
     pending: bool = False
 
@@ -279,37 +330,68 @@ def _compare_piece(sa: np.ndarray, sb: np.ndarray, dtype: str, out: np.ndarray, 
     :class:`Found` says. A piece of the same bytes costs a comparison of its bytes; float32
     and float64 pieces without a tolerance are compared as stored (:func:`_stored_differences`);
     elsewhere only the elements that differ are widened to float64 (the others add nothing
-    to ``a - b``)."""
+    to ``a - b``); integers are compared exactly as stored (:func:`_integer_differences`)."""
     if _same_bits(sa, sb):  # nothing more to learn
         out[:] = False
-        return Found(0.0, 0.0, _squared_norm(sa, dtype), 0)
+        return Found(0.0, NO_SQUARES, _squared_norm(sa, dtype, equal=True), 0)
     if sa.dtype in STORED_FLOATS and not (atol or rtol):
         found = _stored_differences(sa, sb, out, scratch)
         if found is not None:
             return found
-    sq_a = _squared_norm(sa, dtype)
+    sq_a = _squared_norm(sa, dtype, equal=False)
     ne = sa != sb  # NaNs included; 0.0 against -0.0 is no difference
     if ne.ndim > 1:  # complex32: (re, im) pairs
         ne = ne.any(axis=-1)
     count = int(np.count_nonzero(ne))
     if not count:
         out[:] = False
-        return Found(0.0, 0.0, sq_a, 0)
+        return Found(0.0, NO_SQUARES, sq_a, 0)
+    differences = _integer_differences if is_integer(sa.dtype) else _widened_differences
     if count == ne.size:
-        gap, bad = _widened_differences(sa, sb, dtype, atol=atol, rtol=rtol)
+        top, sq_diff, bad = differences(sa, sb, dtype, atol=atol, rtol=rtol)
         out[:] = bad
     else:
         idx = np.flatnonzero(ne)
-        gap, bad = _widened_differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
+        top, sq_diff, bad = differences(sa[idx], sb[idx], dtype, atol=atol, rtol=rtol)
         out[:] = False
         out[idx] = bad
-    return Found(float(gap.max()), _sum_of_squares(gap), sq_a, int(np.count_nonzero(bad)))
+    return Found(top, sq_diff, sq_a, int(np.count_nonzero(bad)))
+
+
+def is_integer(dtype: np.dtype) -> bool:
+    """Whether elements of ``dtype`` (as numpy holds a stored dtype) are integers: bool, the
+    signed and unsigned integers and raw bits, and ml_dtypes' int4."""
+    return dtype.kind in "biu" or dtype.name == "int4"
+
+
+def _integer_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
+                         rtol: float) -> tuple[int, Squares, np.ndarray]:
+    """For integer elements: the largest ``|a - b|`` as an exact ``int``, the sum of the
+    squares of ``|a - b|`` (in float64) and whether each element is beyond the tolerance,
+    decided exactly: ``|a - b|`` computed in the unsigned integer of the stored width (it
+    always fits: no wrap-around, no rounding, as float64 would past 2**53) against the
+    largest whole number within the tolerance."""
+    if ca.dtype.kind not in "biu":  # int4: held in int8
+        ca, cb = ca.astype(np.int8), cb.astype(np.int8)
+    unsigned = np.dtype(f"u{ca.dtype.itemsize}")
+    ua, ub = ca.view(unsigned), cb.view(unsigned)
+    # modulo 2**bits, the difference of the larger and the smaller is exact (two's complement)
+    gap = np.where(ca < cb, ub - ua, ua - ub)
+    if atol or rtol:
+        bound = np.floor(atol + rtol * np.abs(cb.astype(np.float64)) if rtol else np.float64(atol))
+        beyond = bound >= float(np.iinfo(unsigned).max)  # every difference of the width is within
+        bad = (gap > np.where(beyond, 0.0, bound).astype(unsigned)) & ~beyond
+    else:
+        bad = gap != 0
+    return int(gap.max()), _squares(gap.astype(np.float64), tiny=False), bad
 
 
 def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: float,
-                         rtol: float) -> tuple[np.ndarray, np.ndarray]:
-    """``|a - b|`` in float64 (infinite where one side is NaN, 0 where both are alike) and
-    whether each element is beyond the tolerance, for elements of ``dtype`` as stored."""
+                         rtol: float) -> tuple[float, Squares, np.ndarray]:
+    """The largest ``|a - b|`` in float64 (infinite where one side is NaN, 0 where both are
+    alike), the sum of the squares of ``|a - b|`` (:class:`Squares`: finite for finite
+    elements, even where ``|a - b|`` is beyond float64) and whether each element is beyond the
+    tolerance, for elements of ``dtype`` as stored."""
     na, nb = _numbers(ca, dtype), _numbers(cb, dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 0 * inf
         gap = np.abs(na - nb)
@@ -319,13 +401,23 @@ def _widened_differences(ca: np.ndarray, cb: np.ndarray, dtype: str, *, atol: fl
         alike = odd & ((na == nb) | (np.isnan(na) & np.isnan(nb)))
         gap[odd] = np.inf
         gap[alike] = 0.0
-    if ca.dtype.kind in "biu":  # integers compared as stored (float64 is not exact past 2**53)
-        bad = ca != cb
-        if atol or rtol:
-            bad &= ~(gap <= bound)
-    else:  # no tolerance brings an infinity nearer
-        bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
-    return gap, bad
+    # no tolerance brings an infinity nearer
+    bad = gap > bound if not rtol else (gap > 0) & (~(gap <= bound) | np.isinf(gap))
+    top = float(gap.max())
+    tiny = dtype in TINY_DTYPES
+    if math.isfinite(top):
+        return top, _squares(gap, tiny=tiny), bad
+    finite = np.isfinite(na) & np.isfinite(nb)
+    if not finite.all():  # an infinity or a NaN against a number: infinitely far
+        return top, Squares(math.inf), bad
+    with np.errstate(over="ignore"):  # finite elements whose difference is beyond float64: halved
+        half = np.abs(na / 2 - nb / 2)
+    found = _squares(half, tiny=tiny)
+    return top, Squares(4 * found.ssq, found.scale), bad
+
+
+# Stored dtypes whose elements' squares can be too small for float64 (below about 1e-154).
+TINY_DTYPES = ("float64", "complex128")
 
 
 # Stored dtypes whose pieces are compared as stored when no tolerance is given.
@@ -341,7 +433,7 @@ def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray, scratch
     one is largest, in the pieces whose largest is the largest of their block only. None where
     a difference is not finite in the stored dtype (a NaN, an infinity, an overflow): then
     the widened path answers."""
-    sq_a = _squared_norm(sa, "")
+    sq_a = _squared_norm(sa, sa.dtype.name, equal=False)
     d = scratch.get(sa.dtype, sa.size)
     np.subtract(sa, sb, out=d)  # an overflow is found below (the pieces run without FP warnings)
     np.abs(d, out=d)
@@ -351,11 +443,12 @@ def _stored_differences(sa: np.ndarray, sb: np.ndarray, out: np.ndarray, scratch
     np.not_equal(sa, sb, out=out)  # every element finite: no NaN to tell apart
     count = int(np.count_nonzero(out))
     if not count:
-        return Found(0.0, 0.0, sq_a, 0)
+        return Found(0.0, NO_SQUARES, sq_a, 0)
     sq = _stored_sum_of_squares(d)
-    if not math.isfinite(sq):  # squares beyond the stored dtype: summed in float64
-        sq = _sum_of_squares(d.astype(np.float64))
-    return Found(float(top), sq, sq_a, count, pending=True)
+    if _normal(sq, sa.dtype):
+        return Found(float(top), Squares(sq), sq_a, count, pending=True)
+    # squares beyond the stored dtype (or too small for it): summed in float64, scaled where need be
+    return Found(float(top), _squares(d.astype(np.float64), tiny=sa.dtype == np.float64), sq_a, count, pending=True)
 
 
 def _exact_max(sa: np.ndarray, sb: np.ndarray, top: float) -> float:
@@ -460,8 +553,8 @@ def compare_blocks(pairs: Sequence[Pair], dtype: str, chunk: Sequence[int], tall
             tally.max_abs = max(tally.max_abs, _exact_max(fa[i : i + piece], fb[i : i + piece], f.max_abs))
         elif not f.pending:
             tally.max_abs = max(tally.max_abs, f.max_abs)
-        tally.sq_diff += f.sq_diff
-        tally.sq_a += f.sq_a
+        tally.squares_diff = tally.squares_diff.plus(f.sq_diff)
+        tally.squares_a = tally.squares_a.plus(f.sq_a)
         counts[k] += f.changed
     for p, (_, _, differs), count in zip(pairs, flat, counts):
         if count:
@@ -492,21 +585,46 @@ def _sum_of_squares(x: np.ndarray) -> float:
     return float(np.einsum("i,i->", x, x))
 
 
-def _squared_norm(x: np.ndarray, dtype: str) -> float:
+def _squared_norm(x: np.ndarray, dtype: str, *, equal: bool) -> Squares:
     """The sum of ``|x|**2`` over the finite elements of ``x`` (stored elements of ``dtype``):
-    float32 and float64 as :func:`_stored_sum_of_squares` sums them (in float64 where that
-    overflows), the others in float64."""
+    float32 and float64 as :func:`_stored_sum_of_squares` sums them (in float64, scaled, where
+    that is beyond the stored dtype: :func:`_squares`), the others in float64. ``equal``: a
+    piece equal on both sides, whose sum of 0 is taken as every element 0 (elements whose
+    squares are too small for float64 are looked for only where the piece differs)."""
     if x.dtype in STORED_FLOATS:
         total = _stored_sum_of_squares(x)
-        if math.isfinite(total):
-            return total
+        if (total == 0.0 and equal) or _normal(total, x.dtype):
+            return Squares(total)
     size = x if x.dtype == np.float64 else _numbers(x, dtype)
     if size.dtype.kind == "c":
         size = np.abs(size)
-    total = _sum_of_squares(size)
-    if math.isfinite(total):
-        return total
-    return _sum_of_squares(size[np.isfinite(size)])
+    return _squares(size, tiny=dtype in TINY_DTYPES and not equal)
+
+
+def _normal(total: float, dtype: np.dtype) -> bool:
+    """Whether a sum of squares summed in ``dtype`` (float32 or float64) is finite and far
+    above its smallest normal number (squares too small for it, lost, are then below its
+    precision)."""
+    return _LEAST_NORMAL_SUM[dtype] < total < math.inf
+
+
+_LEAST_NORMAL_SUM = {d: float(np.finfo(d).tiny) / float(np.finfo(d).eps) ** 2 for d in STORED_FLOATS}
+
+
+def _squares(x: np.ndarray, *, tiny: bool) -> Squares:
+    """The sum of ``x**2`` over the finite elements of real float64 ``x``: summed as they are
+    where that is a normal float64, else over them divided by the largest (:class:`Squares`),
+    so that finite elements give a finite sum whatever their size. ``tiny``: whether elements
+    may be so small that their squares are lost (a sum of 0 is otherwise exact)."""
+    total = _sum_of_squares(x)
+    if _normal(total, x.dtype) or (total == 0.0 and not tiny):
+        return Squares(total)
+    if not math.isfinite(total):
+        x = x[np.isfinite(x)]
+    largest = float(np.abs(x).max()) if x.size else 0.0
+    if largest == 0.0:
+        return NO_SQUARES
+    return Squares(_sum_of_squares(x / largest), largest)
 
 
 class _Buffers:
@@ -610,6 +728,7 @@ class _ArrayWork:
         self.rec = sides.a.arrays[sides.a.aliases.get(path, path)]
         self.chunk = la.metadata.chunk_shape
         self.itemsize = _dtypes.itemsize(la.dtype)
+        self.integer = la.dtype != "complex32" and is_integer(_dtypes.numpy_dtype(la.dtype))
         # half the window: two blocks of both sides (one compared while the next is read) and the
         # mask of one; the other half: the float64 work on pieces of a block
         self.limit = max(1, sides.window // 2 // (4 * self.itemsize + 1))
@@ -702,8 +821,8 @@ class _ArrayWork:
             self.la.dtype, self.lb.dtype, shape, self.lb.shape,
             chunks=math.prod(-(-n // c) for n, c in zip(shape, self.chunk)),
             changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
-            max_abs=tally.max_abs if read else 0.0,
-            rel_l2=_relative(tally.sq_diff, tally.sq_a) if read else 0.0,
+            max_abs=(int(tally.max_abs) if self.integer else float(tally.max_abs)) if read else 0 if self.integer else 0.0,
+            rel_l2=_relative(tally.squares_diff, tally.squares_a) if read else 0.0,
             first_index=tally.first, bytes_read=read,
         )
 
@@ -827,10 +946,14 @@ def _read_stored_block(side: _StoredSide, block: Box) -> _StoredBlock | None:
     return _StoredBlock(chunks, taken[0] if taken else None, math.prod(block[1]) * _dtypes.itemsize(side.rec.dtype))
 
 
-def _relative(sq_diff: float, sq_a: float) -> float:
-    if sq_diff == 0.0:
+def _relative(sq_diff: Squares, sq_a: Squares) -> float:
+    """``||a - b|| / ||a||`` from the sums of squares (finite where both are and ``||a||`` is not 0)."""
+    if sq_diff.ssq == 0.0:
         return 0.0
-    return math.sqrt(sq_diff / sq_a) if sq_a > 0.0 else math.inf
+    if not sq_a.ssq > 0.0:
+        return math.inf
+    with np.errstate(over="ignore"):
+        return float(np.float64(math.sqrt(sq_diff.ssq) / math.sqrt(sq_a.ssq)) * (sq_diff.scale / sq_a.scale))
 
 
 # ---- leaves -------------------------------------------------------------------------------
@@ -868,7 +991,22 @@ def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _Array
 
 
 def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
-    return patterns is None or any(fnmatch.fnmatchcase(path, p) for p in patterns)
+    return patterns is None or any(under(path, p) for p in patterns)
+
+
+def _check_selected(patterns: tuple[str, ...], selected: Sequence[str], leaves_a: Sequence[str],
+                    leaves_b: Sequence[str], a: str, b: str) -> None:
+    """A pattern of ``paths`` that selects no leaf of either side is a mistake (a typo, another
+    spelling), not a filter that leaves nothing to differ: a StructureMismatchError naming it."""
+    missing = [p for p in patterns if not any(under(x, p) for x in selected)]
+    if missing:
+        known = set(leaves_a)
+        leaves = [*leaves_a, *(p for p in leaves_b if p not in known)]
+        raise StructureMismatchError(
+            f"paths {listed(missing)} select no leaf of {a} or {b}; a leaf path has '/' or '.' between its "
+            f"parts, as `tsckpt ls` lists them (here {listed(leaves, 3)}), and a glob selects the leaves it "
+            f"matches and those below (e.g. 'model/*' or 'model'); {did_you_mean(missing[0], leaves, a, prefixes=True)}"
+        )
 
 
 def _tolerance(name: str, value: Any) -> float:
@@ -927,8 +1065,10 @@ def diff(
     """Compare two checkpoints of any formats tsckpt reads (each detected from its files),
     leaf by leaf, into a :class:`DiffReport` (``report.equal``; ``report.to_json()``).
 
-    Leaves are matched by path; ``paths`` (glob patterns, e.g. ``"model/*"``) keeps only
-    those matching one. Arrays of the same dtype and shape are compared element by element:
+    Leaves are matched by path; ``paths`` (leaf paths or glob patterns, ``/`` and ``.`` alike
+    between their parts, as ls takes them: ``"model/*"``, ``"model.layers.0"``) keeps only the
+    leaves at or below a match of one; one that selects no leaf of A or B is a
+    :class:`~tsckpt.StructureMismatchError`. Arrays of the same dtype and shape are compared element by element:
     equal when ``|a - b| <= atol + rtol * |b|`` (numpy's isclose; NaNs at the same index are
     equal; complex numbers by the modulus of the difference); the counts of changed chunks
     are over A's stored chunk grid. Plain values are compared by value, exactly. Data is read
@@ -944,6 +1084,9 @@ def diff(
     in_a = [p for p in ra if _selected(p, patterns)]
     in_b = [p for p in rb if _selected(p, patterns)]
     set_a, set_b = set(in_a), set(in_b)
+    if patterns is not None:
+        _check_selected(patterns, [*in_a, *in_b], list(ra), list(rb), str(ra.checkpoint.location),
+                        str(rb.checkpoint.location))
     both = [p for p in in_a if p in set_b]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff | _ArrayWork] = []
