@@ -156,14 +156,15 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
         store = _open(ck, path, bad)
         if store is None:
             continue
-        probe = rec.chunking.chunk_shape is None and not ck.held_sizes
+        # where no held descriptor gave its size (another format's files are that format's own)
+        probe = rec.chunking.chunk_shape is None and not ck.held_sizes and not ck.foreign
+        size = chunk_file_bytes(rec)
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
             if path in bad:
                 break
             view = store[box_slices(off, ln)] if off else store
             nbytes = math.prod(ln) * _dtypes.itemsize(rec.dtype)
             key = chunk_key(rec, off)
-            size = chunk_file_bytes(rec)
             past = ck.kvstore().read(key, byte_range=slice(size, size + 1)) if probe else None
             window.add((view.read(), path, nbytes, key, past), nbytes)
             total, files = total + nbytes, files + 1
@@ -211,8 +212,8 @@ def _open(ck: Checkpoint, path: str, bad: dict[str, str]) -> Any:
         unreachable = storage_problem(ck.location, e)
         if unreachable is not None:
             raise unreachable from e
-        size = ck.chunk_size_problem(path)  # the open's refusal of a chunk file of another size, in verify's words
-        bad[path] = f"{UNDECODABLE} ({size})" if size is not None else f"cannot open the array ({' '.join(str(e).split())})"
+        why = ck.chunk_size_problem(path)  # the open's refusal of a chunk file of another size, in verify's words
+        bad[path] = f"{UNDECODABLE} ({why})" if why is not None else f"cannot open the array ({' '.join(str(e).split())})"
         return None
 
 
