@@ -362,21 +362,32 @@ def test_node_agrees_parses_a_node_written_otherwise(tmp_path):
 @pytest.mark.parametrize("change", ["longer", "shorter", "flipped"])
 def test_one_chunk_files_not_as_written_are_left_to_the_kvstore_path(tmp_path, own_io, change):
     """A one-chunk file of another length or failing its crc32c is not taken by the positional read:
-    the kvstore path and then TensorStore read it, and damage is reported as before."""
+    the kvstore path reads it, and refuses one of another length itself (TensorStore would read a
+    file with bytes after its crc32c, which zarr readers refuse); one failing its crc32c is left to
+    TensorStore, which reports the damage as before."""
     x = np.arange(100, dtype=np.float32)
     tsckpt.save(tmp_path / "ck", {"x": x})
     f = tmp_path / "ck" / "x" / "c.0"
     data = f.read_bytes()
     f.write_bytes({"longer": data + b"\0", "shorter": data[:-1], "flipped": data[:7] + bytes([data[7] ^ 1]) + data[8:]}[change])
-    if change == "longer":  # TensorStore reads the chunk and its crc32c at the start of the file, as before
-        target = np.zeros_like(x)
-        tsckpt.restore(tmp_path / "ck", {"x": target}, inplace=True)
-        assert np.array_equal(target, x) and own_io["tensorstore"] == [["x"]]
-        own_io.reset()
+    with pytest.raises(tsckpt.CorruptCheckpointError) as info:
+        tsckpt.restore(tmp_path / "ck", {"x": np.zeros_like(x)}, inplace=True)
+    where = f"'x' in {tmp_path / 'ck'}: "
+    size = {
+        "longer": "x/c.0 is 405 bytes, 1 more than the 404 bytes its record gives it (the chunk's 400 bytes, then "
+        "their 4-byte crc32c); zarr readers refuse bytes after the crc32c",
+        "shorter": "x/c.0 is 403 bytes, 1 fewer than the 404 bytes its record gives it (the chunk's 400 bytes, then "
+        "their 4-byte crc32c)",
+    }
+    if change in size:
+        assert str(info.value) == (
+            f"{where}stored data could not be decoded (truncated or damaged file); restore from another checkpoint. "
+            f"({size[change]})"
+        )
+        assert own_io["read chunks"] == [1] and own_io["tensorstore"] == []
     else:
-        with pytest.raises(tsckpt.CorruptCheckpointError, match="'x' in "):
-            tsckpt.restore(tmp_path / "ck", {"x": np.zeros_like(x)}, inplace=True)
-        own_io.reset()
+        assert str(info.value).startswith(f"{where}checksum mismatch") and own_io["tensorstore"] == [["x"]]
+    own_io.reset()
     f.write_bytes(data)
     target = np.zeros_like(x)
     tsckpt.restore(tmp_path / "ck", {"x": target}, inplace=True)

@@ -11,6 +11,7 @@ import torch
 
 import tsckpt
 from tsckpt._read.reader import read_subtree
+from tests.stored import array_store
 
 
 @pytest.fixture
@@ -191,3 +192,33 @@ def test_an_entry_for_no_listed_leaf_is_bad(ck):
     }
     with pytest.raises(tsckpt.CorruptCheckpointError, match="'m/extra' has an entry in the root metadata but is not listed"):
         tsckpt.restore(ck)
+
+
+@pytest.mark.parametrize("codec", ["auto", "tensorstore"])  # verify reads through TensorStore either way
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+def test_a_chunk_file_of_another_size_is_reported(tmp_path, layout, monkeypatch, codec, change):
+    """An unsharded chunk file with bytes after its crc32c (TensorStore reads past them, zarr
+    readers refuse the file) or cut short is reported with the file and both sizes: on a local
+    plain checkpoint from the size the file had when opened, in the compact layout's database
+    by a read just past its size."""
+    monkeypatch.setenv("TSCKPT_CODEC", codec)
+    path = str(tmp_path / "ck")
+    tsckpt.save(path, {"b": torch.ones(3), "n": np.arange(4)}, layout=layout)
+    store = array_store(path)
+    data = store.read("b/c.0").result().value
+    store.write("b/c.0", data + b"\0" * 4 if change == "longer" else data[:-1]).result()
+    r = tsckpt.verify(path, progress=False)
+    assert not r.ok and list(r.bad) == ["b"]
+    assert r.files_read == (1 if layout == "plain" else 2)  # plain: b refused at its open; compact: read, then found
+    sizes = "the 16 bytes its record gives it (the chunk's 12 bytes, then their 4-byte crc32c)"
+    if change == "shorter" and layout == "compact":  # TensorStore's read says it
+        assert r.bad["b"].startswith("stored data could not be decoded (truncated or damaged file) (DATA_LOSS: ")
+        return
+    detail = {
+        ("longer", "plain"): f"b/c.0 is 20 bytes, 4 more than {sizes}; zarr readers refuse bytes after the crc32c",
+        ("longer", "compact"): f"b/c.0 holds more than {sizes}; zarr readers refuse bytes after the crc32c",
+        ("shorter", "plain"): f"b/c.0 is 15 bytes, 1 fewer than {sizes}",
+    }[change, layout]
+    assert r.bad["b"] == f"stored data could not be decoded (truncated or damaged file) ({detail})"
+    store.write("b/c.0", data).result()
+    assert tsckpt.verify(path, progress=False).ok

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._base import dtypes as _dtypes
 from .._base.types import ReadItem
-from .._ondisk.arrays import CRC_BYTES, chunk_key
+from .._ondisk.arrays import CRC_BYTES, chunk_file_bytes, chunk_key
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.records import ArrayRecord
 from .._storage.beneath import open_beneath
@@ -125,16 +125,16 @@ def _map_one(dir_fd: int, rec: ArrayRecord, key: str) -> np.ndarray | str:
     """The chunk file ``key`` of ``rec`` mapped whole (data and crc32c, not yet checked); or why
     not: it is missing, behind a link, not a regular file of the expected size
     (:data:`NOT_AS_WRITTEN`), or cannot be mapped (past the process's limit of mappings)."""
-    nbytes = math.prod(stored_shapes(rec).shard) * _dtypes.numpy_dtype(rec.dtype).itemsize  # complex32: float16 pairs
+    size = chunk_file_bytes(rec)
     try:
         fd = open_beneath(dir_fd, key)
     except OSError:
         return NOT_AS_WRITTEN
     try:
         st = os.fstat(fd)
-        if not S_ISREG(st.st_mode) or st.st_size != nbytes + CRC_BYTES:
+        if not S_ISREG(st.st_mode) or st.st_size != size:
             return NOT_AS_WRITTEN
-        return map_private(fd, nbytes + CRC_BYTES)
+        return map_private(fd, size)
     except (OSError, ValueError) as e:
         return f"its file cannot be mapped ({e}; vm.max_map_count bounds a process's mappings)"
     finally:

@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._base.types import Dest, box_slices
-from .._ondisk.arrays import CACHED, CRC_BYTES, chunk_key, stored_node_problem
+from .._ondisk.arrays import (
+    CACHED,
+    CRC_BYTES,
+    chunk_key,
+    chunk_size_problem,
+    stored_node_problem,
+)
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import shard_boxes
 from .._ondisk.records import ArrayRecord
@@ -27,6 +33,7 @@ from .._runtime.memory import prefaulted
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage.beneath import open_beneath
+from .._storage.faults import UNDECODABLE
 from . import crc
 from .encode import decode_chunk
 from .files import node_agrees, opened_directory, stored_shapes
@@ -40,7 +47,8 @@ class _Read(NamedTuple):  # a NamedTuple: made 10,000 times in a restore of 10,0
     dest: Dest
     view: np.ndarray  # the destination memory in the stored dtype and shape
     chunk: tuple[int, ...]  # the stored chunk shape
-    read: Any  # the kvstore read of the chunk file
+    key: str  # the chunk file
+    read: Any  # its kvstore read
     src: tuple[slice, ...]  # the part wanted, in the chunk (complex32's pair dim: all of it)
     dst: tuple[slice, ...]  # where it goes, in the destination
     nbytes: int
@@ -58,7 +66,9 @@ def read_chunks(
     """Read each destination of ``dests``, an array without inner chunks, into its memory
     as a writable view in the stored dtype and shape (``view_of``); returns those left for
     TensorStore: any whose zarr.json or chunk is not exactly as expected, so that
-    TensorStore reports the damage as usual. ``window`` bounds the bytes of reads in flight.
+    TensorStore reports the damage as usual, but for a chunk file of another size than its
+    record gives it, which raises CorruptCheckpointError (TensorStore reads a file with bytes
+    after its crc32c, which zarr readers refuse). ``window`` bounds the bytes of reads in flight.
     ``directory``: the local directory of a plain checkpoint, whose whole one-chunk arrays
     are read with positional reads (:func:`read_local_chunks`); the rest through the kvstore."""
     if directory is not None:
@@ -85,6 +95,9 @@ def read_chunks(
             chunk = None
         data = None
         if node_ok[path] and chunk is not None and chunk.state == "value":
+            problem = chunk_size_problem(ck.arrays[path], r.key, len(chunk.value))
+            if problem is not None:
+                raise ck.damaged(path, UNDECODABLE, problem)
             data = decode_chunk(chunk.value, r.view.dtype, r.chunk)
         if data is None:
             left[id(r.dest)] = r.dest
@@ -107,7 +120,7 @@ def read_chunks(
             key = chunk_key(rec, off)
             ck.hold([key], leaf=rec.path)
             read = kv.read(key, staleness_bound=CACHED)
-            in_flight.add(_Read(dest, view, chunk, read, src, dst, nbytes), nbytes)
+            in_flight.add(_Read(dest, view, chunk, key, read, src, dst, nbytes), nbytes)
     in_flight.drain()
     return list(left.values())
 

@@ -208,13 +208,6 @@ def _run(
     return fell_back
 
 
-def _damage(ck: Checkpoint, path: str, what: str, detail: str) -> CorruptCheckpointError:
-    """The error of damaged shard data of the array ``path``, worded as
-    :func:`tsckpt._ondisk.readfaults.corrupt_error` words TensorStore's."""
-    where = f"'{path}' in {ck.location}"
-    return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
-
-
 def _read_shard(ck: Checkpoint, dir_fd: int, job: _Job, room: _Room) -> None:
     """Read the part ``job`` needs of one shard file into its destination, verifying every
     chunk. Opened with :func:`open_beneath`: a link on the way is left to TensorStore's
@@ -222,7 +215,7 @@ def _read_shard(ck: Checkpoint, dir_fd: int, job: _Job, room: _Room) -> None:
     try:
         fd = open_beneath(dir_fd, job.key)
     except FileNotFoundError:
-        raise _damage(ck, job.rec.path, CHUNK_MISSING, f"{job.key} does not exist") from None
+        raise ck.damaged(job.rec.path, CHUNK_MISSING, f"{job.key} does not exist") from None
     except OSError as e:
         raise _Fallback(str(e)) from e
     try:
@@ -296,14 +289,14 @@ def _open_index(ck: Checkpoint, path: str, key: str, fd: int, grid: tuple[int, .
     size = stat.st_size
     index_bytes = ShardIndex.nbytes(grid)
     if size < index_bytes:
-        raise _damage(ck, path, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
+        raise ck.damaged(path, UNDECODABLE, f"{key} is {size} bytes, shorter than its shard index of {index_bytes}")
     cached = resident_fraction(fd, 0, size - index_bytes)
     tail = os.pread(fd, index_bytes, size - index_bytes)
     if len(tail) != index_bytes:
-        raise _damage(ck, path, UNDECODABLE, f"{key} shrank while being read")
+        raise ck.damaged(path, UNDECODABLE, f"{key} shrank while being read")
     index = ShardIndex.parse(tail, grid)
     if index is None:
-        raise _damage(ck, path, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
+        raise ck.damaged(path, CHECKSUM_MISMATCH, f"{key}: the shard index fails its crc32c")
     return index, size, cached
 
 
@@ -313,11 +306,10 @@ def _chunk_start(ck: Checkpoint, path: str, key: str, index: ShardIndex, cell: t
     ``key`` of ``size`` bytes, as its index says; damage when it is missing or lies outside."""
     entry = index.entry(cell)
     if entry is None:
-        raise _damage(ck, path, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
+        raise ck.damaged(path, CHUNK_MISSING, f"{key}: inner chunk {list(cell)} is missing from the shard index")
     start, nbytes = entry
     if nbytes != stride or start > size or nbytes > size - start:
-        raise _damage(
-            ck,
+        raise ck.damaged(
             path,
             UNDECODABLE,
             f"{key}: the shard index gives inner chunk {list(cell)} bytes [{start}, {start + nbytes}) "
@@ -378,7 +370,7 @@ def _copy_mapped(ck: Checkpoint, job: _Job, mapped: np.ndarray, first: int, plan
     for c in plan:
         at = c.start - first
         if not crc.intact(mapped[at : at + stride]):
-            raise _damage(ck, job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
+            raise ck.damaged(job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
         data = mapped[at : at + data_bytes]
         if c.direct is not None:
             c.direct[:] = data
@@ -418,7 +410,7 @@ def _read_run(
             datas, crcs = _preadv_buffered(ck, job, fd, run, room.scratch, data_bytes)
         for data, c, stored in zip(datas, run, crcs):
             if crc.value(data) != stored:
-                raise _damage(ck, job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
+                raise ck.damaged(job.rec.path, CHECKSUM_MISMATCH, f"{job.key}: inner chunk {list(c.cell)} fails its crc32c")
         chunk = job.shapes.inner or ()
         for data, c in zip(datas, run):
             if c.direct is None:
@@ -448,7 +440,7 @@ def _preadv_buffered(
     total = len(run) * (data_bytes + CRC_BYTES)
     got = os.preadv(fd, buffers, run[0].start)
     if got != total:
-        raise _damage(ck, job.rec.path, UNDECODABLE, f"{job.key} ended {total - got} bytes early while being read")
+        raise ck.damaged(job.rec.path, UNDECODABLE, f"{job.key} ended {total - got} bytes early while being read")
     return datas, crcs.tolist()
 
 
@@ -464,7 +456,7 @@ def _preadv_direct(
     buffers: list[Any] = [buf]  # a numpy array: a writable buffer (not typed as such before Python 3.12)
     got = os.preadv(fd, buffers, first)
     if got < end - first:
-        raise _damage(ck, job.rec.path, UNDECODABLE, f"{job.key} ended {end - first - got} bytes early while being read")
+        raise ck.damaged(job.rec.path, UNDECODABLE, f"{job.key} ended {end - first - got} bytes early while being read")
     at = [start - first + i * stride for i in range(len(run))]
     crcs = [int.from_bytes(buf[a + data_bytes : a + stride].tobytes(), "little") for a in at]
     return [buf[a : a + data_bytes] for a in at], crcs
@@ -513,7 +505,7 @@ def read_stored(
     try:
         fd = open_beneath(dir_fd, key)
     except FileNotFoundError:
-        raise _damage(ck, rec.path, CHUNK_MISSING, f"{key} does not exist") from None
+        raise ck.damaged(rec.path, CHUNK_MISSING, f"{key} does not exist") from None
     except OSError:
         return None
     try:
@@ -585,7 +577,7 @@ def _read_stored_runs(
         if got < 0:
             got = os.preadv(fd, _buffers(buf[at : at + end - first]), first)
         if got < end - first:
-            raise _damage(ck, path, UNDECODABLE, f"{key} ended {end - first - got} bytes early while being read")
+            raise ck.damaged(path, UNDECODABLE, f"{key} ended {end - first - got} bytes early while being read")
         for i in run:
             lo = at + starts[i] - first
             found[i] = StoredChunk(key, cells[i], buf[lo : lo + stride])
@@ -601,4 +593,4 @@ def _buffers(*arrays: np.ndarray) -> list[Any]:
 def check_stored(ck: Checkpoint, path: str, chunk: StoredChunk) -> None:
     """Raise CorruptCheckpointError when ``chunk`` of the array ``path`` fails its crc32c."""
     if not crc.intact(chunk.stored):
-        raise _damage(ck, path, CHECKSUM_MISMATCH, f"{chunk.key}: inner chunk {list(chunk.cell)} fails its crc32c")
+        raise ck.damaged(path, CHECKSUM_MISMATCH, f"{chunk.key}: inner chunk {list(chunk.cell)} fails its crc32c")

@@ -115,6 +115,27 @@ def _grid(rec: ArrayRecord, box: tuple[slice, ...] | None) -> list[tuple[int, in
     return dims
 
 
+def chunk_file_bytes(rec: ArrayRecord, shape: tuple[int, ...] | None = None) -> int:
+    """Bytes of a file of ``rec`` holding one chunk of ``shape`` (default: its shard shape, an
+    unsharded chunk file): the chunk's elements at the full shape (zarr pads the array's edge),
+    then their crc32c. A file of any other size is not as written (zarr readers refuse it)."""
+    return math.prod(rec.chunking.shard_shape if shape is None else shape) * _dtypes.itemsize(rec.dtype) + CRC_BYTES
+
+
+def chunk_size_problem(rec: ArrayRecord, key: str, size: int | None) -> str | None:
+    """Why the unsharded chunk file ``key`` of ``rec``, of ``size`` bytes (None: more than
+    :func:`chunk_file_bytes`, by how much unknown), is not as written, or None when it is of
+    its size; a phrase for the damage reports, which say what to do."""
+    expected = chunk_file_bytes(rec)
+    if size == expected:
+        return None
+    what = f"the chunk's {expected - CRC_BYTES} bytes, then their {CRC_BYTES}-byte crc32c"
+    if size is None or size > expected:
+        found = "holds more than" if size is None else f"is {size} bytes, {size - expected} more than"
+        return f"{key} {found} the {expected} bytes its record gives it ({what}); zarr readers refuse bytes after the crc32c"
+    return f"{key} is {size} bytes, {expected - size} fewer than the {expected} bytes its record gives it ({what})"
+
+
 class StoredSize(NamedTuple):
     """What the shard files of (part of) an array hold when written as its record says."""
 
@@ -131,12 +152,11 @@ def stored_size(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Store
     if dims is None:
         return StoredSize(0, 0, 0)
     files = math.prod(hi - lo for lo, hi, _, _ in dims)
-    itemsize = _dtypes.itemsize(rec.dtype)
     if rec.chunking.chunk_shape is None:
-        return StoredSize(files, files, files * (math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES))
+        return StoredSize(files, files, files * chunk_file_bytes(rec))
     index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
     inner = math.prod(min(hi * per, total) - lo * per for lo, hi, per, total in dims)
-    return StoredSize(files, inner, files * index + inner * (math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES))
+    return StoredSize(files, inner, files * index + inner * chunk_file_bytes(rec, rec.chunking.chunk_shape))
 
 
 def _cells(ranges: list[tuple[int, int]]) -> Iterator[tuple[int, ...]]:
@@ -161,13 +181,12 @@ def stored_files(rec: ArrayRecord, box: tuple[slice, ...] | None = None) -> Iter
     dims = _grid(rec, box)
     if dims is None:
         return
-    itemsize = _dtypes.itemsize(rec.dtype)
     extra = ["0" for _ in _dtypes.storage_extra_dims(rec.dtype)]
     if rec.chunking.chunk_shape is None:
-        size = math.prod(rec.chunking.shard_shape) * itemsize + CRC_BYTES
+        size = chunk_file_bytes(rec)
     else:
         index = INDEX_ENTRY_BYTES * math.prod(per for _, _, per, _ in dims) + CRC_BYTES
-        chunk = math.prod(rec.chunking.chunk_shape) * itemsize + CRC_BYTES
+        chunk = chunk_file_bytes(rec, rec.chunking.chunk_shape)
     sep = rec.separator
     for cell in _cells([(lo, hi) for lo, hi, _, _ in dims]):
         if rec.chunking.chunk_shape is not None:

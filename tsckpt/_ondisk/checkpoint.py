@@ -25,7 +25,16 @@ from .._storage.confine import confined_opens, refuse_links
 from .._storage.locations import Location
 from .._storage.mirror import Mirror
 from ..tree import TSCKPT_NAMES, from_paths, structure_from_json
-from .arrays import CACHED, data_spec, node_problem, open_array_future, parse_node, stored_files, stored_size
+from .arrays import (
+    CACHED,
+    chunk_size_problem,
+    data_spec,
+    node_problem,
+    open_array_future,
+    parse_node,
+    stored_files,
+    stored_size,
+)
 from .bounds import NODE_BYTES, file_problem, refused
 from .records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord
 
@@ -153,6 +162,39 @@ class Checkpoint:
             with self._storage_faults(path):
                 mirror.add_tree(path, field=f"leaf {path!r}: the file")
 
+    @property
+    def held_sizes(self) -> bool:
+        """Whether the sizes of the files held for TensorStore's reads (:meth:`hold`) are known
+        from their descriptors (:meth:`Mirror.size`): a local checkpoint of tsckpt's plain layout."""
+        return self.location.local is not None and not self.foreign and self.layout == LAYOUT_PLAIN
+
+    def chunk_size_problem(self, path: str) -> str | None:
+        """Why a chunk file held (:meth:`hold`) of the unsharded array ``path`` is not of the size
+        its record gives it (:func:`.arrays.chunk_size_problem`: TensorStore reads a chunk file
+        with bytes after its crc32c, which zarr readers refuse), from the size each had when
+        opened (no system call); None when each is, or where sizes are not known here
+        (:attr:`held_sizes`; a missing file or one not held ends the check: its read says
+        why). A sharded array is left to its readers: its index lies at the end of the file."""
+        rec = self.arrays[path]
+        mirror = self._cache.get("mirror") if self.held_sizes else None
+        if mirror is None or rec.chunking.chunk_shape is not None:
+            return None
+        for key, _ in stored_files(rec):
+            size = cast(Mirror, mirror).size(key)
+            if size is None:
+                return None
+            problem = chunk_size_problem(rec, key, size)
+            if problem is not None:
+                return problem
+        return None
+
+    def damaged(self, path: str, what: str, detail: str) -> CorruptCheckpointError:
+        """The error of damaged data of array ``path`` that tsckpt's own checks found: ``what``
+        (a fault's phrase, :mod:`tsckpt._storage.faults`) and ``detail``, worded as
+        :func:`.readfaults.corrupt_error` words TensorStore's."""
+        where = f"'{path}' in {self.location}"
+        return CorruptCheckpointError(f"{where}: {what}; restore from another checkpoint. ({detail})")
+
     @contextlib.contextmanager
     def _storage_faults(self, leaf: str) -> Iterator[None]:
         """An operating-system error of opening a file of ``leaf`` (permission denied, an I/O
@@ -275,6 +317,9 @@ class Opening:
                     ck.hold((key for key, _ in stored_files(rec)), leaf=path)
                 else:  # as many as exist (a record may claim any number)
                     ck.hold_tree(path)
+                problem = ck.chunk_size_problem(path)
+                if problem is not None:
+                    raise ck.damaged(path, _faults.UNDECODABLE, problem)
                 return open_array_future(ck.read_data(), rec, checked=True, context=ck.context()).result()
         # missing or different: TensorStore says how, from whatever files the array has
         ck.hold_tree(path)

@@ -13,7 +13,7 @@ from .._base.types import box_slices
 from .._codec import contenthash
 from .._formats import lazy
 from .._formats.sources import open_checkpoint
-from .._ondisk.arrays import chunk_key, stored_node_problem
+from .._ondisk.arrays import chunk_file_bytes, chunk_key, chunk_size_problem, stored_node_problem
 from .._ondisk.backing import backing_problems
 from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.chunking import shard_boxes
@@ -23,7 +23,7 @@ from .._options import RestoreOptions, verb
 from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage.confine import odd_files, odd_problem, owner
-from .._storage.faults import storage_errors, storage_problem
+from .._storage.faults import UNDECODABLE, storage_errors, storage_problem
 from .._storage.locations import Directory
 
 # Bytes of reads kept in flight.
@@ -116,13 +116,19 @@ def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
 def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _Reads:
     """Read every shard file of every array not in ``skip``, a bounded window at a time; a
     file whose content hash the root records (docs/format.md, "Content hashes") is hashed
-    and compared with it."""
+    and compared with it. Each unsharded chunk file is checked to be of the size its record
+    gives it, whichever codec reads (TensorStore reads a file with bytes after its crc32c,
+    which zarr readers refuse): on a local plain checkpoint from the size it had when opened
+    (:meth:`Checkpoint.chunk_size_problem`, at the array's open), elsewhere by a 1-byte read
+    just past that size (:func:`_longer`)."""
     bad: dict[str, str] = {}
     hashes = content_entries(ck.raw) if not ck.foreign else {}
 
-    def settle(read: tuple[Any, str, int, str]) -> None:
-        fut, path, nbytes, key = read
+    def settle(read: tuple[Any, str, int, str, Any]) -> None:
+        fut, path, nbytes, key, past = read
         progress.update(nbytes, 1)
+        if past is not None and path not in bad and _longer(ck, past):
+            bad[path] = f"{UNDECODABLE} ({chunk_size_problem(ck.arrays[path], key, None)})"
         try:
             data = fut.result()
         except Exception as e:  # noqa: BLE001 - every failure is reported per leaf
@@ -137,7 +143,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 f"recorded, {contenthash.digest(data)} read)",
             )
 
-    window: Window[tuple[Any, str, int, str]] = Window(VERIFY_WINDOW_BYTES, settle)
+    window: Window[tuple[Any, str, int, str, Any]] = Window(VERIFY_WINDOW_BYTES, settle)
     total = files = 0
     # the shards' sizes, before TensorStore decodes any
     bad.update(backing_problems(ck, [(p, None) for p in ck.arrays if p not in skip]))
@@ -150,15 +156,34 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
         store = _open(ck, path, bad)
         if store is None:
             continue
+        # where no held descriptor gave its size (another format's files are that format's own)
+        probe = rec.chunking.chunk_shape is None and not ck.held_sizes and not ck.foreign
+        size = chunk_file_bytes(rec)
         for off, ln in shard_boxes((0,) * len(rec.shape), rec.shape, rec.chunking):
             if path in bad:
                 break
             view = store[box_slices(off, ln)] if off else store
             nbytes = math.prod(ln) * _dtypes.itemsize(rec.dtype)
-            window.add((view.read(), path, nbytes, chunk_key(rec, off)), nbytes)
+            key = chunk_key(rec, off)
+            past = ck.kvstore().read(key, byte_range=slice(size, size + 1)) if probe else None
+            window.add((view.read(), path, nbytes, key, past), nbytes)
             total, files = total + nbytes, files + 1
     window.drain()
     return _Reads(bad, total, files)
+
+
+def _longer(ck: Checkpoint, past: Any) -> bool:
+    """Whether the read ``past`` of the byte just past a chunk file's size found one: the file
+    is longer than its record gives it. A shorter or missing file, or a failed read, is left
+    to the read of its data, which says why."""
+    try:
+        found = past.result()
+    except ValueError as e:
+        unreachable = storage_problem(ck.location, e)
+        if unreachable is not None:
+            raise unreachable from e
+        return False  # OUT_OF_RANGE: the file ends where its record says (or sooner)
+    return found.state == "value" and len(found.value) > 0
 
 
 def _read_source(ck: Checkpoint, path: str, bad: dict[str, str], progress: Progress) -> int:
@@ -187,7 +212,8 @@ def _open(ck: Checkpoint, path: str, bad: dict[str, str]) -> Any:
         unreachable = storage_problem(ck.location, e)
         if unreachable is not None:
             raise unreachable from e
-        bad[path] = f"cannot open the array ({' '.join(str(e).split())})"
+        why = ck.chunk_size_problem(path)  # the open's refusal of a chunk file of another size, in verify's words
+        bad[path] = f"{UNDECODABLE} ({why})" if why is not None else f"cannot open the array ({' '.join(str(e).split())})"
         return None
 
 

@@ -68,6 +68,7 @@ class Mirror:
         self.path = tempfile.mkdtemp(prefix=PREFIX, dir=BASE)
         self._fds: list[int] = []
         self._done: set[str] = set()  # files and directories added (or found missing)
+        self._sizes: dict[str, int] = {}  # file -> its size when opened
         self._dirs = {""}  # the mirror's own directories made
         self._lock = threading.Lock()
         _raise_fd_limit()
@@ -76,6 +77,11 @@ class Mirror:
     def spec(self) -> dict[str, Any]:
         """The file kvstore spec TensorStore reads the checkpoint through."""
         return {"driver": "file", "path": f"{self.path}/"}
+
+    def size(self, rel: str) -> int | None:
+        """The size of the checkpoint's file ``rel`` when the mirror opened it (from the ``fstat``
+        every file added gets: no system call here); None when it is not in the mirror."""
+        return self._sizes.get(rel)
 
     def add(self, rels: Iterable[str], *, field: str = "the file") -> None:
         """Link each file of ``rels`` (paths below the checkpoint) into the mirror, opened
@@ -134,20 +140,21 @@ class Mirror:
                     os.close(open_read(path))  # names the link
                     raise changed_link(path) from None  # a link when opened, no more
                 raise
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
                 try:
                     self._walk(fd, sub, field)
                 finally:
                     os.close(fd)
             else:
-                self._link(sub, fd, mode)
+                self._link(sub, fd, st)
 
-    def _link(self, rel: str, fd: int, mode: int | None = None) -> None:
-        """Hold ``fd`` (of the checkpoint's file ``rel``, of ``mode`` when known) and link it
-        into the mirror as ``rel``."""
-        if mode is None:
-            mode = os.fstat(fd).st_mode
+    def _link(self, rel: str, fd: int, st: os.stat_result | None = None) -> None:
+        """Hold ``fd`` (of the checkpoint's file ``rel``, whose ``fstat`` is ``st`` when known)
+        and link it into the mirror as ``rel``, noting its size (:meth:`size`)."""
+        if st is None:
+            st = os.fstat(fd)
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             if stat.S_ISDIR(mode):
@@ -158,6 +165,7 @@ class Mirror:
                 "directories and regular files: replace it with a copy of its file"
             )
         self._fds.append(fd)
+        self._sizes[rel] = st.st_size
         self._make_dir(rel.rpartition("/")[0])
         os.symlink(f"{FD_DIR}/{fd}", f"{self.path}/{rel}")
         self._done.add(rel)
