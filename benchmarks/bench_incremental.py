@@ -4,7 +4,8 @@ A CheckpointManager saves the same run of steps twice in one process: with
 ``incremental="versions"`` (every file hashed, except those of tensors torch's
 version counter shows unchanged since their last save; unchanged files shared with the
 previous step by hard links; the default ``True`` hashes every file) and with ``incremental=False`` (every file written, no
-hashes: a save as before). Reported per step: the bytes of new files (files shared
+hashes: a save as before). Then issue 36's "full training" case: every tensor changed at
+every step, saved by a manager with and without hashes in turns. Reported per step: the bytes of new files (files shared
 with an earlier step are not counted) and the save time; then the restore time of the
 last step of each (warm page cache), ``du`` of each manager's root, and the throughput
 of the content hash (xxh3-128) beside blake2b-128 and crc32c on one buffer.
@@ -99,6 +100,28 @@ def _restores(runs: list[dict[str, Any]], step: int, rounds: int) -> None:
         run["restore_s"] = statistics.median(ts)
 
 
+def _full_training(root: str, base_mib: int, steps: int) -> dict[bool, list[float]]:
+    """Issue 36's "full training" case: every tensor changes at every step, so nothing can be
+    shared and an incremental save only adds its hashing. Two managers (``incremental=True``,
+    the default, and ``False``; keep_last=2 as a run would) save the same state at each step,
+    taking turns in alternating order; returns each one's save times."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"layer{i:03d}": torch.randn(1024, 1024, generator=g) for i in range(base_mib // 4)}
+    managers = {k: tsckpt.CheckpointManager(os.path.join(root, f"full-{k}"), incremental=k, keep_last=2) for k in (True, False)}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for v in state.values():
+                v.add_(1.0)
+        for k in (True, False) if step % 2 else (False, True):
+            t = time.perf_counter()
+            managers[k].save(step, state)
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
 def _throughput(fn: Any, data: np.ndarray, repeats: int = 3) -> float:
     fn(data)
     t = time.perf_counter()
@@ -119,6 +142,8 @@ def main() -> None:
         on = _run(os.path.join(work, "incremental"), base_mib, adapter_mib, steps, "versions")
         off = _run(os.path.join(work, "full"), base_mib, adapter_mib, steps, False)
         _restores([on, off], steps, 7)
+        shutil.rmtree(os.path.join(work, "incremental")), shutil.rmtree(os.path.join(work, "full"))
+        changing = _full_training(work, base_mib, max(3, steps // 2 + 1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     buf = np.random.default_rng(1).integers(0, 255, 64 * MIB, dtype=np.uint8)
@@ -158,6 +183,11 @@ def main() -> None:
         f"({statistics.mean(on['save_s'][1:]) / statistics.mean(off['save_s'][1:]):.2f}x); the first save "
         f"(everything hashed and written) {on['save_s'][0] / off['save_s'][0]:.2f}x the save without hashes.",
         f"- `du` of the root after {steps} steps: incremental {on['du'] / MIB:.1f} MiB, full {off['du'] / MIB:.1f} MiB.",
+        f"- Full training ({base_mib} MiB, every tensor changed before each of {len(changing[True])} steps, keep_last=2, "
+        "the two managers taking turns): save with hashes (`incremental=True`) "
+        + ", ".join(f"{x:.3f}" for x in changing[True]) + " s; without (`incremental=False`) "
+        + ", ".join(f"{x:.3f}" for x in changing[False]) + " s; median of the per-step ratios after the first "
+        f"{statistics.median(a / b for a, b in zip(changing[True][1:], changing[False][1:])):.2f}x.",
         "- Hash throughput on one 64 MiB buffer, one thread: "
         + ", ".join(f"{k} {v:.2f} GiB/s" for k, v in hashes.items())
         + ".",
