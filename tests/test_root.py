@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from tsckpt._ondisk import root
 from tsckpt._storage.locations import resolve
 
@@ -46,3 +48,15 @@ def test_a_root_replaced_or_rewritten_is_read_again(tmp_path):
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
     assert os.stat(path).st_ino == before.st_ino and os.path.getsize(path) == before.st_size
     assert root.read_roots(loc, ["1/zarr.json"])["1/zarr.json"][0].state == "aborted"
+
+
+def test_the_states_read_leave_the_tables_out(tmp_path):
+    """What a manager keeps of each step it has seen is small: a committed root's leaf tables
+    are not part of the state read (the writer's memory grew with every step's before)."""
+    import tsckpt
+
+    tsckpt.save(tmp_path / "1", {f"w{i}": np.zeros(3) for i in range(50)})
+    ((state, _),) = root.read_roots(resolve(str(tmp_path)), ["1/zarr.json"]).values()
+    assert state.state == "committed" and state.meta is not None
+    assert not {"arrays", "leaves", "structure", "values", "content"} & state.meta.keys()
+    assert isinstance(state.meta["save_id"], str) and len(json.dumps(state.meta)) < 500

@@ -93,8 +93,9 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
     """:func:`root_state` of several root keys below ``loc``, read concurrently, each with the
     generation it was read at (TensorStore's generation of a missing key when there is none):
     the condition of replacing or removing it. A root that is not read (:func:`root_file_problem`)
-    is "invalid" (problem "file"), with no generation. A local root read before at the same
-    generation is not read or parsed again (:class:`_Parsed`)."""
+    is "invalid" (problem "file"), with no generation. The states leave the roots' tables out
+    (:func:`_summary`); a local root read before at the same generation is not read or parsed
+    again (:class:`_Parsed`)."""
     problems = {k: root_file_problem(loc, k) for k in keys}
     kv, _held = _root_store(loc, [k for k in keys if problems[k] is None])
     seen = {k: _PARSED.get(loc, k) for k in keys}
@@ -110,9 +111,22 @@ def read_roots(loc: Location, keys: list[str]) -> dict[str, tuple[RootState, byt
         if r.state == "unspecified" and before is not None and before[0] == generation:
             out[key] = (before[1], generation)
             continue
-        out[key] = (root_state(r.value if r.state == "value" else None), generation)
+        out[key] = (_summary(root_state(r.value if r.state == "value" else None)), generation)
         _PARSED.put(loc, key, *out[key])
     return out
+
+
+# A root's tables (a committed save's tree, leaves, arrays, values and content entries): what
+# a step is judged by (its state, claim, save id) never needs them, so the states read by
+# :func:`read_roots` leave them out (a manager keeps them for each step it has seen).
+_TABLES = frozenset({"structure", "leaves", "arrays", "values", "content", "aliases"})
+
+
+def _summary(state: RootState) -> RootState:
+    """``state`` without its root's tables."""
+    if state.meta is None or not _TABLES & state.meta.keys():
+        return state
+    return dataclasses.replace(state, meta={k: v for k, v in state.meta.items() if k not in _TABLES})
 
 
 def _generation(seen: tuple[bytes, RootState] | None) -> bytes | None:
@@ -125,7 +139,7 @@ class _Parsed:
     the same file, TensorStore's conditional read telling so, its bytes not read again).
     A root whose file is replaced or written has another generation; a missing one is never kept."""
 
-    LIMIT = 4096  # entries kept at most (emptied when full)
+    LIMIT = 1024  # entries kept at most (emptied when full); each a few hundred bytes (no tables)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
