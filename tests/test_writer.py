@@ -360,6 +360,23 @@ def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_write
 
 
 @pytest.mark.slow
+def test_a_writer_ignores_sigint_and_a_terminals_signals_go_to_the_trainer_alone(tmp_path, writer_process):
+    """Ctrl-C in a terminal signals the training process only (the writer has a process group
+    of its own); a SIGINT sent to the writer itself, right after a save, leaves it serving saves
+    (it could end its loop mid-way and leave it alive and deaf: the next save waited for ever)."""
+    manager = tsckpt.CheckpointManager(tmp_path / "run")
+    manager.save_async(1, state(1)).result(timeout=120)
+    pid = manager._saver.writer_pid
+    assert os.getpgid(pid) != os.getpgid(0)
+    for step in range(2, 10):
+        os.kill(pid, signal.SIGINT)
+        manager.save_async(step, state(step)).result(timeout=30)
+    assert manager._saver.writer_pid == pid and manager.all_steps() == list(range(1, 10))
+    assert np.array_equal(manager.restore(9)["b"], state(9)["b"])
+    manager.close()
+
+
+@pytest.mark.slow
 def test_fifty_saves_in_a_row_commit_and_memory_does_not_grow(tmp_path, writer_process):
     manager = tsckpt.CheckpointManager(tmp_path)
     tree = {"w": torch.randn(256, 256), "m": [torch.randn(128, 128) for _ in range(4)], "step": 0}

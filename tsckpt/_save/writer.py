@@ -422,9 +422,11 @@ class _Writer:
         fd = theirs.detach()
         setup = json.dumps({"parent": os.getpid(), "rendezvous": rendezvous, "log_level": log.getEffectiveLevel()})
         try:
+            # a process group of its own: a terminal's Ctrl-C (SIGINT, and SIGTSTP, SIGQUIT) goes to
+            # the training process, which decides; the writer ends with it (close, or its death seen)
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from tsckpt._save.writer import main; main()", str(fd), setup],
-                pass_fds=[fd], env=_child_environment(), stdin=subprocess.DEVNULL,
+                [sys.executable, "-c", _WRITER_MAIN, str(fd), setup],
+                pass_fds=[fd], env=_child_environment(), stdin=subprocess.DEVNULL, process_group=0,
             )
         finally:
             os.close(fd)
@@ -629,6 +631,14 @@ def _child_environment() -> dict[str, str]:
 
 
 # ---- the writer process's side ---------------------------------------------------------------
+
+
+# The writer's command: SIGINT ignored before anything else (a SIGINT sent to it alone, say by
+# a job's kill of every process it started, would otherwise end its loop in the middle of a
+# thread's start and leave it alive and deaf: the training process waiting on it for ever).
+_WRITER_MAIN = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); from tsckpt._save.writer import main; main()"
+)
 
 
 def main() -> None:
