@@ -376,6 +376,36 @@ def test_a_writer_ignores_sigint_and_a_terminals_signals_go_to_the_trainer_alone
     manager.close()
 
 
+def _staging_held() -> tuple[int, int]:
+    """Descriptors of, and bytes mapped from, shared staging blocks in this process."""
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds += "tsckpt-staging" in os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    mapped = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "tsckpt-staging" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                mapped += end - start
+    return fds, mapped
+
+
+@pytest.mark.slow
+def test_a_closed_manager_keeps_no_staging_block(tmp_path, writer_process):
+    """Each manager opened and closed in one process left its state-sized block of shared
+    memory behind (its descriptor and mapping), however it was dropped."""
+    before = _staging_held()
+    for run in range(3):
+        manager = tsckpt.CheckpointManager(tmp_path / f"run{run}")
+        manager.save_async(1, {"a": np.random.rand(512, 1024)}).result(timeout=120)
+        assert _staging_held()[1] >= 4 << 20  # the block: 4 MiB of staging
+        manager.close()
+        assert _staging_held() == before
+
+
 @pytest.mark.slow
 def test_fifty_saves_in_a_row_commit_and_memory_does_not_grow(tmp_path, writer_process):
     manager = tsckpt.CheckpointManager(tmp_path)

@@ -281,6 +281,11 @@ class _Staging:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
 
+    def release(self) -> None:
+        """Drop every buffer: a closed saver keeps no copy of the state."""
+        self._buffers = {}
+        self._plan = None
+
     @staticmethod
     def _key(path: Any, data: Any) -> tuple[Any, ...]:
         if is_tensor(data):
@@ -759,8 +764,9 @@ class AsyncSaver:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._staging.release()  # its views of the shared block first, then the block itself
             if self._process is not None:
-                self._process.close()
+                self._process.give_up()
 
 
 # The nice value of the background save's thread, and so of the writer threads it starts

@@ -368,6 +368,13 @@ class WriterSlot:
         if w is not None:
             w.close()
 
+    def give_up(self) -> None:
+        """:meth:`close`, and give up the shared block (its memory is freed once the staging's
+        views of it are gone): the saver is closed."""
+        self.close()
+        if self._shared is not None:
+            self._shared.release()
+
 
 # The builtin types of plain values, each with what takes a subclass's value as exactly that
 # type (not through methods a subclass may override: a str enum's str() is its name).
