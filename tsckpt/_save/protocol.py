@@ -377,12 +377,7 @@ def _write(
     data = _write_spec(loc, layout, writer=rank)
     context = write_context()  # this save's own: see there
     with _faults.storage_errors(loc, doing="writing"):
-        sharer: _share.Sharer | None = None
-        versions = options.incremental == "versions"
-        if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
-            sharer = _share.Sharer(loc.local, _share.open_base(options.base, loc), versions=versions)
-        elif options.incremental and layout == LAYOUT_PLAIN and loc.spec.get("driver") == "s3":
-            sharer = _share.ObjectSharer(_share.open_object_base(options.base, loc), versions=versions)
+        sharer = _share.sharer_for(loc, layout, options.incremental, options.base)
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         nodes = {} if job.commit is None else _node_files(job.commit.arrays)  # rank 0's
         node_keys = list(nodes)

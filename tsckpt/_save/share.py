@@ -213,6 +213,23 @@ def open_object_base(base: Directory | None, target: Location) -> ObjectBase | N
     return ObjectBase(dict(ck.arrays), content_entries(ck.raw), etags, copier)
 
 
+def sharer_for(target: Location, layout: str, incremental: Any, base: Directory | None) -> Sharer | None:
+    """The :class:`Sharer` of one rank's save into ``target`` (``incremental``: the save's
+    option), None where nothing is recorded or shared: incremental off, or a layout or store
+    other than the plain layout on a local file system or S3 (logged when a base was given)."""
+    if not incremental:
+        return None
+    versions = incremental == "versions"
+    if layout == LAYOUT_PLAIN and target.local is not None:
+        return Sharer(target.local, open_base(base, target), versions=versions)
+    if layout == LAYOUT_PLAIN and target.spec.get("driver") == "s3":
+        return ObjectSharer(open_object_base(base, target), versions=versions)
+    if base is not None:
+        why = "the compact layout's files are databases, not a file per chunk" if layout != LAYOUT_PLAIN else f"{target} is on neither a local file system nor S3"
+        log.info("incremental save into %s shares nothing with its base (%s); every file is written", target, why)
+    return None
+
+
 # Where a file's data comes from, for a hash known without reading it (:mod:`.versions`):
 # the leaf's tensor, its state before the save read it, and the file's box of it.
 Proof = tuple[Any, _versions.State, _versions.Box]
