@@ -100,9 +100,9 @@ def save(
     number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
     ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
     a terminal); each rank logs bytes, files and throughput at the end.
-    ``incremental`` (plain layout on a local file system) records a content hash
+    ``incremental`` (plain layout on a local file system or S3) records a content hash
     of every file, and shares with ``base``, a previous committed checkpoint, by
-    hard links, every file whose content is proven unchanged: each rank decides
+    hard links (on S3: server-side copies), every file whose content is proven unchanged: each rank decides
     for the files it writes (docs/incremental.md). Every checkpoint stays
     complete on its own: deleting ``base`` later breaks nothing.
 

@@ -1,5 +1,5 @@
 """Incremental saves: each file whose content equals the base checkpoint's is shared with
-it (a hard link), every other file written.
+it (a hard link; on S3 a server-side copy, :class:`ObjectSharer`), every other file written.
 
 A file is shared only when that is proven: its array's record (dtype, shape, chunking,
 kind) is the base's, the content hash of the data it would hold
