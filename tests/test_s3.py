@@ -803,3 +803,18 @@ def test_a_base_that_is_the_target_is_refused_on_s3(s3_server, prefix):
     url = f"s3://{BUCKET}/{prefix}"
     with pytest.raises(ValueError, match="is the checkpoint being saved"):
         tsckpt.save(url, _tree(), base=url)
+
+
+def test_ranks_copy_their_own_unchanged_objects(s3_server, s3_env, prefix, counted, copy_conditions):
+    """Two ranks, each writing one shard file of a frozen weight: at the second step each
+    copies its own file on the store; rank 0 records every rank's hashes and ETags."""
+    root = f"s3://{BUCKET}/{prefix}"
+    run_ranks(sc.in_env, 2, {**s3_env, "AWS_ENDPOINT_URL": counted.url}, sc.incremental_steps, root, layout="plain")
+    files1, etags1 = _content(s3_server, f"{prefix}/00000001")
+    files2, etags2 = _content(s3_server, f"{prefix}/00000002")
+    assert _copies(counted, f"{prefix}/00000002") == {k: etags1[k] for k in ("frozen/c/0/0", "frozen/c/1/0")}
+    assert list(_data_puts(counted, f"{prefix}/00000002")) == ["adapter/c.0.0"]
+    assert set(files2) == set(etags2) == {"frozen/c/0/0", "frozen/c/1/0", "adapter/c.0.0"}
+    out = tsckpt.restore(f"{root}/00000002")
+    np.testing.assert_array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
+    assert tsckpt.verify(f"{root}/00000002").ok
