@@ -350,9 +350,11 @@ def test_copies_only_within_one_bucket_and_endpoint(monkeypatch, caplog):
     copier = s3copy.Copier.between(a, b)
     assert copier is not None and (copier.bucket, copier.source, copier.target) == ("bucket-a", "run/1/", "run/2/")
 
+    from botocore.exceptions import ClientError
+
     class Refusing:  # a store that refuses every copy (412, 403, gone): the file is written
         def copy_object(self, **kw):
-            raise RuntimeError("PreconditionFailed")
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "CopyObject")
 
     copier.client = Refusing()
     assert copier.copy("w/c.0", "w/c.0", '"e"') is None and copier.refused == 1

@@ -50,9 +50,10 @@ WRITE_THREADS = max(2, min(4, cpus()))
 # Whether tsckpt's own writer writes the shard files of a local plain checkpoint at all
 # (off: TensorStore writes them, as it does everywhere else).
 OWN_SHARD_FILES = True
-# An incremental save's files on an object store are hashed, copied or written, by this many
-# threads each waiting on its request (unhashed writes stay asynchronous, TensorStore's own).
-OBJECT_THREADS = 16
+# An incremental save's files on an object store are hashed, then copied or written, by this
+# many threads, each waiting on its request: as many requests at once as TensorStore's s3
+# driver sends by default (its ``s3_request_concurrency``).
+OBJECT_THREADS = 32
 # Unsharded chunk files (and zarr.json nodes) of such a checkpoint go to the writing threads
 # in batches of this many files, or fewer that hold BATCH_BYTES.
 BATCH_FILES = 64

@@ -27,7 +27,7 @@ from .locations import Location
 log = logging.getLogger("tsckpt")
 
 # Connections the client keeps: copies run on a save's write threads, this many at once at most.
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 32  # the save's write threads for object stores (write.OBJECT_THREADS)
 _told: set[str] = set()
 _lock = threading.Lock()
 
@@ -67,8 +67,9 @@ class Copier:
     """Copies objects of checkpoint ``source`` into checkpoint ``target`` (same bucket) by
     server-side copies (:meth:`copy`); thread-safe (a boto3 client is)."""
 
-    def __init__(self, client: Any, bucket: str, source: str, target: str) -> None:
+    def __init__(self, client: Any, bucket: str, source: str, target: str, errors: tuple[type[BaseException], ...]) -> None:
         self.client, self.bucket, self.source, self.target = client, bucket, source, target
+        self.errors = errors  # what a refused or failed request raises (botocore's errors)
         self.refused = 0  # copies refused or failed, each file written instead
 
     @classmethod
@@ -84,6 +85,7 @@ class Copier:
         try:
             import boto3
             import botocore.config
+            import botocore.exceptions
         except ImportError:
             _once("boto3 is not installed (pip install 'tsckpt[s3]')")
             return None
@@ -98,10 +100,11 @@ class Copier:
                 "s3", endpoint_url=_endpoint(t), region_name=t.get("aws_region") or session.region_name or "us-east-1",
                 config=config,
             )
-        except Exception as e:  # a profile not found, a bad endpoint: boto3's own classes
+        except (botocore.exceptions.BotoCoreError, ValueError) as e:  # a profile not found, a bad endpoint URL
             _once(f"no S3 client for {target} ({e})")
             return None
-        return cls(client, str(t["bucket"]), str(s.get("path", "")), str(t.get("path", "")))
+        errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
+        return cls(client, str(t["bucket"]), str(s.get("path", "")), str(t.get("path", "")), errors)
 
     def copy(self, source_key: str, target_key: str, etag: str) -> str | None:
         """Copy the source checkpoint's object ``source_key`` to the target's ``target_key`` if
@@ -114,7 +117,7 @@ class Copier:
                 CopySource={"Bucket": self.bucket, "Key": self.source + source_key},
             )
             new = got.get("CopyObjectResult", {}).get("ETag")
-        except Exception as e:  # botocore's ClientError and connection errors: the file is written
+        except self.errors as e:  # refused (412, 403, 404), or the store unreachable: the file is written
             log.debug("incremental save on S3: copy of %s refused (%s); written instead", source_key, e)
             new = None
         if new != etag:
