@@ -74,10 +74,10 @@ class Base:
         """Link the base's file of this save's file ``key`` at ``dest`` if it provably holds what
         this save would write there (see the module's docstring): its key in the base; None,
         with nothing left at ``dest``, if not."""
-        key_ = _their_key(self.records, self.files, key, rec, digest)
-        if key_ is None:
+        theirs = _their_key(self.records, self.files, key, rec, digest)
+        if theirs is None:
             return None
-        key, entry = key_, self.files[key_]
+        key, entry = theirs, self.files[theirs]
         try:
             os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
         except OSError:
@@ -131,20 +131,21 @@ class ObjectBase:
     etags: Mapping[str, str]
     copier: Copier
 
-    def copy(self, key: str, rec: ArrayRecord, digest: str) -> tuple[str, str] | None:
+    def copy(self, key: str, rec: ArrayRecord, digest: str) -> tuple[str, str, int] | None:
         """Copy the base's object of this save's file ``key`` (hash ``digest``) to ``key`` if it
         provably holds what this save would write there: the base recorded the same hash
         for it and the object is still the one its save wrote (the copy is conditional on
-        its recorded ETag). The base's key and the copy's ETag; None if not copied."""
+        its recorded ETag). The base's key, the copy's ETag and its size; None if not copied."""
         theirs = _their_key(self.records, self.files, key, rec, digest)
         etag = None if theirs is None else self.etags.get(theirs)
         if theirs is None or etag is None:
             return None
         new = self.copier.copy(theirs, key, etag)
-        return None if new is None else (theirs, new)
+        return None if new is None else (theirs, new, self.files[theirs][1])
 
 
 def _same_object_location(a: Location, b: Location) -> bool:
+    """Whether two object-store locations are one: the same driver, bucket, endpoint and path."""
     keys = ("driver", "bucket", "endpoint", "path")
     return all(a.spec.get(k) == b.spec.get(k) for k in keys)
 
@@ -195,6 +196,9 @@ def open_object_base(base: Directory | None, target: Location) -> ObjectBase | N
     if base is None:
         return None
     loc = resolve(base)
+    if loc.spec.get("driver") != "s3":
+        log.info("incremental save: base %s is not on S3 as %s is; every file is written", loc, target)
+        return None
     copier = Copier.between(loc, target)
     if copier is None:
         return None
@@ -225,7 +229,10 @@ def sharer_for(target: Location, layout: str, incremental: Any, base: Directory 
     if layout == LAYOUT_PLAIN and target.spec.get("driver") == "s3":
         return ObjectSharer(open_object_base(base, target), versions=versions)
     if base is not None:
-        why = "the compact layout's files are databases, not a file per chunk" if layout != LAYOUT_PLAIN else f"{target} is on neither a local file system nor S3"
+        why = (
+            "the compact layout's files are databases, not a file per chunk" if layout != LAYOUT_PLAIN
+            else f"{target} is on neither a local file system nor S3"
+        )
         log.info("incremental save into %s shares nothing with its base (%s); every file is written", target, why)
     return None
 
@@ -348,8 +355,8 @@ class ObjectSharer(Sharer):
         got = None if self.object_base is None else self.object_base.copy(key, rec, digest)
         if got is None:
             return False
-        theirs, etag = got
-        self.written[key] = (digest, self.object_base.files[theirs][1], 0, 0)  # type: ignore[union-attr]
+        theirs, etag, size = got
+        self.written[key] = (digest, size, 0, 0)
         self.etags[key] = etag
         self.shared[key] = theirs
         return True
@@ -362,6 +369,7 @@ class ObjectSharer(Sharer):
             self.etags[key] = etag
 
     def close(self) -> None:
+        """Say how many copies were refused (each file written instead)."""
         base = self.object_base
         if base is not None and base.copier.refused:
             log.info(
