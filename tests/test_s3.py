@@ -818,3 +818,29 @@ def test_ranks_copy_their_own_unchanged_objects(s3_server, s3_env, prefix, count
     out = tsckpt.restore(f"{root}/00000002")
     np.testing.assert_array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
     assert tsckpt.verify(f"{root}/00000002").ok
+
+
+def test_an_incremental_step_killed_before_its_commit_lists_nothing(s3_server, prefix, counted, small_chunks, monkeypatch):
+    """Copies are only another way of writing a file of the pending step: a step killed after
+    its copies, before its commit, is not listed, its base is untouched, and the next save
+    (after the clean-up of the killed step) copies from the base again."""
+    root = f"s3://{BUCKET}/{prefix}"
+    base = _frozen()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    m.save(0, {"base": base, "adapter": torch.full((8,), 0.0)})
+    files0, etags0 = _content(s3_server, f"{prefix}/00000000")
+    counted.seen.clear()
+    with monkeypatch.context() as mp:
+        _crash_before_commit(mp)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            m.save(1, {"base": base, "adapter": torch.full((8,), 1.0)})
+    assert set(_copies(counted, f"{prefix}/00000001")) == {k for k in files0 if k.startswith("base/")}
+    assert m.all_steps() == [0] and _content(s3_server, f"{prefix}/00000000") == (files0, etags0)
+    m.close()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    counted.seen.clear()
+    m.save(2, {"base": base, "adapter": torch.full((8,), 2.0)})
+    assert set(_copies(counted, f"{prefix}/00000002")) == {k for k in files0 if k.startswith("base/")}
+    m.close()
+    assert m.all_steps() == [2] and tsckpt.verify(f"{root}/00000002").ok
+    np.testing.assert_array_equal(np.asarray(tsckpt.restore(f"{root}/00000002")["base"]["big"]), base["big"].numpy())
