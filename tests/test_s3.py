@@ -713,6 +713,8 @@ def test_incremental_steps_copy_unchanged_objects_on_the_store(s3_server, prefix
     files0, etags0 = _content(s3_server, f"{prefix}/00000000")
     frozen = sorted(k for k in files0 if k.startswith("base/"))
     assert len(frozen) > 3 and set(etags0) == set(files0)  # several shard files, and every file's ETag
+    # each ETag from its write's response: no request reads one back
+    assert [r.key for r in counted.seen if r.method == "HEAD" and not r.key.endswith("zarr.json")] == []
     counted.seen.clear()
     m.save(1, {"base": base, "adapter": torch.full((8,), 1.0)})
     step1 = f"{prefix}/00000001"
@@ -844,3 +846,18 @@ def test_an_incremental_step_killed_before_its_commit_lists_nothing(s3_server, p
     m.close()
     assert m.all_steps() == [2] and tsckpt.verify(f"{root}/00000002").ok
     np.testing.assert_array_equal(np.asarray(tsckpt.restore(f"{root}/00000002")["base"]["big"]), base["big"].numpy())
+
+
+def test_files_tensorstore_writes_record_their_etags_too(s3_server, prefix, counted, small_chunks, copy_conditions, monkeypatch):
+    """TSCKPT_CODEC=tensorstore: TensorStore writes every file, and each one's ETag is read
+    back by one HEAD (reading none of its bytes); the next step copies them all the same."""
+    monkeypatch.setattr(tsckpt._codec.route, "CODEC", "tensorstore")
+    tree = {"base": _frozen(), "adapter": torch.full((8,), 0.0)}
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/a", tree)
+    files, etags = _content(s3_server, f"{prefix}/a")
+    heads = sorted(r.key[len(prefix) + 3 :] for r in counted.seen if r.method == "HEAD" and not r.key.endswith("zarr.json"))
+    assert heads == sorted(files) and set(etags) == set(files)
+    counted.seen.clear()
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, base=f"s3://{BUCKET}/{prefix}/a")
+    assert _copies(counted, f"{prefix}/b") == etags and _data_puts(counted, f"{prefix}/b") == {}
+    assert tsckpt.verify(f"s3://{BUCKET}/{prefix}/b").ok

@@ -26,7 +26,7 @@ from .._base.types import Box, LazySource, Local, box_slices
 from .._codec import shardwrite
 from .._codec.encode import encode_chunk
 from .._codec.files import StoredShapes, stored_shapes
-from .._codec.route import Place, Route, place, route
+from .._codec.route import Place, Route, place, regular_shards, route
 from .._codec.threads import Workers, cpus
 from .._errors import LeafTypeError
 from .._leaves.kinds import storage_numpy
@@ -238,6 +238,7 @@ class _Writers:
         context: ts.Context | None = None, sharer: Sharer | None = None, nodes: dict[str, bytes] | None = None,
     ) -> None:
         self.data, self.directory, self.progress, self.sharer = data, where.directory, progress, sharer
+        self.own = where.own
         self.nodes = {} if nodes is None else nodes
         self.made: set[str] = set() if made is None else made
         self.context = context or write_context()
@@ -309,16 +310,20 @@ class _Writers:
     def _object(self, sharer: ObjectSharer, w: _ShardWrite, src: np.ndarray, proof: Proof | None) -> Any:
         """An incremental save's file on an object store, on the write threads: hashed, copied
         from the base where proven equal (:class:`ObjectSharer`), else written; either way
-        its object's ETag is recorded, from the write's result (the own codec's chunk files)
-        or, for a file TensorStore wrote, one request reading none of its bytes."""
+        its object's ETag is recorded, from the write's response (the own codec's files,
+        encoded in memory) or, for a file TensorStore wrote, one request reading none of
+        its bytes."""
 
         def write() -> tuple[str | None, int]:
             if w.route is Route.CHUNK:
                 data = encode_chunk(src, w.shapes.shard)
-                return etag_of(self.kv.write(w.key, data).result().generation), len(data)
-            self._tensorstore(w, src).result()
-            stamp = self.kv.read(w.key, byte_range=slice(0, 0)).result().stamp
-            return etag_of(stamp.generation), stored_size(w.rec, box_slices(w.offsets, w.lengths)).nbytes
+            elif self.own and regular_shards(w.rec) and whole_shard(w.rec, w.offsets, w.lengths):
+                data = shardwrite.shard_bytes(src, w.shapes.shard, w.shapes.inner or w.shapes.shard)
+            else:  # TensorStore's (TSCKPT_CODEC=tensorstore): its ETag read back, reading none of its bytes
+                self._tensorstore(w, src).result()
+                stamp = self.kv.read(w.key, byte_range=slice(0, 0)).result().stamp
+                return etag_of(stamp.generation), stored_size(w.rec, box_slices(w.offsets, w.lengths)).nbytes
+            return etag_of(self.kv.write(w.key, data).result().generation), len(data)
 
         return self.objects.submit(sharer.put, w.key, w.rec, src, write, proof)
 
