@@ -203,6 +203,21 @@ def test_shard_files_are_tensorstores(tmp_path, writer_io, shape, shard, inner, 
     np.testing.assert_array_equal(got, full)
 
 
+@pytest.mark.parametrize("shape, shard, inner, dtype", LAYOUTS)
+def test_shard_files_built_in_memory_are_tensorstores(tmp_path, shape, shard, inner, dtype):
+    """shard_bytes (an object store's body) holds the file TensorStore writes, byte for byte."""
+    full = _data(shape, dtype)
+    rec = ArrayRecord("x", shape, dtype, "numpy", Chunking(shard, inner))
+    theirs = _tensorstore_files(str(tmp_path / "ref"), rec, full)
+    layout = stored_shapes(rec)
+    mine = {}
+    for off in _shard_cells(shape, shard):
+        src = full[tuple(slice(o, o + s) for o, s in zip(off, shard))]
+        assert _route.regular_shards(rec) and _whole_shard(rec, off, src.shape[: len(off)])
+        mine[chunk_key(rec, off).removeprefix("x/").replace("/", os.sep)] = _shardwrite.shard_bytes(src, layout.shard, layout.inner)
+    assert mine == theirs
+
+
 def test_direct_writes_refused_at_write_time(tmp_path, writer_io, monkeypatch):
     """A file system that takes O_DIRECT at open but fails its writes with EINVAL gets the
     same file through the page cache."""

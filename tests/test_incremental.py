@@ -302,3 +302,66 @@ def test_the_settle_waits_a_whole_tick_where_the_stamp_clock_cannot_be_read(monk
     newest = time.time_ns()
     share.settle_clock(newest, fine=True)
     assert time.time_ns() >= newest + share.CLOCK_TICK_NS
+
+
+# ---- object stores: the ETags recorded, the copier (the copies themselves: tests/test_s3.py) ----
+
+
+def test_recorded_etags_are_taken_only_when_valid():
+    from tsckpt._ondisk.records import content_entries, content_etags, content_field
+
+    entry = ("0" * 32, 36, 0, 0)
+    meta = {"content": content_field({"a/c.0": entry, "b/c.0": entry}, {"a/c.0": '"9a02"', "b/c.0": '"x"'})}
+    assert json.loads(json.dumps(meta))["content"]["etags"] == {"a/c.0": '"9a02"', "b/c.0": '"x"'}
+    assert content_etags(meta) == {"a/c.0": '"9a02"', "b/c.0": '"x"'}
+    assert "etags" not in content_field({"a/c.0": entry})  # a local save records none
+    bad = {"a/c.0": "9a02", "b/c.0": '"' + "f" * 300 + '"', "c/c.0": '"caf\u00e9"', "d/c.0": 7, "e/c.0": '"ok"'}
+    files = {k: list(entry) for k in ("a/c.0", "b/c.0", "c/c.0", "d/c.0")}  # e/c.0: an ETag without an entry
+    meta = {"content": {"algorithm": "xxh3-128", "files": files, "etags": bad}}
+    assert content_etags(meta) == {} and len(content_entries(meta)) == 4
+    assert content_etags({"content": {"algorithm": "xxh3-128", "files": files, "etags": ["no"]}}) == {}
+
+
+def test_an_etag_from_tensorstores_generation():
+    from tsckpt._storage.s3copy import etag_of
+
+    assert etag_of(b'\x00"5d41402abc4b2a76b9719d911017c592"') == '"5d41402abc4b2a76b9719d911017c592"'
+    assert etag_of(b'"abc"') == '"abc"'
+    assert etag_of(b"") is None and etag_of(b"\x00\xff\xfe") is None and etag_of(b"\x00abc") is None
+
+
+def test_copies_only_within_one_bucket_and_endpoint(monkeypatch, caplog):
+    import logging
+
+    from tsckpt._storage import s3copy
+    from tsckpt._storage.locations import resolve
+
+    monkeypatch.setattr(s3copy, "_told", set())
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    a, b = resolve("s3://bucket-a/run/1"), resolve("s3://bucket-a/run/2")
+    other = resolve("s3://bucket-b/run/1")
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        assert s3copy.Copier.between(other, b) is None
+        assert s3copy.Copier.between(resolve({**a.spec, "endpoint": "http://127.0.0.1:9"}), b) is None
+        assert s3copy.Copier.between(resolve("/nonexistent/x"), b) is None  # not on S3: said elsewhere
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("not in the bucket and endpoint of s3://bucket-a/run/2/" in m for m in said)
+    copier = s3copy.Copier.between(a, b)
+    assert copier is not None and (copier.bucket, copier.source, copier.target) == ("bucket-a", "run/1/", "run/2/")
+
+    from botocore.exceptions import ClientError
+
+    class Refusing:  # a store that refuses every copy (412, 403, gone): the file is written
+        def copy_object(self, **kw):
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "CopyObject")
+
+    copier.client = Refusing()
+    assert copier.copy("w/c.0", "w/c.0", '"e"') is None and copier.refused == 1
+
+    class Other:  # a store that ignored the condition and copied other bytes
+        def copy_object(self, **kw):
+            return {"CopyObjectResult": {"ETag": '"other"'}}
+
+    copier.client = Other()
+    assert copier.copy("w/c.0", "w/c.0", '"e"') is None and copier.refused == 2

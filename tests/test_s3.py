@@ -644,3 +644,220 @@ def test_a_restore_of_a_step_retention_deletes_on_s3(s3_server, prefix, layout, 
         reader["w"][...]
     assert m.all_steps() == [1]
     m.close()
+
+
+# ---- incremental saves: server-side copies ------------------------------------------------
+
+
+@pytest.fixture
+def copy_conditions(monkeypatch):
+    """moto honours ``x-amz-copy-source-if-match`` as S3 does (moto ignores it): a copy whose
+    source's ETag is another fails with 412 Precondition Failed."""
+    import moto.s3.responses as responses
+    from moto.s3.exceptions import PreconditionFailed
+    from urllib.parse import unquote, urlparse
+
+    copy = responses.S3Response.copy_object
+
+    def conditional(self):
+        want = self.headers.get("x-amz-copy-source-if-match")
+        if want is not None:
+            bucket, key = unquote(urlparse(self.headers["x-amz-copy-source"]).path).lstrip("/").split("/", 1)
+            src = self.backend.get_object(bucket, key)
+            if src is None or src.etag != want:
+                raise PreconditionFailed(failed_condition="x-amz-copy-source-If-Match")
+        return copy(self)
+
+    monkeypatch.setattr(responses.S3Response, "copy_object", conditional)
+
+
+def _frozen() -> dict:
+    """A frozen base: a sharded array (TensorStore writes it, several files with small_chunks)
+    and one-file arrays (the own codec writes them)."""
+    g = torch.Generator().manual_seed(7)
+    return {"big": torch.randn(64, 64, generator=g), "small": torch.randn(10, generator=g), "bf": torch.arange(6, dtype=torch.bfloat16)}
+
+
+def _copies(proxy, prefix: str) -> dict[str, str]:
+    """Key (below ``prefix``) -> the ETag its CopyObject request was conditional on."""
+    return {
+        r.key[len(prefix) + 1 :]: r.headers.get("x-amz-copy-source-if-match", "")
+        for r in proxy.seen if r.method == "PUT" and "x-amz-copy-source" in r.headers and r.key.startswith(prefix + "/")
+    }
+
+
+def _data_puts(proxy, prefix: str) -> dict[str, int]:
+    """Key (below ``prefix``) -> bytes of each PUT of a data file (no copy, no zarr.json)."""
+    return {
+        r.key[len(prefix) + 1 :]: int(r.headers.get("content-length", "0"))
+        for r in proxy.seen
+        if r.method == "PUT" and "x-amz-copy-source" not in r.headers and r.key.startswith(prefix + "/")
+        and not r.key.endswith("zarr.json")
+    }
+
+
+def _content(url: str, prefix: str) -> tuple[dict, dict]:
+    content = _root(url, prefix)["content"]
+    return content["files"], content.get("etags", {})
+
+
+def test_incremental_steps_copy_unchanged_objects_on_the_store(s3_server, prefix, counted, small_chunks, copy_conditions):
+    """A frozen base and a changing adapter: step 1's base objects are made by conditional
+    CopyObject requests on the store (no byte through the client), only the adapter's file
+    is PUT; each step records its own objects' ETags; step 0 deleted by the retention, step
+    1 restores exactly and verifies."""
+    root = f"s3://{BUCKET}/{prefix}"
+    base = _frozen()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    m.save(0, {"base": base, "adapter": torch.full((8,), 0.0)})
+    files0, etags0 = _content(s3_server, f"{prefix}/00000000")
+    frozen = sorted(k for k in files0 if k.startswith("base/"))
+    assert len(frozen) > 3 and set(etags0) == set(files0)  # several shard files, and every file's ETag
+    # each ETag from its write's response: no request reads one back
+    assert [r.key for r in counted.seen if r.method == "HEAD" and not r.key.endswith("zarr.json")] == []
+    counted.seen.clear()
+    m.save(1, {"base": base, "adapter": torch.full((8,), 1.0)})
+    step1 = f"{prefix}/00000001"
+    assert _copies(counted, step1) == {k: etags0[k] for k in frozen}
+    assert list(_data_puts(counted, step1)) == ["adapter/c.0"]  # 8 float32s and their crc32c
+    assert _data_puts(counted, step1)["adapter/c.0"] == 36
+    files1, etags1 = _content(s3_server, step1)
+    assert set(files1) == set(files0) and all(files1[k] == files0[k] for k in frozen)
+    client = _client(s3_server)
+    for key, (_, size, _, _) in files1.items():  # each object's own ETag and size, as recorded
+        head = client.head_object(Bucket=BUCKET, Key=f"{step1}/{key}")
+        assert (head["ETag"], head["ContentLength"]) == (etags1[key], size), key
+    m.close()
+    assert _keys(s3_server, f"{prefix}/00000000/") == []  # the retention deleted the base step
+    out = tsckpt.restore(f"{root}/00000001")
+    for k, v in base.items():
+        np.testing.assert_array_equal(np.asarray(out["base"][k], dtype=np.float32), v.float().numpy())
+    assert out["adapter"].tolist() == [1.0] * 8
+    assert tsckpt.verify(f"{root}/00000001").ok
+    counted.seen.clear()  # a step copies from a step that was itself copied
+    tsckpt.save(f"{root}/next", {"base": base, "adapter": torch.full((8,), 2.0)}, base=f"{root}/00000001")
+    assert _copies(counted, f"{prefix}/next") == {k: etags1[k] for k in frozen}
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["store-checks-etag", "store-ignores-condition"])
+def test_a_base_object_changed_since_its_save_is_written_not_copied(s3_server, prefix, counted, small_chunks, honoured, request):
+    """A base object overwritten with other bytes of the same size after its save: its ETag
+    is no longer the recorded one, so its copy is refused (by the store, or found by the
+    copy's ETag where the store ignores the condition) and the file is written."""
+    if honoured:
+        request.getfixturevalue("copy_conditions")
+    tree = {"base": _frozen(), "adapter": torch.full((8,), 0.0)}
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/a", tree)
+    files, _ = _content(s3_server, f"{prefix}/a")
+    client = _client(s3_server)
+    key = f"{prefix}/a/base/small/c.0"
+    body = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(b ^ 0xFF for b in body))  # same size, other bytes
+    counted.seen.clear()
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, base=f"s3://{BUCKET}/{prefix}/a")
+    puts = _data_puts(counted, f"{prefix}/b")
+    assert "base/small/c.0" in puts and puts["base/small/c.0"] == len(body)
+    assert set(puts) == {"base/small/c.0"}  # only it: every other file copied
+    assert set(_copies(counted, f"{prefix}/b")) == set(files)  # its copy too, refused
+    out = tsckpt.restore(f"s3://{BUCKET}/{prefix}/b")
+    np.testing.assert_array_equal(out["base"]["small"], tree["base"]["small"].numpy())
+    np.testing.assert_array_equal(out["base"]["big"], tree["base"]["big"].numpy())
+    assert tsckpt.verify(f"s3://{BUCKET}/{prefix}/b").ok
+
+
+def test_without_boto3_every_file_is_written(s3_server, prefix, counted, small_chunks, monkeypatch, caplog):
+    import sys
+
+    import tsckpt._storage.s3copy as s3copy
+
+    tree = {"base": _frozen(), "adapter": torch.full((8,), 0.0)}
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/a", tree)
+    files, _ = _content(s3_server, f"{prefix}/a")
+    monkeypatch.setattr(s3copy, "_told", set())
+    counted.seen.clear()
+    with monkeypatch.context() as mp, caplog.at_level(logging.INFO, logger="tsckpt"):
+        mp.setitem(sys.modules, "boto3", None)  # import boto3 raises ImportError
+        tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, base=f"s3://{BUCKET}/{prefix}/a")
+        tsckpt.save(f"s3://{BUCKET}/{prefix}/c", tree, base=f"s3://{BUCKET}/{prefix}/a")
+    told = [r.getMessage() for r in caplog.records if "boto3 is not installed" in r.getMessage()]
+    assert len(told) == 1 and "every file is written" in told[0]
+    assert _copies(counted, f"{prefix}/b") == {} and set(_data_puts(counted, f"{prefix}/b")) == set(files)
+    files_b, etags_b = _content(s3_server, f"{prefix}/b")  # still recorded: a later save with boto3 copies them
+    assert files_b == files and set(etags_b) == set(files)
+    out = tsckpt.restore(f"s3://{BUCKET}/{prefix}/b")
+    np.testing.assert_array_equal(out["base"]["big"], tree["base"]["big"].numpy())
+    assert out["adapter"].tolist() == [0.0] * 8
+
+
+def test_compact_layout_on_s3_shares_nothing_and_says_so(s3_server, prefix, counted, caplog):
+    tree = {"base": _frozen(), "adapter": torch.full((8,), 0.0)}
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/a", tree, layout="compact")
+    counted.seen.clear()
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, layout="compact", base=f"s3://{BUCKET}/{prefix}/a")
+    assert any("shares nothing with its base (the compact layout" in r.getMessage() for r in caplog.records)
+    assert _copies(counted, f"{prefix}/b") == {} and "content" not in _root(s3_server, f"{prefix}/b")
+    out = tsckpt.restore(f"s3://{BUCKET}/{prefix}/b")
+    np.testing.assert_array_equal(out["base"]["big"], tree["base"]["big"].numpy())
+
+
+def test_a_base_that_is_the_target_is_refused_on_s3(s3_server, prefix):
+    url = f"s3://{BUCKET}/{prefix}"
+    with pytest.raises(ValueError, match="is the checkpoint being saved"):
+        tsckpt.save(url, _tree(), base=url)
+
+
+def test_ranks_copy_their_own_unchanged_objects(s3_server, s3_env, prefix, counted, copy_conditions):
+    """Two ranks, each writing one shard file of a frozen weight: at the second step each
+    copies its own file on the store; rank 0 records every rank's hashes and ETags."""
+    root = f"s3://{BUCKET}/{prefix}"
+    run_ranks(sc.in_env, 2, {**s3_env, "AWS_ENDPOINT_URL": counted.url}, sc.incremental_steps, root, layout="plain")
+    files1, etags1 = _content(s3_server, f"{prefix}/00000001")
+    files2, etags2 = _content(s3_server, f"{prefix}/00000002")
+    assert _copies(counted, f"{prefix}/00000002") == {k: etags1[k] for k in ("frozen/c/0/0", "frozen/c/1/0")}
+    assert list(_data_puts(counted, f"{prefix}/00000002")) == ["adapter/c.0.0"]
+    assert set(files2) == set(etags2) == {"frozen/c/0/0", "frozen/c/1/0", "adapter/c.0.0"}
+    out = tsckpt.restore(f"{root}/00000002")
+    np.testing.assert_array_equal(out["frozen"], sc.global_tensor((128, 256)).numpy())
+    assert tsckpt.verify(f"{root}/00000002").ok
+
+
+def test_an_incremental_step_killed_before_its_commit_lists_nothing(s3_server, prefix, counted, small_chunks, monkeypatch):
+    """Copies are only another way of writing a file of the pending step: a step killed after
+    its copies, before its commit, is not listed, its base is untouched, and the next save
+    (after the clean-up of the killed step) copies from the base again."""
+    root = f"s3://{BUCKET}/{prefix}"
+    base = _frozen()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    m.save(0, {"base": base, "adapter": torch.full((8,), 0.0)})
+    files0, etags0 = _content(s3_server, f"{prefix}/00000000")
+    counted.seen.clear()
+    with monkeypatch.context() as mp:
+        _crash_before_commit(mp)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            m.save(1, {"base": base, "adapter": torch.full((8,), 1.0)})
+    assert set(_copies(counted, f"{prefix}/00000001")) == {k for k in files0 if k.startswith("base/")}
+    assert m.all_steps() == [0] and _content(s3_server, f"{prefix}/00000000") == (files0, etags0)
+    m.close()
+    m = tsckpt.CheckpointManager(root, keep_last=1)
+    counted.seen.clear()
+    m.save(2, {"base": base, "adapter": torch.full((8,), 2.0)})
+    assert set(_copies(counted, f"{prefix}/00000002")) == {k for k in files0 if k.startswith("base/")}
+    m.close()
+    assert m.all_steps() == [2] and tsckpt.verify(f"{root}/00000002").ok
+    np.testing.assert_array_equal(np.asarray(tsckpt.restore(f"{root}/00000002")["base"]["big"]), base["big"].numpy())
+
+
+def test_files_tensorstore_writes_record_their_etags_too(s3_server, prefix, counted, small_chunks, copy_conditions, monkeypatch):
+    """TSCKPT_CODEC=tensorstore: TensorStore writes every file, and each one's ETag is read
+    back by one HEAD (reading none of its bytes); the next step copies them all the same."""
+    monkeypatch.setattr(tsckpt._codec.route, "CODEC", "tensorstore")
+    tree = {"base": _frozen(), "adapter": torch.full((8,), 0.0)}
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/a", tree)
+    files, etags = _content(s3_server, f"{prefix}/a")
+    heads = sorted(r.key[len(prefix) + 3 :] for r in counted.seen if r.method == "HEAD" and not r.key.endswith("zarr.json"))
+    assert heads == sorted(files) and set(etags) == set(files)
+    counted.seen.clear()
+    tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, base=f"s3://{BUCKET}/{prefix}/a")
+    assert _copies(counted, f"{prefix}/b") == etags and _data_puts(counted, f"{prefix}/b") == {}
+    assert tsckpt.verify(f"s3://{BUCKET}/{prefix}/b").ok

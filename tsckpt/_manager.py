@@ -106,8 +106,8 @@ class CheckpointManager:
     ``timeout``, ``check_replicas`` and ``layout`` as for :func:`tsckpt.save`
     (``group`` and ``timeout`` also for restores), ``if_busy``,
     ``max_staging_bytes``, ``staging`` and ``writer`` as for :func:`tsckpt.save_async`; a bad value raises
-    here. ``incremental`` (default True; plain layout on a local file system): each step shares
-    with the latest complete step, by hard links, every file whose content is unchanged, so a
+    here. ``incremental`` (default True; plain layout on a local file system or S3): each step shares
+    with the latest complete step, by hard links (on S3: server-side copies), every file whose content is unchanged, so a
     frozen base model is written once (docs/incremental.md); retention deleting a step never
     breaks a later one. Options of one call (``overwrite``, ``max_inflight_bytes``,
     ``progress``, and the restore options) are keywords of :meth:`save`,

@@ -242,7 +242,7 @@ class SaveOptions(_Options):
     incremental: Incremental = _option(
         True,
         "Record a content hash of every file (a later save may share the files with this one), and share "
-        "with ``base`` every file whose content is proven equal (plain layout on a local file system; "
+        "with ``base`` every file whose content is proven equal (plain layout on a local file system or S3; "
         "False: neither, every file written as before). \"versions\": also a CPU tensor that torch's "
         "version counter shows unchanged since this process hashed it is not hashed again, for programs "
         "that never write tensors unseen by that counter (through ``.data``, numpy views or the storage; "
@@ -251,8 +251,8 @@ class SaveOptions(_Options):
     )
     base: BaseDirectory = _option(
         None,
-        "A previous committed checkpoint whose files this save shares, by hard links, where their content is "
-        "unchanged (docs/incremental.md); None: every file written.",
+        "A previous committed checkpoint whose files this save shares, by hard links (on S3: server-side "
+        "copies), where their content is unchanged (docs/incremental.md); None: every file written.",
     )
 
 

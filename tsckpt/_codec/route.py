@@ -12,7 +12,9 @@ the same arrays (:func:`route`):
   file itself, with one open, write and close (:func:`.shardwrite.write_chunk`);
 - a sharded array of a plain checkpoint on a local file system: each shard file is
   read and written with positional I/O by the own codec (:mod:`.shardread`,
-  :mod:`.shardwrite`);
+  :mod:`.shardwrite`); in an incremental save on S3 its shard files are encoded
+  in memory by the own codec, each one object write whose response gives its ETag
+  (:func:`.shardwrite.shard_bytes`);
 - every other array: TensorStore.
 
 Every dtype tsckpt stores is covered: the 4-bit ones (int4, float4_e2m1fn) are stored
@@ -117,9 +119,15 @@ def route(rec: ArrayRecord, where: Place) -> Route:
     """Who reads and writes the files of ``rec`` at ``where`` (the rule in this module's docstring)."""
     if not where.own or math.prod(rec.shape) == 0:
         return Route.TENSORSTORE
-    inner = rec.chunking.chunk_shape
-    if inner is None:
+    if rec.chunking.chunk_shape is None:
         return Route.CHUNK
-    if where.directory is not None and all(c > 0 and s % c == 0 for s, c in zip(rec.chunking.shard_shape, inner)):
+    if where.directory is not None and regular_shards(rec):
         return Route.SHARD
     return Route.TENSORSTORE
+
+
+def regular_shards(rec: ArrayRecord) -> bool:
+    """Whether ``rec`` is sharded with shards a whole number of inner chunks, whose files the
+    own codec encodes (:mod:`.shardwrite`)."""
+    inner = rec.chunking.chunk_shape
+    return inner is not None and all(c > 0 and s % c == 0 for s, c in zip(rec.chunking.shard_shape, inner))

@@ -264,34 +264,65 @@ def make_parents(root: str, keys: Iterable[str], made: set[str]) -> None:
         made.add(d)
 
 
+class _Memory:
+    """A shard file built in memory (:func:`shard_bytes`), as :class:`_File` takes it: the
+    chunks contiguous in the source are referenced, the others gathered."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.end = 0
+
+    def space(self, nbytes: int) -> np.ndarray:
+        view = np.empty(nbytes, np.uint8)
+        self.add(view, nbytes)
+        return view
+
+    def add(self, buf: Any, nbytes: int) -> None:
+        self.parts.append(buf)
+        self.end += nbytes
+
+
 def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequence[int], *, writeback: bool = False) -> None:
     """The shard file whose in-bounds part is ``src`` (the shard clipped to the array's
     end), with inner chunks of shape ``inner``; ``shard`` is a multiple of ``inner``."""
+    f = _open(path, math.prod(inner) * src.dtype.itemsize)
+    try:
+        _encode_shard(f, src, shard, inner)
+    finally:
+        f.close(writeback=writeback)
+
+
+def shard_bytes(src: np.ndarray, shard: Sequence[int], inner: Sequence[int]) -> bytes:
+    """The bytes of the shard file :func:`write_shard` writes, for one object-store write
+    (whose response carries the object's ETag)."""
+    f = _Memory()
+    _encode_shard(f, src, shard, inner)
+    return b"".join(f.parts)
+
+
+def _encode_shard(f: _File | _DirectFile | _Memory, src: np.ndarray, shard: Sequence[int], inner: Sequence[int]) -> None:
+    """The inner chunks of ``src``, then the shard's index, appended to ``f``."""
     inner = tuple(inner)
     grid = tuple(s // i for s, i in zip(shard, inner))
     chunk_bytes = math.prod(inner) * src.dtype.itemsize
     index = ShardIndex.missing(grid)
-    f = _open(path, chunk_bytes)
-    try:
-        for cell in np.ndindex(*grid):
-            lo = [c * i for c, i in zip(cell, inner)]
-            if any(a >= s for a, s in zip(lo, src.shape)):
-                continue  # wholly outside the array: not stored
-            box = src[box_slices(lo, inner)]
-            index.put(cell, f.end, chunk_bytes + CRC_BYTES)
-            if box.shape == inner and box.flags.c_contiguous:
-                flat = box.reshape(-1).view(np.uint8)
-                f.add(flat, chunk_bytes)
+    for cell in np.ndindex(*grid):
+        lo = [c * i for c, i in zip(cell, inner)]
+        if any(a >= s for a, s in zip(lo, src.shape)):
+            continue  # wholly outside the array: not stored
+        box = src[box_slices(lo, inner)]
+        index.put(cell, f.end, chunk_bytes + CRC_BYTES)
+        if box.shape == inner and box.flags.c_contiguous:
+            flat = box.reshape(-1).view(np.uint8)
+            f.add(flat, chunk_bytes)
+        else:
+            flat = f.space(chunk_bytes)
+            chunk = flat.view(src.dtype).reshape(inner)
+            if box.shape != inner:  # partly outside: the rest is the fill value, zero bytes
+                flat[...] = 0
+                chunk[tuple(slice(0, k) for k in box.shape)] = box
             else:
-                flat = f.space(chunk_bytes)
-                chunk = flat.view(src.dtype).reshape(inner)
-                if box.shape != inner:  # partly outside: the rest is the fill value, zero bytes
-                    flat[...] = 0
-                    chunk[tuple(slice(0, k) for k in box.shape)] = box
-                else:
-                    np.copyto(chunk, box)
-            f.add(crc.encoded(flat), CRC_BYTES)
-        for part in index.stored():
-            f.add(part, len(part))
-    finally:
-        f.close(writeback=writeback)
+                np.copyto(chunk, box)
+        f.add(crc.encoded(flat), CRC_BYTES)
+    for part in index.stored():
+        f.add(part, len(part))

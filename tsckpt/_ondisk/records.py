@@ -230,8 +230,11 @@ CONTENT_HEX_DIGITS = 32
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
 # A file's entry in ``content.files``: its hash, then its size, modification time (ns) and
-# inode when its save recorded them (local file systems).
+# inode when its save recorded them (local file systems; on an object store, 0 and 0).
 ContentEntry = tuple[str, int, int, int]
+# An object's ETag as ``content.etags`` records it (object stores): a quoted token of at
+# most this many printable ASCII characters; anything else is read as none recorded.
+ETAG_CHARS_MAX = 200
 
 
 def _content_entry(value: Any) -> ContentEntry | None:
@@ -246,9 +249,32 @@ def _content_entry(value: Any) -> ContentEntry | None:
     return digest, stat[0], stat[1], stat[2]
 
 
-def content_field(files: Mapping[str, ContentEntry]) -> dict[str, Any]:
-    """The root metadata's ``content`` field for ``files`` (key -> entry), keys sorted."""
-    return {"algorithm": CONTENT_HASH, "files": {k: list(v) for k, v in sorted(files.items())}}
+def content_field(files: Mapping[str, ContentEntry], etags: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The root metadata's ``content`` field for ``files`` (key -> entry), keys sorted, with
+    the ``etags`` of the objects (key -> ETag as written) where there are any."""
+    out: dict[str, Any] = {"algorithm": CONTENT_HASH, "files": {k: list(v) for k, v in sorted(files.items())}}
+    if etags:
+        out["etags"] = dict(sorted(etags.items()))
+    return out
+
+
+def valid_etag(value: Any) -> bool:
+    """Whether ``value`` is an ETag as an object store gives one (:data:`ETAG_CHARS_MAX`)."""
+    return (
+        isinstance(value, str) and 2 <= len(value) <= ETAG_CHARS_MAX and value.isascii() and value.isprintable()
+        and value.startswith(("\"", 'W/"')) and value.endswith('"')
+    )
+
+
+def content_etags(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The valid ETags of a root's ``content`` field by key (object stores); none where none
+    is recorded, for another algorithm, or for a key without a valid entry."""
+    content = meta.get("content")
+    etags = content.get("etags") if isinstance(content, dict) else None
+    if not isinstance(etags, dict):
+        return {}
+    entries = content_entries(meta)
+    return {k: v for k, v in etags.items() if k in entries and valid_etag(v)}
 
 
 def content_entries(meta: Mapping[str, Any]) -> dict[str, ContentEntry]:

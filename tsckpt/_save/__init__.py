@@ -7,7 +7,7 @@ Owns:
 - :mod:`.write`: the write engine: a rank's part of the plan executed (the exchange of
   straddling pieces, shard and chunk files, the arrays' nodes).
 - :mod:`.share`: incremental saves: each file shared with the base checkpoint (a hard
-  link) where its content is proven unchanged, and the content hashes recorded.
+  link, on S3 a server-side copy) where its content is proven unchanged, and the content hashes recorded.
 - :mod:`.versions`: the content hashes known without reading: tensors torch's version
   counter shows unchanged since this process hashed them.
 - :mod:`.descs`: what each rank sends rank 0 (its leaves' descriptors, packed), and rank

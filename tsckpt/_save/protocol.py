@@ -100,9 +100,9 @@ def save(
     number of leaves (docs/format.md, "Layouts"); every rank must pass the same.
     ``progress`` shows a bar of bytes written on rank 0 (default: when stderr is
     a terminal); each rank logs bytes, files and throughput at the end.
-    ``incremental`` (plain layout on a local file system) records a content hash
+    ``incremental`` (plain layout on a local file system or S3) records a content hash
     of every file, and shares with ``base``, a previous committed checkpoint, by
-    hard links, every file whose content is proven unchanged: each rank decides
+    hard links (on S3: server-side copies), every file whose content is proven unchanged: each rank decides
     for the files it writes (docs/incremental.md). Every checkpoint stays
     complete on its own: deleting ``base`` later breaks nothing.
 
@@ -369,19 +369,15 @@ def _plan_job(
 def _write(
     loc: Location, rank: int, job: _Job, received: dict[int, np.ndarray], layout: str, progress: Progress,
     options: SaveOptions,
-) -> dict[str, ContentEntry] | None:
+) -> Recorded | None:
     """Write this rank's regions (rank 0 also the zarr.json nodes), then sync them to storage.
-    An incremental save (local plain layout) shares what it can with its base, and returns
-    its files' content entries (None when it records none)."""
+    An incremental save (plain layout, on a local file system or S3) shares what it can with
+    its base, and returns its files' content entries and ETags (None when it records none)."""
     compact = layout == LAYOUT_COMPACT
     data = _write_spec(loc, layout, writer=rank)
     context = write_context()  # this save's own: see there
     with _faults.storage_errors(loc, doing="writing"):
-        sharer = None
-        if options.incremental and layout == LAYOUT_PLAIN and loc.local is not None:
-            sharer = _share.Sharer(
-                loc.local, _share.open_base(options.base, loc), versions=options.incremental == "versions"
-            )
+        sharer = _share.sharer_for(loc, layout, options.incremental, options.base)
         made: set[str] = set()  # directories made for the own codec's files, by both steps
         nodes = {} if job.commit is None else _node_files(job.commit.arrays)  # rank 0's
         node_keys = list(nodes)
@@ -400,11 +396,15 @@ def _write(
         else:
             shared = set() if sharer is None else set(sharer.shared)
             _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
-        return None if sharer is None else sharer.recorded()
+        return None if sharer is None else (sharer.recorded(), sharer.etags)
 
 
-def _gather_files(coord: Any, mine: dict[str, ContentEntry] | None, layout: str) -> dict[str, ContentEntry] | None:
-    """Every rank's content entries, on rank 0 (one round trip, plain layout under
+# A rank's content entries, and its objects' ETags (object stores; else empty).
+Recorded = tuple[dict[str, ContentEntry], dict[str, str]]
+
+
+def _gather_files(coord: Any, mine: Recorded | None, layout: str) -> Recorded | None:
+    """Every rank's content entries and ETags, on rank 0 (one round trip, plain layout under
     torch.distributed: every rank takes it, whatever it recorded); None when no rank recorded any."""
     if coord.world_size == 1 or layout != LAYOUT_PLAIN:
         return mine
@@ -416,7 +416,9 @@ def _gather_files(coord: Any, mine: dict[str, ContentEntry] | None, layout: str)
 
     ask_root(coord, "save (content hashes)", lambda: (None, mine), collect)
     recorded = [p for p in everyone if p is not None]
-    return {k: v for p in recorded for k, v in p.items()} if recorded else None
+    if not recorded:
+        return None
+    return {k: v for p in recorded for k, v in p[0].items()}, {k: v for p in recorded for k, v in p[1].items()}
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:
@@ -428,7 +430,7 @@ def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[s
 
 def _commit(
     loc: Location, world_size: int, job: _Job, layout: str, lease: _lease.Lease | None = None,
-    files: dict[str, ContentEntry] | None = None,
+    files: Recorded | None = None,
 ) -> None:
     """Step 7, rank 0: merge the ranks' databases (compact layout), then the one atomic
     write that makes the checkpoint visible, if the pending root is still this save's
@@ -442,5 +444,5 @@ def _commit(
             merge_databases(loc, _write_spec(loc, layout), databases, write_context())
     meta = c.metadata(world_size)
     if files is not None:
-        meta["content"] = content_field(files)
+        meta["content"] = content_field(*files)
     _commit_root(loc, meta, layout, lease)

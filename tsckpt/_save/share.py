@@ -1,5 +1,5 @@
 """Incremental saves: each file whose content equals the base checkpoint's is shared with
-it (a hard link), every other file written.
+it (a hard link; on S3 a server-side copy, :class:`ObjectSharer`), every other file written.
 
 A file is shared only when that is proven: its array's record (dtype, shape, chunking,
 kind) is the base's, the content hash of the data it would hold
@@ -41,10 +41,11 @@ from .._codec import contenthash
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.arrays import same_cell_key
-from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries, content_etags
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.faults import leaf_of_key
 from .._storage.locations import Directory, Location, resolve
+from .._storage.s3copy import Copier
 from . import versions as _versions
 
 log = logging.getLogger("tsckpt")
@@ -73,15 +74,10 @@ class Base:
         """Link the base's file of this save's file ``key`` at ``dest`` if it provably holds what
         this save would write there (see the module's docstring): its key in the base; None,
         with nothing left at ``dest``, if not."""
-        theirs = self.records.get(rec.path)
-        if theirs is None or (theirs.shape, theirs.dtype, theirs.kind, theirs.chunking) != (
-            rec.shape, rec.dtype, rec.kind, rec.chunking
-        ):
+        theirs = _their_key(self.records, self.files, key, rec, digest)
+        if theirs is None:
             return None
-        key = same_cell_key(key, rec, theirs)
-        entry = self.files.get(key)
-        if entry is None or entry[0] != digest:
-            return None
+        key, entry = theirs, self.files[theirs]
         try:
             os.link(os.path.join(self.directory, key), dest, follow_symlinks=False)
         except OSError:
@@ -110,12 +106,58 @@ class Base:
         return (st.st_dev, st.st_ino) == (linked.st_dev, linked.st_ino)
 
 
+def _their_key(
+    records: Mapping[str, ArrayRecord], files: Mapping[str, ContentEntry], key: str, rec: ArrayRecord, digest: str
+) -> str | None:
+    """The base's key of this save's file ``key`` (of array ``rec``, hash ``digest``) where the
+    base recorded an array of the same record and that file with that hash, else None."""
+    theirs = records.get(rec.path)
+    if theirs is None or (theirs.shape, theirs.dtype, theirs.kind, theirs.chunking) != (
+        rec.shape, rec.dtype, rec.kind, rec.chunking
+    ):
+        return None
+    key = same_cell_key(key, rec, theirs)
+    entry = files.get(key)
+    return key if entry is not None and entry[0] == digest else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectBase:
+    """What a save on an object store shares with: the base's records, recorded files and
+    their objects' ETags, and the copier that makes server-side copies of them."""
+
+    records: Mapping[str, ArrayRecord]
+    files: Mapping[str, ContentEntry]
+    etags: Mapping[str, str]
+    copier: Copier
+
+    def copy(self, key: str, rec: ArrayRecord, digest: str) -> tuple[str, str, int] | None:
+        """Copy the base's object of this save's file ``key`` (hash ``digest``) to ``key`` if it
+        provably holds what this save would write there: the base recorded the same hash
+        for it and the object is still the one its save wrote (the copy is conditional on
+        its recorded ETag). The base's key, the copy's ETag and its size; None if not copied."""
+        theirs = _their_key(self.records, self.files, key, rec, digest)
+        etag = None if theirs is None else self.etags.get(theirs)
+        if theirs is None or etag is None:
+            return None
+        new = self.copier.copy(theirs, key, etag)
+        return None if new is None else (theirs, new, self.files[theirs][1])
+
+
+def _same_object_location(a: Location, b: Location) -> bool:
+    """Whether two object-store locations are one: the same driver, bucket, endpoint and path."""
+    keys = ("driver", "bucket", "endpoint", "path")
+    return all(a.spec.get(k) == b.spec.get(k) for k in keys)
+
+
 def check_base(base: Directory | None, target: Location) -> None:
     """Refuse, before the save claims ``target``, a base that is the target itself (its claim
     would clear what it shares) or a local directory that does not exist."""
     if base is None:
         return
     loc = resolve(base)
+    if loc.local is None and target.local is None and target.spec.get("driver") == "s3" and _same_object_location(loc, target):
+        raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
     if loc.local is None or target.local is None:
         return
     if os.path.realpath(loc.local) == os.path.realpath(target.local):
@@ -132,7 +174,8 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
         return None
     loc = resolve(base)
     if loc.local is None or target.local is None:
-        log.info("incremental save: %s or %s is not on a local file system; every file is written", loc, target)
+        if loc.spec.get("driver") != "s3" or target.spec.get("driver") != "s3":
+            log.info("incremental save: %s or %s is not on a local file system or S3; every file is written", loc, target)
         return None
     try:
         ck = _root.load(loc)
@@ -144,6 +187,54 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
         log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
         return None
     return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
+
+
+def open_object_base(base: Directory | None, target: Location) -> ObjectBase | None:
+    """The base of a save into ``target`` on S3, None when nothing can be copied from it: no
+    base, not a committed plain checkpoint in the same bucket through the same endpoint,
+    no ETag recorded, or no copier (boto3 not installed; logged once): every file is written."""
+    if base is None:
+        return None
+    loc = resolve(base)
+    if loc.spec.get("driver") != "s3":
+        log.info("incremental save: base %s is not on S3 as %s is; every file is written", loc, target)
+        return None
+    copier = Copier.between(loc, target)
+    if copier is None:
+        return None
+    try:
+        ck = _root.load(loc)
+    except TsckptError as e:
+        log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
+        return None
+    if ck.raw.get("layout", LAYOUT_PLAIN) != LAYOUT_PLAIN:
+        log.info("incremental save: base %s is not in the plain layout; every file is written", loc)
+        return None
+    etags = content_etags(ck.raw)
+    if not etags:
+        log.info("incremental save: base %s records no object ETags; every file is written", loc)
+        return None
+    return ObjectBase(dict(ck.arrays), content_entries(ck.raw), etags, copier)
+
+
+def sharer_for(target: Location, layout: str, incremental: Any, base: Directory | None) -> Sharer | None:
+    """The :class:`Sharer` of one rank's save into ``target`` (``incremental``: the save's
+    option), None where nothing is recorded or shared: incremental off, or a layout or store
+    other than the plain layout on a local file system or S3 (logged when a base was given)."""
+    if not incremental:
+        return None
+    versions = incremental == "versions"
+    if layout == LAYOUT_PLAIN and target.local is not None:
+        return Sharer(target.local, open_base(base, target), versions=versions)
+    if layout == LAYOUT_PLAIN and target.spec.get("driver") == "s3":
+        return ObjectSharer(open_object_base(base, target), versions=versions)
+    if base is not None:
+        why = (
+            "the compact layout's files are databases, not a file per chunk" if layout != LAYOUT_PLAIN
+            else f"{target} is on neither a local file system nor S3"
+        )
+        log.info("incremental save into %s shares nothing with its base (%s); every file is written", target, why)
+    return None
 
 
 # Where a file's data comes from, for a hash known without reading it (:mod:`.versions`):
@@ -163,6 +254,7 @@ class Sharer:
         self.shared: dict[str, str] = {}  # this save's key -> the base's key of the file shared
         self._states: dict[int, tuple[Any, _versions.State | None]] = {}
         self.known: set[str] = set()  # files whose hash was known, their data not read
+        self.etags: dict[str, str] = {}  # on an object store: each file's object's ETag
 
     def proof(self, data: Any, region: tuple[str, tuple[int, ...]], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Proof | None:
         """The :data:`Proof` of the file of box (``offsets``, ``lengths``) of a leaf's local
@@ -176,11 +268,11 @@ class Sharer:
         return None if got[1] is None else (data, got[1], (*region, offsets, lengths))
 
     def put(
-        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], os.stat_result | None],
-        proof: Proof | None = None,
+        self, key: str, rec: ArrayRecord, src: np.ndarray, write: Callable[[], Any], proof: Proof | None = None,
     ) -> None:
         """Hash ``src``, the data of file ``key`` (or take the hash ``proof`` proves known);
-        link the base's file, or ``write()`` it (which may return the file's status as written)."""
+        share the base's file, or ``write()`` it (which may return the file's status as
+        written; on an object store, its ETag and size)."""
         digest = None if proof is None else _versions.known(*proof)
         if digest is not None:
             self.known.add(key)
@@ -190,7 +282,11 @@ class Sharer:
                 _versions.remember(*proof, digest)
         if self._share(key, rec, digest):
             return
-        st = write() or os.lstat(os.path.join(self.directory, key))  # here, on the write threads: its size, time and inode are final
+        self._wrote(key, digest, write())
+
+    def _wrote(self, key: str, digest: str, got: Any) -> None:
+        """Record file ``key`` of hash ``digest`` as written (``got``: what its write returned)."""
+        st = got or os.lstat(os.path.join(self.directory, key))  # here, on the write threads: its size, time and inode are final
         self.written[key] = (digest, st.st_size, st.st_mtime_ns, st.st_ino)
 
     def share_known(self, key: str, rec: ArrayRecord, proof: Proof) -> bool:
@@ -240,6 +336,51 @@ class Sharer:
         if out:
             settle_clock(newest, fine=any(e[2] % 1_000_000_000 for e in out.values()))
         return out
+
+
+class ObjectSharer(Sharer):
+    """One rank's files of an incremental save on S3: each hashed, then copied from the base
+    on the store (:meth:`ObjectBase.copy`) or written, by the write threads (:meth:`put`);
+    each file's entry records its hash and size (no time or inode: 0 and 0), and its
+    object's ETag as written or copied, which the next save's copies are conditional on."""
+
+    def __init__(self, base: ObjectBase | None, *, versions: bool = False) -> None:
+        super().__init__("", None, versions=versions)
+        self.object_base = base
+
+    def share_known(self, key: str, rec: ArrayRecord, proof: Proof) -> bool:
+        return False  # a copy is a request: on the write threads, through put()
+
+    def _share(self, key: str, rec: ArrayRecord, digest: str) -> bool:
+        got = None if self.object_base is None else self.object_base.copy(key, rec, digest)
+        if got is None:
+            return False
+        theirs, etag, size = got
+        self.written[key] = (digest, size, 0, 0)
+        self.etags[key] = etag
+        self.shared[key] = theirs
+        return True
+
+    def _wrote(self, key: str, digest: str, got: Any) -> None:
+        """``got``: the object's ETag as written (None when the store gave none) and its size."""
+        etag, size = got
+        self.written[key] = (digest, size, 0, 0)
+        if etag is not None:
+            self.etags[key] = etag
+
+    def close(self) -> None:
+        """Say how many copies were refused (each file written instead)."""
+        base = self.object_base
+        if base is not None and base.copier.refused:
+            log.info(
+                "incremental save on S3: %d copies from the base were refused or failed (the base's objects changed "
+                "or are gone); those files were written", base.copier.refused,
+            )
+
+    def recorded(self) -> dict[str, ContentEntry]:
+        """Every file's entry (its object's ETag in :attr:`etags`): an object copied is its own,
+        so nothing of the base is checked again."""
+        return dict(self.written)
 
 
 def settle_clock(newest_ns: int, *, fine: bool) -> None:

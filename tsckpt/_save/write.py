@@ -26,11 +26,11 @@ from .._base.types import Box, LazySource, Local, box_slices
 from .._codec import shardwrite
 from .._codec.encode import encode_chunk
 from .._codec.files import StoredShapes, stored_shapes
-from .._codec.route import Place, Route, place, route
+from .._codec.route import Place, Route, place, regular_shards, route
 from .._codec.threads import Workers, cpus
 from .._errors import LeafTypeError
 from .._leaves.kinds import storage_numpy
-from .._ondisk.arrays import array_node, chunk_key, open_array
+from .._ondisk.arrays import array_node, chunk_key, open_array, stored_size
 from .._ondisk.chunking import intersect, shard_boxes
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, group_metadata
 from .._runtime import devicecopy as _devicecopy
@@ -38,8 +38,9 @@ from .._runtime.progress import Progress
 from .._runtime.window import Window
 from .._storage import durable as _durable
 from .._storage import locations as _locations
+from .._storage.s3copy import etag_of
 from .plan import RankPlan, WriteItem
-from .share import Proof, Sharer
+from .share import ObjectSharer, Proof, Sharer
 
 # Shard files of a local plain checkpoint written at once by tsckpt's own writer
 # (_codec/shardwrite.py; pwritev and large copies release the GIL), by this many threads:
@@ -49,6 +50,10 @@ WRITE_THREADS = max(2, min(4, cpus()))
 # Whether tsckpt's own writer writes the shard files of a local plain checkpoint at all
 # (off: TensorStore writes them, as it does everywhere else).
 OWN_SHARD_FILES = True
+# An incremental save's files on an object store are hashed, then copied or written, by this
+# many threads, each waiting on its request: as many requests at once as TensorStore's s3
+# driver sends by default (its ``s3_request_concurrency``).
+OBJECT_THREADS = 32
 # Unsharded chunk files (and zarr.json nodes) of such a checkpoint go to the writing threads
 # in batches of this many files, or fewer that hold BATCH_BYTES.
 BATCH_FILES = 64
@@ -233,6 +238,7 @@ class _Writers:
         context: ts.Context | None = None, sharer: Sharer | None = None, nodes: dict[str, bytes] | None = None,
     ) -> None:
         self.data, self.directory, self.progress, self.sharer = data, where.directory, progress, sharer
+        self.own = where.own
         self.nodes = {} if nodes is None else nodes
         self.made: set[str] = set() if made is None else made
         self.context = context or write_context()
@@ -240,6 +246,7 @@ class _Writers:
         self.txn = ts.Transaction() if compact else None
         self.stores: dict[str, ts.TensorStore] = {}
         self.pool = Workers(WRITE_THREADS, "tsckpt-write")
+        self.objects = Workers(OBJECT_THREADS, "tsckpt-write")  # an object store's files (ObjectSharer)
         self.batch: _Batch | None = None  # unsharded chunk files not yet handed to the workers
 
     def make_dirs(self, files: Iterable[_ShardWrite]) -> None:
@@ -253,7 +260,9 @@ class _Writers:
     ) -> _Started:
         """Start writing ``src``; ``done`` runs once the write has finished with it. ``proof``:
         where the file's hash may be known without reading ``src`` (:meth:`Sharer.proof`)."""
-        if w.route is Route.SHARD:
+        if isinstance(self.sharer, ObjectSharer):
+            fut = self._object(self.sharer, w, src, proof)
+        elif w.route is Route.SHARD:
             fut = self._shard_file(w, src, proof)
         elif w.route is Route.CHUNK and self.directory is not None:
             fut = self._chunk_file(self.directory, w, src, proof)
@@ -298,6 +307,26 @@ class _Writers:
 
         return self.pool.submit(write if sharer is None else lambda: sharer.put(w.key, w.rec, src, write, proof))
 
+    def _object(self, sharer: ObjectSharer, w: _ShardWrite, src: np.ndarray, proof: Proof | None) -> Any:
+        """An incremental save's file on an object store, on the write threads: hashed, copied
+        from the base where proven equal (:class:`ObjectSharer`), else written; either way
+        its object's ETag is recorded, from the write's response (the own codec's files,
+        encoded in memory) or, for a file TensorStore wrote, one request reading none of
+        its bytes."""
+
+        def write() -> tuple[str | None, int]:
+            if w.route is Route.CHUNK:
+                data = encode_chunk(src, w.shapes.shard)
+            elif self.own and regular_shards(w.rec) and whole_shard(w.rec, w.offsets, w.lengths):
+                data = shardwrite.shard_bytes(src, w.shapes.shard, w.shapes.inner or w.shapes.shard)
+            else:  # TensorStore's (TSCKPT_CODEC=tensorstore): its ETag read back, reading none of its bytes
+                self._tensorstore(w, src).result()
+                stamp = self.kv.read(w.key, byte_range=slice(0, 0)).result().stamp
+                return etag_of(stamp.generation), stored_size(w.rec, box_slices(w.offsets, w.lengths)).nbytes
+            return etag_of(self.kv.write(w.key, data).result().generation), len(data)
+
+        return self.objects.submit(sharer.put, w.key, w.rec, src, write, proof)
+
     def _tensorstore(self, w: _ShardWrite, src: np.ndarray) -> Any:
         if w.rec.path not in self.stores:
             self.stores[w.rec.path] = open_array(self.data, w.rec, write=True, context=self.context)
@@ -329,6 +358,7 @@ class _Writers:
     def close(self) -> None:
         """Wait for the shard files being written (none is being written once this returns)."""
         self.pool.shutdown()
+        self.objects.shutdown()
 
 
 def write_regions(

@@ -8,6 +8,8 @@ Owns:
 - :mod:`.faults`: the one table that classifies TensorStore's and the operating
   system's errors (``TABLE``, with the errno mapping), and storage faults raised as
   ``StorageError`` (``storage_problem``, ``storage_errors``).
+- :mod:`.s3copy`: server-side copies between two checkpoints in one S3 bucket, conditional
+  on the source's recorded ETag (incremental saves; boto3, the optional extra ``s3``).
 - :mod:`.durable`: durable writes of small JSON objects, bulk sync before a commit,
   deletion.
 - :mod:`.native`: every call into the C library (``mincore``, ``madvise``,
