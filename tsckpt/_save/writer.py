@@ -429,11 +429,11 @@ class _Writer:
         fd = theirs.detach()
         setup = json.dumps({"parent": os.getpid(), "rendezvous": rendezvous, "log_level": log.getEffectiveLevel()})
         try:
-            # a process group of its own: a terminal's Ctrl-C (SIGINT, and SIGTSTP, SIGQUIT) goes to
+            # a session and process group of its own: a terminal's Ctrl-C (SIGINT, and SIGTSTP, SIGQUIT) goes to
             # the training process, which decides; the writer ends with it (close, or its death seen)
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _WRITER_MAIN, str(fd), setup],
-                pass_fds=[fd], env=_child_environment(), stdin=subprocess.DEVNULL, process_group=0,
+                pass_fds=[fd], env=_child_environment(), stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
             os.close(fd)
