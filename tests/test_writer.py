@@ -407,6 +407,40 @@ def test_a_closed_manager_keeps_no_staging_block(tmp_path, writer_process):
 
 
 @pytest.mark.slow
+def test_a_staging_block_that_cannot_be_made_sends_the_save_to_the_thread(tmp_path, writer_process, monkeypatch, caplog):
+    """A file-size limit (ulimit -f counts memory files) or no memory for the shared block: the
+    save runs in the thread, warned once, instead of a bare OSError from the call."""
+    import errno
+
+    from tsckpt._runtime import sharedmem
+
+    manager = tsckpt.CheckpointManager(tmp_path / "run")
+    assert manager.save_async(1, {"x": np.ones(10)}).result(timeout=120) is None
+    real = sharedmem.SharedBlock.__init__
+
+    def limited(self, size, *, fd=None):
+        if fd is None and size > 1 << 20:
+            raise OSError(errno.EFBIG, "File too large")
+        real(self, size, fd=fd)
+
+    monkeypatch.setattr(sharedmem.SharedBlock, "__init__", limited)
+    big = {"a": np.arange(200_000.0), "b": np.ones(200_000)}
+    with caplog.at_level(logging.WARNING, logger="tsckpt"):
+        for step in (2, 3):
+            handle = manager.save_async(step, big)
+            handle.result(timeout=120)
+            assert handle.writer_peak_bytes is None  # the thread saved it
+    assert [r.getMessage() for r in caplog.records if "shared staging memory" in r.getMessage()] == [
+        "tsckpt: asynchronous saves run in a thread of this process: the shared staging memory for the writer process "
+        "could not be made (File too large; a file-size limit, ulimit -f, counts memory files too)"
+    ]
+    assert np.array_equal(manager.restore(3)["a"], big["a"])
+    manager.save_async(4, {"x": np.ones(10)}).result(timeout=120)  # a block that fits: the writer again
+    assert manager.all_steps() == [1, 2, 3, 4]
+    manager.close()
+
+
+@pytest.mark.slow
 def test_fifty_saves_in_a_row_commit_and_memory_does_not_grow(tmp_path, writer_process):
     manager = tsckpt.CheckpointManager(tmp_path)
     tree = {"w": torch.randn(256, 256), "m": [torch.randn(128, 128) for _ in range(4)], "step": 0}

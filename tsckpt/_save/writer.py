@@ -136,6 +136,7 @@ class SharedStaging:
         self.block: sharedmem.SharedBlock | None = None
         self.on_release: Any = None  # called with a block given up (the writer drops its mapping)
         self.unpinned: str | None = None  # why the block could not hold the CUDA tensors' buffers
+        self.refused: str | None = None  # why the last block could not be made (the thread saves)
         self._unregister: weakref.finalize | None = None  # undoes the block's registration, once
 
     def reserve(self, buffers: dict[tuple[Any, ...], Any], keys: list[tuple[Any, ...]]) -> None:
@@ -149,7 +150,14 @@ class SharedStaging:
         self.release()
         self.unpinned = None
         on_device = [k for k in keys if k[1] == "torch" and k[-1]]
-        block = self._make(keys)
+        try:
+            block = self._make(keys)
+        except OSError as e:  # a file-size limit (ulimit -f counts memory files), no memory: the staging's own buffers
+            if self.refused is None:
+                log.warning("tsckpt: asynchronous saves run in a thread of this process: %s", _no_block(e))
+            self.refused = _no_block(e)
+            return
+        self.refused = None
         if on_device:
             try:
                 _devicecopy.ops().register(block.pointer, block.size)
@@ -187,6 +195,13 @@ class SharedStaging:
             if self.on_release is not None:
                 self.on_release(block)
             block.close()
+
+
+def _no_block(e: OSError) -> str:
+    return (
+        f"the shared staging memory for the writer process could not be made ({e.strerror or e}; a file-size "
+        "limit, ulimit -f, counts memory files too)"
+    )
 
 
 def _key_bytes(key: tuple[Any, ...]) -> int:
@@ -313,6 +328,8 @@ class WriterSlot:
             return "its location lives in this process's memory"
         if any(isinstance(where, JaxRegion) for _, _, _, where in regions):
             return "it holds jax arrays"
+        if self._shared.refused is not None:
+            return self._shared.refused
         unpinned = self._shared.unpinned
         if unpinned is not None and any(is_tensor(d) and _devicecopy.on_device(d) for _, _, d, _ in regions):
             return f"it holds CUDA tensors and {unpinned}"
