@@ -360,6 +360,28 @@ def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_write
 
 
 @pytest.mark.slow
+def test_a_writer_killed_after_its_commit_leaves_a_complete_step_and_says_so(tmp_path, writer_process, caplog):
+    """Killed between its commit and its reply: the step is complete (listed, restorable), so
+    the save succeeds, with a warning, rather than raise that nothing of it is listed."""
+    manager = tsckpt.CheckpointManager(tmp_path / "run")
+    manager.save_async(1, state(1)).result(timeout=120)
+    first = manager._saver.writer_pid
+    hold_next_save(manager, str(tmp_path / "held"), after=True)
+    handle = manager.save_async(2, state(2))
+    assert wait_for(str(tmp_path / "held")) == first  # committed, the reply held back
+    os.kill(first, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="tsckpt"):
+        assert handle.result(timeout=120) is None
+    assert any(re.search(r"\(step 2\) was killed by SIGKILL.* after the save committed: the step is complete", r.getMessage())
+               for r in caplog.records)
+    assert manager.all_steps() == [1, 2]
+    assert np.array_equal(manager.restore(2)["b"], state(2)["b"])
+    manager.save_async(3, state(3)).result(timeout=120)  # a new writer
+    assert manager._saver.writer_pid not in (None, first) and manager.all_steps() == [1, 2, 3]
+    manager.close()
+
+
+@pytest.mark.slow
 def test_a_writer_ignores_sigint_and_a_terminals_signals_go_to_the_trainer_alone(tmp_path, writer_process):
     """Ctrl-C in a terminal signals the training process only (the writer has a process group
     of its own); a SIGINT sent to the writer itself, right after a save, leaves it serving saves

@@ -24,16 +24,21 @@ HOLD_S = 60.0  # how long a held save waits for the test (a test kills it long b
 class Held:
     """A job that runs ``inner`` with the commit held back: once the save has written
     everything and claimed its root (pending), it touches ``flag`` and waits (``before``:
-    hold before the save starts instead)."""
+    hold before the save starts instead; ``after``: once it committed, before the writer replies)."""
 
     inner: Any
     flag: str
     before: bool = False
+    after: bool = False
 
     def __call__(self, tree: Any) -> None:
         if self.before:
             self._hold()
             self.inner(tree)
+            return
+        if self.after:
+            self.inner(tree)
+            self._hold()
             return
         commit = protocol._commit
 
@@ -88,13 +93,13 @@ def _refuse_unpickling(why: str) -> None:
     raise ValueError(why)
 
 
-def hold_next_save(manager: tsckpt.CheckpointManager, flag: str, *, before: bool = False) -> None:
+def hold_next_save(manager: tsckpt.CheckpointManager, flag: str, *, before: bool = False, after: bool = False) -> None:
     """Make ``manager``'s next save a :class:`Held` one (later saves as usual)."""
     real = manager._job
 
     def job(step: int, options: Any) -> Any:
         manager._job = real  # type: ignore[method-assign]
-        return Held(real(step, options), flag, before)
+        return Held(real(step, options), flag, before, after)
 
     manager._job = job  # type: ignore[method-assign]
 

@@ -33,6 +33,7 @@ saves all ask it before they remove or replace a pending checkpoint.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -40,7 +41,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import tensorstore as ts
@@ -103,11 +104,27 @@ def _pid_alive(pid: int, start: Any) -> bool:
     return True
 
 
+# The id the next claims of this context take, where the process that asked for the save
+# named it (a writer process's training process: it can then tell, should the writer die
+# before replying, whether the step its save claimed was committed).
+_named_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tsckpt_claim_id", default=None)
+
+
+@contextlib.contextmanager
+def claims_named(save_id: str) -> Iterator[None]:
+    """The saves run in this context claim their step under ``save_id``."""
+    token = _named_id.set(save_id)
+    try:
+        yield
+    finally:
+        _named_id.reset(token)
+
+
 def new_claim() -> dict[str, Any]:
-    """The claim of a save started now by this process."""
+    """The claim of a save started now by this process (its id: :func:`claims_named`'s, else new)."""
     now = time.time()
     return {
-        "id": uuid.uuid4().hex,
+        "id": _named_id.get() or uuid.uuid4().hex,
         "host": socket.gethostname(),
         "machine": _machine(),
         "pid": os.getpid(),

@@ -97,7 +97,11 @@ from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
 from .._runtime.threads import run_soon
 from ..tree import Flat, structure_to_json
+from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
+from .._ondisk.root import read_roots
+from .._storage.locations import resolve
 from .background import BACKGROUND_NICE, AsyncSave, tidy
+from .lease import claims_named, save_id_of
 from .protocol import Staged
 
 if TYPE_CHECKING:
@@ -460,7 +464,7 @@ class _Writer:
         self.block: sharedmem.SharedBlock | None = None  # the block the writer maps
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
-        self._pending: dict[int, tuple[AsyncSave, str]] = {}
+        self._pending: dict[int, tuple[AsyncSave, str, str]] = {}  # seq -> handle, what, the id its claim takes
         self._tidying: dict[int, AsyncSave] = {}  # saves settled whose housekeeping the writer still runs
         self._seq = 0
         self._closed = False
@@ -506,7 +510,7 @@ class _Writer:
                 handle.tidied()
                 handle.settle(self._lost(what))
                 return
-            self._pending[self._seq] = (handle, what)
+            self._pending[self._seq] = (handle, what, uuid.uuid4().hex)
         seq = self._seq
         if ready is None:
             self._deliver(seq, block, job, paths, structure, leaves)
@@ -545,7 +549,7 @@ class _Writer:
                     None if structure is had_structure else structure,
                     leaves.values if leaves.arrays is had_arrays else leaves,
                 ), protocol=pickle.HIGHEST_PROTOCOL)
-                self.conn.send(("save", seq, payload))
+                self.conn.send(("save", seq, payload, self._pending[seq][2]))
                 self._sent = (paths, structure, leaves.arrays)
         except OSError:
             pass  # the writer died: the watch thread reports it through the handle
@@ -566,7 +570,7 @@ class _Writer:
                     self._tidying.pop(seq).tidied()
                 continue
             with self._state_lock:
-                handle, _ = self._pending.pop(seq)
+                handle, _, _ = self._pending.pop(seq)
                 if kind != "unreadable":  # the writer leaves at once: no housekeeping follows
                     self._tidying[seq] = handle
             if kind == "unreadable":
@@ -584,10 +588,17 @@ class _Writer:
             cut, self._tidying = self._tidying, {}
         for handle in cut.values():  # the writer is gone: the next save's clean-up removes what it left
             handle.tidied()
-        for _, (handle, what) in sorted(lost.items()):
+        for _, (handle, what, save_id) in sorted(lost.items()):
             self.failed = True
             handle.tidied()
-            handle.settle(self._lost(what))
+            if self.ranks == 1 and _committed_as(handle.directory, save_id):
+                log.warning(
+                    "tsckpt: the writer process (pid %s) of the asynchronous save to %s %s after the save committed: "
+                    "the step is complete; the next save starts a new writer", self.proc.pid, what, _death(self.proc.wait()),
+                )
+                handle.settle(None)
+            else:
+                handle.settle(self._lost(what))
 
     def _lost(self, what: str) -> WriterLostError:
         return WriterLostError(
@@ -612,6 +623,17 @@ class _Writer:
         self._watch.join()
         self.conn.close()
         _live.discard(self)
+
+
+def _committed_as(directory: Any, save_id: str) -> bool:
+    """Whether the root at ``directory`` is a committed one of the save whose claim was
+    ``save_id`` (its writer died between its commit and its reply); False when it cannot be read."""
+    try:
+        loc = resolve(directory)
+        ((found, _),) = read_roots(loc, [ROOT_KEY]).values()
+    except Exception:  # noqa: BLE001 - unreadable: the save is reported lost, as it may be
+        return False
+    return found.state == STATE_COMMITTED and save_id_of(found) == save_id
 
 
 def _death(code: int) -> str:
@@ -716,7 +738,8 @@ def main() -> None:
             try:
                 if joined is not None:
                     raise joined
-                job(Staged(paths, _views(block, _merged(arrays, values, len(paths))), structure))
+                with claims_named(message[3]):  # so the training process can tell a commit it missed
+                    job(Staged(paths, _views(block, _merged(arrays, values, len(paths))), structure))
             except BaseException as e:  # noqa: BLE001 - sent to the training process
                 with _SENDING:
                     conn.send(("failed", seq, _peak(), kept.take(), _portable(e), traceback.format_exc()))
