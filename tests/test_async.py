@@ -321,3 +321,31 @@ def test_a_failure_nobody_checked_is_reported_at_exit(tmp_path):
     checked = code.replace("tsckpt.save_async(", "h = tsckpt.save_async(") + "try:\n    h.result()\nexcept OSError:\n    pass\n"
     proc = subprocess.run([sys.executable, "-c", checked], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_expired_steps_do_not_pile_up_when_saves_run_back_to_back(tmp_path, monkeypatch):
+    """Retention's removals run beside the next save, but a save waits for those of the saves
+    before the last: with removals slower than the saves, expired steps stayed on disk by the
+    dozen (the disk held keep_last steps and all those)."""
+    import shutil
+
+    import tsckpt._manager as manager_module
+
+    real = shutil.rmtree
+
+    def slow(path, *args, **kwargs):
+        if ".tsckpt-deleting-" in str(path):
+            time.sleep(0.2)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(manager_module.shutil, "rmtree", slow)
+    m = tsckpt.CheckpointManager(tmp_path / "run", keep_last=1, writer="thread")
+    tree = {f"l{i}": np.full(8, float(i)) for i in range(20)}
+    pending = []
+    for step in range(1, 13):
+        m.save_async(step, tree).result(timeout=60)
+        pending.append(sum(n.startswith(".tsckpt-deleting-") for n in os.listdir(tmp_path / "run")))
+    assert max(pending) <= 2, pending
+    m.wait()
+    assert sorted(os.listdir(tmp_path / "run")) == ["00000012"]
+    m.close()

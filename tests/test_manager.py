@@ -425,11 +425,11 @@ def test_save_async_never_deletes_a_step_another_job_committed_meanwhile(root, m
     real_run = background.AsyncSave.run
     started = []
 
-    def run(handle, job, tree):  # the worker starts: the other job commits step 5 first
+    def run(handle, job, tree, *behind):  # the worker starts: the other job commits step 5 first
         if not started:
             started.append(True)
             other.save(5, _state(55))
-        return real_run(handle, job, tree)
+        return real_run(handle, job, tree, *behind)
 
     monkeypatch.setattr(background.AsyncSave, "run", run)
     handle = mine.save_async(5, _state(5))

@@ -42,6 +42,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
@@ -167,13 +168,16 @@ class AsyncSave(concurrent.futures.Future):  # type: ignore[type-arg]
     def _still_running(self, seconds: float | None) -> TimeoutError:
         return TimeoutError(f"asynchronous save to {self.directory} still running after {seconds:g} s")
 
-    def run(self, job: Callable[[Any], None], tree: Any) -> None:
+    def run(self, job: Callable[[Any], None], tree: Any, behind: Sequence[AsyncSave] = ()) -> None:
         """Run ``job(tree)`` and settle this future with its outcome (in the worker thread), then
-        the job's housekeeping (:func:`tidy`)."""
+        the job's housekeeping (:func:`tidy`). ``behind``: earlier saves whose housekeeping must
+        be over first (:data:`TIDY_BEHIND`)."""
         if not self.set_running_or_notify_cancel():
             self.tidied()
             return
         try:
+            for earlier in behind:
+                earlier.wait_tidied()
             if self._guard is not None:
                 self._guard.join()  # the copies left after the call
             job(tree)
@@ -745,7 +749,9 @@ class AsyncSaver:
                         self._executor = concurrent.futures.ThreadPoolExecutor(
                             1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
                         )
-                    self._executor.submit(handle.run, job, staged)
+                    untidied = [h for h in self._untidied if not h.wait_tidied(0)]
+                    behind = untidied[: max(0, len(untidied) - TIDY_BEHIND)]
+                    self._executor.submit(handle.run, job, staged, behind)
             self._inflight = handle
             self._untidied = [h for h in self._untidied if not h.wait_tidied(0)] + [handle]
         handle.blocked_s = time.perf_counter() - start
@@ -768,6 +774,12 @@ class AsyncSaver:
             if self._process is not None:
                 self._process.give_up()
 
+
+# The saves whose housekeeping (retention's removals) may still run beside a save: one, the
+# save before it. A save waits, before it starts, for the housekeeping of those before that
+# (in its worker, never in the call): back-to-back saves whose removals lag behind their
+# writes would pile up expired steps on disk without bound.
+TIDY_BEHIND = 1
 
 # The nice value of the background save's thread, and so of the writer threads it starts
 # (Linux threads inherit it): where the CPUs are busy, the training loop goes first. Measured

@@ -64,6 +64,8 @@ memory files (Linux has them).
 from __future__ import annotations
 
 import atexit
+import collections
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -100,7 +102,7 @@ from ..tree import Flat, structure_to_json
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
 from .._ondisk.root import read_roots
 from .._storage.locations import resolve
-from .background import BACKGROUND_NICE, AsyncSave, tidy
+from .background import BACKGROUND_NICE, TIDY_BEHIND, AsyncSave, tidy
 from .lease import claims_named, save_id_of
 from .protocol import Staged
 
@@ -709,6 +711,7 @@ def main() -> None:
             joined = e
     block: sharedmem.SharedBlock | None = None
     last: tuple[Any, Any, Any] = (None, None, None)  # the last save's paths, structure and arrays
+    tidying: collections.deque[concurrent.futures.Future[Any]] = collections.deque()  # the saves' housekeeping
     while True:
         message = inbox.get()
         kind = message[0]
@@ -735,6 +738,8 @@ def main() -> None:
             arrays = leaves.arrays if isinstance(leaves, _Leaves) else last[2]
             values = leaves.values if isinstance(leaves, _Leaves) else leaves
             last = (paths, structure, arrays)
+            while len(tidying) > TIDY_BEHIND:  # the housekeeping of the saves before the last: over first
+                concurrent.futures.wait([tidying.popleft()])
             try:
                 if joined is not None:
                     raise joined
@@ -747,7 +752,7 @@ def main() -> None:
                 with _SENDING:
                     conn.send(("done", seq, _peak(), kept.take()))
             # after the reply (the save is over at its commit), beside the next save: its own files only
-            run_soon(functools.partial(_tidy_then_say, job, seq, conn, kept), name="tsckpt-tidy")
+            tidying.append(run_soon(functools.partial(_tidy_then_say, job, seq, conn, kept), name="tsckpt-tidy"))
     conn.close()
     os._exit(0)  # no interpreter teardown: gloo's destructors can abort at exit
 
