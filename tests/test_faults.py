@@ -126,6 +126,13 @@ def test_tensorstore_os_errors_become_storage_errors(tmp_path, text, code, cls, 
     assert fix.format(d=d) in str(err)
 
 
+def test_a_tensorstore_message_joining_a_key_by_nul_reads_with_a_slash(tmp_path):
+    d = str(tmp_path / "ck")
+    text = f"PERMISSION_DENIED: Failed to create directory: \"{d}/00000003\x00zarr.json\": Operation not permitted [os_error_code='1']"
+    err = storage_problem(resolve(d), ValueError(text))
+    assert "\x00" not in str(err) and f'"{d}/00000003/zarr.json"' in str(err)
+
+
 def test_missing_files_stay_damage_not_storage_faults(tmp_path):
     loc = resolve(tmp_path / "ck")
     text = "NOT_FOUND: Error reading local file \"/x/w/c/0\": No such file or directory [os_error_code='2']"

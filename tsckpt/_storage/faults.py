@@ -238,6 +238,7 @@ def os_fault(
     what = what[:1].lower() + what[1:]
     name = errno.errorcode.get(code, str(code))
     about = f" leaf '{leaf}'" if leaf else ""
+    detail = detail.replace("\x00", "/")  # TensorStore's messages join a directory and a key by a NUL
     message = f"{loc}: {what} ({name}) while {doing}{about} ({detail}); {_fix(code, doing, loc, filename)}"
     cls = StorageFullError if code in FULL else StorageError
     return cls(message, errno=code, filename=filename, leaf=leaf)
