@@ -649,6 +649,16 @@ def test_a_restore_of_a_step_retention_deletes_on_s3(s3_server, prefix, layout, 
 # ---- incremental saves: server-side copies ------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def copy_small_objects(request, monkeypatch):
+    """The tests' objects are of a few bytes: copied as large ones are (share.COPY_MIN_BYTES: 0),
+    except in the test of that threshold."""
+    if "copy_threshold" not in request.keywords:
+        from tsckpt._save import share
+
+        monkeypatch.setattr(share, "COPY_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def copy_conditions(monkeypatch):
     """moto honours ``x-amz-copy-source-if-match`` as S3 does (moto ignores it): a copy whose
@@ -861,3 +871,22 @@ def test_files_tensorstore_writes_record_their_etags_too(s3_server, prefix, coun
     tsckpt.save(f"s3://{BUCKET}/{prefix}/b", tree, base=f"s3://{BUCKET}/{prefix}/a")
     assert _copies(counted, f"{prefix}/b") == etags and _data_puts(counted, f"{prefix}/b") == {}
     assert tsckpt.verify(f"s3://{BUCKET}/{prefix}/b").ok
+
+
+@pytest.mark.copy_threshold
+def test_objects_below_the_copy_threshold_are_written_again(s3_server, prefix, counted):
+    """A copy is a request as a PUT is: objects smaller than share.COPY_MIN_BYTES are PUT again;
+    larger ones are copied on the store."""
+    from tsckpt._save import share
+
+    url = f"s3://{BUCKET}/{prefix}"
+    small, large = np.arange(16, dtype=np.float32), np.arange(share.COPY_MIN_BYTES // 4, dtype=np.float32)
+    m = tsckpt.CheckpointManager(url)
+    m.save(1, {"small": small, "large": large})
+    counted.seen.clear()
+    m.save(2, {"small": small, "large": large})
+    copied = set(_copies(counted, f"{prefix}/00000002"))
+    put = set(_data_puts(counted, f"{prefix}/00000002"))
+    assert copied == {"large/c.0"} and put == {"small/c.0"}, (copied, put)
+    out = m.restore(2)
+    assert np.array_equal(out["small"], small) and np.array_equal(out["large"], large)

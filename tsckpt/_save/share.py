@@ -121,6 +121,12 @@ def _their_key(
     return key if entry is not None and entry[0] == digest else None
 
 
+# Objects smaller than this are written again rather than copied: a copy is a request as a PUT
+# is, and moves no byte through the client, which for a few KiB saves nothing (a copy of 1,000
+# objects of a few bytes took 9.5 s where their PUTs took 5.9 s on a moto server).
+COPY_MIN_BYTES = 64 << 10
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectBase:
     """What a save on an object store shares with: the base's records, recorded files and
@@ -138,7 +144,7 @@ class ObjectBase:
         its recorded ETag). The base's key, the copy's ETag and its size; None if not copied."""
         theirs = _their_key(self.records, self.files, key, rec, digest)
         etag = None if theirs is None else self.etags.get(theirs)
-        if theirs is None or etag is None:
+        if theirs is None or etag is None or self.files[theirs][1] < COPY_MIN_BYTES:
             return None
         new = self.copier.copy(theirs, key, etag)
         return None if new is None else (theirs, new, self.files[theirs][1])
