@@ -603,9 +603,18 @@ class _Writer:
                 handle.settle(self._lost(what))
 
     def _lost(self, what: str) -> WriterLostError:
+        """The error of a save whose writer died: before its commit (one rank: the root read says
+        so), or, with several ranks, at a moment only rank 0's writer knew (its claim's id is its own)."""
+        if self.ranks == 1:
+            outcome = "before the save committed: nothing of it is listed as a checkpoint"
+        else:
+            outcome = (
+                "before it replied: rank 0's writer commits the save, so whether the step is listed as a checkpoint "
+                "is what the manager's all_steps() (rank 0's outcome) says"
+            )
         return WriterLostError(
             f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(self.proc.wait())} "
-            "before the save committed: nothing of it is listed as a checkpoint; the next save starts a new writer"
+            f"{outcome}; the next save starts a new writer"
         )
 
     def close(self) -> None:
