@@ -54,6 +54,11 @@ OWN_SHARD_FILES = True
 # many threads, each waiting on its request: as many requests at once as TensorStore's s3
 # driver sends by default (its ``s3_request_concurrency``).
 OBJECT_THREADS = 32
+# A shard file of an incremental save on an object store at least this large is written by
+# TensorStore from its source and its ETag read back by one request (reading none of its
+# bytes), rather than encoded in memory for one write: the memory buffer is copied once more
+# on its way to TensorStore, which cost more than the request (benchmarks/RESULTS.md).
+OBJECT_IN_MEMORY_BYTES = 4 << 20
 # Unsharded chunk files (and zarr.json nodes) of such a checkpoint go to the writing threads
 # in batches of this many files, or fewer that hold BATCH_BYTES.
 BATCH_FILES = 64
@@ -317,9 +322,12 @@ class _Writers:
         def write() -> tuple[str | None, int]:
             if w.route is Route.CHUNK:
                 data = encode_chunk(src, w.shapes.shard)
-            elif self.own and regular_shards(w.rec) and whole_shard(w.rec, w.offsets, w.lengths):
+            elif (
+                self.own and regular_shards(w.rec) and whole_shard(w.rec, w.offsets, w.lengths)
+                and src.nbytes < OBJECT_IN_MEMORY_BYTES
+            ):
                 data = shardwrite.shard_bytes(src, w.shapes.shard, w.shapes.inner or w.shapes.shard)
-            else:  # TensorStore's (TSCKPT_CODEC=tensorstore): its ETag read back, reading none of its bytes
+            else:  # TensorStore's (a large shard file, or TSCKPT_CODEC=tensorstore): its ETag read back, reading none of its bytes
                 self._tensorstore(w, src).result()
                 stamp = self.kv.read(w.key, byte_range=slice(0, 0)).result().stamp
                 return etag_of(stamp.generation), stored_size(w.rec, box_slices(w.offsets, w.lengths)).nbytes
