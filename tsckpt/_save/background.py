@@ -705,6 +705,7 @@ class AsyncSaver:
         start = time.perf_counter()
         with self._lock:
             self._settle(if_busy)
+            untidied = [h for h in self._untidied if not h.wait_tidied(0)]  # earlier saves' housekeeping still running
             if prepare is not None:
                 prepare()
             guard = Guard.of(tree) if staging == "overlapped" else None
@@ -749,11 +750,10 @@ class AsyncSaver:
                         self._executor = concurrent.futures.ThreadPoolExecutor(
                             1, thread_name_prefix=BACKGROUND_SAVE_THREAD, initializer=_yield_to_training
                         )
-                    untidied = [h for h in self._untidied if not h.wait_tidied(0)]
                     behind = untidied[: max(0, len(untidied) - TIDY_BEHIND)]
                     self._executor.submit(handle.run, job, staged, behind)
             self._inflight = handle
-            self._untidied = [h for h in self._untidied if not h.wait_tidied(0)] + [handle]
+            self._untidied = untidied + [handle]
         handle.blocked_s = time.perf_counter() - start
         return handle
 

@@ -57,6 +57,8 @@ COARSE_TICK_NS = 2_000_000_000
 # The clock a Linux file system stamps times from (CLOCK_REALTIME_COARSE; a fine-grained
 # stamp is never behind it): read, it says when the tick has passed, rather than a bound.
 STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Base:
     """What a save shares with: the base's local directory (and a descriptor of it, open until

@@ -512,10 +512,10 @@ class _Writer:
                 handle.tidied()
                 handle.settle(self._lost(what))
                 return
-            self._pending[self._seq] = (handle, what, uuid.uuid4().hex)
-        seq = self._seq
+            claim = self._pending[self._seq] = (handle, what, uuid.uuid4().hex)
+        seq, save_id = self._seq, claim[2]
         if ready is None:
-            self._deliver(seq, block, job, paths, structure, leaves)
+            self._deliver(seq, save_id, block, job, paths, structure, leaves)
             return
 
         def deliver_when_ready() -> None:
@@ -527,15 +527,16 @@ class _Writer:
                 handle.tidied()
                 handle.settle(e)
                 return
-            self._deliver(seq, block, job, paths, structure, leaves)
+            self._deliver(seq, save_id, block, job, paths, structure, leaves)
 
         run_soon(deliver_when_ready, name="tsckpt-staging-send")
 
     def _deliver(
-        self, seq: int, block: sharedmem.SharedBlock | None, job: Any, paths: list[str], structure: Any,
+        self, seq: int, save_id: str, block: sharedmem.SharedBlock | None, job: Any, paths: list[str], structure: Any,
         leaves: _Leaves,
     ) -> None:
-        """Send the message of save ``seq`` (its shared block first, where new)."""
+        """Send the message of save ``seq``, whose claim takes ``save_id`` (its shared block
+        first, where new)."""
         try:
             with self._send_lock:
                 if block is not None and block is not self.block:
@@ -551,7 +552,7 @@ class _Writer:
                     None if structure is had_structure else structure,
                     leaves.values if leaves.arrays is had_arrays else leaves,
                 ), protocol=pickle.HIGHEST_PROTOCOL)
-                self.conn.send(("save", seq, payload, self._pending[seq][2]))
+                self.conn.send(("save", seq, payload, save_id))
                 self._sent = (paths, structure, leaves.arrays)
         except OSError:
             pass  # the writer died: the watch thread reports it through the handle
