@@ -95,13 +95,13 @@ from .._base.types import LazySource, ShardedArray, TorchRegion
 from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
 from .._errors import WriterLostError
 from .._leaves.jaxarray import JaxRegion
+from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
+from .._ondisk.root import read_roots
 from .._runtime import devicecopy as _devicecopy
 from .._runtime import sharedmem
 from .._runtime.threads import run_soon
-from ..tree import Flat, structure_to_json
-from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
-from .._ondisk.root import read_roots
 from .._storage.locations import resolve
+from ..tree import Flat, structure_to_json
 from .background import BACKGROUND_NICE, TIDY_BEHIND, AsyncSave, tidy
 from .lease import claims_named, save_id_of
 from .protocol import Staged
