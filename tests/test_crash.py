@@ -96,6 +96,17 @@ def _wait_for(path: Path, text: str, proc: mp.process.BaseProcess, timeout: floa
     raise AssertionError(f"saver did not report '{text}' within {timeout} s")
 
 
+def _let_run(rng: random.Random, kill: int, logs: list[Path], procs: list, durations: list[float]) -> None:
+    """Let the savers run to a random moment: within a few saves (as observed) of their start.
+
+    Every fourth kill first waits for one more commit, so the savers make progress however
+    loaded the machine is; the kill still falls at a random moment after it.
+    """
+    if kill % 4 == 3:
+        _wait_for(logs[0], "committed", procs[0], timeout=120)
+    time.sleep(rng.uniform(0.0, max(0.6, 4 * sorted(durations)[len(durations) // 2])))
+
+
 def _on_disk(root: Path) -> dict[str, str | None]:
     """State of every entry under the run directory, read directly."""
     out: dict[str, str | None] = {}
@@ -140,7 +151,7 @@ def test_sigkill_at_random_moments(tmp_path, layout):
         proc.start()
         try:
             _wait_for(log, "ready", proc)
-            time.sleep(rng.uniform(0.0, max(0.6, 4 * sorted(durations)[len(durations) // 2])))
+            _let_run(rng, kill, [log], [proc], durations)
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(30)
@@ -375,6 +386,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
     root = tmp_path / "run"
     committed_ever: int | None = None
     interrupted = 0
+    durations = [0.4]  # seconds per save, as observed
     for kill in range(20):
         log = tmp_path / f"log{kill}"
         store = rendezvous()  # the ranks' store, served here: it outlives the kill
@@ -387,14 +399,15 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
         try:
             for r, p in enumerate(procs):
                 _wait_for(Path(f"{log}.{r}"), "ready", p)
-            time.sleep(rng.uniform(0.0, 1.5))
+            _let_run(rng, kill, [Path(f"{log}.0")], procs[:1], durations)
         finally:
             for p in procs:
                 if p.pid is not None:
                     os.kill(p.pid, signal.SIGKILL)
             for p in procs:
                 p.join(30)
-        begun, done, _, _ = _events(Path(f"{log}.0"))
+        begun, done, starts, ends = _events(Path(f"{log}.0"))
+        durations += [t - starts[step] for step, t in ends.items()]
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
         interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
