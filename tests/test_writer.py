@@ -565,3 +565,47 @@ def test_retention_through_the_writer_renames_before_the_result_and_removes_befo
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tsckpt-deleting-")]
     assert manager.restore(4)["step"] == 4
     manager.close()
+
+
+_SLOW_REMOVALS = '''
+import os, shutil, time
+
+_rmtree = shutil.rmtree
+
+
+def _slow(path, *args, **kwargs):
+    if ".tsckpt-deleting-" in str(path):
+        with open(os.environ["TSCKPT_TEST_SLOWED"], "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+        time.sleep(0.2)
+    return _rmtree(path, *args, **kwargs)
+
+
+shutil.rmtree = _slow
+'''
+
+
+@pytest.mark.slow
+def test_expired_steps_do_not_pile_up_when_the_writer_saves_back_to_back(tmp_path, writer_process, monkeypatch):
+    """A writer process removes the steps retention expired beside the next save, but a save
+    waits for the removals of the saves before the last: with removals slower than the saves
+    (the writer's rmtree slowed by a sitecustomize on its import path), at most two expired
+    steps stay on disk, and wait() leaves none."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_REMOVALS)
+    slowed = tmp_path / "slowed"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TSCKPT_TEST_SLOWED", str(slowed))
+    m = tsckpt.CheckpointManager(tmp_path / "run", keep_last=1)
+    tree = {f"l{i}": np.full(8, float(i)) for i in range(20)}
+    pending = []
+    for step in range(1, 11):
+        m.save_async(step, tree).result(timeout=60)
+        pending.append(sum(n.startswith(".tsckpt-deleting-") for n in os.listdir(tmp_path / "run")))
+    m.wait()
+    assert sorted(os.listdir(tmp_path / "run")) == ["00000010"]
+    pids = set(slowed.read_text().split())
+    m.close()
+    assert pids and str(os.getpid()) not in pids, pids  # the removals ran, slowed, in the writer
+    assert max(pending) <= 2, pending
