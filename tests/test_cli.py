@@ -371,7 +371,7 @@ def test_verify_ok(ck, multi, capsys):
     assert code == 0
     assert "ok    big" in out and "ok    other" in out
     assert len(_files(multi, "big")) > 1  # several shard files, each read
-    assert f"from {len(_files(multi, 'big')) + len(_files(multi, 'other'))} shard files" in out
+    assert f"from {len(_files(multi, 'big')) + len(_files(multi, 'other'))} stored shards" in out
 
 
 def test_verify_flipped_byte_names_the_leaf(multi, capsys):

@@ -173,6 +173,14 @@ def test_rules_are_checked_when_made():
         Transpose((0, 0))
     with pytest.raises(TypeError, match="holds Rule objects"):
         Rules(["a"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"target is a template \(a str\) or several \(a tuple of str\), not \(1, 2\)"):
+        Rule("a", (1, 2), Split(0, 2))  # type: ignore[arg-type]
+
+
+def test_several_templates_and_views_may_be_given_as_lists():
+    listed = Rule("qkv", ["q", "k", "v"], [Split(0, 3)])  # type: ignore[arg-type]
+    assert listed == Rule("qkv", ("q", "k", "v"), Split(0, 3))
+    assert Rule(["a", "b"], "ab", Concat(0)).stored == ("a", "b")  # type: ignore[arg-type]
 
 
 def test_a_region_of_too_many_runs_is_refused_naming_the_rule():

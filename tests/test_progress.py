@@ -28,6 +28,7 @@ def test_save_restore_verify_show_bytes_and_log(tmp_path, bars, caplog, capsys):
     lines = [r.getMessage() for r in caplog.records if r.name == "tsckpt"]
     assert [line.split(" ", 1)[0] for line in lines] == ["save", "restore", "verify"]
     assert lines[0].startswith(f"save {d}: 16.0 KiB in 2 files, ") and lines[0].endswith("/s)")
+    assert lines[1].startswith(f"restore {d}: 16.0 KiB in 2 reads, ")  # regions read, not files
     assert "save:" in capsys.readouterr().err  # the bar itself, on stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import struct
@@ -24,7 +25,7 @@ from tsckpt import (
 )
 from tsckpt import NotACheckpointError
 from tsckpt._base import dtypes as _dtypes
-from tsckpt._errors import short_repr
+from tsckpt._errors import CheckpointReplacedError, short_repr
 from tsckpt._ondisk.records import MAX_NDIM
 from tsckpt._formats import safetensors as _safetensors
 from tsckpt._formats.safetensors import OutTensor, plan_shards, read_dir, read_file, read_header, write
@@ -317,8 +318,10 @@ def test_a_file_that_shrinks_under_a_read_is_corrupt(tmp_path):
     save_file({"a": torch.ones(64, 64)}, path)
     entry = read_header(path).entries["a"]
     os.truncate(path, entry.begin + 1000)
-    with pytest.raises(CorruptCheckpointError) as e:
-        _safetensors.read_box(entry, path, (slice(10, 20),))
+    with pytest.raises(CheckpointReplacedError, match="replaced or rewritten since its header was read"):
+        _safetensors.read_box(entry, path, (slice(10, 20),))  # cut before the read: seen when it opens
+    with pytest.raises(CorruptCheckpointError) as e:  # cut after the open's check, as the reads go
+        _safetensors.read_box(dataclasses.replace(entry, stamp=()), path, (slice(10, 20),))
     assert str(e.value) == (
         f"{path}: tensor 'a' ends early (the file shrank while it was read); the file is damaged or was not fully "
         "written, get a good copy"

@@ -295,3 +295,106 @@ def test_a_meta_model_restored_with_copy_false_trains_on_mapped_parameters(tmp_p
     fresh(torch.ones(2, 16)).sum().backward()
     opt.step()
     assert not torch.equal(fresh[0].weight, model[0].weight) and open(path, "rb").read() == before
+
+
+# ---- found trying the product from outside ------------------------------------------------
+
+
+def test_leaves_saved_as_one_tensor_come_back_apart_where_the_target_keeps_them_apart(tmp_path):
+    """A tied pair saved once (an alias) restored into a target holding two tensors: a view of
+    one mapping for both would tie them (a write to one shows in the other), so the second is
+    copied, and said so; a target holding one object for both gets one mapping."""
+    w = torch.zeros(4)
+    tsckpt.save(tmp_path / "ck", {"w": w, "w_ema": w})
+    for copy in (True, False):
+        got = tsckpt.restore(tmp_path / "ck", {"w": torch.empty(4), "w_ema": torch.empty(4)}, copy=copy)
+        got["w"].add_(1.0)
+        assert got["w_ema"].tolist() == [0.0] * 4, copy
+    one = torch.empty(4)
+    tied = tsckpt.restore(tmp_path / "ck", {"w": one, "w_ema": one}, copy=False)
+    assert address(tied["w"]) == address(tied["w_ema"])
+
+
+def test_aliases_of_a_safetensors_file_come_back_apart_and_the_log_says_why(tmp_path, caplog):
+    w = torch.zeros(4)
+    tsckpt.save(tmp_path / "ck", {"w": w, "w_ema": w})
+    tsckpt.convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        got = tsckpt.restore(tmp_path / "m.safetensors", {"w": torch.empty(4), "w_ema": torch.empty(4)}, copy=False)
+    got["w"].fill_(5.0)
+    assert got["w_ema"].tolist() == [0.0] * 4
+    assert "1 leaves mapped from their files (16 B); 1 copied instead: 'w_ema': it was saved as the same tensor as 'w'" in caplog.text
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_safetensors_file_replaced_after_open_is_refused_not_decoded_with_the_old_header(tmp_path, copy):
+    f = str(tmp_path / "m.safetensors")
+    safetensors_torch.save_file({"a": torch.full((16,), 1.0), "b": torch.full((16,), 2.0)}, f)
+    ck = tsckpt.open(f, copy=copy)
+    safetensors_torch.save_file({"b": torch.full((16,), 9.0), "a": torch.full((15,), 8.0)}, f + ".new")
+    os.replace(f + ".new", f)
+    with pytest.raises(tsckpt.CheckpointReplacedError, match=r"m\.safetensors: replaced or rewritten since its header was read \(tensor 'a'"):
+        ck["a"][...]
+
+
+def test_a_safetensors_file_rewritten_in_place_at_the_same_size_is_refused(tmp_path):
+    f = str(tmp_path / "m.safetensors")
+    safetensors_torch.save_file({"a": torch.full((16,), 1.0)}, f)
+    ck = tsckpt.open(f, copy=False)
+    st = os.stat(f)
+    with open(f, "r+b") as out:  # the same size, new bytes, a later time
+        out.seek(st.st_size - 4)
+        out.write(b"\x00\x00\x80\x7f")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(tsckpt.CheckpointReplacedError):
+        ck["a"][...]
+
+
+def test_mapped_results_hold_no_file_descriptor(tmp_path, one_chunk):
+    tsckpt.save(tmp_path / "ck", {f"l{i}": np.full(8, float(i), np.float32) for i in range(64)})
+    before = len(os.listdir("/proc/self/fd"))
+    got = tsckpt.restore(tmp_path / "ck", copy=False)
+    assert mapping_of(got["l7"])["file"].endswith("l7/c.0")  # mapped: the one-chunk file of the array
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert [float(got[f"l{i}"][0]) for i in range(64)] == [float(i) for i in range(64)]
+
+
+def test_a_small_tensor_of_a_large_safetensors_file_reads_only_its_pages(tmp_path):
+    f = str(tmp_path / "big.safetensors")
+    safetensors_torch.save_file({"small": torch.ones(16), "big": torch.randn(2048, 1024)}, f)  # 8 MiB
+    fd = os.open(f, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    got = tsckpt.open(f, copy=False)["small"][...]
+    resident = mapping_of(got)["Rss"]
+    assert got.tolist() == [1.0] * 16
+    assert resident <= 1024, f"{resident} kB of the 8 MiB file faulted in for a 64-byte tensor"
+
+
+def test_read_only_results_are_read_only_whether_mapped_or_copied(tmp_path):
+    tsckpt.save(tmp_path / "ck", {"embed": np.zeros((1024, 256), np.float32), "norm": np.ones(64, np.float32)})
+    ck = tsckpt.open(tmp_path / "ck", copy="read-only")
+    assert [ck[k][...].flags.writeable for k in ("embed", "norm")] == [False, False]  # embed: shard files, copied
+    got = tsckpt.restore(tmp_path / "ck", copy="read-only")
+    assert {k: v.flags.writeable for k, v in got.items()} == {"embed": False, "norm": False}
+    with pytest.raises(ValueError, match="read-only"):
+        got["embed"][0, 0] = 1.0
+
+
+def test_np_array_of_a_lazy_array_is_an_array_of_its_own(tmp_path):
+    tsckpt.save(tmp_path / "ck", {"a": np.arange(8, dtype=np.float32)})
+    for copy in (True, False, "read-only"):
+        lazy = tsckpt.open(tmp_path / "ck", copy=copy)["a"]
+        a = np.array(lazy)
+        a[0] = 7.0  # writable and its own
+        assert a.flags.owndata and np.array(lazy)[0] == 0.0, copy
+        assert np.array(lazy, dtype=np.float64).dtype == np.float64
+
+
+def test_lazy_reads_log_each_reason_once_per_reader(tmp_path, caplog):
+    tsckpt.save(tmp_path / "ck", {f"l{i}": np.zeros((512, 512), np.float32) for i in range(5)})  # shard files
+    ck = tsckpt.open(tmp_path / "ck", copy=False)
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        for i in range(5):
+            ck[f"l{i}"][...]
+    assert caplog.text.count("it is stored in shard files of inner chunks") == 1

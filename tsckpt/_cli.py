@@ -382,7 +382,7 @@ def _verified(report: VerifyReport) -> str:
     if report.checksums:
         return (
             f"committed, {leaves}; {arrays} ({human_bytes(report.bytes_read)} read from "
-            f"{_count(report.files_read, 'shard file')}, all checksums match), {values}"
+            f"{_count(report.files_read, 'stored shard')}, all checksums match), {values}"
         )
     return (
         f"{report.format} checkpoint, committed, {leaves}; {arrays} read ({human_bytes(report.bytes_read)} in "

@@ -111,8 +111,17 @@ class Rule:
     dtype: Any = None
 
     def __post_init__(self) -> None:
+        for field in ("stored", "target"):  # several templates given as a list, as often written
+            if isinstance(getattr(self, field), list):
+                object.__setattr__(self, field, tuple(getattr(self, field)))
+            templates = getattr(self, field)
+            if not (isinstance(templates, str) or (isinstance(templates, tuple) and templates
+                                                   and all(isinstance(t, str) for t in templates))):
+                raise TypeError(f"{self}: {field} is a template (a str) or several (a tuple of str), not {templates!r}")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", _dtype_name(self, self.dtype))
+        if isinstance(self.views, list):
+            object.__setattr__(self, "views", tuple(self.views))
         if not isinstance(self.views, tuple):
             object.__setattr__(self, "views", (self.views,))
         views: tuple[View, ...] = self.views  # type: ignore[assignment]

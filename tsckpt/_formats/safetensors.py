@@ -58,6 +58,7 @@ from .._base.types import LazySource
 from .._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     LeafTypeError,
     NotACheckpointError,
@@ -67,7 +68,7 @@ from .._ondisk.arrays import parse_node as parse_json
 from .._ondisk.bounds import METADATA_BYTES, read_fd
 from .._ondisk.records import KINDS, MAX_NDIM, decode_value, dims_ok, known_kind
 from .._storage.confine import Root, confined, open_read
-from .._storage.filemap import map_private
+from .._storage.filemap import map_private, populate
 from ..tree import escape, from_paths, structure_from_json, structure_problem
 
 # Metadata key under which a tsckpt tree (structure, kinds, values, ties) is stored.
@@ -104,6 +105,24 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int
     end: int
+    stamp: tuple[int, ...] = ()  # the file's identity when its header was checked (:func:`stamp_of`)
+
+
+def stamp_of(st: os.stat_result) -> tuple[int, ...]:
+    """What a file's status says of its identity and content: device, inode, size, mtime. A
+    file replaced (renamed over) or rewritten since its header was checked differs in one."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _check_stamp(fd: int, entry: TensorEntry, file: str) -> None:
+    """Raise CheckpointReplacedError when the open file ``fd`` is no longer the one whose header
+    gave ``entry`` (its offsets, dtype and shape would describe other bytes)."""
+    now = stamp_of(os.fstat(fd))
+    if entry.stamp and now != entry.stamp:
+        raise CheckpointReplacedError(
+            f"{file}: replaced or rewritten since its header was read (tensor '{entry.name}'; size "
+            f"{entry.stamp[2]} then, {now[2]} now): its offsets may describe other bytes; open it again"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +131,7 @@ class Header:
     entries: dict[str, TensorEntry]
     metadata: dict[str, str]
     size: int = 0  # the file's bytes when the header was read (its tensors tile it to the end)
+    stamp: tuple[int, ...] = ()  # its identity then (:func:`stamp_of`)
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:
@@ -129,7 +149,8 @@ def read_header(path: str) -> Header:
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
     fd = open_read(path)  # a Hugging Face cache snapshot's file: from its repository's blobs/, no link followed
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    size = st.st_size
     with os.fdopen(fd, "rb") as f:
         head = f.read(9)
         if not is_safetensors_file(head):
@@ -151,9 +172,10 @@ def read_header(path: str) -> Header:
     meta = {} if meta is None else meta  # null, as the library reads it; not 0, "" or []
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _corrupt(path, "its __metadata__ is not a map of strings")
-    entries = {name: _entry(path, name, e, 8 + n) for name, e in header.items()}
+    stamp = stamp_of(st)
+    entries = {name: dataclasses.replace(_entry(path, name, e, 8 + n), stamp=stamp) for name, e in header.items()}
     _check_cover(path, entries, 8 + n, size)
-    return Header(path, entries, meta, size)
+    return Header(path, entries, meta, size, stamp)
 
 
 def _entry(path: str, name: str, e: Any, start: int) -> TensorEntry:
@@ -234,6 +256,7 @@ def read_box(entry: TensorEntry, file: str, box: tuple[slice, ...], out: np.ndar
     flat = out.reshape(-1).view(np.uint8).data
     fd = open_read(file)
     try:
+        _check_stamp(fd, entry, file)
         for at, size, pos in _runs(entry, bounds, dtype.itemsize):
             view = flat[pos : pos + size]
             if os.preadv(fd, [view], entry.begin + at) != size:  # a short read: again, to the end or the error
@@ -278,9 +301,9 @@ class FileMap:
     made when the first of its tensors is mapped and shared by all of them: one mapping per
     file, however many tensors it holds. Opened as every read opens it (no link followed)."""
 
-    def __init__(self, file: str, size: int) -> None:
+    def __init__(self, file: str, stamp: tuple[int, ...]) -> None:
         self.file = file
-        self.size = size  # as when its header was checked
+        self.stamp = stamp  # its identity when its header was checked (:func:`stamp_of`)
         self._lock = threading.Lock()
         self._mapped: np.ndarray | str | None = None
 
@@ -294,10 +317,10 @@ class FileMap:
     def _map(self) -> np.ndarray | str:
         fd = open_read(self.file)
         try:
-            size = os.fstat(fd).st_size
-            if size != self.size:
-                return f"its file is {size} bytes, no longer the {self.size} its header was checked against"
-            return map_private(fd, size)
+            st = os.fstat(fd)
+            if stamp_of(st) != self.stamp:  # the copying read raises CheckpointReplacedError
+                return "its file was replaced or rewritten since its header was read"
+            return map_private(fd, st.st_size, populate=False)  # each tensor's pages as it is mapped
         except (OSError, ValueError) as e:
             return f"its file cannot be mapped ({e})"
         finally:
@@ -315,6 +338,7 @@ def map_tensor(entry: TensorEntry, filemap: FileMap) -> np.ndarray | str:
     whole = filemap.array()
     if isinstance(whole, str):
         return whole
+    populate(whole, entry.begin, entry.end)  # this tensor's pages only: the file may be far larger
     return whole[entry.begin : entry.end].view(dtype).reshape(entry.shape)
 
 
@@ -332,11 +356,11 @@ def _source(entry: TensorEntry, file: str, kind: str = "torch", filemap: FileMap
 # ---- reading a file or a directory as a tree -------------------------------------------
 
 
-def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any, sizes: dict[str, int]) -> Any:
+def _tree(where: str, sources: dict[str, tuple[TensorEntry, str]], info: Any, stamps: dict[str, tuple[int, ...]]) -> Any:
     """The tree: rebuilt from tsckpt's metadata when the file has it (checked first, entry by
-    entry), else a flat dict by name. ``sizes``: each file's size when its header was read
+    entry), else a flat dict by name. ``stamps``: each file's identity when its header was read
     (its tensors share one :class:`FileMap`)."""
-    maps = {file: FileMap(file, size) for file, size in sizes.items()}
+    maps = {file: FileMap(file, stamp) for file, stamp in stamps.items()}
     if info is None:
         return {name: _source(e, f, filemap=maps[f]) for name, (e, f) in sorted(sources.items())}
     info = _tsckpt_info(where, info, sources)
@@ -428,7 +452,7 @@ def _leaves_problem(info: dict[str, Any], leaves: list[str], values: dict[str, A
 def read_file(path: str) -> Any:
     """A safetensors file as a tree of lazy sources (nothing but the header is read)."""
     h = read_header(path)
-    return _tree(path, {n: (e, path) for n, e in h.entries.items()}, h.metadata.get(METADATA_KEY), {path: h.size})
+    return _tree(path, {n: (e, path) for n, e in h.entries.items()}, h.metadata.get(METADATA_KEY), {path: h.stamp})
 
 
 def is_hf_dir(path: str) -> bool:
@@ -449,8 +473,8 @@ def read_dir(path: str) -> Any:
     index_file = os.path.join(path, INDEX_NAME) if os.path.join(path, INDEX_NAME) in indexes else indexes[0]
     index_file = confined(root, os.path.basename(index_file), where=path, field="the index file")
     weight_map, meta = read_index(index_file)
-    sizes: dict[str, int] = {}
-    return _tree(index_file, _shard_sources(root, index_file, weight_map, sizes), meta.get(METADATA_KEY), sizes)
+    stamps: dict[str, tuple[int, ...]] = {}
+    return _tree(index_file, _shard_sources(root, index_file, weight_map, stamps), meta.get(METADATA_KEY), stamps)
 
 
 def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -478,11 +502,11 @@ def read_index(index_file: str) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _shard_sources(
-    root: Root, index_file: str, weight_map: dict[str, str], sizes: dict[str, int]
+    root: Root, index_file: str, weight_map: dict[str, str], stamps: dict[str, tuple[int, ...]]
 ) -> dict[str, tuple[TensorEntry, str]]:
     """Tensor name -> (its header entry, its file) for every tensor the index maps; each
-    file it names must be inside the directory (no link), and hold the tensor. ``sizes``
-    gets each file's size as its header was read."""
+    file it names must be inside the directory (no link), and hold the tensor. ``stamps``
+    gets each file's identity as its header was read."""
     headers: dict[str, Header] = {}
     sources: dict[str, tuple[TensorEntry, str]] = {}
     for name, fname in weight_map.items():
@@ -491,7 +515,7 @@ def _shard_sources(
             if not os.path.isfile(file):
                 raise CorruptCheckpointError(f"{file}: missing, but {os.path.basename(index_file)} maps '{name}' to it")
             headers[fname] = read_header(file)
-            sizes[file] = headers[fname].size
+            stamps[file] = headers[fname].stamp
         if name not in headers[fname].entries:
             raise CorruptCheckpointError(f"{file}: has no tensor '{name}', but {os.path.basename(index_file)} maps it there")
         sources[name] = (headers[fname].entries[name], file)

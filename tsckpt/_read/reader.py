@@ -67,13 +67,13 @@ class LazyArray:
     :func:`tsckpt.open` takes it: False or "read-only" give a read that is exactly one
     chunk stored raw in a local file as a view of its file's mapping (:mod:`.zerocopy`)."""
 
-    def __init__(self, ck: Checkpoint, path: str, *, copy: Copy = True) -> None:
+    def __init__(self, ck: Checkpoint, path: str, *, copy: Copy = True, told: set[str] | None = None) -> None:
         self._ck = ck
         self.path = path
         self.metadata = ck.array_metadata(path)
         self._store: ts.TensorStore | None = None
         self._copy = copy
-        self._told: set[str] = set()  # why reads were copied, each logged once
+        self._told = set() if told is None else told  # why reads were copied, each logged once (per reader)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -136,7 +136,7 @@ class LazyArray:
         if isinstance(got, str):
             if got not in self._told:
                 self._told.add(got)
-                tell(f"read of '{self.path}' in {self._ck.location}", 0, 0, {got: [self.path]})
+                tell(f"read of '{self.path}' in {self._ck.location} (reads copied for the same reason are not logged again)", 0, 0, {got: [self.path]})
             return None
         return cast(np.ndarray, as_result(got, self.dtype, got, read_only=read_only))
 
@@ -150,10 +150,18 @@ class LazyArray:
         data = self.read_box(box, writable=writable)
         if self.dtype == "complex32":
             post = post + (slice(None),)
-        return data[post] if post else data
+        out = data[post] if post else data
+        if self._copy == READ_ONLY and not writable and isinstance(out, np.ndarray):
+            out.flags.writeable = False  # read-only whether mapped or copied (a copy is this read's own)
+        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = self[...]
+        """numpy's protocol: ``copy=True`` (``np.array``) gives an array of its own, writable
+        whatever this reader's ``copy`` option; else the read as it comes (a read of storage
+        is no copy of an existing array)."""
+        out = self.read(..., writable=copy is True)
+        if copy is True:
+            return np.array(out, dtype=dtype, copy=True)
         return out if dtype is None else out.astype(dtype)
 
     @property
@@ -217,6 +225,7 @@ class Reader(Mapping[str, Any]):
     def __init__(self, ck: Checkpoint, *, copy: Copy = True) -> None:
         self.checkpoint = ck
         self.copy = copy
+        self._told: set[str] = set()  # why its arrays' reads were copied, each logged once
 
     def __getitem__(self, path: str) -> Any:
         ck = self.checkpoint
@@ -224,7 +233,7 @@ class Reader(Mapping[str, Any]):
             path = ROOT_LEAF_PATH
         path = ck.aliases.get(path, path)  # a tied leaf reads its stored array
         if path in ck.arrays:
-            return LazyArray(ck, path, copy=self.copy)
+            return LazyArray(ck, path, copy=self.copy, told=self._told)
         if path in ck.values:
             return ck.values[path]
         marker = f"{path.rstrip('/')}/{SUBCLASS_KEY}"

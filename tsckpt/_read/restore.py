@@ -226,7 +226,7 @@ def restore(
         ck = open_checkpoint(directory, format=format, allow_pickle=allow_pickle)
         ck.check_links(deferred=True)
         mapped = None if mapping is None else mapped_checkpoint(ck, mapping)
-        with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank) as bar:
+        with unchanged(ck), Progress("restore", ck.location, show=progress, rank=coord.rank, unit="reads") as bar:
             reader = _ReadSettings(bar, max_inflight_bytes, casting, mapped, copy)
             if mapped is not None:
                 ck = mapped.view  # the target's paths are the mapping's; reads go to the stored one
@@ -350,6 +350,10 @@ def _fill(
     warn_lost_values([d.cast for _, d in dests] + value_casts)
     for i, dest in finishing:
         out[i] = dest.restored()
+    if reader.copy == READ_ONLY and not inplace:  # numpy results read-only, the copied as the mapped
+        for i, _ in dests:
+            if isinstance(out[i], np.ndarray):
+                out[i].flags.writeable = False
     for i, j in same_as.items():
         out[i] = out[j]
     for i, j in (ties or {}).items():

@@ -85,16 +85,35 @@ def map_leaves(
     mapped: dict[int, Any] = {}
     nbytes = 0
     results = map_items(ck, [d.item for _, d in candidates])
+    holder: dict[tuple[int, int], int] = {}  # mapped bytes -> the leaf given them
     for (i, dest), got in zip(candidates, results):
+        if not isinstance(got, str):
+            got = _untied(got, i, holder, leaves, paths)
         if isinstance(got, str):
             copied.setdefault(got, []).append(paths[i])
             left.append((i, dest))
             continue
         dtype = ck.arrays[dest.item.path].dtype
         mapped[i] = as_result(got, dtype, dest.tensor, read_only=read_only)
-        nbytes += got.nbytes
+        if holder[_span(got)] == i:
+            nbytes += got.nbytes
     tell(f"restore {ck.location}", len(mapped), nbytes, copied)
     return mapped, left
+
+
+def _span(stored: np.ndarray) -> tuple[int, int]:
+    return stored.__array_interface__["data"][0], stored.nbytes
+
+
+def _untied(got: np.ndarray, i: int, holder: dict[tuple[int, int], int], leaves: list[Any], paths: list[str]) -> np.ndarray | str:
+    """``got`` for leaf ``i``, unless another leaf was already given the same mapped bytes (the
+    leaves were one tensor when saved: aliases, tied weights) and the target does not hold the
+    two as one object: a view of one mapping would tie leaves the target keeps apart (a write
+    to one showing in the other), so this one is copied instead (a phrase why)."""
+    first = holder.setdefault(_span(got), i)
+    if first == i or (leaves[i] is not None and leaves[i] is leaves[first]):
+        return got
+    return f"it was saved as the same tensor as {paths[first]!r}, which holds the mapping (a view would tie the two)"
 
 
 def _why_not(ck: Checkpoint, dest: Dest, leaf: Any, inplace: bool, parts: int) -> str | None:

@@ -31,8 +31,11 @@ class Progress:
     on the ``tsckpt`` logger, on every rank.
     """
 
-    def __init__(self, verb: str, where: Any, *, show: bool | None, rank: int = 0, total: int | None = None) -> None:
+    def __init__(
+        self, verb: str, where: Any, *, show: bool | None, rank: int = 0, total: int | None = None, unit: str = "files"
+    ) -> None:
         self.verb = verb
+        self.unit = unit  # what update()'s counts count (files written, reads)
         self.where = str(where)
         self.rank = rank
         self.nbytes = 0
@@ -66,7 +69,7 @@ class Progress:
         seconds = max(time.perf_counter() - self._t0, 1e-9)
         logger.info(
             "%s %s: %s%s, %.2f s (%s/s)%s",
-            self.verb, self.where, human_bytes(self.nbytes), f" in {self.files} files" if self.files else "",
+            self.verb, self.where, human_bytes(self.nbytes), f" in {self.files} {self.unit}" if self.files else "",
             seconds, human_bytes(self.nbytes / seconds), f", rank {self.rank}" if self.rank else "",
         )
 

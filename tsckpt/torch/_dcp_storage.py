@@ -434,7 +434,7 @@ class StorageReader(_dcp_storage.StorageReader):
         if everything:
             check_backed(ck, sorted({d.item.path for d in everything}))
             with unchanged(ck), cast_warnings_off(any(d.cast is not None for d in dests)), Progress(
-                "dcp.load", ck.location, show=o.progress, rank=rank_of()
+                "dcp.load", ck.location, show=o.progress, rank=rank_of(), unit="reads"
             ) as bar:
                 read_into(ck, everything, bar, window=o.max_inflight_bytes)
             warn_lost_values([d.cast for d in dests])
