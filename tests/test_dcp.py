@@ -74,10 +74,10 @@ def state():
 
 
 def _expected(state):
-    """What DCP gives back: its flattening turns every dict key into a str."""
-    out = dict(state)
-    out["opt"] = {"state": {"0": state["opt"]["state"][0]}, "param_groups": state["opt"]["param_groups"]}
-    return out
+    """What DCP gives back: its flattening turns every dict key into a str, and a key of an
+    int's digits reads back as that int (the optimizer state's 0): the state as saved."""
+    assert list(state["opt"]["state"]) == [0]
+    return dict(state)
 
 
 def test_nested_state_dict_reads_lazily_and_restores_exactly(tmp_path, state):
@@ -424,3 +424,25 @@ def test_nest_takes_keys_depth_first_and_int_components_as_list_indices():
     assert dcp_mod.key_paths_problem(paths) is None
     assert "not a key path" in dcp_mod.key_paths_problem({"a": ["a"]})
     assert "expected a dict" in dcp_mod.key_paths_problem([("a",)])
+
+
+def test_an_optimizers_int_keys_stored_by_dcp_as_digits_come_back_as_ints(tmp_path):
+    """DCP writes every mapping key as str(key): an optimizer's state, keyed 0, 1... in its
+    state_dict, reads back keyed by int, so it restores into that state_dict, loads into the
+    optimizer, and diffs equal against tsckpt's own save of it."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(4)
+    opt.step()
+    state = {"optim": opt.state_dict(), "names": {"7": 1.0, "07": 2.0}}
+    _save(state, str(tmp_path / "dcp"))
+    tsckpt.save(tmp_path / "ts", state)
+    got = tsckpt.restore(tmp_path / "dcp", allow_pickle=True)
+    assert list(got["optim"]["state"]) == [0] and got["names"] == {7: 1.0, "07": 2.0}  # "07": not an int's digits
+    into = tsckpt.restore(tmp_path / "dcp", {"optim": opt.state_dict()}, strict=False, allow_pickle=True)
+    assert torch.equal(into["optim"]["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    fresh = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, momentum=0.9)
+    fresh.load_state_dict({**got["optim"], "state": {0: {"momentum_buffer": torch.from_numpy(got["optim"]["state"][0]["momentum_buffer"])}}})
+    assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"], torch.ones(4))
+    report = tsckpt.diff(tmp_path / "ts", tmp_path / "dcp", paths=["optim"], allow_pickle=True)
+    assert report.equal, [(leaf.path, leaf.status) for leaf in report.leaves]

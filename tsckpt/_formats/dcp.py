@@ -416,10 +416,19 @@ def _is_key_path(p: Any) -> bool:
 def nest(leaves: dict[str, Any], key_paths: Any) -> Any:
     """Nested dicts and lists from DCP's ``{flat key: key path}`` (int components are list
     indices), the leaves taken depth first, or ``leaves`` as a flat dict if the paths are
-    missing or do not form a tree."""
+    missing or do not form a tree.
+
+    DCP writes every mapping key as ``str(key)``, so an optimizer's state, keyed by int in
+    ``optimizer.state_dict()``, is stored under ``"0"``, ``"1"``...: a mapping key of decimal
+    digits comes back as the int it most likely was (:func:`_key`), so the tree matches the
+    state dict it came from (a restore into it, ``load_state_dict``, a diff against tsckpt's
+    own save of it)."""
     paths: list[Any] = [key_paths.get(k) if isinstance(key_paths, dict) else None for k in leaves]
     if not all(_is_key_path(p) for p in paths):
         return leaves
+    built = _typed_tree(paths, list(leaves.values()))
+    if built is not None:
+        return built
     try:
         names = ["/".join(str(c) if isinstance(c, int) else escape(c) for c in p) for p in paths]
     except (UnicodeEncodeError, ValueError):  # a lone surrogate; an int too long to print
@@ -432,6 +441,48 @@ def nest(leaves: dict[str, Any], key_paths: Any) -> Any:
     values = [values[i] for i in order]
     structure = structure_from_paths(names)
     return from_paths(names, values) if structure is None else structure_from_json(structure, values)
+
+
+def _key(component: str) -> str | int:
+    """A mapping key as DCP stored it (``str(key)``), back as an int where it reads as one."""
+    return int(component) if component.isascii() and component.isdigit() and str(int(component)) == component else component
+
+
+def _typed_tree(paths: list[tuple[Any, ...]], values: list[Any]) -> Any:
+    """The tree DCP's key paths name: int components list indices (0..n-1), str components
+    mapping keys (:func:`_key`); None where they do not form one (a leaf with leaves below
+    it, a node with both kinds of components, indices with gaps)."""
+    root: dict[Any, Any] = {}
+    for i, p in enumerate(paths):
+        node = root
+        for c in p[:-1]:
+            node = node.setdefault(c, {})
+            if not isinstance(node, dict):
+                return None
+        if p[-1] in node:
+            return None
+        node[p[-1]] = i
+    order: list[int] = []
+
+    def to_json(node: Any) -> Any:
+        if isinstance(node, int):
+            order.append(node)
+            return None
+        keys = list(node)
+        if all(isinstance(k, int) for k in keys):
+            if sorted(keys) != list(range(len(keys))):
+                raise ValueError("list indices with gaps")
+            return {"type": "list", "children": [to_json(node[k]) for k in range(len(keys))]}
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("list indices and mapping keys in one node")
+        typed = [_key(k) for k in keys]
+        return {"type": "dict", "keys": typed, "children": [to_json(node[k]) for k in keys]}
+
+    try:
+        structure = to_json(root)
+    except ValueError:
+        return None
+    return structure_from_json(structure, [values[i] for i in order])
 
 
 def _depth_first(names: list[str]) -> list[int]:
