@@ -31,6 +31,7 @@ import os
 import stat
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 
 from .._base.lazytorch import is_tensor
 from .._codec import contenthash
+from .._coord.torchdist import torch_initialized
 from .._errors import CheckpointNotFoundError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.arrays import same_cell_key
@@ -232,6 +234,8 @@ def sharer_for(target: Location, layout: str, incremental: Any, base: Directory 
     if not incremental:
         return None
     versions = incremental == "versions"
+    if versions:
+        _warn_collectives()
     if layout == LAYOUT_PLAIN and target.local is not None:
         return Sharer(target.local, open_base(base, target), versions=versions)
     if layout == LAYOUT_PLAIN and target.spec.get("driver") == "s3":
@@ -243,6 +247,30 @@ def sharer_for(target: Location, layout: str, incremental: Any, base: Directory 
         )
         log.info("incremental save into %s shares nothing with its base (%s); every file is written", target, why)
     return None
+
+
+_collectives_warned = False
+
+
+def _warn_collectives() -> None:
+    """Once per process, where torch.distributed runs several ranks: its collectives write
+    into their tensors without moving torch's version counters (:mod:`.versions`)."""
+    global _collectives_warned
+    if _collectives_warned or not torch_initialized():
+        return
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        _collectives_warned = True
+        warnings.warn(
+            'incremental="versions" under torch.distributed: collectives that write into a tensor in place '
+            "(broadcast, all_reduce, reduce, scatter, recv/irecv, all_to_all_single) do not move its version "
+            "counter, so a saved tensor written only by one of them since the previous save keeps its old "
+            'bytes in the new step. Use incremental=True (every file hashed) where a saved tensor is written '
+            "by a collective (a model synchronised or averaged across ranks); docs/incremental.md.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 # Where a file's data comes from, for a hash known without reading it (:mod:`.versions`):
