@@ -223,3 +223,18 @@ def test_a_chunk_file_of_another_size_among_files_walked(ck, layout, monkeypatch
     monkeypatch.setenv("TSCKPT_CODEC", "tensorstore")
     write_key(ck, "bias/c.0", read_key(ck, "bias/c.0") + b"\0")
     _restore_fails(ck, "bias", f"(bias/c.0 is 85 bytes, 1 more than {_BIAS_SIZES}; zarr readers refuse")
+
+
+def test_a_damaged_chunk_is_named_where_it_is_not_where_tensorstore_read_it(tmp_path):
+    """TensorStore reads a local checkpoint through a private directory of links
+    (tsckpt/_storage/mirror.py); its messages name the checkpoint's own file."""
+    d = tmp_path / "ck"
+    tsckpt.save(d, {"x": np.arange(100 * 1000, dtype=np.float32).reshape(100, 1000)})
+    (f,) = sorted((d / "x").glob("c*"))[:1]
+    data = bytearray(f.read_bytes())
+    data[10] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(tsckpt.CorruptCheckpointError) as e:
+        tsckpt.open(d)["x"][2:5, 3:9]
+    assert f'Error reading local file "{f}"' in str(e.value) and "tsckpt-read-" not in str(e.value)
+    assert f'"{f}"' in tsckpt.verify(d).bad["x"]

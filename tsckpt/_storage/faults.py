@@ -129,9 +129,27 @@ def classify(question: str, text: str, default: Any = None) -> Any:
 
 # ---- the text of a message -----------------------------------------------------------------
 
+# Directories through which a reader reads another (a mirror of links, :mod:`.mirror`) -> the
+# directory they stand for: TensorStore's messages name the files it opened, which are theirs.
+_standins: dict[str, str] = {}
+
+
+def stand_in(path: str, real: str | None) -> None:
+    """Name files below ``path`` in messages as below ``real`` (None: no longer)."""
+    if real is None:
+        _standins.pop(path, None)
+    else:
+        _standins[path] = real
+
+
 def one_line(err: BaseException) -> str:
-    """An error's message with its whitespace runs made one space."""
-    return " ".join(str(err).split())
+    """An error's message with its whitespace runs made one space, and files a reader read
+    through a stand-in directory named where they are (:func:`stand_in`)."""
+    msg = " ".join(str(err).split())
+    for path, real in list(_standins.items()):
+        if path in msg:
+            msg = msg.replace(path.rstrip("/") + "/", real.rstrip("/") + "/").replace(path, real)
+    return msg
 
 
 def without_spec(msg: str) -> str:

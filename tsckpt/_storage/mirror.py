@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._errors import CorruptCheckpointError, StorageError
-from . import beneath
+from . import beneath, faults
 from .confine import Confined, Root, changed_link, file_kind, open_read
 
 # Where mirrors are made, and how each is named: a memory file system where there is one
@@ -66,6 +66,7 @@ class Mirror:
         self._root = Root(root)
         self._where = where
         self.path = tempfile.mkdtemp(prefix=PREFIX, dir=BASE)
+        faults.stand_in(self.path, root)  # messages name the checkpoint's files, not the links
         self._fds: list[int] = []
         self._done: set[str] = set()  # files and directories added (or found missing)
         self._sizes: dict[str, int] = {}  # file -> its size when opened
@@ -187,6 +188,7 @@ def _release(path: str, fds: list[int], owner: int) -> None:
     if os.getpid() != owner:
         _close(fds)
         return
+    faults.stand_in(path, None)
     global _remover
     with _remover_lock:
         _removals.put((path, fds))
