@@ -173,6 +173,25 @@ def test_off_and_bad_bases(tmp_path):
     assert all(st.st_nlink == 1 for st in _files(str(tmp_path / "y")).values())
 
 
+def test_a_base_that_is_no_checkpoint_or_unused_is_refused_before_the_claim(tmp_path):
+    m = tsckpt.CheckpointManager(tmp_path / "run")
+    m.save(3, _state(1))
+    with pytest.raises(tsckpt.NotACheckpointError, match=r"run: not a tsckpt checkpoint, no zarr.json there \(it holds "
+                       r"steps of a CheckpointManager, such as 00000003: pass one of them\)"):
+        tsckpt.save(tmp_path / "x", _state(1), base=tmp_path / "run")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(tsckpt.NotACheckpointError, match="plain: not a tsckpt checkpoint, no zarr.json there; pass"):
+        tsckpt.save(tmp_path / "x", _state(1), base=tmp_path / "plain")
+    (tmp_path / "m.safetensors").write_bytes(b"12345678")
+    with pytest.raises(tsckpt.NotACheckpointError, match="a file, not a tsckpt checkpoint's directory"):
+        tsckpt.save(tmp_path / "x", _state(1), base=tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match="with incremental=False: a base is shared with only by an incremental save"):
+        tsckpt.save(tmp_path / "x", _state(1), base=m.directory(3), incremental=False)
+    assert not os.path.exists(tmp_path / "x" / "zarr.json")  # refused before its claim
+    tsckpt.save(tmp_path / "x", _state(1), base=m.directory(3))
+    assert all(st.st_nlink == 2 for st in _files(str(tmp_path / "x")).values() if st.st_size > 1000)
+
+
 def test_verify_checks_the_content_hashes(tmp_path):
     """A file that passes its crc32c but holds other data than its save hashed is found."""
     from tsckpt._codec import crc

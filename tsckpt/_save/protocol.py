@@ -180,7 +180,7 @@ def save_with(
             base = options.base if options.incremental else None
             job = _plan_job(
                 coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim,
-                lambda: _share.check_base(base, loc),
+                lambda: _share.check_base(options.base, loc, incremental=options.incremental),
             )
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together

@@ -40,10 +40,11 @@ import numpy as np
 from .._base.lazytorch import is_tensor
 from .._codec import contenthash
 from .._coord.torchdist import torch_initialized
-from .._errors import CheckpointNotFoundError, StorageError, TsckptError
+from .._errors import CheckpointNotFoundError, NotACheckpointError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.arrays import same_cell_key
-from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, ContentEntry, content_entries, content_etags
+from .._ondisk.stepindex import STEP
+from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, ContentEntry, content_entries, content_etags
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.faults import leaf_of_key
 from .._storage.locations import Directory, Location, resolve
@@ -160,20 +161,41 @@ def _same_object_location(a: Location, b: Location) -> bool:
     return all(a.spec.get(k) == b.spec.get(k) for k in keys)
 
 
-def check_base(base: Directory | None, target: Location) -> None:
-    """Refuse, before the save claims ``target``, a base that is the target itself (its claim
-    would clear what it shares) or a local directory that does not exist."""
+def check_base(base: Directory | None, target: Location, *, incremental: Any = True) -> None:
+    """Refuse, before the save claims ``target``, a base given with ``incremental=False`` (which
+    shares nothing), a base that is the target itself (its claim would clear what it shares),
+    and a local base that is no checkpoint: missing, a file, or a directory without a root
+    (a manager's root named instead of one of its steps)."""
     if base is None:
         return
     loc = resolve(base)
+    if not incremental:
+        raise ValueError(
+            f"base {loc} with incremental=False: a base is shared with only by an incremental save; pass "
+            "incremental=True (or 'versions'), or drop base"
+        )
     if loc.local is None and target.local is None and target.spec.get("driver") == "s3" and _same_object_location(loc, target):
         raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
     if loc.local is None or target.local is None:
         return
     if os.path.realpath(loc.local) == os.path.realpath(target.local):
         raise ValueError(f"base {loc} is the checkpoint being saved; pass a previous checkpoint as base")
+    if os.path.exists(loc.local) and not os.path.isdir(loc.local):
+        raise NotACheckpointError(
+            f"base {loc}: a file, not a tsckpt checkpoint's directory; an incremental save shares files with a "
+            "previous tsckpt checkpoint: pass one, or base=None"
+        )
     if not os.path.isdir(loc.local):
         raise CheckpointNotFoundError(f"base {loc}: no checkpoint there; pass an existing checkpoint, or base=None")
+    if not os.path.lexists(os.path.join(loc.local, ROOT_KEY)):
+        steps = sorted((n for n in os.listdir(loc.local) if STEP.fullmatch(n)), key=int)
+        hint = (
+            f" (it holds steps of a CheckpointManager, such as {steps[-1]}: pass one of them)" if steps else ""
+        )
+        raise NotACheckpointError(
+            f"base {loc}: not a tsckpt checkpoint, no {ROOT_KEY} there{hint}; pass a previous checkpoint's "
+            "directory, or base=None"
+        )
 
 
 def open_base(base: Directory | None, target: Location) -> Base | None:
@@ -185,7 +207,10 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
     loc = resolve(base)
     if loc.local is None or target.local is None:
         if loc.spec.get("driver") != "s3" or target.spec.get("driver") != "s3":
-            log.info("incremental save: %s or %s is not on a local file system or S3; every file is written", loc, target)
+            log.info(
+                "incremental save: base %s and %s are not both on a local file system nor both on S3 (files are "
+                "shared by hard links or server-side copies); every file is written", loc, target,
+            )
         return None
     try:
         ck = _root.load(loc)
