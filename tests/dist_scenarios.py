@@ -411,3 +411,20 @@ def incremental_steps(rank: int, world: int, root: str) -> None:
     m = tsckpt.CheckpointManager(root)
     for step in (1, 2):
         m.save(step, {"frozen": frozen, "adapter": torch.full((8, 8), float(step))}, max_inflight_bytes=64 * 256 * 4)
+
+
+def out_of_step(rank: int, world: int, root: str, how: str) -> tuple[str, list[int]]:
+    """Ranks saving different checkpoints in one call: each to its own directory ("dirs"), or
+    a manager's loop whose rank 1 skipped step 2 (its call failed there) and pairs step 3 with
+    rank 0's step 2 ("steps"). Returns the error each rank got and the steps listed after."""
+    tree = {"w": tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0))}
+    m = tsckpt.CheckpointManager(root, layout=rank_layout())
+    try:
+        if how == "dirs":
+            tsckpt.save(os.path.join(root, f"d{rank}"), tree, layout=rank_layout())
+        else:
+            m.save(1, tree)
+            m.save(2 if rank == 0 else 3, tree)
+    except tsckpt.LayoutError as e:
+        return str(e), m.all_steps()
+    return "", m.all_steps()

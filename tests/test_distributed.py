@@ -234,3 +234,18 @@ def test_rank_killed_during_restore_survivors_raise(tmp_path):
     d = str(tmp_path / "ck")
     _run_losing(sc.killed_before_restore, 3, d, 2, "restore")
     assert tsckpt.open(d)["w"].shape == (18, 4)  # the checkpoint restored from is untouched
+
+
+@pytest.mark.parametrize("how", [pytest.param("dirs", marks=pytest.mark.no_checkpoint_root), "steps"])
+def test_ranks_saving_different_checkpoints_in_one_call_all_raise_and_nothing_is_committed(tmp_path, how):
+    """Paired, two saves' regions were planned as one: each checkpoint committed without the
+    other ranks' rows, listed as complete."""
+    root = str(tmp_path / "run")
+    results = run_ranks(sc.out_of_step, 2, root, how)
+    want = "d0" if how == "dirs" else "00000002"
+    other = "d1" if how == "dirs" else "00000003"
+    for message, steps in results:
+        assert f"the ranks are saving different checkpoints: rank 0 saves {os.path.join(root, want)}, rank 1 saves " \
+               f"{os.path.join(root, other)}" in message
+        assert steps == ([] if how == "dirs" else [1])
+    assert not os.path.exists(os.path.join(root, want, "zarr.json"))

@@ -179,14 +179,17 @@ class Payload:
     links: dict[str, str]  # tied leaves: path -> the smallest other path of the same memory
     window: int  # bytes of source data this rank keeps in flight while writing
     layout: str
+    target: str = ""  # the checkpoint this rank saves (its location): every rank's must be one
 
     @classmethod
     def of(
         cls, descs: Sequence[Sequence[Any]], paths: Sequence[str], structure: Any, links: dict[str, str],
-        window: int, layout: str,
+        window: int, layout: str, target: str = "",
     ) -> Payload:
         """The payload of a rank's descriptors (LeafDescs or plain tuples) and tree structure (JSON)."""
-        return cls(pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout)
+        return cls(
+            pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout, target
+        )
 
 
 @dataclasses.dataclass(frozen=True)

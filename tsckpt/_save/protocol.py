@@ -24,7 +24,7 @@ from .._base.types import Local
 from .._codec.route import setting as codec_setting
 from .._coord.protocol import ask_root, phase
 from .._coord.torchdist import coordinator_for
-from .._errors import DistributedError
+from .._errors import DistributedError, LayoutError
 from .._leaves.kinds import checksum
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
@@ -279,7 +279,7 @@ class Staged:
         self.structure = structure
 
 
-def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Payload]:
+def _describe(tree: Any, window: int, layout: str, target: str = "") -> tuple[dict[str, Local], Payload]:
     """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
     if isinstance(tree, Staged):
         paths, leaves, structure = tree.paths, tree.leaves, tree.structure
@@ -288,12 +288,24 @@ def _describe(tree: Any, window: int, layout: str) -> tuple[dict[str, Local], Pa
         paths, leaves, structure = flat.paths, flat.leaves, structure_to_json(flat.spec)
     local = [describe(p, leaf) for p, leaf in zip(paths, leaves)]
     descs = [lf.desc for lf in local]
-    payload = Payload.of(descs, paths, structure, _ties(local), window, layout)
+    payload = Payload.of(descs, paths, structure, _ties(local), window, layout, target)
     return {lf.desc.path: lf for lf in local}, payload
 
 
 def _gather(payloads: Sequence[Payload]) -> _Described:
-    """Step 2, rank 0: every rank's descriptors grouped by path, without the tied leaves."""
+    """Step 2, rank 0: every rank's descriptors grouped by path, without the tied leaves.
+    Ranks saving different checkpoints (a loop whose ranks fell out of step: one's save of a
+    step failed in its call, or was refused as busy, and the next was paired with it) are
+    refused first: planned together, each checkpoint would miss the other ranks' regions."""
+    targets = [p.target for p in payloads]
+    if len(set(targets)) > 1:
+        odd = [r for r, t in enumerate(targets) if t != targets[0]]
+        raise LayoutError(
+            f"the ranks are saving different checkpoints: rank 0 saves {targets[0]}, rank {odd[0]} saves "
+            f"{targets[odd[0]]}{f' (and {len(odd) - 1} other ranks)' if len(odd) > 1 else ''}; every rank "
+            "must save the same checkpoint in the same call: the ranks fell out of step (a save that failed or "
+            "was refused on some ranks only): save again on every rank, or restart from the last complete step"
+        )
     layouts = sorted({p.layout for p in payloads})
     if len(layouts) > 1:
         raise ValueError(
@@ -353,7 +365,9 @@ def _plan_job(
     def describe_mine() -> tuple[dict[str, Local], Payload]:
         if check is not None:
             check()
-        return _describe(tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout)
+        return _describe(
+            tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout, str(loc)
+        )
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)
     if isinstance(reply, ChecksumRequest):  # step 3
