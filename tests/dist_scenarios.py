@@ -428,3 +428,46 @@ def out_of_step(rank: int, world: int, root: str, how: str) -> tuple[str, list[i
     except tsckpt.LayoutError as e:
         return str(e), m.all_steps()
     return "", m.all_steps()
+
+
+def busy_on_one_rank(rank: int, world: int, root: str) -> tuple[str, str]:
+    """Rank 0 still has a save in flight (a handle not yet done), rank 1 none: a save_async and a
+    save with if_busy="error" are refused on both ranks (the messages each got)."""
+    import warnings
+
+    from tsckpt._save.background import AsyncSave
+
+    m = tsckpt.CheckpointManager(root, if_busy="error", writer="thread", layout=rank_layout())
+    tree = {"w": tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0))}
+    m.save(1, tree)
+    held = AsyncSave("held", 0)
+    if rank == 0:
+        m._saver._inflight = held
+    got = []
+    for call in (lambda: m.save_async(2, tree), lambda: m.save(2, tree)):
+        try:
+            call()
+            got.append("")
+        except tsckpt.SaveInProgressError as e:
+            got.append(str(e))
+    held.set_result(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.save_async(2, tree).result()  # both ranks in step again
+    assert m.all_steps() == [1, 2]
+    return got[0], got[1]
+
+
+def staging_bound_on_one_rank(rank: int, world: int, root: str) -> tuple[list[str], list[int]]:
+    """Rank 1 holds more than max_staging_bytes, rank 0 less: both save synchronously (one
+    rank in a writer and the other in its caller would each wait for the other)."""
+    import warnings
+
+    rows = 16 if rank == 0 else 256  # 64 KiB and 1 MiB of float32 rows of 1024
+    offset = 0 if rank == 0 else 16
+    tree = {"w": tsckpt.ShardedArray(torch.full((rows, 1024), float(rank)), (272, 1024), (offset, 0))}
+    m = tsckpt.CheckpointManager(root, max_staging_bytes=256 << 10, layout=rank_layout())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.save_async(1, tree).result()
+    return [str(w.message) for w in caught if "synchronously" in str(w.message)], m.all_steps()

@@ -349,3 +349,32 @@ def test_expired_steps_do_not_pile_up_when_saves_run_back_to_back(tmp_path, monk
     m.wait()
     assert sorted(os.listdir(tmp_path / "run")) == ["00000010"]
     m.close()
+
+
+@pytest.mark.slow
+def test_if_busy_error_refuses_on_every_rank_when_one_rank_is_busy(tmp_path):
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    results = run_ranks(sc.busy_on_one_rank, 2, str(tmp_path / "run"))
+    for rank, (asynchronous, synchronous) in enumerate(results):
+        for message in (asynchronous, synchronous):
+            assert "is still running" in message and "if_busy='wait'" in message, (rank, message)
+            assert rank == 0 or "on rank(s) [0], so every rank refuses this one" in message
+
+
+@pytest.mark.slow
+def test_max_staging_bytes_exceeded_on_one_rank_takes_every_rank_to_a_synchronous_save(tmp_path):
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    root = tmp_path / "run"
+    results = run_ranks(sc.staging_bound_on_one_rank, 2, str(root), timeout=120)
+    (warned0, steps0), (warned1, steps1) = results
+    assert steps0 == steps1 == [1]
+    assert warned0 == [f"saving to {root / '00000001'} synchronously: rank(s) [1] hold more array bytes than "
+                       f"max_staging_bytes={256 << 10} (every rank saves alike)"]
+    assert warned1 == [f"saving to {root / '00000001'} synchronously: the state has {256 * 1024 * 4} bytes of "
+                       f"arrays, more than max_staging_bytes={256 << 10}"]
+    w = tsckpt.restore(root / "00000001")["w"]
+    assert (w[:16] == 0).all() and (w[16:] == 1).all()

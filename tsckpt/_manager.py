@@ -339,7 +339,7 @@ class CheckpointManager:
             job(tree)
             job.tidy()
 
-        self._saver.run(run, if_busy=self._if_busy)
+        self._saver.run(run, if_busy=self._if_busy, job=self._job(step, options))
 
     @verb("CheckpointManager.save_async")
     def save_async(

@@ -644,19 +644,26 @@ class AsyncSaver:
         if inflight is not None:
             inflight.wait_for_staging()
 
-    def _settle(self, if_busy: IfBusy) -> None:
-        """Wait for (or refuse next to) the save in flight; warn about an unchecked failure."""
+    def _settle(self, if_busy: IfBusy, job: Any = None) -> None:
+        """Wait for (or refuse next to) the save in flight; warn about an unchecked failure.
+        Under torch.distributed ``if_busy="error"`` refuses on every rank of ``job``'s group
+        when a save is still running on any (:func:`_ranks_where`): a rank refusing alone would
+        leave the others' save waiting for it, then paired with its next one."""
         if if_busy not in ("wait", "error"):
             raise ValueError(f"if_busy must be 'wait' or 'error', not {if_busy!r}")
         prev = self._inflight
+        busy = prev is not None and not prev.done()
+        if if_busy == "error":
+            ranks = _ranks_where(busy, job)
+            if ranks:
+                what = f"an asynchronous save to {prev.directory}" if busy and prev is not None else "an asynchronous save"
+                where = "" if ranks == [0] and busy else f" on rank(s) {ranks}, so every rank refuses this one"
+                raise SaveInProgressError(
+                    f"{what} is still running{where}; wait for it with .result(), or pass if_busy='wait'"
+                )
         if prev is None:
             return
         if not prev.done():
-            if if_busy == "error":
-                raise SaveInProgressError(
-                    f"an asynchronous save to {prev.directory} is still running; wait for it with "
-                    ".result(), or pass if_busy='wait'"
-                )
             concurrent.futures.wait([prev])
         prev.wait_for_staging()  # its copies into the buffers this save reuses; its hooks removed
         err = concurrent.futures.Future.exception(prev)
@@ -670,10 +677,11 @@ class AsyncSaver:
         prev.retrieved = True
         self._inflight = None
 
-    def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait") -> None:
-        """Run a synchronous save in the caller, after (or refusing) the one in flight."""
+    def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait", job: Any = None) -> None:
+        """Run a synchronous save in the caller, after (or refusing) the one in flight (``job``:
+        the save's job, whose options name the ranks that refuse together)."""
         with self._lock:
-            self._settle(if_busy)
+            self._settle(if_busy, job)
             fn()
 
     def submit(
@@ -704,7 +712,7 @@ class AsyncSaver:
         limit = _least(self.max_staging_bytes, max_staging_bytes)
         start = time.perf_counter()
         with self._lock:
-            self._settle(if_busy)
+            self._settle(if_busy, job)
             untidied = [h for h in self._untidied if not h.wait_tidied(0)]  # earlier saves' housekeeping still running
             if prepare is not None:
                 prepare()
@@ -713,10 +721,15 @@ class AsyncSaver:
             flat = flatten(tree)
             found = _array_regions(flat.paths, flat.leaves, self._checked)
             leaves, regions, signature, nbytes = found.out, found.regions, found.signature, found.nbytes
-            if limit is not None and nbytes > limit:
+            over = _ranks_where(nbytes > limit, job) if limit is not None else []  # every rank takes one path
+            if over:
+                why = (
+                    f"the state has {nbytes} bytes of arrays, more than max_staging_bytes={limit}"
+                    if limit is not None and nbytes > limit
+                    else f"rank(s) {over} hold more array bytes than max_staging_bytes={limit} (every rank saves alike)"
+                )
                 warnings.warn(
-                    f"saving to {label} synchronously: the state has {nbytes} bytes of arrays, more than "
-                    f"max_staging_bytes={limit}",
+                    f"saving to {label} synchronously: {why}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -785,6 +798,20 @@ TIDY_BEHIND = 1
 # (Linux threads inherit it): where the CPUs are busy, the training loop goes first. Measured
 # by benchmarks/bench_train.py (RESULTS.md, "Training loop").
 BACKGROUND_NICE = 10
+
+
+def _ranks_where(flag: bool, job: Any) -> list[int]:
+    """The ranks of ``job``'s group (its save options') where ``flag`` holds, asked of every
+    rank (one small gather over the training processes' background group) under
+    torch.distributed with several ranks; else ``[0]`` or ``[]``. For decisions each rank could
+    take alone but all must take alike: the ranks of a save run one protocol."""
+    options = getattr(job, "options", None)
+    if options is None or not torch_initialized():
+        return [0] if flag else []
+    coord = coordinator_for(options.group, options.timeout, channel="background")
+    if coord.world_size == 1:
+        return [0] if flag else []
+    return [r for r, f in enumerate(coord.all_gather(bool(flag))) if f]
 
 
 def _yield_to_training() -> None:
