@@ -355,6 +355,9 @@ def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_write
     peer_type, peer_text, lost = results[0]["raised"]
     assert peer_type == "DistributedError", peer_text
     assert lost == [1], peer_text
+    assert peer_text.startswith(f"the asynchronous save to {os.path.join(root, '00000002')}: "), peer_text
+    assert "if every training process is still running, the next save starts new writers" in peer_text
+    assert "the job cannot go on" not in peer_text  # it went on: step 3 was saved by new writers
     restored = tsckpt.restore(os.path.join(root, "00000003"))
     assert restored["step"] == 10  # the same tree on each rank: replicas
 

@@ -97,10 +97,11 @@ def _lost_message(what: str, lost: list[int], cause: BaseException) -> str:
         f"rank(s) {lost}, whose process or host is gone" if lost
         else "another rank (none is known to be gone: one stopped answering, or its host was cut off)"
     )
-    return (
-        f"{what} failed: lost contact with {who} ({cause_text}); the job cannot go on: restart it and restore "
-        "the last committed checkpoint"
-    )
+    return f"{what} failed: lost contact with {who} ({cause_text}); {RESTART}"
+
+
+# What a rank that lost its peers is told to do (a writer process's trainer is told more: writer.py).
+RESTART = "the job cannot go on: restart it and restore the last committed checkpoint"
 
 
 def _report(error: BaseException | None) -> str | None:

@@ -93,7 +93,8 @@ from .._base import dtypes as _dtypes
 from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray, TorchRegion
 from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
-from .._errors import WriterLostError
+from .._coord.protocol import RESTART
+from .._errors import DistributedError, WriterLostError
 from .._leaves.jaxarray import JaxRegion
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
 from .._ondisk.root import read_roots
@@ -583,7 +584,7 @@ class _Writer:
                 self.failed = True
             if kind == "unreadable":  # before the handle wakes its caller, whose next save starts a new writer
                 self.leaving = True
-            handle.settle(None if kind == "done" else _rebuilt(reply[4], reply[5]))
+            handle.settle(None if kind == "done" else _named(_rebuilt(reply[4], reply[5]), handle.directory))
         self.proc.wait()
         with self._state_lock:
             self._closed = True
@@ -675,6 +676,25 @@ def _rebuilt(pickled: bytes | None, text: str) -> BaseException:
         err = RuntimeError(text.strip().splitlines()[-1])
     err.__cause__ = _RemoteTraceback(f"\n\nin the writer process:\n{text}")
     return err
+
+
+def _named(err: BaseException, directory: str) -> BaseException:
+    """A writer's error as its trainer tells it: a lost contact between the writers (a writer
+    of another rank killed, or its trainer) names the save, and says that the job may go on
+    (every trainer alive: the next save starts new writers on every rank)."""
+    if not isinstance(err, DistributedError) or RESTART not in str(err):
+        return err
+    named = DistributedError(
+        f"the asynchronous save to {directory}: "
+        + str(err).replace(
+            RESTART, "the writer processes lost one of theirs: if every training process is still running, the "
+            "next save starts new writers on every rank; if one is gone, restart the job and restore the last "
+            "committed checkpoint",
+        )
+    )
+    named.lost = getattr(err, "lost", ())
+    named.__cause__ = err.__cause__
+    return named
 
 
 def _child_environment() -> dict[str, str]:
