@@ -830,3 +830,23 @@ def test_read_buffers_kept_for_reuse_are_bounded():
     again = buffers.take(2500)
     assert again.size >= 2500 and any(again is b for b in given)  # reused, the smallest that fits
     assert again.ctypes.data % 4096 == 0
+
+
+def test_none_entries_empty_containers_and_container_kinds_are_compared(tmp_path, capsys):
+    """Trees that restore differently never diff equal: their None entries and empty
+    containers (no leaf path names them) and their containers' kinds count."""
+    tsckpt.save(tmp_path / "a", {"k": 1, "foreach": None, "hist": [None, None], "sched": {}, "t": (1, 2)})
+    tsckpt.save(tmp_path / "b", {"k": 1, "t": [1, 2], "hist": []})
+    report = tsckpt.diff(tmp_path / "a", tmp_path / "b")
+    got = {(d.path, d.status, d.how, d.value_a, d.value_b) for d in report.differences}
+    assert got == {
+        ("foreach", "only_in_a", "", "None", None), ("hist/0", "only_in_a", "", "None", None),
+        ("hist/1", "only_in_a", "", "None", None), ("sched", "only_in_a", "", "{}", None),
+        ("t", "different", "structure", "()", "[]"),
+    }
+    same = tsckpt.diff(tmp_path / "a", tmp_path / "a")
+    assert same.equal and {(d.path, d.how) for d in same.leaves if d.how == "value"} >= {("foreach", "value"), ("sched", "value")}
+    assert tsckpt.diff(tmp_path / "a", tmp_path / "b", paths=["k"]).equal  # a filter selects these too
+    code, out, _ = run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 1
+    assert "only in A  foreach  None\n" in out and "container  t  () -> []\n" in out

@@ -428,10 +428,12 @@ def _diff_line(leaf: LeafDiff) -> str:
     def kind(dtype: str | None, shape: tuple[int, ...] | None) -> str:
         return f"{dtype}" + ("" if shape is None else " " + _shape_text(shape))
 
-    if leaf.status == "only_in_a":
-        return f"only in A  {leaf.path}  {kind(leaf.dtype_a, leaf.shape_a)}"
+    if leaf.status == "only_in_a":  # an empty part of the tree (None, {}) shows as what it is
+        return f"only in A  {leaf.path}  {leaf.value_a if leaf.dtype_a is None else kind(leaf.dtype_a, leaf.shape_a)}"
     if leaf.status == "only_in_b":
-        return f"only in B  {leaf.path}  {kind(leaf.dtype_b, leaf.shape_b)}"
+        return f"only in B  {leaf.path}  {leaf.value_b if leaf.dtype_b is None else kind(leaf.dtype_b, leaf.shape_b)}"
+    if leaf.how == "structure":
+        return f"container  {leaf.path}  {leaf.value_a} -> {leaf.value_b}"
     if leaf.status in ("dtype_changed", "shape_changed"):
         what = "dtype" if leaf.status == "dtype_changed" else "shape"
         return f"{what:<9}  {leaf.path}  {kind(leaf.dtype_a, leaf.shape_a)} -> {kind(leaf.dtype_b, leaf.shape_b)}"

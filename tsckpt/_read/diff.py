@@ -46,6 +46,7 @@ from .._runtime import fork as _fork
 from .._runtime.progress import Progress
 from .._storage import native
 from .._storage.locations import Directory
+from ..tree import escape
 from .engine import read_into
 from .open import open as open_reader
 from .reader import LazyArray
@@ -74,7 +75,10 @@ class LeafDiff:
     ``status``: ``equal`` (within the tolerance), ``different``, ``only_in_a``, ``only_in_b``,
     ``dtype_changed`` (an array against a value counts as one), ``shape_changed``. ``how`` says
     how the answer was found: ``read`` (data of both sides compared), ``same files`` (known
-    equal from what is stored, nothing read), ``value`` (plain values compared), or empty
+    equal from what is stored, nothing read), ``value`` (plain values compared; also ``None``
+    entries and empty containers, which both sides' recorded trees hold as parts no leaf path
+    names, shown as ``value_a``/``value_b``: "None", "{}"), ``structure`` (a container of
+    another kind on each side, ``value_a``/``value_b`` naming the kinds), or empty
     when the two sides were not compared. For arrays compared by reading: ``chunks`` in A's
     stored chunk grid, of which ``changed_chunks`` hold an element beyond the tolerance;
     ``changed_elements``; ``max_abs``, the largest ``|a - b|`` (for integer dtypes an exact
@@ -990,6 +994,60 @@ def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _Array
     return dataclasses.replace(kinds, status="different", how="value", value_a=repr(x), value_b=repr(y))
 
 
+# How an empty node of a tree reads in a report (a leaf-less part of it, which no leaf path names).
+_EMPTY = {"none": "None", "dict": "{}", "ordereddict": "OrderedDict()", "list": "[]", "tuple": "()"}
+
+
+def _nodes(structure: Any) -> dict[str, tuple[str, bool]]:
+    """Every container and ``None`` of a stored tree structure (:func:`tsckpt.tree.structure_to_json`)
+    by path: (its kind, whether it is empty: ``None``, or a container with no entries)."""
+    out: dict[str, tuple[str, bool]] = {}
+    _walk(structure, "", out)
+    return out
+
+
+def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
+    """Add ``node`` (a leaf: null, nothing to add) and the nodes below it to ``out``."""
+    if not isinstance(node, dict):
+        return
+    kind = str(node.get("type"))
+    if kind in ("namedtuple", "custom"):
+        kind = f"{kind} {node.get('name')}"
+    keys = node.get("keys")
+    children = node.get("children") or []
+    for i, child in enumerate(children):
+        key = keys[i] if isinstance(keys, list) and i < len(keys) else i
+        name = escape(key) if isinstance(key, str) else str(key)
+        _walk(child, f"{path}/{name}" if path else name, out)
+    out[path] = (kind, kind == "none" or not children)
+
+
+def _containers(sa: Any, sb: Any, patterns: tuple[str, ...] | None) -> list[LeafDiff]:
+    """The parts of two trees no leaf path names (``None`` entries, empty containers) and the
+    containers whose kind differs (a list against a tuple), where both sides record a tree
+    structure: without them two checkpoints of different trees would read as equal."""
+    if sa is None or sb is None:
+        return []
+    na, nb = _nodes(sa), _nodes(sb)
+    out: list[LeafDiff] = []
+    for path in [*na, *(p for p in nb if p not in na)]:
+        if not path or not _selected(path, patterns):
+            continue
+        a, b = na.get(path), nb.get(path)
+        shown_a = _EMPTY.get(a[0], a[0]) if a is not None else None
+        shown_b = _EMPTY.get(b[0], b[0]) if b is not None else None
+        if a is not None and b is not None:
+            if a[0] != b[0]:
+                out.append(LeafDiff(path, "different", how="structure", value_a=shown_a, value_b=shown_b))
+            elif a[1]:
+                out.append(LeafDiff(path, "equal", how="value"))
+        elif a is not None and a[1]:
+            out.append(LeafDiff(path, "only_in_a", value_a=shown_a))
+        elif b is not None and b[1]:
+            out.append(LeafDiff(path, "only_in_b", value_b=shown_b))
+    return out
+
+
 def _selected(path: str, patterns: tuple[str, ...] | None) -> bool:
     return patterns is None or any(under(path, p) for p in patterns)
 
@@ -1125,6 +1183,7 @@ def diff(
             pipeline.drain()
         finally:
             pipeline.close()
+    found.extend(_containers(ra.checkpoint.structure, rb.checkpoint.structure, patterns))
     leaves = tuple(f.result() if isinstance(f, _ArrayWork) else f for f in found)
     skipped = sum(f.known for f in found if isinstance(f, _ArrayWork))
     return DiffReport(
