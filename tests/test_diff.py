@@ -850,3 +850,18 @@ def test_none_entries_empty_containers_and_container_kinds_are_compared(tmp_path
     code, out, _ = run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"))
     assert code == 1
     assert "only in A  foreach  None\n" in out and "container  t  () -> []\n" in out
+
+
+def test_a_tiny_window_is_raised_to_the_least_diff_works_in(tmp_path, monkeypatch):
+    import tsckpt._read.diff as diff_module
+
+    a = np.arange(1 << 18, dtype=np.float32)
+    tsckpt.save(tmp_path / "a", {"w": a})
+    tsckpt.save(tmp_path / "b", {"w": a + (np.arange(a.size) == 7)})
+    seen = []
+    real = diff_module._Sides
+    monkeypatch.setattr(diff_module, "_Sides", lambda *args: seen.append(args[6]) or real(*args))
+    report = tsckpt.diff(tmp_path / "a", tmp_path / "b", max_inflight_bytes=1)
+    assert seen == [diff_module.LEAST_WINDOW]
+    (w,) = report.leaves
+    assert (w.status, w.first_index, w.changed_elements) == ("different", (7,), 1)
