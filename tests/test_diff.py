@@ -337,9 +337,11 @@ def test_errors_exit_2(tmp_path, capsys):
 @pytest.fixture
 def largest_read(monkeypatch):
     """Every block diff reads of either side (as stored chunks, by the engine or the lazy
-    reader), in bytes of the stored dtype."""
+    reader), in bytes of the stored dtype; windows below diff's least taken as given (the
+    blocks' mechanics, tested at small sizes)."""
     sizes: list[int] = []
     real = diff_module._reader
+    monkeypatch.setattr(diff_module, "LEAST_WINDOW", 1)
 
     def reader(ck, leaf, window, stored=None):
         read = real(ck, leaf, window, stored)
@@ -797,6 +799,7 @@ def test_stored_sums_of_squares(n):
 
 
 def test_blocks_held_at_once_fit_half_the_window(tmp_path, monkeypatch, small_chunks):
+    monkeypatch.setattr(diff_module, "LEAST_WINDOW", 1)  # the blocks' mechanics, at small sizes
     """Blocks are read ahead while those held (read, being read or compared) fit in half the
     window, at most READS_AHEAD besides the one compared; always the next one."""
     held: list[tuple[int, int]] = []
@@ -865,3 +868,23 @@ def test_a_tiny_window_is_raised_to_the_least_diff_works_in(tmp_path, monkeypatc
     assert seen == [diff_module.LEAST_WINDOW]
     (w,) = report.leaves
     assert (w.status, w.first_index, w.changed_elements) == ("different", (7,), 1)
+
+
+def test_leaves_named_alike_but_for_separators_are_compared(tmp_path, capsys):
+    """A nested tree against flat names (another format's, or a state_dict's): each leaf only
+    one side names is matched with the other side's of the same spelling, / and . alike."""
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tsckpt.save(tmp_path / "flat", {"model": {"layers.0.weight": w, "layers.1.weight": w * 2, "x.y": w}})
+    tsckpt.save(tmp_path / "nested", {"model": {"layers": [{"weight": w}, {"weight": w * 2 + (w == 5)}], "x": {"y": w}}})
+    report = tsckpt.diff(tmp_path / "flat", tmp_path / "nested")
+    got = {d.path: (d.path_b, d.status) for d in report.leaves}
+    assert got == {
+        "model/layers.0.weight": ("model/layers/0/weight", "equal"),
+        "model/layers.1.weight": ("model/layers/1/weight", "different"),
+        "model/x.y": ("model/x/y", "equal"),
+    }
+    code, out, _ = run(capsys, "diff", str(tmp_path / "flat"), str(tmp_path / "nested"))
+    assert code == 1 and "changed    model/layers.1.weight (B: model/layers/1/weight)  1 of 1 chunk" in out
+    # a spelling two leaves of one side share matches nothing
+    tsckpt.save(tmp_path / "both", {"a.b": w, "a": {"b": w}})
+    assert {d.status for d in tsckpt.diff(tmp_path / "both", tmp_path / "flat").leaves} <= {"only_in_a", "only_in_b"}

@@ -428,21 +428,22 @@ def _diff_line(leaf: LeafDiff) -> str:
     def kind(dtype: str | None, shape: tuple[int, ...] | None) -> str:
         return f"{dtype}" + ("" if shape is None else " " + _shape_text(shape))
 
+    path = leaf.path if leaf.path_b is None else f"{leaf.path} (B: {leaf.path_b})"
     if leaf.status == "only_in_a":  # an empty part of the tree (None, {}) shows as what it is
-        return f"only in A  {leaf.path}  {leaf.value_a if leaf.dtype_a is None else kind(leaf.dtype_a, leaf.shape_a)}"
+        return f"only in A  {path}  {leaf.value_a if leaf.dtype_a is None else kind(leaf.dtype_a, leaf.shape_a)}"
     if leaf.status == "only_in_b":
-        return f"only in B  {leaf.path}  {leaf.value_b if leaf.dtype_b is None else kind(leaf.dtype_b, leaf.shape_b)}"
+        return f"only in B  {path}  {leaf.value_b if leaf.dtype_b is None else kind(leaf.dtype_b, leaf.shape_b)}"
     if leaf.how == "structure":
-        return f"container  {leaf.path}  {leaf.value_a} -> {leaf.value_b}"
+        return f"container  {path}  {leaf.value_a} -> {leaf.value_b}"
     if leaf.status in ("dtype_changed", "shape_changed"):
         what = "dtype" if leaf.status == "dtype_changed" else "shape"
-        return f"{what:<9}  {leaf.path}  {kind(leaf.dtype_a, leaf.shape_a)} -> {kind(leaf.dtype_b, leaf.shape_b)}"
+        return f"{what:<9}  {path}  {kind(leaf.dtype_a, leaf.shape_a)} -> {kind(leaf.dtype_b, leaf.shape_b)}"
     if leaf.how == "value":
-        return f"value      {leaf.path}  {_clip(leaf.value_a or '')} -> {_clip(leaf.value_b or '')}"
+        return f"value      {path}  {_clip(leaf.value_a or '')} -> {_clip(leaf.value_b or '')}"
     first = "" if leaf.first_index is None else _shape_text(leaf.first_index)
     largest = str(leaf.max_abs) if isinstance(leaf.max_abs, int) else f"{leaf.max_abs:.6g}"  # integers: exact
     return (
-        f"changed    {leaf.path}  {leaf.changed_chunks} of {_count(leaf.chunks, 'chunk')}, "
+        f"changed    {path}  {leaf.changed_chunks} of {_count(leaf.chunks, 'chunk')}, "
         f"{_count(leaf.changed_elements, 'element')}; max |a-b| {largest}, rel L2 {leaf.rel_l2:.3g}, "
         f"first at {first}"
     )

@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from .._base import dtypes as _dtypes
-from .._base.leafnames import did_you_mean, listed, under
+from .._base.leafnames import did_you_mean, listed, spelled, under
 from .._base.types import Box, Dest, ReadItem, box_slices
 from .._codec.files import node_agrees, opened_directory
 from .._codec.route import Place, Route, place, route
@@ -86,7 +86,10 @@ class LeafDiff:
     at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
     over the finite elements read (a region known equal unread adds nothing to ``a - b``,
     but its part of ``||a||`` is unknown: then an upper bound); ``first_index``, the first element beyond the tolerance in C
-    order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ.
+    order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ. A leaf that
+    only one side names ``path`` is matched with one the other side names alike but for its
+    separators (``model/layers.0.weight`` and ``model/layers/0/weight``; each the only such
+    name on its side): ``path`` is A's name, ``path_b`` B's.
     """
 
     path: str
@@ -104,6 +107,7 @@ class LeafDiff:
     first_index: tuple[int, ...] | None = None
     value_a: str | None = None
     value_b: str | None = None
+    path_b: str | None = None  # B's name of the leaf, where it differs from A's only in its separators
     bytes_read: int = 0  # both sides
 
     @property
@@ -175,15 +179,17 @@ def one_checkpoint(a: Checkpoint, b: Checkpoint) -> bool:
     return _same_path(str(a.location.local), str(b.location.local)) and a.root_generation == b.root_generation
 
 
-def known_equal(a: Stored, b: Stored, path: str, region: Box) -> bool | None:
-    """Whether the array ``path`` holds the same data in A and B over ``region`` (one of A's
+def known_equal(a: Stored, b: Stored, path: str, region: Box, path_b: str | None = None) -> bool | None:
+    """Whether the array ``path`` (in B ``path_b``, where named otherwise) holds the same data
+    in A and B over ``region`` (one of A's
     stored shards), known from what is stored, without reading it: True when both sides
     recorded the same content hash for its file (docs/format.md, "Content hashes"), or keep
     it in the same file (a file hard-linked from the other; one checkpoint given twice is
     :func:`one_checkpoint`'s); None when that is not known, and the region must be read."""
     ca, cb = a.ck, b.ck
     local = ca.location.local is not None and cb.location.local is not None
-    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path, path))
+    path_b = path if path_b is None else path_b
+    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path_b, path_b))
     if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
         return None
     if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
@@ -748,7 +754,7 @@ class _ArrayWork:
         """Both sides' array as :class:`_StoredSide`, where both store it in shard files the own
         codec reads (:func:`.route`), of one dtype, shape and chunking; else neither."""
         sides, la, lb = self.sides, self.la, self.lb
-        rb = sides.b.arrays[sides.b.aliases.get(self.path, self.path)]
+        rb = sides.b.arrays[self.lb.path]  # B's name (alias resolved), which may be spelled otherwise
         (pa, pb), (da, db) = sides.places, sides.dirs
         if (
             pa is None or pb is None or da is None or db is None
@@ -763,7 +769,7 @@ class _ArrayWork:
         """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
         sides = self.sides
         for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
-            if sides.twice or known_equal(sides.stored_a, sides.stored_b, self.path, shard):
+            if sides.twice or known_equal(sides.stored_a, sides.stored_b, self.la.path, shard, self.lb.path):
                 self.known += math.prod(shard[1]) * self.itemsize
                 sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
                 continue
@@ -998,6 +1004,24 @@ def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _Array
 _EMPTY = {"none": "None", "dict": "{}", "ordereddict": "OrderedDict()", "list": "[]", "tuple": "()"}
 
 
+def _alike(only_a: Sequence[str], only_b: Sequence[str]) -> dict[str, str]:
+    """A's leaves that B names alike but for separators (``/`` and ``.``, as --paths takes them)
+    -> B's names: a nested tree against the flat names of another format, say. A spelling
+    two leaves of one side share matches nothing."""
+    def unique(paths: Sequence[str]) -> dict[str, str]:
+        found: dict[str, list[str]] = {}
+        for p in paths:
+            found.setdefault(spelled(p), []).append(p)
+        return {k: v[0] for k, v in found.items() if len(v) == 1}
+
+    a, b = unique(only_a), unique(only_b)
+    return {path: b[key] for key, path in a.items() if key in b}
+
+
+def _named_b(leaf: LeafDiff, renamed: dict[str, str]) -> LeafDiff:
+    return dataclasses.replace(leaf, path_b=renamed[leaf.path]) if leaf.path in renamed else leaf
+
+
 # The smallest window diff works in: blocks of fewer bytes cost their per-block work (reads,
 # passes, bookkeeping) per handful of elements (a 4 MiB pair took 17 s at 4 KiB, and ran for
 # minutes at 1 B); a restore likewise reads at least a chunk at a time whatever its window.
@@ -1152,7 +1176,8 @@ def diff(
     if patterns is not None:
         _check_selected(patterns, [*in_a, *in_b], list(ra), list(rb), str(ra.checkpoint.location),
                         str(rb.checkpoint.location))
-    both = [p for p in in_a if p in set_b]
+    renamed = _alike([p for p in in_a if p not in set_b], [p for p in in_b if p not in set_a])
+    both = [p for p in in_a if p in set_b or p in renamed]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff | _ArrayWork] = []
     places = _own_shards(ra.checkpoint), _own_shards(rb.checkpoint)
@@ -1175,23 +1200,24 @@ def diff(
         pipeline = _Pipeline(pool, max_inflight_bytes // 2)
         try:
             for p in in_a:
-                if p not in set_b:
+                if p not in set_b and p not in renamed:
                     x = ra[p]
                     found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
                     continue
-                leaf = _compare_leaf(sides, p, ra[p], rb[p])
+                leaf = _compare_leaf(sides, p, ra[p], rb[renamed.get(p, p)])
                 found.append(leaf)
                 if isinstance(leaf, _ArrayWork):
                     pipeline.add(leaf)
+            taken = set(renamed.values())
             for p in in_b:
-                if p not in set_a:
+                if p not in set_a and p not in taken:
                     y = rb[p]
                     found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
             pipeline.drain()
         finally:
             pipeline.close()
     found.extend(_containers(ra.checkpoint.structure, rb.checkpoint.structure, patterns))
-    leaves = tuple(f.result() if isinstance(f, _ArrayWork) else f for f in found)
+    leaves = tuple(_named_b(f.result() if isinstance(f, _ArrayWork) else f, renamed) for f in found)
     skipped = sum(f.known for f in found if isinstance(f, _ArrayWork))
     return DiffReport(
         str(ra.checkpoint.location), str(rb.checkpoint.location), *tolerance, leaves,
