@@ -444,14 +444,19 @@ def nest(leaves: dict[str, Any], key_paths: Any) -> Any:
 
 
 def _key(component: str) -> str | int:
-    """A mapping key as DCP stored it (``str(key)``), back as an int where it reads as one."""
-    return int(component) if component.isascii() and component.isdigit() and str(int(component)) == component else component
+    """A mapping key as DCP stored it (``str(key)``), back as an int where it reads as one
+    (decimal digits, no leading zero, short enough for any int a state dict keys by)."""
+    if component.isascii() and component.isdigit() and len(component) <= 18 and str(int(component)) == component:
+        return int(component)
+    return component
 
 
 def _typed_tree(paths: list[tuple[Any, ...]], values: list[Any]) -> Any:
     """The tree DCP's key paths name: int components list indices (0..n-1), str components
     mapping keys (:func:`_key`); None where they do not form one (a leaf with leaves below
     it, a node with both kinds of components, indices with gaps)."""
+    if any(isinstance(c, str) and not _encodable(c) for p in paths for c in p):
+        return None  # a lone surrogate: no name a tree of tsckpt's can hold
     root: dict[Any, Any] = {}
     for i, p in enumerate(paths):
         node = root
@@ -483,6 +488,14 @@ def _typed_tree(paths: list[tuple[Any, ...]], values: list[Any]) -> Any:
     except ValueError:
         return None
     return structure_from_json(structure, [values[i] for i in order])
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _depth_first(names: list[str]) -> list[int]:
