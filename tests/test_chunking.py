@@ -152,3 +152,13 @@ def test_saved_array_uses_sharding_codec_with_crc32c(ckdir, small_chunks):
 
     md = tsckpt.metadata(ckdir)["x"]
     assert (md.chunk_shape, md.shard_shape, md.nbytes) == ((1, 256), (4, 256), 8 * 256 * 4)
+
+
+def test_without_inner_chunks_each_shard_is_one_chunk_of_whole_trailing_dimensions():
+    # a 12 MiB matrix: one chunk (the default cuts it into inner chunks of column quarters)
+    assert choose_chunking((4096, 768), 4).chunk_shape is not None
+    assert choose_chunking((4096, 768), 4, inner_chunks=False) == Chunking((4096, 768), None)
+    # each writer's region one chunk; above the shard bound, row blocks of whole rows
+    assert choose_chunking((4096, 768), 4, [[2048]], inner_chunks=False) == Chunking((2048, 768), None)
+    assert choose_chunking((4096, 768), 4, shard_bytes=4 << 20, inner_chunks=False) == Chunking((1024, 768), None)
+    assert choose_chunking((), 4, inner_chunks=False) == Chunking((), None)

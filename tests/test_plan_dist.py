@@ -384,3 +384,26 @@ def test_irregular_pieces_of_one_rank_are_assembled_by_that_rank_alone():
     plan = plan_save([[d]])
     assert plan.transfers == () and plan.arrays[0].chunking.shard_shape == (25, 2048)
     assert [(w.rank, w.offsets, w.assembled) for w in plan.writes] == [(0, (r, 0), True) for r in range(0, 101, 25)]
+
+
+def test_without_inner_chunks_every_rank_writes_its_region_as_one_chunk_file():
+    per_rank = [[desc("w", (8, 1024 * 64), (4 * r, 0), (4, 1024 * 64))] for r in range(2)]  # 1 MiB per rank
+    (rec,) = plan_save(per_rank, inner=False).arrays
+    assert rec.chunking.shard_shape == (4, 1024 * 64) and rec.chunking.chunk_shape is None
+    (default,) = plan_save(per_rank).arrays
+    assert default.chunking.chunk_shape is not None
+
+
+def test_ranks_with_other_chunking_options_or_targets_are_refused_by_rank_0():
+    from tsckpt._save.descs import Payload
+    from tsckpt._save.protocol import _gather
+
+    def payload(rank, **kw):
+        d = desc("w", (8, 4), (4 * rank, 0), (4, 4))
+        return Payload.of([d], ["w"], None, {}, 1 << 20, "plain", **{"target": "/ck", **kw})
+
+    assert _gather([payload(0), payload(1)]).gathered is not None
+    with pytest.raises(ValueError, match="ranks passed different inner_chunks"):
+        _gather([payload(0), payload(1, inner_chunks=False)])
+    with pytest.raises(LayoutError, match="rank 0 saves /ck, rank 1 saves /other"):
+        _gather([payload(0), payload(1, target="/other")])

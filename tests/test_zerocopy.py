@@ -398,3 +398,22 @@ def test_lazy_reads_log_each_reason_once_per_reader(tmp_path, caplog):
         for i in range(5):
             ck[f"l{i}"][...]
     assert caplog.text.count("it is stored in shard files of inner chunks") == 1
+
+
+def test_a_save_without_inner_chunks_restores_mapped_and_reads_slices(tmp_path, caplog):
+    """Arrays above the inner chunk size, saved with inner_chunks=False (also through convert),
+    are mapped by copy=False; a slice still reads (the whole file's chunk)."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1024, 768, generator=g) for i in range(3)}  # 3 MiB each
+    tsckpt.save(tmp_path / "ck", state, inner_chunks=False)
+    assert sorted(os.listdir(tmp_path / "ck" / "w0")) == ["c.0.0", "zarr.json"]
+    with caplog.at_level(logging.INFO, logger="tsckpt"):
+        got = tsckpt.restore(tmp_path / "ck", {k: torch.empty_like(v) for k, v in state.items()}, copy=False)
+    assert "3 leaves mapped from their files (9.0 MiB), none copied" in caplog.text
+    assert all(torch.equal(got[k], v) and mapping_of(got[k])["file"].endswith(f"{k}/c.0.0") for k, v in state.items())
+    assert np.array_equal(tsckpt.open(tmp_path / "ck")["w1"][5:9, 100:104], state["w1"][5:9, 100:104].numpy())
+    safetensors_torch.save_file(state, str(tmp_path / "m.safetensors"))
+    tsckpt.convert(tmp_path / "m.safetensors", tmp_path / "conv", inner_chunks=False, max_inflight_bytes=64 << 20)
+    assert sorted(os.listdir(tmp_path / "conv" / "w2")) == ["c.0.0", "zarr.json"]
+    with pytest.raises(ValueError, match="inner_chunks=False applies to a tsckpt destination, not safetensors"):
+        tsckpt.convert(tmp_path / "ck", tmp_path / "x.safetensors", inner_chunks=False)

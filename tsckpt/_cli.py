@@ -463,7 +463,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = convert(
             args.src, args.dst, from_format=args.from_format, to_format=args.to_format, subtree=args.subtree,
             strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, max_shard_size=args.max_shard_size,
-            dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, casting=args.casting,
+            dtype=args.dtype, overwrite=args.overwrite, layout=args.layout, inner_chunks=not args.no_inner_chunks,
+            casting=args.casting,
             copy_from=args.copy_from, allow_pickle=args.allow_pickle, **given,
         )
     except CheckpointExistsError:
@@ -602,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default=LAYOUT_PLAIN,
                    help="tsckpt destination layout: plain (a file per shard, readable by any zarr v3 tool) or "
                    "compact (a few files per rank, readable by TensorStore) (default: plain)")
+    p.add_argument("--no-inner-chunks", action="store_true",
+                   help="tsckpt destination: each shard file one chunk (no inner chunks), so restore(copy=False) "
+                   "maps whole arrays; give a --max-inflight-bytes above the largest array")
     p.add_argument("--max-inflight-bytes", metavar="SIZE",
                    help="source data read and not yet written to a tsckpt DST, e.g. 64MiB; bounds the memory "
                    f"convert needs, and the size of its shard files (default: {human_bytes(READ_WINDOW_BYTES)})")

@@ -607,6 +607,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     layout: str = LAYOUT_PLAIN,
+    inner_chunks: bool = True,
     casting: str = "same_kind",
     max_inflight_bytes: int = READ_WINDOW_BYTES,
     allow_pickle: bool = False,
@@ -633,7 +634,9 @@ def convert(
     Tied leaves stay tied. ``progress`` shows a bar (default: when stderr is a terminal).
     ``max_inflight_bytes`` bounds the source data read and not yet written to a tsckpt
     destination (default 32 MiB, as for :func:`tsckpt.restore`; no shard file is larger).
-    ``overwrite`` and ``layout`` are as for :func:`tsckpt.save` (``layout``: a tsckpt destination's).
+    ``overwrite``, ``layout`` and ``inner_chunks`` are as for :func:`tsckpt.save` (a tsckpt destination's;
+    ``inner_chunks=False`` with a ``max_inflight_bytes`` above the largest array gives each array one
+    chunk file, which ``restore(copy=False)`` maps).
     ``copy_from`` (a Hugging Face directory destination) names a model directory whose
     config.json, generation_config.json and tokenizer files are written beside the
     weights, in the same all-or-nothing write; the copied config.json names the dtype of
@@ -649,13 +652,18 @@ def convert(
     """
     RestoreOptions.of(locals())  # a bad option raises here, before any work
     # the bar counts the source bytes read, so the save shows none of its own
-    writing = SaveOptions(overwrite=overwrite, layout=layout, max_inflight_bytes=max_inflight_bytes, progress=False)
+    writing = SaveOptions(
+        overwrite=overwrite, layout=layout, inner_chunks=inner_chunks, max_inflight_bytes=max_inflight_bytes,
+        progress=False,
+    )
     src_name, dst_name = _name(src), _name(dst)
     if resolve(src).spec == resolve(dst, write=True).spec:
         raise ValueError(f"convert: source and destination are the same ({src_name}); convert writes a new copy")
     to = _destination_format(dst, to_format)
     if layout != LAYOUT_PLAIN and to != "tsckpt":
         raise ValueError(f"layout={layout!r} applies to a tsckpt destination, not {to}")
+    if not inner_chunks and to != "tsckpt":
+        raise ValueError(f"inner_chunks=False applies to a tsckpt destination, not {to}")
     shard_limit = parse_size(max_shard_size)
     if shard_limit is not None and (to != "safetensors" or dst_name.endswith(".safetensors")):
         what = (

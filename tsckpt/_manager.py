@@ -129,6 +129,7 @@ class CheckpointManager:
         staging: Staging = "overlapped",
         step_digits: int = 8,
         layout: str = LAYOUT_PLAIN,
+        inner_chunks: bool = True,
         writer: Writer = "process",
         incremental: Incremental = True,
     ) -> None:

@@ -236,6 +236,14 @@ class SaveOptions(_Options):
         "writing rank, merged at the commit (few files whatever the number of leaves).",
         _layout,
     )
+    inner_chunks: bool = _option(
+        True,
+        "Store an array larger than one inner chunk (512 KiB) as shard files of inner chunks, so that a slice "
+        "reads only the chunks it touches (a tensor-parallel column half its columns); False: each shard file "
+        "is one chunk (each writer's region, in row blocks of at most 256 MiB), which restore(copy=False) maps "
+        "instead of copying, a partial read then reading whole files (docs/zerocopy.md).",
+        _flag,
+    )
     progress: bool | None = _option(
         None, "A bar of bytes written on rank 0 (None: when stderr is a terminal).", _bar
     )
@@ -417,13 +425,15 @@ VERBS: dict[str, dict[type[_Options], dict[str, str]]] = {
     },
     "CheckpointManager.save": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
-                      "layout": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION, "base": _MANAGER_BASE},
+                      "layout": _AT_CONSTRUCTION, "inner_chunks": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION,
+                      "base": _MANAGER_BASE},
         AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
                        "writer": _AT_CONSTRUCTION},
     },
     "CheckpointManager.save_async": {
         SaveOptions: {"group": _AT_CONSTRUCTION, "check_replicas": _AT_CONSTRUCTION, "timeout": _AT_CONSTRUCTION,
-                      "layout": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION, "base": _MANAGER_BASE},
+                      "layout": _AT_CONSTRUCTION, "inner_chunks": _AT_CONSTRUCTION, "incremental": _AT_CONSTRUCTION,
+                      "base": _MANAGER_BASE},
         AsyncOptions: {"if_busy": _AT_CONSTRUCTION, "max_staging_bytes": _AT_CONSTRUCTION, "staging": _AT_CONSTRUCTION,
                        "writer": _AT_CONSTRUCTION},
     },

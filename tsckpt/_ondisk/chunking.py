@@ -18,6 +18,10 @@ Rule (docs/format.md, "Chunking"):
    ``SHARD_BYTES`` within one step, which bounds the memory a single write
    needs and the size of any one file.
 4. An array no larger than one inner chunk is stored as a single plain chunk.
+5. A save with ``inner_chunks=False`` skips rule 2: each shard is one chunk (a
+   writer's region, or a row block of it up to ``SHARD_BYTES``), which
+   ``copy=False`` restores map whole, at the price of partial reads reading
+   whole shards.
 
 Regions (:data:`tsckpt._base.types.Box`) meet the shard grid in :func:`shard_boxes`
 (a region's piece in each shard file) and :func:`intersect` (a shard's piece of
@@ -94,12 +98,15 @@ def choose_chunking(
     *,
     inner_bytes: int | None = None,
     shard_bytes: int | None = None,
+    inner_chunks: bool = True,
 ) -> Chunking:
     """Shard and inner chunk shapes for an array of ``shape``.
 
     ``cuts[d]`` lists the offsets along dim ``d`` where writers' regions begin.
     The byte targets default to the module's ``INNER_CHUNK_BYTES`` and
-    ``SHARD_BYTES``, read at call time.
+    ``SHARD_BYTES``, read at call time. ``inner_chunks=False``: no inner chunks, each
+    shard one chunk (rule 3 without rule 2: whole trailing dimensions, filled in
+    C order up to ``shard_bytes``), which a zero-copy restore can map whole.
     """
     inner_bytes = INNER_CHUNK_BYTES if inner_bytes is None else inner_bytes
     shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
@@ -107,6 +114,8 @@ def choose_chunking(
     if not shape:
         return Chunking((), None)
     steps, constrained = steps_from_cuts(shape, cuts)
+    if not inner_chunks:
+        return Chunking(tuple(_fill(steps, constrained, itemsize, shard_bytes)), None)
     if math.prod(steps) * itemsize <= inner_bytes:
         return Chunking(tuple(steps), None)
     limits = list(steps)

@@ -853,6 +853,7 @@ def save_async(
     timeout: datetime.timedelta | None = None,
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
+    inner_chunks: bool = True,
     progress: bool | None = None,
     incremental: Incremental = True,
     base: BaseDirectory = None,

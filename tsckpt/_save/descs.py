@@ -180,15 +180,17 @@ class Payload:
     window: int  # bytes of source data this rank keeps in flight while writing
     layout: str
     target: str = ""  # the checkpoint this rank saves (its location): every rank's must be one
+    inner_chunks: bool = True  # the save's option: every rank's must be the same
 
     @classmethod
     def of(
         cls, descs: Sequence[Sequence[Any]], paths: Sequence[str], structure: Any, links: dict[str, str],
-        window: int, layout: str, target: str = "",
+        window: int, layout: str, target: str = "", inner_chunks: bool = True,
     ) -> Payload:
         """The payload of a rank's descriptors (LeafDescs or plain tuples) and tree structure (JSON)."""
         return cls(
-            pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout, target
+            pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout, target,
+            inner_chunks,
         )
 
 

@@ -208,7 +208,9 @@ class _Layout:
     moves: tuple[tuple[int, int, Box], ...] = ()
 
 
-def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes: int | None = None) -> SavePlan:
+def plan_save(
+    per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes: int | None = None, inner: bool = True
+) -> SavePlan:
     """Validate what all ranks hold and decide who writes what.
 
     Identical regions given by several ranks are replicas: each is written by one
@@ -216,14 +218,15 @@ def plan_save(per_rank: Sequence[Sequence[LeafDesc]] | Gathered, *, shard_bytes:
     placed first, after the regions only one rank holds). Distinct regions must
     exactly tile the global array. Every shard (file) has exactly one writer
     (see :func:`_plan_array`). ``shard_bytes`` caps the size of a shard
-    (default: ``_chunking.SHARD_BYTES``).
+    (default: ``_chunking.SHARD_BYTES``); ``inner=False`` stores each shard as one
+    chunk (:func:`tsckpt._ondisk.chunking.choose_chunking`).
 
     Arrays sharded the same way (same shape, itemsize and regions) are validated
     and laid out once; beyond that the work is a few passes over the descriptors.
     """
     g = per_rank if isinstance(per_rank, Gathered) else gather_descs(per_rank)
     checked = _check(g)
-    return _lay_out(checked, _assign_writers(checked.arrays), g.world, shard_bytes)
+    return _lay_out(checked, _assign_writers(checked.arrays), g.world, shard_bytes, inner)
 
 
 def _check(g: Gathered) -> _Checked:
@@ -344,7 +347,7 @@ def _assign_writers(arrays: Sequence[_Array]) -> dict[tuple[str, Box], int]:
 
 
 def _lay_out(
-    checked: _Checked, writers: Mapping[tuple[str, Box], int], world: int, shard_bytes: int | None
+    checked: _Checked, writers: Mapping[tuple[str, Box], int], world: int, shard_bytes: int | None, inner: bool = True
 ) -> SavePlan:
     """Step c: every array's chunking, writes and transfers (planned once per distinct
     layout), and the arrays stored and written alike gathered into groups."""
@@ -362,7 +365,7 @@ def _lay_out(
             key = (d.global_shape, d.itemsize, written)
         layout = layouts.get(key)
         if layout is None:
-            layout = layouts[key] = _plan_array(d.global_shape, d.itemsize, written, shard_bytes)
+            layout = layouts[key] = _plan_array(d.global_shape, d.itemsize, written, shard_bytes, inner)
         records.append(ArrayRecord(a.path, d.global_shape, d.dtype, d.kind, layout.chunking))
         members[(layout, d.dtype, d.kind)].append(a.path)
         transfers += [Transfer(a.path, src, dst, *box) for src, dst, box in layout.moves]
@@ -387,7 +390,8 @@ def _written(
 
 
 def _plan_array(
-    shape: tuple[int, ...], itemsize: int, owned: tuple[tuple[Box, int], ...], shard_bytes: int | None = None
+    shape: tuple[int, ...], itemsize: int, owned: tuple[tuple[Box, int], ...], shard_bytes: int | None = None,
+    inner: bool = True,
 ) -> _Layout:
     """The layout of one array whose non-empty regions ``owned`` are written by the given ranks
     (a rank may own several: the pieces it holds a region in).
@@ -399,10 +403,10 @@ def _plan_array(
     of it, and the thin pieces of straddling shards are sent to that rank.
     """
     cuts = [sorted({box[0][d] for box, _ in owned}) for d in range(len(shape))]
-    aligned = choose_chunking(shape, itemsize, cuts, shard_bytes=shard_bytes)
+    aligned = choose_chunking(shape, itemsize, cuts, shard_bytes=shard_bytes, inner_chunks=inner)
     # shards no longer than the shortest region, so most lie inside one region
     shortest = [[min(box[1][d] for box, _ in owned)] if len(cuts[d]) > 1 else [] for d in range(len(shape))]
-    natural = choose_chunking(shape, itemsize, shortest, shard_bytes=shard_bytes)
+    natural = choose_chunking(shape, itemsize, shortest, shard_bytes=shard_bytes, inner_chunks=inner)
     if shard_count(shape, aligned) <= 2 * shard_count(shape, natural):
         writes = [(rank, box[0], box[1], (0,) * len(shape), False) for box, rank in owned]
         return _Layout(shape, aligned, tuple(sorted(writes, key=lambda w: (w[0], w[1]))))

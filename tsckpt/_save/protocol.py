@@ -79,6 +79,7 @@ def save(
     timeout: datetime.timedelta | None = None,
     max_inflight_bytes: int = WRITE_WINDOW_BYTES,
     layout: str = LAYOUT_PLAIN,
+    inner_chunks: bool = True,
     progress: bool | None = None,
     incremental: Incremental = True,
     base: BaseDirectory = None,
@@ -181,6 +182,7 @@ def save_with(
             job = _plan_job(
                 coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim,
                 lambda: _share.check_base(options.base, loc, incremental=options.incremental),
+                inner_chunks=options.inner_chunks,
             )
             received: dict[int, np.ndarray] = {}
             if job.plan.exchange:  # every rank's part says whether any rank exchanges: all skip together
@@ -279,7 +281,9 @@ class Staged:
         self.structure = structure
 
 
-def _describe(tree: Any, window: int, layout: str, target: str = "") -> tuple[dict[str, Local], Payload]:
+def _describe(
+    tree: Any, window: int, layout: str, target: str = "", inner_chunks: bool = True
+) -> tuple[dict[str, Local], Payload]:
     """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
     if isinstance(tree, Staged):
         paths, leaves, structure = tree.paths, tree.leaves, tree.structure
@@ -288,7 +292,7 @@ def _describe(tree: Any, window: int, layout: str, target: str = "") -> tuple[di
         paths, leaves, structure = flat.paths, flat.leaves, structure_to_json(flat.spec)
     local = [describe(p, leaf) for p, leaf in zip(paths, leaves)]
     descs = [lf.desc for lf in local]
-    payload = Payload.of(descs, paths, structure, _ties(local), window, layout, target)
+    payload = Payload.of(descs, paths, structure, _ties(local), window, layout, target, inner_chunks)
     return {lf.desc.path: lf for lf in local}, payload
 
 
@@ -306,6 +310,8 @@ def _gather(payloads: Sequence[Payload]) -> _Described:
             "must save the same checkpoint in the same call: the ranks fell out of step (a save that failed or "
             "was refused on some ranks only): save again on every rank, or restart from the last complete step"
         )
+    if len({p.inner_chunks for p in payloads}) > 1:
+        raise ValueError("ranks passed different inner_chunks; every rank must save with the same")
     layouts = sorted({p.layout for p in payloads})
     if len(layouts) > 1:
         raise ValueError(
@@ -320,7 +326,7 @@ def _parts(d: _Described) -> list[Part]:
     """Step 4, rank 0: plan the save and split it into every rank's part (rank 0's with
     what it records at the commit)."""
     least = min(p.window for p in d.payloads)
-    plan = plan_save(d.gathered, shard_bytes=min(_chunking.SHARD_BYTES, least))
+    plan = plan_save(d.gathered, shard_bytes=min(_chunking.SHARD_BYTES, least), inner=d.payloads[0].inner_chunks)
     paths, structure = d.payloads[0].paths, d.payloads[0].structure
     same_tree = all(p.paths == paths and p.structure == structure for p in d.payloads)
     parts = split_plan(plan)
@@ -335,7 +341,7 @@ def _parts(d: _Described) -> list[Part]:
 def _plan_job(
     coord: Any, loc: Location, tree: Any, overwrite: bool, check_replicas: bool, window: int, layout: str,
     lease: _lease.Lease | None = None, before_claim: Callable[[], None] | None = None,
-    check: Callable[[], None] | None = None,
+    check: Callable[[], None] | None = None, *, inner_chunks: bool = True,
 ) -> _Job:
     """Steps 1-4 of the protocol: one round trip through rank 0, two when replicas are checked.
     ``check`` runs on every rank first (a bad base is refused there, before the claim)."""
@@ -366,7 +372,8 @@ def _plan_job(
         if check is not None:
             check()
         return _describe(
-            tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout, str(loc)
+            tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout, str(loc),
+            inner_chunks,
         )
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)

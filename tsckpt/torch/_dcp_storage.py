@@ -232,6 +232,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         timeout: datetime.timedelta | None = None,
         max_inflight_bytes: int = WRITE_WINDOW_BYTES,
         layout: str = LAYOUT_PLAIN,
+        inner_chunks: bool = True,
         progress: bool | None = None,
         incremental: Incremental = True,
     ) -> None:
