@@ -612,3 +612,29 @@ def test_expired_steps_do_not_pile_up_when_the_writer_saves_back_to_back(tmp_pat
     m.close()
     assert pids and str(os.getpid()) not in pids, pids  # the removals ran, slowed, in the writer
     assert max(pending) <= 2, pending
+
+
+@pytest.mark.slow
+def test_a_writer_that_says_nothing_for_the_saves_timeout_is_killed_and_the_save_fails_naming_why(tmp_path, writer_process):
+    """A writer stopped (SIGSTOP) or stuck: its save fails once it has said nothing (it says it
+    is alive every BEAT_S while it runs) for the save's timeout, rather than be waited for
+    without end; the next save starts a new writer."""
+    import datetime
+
+    manager = tsckpt.CheckpointManager(tmp_path / "run", timeout=datetime.timedelta(seconds=3))
+    manager.save_async(1, state(1)).result()
+    pid = manager._saver.writer_pid
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        handle = manager.save_async(2, state(2))
+        with pytest.raises(tsckpt.WriterLostError, match=r"\(step 2\) said nothing for [0-9]+ s, more than the "
+                           r"save's timeout \(stopped, or stuck\), and was killed before the save committed"):
+            handle.result(timeout=60)
+    finally:
+        if not gone(pid):  # never leave a stopped process behind
+            os.kill(pid, signal.SIGKILL)
+    assert 3 <= time.monotonic() - start < 30
+    manager.save_async(3, state(3)).result(timeout=60)
+    assert manager._saver.writer_pid != pid and manager.all_steps() == [1, 3]
+    manager.close()

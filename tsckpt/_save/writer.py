@@ -80,6 +80,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -122,6 +123,9 @@ ORPHANED = 3
 CLOSE_WAIT_S = 30.0
 # The exit status of a writer that could not read a save's message (after failing that save with why).
 UNREADABLE = 4
+# How often a writer says it is alive while it runs (its training process kills one silent for the
+# save's timeout: stopped by SIGSTOP, or stuck, it would otherwise be waited for without end).
+BEAT_S = 2.0
 
 
 # ---- the training process's side ------------------------------------------------------------
@@ -468,6 +472,8 @@ class _Writer:
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()  # _pending and _closed, between the caller and the watch thread
         self._pending: dict[int, tuple[AsyncSave, str, str]] = {}  # seq -> handle, what, the id its claim takes
+        self._silent_s = DEFAULT_TIMEOUT.total_seconds()  # the longest it may say nothing while it saves
+        self.stalled: float | None = None  # set when it was killed for saying nothing that long
         self._tidying: dict[int, AsyncSave] = {}  # saves settled whose housekeeping the writer still runs
         self._seq = 0
         self._closed = False
@@ -505,6 +511,8 @@ class _Writer:
         one; the message then leaves from a thread of its own, once they are made, so the writer
         never reads a buffer still being filled."""
         self._seq += 1
+        timeout = getattr(getattr(caller_job, "options", None), "timeout", None)
+        self._silent_s = (timeout or DEFAULT_TIMEOUT).total_seconds()
         step = getattr(caller_job, "step", None)
         what = f"{handle.directory}" + (f" (step {step})" if step is not None else "")
         handle.set_running_or_notify_cancel()
@@ -561,11 +569,18 @@ class _Writer:
     def _replies(self) -> None:
         """Settle each save's handle from the writer's reply; when the writer is gone, fail the
         saves it still had."""
+        heard = time.monotonic()
         while True:
             try:
+                if not self.conn.poll(BEAT_S):
+                    self._check_heard(heard)
+                    continue
                 reply = self.conn.recv()
             except (EOFError, OSError):
                 break
+            heard = time.monotonic()
+            if reply[0] == "beat":
+                continue
             kind, seq, peak, records = reply[0], reply[1], reply[2], reply[3]
             for record in records:  # the save's log lines, as a save in this process logs them
                 log.handle(record)
@@ -604,6 +619,14 @@ class _Writer:
             else:
                 handle.settle(self._lost(what))
 
+    def _check_heard(self, heard: float) -> None:
+        """Kill the writer when it has said nothing (no reply, no beat) for longer than its
+        save's timeout while a save is pending: the saves it had then fail (:meth:`_lost`)."""
+        silent = time.monotonic() - heard
+        if self._pending and silent > self._silent_s and self.proc.poll() is None:
+            self.stalled = silent
+            self.proc.kill()
+
     def _lost(self, what: str) -> WriterLostError:
         """The error of a save whose writer died: before its commit (one rank: the root read says
         so), or, with several ranks, at a moment only rank 0's writer knew (its claim's id is its own)."""
@@ -614,8 +637,14 @@ class _Writer:
                 "before it replied: rank 0's writer commits the save, so whether the step is listed as a checkpoint "
                 "is what the manager's all_steps() (rank 0's outcome) says"
             )
+        death = _death(self.proc.wait())
+        if self.stalled is not None:
+            death = (
+                f"said nothing for {self.stalled:.0f} s, more than the save's timeout (stopped, or stuck), and was "
+                "killed"
+            )
         return WriterLostError(
-            f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {_death(self.proc.wait())} "
+            f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {death} "
             f"{outcome}; the next save starts a new writer"
         )
 
@@ -733,6 +762,7 @@ def main() -> None:
     log.propagate = False  # each record goes to the training process, which logs it
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, inbox, setup["parent"]), name="tsckpt-writer-listen", daemon=True).start()
+    threading.Thread(target=_beat, args=(conn,), name="tsckpt-writer-beat", daemon=True).start()
     joined: BaseException | None = None
     if setup["rendezvous"] is not None:
         try:
@@ -798,6 +828,17 @@ def _tidy_then_say(job: Any, seq: int, conn: Connection, kept: _Kept) -> None:
 
 # The writer's replies leave from its main loop and from its housekeeping: one at a time.
 _SENDING = threading.Lock()
+
+
+def _beat(conn: Connection) -> None:
+    """Tell the training process every :data:`BEAT_S` that this writer is alive and running."""
+    while True:
+        time.sleep(BEAT_S)
+        try:
+            with _SENDING:
+                conn.send(("beat",))
+        except OSError:
+            return
 
 
 class _Kept(logging.Handler):
