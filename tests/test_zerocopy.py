@@ -417,3 +417,22 @@ def test_a_save_without_inner_chunks_restores_mapped_and_reads_slices(tmp_path, 
     assert sorted(os.listdir(tmp_path / "conv" / "w2")) == ["c.0.0", "zarr.json"]
     with pytest.raises(ValueError, match="inner_chunks=False applies to a tsckpt destination, not safetensors"):
         tsckpt.convert(tmp_path / "ck", tmp_path / "x.safetensors", inner_chunks=False)
+
+
+@pytest.mark.parametrize("copy", [False, "read-only"])
+def test_a_safetensors_file_rewritten_after_its_first_tensor_was_mapped_is_refused(tmp_path, copy):
+    """The file's one mapping is made at its first mapped tensor; every later one checks the
+    file again (a rewrite in place would show its new bytes through the mapping), even when
+    the rewrite set the modification time back."""
+    f = str(tmp_path / "m.safetensors")
+    safetensors_torch.save_file({"a": torch.full((3,), 1.0), "b": torch.tensor([5.0, 6.0, 7.0])}, f)
+    ck = tsckpt.open(f, copy=copy)
+    assert ck["a"][...].tolist() == [1.0] * 3
+    st = os.stat(f)
+    data = bytearray(open(f, "rb").read())
+    data[-12:] = bytes(12)  # b's bytes, in place
+    with open(f, "r+b") as out:
+        out.write(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old modification time back
+    with pytest.raises(tsckpt.CheckpointReplacedError, match="replaced or rewritten since its header was read"):
+        ck["b"][...]

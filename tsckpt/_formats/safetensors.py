@@ -109,9 +109,10 @@ class TensorEntry:
 
 
 def stamp_of(st: os.stat_result) -> tuple[int, ...]:
-    """What a file's status says of its identity and content: device, inode, size, mtime. A
-    file replaced (renamed over) or rewritten since its header was checked differs in one."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    """What a file's status says of its identity and content: device, inode, size, modification
+    and change times. A file replaced (renamed over) or rewritten since its header was checked
+    differs in one (the change time even where the modification time was set back)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _check_stamp(fd: int, entry: TensorEntry, file: str) -> None:
@@ -305,26 +306,29 @@ class FileMap:
         self.file = file
         self.stamp = stamp  # its identity when its header was checked (:func:`stamp_of`)
         self._lock = threading.Lock()
-        self._mapped: np.ndarray | str | None = None
+        self._mapped: np.ndarray | None = None
 
     def array(self) -> np.ndarray | str:
-        """The whole file as a uint8 array over its mapping, or why it cannot be mapped."""
+        """The whole file as a uint8 array over its mapping, or why it cannot be mapped: the
+        file is checked to be the one whose header was read at every call (a tensor mapped
+        later would view a rewritten file's new bytes; the copying read then raises
+        CheckpointReplacedError)."""
         with self._lock:
-            if self._mapped is None:
-                self._mapped = self._map()
+            try:
+                fd = open_read(self.file)
+            except OSError as e:
+                return f"its file cannot be opened ({e})"
+            try:
+                st = os.fstat(fd)
+                if stamp_of(st) != self.stamp:
+                    return "its file was replaced or rewritten since its header was read"
+                if self._mapped is None:
+                    self._mapped = map_private(fd, st.st_size, populate=False)  # each tensor's pages as mapped
+            except (OSError, ValueError) as e:
+                return f"its file cannot be mapped ({e})"
+            finally:
+                os.close(fd)
             return self._mapped
-
-    def _map(self) -> np.ndarray | str:
-        fd = open_read(self.file)
-        try:
-            st = os.fstat(fd)
-            if stamp_of(st) != self.stamp:  # the copying read raises CheckpointReplacedError
-                return "its file was replaced or rewritten since its header was read"
-            return map_private(fd, st.st_size, populate=False)  # each tensor's pages as it is mapped
-        except (OSError, ValueError) as e:
-            return f"its file cannot be mapped ({e})"
-        finally:
-            os.close(fd)
 
 
 def map_tensor(entry: TensorEntry, filemap: FileMap) -> np.ndarray | str:
