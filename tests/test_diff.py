@@ -888,3 +888,28 @@ def test_leaves_named_alike_but_for_separators_are_compared(tmp_path, capsys):
     # a spelling two leaves of one side share matches nothing
     tsckpt.save(tmp_path / "both", {"a.b": w, "a": {"b": w}})
     assert {d.status for d in tsckpt.diff(tmp_path / "both", tmp_path / "flat").leaves} <= {"only_in_a", "only_in_b"}
+
+
+def test_none_against_a_leaf_is_one_changed_dtype_and_namedtuple_fields_in_order_count(tmp_path):
+    import collections
+
+    x = np.arange(2.0)
+    P, Q = collections.namedtuple("P", "x y"), collections.namedtuple("P", "y x")
+    tsckpt.save(tmp_path / "a", {"p": None, "n": P(x, x + 1), "q": None})
+    tsckpt.save(tmp_path / "b", {"p": np.ones(4), "n": Q(x + 1, x), "q": 0})
+    got = {(d.path, d.status, d.dtype_a, d.dtype_b, d.value_a, d.value_b) for d in tsckpt.diff(tmp_path / "a", tmp_path / "b").differences}
+    assert got == {
+        ("p", "dtype_changed", "None", "float64", None, None), ("q", "dtype_changed", "None", "int", None, None),
+        ("n", "different", None, None, "namedtuple P(x, y)", "namedtuple P(y, x)"),
+    }
+
+
+def test_a_key_of_digits_matches_an_index_spelled_alike_and_a_second_spelling_matches_nothing(tmp_path):
+    x = np.arange(2.0)
+    tsckpt.save(tmp_path / "flat", {"model.layers.0.weight": x})
+    tsckpt.save(tmp_path / "nested", {"model": {"layers": {"0": {"weight": x}}}})
+    tsckpt.save(tmp_path / "two", {"model": {"layers": {"0": {"weight": x}}, "layers.0": {"weight": x + 1}}})
+    (leaf,) = tsckpt.diff(tmp_path / "flat", tmp_path / "nested").leaves
+    assert (leaf.path, leaf.path_b, leaf.status) == ("model.layers.0.weight", "model/layers/%30/weight", "equal")
+    statuses = sorted(d.status for d in tsckpt.diff(tmp_path / "flat", tmp_path / "two").leaves)
+    assert statuses == ["only_in_a", "only_in_b", "only_in_b"]  # two of B spelled alike: neither is A's

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1004,14 +1005,17 @@ def _compare_leaf(sides: _Sides, path: str, x: Any, y: Any) -> LeafDiff | _Array
 _EMPTY = {"none": "None", "dict": "{}", "ordereddict": "OrderedDict()", "list": "[]", "tuple": "()"}
 
 
+_DIGIT_KEY = re.compile(r"^%3([0-9][0-9]*)$")  # a str key of digits as tsckpt escapes it (tree.escape)
+
+
 def _alike(only_a: Sequence[str], only_b: Sequence[str]) -> dict[str, str]:
     """A's leaves that B names alike but for separators (``/`` and ``.``, as --paths takes them)
     -> B's names: a nested tree against the flat names of another format, say. A spelling
     two leaves of one side share matches nothing."""
     def unique(paths: Sequence[str]) -> dict[str, str]:
         found: dict[str, list[str]] = {}
-        for p in paths:
-            found.setdefault(spelled(p), []).append(p)
+        for p in paths:  # a key of digits ("0", stored as %30) spelled as an index is
+            found.setdefault(spelled("/".join(_DIGIT_KEY.sub(r"\1", c) for c in p.split("/"))), []).append(p)
         return {k: v[0] for k, v in found.items() if len(v) == 1}
 
     a, b = unique(only_a), unique(only_b)
@@ -1041,9 +1045,10 @@ def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
     if not isinstance(node, dict):
         return
     kind = str(node.get("type"))
-    if kind in ("namedtuple", "custom"):
-        kind = f"{kind} {node.get('name')}"
     keys = node.get("keys")
+    if kind in ("namedtuple", "custom"):  # its fields in their order: P(x, y) is not P(y, x)
+        fields = ", ".join(map(str, keys)) if isinstance(keys, list) and kind == "namedtuple" else ""
+        kind = f"{kind} {node.get('name')}" + (f"({fields})" if fields else "")
     children = node.get("children") or []
     for i, child in enumerate(children):
         key = keys[i] if isinstance(keys, list) and i < len(keys) else i
@@ -1052,16 +1057,17 @@ def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
     out[path] = (kind, kind == "none" or not children)
 
 
-def _containers(sa: Any, sb: Any, patterns: tuple[str, ...] | None) -> list[LeafDiff]:
+def _containers(
+    na: dict[str, tuple[str, bool]], nb: dict[str, tuple[str, bool]], patterns: tuple[str, ...] | None,
+    leaves: set[str],
+) -> list[LeafDiff]:
     """The parts of two trees no leaf path names (``None`` entries, empty containers) and the
-    containers whose kind differs (a list against a tuple), where both sides record a tree
-    structure: without them two checkpoints of different trees would read as equal."""
-    if sa is None or sb is None:
-        return []
-    na, nb = _nodes(sa), _nodes(sb)
+    containers whose kind differs (a list against a tuple), where both sides have a tree
+    structure (:func:`_nodes`): without them two checkpoints of different trees would read as
+    equal. A path either side has a leaf at (``leaves``) is the leaf's comparison's."""
     out: list[LeafDiff] = []
     for path in [*na, *(p for p in nb if p not in na)]:
-        if not path or not _selected(path, patterns):
+        if not path or not _selected(path, patterns) or path in leaves:
             continue
         a, b = na.get(path), nb.get(path)
         shown_a = _EMPTY.get(a[0], a[0]) if a is not None else None
@@ -1176,6 +1182,8 @@ def diff(
     if patterns is not None:
         _check_selected(patterns, [*in_a, *in_b], list(ra), list(rb), str(ra.checkpoint.location),
                         str(rb.checkpoint.location))
+    sa, sb = ra.checkpoint.structure, rb.checkpoint.structure
+    na, nb = (_nodes(sa), _nodes(sb)) if sa is not None and sb is not None else ({}, {})
     renamed = _alike([p for p in in_a if p not in set_b], [p for p in in_b if p not in set_a])
     both = [p for p in in_a if p in set_b or p in renamed]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
@@ -1202,7 +1210,11 @@ def diff(
             for p in in_a:
                 if p not in set_b and p not in renamed:
                     x = ra[p]
-                    found.append(LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1]))
+                    other = _EMPTY.get(nb[p][0], nb[p][0]) if p in nb and nb[p][1] else None  # B: None, {} there
+                    found.append(
+                        LeafDiff(p, "dtype_changed", dtype_a=_kind(x)[0], shape_a=_kind(x)[1], dtype_b=other)
+                        if other is not None else LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1])
+                    )
                     continue
                 leaf = _compare_leaf(sides, p, ra[p], rb[renamed.get(p, p)])
                 found.append(leaf)
@@ -1212,11 +1224,15 @@ def diff(
             for p in in_b:
                 if p not in set_a and p not in taken:
                     y = rb[p]
-                    found.append(LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1]))
+                    other = _EMPTY.get(na[p][0], na[p][0]) if p in na and na[p][1] else None  # A: None, {} there
+                    found.append(
+                        LeafDiff(p, "dtype_changed", dtype_a=other, dtype_b=_kind(y)[0], shape_b=_kind(y)[1])
+                        if other is not None else LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1])
+                    )
             pipeline.drain()
         finally:
             pipeline.close()
-    found.extend(_containers(ra.checkpoint.structure, rb.checkpoint.structure, patterns))
+    found.extend(_containers(na, nb, patterns, set_a | set_b))
     leaves = tuple(_named_b(f.result() if isinstance(f, _ArrayWork) else f, renamed) for f in found)
     skipped = sum(f.known for f in found if isinstance(f, _ArrayWork))
     return DiffReport(
