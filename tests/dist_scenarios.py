@@ -471,3 +471,21 @@ def staging_bound_on_one_rank(rank: int, world: int, root: str) -> tuple[list[st
         warnings.simplefilter("always")
         m.save_async(1, tree).result()
     return [str(w.message) for w in caught if "synchronously" in str(w.message)], m.all_steps()
+
+
+def failing_call_on_one_rank(rank: int, world: int, root: str, writer: str) -> tuple[list[str], list[int]]:
+    """A manager loop whose rank 1 gives a leaf tsckpt cannot save at step 2 only, the loop
+    going on after the error: every rank raises at step 2, and the later steps are saved."""
+    m = tsckpt.CheckpointManager(root, writer=writer, layout=rank_layout())
+    errors = []
+    for step in range(1, 5):
+        w = torch.full((2, 3), float(step + rank))
+        tree: dict[str, Any] = {"w": tsckpt.ShardedArray(w, (2 * world, 3), (2 * rank, 0))}
+        if step == 2 and rank == 1:
+            tree["bad"] = object()
+        try:
+            m.save_async(step, tree).result()
+        except tsckpt.TsckptError as e:
+            errors.append(f"{step}: {type(e).__name__}: {e}")
+    m.close()
+    return errors, m.all_steps()

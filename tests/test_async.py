@@ -378,3 +378,17 @@ def test_max_staging_bytes_exceeded_on_one_rank_takes_every_rank_to_a_synchronou
                        f"arrays, more than max_staging_bytes={256 << 10}"]
     w = tsckpt.restore(root / "00000001")["w"]
     assert (w[:16] == 0).all() and (w[16:] == 1).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_save_async_failing_in_the_call_on_one_rank_fails_on_every_rank_and_the_ranks_stay_in_step(tmp_path, writer):
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    (errors0, steps0), (errors1, steps1) = run_ranks(sc.failing_call_on_one_rank, 2, str(tmp_path / "run"), writer,
+                                                     timeout=240)
+    assert steps0 == steps1 == [1, 3, 4]
+    assert len(errors0) == 1 and errors0[0].startswith("2: DistributedError: the asynchronous save to ")
+    assert "failed in the call on rank(s) [1] (rank 1: LeafTypeError: " in errors0[0]
+    assert len(errors1) == 1 and errors1[0].startswith("2: LeafTypeError: ")

@@ -50,7 +50,7 @@ import numpy as np
 from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray
 from .._coord.torchdist import coordinator_for, rank_of, torch_initialized
-from .._errors import SaveInProgressError
+from .._errors import DistributedError, SaveInProgressError
 from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_copy
 from .._leaves.registry import describe, memory
 from .._leaves.stateful import expand
@@ -714,14 +714,18 @@ class AsyncSaver:
         with self._lock:
             self._settle(if_busy, job)
             untidied = [h for h in self._untidied if not h.wait_tidied(0)]  # earlier saves' housekeeping still running
-            if prepare is not None:
-                prepare()
-            guard = Guard.of(tree) if staging == "overlapped" else None
-            tree = expand(tree, rank=rank).tree
-            flat = flatten(tree)
-            found = _array_regions(flat.paths, flat.leaves, self._checked)
+            failed: Exception | None = None
+            try:
+                if prepare is not None:
+                    prepare()
+                guard = Guard.of(tree) if staging == "overlapped" else None
+                tree = expand(tree, rank=rank).tree
+                flat = flatten(tree)
+                found = _array_regions(flat.paths, flat.leaves, self._checked)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it first (_agree_call)
+                failed = e
+            over = _agree_call(label, failed, failed is None and limit is not None and found.nbytes > limit, job)
             leaves, regions, signature, nbytes = found.out, found.regions, found.signature, found.nbytes
-            over = _ranks_where(nbytes > limit, job) if limit is not None else []  # every rank takes one path
             if over:
                 why = (
                     f"the state has {nbytes} bytes of arrays, more than max_staging_bytes={limit}"
@@ -800,18 +804,49 @@ TIDY_BEHIND = 1
 BACKGROUND_NICE = 10
 
 
-def _ranks_where(flag: bool, job: Any) -> list[int]:
-    """The ranks of ``job``'s group (its save options') where ``flag`` holds, asked of every
-    rank (one small gather over the training processes' background group) under
-    torch.distributed with several ranks; else ``[0]`` or ``[]``. For decisions each rank could
-    take alone but all must take alike: the ranks of a save run one protocol."""
+def _gathered(value: Any, job: Any) -> list[Any] | None:
+    """``value`` of every rank of ``job``'s group (its save options'), in rank order, through a
+    group of the save calls' own (a save in a background thread runs its protocol over the
+    "background" one meanwhile), under torch.distributed with several ranks; else None."""
     options = getattr(job, "options", None)
     if options is None or not torch_initialized():
-        return [0] if flag else []
-    coord = coordinator_for(options.group, options.timeout, channel="background")
+        return None
+    coord = coordinator_for(options.group, options.timeout, channel="calls")
     if coord.world_size == 1:
+        return None
+    return coord.all_gather(value)
+
+
+def _ranks_where(flag: bool, job: Any) -> list[int]:
+    """The ranks where ``flag`` holds, asked of every rank (:func:`_gathered`; one process:
+    ``[0]`` or ``[]``). For decisions each rank could take alone but all must take alike: the
+    ranks of a save run one protocol."""
+    found = _gathered(bool(flag), job)
+    if found is None:
         return [0] if flag else []
-    return [r for r, f in enumerate(coord.all_gather(bool(flag))) if f]
+    return [r for r, f in enumerate(found) if f]
+
+
+def _agree_call(label: str, failed: Exception | None, over: bool, job: Any) -> list[int]:
+    """Raise on every rank when the call failed on any (this rank's own error where it failed,
+    else a DistributedError naming the ranks and their errors), so the ranks' saves stay in step
+    (a rank failing alone before the protocol left the others' save to be paired with its
+    next one); else the ranks over ``max_staging_bytes`` (``over``: this one's)."""
+    found = _gathered((None if failed is None else f"{type(failed).__name__}: {failed}", over), job)
+    if found is None:
+        if failed is not None:
+            raise failed
+        return [0] if over else []
+    errors = {r: text for r, (text, _) in enumerate(found) if text is not None}
+    if failed is not None:
+        raise failed
+    if errors:
+        first = min(errors)
+        raise DistributedError(
+            f"the asynchronous save to {label} failed in the call on rank(s) {sorted(errors)} (rank {first}: "
+            f"{errors[first]}); every rank raises, so the next save is again one save on every rank"
+        )
+    return [r for r, (_, o) in enumerate(found) if o]
 
 
 def _yield_to_training() -> None:
