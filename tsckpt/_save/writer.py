@@ -716,9 +716,9 @@ def _named(err: BaseException, directory: str) -> BaseException:
     named = DistributedError(
         f"the asynchronous save to {directory}: "
         + str(err).replace(
-            RESTART, "the writer processes lost one of theirs: if every training process is still running, the "
-            "next save starts new writers on every rank; if one is gone, restart the job and restore the last "
-            "committed checkpoint",
+            RESTART, "the writer processes lost one of theirs (a writer, or the training process it served, is "
+            "gone): if every training process is still running, the next save starts new writers on every rank; "
+            "if one is gone, restart the job and restore the last committed checkpoint",
         )
     )
     named.lost = getattr(err, "lost", ())
@@ -767,8 +767,12 @@ def main() -> None:
     if setup["rendezvous"] is not None:
         try:
             _join(setup["rendezvous"])
-        except BaseException as e:  # noqa: BLE001 - every save through this writer fails with it
-            joined = e
+        except Exception as e:  # noqa: BLE001 - every save through this writer fails with it
+            first = (str(e).splitlines() or [""])[0][:300]
+            joined = DistributedError(
+                f"the writer processes could not form their group ({type(e).__name__}: {first}): a writer of "
+                f"another rank died or stopped while starting; {RESTART}"
+            )
     block: sharedmem.SharedBlock | None = None
     last: tuple[Any, Any, Any] = (None, None, None)  # the last save's paths, structure and arrays
     tidying: collections.deque[concurrent.futures.Future[Any]] = collections.deque()  # the saves' housekeeping
