@@ -127,6 +127,14 @@ def _events(log: Path) -> tuple[list[int], list[int], dict[int, float], dict[int
     return list(starts), list(ends), starts, ends
 
 
+def _inside(on_disk: dict[str, str | None], begun: list[int], done: list[int]) -> bool:
+    """Whether a kill landed inside a save or a deletion: a step on disk not committed, or
+    renamed away, or the saver's last step begun and not committed (killed before its claim)."""
+    return any(s != "committed" or n.startswith(".") for n, s in on_disk.items()) or bool(
+        begun and begun[-1] not in done
+    )
+
+
 def _check_latest(m: tsckpt.CheckpointManager, committed_ever: int | None, begun: list[int], context: str) -> None:
     """The last commit the saver saw survives, and nothing newer than what it started exists."""
     latest = m.latest_step()
@@ -160,8 +168,9 @@ def test_sigkill_at_random_moments(tmp_path, layout):
         durations += [t - starts[step] for step, t in ends.items()]
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
-        # a kill inside a save leaves a pending or rootless step; inside a deletion, a renamed-away one
-        interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
+        # a kill inside a save leaves a pending or rootless step, or (before its claim) a step begun and
+        # never committed in the saver's log; inside a deletion, a renamed-away one
+        interrupted += _inside(before, begun, done)
 
         m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
         latest = m.latest_step()
@@ -410,7 +419,7 @@ def test_sigkill_two_ranks_at_random_moments(tmp_path, layout):
         durations += [t - starts[step] for step, t in ends.items()]
         committed_ever = max(done, default=committed_ever)
         before = _on_disk(root)
-        interrupted += any(s != "committed" or n.startswith(".") for n, s in before.items())
+        interrupted += _inside(before, begun, done)
         m = tsckpt.CheckpointManager(root, keep_last=KEEP_LAST, keep_every=KEEP_EVERY, layout=layout)
         context = f"kill {kill}: begun {begun[-3:]}, committed {done[-3:]}, on disk {before}"
         _check_latest(m, committed_ever, begun, context)
