@@ -489,3 +489,16 @@ def failing_call_on_one_rank(rank: int, world: int, root: str, writer: str) -> t
             errors.append(f"{step}: {type(e).__name__}: {e}")
     m.close()
     return errors, m.all_steps()
+
+
+def other_writers(rank: int, world: int, root: str) -> tuple[str, bool]:
+    """Rank 0 asks for a writer process, rank 1 for a thread: every rank raises, and the next
+    save (alike) works."""
+    tree = {"w": tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0))}
+    try:
+        tsckpt.save_async(os.path.join(root, "a"), tree, writer="process" if rank == 0 else "thread").result()
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    tsckpt.save_async(os.path.join(root, "b"), tree, writer="thread", layout=rank_layout()).result()
+    return message, os.path.exists(os.path.join(root, "a", "zarr.json"))

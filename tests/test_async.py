@@ -392,3 +392,14 @@ def test_a_save_async_failing_in_the_call_on_one_rank_fails_on_every_rank_and_th
     assert len(errors0) == 1 and errors0[0].startswith("2: DistributedError: the asynchronous save to ")
     assert "failed in the call on rank(s) [1] (rank 1: LeafTypeError: " in errors0[0]
     assert len(errors1) == 1 and errors1[0].startswith("2: LeafTypeError: ")
+
+
+@pytest.mark.slow
+def test_ranks_asking_for_other_writers_all_raise_before_any_save(tmp_path):
+    from tests import dist_scenarios as sc
+    from tests.dist_helpers import run_ranks
+
+    for message, made in run_ranks(sc.other_writers, 2, str(tmp_path), timeout=120):
+        assert "ranks passed different writer options (rank 0 'process', rank 1 'thread')" in message
+        assert not made
+    assert tsckpt.restore(tmp_path / "b")["w"].tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2

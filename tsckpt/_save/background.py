@@ -724,7 +724,9 @@ class AsyncSaver:
                 found = _array_regions(flat.paths, flat.leaves, self._checked)
             except Exception as e:  # noqa: BLE001 - every rank learns of it first (_agree_call)
                 failed = e
-            over = _agree_call(label, failed, failed is None and limit is not None and found.nbytes > limit, job)
+            over = _agree_call(
+                label, failed, failed is None and limit is not None and found.nbytes > limit, job, writer=writer
+            )
             leaves, regions, signature, nbytes = found.out, found.regions, found.signature, found.nbytes
             if over:
                 why = (
@@ -827,26 +829,34 @@ def _ranks_where(flag: bool, job: Any) -> list[int]:
     return [r for r, f in enumerate(found) if f]
 
 
-def _agree_call(label: str, failed: Exception | None, over: bool, job: Any) -> list[int]:
+def _agree_call(label: str, failed: Exception | None, over: bool, job: Any, *, writer: Writer = "thread") -> list[int]:
     """Raise on every rank when the call failed on any (this rank's own error where it failed,
     else a DistributedError naming the ranks and their errors), so the ranks' saves stay in step
     (a rank failing alone before the protocol left the others' save to be paired with its
-    next one); else the ranks over ``max_staging_bytes`` (``over``: this one's)."""
-    found = _gathered((None if failed is None else f"{type(failed).__name__}: {failed}", over), job)
+    next one), or when the ranks passed different ``writer`` options (their saves would run
+    different protocols); else the ranks over ``max_staging_bytes`` (``over``: this one's)."""
+    found = _gathered((None if failed is None else f"{type(failed).__name__}: {failed}", over, writer), job)
     if found is None:
         if failed is not None:
             raise failed
         return [0] if over else []
-    errors = {r: text for r, (text, _) in enumerate(found) if text is not None}
+    errors = {r: text for r, (text, _, _) in enumerate(found) if text is not None}
     if failed is not None:
         raise failed
+    writers = [w for _, _, w in found]
+    if len(set(writers)) > 1:
+        odd = next(r for r, w in enumerate(writers) if w != writers[0])
+        raise ValueError(
+            f"the asynchronous save to {label}: ranks passed different writer options (rank 0 {writers[0]!r}, "
+            f"rank {odd} {writers[odd]!r}); every rank must pass the same"
+        )
     if errors:
         first = min(errors)
         raise DistributedError(
             f"the asynchronous save to {label} failed in the call on rank(s) {sorted(errors)} (rank {first}: "
             f"{errors[first]}); every rank raises, so the next save is again one save on every rank"
         )
-    return [r for r, (_, o) in enumerate(found) if o]
+    return [r for r, (_, o, _) in enumerate(found) if o]
 
 
 def _yield_to_training() -> None:
