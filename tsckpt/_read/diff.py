@@ -1026,9 +1026,9 @@ def _named_b(leaf: LeafDiff, renamed: dict[str, str]) -> LeafDiff:
     return dataclasses.replace(leaf, path_b=renamed[leaf.path]) if leaf.path in renamed else leaf
 
 
-# The smallest window diff works in: blocks of fewer bytes cost their per-block work (reads,
-# passes, bookkeeping) per handful of elements (a 4 MiB pair took 17 s at 4 KiB, and ran for
-# minutes at 1 B); a restore likewise reads at least a chunk at a time whatever its window.
+# The smallest window diff works in: blocks of fewer bytes pay their per-block work (reads,
+# passes, bookkeeping) for a handful of elements each; a restore likewise reads at least a
+# chunk at a time whatever its window.
 LEAST_WINDOW = 1 << 20
 
 
