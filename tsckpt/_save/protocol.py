@@ -178,7 +178,6 @@ def save_with(
     with collector_paused():  # why: see there
         job: _Job | None = None
         try:
-            base = options.base if options.incremental else None
             job = _plan_job(
                 coord, loc, tree, overwrite, check_replicas, max_inflight_bytes, layout, lease, before_claim,
                 lambda: _share.check_base(options.base, loc, incremental=options.incremental),
