@@ -20,8 +20,8 @@ import dataclasses
 import itertools
 import json
 import math
-import re
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
@@ -1014,7 +1014,7 @@ def _alike(only_a: Sequence[str], only_b: Sequence[str]) -> dict[str, str]:
     two leaves of one side share matches nothing."""
     def unique(paths: Sequence[str]) -> dict[str, str]:
         found: dict[str, list[str]] = {}
-        for p in paths:  # a key of digits ("0", stored as %30) spelled as an index is
+        for p in paths:  # a key of digits ("0", stored as %30) spelled as the index it reads as
             found.setdefault(spelled("/".join(_DIGIT_KEY.sub(r"\1", c) for c in p.split("/"))), []).append(p)
         return {k: v[0] for k, v in found.items() if len(v) == 1}
 
@@ -1030,6 +1030,12 @@ def _named_b(leaf: LeafDiff, renamed: dict[str, str]) -> LeafDiff:
 # passes, bookkeeping) for a handful of elements each; a restore likewise reads at least a
 # chunk at a time whatever its window.
 LEAST_WINDOW = 1 << 20
+
+
+def _empty_at(nodes: dict[str, tuple[str, bool]], path: str) -> str | None:
+    """How the empty node at ``path`` of a tree (:func:`_nodes`) reads ("None", "{}"), or None."""
+    node = nodes.get(path)
+    return _EMPTY.get(node[0], node[0]) if node is not None and node[1] else None
 
 
 def _nodes(structure: Any) -> dict[str, tuple[str, bool]]:
@@ -1070,17 +1076,16 @@ def _containers(
         if not path or not _selected(path, patterns) or path in leaves:
             continue
         a, b = na.get(path), nb.get(path)
-        shown_a = _EMPTY.get(a[0], a[0]) if a is not None else None
-        shown_b = _EMPTY.get(b[0], b[0]) if b is not None else None
         if a is not None and b is not None:
             if a[0] != b[0]:
+                shown_a, shown_b = _EMPTY.get(a[0], a[0]), _EMPTY.get(b[0], b[0])
                 out.append(LeafDiff(path, "different", how="structure", value_a=shown_a, value_b=shown_b))
             elif a[1]:
                 out.append(LeafDiff(path, "equal", how="value"))
         elif a is not None and a[1]:
-            out.append(LeafDiff(path, "only_in_a", value_a=shown_a))
+            out.append(LeafDiff(path, "only_in_a", value_a=_empty_at(na, path)))
         elif b is not None and b[1]:
-            out.append(LeafDiff(path, "only_in_b", value_b=shown_b))
+            out.append(LeafDiff(path, "only_in_b", value_b=_empty_at(nb, path)))
     return out
 
 
@@ -1210,7 +1215,7 @@ def diff(
             for p in in_a:
                 if p not in set_b and p not in renamed:
                     x = ra[p]
-                    other = _EMPTY.get(nb[p][0], nb[p][0]) if p in nb and nb[p][1] else None  # B: None, {} there
+                    other = _empty_at(nb, p)  # B: None, {} there
                     found.append(
                         LeafDiff(p, "dtype_changed", dtype_a=_kind(x)[0], shape_a=_kind(x)[1], dtype_b=other)
                         if other is not None else LeafDiff(p, "only_in_a", dtype_a=_kind(x)[0], shape_a=_kind(x)[1])
@@ -1224,7 +1229,7 @@ def diff(
             for p in in_b:
                 if p not in set_a and p not in taken:
                     y = rb[p]
-                    other = _EMPTY.get(na[p][0], na[p][0]) if p in na and na[p][1] else None  # A: None, {} there
+                    other = _empty_at(na, p)  # A: None, {} there
                     found.append(
                         LeafDiff(p, "dtype_changed", dtype_a=other, dtype_b=_kind(y)[0], shape_b=_kind(y)[1])
                         if other is not None else LeafDiff(p, "only_in_b", dtype_b=_kind(y)[0], shape_b=_kind(y)[1])
