@@ -136,7 +136,10 @@ class LazyArray:
         if isinstance(got, str):
             if got not in self._told:
                 self._told.add(got)
-                what = f"read of '{self.path}' in {self._ck.location} (reads copied for the same reason are not logged again)"
+                what = (
+                    f"read of '{self.path}' in {self._ck.location} "
+                    "(reads copied for the same reason are not logged again)"
+                )
                 tell(what, 0, 0, {got: [self.path]})
             return None
         return cast(np.ndarray, as_result(got, self.dtype, got, read_only=read_only))
