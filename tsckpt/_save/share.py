@@ -43,8 +43,8 @@ from .._coord.torchdist import torch_initialized
 from .._errors import CheckpointNotFoundError, NotACheckpointError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.arrays import same_cell_key
-from .._ondisk.stepindex import STEP
 from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, ContentEntry, content_entries, content_etags
+from .._ondisk.stepindex import STEP
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.faults import leaf_of_key
 from .._storage.locations import Directory, Location, resolve

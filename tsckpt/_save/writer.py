@@ -93,8 +93,8 @@ import numpy as np
 from .._base import dtypes as _dtypes
 from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray, TorchRegion
-from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
 from .._coord.protocol import RESTART
+from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
 from .._errors import DistributedError, WriterLostError
 from .._leaves.jaxarray import JaxRegion
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
