@@ -118,3 +118,65 @@ def test_a_survivor_waiting_on_another_is_freed_when_that_one_leaves(tmp_path):
         assert kind == "DistributedError", (rank, kind, message)
         assert message.startswith("save (describe) failed: lost contact with rank(s) [1], "), (rank, message)
         assert elapsed < 2, (rank, elapsed, message)
+
+
+def leave_after_a_peer_left(rank: int, world: int, linger: float) -> float | None:
+    """Rank 0 leaves the coordination group first; then rank 1 leaves, its first peer
+    (rank 0) already gone; rank 2 waits on a receive from rank 1, which never sends.
+    Ranks 0 and 1 stay alive ``linger`` seconds, so only rank 1 leaving can free rank 2;
+    rank 2 returns how long it waited."""
+    import time
+
+    import torch
+
+    coord = _dist.coordinator_for()
+    coord.all_gather(rank)  # every connection made
+    if rank == 0:
+        coord.leave([])
+    elif rank == 1:
+        time.sleep(1.0)  # rank 0 gone first
+        coord.leave([])
+    else:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.recv(torch.zeros(1, dtype=torch.uint8), src=1, group=coord.group, tag=0x51)
+        return time.monotonic() - start
+    time.sleep(linger)
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_leaving_after_a_peer_left_still_frees_the_ranks_waiting_on_it():
+    """Leaving closes every connection of the rank (gloo does so when a wait times out):
+    the first peer's connection being closed already (it left first) must not end the
+    leave before the others are closed."""
+    linger = 10.0
+    waited = run_ranks(leave_after_a_peer_left, 3, linger, timeout=120)[2]
+    assert waited < linger / 2, waited
+
+
+def test_leaving_goes_on_past_a_peer_whose_connection_closed_in_the_wait(monkeypatch):
+    """The race the test above cannot force: the first peer's receive is posted before its
+    closing is seen, so its wait fails with "connection closed", which closes nothing else
+    (only a timeout does). The leave must go on to the next peer, whose wait times out."""
+    posted: list[int] = []
+
+    class Work:
+        def __init__(self, src: int) -> None:
+            self.src = src
+
+        def wait(self, timeout=None):
+            if self.src == 0:
+                raise RuntimeError("pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+            raise RuntimeError("unbound_buffer.cc:78] Timed out waiting 1ms for recv operation to complete")
+
+    def irecv(tensor, src, group=None, tag=0):
+        posted.append(src)
+        return Work(src)
+
+    monkeypatch.setattr(dist, "irecv", irecv)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: r)
+    coord = object.__new__(_dist.DistCoordinator)
+    coord.group, coord.rank, coord.world_size = "g", 1, 4
+    coord._close()
+    assert posted[:2] == [0, 2], posted

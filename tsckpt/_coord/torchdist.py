@@ -172,8 +172,10 @@ class DistCoordinator:
 
     def _close(self) -> None:
         """Close every connection of this rank in the group. gloo offers no call for it but
-        does it when a wait times out, so: a receive nobody sends to, given a 1 ms wait (on
-        the first peer whose connection is still open; none open, nothing to close)."""
+        does it when a wait times out, so: a receive nobody sends to, given a 1 ms wait.
+        Tried on every peer, not only the first: a peer that left just before may fail the
+        wait at once ("connection closed") rather than let it time out, which closes
+        nothing else; after a timeout, the other peers' receives fail at once."""
         import torch
         import torch.distributed as dist
 
@@ -187,9 +189,8 @@ class DistCoordinator:
                 continue
             if work is None:
                 continue
-            with contextlib.suppress(Exception):  # the timeout that closes them all
+            with contextlib.suppress(Exception):  # the timeout that closes them all, or that peer gone
                 work.wait(datetime.timedelta(milliseconds=1))
-            return
 
     def _left_key(self, r: int) -> str:
         return f"tsckpt/left/{self.group.group_name}/{r}"
