@@ -399,3 +399,85 @@ def test_timeout_seconds():
     assert timeout_seconds(3) == 3.0
     with pytest.raises(TypeError):
         timeout_seconds(True)
+
+
+# ---- a bad option on one rank only: every rank raises at once --------------------------------
+
+LONG = datetime.timedelta(seconds=60)  # what the other ranks would wait for a rank that raised alone
+
+
+def _one_rank_bad(name: str, directory: str, rank: int) -> Any:
+    """Verb ``name`` with max_inflight_bytes=-1 on rank 1 only (the others valid), every wait bounded by LONG."""
+    bad = {"max_inflight_bytes": -1} if rank == 1 else {}
+    tree = {"w": torch.arange(4.0)}
+    if name == "save":
+        return tsckpt.save(directory, tree, timeout=LONG, **bad)
+    if name == "save_async":
+        return tsckpt.save_async(directory, tree, timeout=LONG, writer="thread", **bad).result()
+    if name == "restore":
+        return tsckpt.restore(directory + "-good", tree, timeout=LONG, **bad)
+    if name == "torch.save":
+        return tt.save(directory, torch.nn.Linear(2, 2), timeout=LONG, **bad)
+    if name == "torch.restore":
+        return tt.restore(directory + "-model", torch.nn.Linear(2, 2), timeout=LONG, **bad)
+    manager = tsckpt.CheckpointManager(directory, timeout=LONG, writer="thread")
+    try:
+        if name == "manager.save":
+            return manager.save(1, tree, **bad)
+        if name == "manager.save_async":
+            return manager.save_async(1, tree, **bad).result()
+        return manager.restore(7, tree, **bad)
+    finally:
+        manager.close()
+
+
+VERBS_ON_RANKS = [
+    "save", "save_async", "restore", "torch.save", "torch.restore", "manager.save", "manager.save_async",
+    "manager.restore",
+]
+
+
+def bad_option_on_rank_1(rank: int, world: int, root: str) -> dict[str, tuple[float, str, str]]:
+    """Each of VERBS_ON_RANKS with a bad option on rank 1: what each rank raised, in how many
+    seconds; then a save with good options on every rank, which must succeed."""
+    import time
+
+    torch.manual_seed(0)
+    tsckpt.save(root + "/restore-good", {"w": torch.arange(4.0)})
+    tt.save(root + "/torch.restore-model", torch.nn.Linear(2, 2))
+    manager = tsckpt.CheckpointManager(root + "/manager.restore")
+    manager.save(7, {"w": torch.arange(4.0)})
+    manager.close()
+    raised = {}
+    for name in VERBS_ON_RANKS:
+        start = time.monotonic()
+        try:
+            _one_rank_bad(name, f"{root}/{name}", rank)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            raised[name] = (time.monotonic() - start, type(e).__name__, str(e))
+    tsckpt.save(root + "/after", {"w": torch.arange(4.0)}, timeout=LONG)
+    return raised
+
+
+@pytest.mark.slow
+def test_a_bad_option_on_one_rank_raises_on_every_rank_at_once(tmp_path):
+    """A window computed per rank (from its free memory, say) can be bad on one rank: that rank
+    raises its own ValueError, the others a DistributedError naming it, at once, not after the
+    timeout; nothing is left committed and the next save succeeds."""
+    from tests.dist_helpers import run_ranks
+
+    own = "max_inflight_bytes must be at least 1 byte, not -1"
+    ranks = run_ranks(bad_option_on_rank_1, 2, str(tmp_path), timeout=300)
+    for rank, raised in enumerate(ranks):
+        assert sorted(raised) == sorted(VERBS_ON_RANKS), (rank, raised)
+        for name, (elapsed, kind, message) in raised.items():
+            assert elapsed < LONG.total_seconds() / 4, (rank, name, elapsed, message)
+            if rank == 1:
+                assert (kind, message) == ("ValueError", own), (name, kind, message)
+            else:
+                assert kind == "DistributedError", (name, kind, message)
+                assert "rank(s) [1]" in message and f"ValueError: {own}" in message, (name, message)
+    for name in ("save", "save_async", "torch.save"):
+        assert not (tmp_path / name).exists(), name
+    assert tsckpt.CheckpointManager(str(tmp_path / "manager.save")).all_steps() == []
+    assert np.array_equal(tsckpt.restore(str(tmp_path / "after"))["w"], np.arange(4.0))

@@ -58,6 +58,7 @@ import tensorstore as ts
 
 from ._base.mapping import Rules
 from ._coord import torchdist as _dist
+from ._coord.protocol import refuse
 from ._errors import CheckpointExistsError, CheckpointNotFoundError, SaveInProgressError
 from ._leaves.stateful import is_stateful, is_whole_state
 from ._ondisk import stepindex as _steps
@@ -332,9 +333,13 @@ class CheckpointManager:
         flight is waited for first (or, with ``if_busy="error"``, refused).
         ``max_inflight_bytes`` and ``progress`` are as for :func:`tsckpt.save`;
         the other save options are the manager's."""
-        options = SaveOptions.of(locals(), self._saving)
+        options, refused = SaveOptions.checked(locals(), self._saving)  # raised in the save's step 1, on every rank
 
         def run() -> None:
+            if refused is not None:
+                from ._save.protocol import save_with
+
+                save_with(self.directory(step), tree, options, refused=refused)
             self._check_free(step, overwrite, judge_running=self._solo())
             job = self._job(step, options)
             job(tree)
@@ -358,11 +363,13 @@ class CheckpointManager:
         commit and retention continue in the background. The handle's ``result()`` returns at
         the commit, the expired steps renamed away; their files are removed after, beside the
         next save (:meth:`wait` and :meth:`close` wait for that too)."""
-        options = SaveOptions.of(locals(), self._saving)
+        options, refused = SaveOptions.checked(locals(), self._saving)  # raised in the call, on every rank
 
         def prepare() -> None:  # an early refusal; the step is judged again when the save claims it
-            self._check_free(step, overwrite, judge_running=self._solo())
             prepare_group(options.group, options.timeout)
+            if refused is not None:
+                raise refused
+            self._check_free(step, overwrite, judge_running=self._solo())
 
         label = str(resolve(self.directory(step)))
         handle = self._saver.submit(
@@ -423,8 +430,11 @@ class CheckpointManager:
         restored in place (a ``tsckpt.torch.TrainState``, or any object with
         ``state_dict()``/``load_state_dict()``), it returns the step restored, where
         the training loop resumes: ``step = manager.restore(target=state)``."""
-        options = RestoreOptions.of(locals(), self._reading)
+        options, refused = RestoreOptions.checked(locals(), self._reading)
         from ._read.restore import restore
+
+        if refused is not None:  # raised in the restore's exchange, on every rank
+            refuse(_dist.coordinator_for(options.group, options.timeout), "restore", refused)
 
         if _dist.is_distributed():
             # the background save and restore talk over the same gloo group

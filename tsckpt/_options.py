@@ -17,7 +17,9 @@ therefore fails at import, naming the difference (tests/test_options.py
 compares the twins too). Inside, a verb gathers its arguments into one options
 object (``SaveOptions.of(locals())`` on entry), which checks every value before
 any work, and hands the whole object on, so every option it takes reaches the
-verb underneath.
+verb underneath. A verb that coordinates ranks gathers them with ``checked``
+instead and raises a bad value's error in its first exchange with the other
+ranks, so that they raise with it instead of waiting for it.
 
 Conventions:
 
@@ -208,6 +210,29 @@ class _Options:
         as in ``base`` (default: their defaults). Raises TypeError or ValueError for a bad value."""
         given = {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments}
         return cls(**given) if base is None else dataclasses.replace(base, **given)
+
+    @classmethod
+    def checked(cls: type[_O], arguments: Mapping[str, Any], base: _O | None = None) -> tuple[_O, Exception | None]:
+        """:meth:`of`, but a bad value does not raise here: it gives way to its default (or
+        ``base``'s) and its error is returned beside the options. A verb that coordinates ranks
+        raises that error from within its first exchange with the others, so that every rank
+        raises at once, rather than this one alone while the others wait out the timeout (a
+        value computed per rank, such as a window from the free memory, can be bad on one)."""
+        try:
+            return cls.of(arguments, base), None
+        except (TypeError, ValueError) as e:
+            good = {}
+            for f in dataclasses.fields(cls):
+                if f.name not in arguments:
+                    continue
+                check = f.metadata.get("check")
+                try:
+                    if check is not None:
+                        check(f.name, arguments[f.name])
+                except (TypeError, ValueError):
+                    continue
+                good[f.name] = arguments[f.name]
+            return cls.of(good, base), e
 
     def kwargs(self) -> dict[str, Any]:
         """Every option by name, to pass on to the verb underneath."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, NoReturn, Protocol, TypeVar
 
 from .._errors import DistributedError, TsckptError
 
@@ -195,3 +195,19 @@ def ask_root(
     if isinstance(mine, _Failed):
         raise mine.error if mine.error is not None else DistributedError(mine.message)
     return result, mine  # type: ignore[return-value]
+
+
+def refuse(coord: Coordinator, what: str, error: BaseException, *, through_root: bool = False) -> NoReturn:
+    """Raise ``error``, found on this rank before the verb's first exchange (a bad option), from
+    within that exchange, ``what``: a :func:`phase`, or with ``through_root`` an :func:`ask_root`
+    round trip, as the other ranks take it. They raise with this rank (a DistributedError
+    naming it and the error) instead of waiting for it until the timeout."""
+
+    def fail() -> NoReturn:
+        raise error
+
+    if through_root:
+        ask_root(coord, what, fail, lambda payloads: [None] * len(payloads))
+    else:
+        phase(coord, what, fail)
+    raise error  # not reached: both raise this rank's own error

@@ -18,7 +18,7 @@ from .._base.lazytorch import is_tensor
 from .._base.mapping import Rules
 from .._base.types import ArraySpec, Dest
 from .._codec.route import setting as codec_setting
-from .._coord.protocol import phase
+from .._coord.protocol import phase, refuse
 from .._coord.torchdist import coordinator_for
 from .._errors import (
     CorruptCheckpointError,
@@ -212,11 +212,16 @@ def restore(
     SIGBUS when a lost page is touched (docs/zerocopy.md). Every other leaf is copied, and
     the ``tsckpt`` logger says why.
     """
-    options = RestoreOptions.of(locals())  # a bad option raises here, before any work
+    options, refused = RestoreOptions.checked(locals())  # a bad option raises before any work, on every rank
+    coord = coordinator_for(options.group, options.timeout)
+    try:
+        if refused is not None:
+            raise refused
+        codec_setting()  # so does a bad TSCKPT_CODEC
+    except Exception as e:  # noqa: BLE001 - every rank raises, in the restore's one exchange
+        refuse(coord, "restore", e)
     if is_whole_state(target):  # tsckpt.torch.TrainState: restores itself, in place
         return target.__tsckpt_restore__(directory, options)
-    codec_setting()  # so does a bad TSCKPT_CODEC
-    coord = coordinator_for(group, timeout)
 
     def run() -> Any:
         with collector_paused():

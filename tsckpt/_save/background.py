@@ -936,13 +936,33 @@ def save_async(
     group), never the training loop's group nor the one a synchronous tsckpt.save or
     restore uses meanwhile. A pending save is finished at interpreter exit.
     """
-    options = SaveOptions.of(locals())
-    background = AsyncOptions.of(locals())
-    label = str(resolve(directory))
+    options, refused = SaveOptions.checked(locals())  # a bad option raises on every rank (_agree_call)
+    background, refused_too = AsyncOptions.checked(locals())
+    return save_async_with(directory, tree, options, background, refused=refused or refused_too)
+
+
+def save_async_with(
+    directory: Directory, tree: Any, options: SaveOptions, background: AsyncOptions, *,
+    refused: Exception | None = None,
+) -> AsyncSave:
+    """:func:`save_async` with its options gathered; ``refused``: a bad option's error
+    (SaveOptions.checked), raised in the call on every rank, as is a bad directory."""
+
+    try:
+        label = str(resolve(directory))
+    except Exception as e:  # noqa: BLE001 - raised in the call on every rank
+        label, refused = str(directory), refused or e
+    found = refused
+
+    def prepare() -> None:
+        prepare_group(options.group, options.timeout)
+        if found is not None:
+            raise found
+
     return _default.submit(
         label, tree, SaveJob(directory, options), if_busy=background.if_busy,
         max_staging_bytes=background.max_staging_bytes, staging=background.staging, writer=background.writer,
-        prepare=lambda: prepare_group(options.group, options.timeout), rank=rank_of(options.group),
+        prepare=prepare, rank=rank_of(options.group),
     )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._base.types import Local
 from .._codec.route import setting as codec_setting
-from .._coord.protocol import ask_root, phase
+from .._coord.protocol import ask_root, phase, refuse
 from .._coord.torchdist import coordinator_for
 from .._errors import DistributedError, LayoutError
 from .._leaves.kinds import checksum
@@ -147,21 +147,29 @@ def save(
     rank makes every rank raise and nothing is committed. Storage faults raise
     StorageError (an OSError with ``errno``, ``filename`` and ``leaf``).
     """
-    save_with(directory, tree, SaveOptions.of(locals()))  # a bad option raises here, before any work
+    options, refused = SaveOptions.checked(locals())  # a bad option raises in step 1, on every rank
+    save_with(directory, tree, options, refused=refused)
 
 
 def save_with(
-    directory: Directory, tree: Any, options: SaveOptions, *, before_claim: Callable[[], None] | None = None
+    directory: Directory, tree: Any, options: SaveOptions, *, before_claim: Callable[[], None] | None = None,
+    refused: Exception | None = None,
 ) -> None:
     """:func:`save` with its options gathered. ``before_claim`` (a CheckpointManager's clearing
     of its step) runs on rank 0 right before the claim (step 4), so that what it judges and
     removes is judged as late as possible, and its failure reaches every rank as any other
-    failure of rank 0's planning does."""
+    failure of rank 0's planning does. ``refused``: a bad option's error (SaveOptions.checked),
+    raised in step 1 on every rank, before any work, as is a bad directory or TSCKPT_CODEC."""
     overwrite, group, check_replicas, timeout = options.overwrite, options.group, options.check_replicas, options.timeout
     max_inflight_bytes, layout, progress = options.max_inflight_bytes, options.layout, options.progress
-    codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
     coord = coordinator_for(group, timeout)
-    loc = resolve(directory, write=True)
+    try:
+        if refused is not None:
+            raise refused
+        codec_setting()  # a bad TSCKPT_CODEC is refused before the claim
+        loc = resolve(directory, write=True)
+    except Exception as e:  # noqa: BLE001 - every rank raises, in step 1
+        refuse(coord, "save (describe)", e, through_root=True)
     lease = _lease.Lease(loc, _pending_root(layout)) if coord.rank == 0 else None
     own: list[BaseException] = []  # this rank's own failures, re-raised by phase() once every rank knows
 

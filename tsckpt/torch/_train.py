@@ -29,7 +29,7 @@ import torch
 
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
-from .._coord.protocol import phase
+from .._coord.protocol import phase, refuse
 from .._coord.torchdist import coordinator_for
 from .._errors import LeafTypeError, StructureMismatchError, count_and_list
 from .._formats.sources import open_checkpoint
@@ -55,8 +55,8 @@ from .._read.reader import LazyArray, read_subtree
 from .._read.restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._read.restore import restore as core_restore
 from .._save.background import AsyncSave
-from .._save.background import save_async as core_save_async
-from .._save.protocol import save as core_save
+from .._save.background import save_async_with
+from .._save.protocol import save_with
 from .._storage.locations import Directory
 from ..tree import escape, flatten, prefix_advice, prefix_shift, unescape
 from ._state import (
@@ -284,9 +284,9 @@ def save(
     ``group``, ``check_replicas``, ``timeout``, ``max_inflight_bytes``,
     ``layout`` and ``progress`` are as for :func:`tsckpt.save`.
     """
-    options = SaveOptions.of(locals())
+    options, refused = SaveOptions.checked(locals())  # a bad option raises in the save's first step, on every rank
     state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng)
-    core_save(directory, state, **options.kwargs())
+    save_with(directory, state, options, refused=refused)
 
 
 @verb("tsckpt.torch.save_async")
@@ -320,10 +320,10 @@ def save_async(
     ``staging`` and ``writer`` (see there); ``result()`` of the returned handle waits for the commit. The
     state (stateful objects' ``state_dict()``, the RNG states) is taken during the call.
     """
-    options = SaveOptions.of(locals())
-    background = AsyncOptions.of(locals())
+    options, refused = SaveOptions.checked(locals())  # a bad option raises in the call, on every rank
+    background, refused_too = AsyncOptions.checked(locals())
     state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng)
-    return core_save_async(directory, state, **options.kwargs(), **background.kwargs())
+    return save_async_with(directory, state, options, background, refused=refused or refused_too)
 
 
 # ---- restore ------------------------------------------------------------------------------
@@ -644,17 +644,22 @@ def restore(
     are filled in place either way. The same as ``tsckpt.restore(directory,
     TrainState(model, optimizers, extra=..., per_rank=..., rng=..., resize=...))``.
     """
-    options = RestoreOptions.of(locals())
+    options, refused = RestoreOptions.checked(locals())  # a bad option raises in the check, on every rank
     state = TrainState(model, optimizers, extra=extra, per_rank=per_rank, rng=rng, resize=resize)
-    return _restore_state(directory, state, options)
+    return _restore_state(directory, state, options, refused=refused)
 
 
-def _restore_state(directory: Directory, state: TrainState, options: RestoreOptions) -> RestoreResult:
-    """Restore ``state`` in place (see :func:`restore`): check everything, read, then apply."""
-    for name, reason in _NOT_FOR_TRAIN_STATE.items():
-        if getattr(options, name) != getattr(RestoreOptions(), name):
-            raise ValueError(f"{name}={getattr(options, name)!r} does not apply to a TrainState: {reason}")
+def _restore_state(
+    directory: Directory, state: TrainState, options: RestoreOptions, *, refused: Exception | None = None
+) -> RestoreResult:
+    """Restore ``state`` in place (see :func:`restore`): check everything, read, then apply.
+    ``refused``: a bad option's error (RestoreOptions.checked), raised in the check on every rank."""
     coord = coordinator_for(options.group, options.timeout)
+    for name, reason in _NOT_FOR_TRAIN_STATE.items():
+        if refused is None and getattr(options, name) != getattr(RestoreOptions(), name):
+            refused = ValueError(f"{name}={getattr(options, name)!r} does not apply to a TrainState: {reason}")
+    if refused is not None:
+        refuse(coord, "restore (check)", refused)
     casting = options.casting
 
     def check() -> tuple[Checkpoint, _Plan]:
