@@ -334,6 +334,8 @@ class CheckpointManager:
         ``max_inflight_bytes`` and ``progress`` are as for :func:`tsckpt.save`;
         the other save options are the manager's."""
         options, refused = SaveOptions.checked(locals(), self._saving)  # raised in the save's step 1, on every rank
+        if refused is not None and self._solo():
+            raise refused  # at once, before waiting for a save in flight
 
         def run() -> None:
             if refused is not None:
@@ -364,6 +366,8 @@ class CheckpointManager:
         the commit, the expired steps renamed away; their files are removed after, beside the
         next save (:meth:`wait` and :meth:`close` wait for that too)."""
         options, refused = SaveOptions.checked(locals(), self._saving)  # raised in the call, on every rank
+        if refused is not None and self._solo():
+            raise refused  # at once, before waiting for a save in flight
 
         def prepare() -> None:  # an early refusal; the step is judged again when the save claims it
             prepare_group(options.group, options.timeout)

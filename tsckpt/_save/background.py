@@ -946,7 +946,10 @@ def save_async_with(
     refused: Exception | None = None,
 ) -> AsyncSave:
     """:func:`save_async` with its options gathered; ``refused``: a bad option's error
-    (SaveOptions.checked), raised in the call on every rank, as is a bad directory."""
+    (SaveOptions.checked), raised in the call on every rank, as is a bad directory; at once
+    without torch.distributed, before waiting for a save in flight."""
+    if refused is not None and not torch_initialized():
+        raise refused
 
     try:
         label = str(resolve(directory))
