@@ -101,6 +101,9 @@ class JaxCoordinator:
         everyone = self.gather(obj)
         return self.scatter([everyone] * self.world_size if self.rank == 0 else None)
 
+    def most(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(column) for column in zip(*self.all_gather(tuple(values))))
+
     def unreachable(self) -> list[int]:
         """Which processes are gone cannot be told through the key-value store without waiting
         for each (a silent peer is already a DistributedError after the timeout): none named."""

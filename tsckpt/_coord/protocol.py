@@ -30,6 +30,12 @@ class Coordinator(Protocol):
 
     def all_gather(self, obj: Any) -> list[Any]: ...
 
+    def most(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """The element-wise largest of every rank's ``values`` (of one length on every rank): one
+        small reduction, for decisions every rank takes alike and that are rarely other than
+        the usual (a flag set on any rank), without gathering every rank's objects."""
+        ...
+
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0, None on the others."""
         ...
@@ -55,6 +61,9 @@ class Solo:
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def most(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(values)
+
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
@@ -75,7 +84,7 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, e
 
 
-def _collective(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
+def collective(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
     """Run the collective ``fn`` of the phase ``what``; if it fails (a peer lost, a wait on
     one timed out), raise a DistributedError naming the phase and the unreachable ranks."""
     try:
@@ -142,7 +151,7 @@ def phase(coord: Coordinator, what: str, fn: Callable[[], T], *, ranks: set[int]
     if coord.world_size == 1:
         _settle(what, error, [])
         return result
-    _settle(what, error, _collective(coord, what, lambda: coord.all_gather(_report(error))))
+    _settle(what, error, collective(coord, what, lambda: coord.all_gather(_report(error))))
     return result
 
 
@@ -168,7 +177,7 @@ def ask_root(
     """
     out, error = _attempt(fn)
     result, payload = out if out is not None else (None, None)
-    gathered = _collective(coord, what, lambda: coord.gather((_report(error), payload)))
+    gathered = collective(coord, what, lambda: coord.gather((_report(error), payload)))
     replies: list[Any] | None = None
     mine: Any = None
     if coord.rank == 0:
@@ -188,7 +197,7 @@ def ask_root(
         replies = [None, *replies[1:]]  # rank 0 keeps its own reply: never pickled, never padded into others'
     if coord.world_size > 1:
         sent = replies
-        got = _collective(coord, what, lambda: coord.scatter(sent))
+        got = collective(coord, what, lambda: coord.scatter(sent))
         mine = mine if coord.rank == 0 else got
     if error is not None:
         raise error

@@ -57,6 +57,16 @@ class DistCoordinator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def most(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """One all-reduce of an int64 tensor: on one host a third of the time of
+        :meth:`all_gather` of a small object (two collectives and pickling; RESULTS.md)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(int(v) for v in t.tolist())
+
     def gather(self, obj: Any) -> list[Any] | None:
         import torch.distributed as dist
 

@@ -49,6 +49,7 @@ import numpy as np
 
 from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray
+from .._coord.protocol import collective
 from .._coord.torchdist import coordinator_for, rank_of, torch_initialized
 from .._errors import DistributedError, SaveInProgressError
 from .._leaves.jaxarray import JaxRegion, host_copy, is_jax_array, start_host_copy
@@ -57,6 +58,7 @@ from .._leaves.stateful import expand
 from .._ondisk.records import LAYOUT_PLAIN
 from .._options import (
     WRITE_WINDOW_BYTES,
+    WRITERS,
     AsyncOptions,
     BaseDirectory,
     IfBusy,
@@ -806,27 +808,29 @@ TIDY_BEHIND = 1
 BACKGROUND_NICE = 10
 
 
-def _gathered(value: Any, job: Any) -> list[Any] | None:
-    """``value`` of every rank of ``job``'s group (its save options'), in rank order, through a
-    group of the save calls' own (a save in a background thread runs its protocol over the
-    "background" one meanwhile), under torch.distributed with several ranks; else None."""
+def _calls(job: Any) -> Any:
+    """The coordinator of ``job``'s ranks (its save options' group) on a group of the save
+    calls' own (a save in a background thread runs its protocol over the "background" one
+    meanwhile), under torch.distributed with several ranks; else None."""
     options = getattr(job, "options", None)
     if options is None or not torch_initialized():
         return None
     coord = coordinator_for(options.group, options.timeout, channel="calls")
-    if coord.world_size == 1:
-        return None
-    return coord.all_gather(value)
+    return None if coord.world_size == 1 else coord
 
 
 def _ranks_where(flag: bool, job: Any) -> list[int]:
-    """The ranks where ``flag`` holds, asked of every rank (:func:`_gathered`; one process:
+    """The ranks where ``flag`` holds, asked of every rank (:func:`_calls`; one process:
     ``[0]`` or ``[]``). For decisions each rank could take alone but all must take alike: the
-    ranks of a save run one protocol."""
-    found = _gathered(bool(flag), job)
-    if found is None:
+    ranks of a save run one protocol. One small reduction; the ranks are gathered only when
+    the flag holds on any."""
+    coord = _calls(job)
+    if coord is None:
         return [0] if flag else []
-    return [r for r, f in enumerate(found) if f]
+    what = "save_async (the ranks' agreement)"
+    if not collective(coord, what, lambda: coord.most((int(bool(flag)),)))[0]:
+        return []
+    return [r for r, f in enumerate(collective(coord, what, lambda: coord.all_gather(bool(flag)))) if f]
 
 
 def _agree_call(label: str, failed: Exception | None, over: bool, job: Any, *, writer: Writer = "thread") -> list[int]:
@@ -834,13 +838,24 @@ def _agree_call(label: str, failed: Exception | None, over: bool, job: Any, *, w
     else a DistributedError naming the ranks and their errors), so the ranks' saves stay in step
     (a rank failing alone before the protocol left the others' save to be paired with its
     next one), or when the ranks passed different ``writer`` options (their saves would run
-    different protocols); else the ranks over ``max_staging_bytes`` (``over``: this one's)."""
-    found = _gathered((None if failed is None else f"{type(failed).__name__}: {failed}", over, writer), job)
-    if found is None:
+    different protocols); else the ranks over ``max_staging_bytes`` (``over``: this one's).
+    Usually one small reduction (any failed, any over, the writers' least and largest); every
+    rank's details are gathered only when one of those calls for them."""
+    coord = _calls(job)
+    if coord is None:
         if failed is not None:
             raise failed
         return [0] if over else []
-    errors = {r: text for r, (text, _, _) in enumerate(found) if text is not None}
+    what = "save_async (the ranks' agreement)"
+    code = WRITERS.index(writer)
+    any_failed, any_over, least, largest = collective(
+        coord, what, lambda: coord.most((int(failed is not None), int(over), -code, code))
+    )
+    if not (any_failed or any_over or -least != largest):
+        return []
+    text = None if failed is None else f"{type(failed).__name__}: {failed}"
+    found = collective(coord, what, lambda: coord.all_gather((text, over, writer)))
+    errors = {r: t for r, (t, _, _) in enumerate(found) if t is not None}
     if failed is not None:
         raise failed
     writers = [w for _, _, w in found]
