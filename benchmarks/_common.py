@@ -242,6 +242,11 @@ def rank_entry(fn: Any, job: dict[str, Any]) -> None:
 
     try:
         print("RESULT " + json.dumps(fn(job)), flush=True)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # before the exit below, which would drop it
+        raise
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
