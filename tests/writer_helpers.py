@@ -131,11 +131,12 @@ def state(seed: int) -> dict[str, Any]:
 # ---- scenarios on ranks (tests.dist_helpers.run_ranks) ----------------------------------------
 
 
-def one_writer_killed(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Save step 1; rank 1's writer is killed during step 2 (before its save starts, so rank 0's
-    writer waits for it in the protocol); step 3 is saved by new writers on every rank; step 4,
-    which rank 1 must save in a thread, by the thread on every rank."""
-    manager = tsckpt.CheckpointManager(root, timeout=datetime.timedelta(seconds=60))
+def one_writer_killed(rank: int, world: int, root: str, how: str = "SIGKILL", timeout_s: float = 60) -> dict[str, Any]:
+    """Save step 1; rank 1's writer is killed (``how``: or stopped, then killed by its training
+    process once silent for the save's timeout) during step 2 (before its save starts, so rank
+    0's writer waits for it in the protocol); step 3 is saved by new writers on every rank; step
+    4, which rank 1 must save in a thread, by the thread on every rank."""
+    manager = tsckpt.CheckpointManager(root, timeout=datetime.timedelta(seconds=timeout_s))
     manager.save_async(1, state(1)).result()
     first = manager._saver.writer_pid
     flag = os.path.join(root, f"held-{rank}")
@@ -143,7 +144,7 @@ def one_writer_killed(rank: int, world: int, root: str) -> dict[str, Any]:
         hold_next_save(manager, flag, before=True)
     handle = manager.save_async(2, state(2))
     if rank == 1:
-        os.kill(wait_for(flag), signal.SIGKILL)
+        os.kill(wait_for(flag), getattr(signal, how))
     try:
         handle.result()
         raised = None

@@ -160,7 +160,7 @@ class DistCoordinator:
         this rank's connection closed, and the record tells it that this rank left rather
         than died. The group is the coordination's own, not the training loop's, and no
         later collective on it can succeed with a rank lost."""
-        store = _job_store()
+        store = job_store()
         if store is not None:
             with contextlib.suppress(Exception):  # the store's host may be the one lost
                 store.set(self._left_key(self.rank), json.dumps(lost))
@@ -207,7 +207,7 @@ class DistCoordinator:
 
     def _left(self, r: int) -> bool:
         """Whether rank ``r`` recorded that it left the group (:meth:`leave`)."""
-        store = _job_store()
+        store = job_store()
         try:
             return store is not None and bool(store.check([self._left_key(r)]))
         except Exception:  # noqa: BLE001 - no store to ask: as far as can be told, it did not
@@ -221,7 +221,7 @@ def _closed_by_peer(error: BaseException) -> bool:
     return "Application timeout caused pair closure" not in str(error)
 
 
-def _job_store() -> Any:
+def job_store() -> Any:
     """The key-value store the job rendezvoused through (torchrun's, or the one of
     init_process_group's init_method), or None. torch has no public accessor for it."""
     try:

@@ -28,8 +28,8 @@ from .._errors import (
     count_and_list,
 )
 from .._formats.sources import open_checkpoint
-from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.quantized import SUBCLASS_KEY
+from .._leaves.registry import destination, kind_of, materialises, memory
 from .._leaves.stateful import expand, is_whole_state
 from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
@@ -45,9 +45,9 @@ from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
 from .zerocopy import map_leaves
 
 if TYPE_CHECKING:
-    import torch
+    pass
 else:
-    from .._base.lazytorch import torch
+    pass
 
 
 class RestoreWarning(UserWarning):

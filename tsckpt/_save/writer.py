@@ -66,6 +66,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -94,7 +95,7 @@ from .._base import dtypes as _dtypes
 from .._base.lazytorch import is_tensor, loaded
 from .._base.types import LazySource, ShardedArray, TorchRegion
 from .._coord.protocol import RESTART
-from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, torch_initialized
+from .._coord.torchdist import DEFAULT_TIMEOUT, coordinator_for, is_distributed, job_store, torch_initialized
 from .._errors import DistributedError, WriterLostError
 from .._leaves.jaxarray import JaxRegion
 from .._ondisk.records import ROOT_KEY, STATE_COMMITTED
@@ -466,6 +467,7 @@ class _Writer:
         finally:
             os.close(fd)
         self.ranks = rendezvous["world_size"] if rendezvous else 1
+        self._rendezvous = rendezvous
         self.failed = False  # a save through it failed
         self.leaving = False  # it could not read a save's message: it leaves, and is not used again
         self.block: sharedmem.SharedBlock | None = None  # the block the writer maps
@@ -599,7 +601,9 @@ class _Writer:
                 self.failed = True
             if kind == "unreadable":  # before the handle wakes its caller, whose next save starts a new writer
                 self.leaving = True
-            handle.settle(None if kind == "done" else _named(_rebuilt(reply[4], reply[5]), handle.directory))
+            handle.settle(
+                None if kind == "done" else _named(_rebuilt(reply[4], reply[5]), handle.directory, self._rendezvous)
+            )
         self.proc.wait()
         with self._state_lock:
             self._closed = True
@@ -607,6 +611,8 @@ class _Writer:
             cut, self._tidying = self._tidying, {}
         for handle in cut.values():  # the writer is gone: the next save's clean-up removes what it left
             handle.tidied()
+        if lost and self.stalled is None:
+            self._record_loss(_death(self.proc.wait()))
         for _, (handle, what, save_id) in sorted(lost.items()):
             self.failed = True
             handle.tidied()
@@ -625,7 +631,14 @@ class _Writer:
         silent = time.monotonic() - heard
         if self._pending and silent > self._silent_s and self.proc.poll() is None:
             self.stalled = silent
+            self._record_loss(_stall(silent))  # before the kill, so the other ranks' writers find it
             self.proc.kill()
+
+    def _record_loss(self, why: str) -> None:
+        """Tell the other ranks why this rank's writer is gone (:func:`_losses`): in the job's
+        store, under the writers' group. Nothing without one."""
+        if self._rendezvous is not None:
+            record_loss(self._rendezvous, why)
 
     def _lost(self, what: str) -> WriterLostError:
         """The error of a save whose writer died: before its commit (one rank: the root read says
@@ -637,12 +650,7 @@ class _Writer:
                 "before it replied: rank 0's writer commits the save, so whether the step is listed as a checkpoint "
                 "is what the manager's all_steps() (rank 0's outcome) says"
             )
-        death = _death(self.proc.wait())
-        if self.stalled is not None:
-            death = (
-                f"said nothing for {self.stalled:.0f} s, more than the save's timeout (stopped, or stuck), and was "
-                "killed"
-            )
+        death = _death(self.proc.wait()) if self.stalled is None else _stall(self.stalled)
         return WriterLostError(
             f"the writer process (pid {self.proc.pid}) of the asynchronous save to {what} {death} "
             f"{outcome}; the next save starts a new writer"
@@ -678,6 +686,49 @@ def _committed_as(directory: Any, save_id: str) -> bool:
     return found.state == STATE_COMMITTED and save_id_of(found) == save_id
 
 
+def _stall(silent: float) -> str:
+    return f"said nothing for {silent:.0f} s, more than the save's timeout (stopped, or stuck), and was killed"
+
+
+# How long a rank whose writers lost one waits for that rank's record of why (its training process
+# writes it once it sees its writer gone), and the most ranks it looks up when none is named.
+LOSS_WAIT_S = 2.0
+LOSS_LOOKUPS = 64
+
+
+def _loss_key(rendezvous: dict[str, Any], rank: int) -> str:
+    return f"tsckpt/writer-lost/{rendezvous['prefix']}{rank}"
+
+
+def record_loss(rendezvous: dict[str, Any], why: str) -> None:
+    """Record in the job's store why this rank's writer of the group ``rendezvous`` is gone."""
+    store = job_store()
+    if store is not None:
+        with contextlib.suppress(Exception):  # the store's host may be gone too
+            store.set(_loss_key(rendezvous, rendezvous["rank"]), why)
+
+
+def _losses(rendezvous: dict[str, Any] | None, lost: tuple[int, ...]) -> dict[int, str]:
+    """Why other ranks' writers of the group ``rendezvous`` are gone, as their training processes
+    recorded it (:func:`record_loss`): of the ranks ``lost`` names, else of any (a stopped writer
+    is not seen gone until its training process kills it), waiting up to LOSS_WAIT_S for them."""
+    store = job_store() if rendezvous is not None else None
+    if store is None or rendezvous is None:
+        return {}
+    ranks = [r for r in (lost or range(rendezvous["world_size"])) if r != rendezvous["rank"]][:LOSS_LOOKUPS]
+    deadline = time.monotonic() + LOSS_WAIT_S
+    while True:
+        found = {}
+        for r in ranks:
+            key = _loss_key(rendezvous, r)
+            with contextlib.suppress(Exception):  # not recorded: that rank's process may be gone too
+                if store.check([key]):
+                    found[r] = store.get(key).decode(errors="replace")
+        if (len(found) == len(ranks) if lost else found) or time.monotonic() >= deadline:
+            return found
+        time.sleep(LOSS_WAIT_S / 10)
+
+
 def _death(code: int) -> str:
     if code < 0:
         try:
@@ -707,17 +758,19 @@ def _rebuilt(pickled: bytes | None, text: str) -> BaseException:
     return err
 
 
-def _named(err: BaseException, directory: str) -> BaseException:
+def _named(err: BaseException, directory: str, rendezvous: dict[str, Any] | None = None) -> BaseException:
     """A writer's error as its trainer tells it: a lost contact between the writers (a writer
-    of another rank killed, or its trainer) names the save, and says that the job may go on
-    (every trainer alive: the next save starts new writers on every rank)."""
+    of another rank killed, or its trainer) names the save, why that rank's writer is gone where
+    its training process recorded it (:func:`_losses`), and says that the job may go on (every
+    trainer alive: the next save starts new writers on every rank)."""
     if not isinstance(err, DistributedError) or RESTART not in str(err):
         return err
+    why = "".join(f"rank {r}'s writer {text}; " for r, text in sorted(_losses(rendezvous, err.lost).items()))
     named = DistributedError(
         f"the asynchronous save to {directory}: "
         + str(err).replace(
-            RESTART, "the writer processes lost one of theirs (a writer, or the training process it served, is "
-            "gone): if every training process is still running, the next save starts new writers on every rank; "
+            RESTART, f"{why}the writer processes lost one of theirs (a writer, or the training process it served, "
+            "is gone): if every training process is still running, the next save starts new writers on every rank; "
             "if one is gone, restart the job and restore the last committed checkpoint",
         )
     )

@@ -54,8 +54,7 @@ from .._options import (
 from .._read.reader import LazyArray, read_subtree
 from .._read.restore import RestoreWarning, cast_warnings_off, warn_lost_values
 from .._read.restore import restore as core_restore
-from .._save.background import AsyncSave
-from .._save.background import save_async_with
+from .._save.background import AsyncSave, save_async_with
 from .._save.protocol import save_with
 from .._storage.locations import Directory
 from ..tree import escape, flatten, prefix_advice, prefix_shift, unescape
