@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -43,11 +43,6 @@ from ..tree import flatten, prefix_advice, prefix_shift, unflatten
 from .engine import read_into
 from .mapped import MappedCheckpoint, mapped_checkpoint, read_amplification
 from .zerocopy import map_leaves
-
-if TYPE_CHECKING:
-    pass
-else:
-    pass
 
 
 class RestoreWarning(UserWarning):
