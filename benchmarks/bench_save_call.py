@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def _case(case: str, workload: str, saves: int) -> dict[str, Any]:
             calls.append(w), cpus.append(c), nexts.append(t)
     helpers = _children_peak()
     saver.finish()
+    shutil.rmtree(root, ignore_errors=True)  # every save's checkpoint: gigabytes over a run
     return {
         "call": statistics.median(calls), "cpu": statistics.median(cpus), "next_step": statistics.median(nexts),
         "helpers_peak": helpers,

@@ -473,30 +473,43 @@ def staging_bound_on_one_rank(rank: int, world: int, root: str) -> tuple[list[st
     return [str(w.message) for w in caught if "synchronously" in str(w.message)], m.all_steps()
 
 
-def failing_call_on_one_rank(rank: int, world: int, root: str, writer: str) -> tuple[list[str], list[int]]:
-    """A manager loop whose rank 1 gives a leaf tsckpt cannot save at step 2 only, the loop
-    going on after the error: every rank raises at step 2, and the later steps are saved."""
+class _Interrupted:
+    """A stateful object whose state_dict() is cut short by Ctrl-C."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def failing_call_on_one_rank(
+    rank: int, world: int, root: str, writer: str, how: str = "leaf"
+) -> tuple[list[str], list[int]]:
+    """A manager loop whose rank 1 gives a leaf tsckpt cannot save (``how="interrupt"``: an
+    object whose state_dict() raises KeyboardInterrupt) at step 2 only, the loop going on after
+    the error: every rank raises at step 2, and the later steps are saved."""
     m = tsckpt.CheckpointManager(root, writer=writer, layout=rank_layout())
     errors = []
     for step in range(1, 5):
         w = torch.full((2, 3), float(step + rank))
         tree: dict[str, Any] = {"w": tsckpt.ShardedArray(w, (2 * world, 3), (2 * rank, 0))}
         if step == 2 and rank == 1:
-            tree["bad"] = object()
+            tree["bad"] = object() if how == "leaf" else _Interrupted()
         try:
             m.save_async(step, tree).result()
-        except tsckpt.TsckptError as e:
+        except (tsckpt.TsckptError, KeyboardInterrupt) as e:
             errors.append(f"{step}: {type(e).__name__}: {e}")
     m.close()
     return errors, m.all_steps()
 
 
-def other_writers(rank: int, world: int, root: str) -> tuple[str, bool]:
-    """Rank 0 asks for a writer process, rank 1 for a thread: every rank raises, and the next
-    save (alike) works."""
+def other_options(rank: int, world: int, root: str, option: str, values: tuple[Any, ...]) -> tuple[str, bool]:
+    """Rank r passes ``option=values[r]`` (e.g. a writer process on rank 0, a thread on rank 1):
+    every rank raises, and the next save (alike) works."""
     tree = {"w": tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0))}
     try:
-        tsckpt.save_async(os.path.join(root, "a"), tree, writer="process" if rank == 0 else "thread").result()
+        tsckpt.save_async(os.path.join(root, "a"), tree, **{option: values[rank]}).result()
         message = ""
     except ValueError as e:
         message = str(e)

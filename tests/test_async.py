@@ -381,25 +381,37 @@ def test_max_staging_bytes_exceeded_on_one_rank_takes_every_rank_to_a_synchronou
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("writer", ["thread", "process"])
-def test_a_save_async_failing_in_the_call_on_one_rank_fails_on_every_rank_and_the_ranks_stay_in_step(tmp_path, writer):
+@pytest.mark.parametrize("writer, how", [("thread", "leaf"), ("process", "leaf"), ("process", "interrupt")])
+def test_a_save_async_failing_in_the_call_on_one_rank_fails_on_every_rank_and_the_ranks_stay_in_step(
+    tmp_path, writer, how
+):
+    """A leaf tsckpt cannot save, or Ctrl-C in a state_dict(), on rank 1 only."""
     from tests import dist_scenarios as sc
     from tests.dist_helpers import run_ranks
 
-    (errors0, steps0), (errors1, steps1) = run_ranks(sc.failing_call_on_one_rank, 2, str(tmp_path / "run"), writer,
-                                                     timeout=240)
+    (errors0, steps0), (errors1, steps1) = run_ranks(
+        sc.failing_call_on_one_rank, 2, str(tmp_path / "run"), writer, how, timeout=240
+    )
+    own = "LeafTypeError" if how == "leaf" else "KeyboardInterrupt"
     assert steps0 == steps1 == [1, 3, 4]
     assert len(errors0) == 1 and errors0[0].startswith("2: DistributedError: the asynchronous save to ")
-    assert "failed in the call on rank(s) [1] (rank 1: LeafTypeError: " in errors0[0]
-    assert len(errors1) == 1 and errors1[0].startswith("2: LeafTypeError: ")
+    assert f"failed in the call on rank(s) [1] (rank 1: {own}: " in errors0[0]
+    assert len(errors1) == 1 and errors1[0].startswith(f"2: {own}: ")
 
 
 @pytest.mark.slow
-def test_ranks_asking_for_other_writers_all_raise_before_any_save(tmp_path):
+@pytest.mark.parametrize(
+    "option, values, expected",
+    [
+        ("writer", ("process", "thread"), "ranks passed different writer options (rank 0 'process', rank 1 'thread')"),
+        ("if_busy", ("wait", "error"), "ranks passed different if_busy options ('error' on some, 'wait' on others)"),
+    ],
+)
+def test_ranks_asking_for_other_protocols_all_raise_before_any_save(tmp_path, option, values, expected):
     from tests import dist_scenarios as sc
     from tests.dist_helpers import run_ranks
 
-    for message, made in run_ranks(sc.other_writers, 2, str(tmp_path), timeout=120):
-        assert "ranks passed different writer options (rank 0 'process', rank 1 'thread')" in message
+    for message, made in run_ranks(sc.other_options, 2, str(tmp_path), option, values, timeout=120):
+        assert expected in message
         assert not made
     assert tsckpt.restore(tmp_path / "b")["w"].tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2

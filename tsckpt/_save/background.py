@@ -649,14 +649,14 @@ class AsyncSaver:
     def _settle(self, if_busy: IfBusy, job: Any = None) -> None:
         """Wait for (or refuse next to) the save in flight; warn about an unchecked failure.
         Under torch.distributed ``if_busy="error"`` refuses on every rank of ``job``'s group
-        when a save is still running on any (:func:`_ranks_where`): a rank refusing alone would
+        when a save is still running on any (:func:`_busy_ranks`): a rank refusing alone would
         leave the others' save waiting for it, then paired with its next one."""
         if if_busy not in ("wait", "error"):
             raise ValueError(f"if_busy must be 'wait' or 'error', not {if_busy!r}")
         prev = self._inflight
         busy = prev is not None and not prev.done()
+        ranks = _busy_ranks(busy, if_busy, job)
         if if_busy == "error":
-            ranks = _ranks_where(busy, job)
             if ranks:
                 what = f"an asynchronous save to {prev.directory}" if busy and prev is not None else "an asynchronous save"
                 where = "" if ranks == [0] and busy else f" on rank(s) {ranks}, so every rank refuses this one"
@@ -716,7 +716,7 @@ class AsyncSaver:
         with self._lock:
             self._settle(if_busy, job)
             untidied = [h for h in self._untidied if not h.wait_tidied(0)]  # earlier saves' housekeeping still running
-            failed: Exception | None = None
+            failed: BaseException | None = None  # a KeyboardInterrupt too: the other ranks must learn of it
             try:
                 if prepare is not None:
                     prepare()
@@ -724,7 +724,7 @@ class AsyncSaver:
                 tree = expand(tree, rank=rank).tree
                 flat = flatten(tree)
                 found = _array_regions(flat.paths, flat.leaves, self._checked)
-            except Exception as e:  # noqa: BLE001 - every rank learns of it first (_agree_call)
+            except BaseException as e:  # noqa: BLE001 - every rank learns of it first (_agree_call)
                 failed = e
             over = _agree_call(
                 label, failed, failed is None and limit is not None and found.nbytes > limit, job, writer=writer
@@ -819,21 +819,31 @@ def _calls(job: Any) -> Any:
     return None if coord.world_size == 1 else coord
 
 
-def _ranks_where(flag: bool, job: Any) -> list[int]:
-    """The ranks where ``flag`` holds, asked of every rank (:func:`_calls`; one process:
-    ``[0]`` or ``[]``). For decisions each rank could take alone but all must take alike: the
-    ranks of a save run one protocol. One small reduction; the ranks are gathered only when
-    the flag holds on any."""
+def _busy_ranks(busy: bool, if_busy: IfBusy, job: Any) -> list[int]:
+    """With ``if_busy="error"``, the ranks where a save is still running (``busy``: on this
+    one), asked of every rank (:func:`_calls`; one process: ``[0]`` or ``[]``), so that all
+    refuse together; else ``[]``. Every rank takes part whatever its ``if_busy``, and ranks
+    passing different ones all raise ValueError (those with "error" would wait for the others
+    in this exchange, the others for them in the next). One small reduction; the ranks are
+    gathered only when one is busy under "error"."""
+    error = if_busy == "error"
     coord = _calls(job)
     if coord is None:
-        return [0] if flag else []
+        return [0] if busy and error else []
     what = "save_async (the ranks' agreement)"
-    if not collective(coord, what, lambda: coord.most((int(bool(flag)),)))[0]:
+    any_busy, any_error, no_error = collective(coord, what, lambda: coord.most((int(busy), int(error), int(not error))))
+    if any_error and no_error:
+        raise ValueError(
+            "ranks passed different if_busy options ('error' on some, 'wait' on others); every rank must pass the same"
+        )
+    if not (error and any_busy):
         return []
-    return [r for r, f in enumerate(collective(coord, what, lambda: coord.all_gather(bool(flag)))) if f]
+    return [r for r, b in enumerate(collective(coord, what, lambda: coord.all_gather(busy))) if b]
 
 
-def _agree_call(label: str, failed: Exception | None, over: bool, job: Any, *, writer: Writer = "thread") -> list[int]:
+def _agree_call(
+    label: str, failed: BaseException | None, over: bool, job: Any, *, writer: Writer = "thread"
+) -> list[int]:
     """Raise on every rank when the call failed on any (this rank's own error where it failed,
     else a DistributedError naming the ranks and their errors), so the ranks' saves stay in step
     (a rank failing alone before the protocol left the others' save to be paired with its
