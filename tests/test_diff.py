@@ -399,15 +399,16 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     assert _shared_files(b) > 4
     report = tsckpt.diff(a, b)
     md = tsckpt.open(a)["w"].metadata
-    shard = math.prod(md.shard_shape) * 4
-    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
-    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    chunk = math.prod(md.chunk_shape) * 4  # of the changed shard, only its changed inner chunk is read
+    assert math.prod(md.shard_shape) > math.prod(md.chunk_shape)
+    assert report.bytes_read == sum(largest_read) == 2 * chunk  # from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - chunk) + 100 * 4 + 50 * 8
     found = {leaf.path: leaf for leaf in report.leaves}
     assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
     assert (found["w"].changed_chunks, found["w"].first_index) == (1, (0, 0))
     x, y = before["w"].double().numpy(), after["w"].double().numpy()
-    shard_rows = md.shard_shape[0]  # the changed shard: the first rows
-    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-6)
+    read = box_slices((0, 0), md.chunk_shape)  # the changed chunk: the first
+    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[read]), rel=1e-6)
     assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
 
 
@@ -419,9 +420,9 @@ def test_recorded_content_hashes_decide_equal_files_unread(tmp_path, small_chunk
     b = saved(tmp_path, "b", after, incremental=True)  # no base: no file shared, only hashes recorded
     assert _shared_files(b) == 0
     report = tsckpt.diff(a, b)
-    shard = math.prod(tsckpt.open(a)["w"].metadata.shard_shape) * 4
-    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
-    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    chunk = math.prod(tsckpt.open(a)["w"].metadata.chunk_shape) * 4
+    assert report.bytes_read == sum(largest_read) == 2 * chunk  # the changed inner chunk, from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - chunk) + 100 * 4 + 50 * 8
     found = {leaf.path: leaf for leaf in report.leaves}
     assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
     assert (found["w"].changed_chunks, found["w"].first_index, found["w"].max_abs) == (1, (0, 0), 5.0)
