@@ -977,6 +977,10 @@ def test_only_inner_chunks_whose_hashes_differ_are_read(tmp_path, small_chunks, 
             assert report.bytes_known_equal == (70 * 50 * 4 + 64 * 40 * 8) - want_read // 2
             assert {leaf.path: _found(leaf) for leaf in report.leaves} == full
     assert full["w"][2:] == (3, 3, math.inf, (0, 1)) and full["i"][2:] == (1, 1, 63 * 40 + 7, (63, 0))
+    unrelated = saved(tmp_path, "unrelated", {k: v + 1 for k, v in before.items()}, incremental=True)
+    largest_read.clear()
+    tsckpt.diff(a, unrelated)  # every inner chunk's hash differs: shards read in blocks, not chunk by chunk
+    assert max(largest_read) == max(math.prod(md["w"].shard_shape) * 4, math.prod(md["i"].shard_shape) * 8)
 
 
 def test_inner_chunk_hashes_that_prove_nothing_read_the_shard_whole(tmp_path, small_chunks, largest_read):

@@ -229,7 +229,8 @@ def unequal_chunks(a: Stored, b: Stored, path: str, region: Box, path_b: str | N
     where that is not known (a side records none, or a list of another length than the
     file's inner chunks): the shard is read whole; so too where every chunk's hash is the
     same on both sides although the files' hashes differ (records that contradict
-    themselves prove nothing)."""
+    themselves prove nothing), and where every one differs (nothing to leave unread: the
+    shard is read in blocks of several chunks, not a chunk at a time)."""
     found = _shard_keys(a, b, path, region, path_b)
     chunk = None if found is None else found[0].chunking.chunk_shape
     if found is None or chunk is None:
@@ -237,6 +238,8 @@ def unequal_chunks(a: Stored, b: Stored, path: str, region: Box, path_b: str | N
     ha, hb = a.chunks.get(found[1]), b.chunks.get(found[2])
     starts = list(stored_starts(region[1], chunk))
     if ha is None or hb is None or not len(ha) == len(hb) == len(starts) or ha == hb:
+        return None
+    if all(x != y for x, y in zip(ha, hb)):
         return None
     return [
         ((tuple(o + s for o, s in zip(region[0], lo)), tuple(min(c, n - s) for c, n, s in zip(chunk, region[1], lo))),
