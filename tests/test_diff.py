@@ -1017,7 +1017,7 @@ def test_forged_inner_chunk_hashes_are_found_by_verify(tmp_path, small_chunks):
     """Well-formed but false hashes are trusted by diff as false file hashes are (a root that
     claims another inner chunk changed hides the one that did: docs/security.md); verify
     hashes every inner chunk it reads, and reports them."""
-    before, after, at = _changed_state()
+    before, after, _ = _changed_state()
     a = saved(tmp_path, "a", before, incremental=True)
     b = saved(tmp_path, "b", after, incremental=True)
     key = "w/c/0/0"

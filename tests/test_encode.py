@@ -240,12 +240,12 @@ def test_the_writer_hashes_each_inner_chunk_as_it_writes_it(tmp_path, writer_io,
     for i, off in enumerate(_shard_cells(shape, shard)):
         src = full[tuple(slice(o, o + s) for o, s in zip(off, shard))]
         want = _inner_hashes(src, layout.inner)
-        path = str(tmp_path / f"{i}")
-        assert _shardwrite.write_shard(path, src, layout.shard, layout.inner) is None
-        plain = open(path, "rb").read()
-        assert _shardwrite.write_shard(path, src, layout.shard, layout.inner, hashes=True) == want
+        path = tmp_path / f"{i}"
+        assert _shardwrite.write_shard(str(path), src, layout.shard, layout.inner) is None
+        plain = path.read_bytes()
+        assert _shardwrite.write_shard(str(path), src, layout.shard, layout.inner, hashes=True) == want
         digests: list[str] = []
-        assert _shardwrite.shard_bytes(src, layout.shard, layout.inner, digests) == open(path, "rb").read() == plain
+        assert _shardwrite.shard_bytes(src, layout.shard, layout.inner, digests) == path.read_bytes() == plain
         assert digests == want
 
 
