@@ -399,15 +399,16 @@ def test_hard_linked_shards_are_not_read(tmp_path, small_chunks, largest_read):
     assert _shared_files(b) > 4
     report = tsckpt.diff(a, b)
     md = tsckpt.open(a)["w"].metadata
-    shard = math.prod(md.shard_shape) * 4
-    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
-    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    chunk = math.prod(md.chunk_shape) * 4  # of the changed shard, only its changed inner chunk is read
+    assert math.prod(md.shard_shape) > math.prod(md.chunk_shape)
+    assert report.bytes_read == sum(largest_read) == 2 * chunk  # from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - chunk) + 100 * 4 + 50 * 8
     found = {leaf.path: leaf for leaf in report.leaves}
     assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
     assert (found["w"].changed_chunks, found["w"].first_index) == (1, (0, 0))
     x, y = before["w"].double().numpy(), after["w"].double().numpy()
-    shard_rows = md.shard_shape[0]  # the changed shard: the first rows
-    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[:shard_rows]), rel=1e-6)
+    read = box_slices((0, 0), md.chunk_shape)  # the changed chunk: the first
+    assert found["w"].rel_l2 == pytest.approx(np.linalg.norm(x - y) / np.linalg.norm(x[read]), rel=1e-6)
     assert found["w"].rel_l2 > np.linalg.norm(x - y) / np.linalg.norm(x)  # over what was read: an upper bound
 
 
@@ -419,9 +420,9 @@ def test_recorded_content_hashes_decide_equal_files_unread(tmp_path, small_chunk
     b = saved(tmp_path, "b", after, incremental=True)  # no base: no file shared, only hashes recorded
     assert _shared_files(b) == 0
     report = tsckpt.diff(a, b)
-    shard = math.prod(tsckpt.open(a)["w"].metadata.shard_shape) * 4
-    assert report.bytes_read == sum(largest_read) == 2 * shard  # the changed shard, from both sides
-    assert report.bytes_known_equal == (64 * 64 * 4 - shard) + 100 * 4 + 50 * 8
+    chunk = math.prod(tsckpt.open(a)["w"].metadata.chunk_shape) * 4
+    assert report.bytes_read == sum(largest_read) == 2 * chunk  # the changed inner chunk, from both sides
+    assert report.bytes_known_equal == (64 * 64 * 4 - chunk) + 100 * 4 + 50 * 8
     found = {leaf.path: leaf for leaf in report.leaves}
     assert (found["b"].how, found["i"].how, found["w"].how) == ("same files", "same files", "read")
     assert (found["w"].changed_chunks, found["w"].first_index, found["w"].max_abs) == (1, (0, 0), 5.0)
@@ -913,3 +914,120 @@ def test_a_key_of_digits_matches_an_index_spelled_alike_and_a_second_spelling_ma
     assert (leaf.path, leaf.path_b, leaf.status) == ("model.layers.0.weight", "model/layers/%30/weight", "equal")
     statuses = sorted(d.status for d in tsckpt.diff(tmp_path / "flat", tmp_path / "two").leaves)
     assert statuses == ["only_in_a", "only_in_b", "only_in_b"]  # two of B spelled alike: neither is A's
+
+
+def _found(leaf) -> tuple:
+    """What a diff reports of an array whatever it read."""
+    return (leaf.status, leaf.chunks, leaf.changed_chunks, leaf.changed_elements, leaf.max_abs, leaf.first_index)
+
+
+def _root_chunks(directory: str, edit=None) -> dict:
+    """The ``content.chunks`` of a checkpoint's root, edited in place by ``edit`` where given."""
+    path = os.path.join(directory, "zarr.json")
+    with open(path) as f:
+        raw = json.load(f)
+    chunks = raw["attributes"]["tsckpt"]["content"]["chunks"]
+    if edit is not None:
+        edit(chunks)
+        with open(path, "w") as f:
+            json.dump(raw, f)
+    return chunks
+
+
+def _changed_state() -> tuple[dict, dict, list[tuple[int, int]]]:
+    """A state, and it with three elements changed: two in inner chunks of the first shard,
+    one in the array's last (partly outside) inner chunk."""
+    g = torch.Generator().manual_seed(3)
+    before = {"w": torch.randn(70, 50, generator=g), "i": torch.arange(64 * 40, dtype=torch.int64).reshape(64, 40)}
+    after = {k: v.clone() for k, v in before.items()}
+    at = [(0, 1), (6, 40), (69, 49)]
+    after["w"][at[0]] += 0.5
+    after["w"][at[1]] -= 3.0
+    after["w"][at[2]] = float("nan")
+    after["i"][63, 0] = -7
+    return before, after, at
+
+
+def test_only_inner_chunks_whose_hashes_differ_are_read(tmp_path, small_chunks, largest_read):
+    """Where the files' hashes differ and both sides record their inner chunks' hashes, only the
+    inner chunks of other hashes are read (from both sides), and the report is a full read's."""
+    before, after, at = _changed_state()
+    a = saved(tmp_path, "a", before, incremental=True)
+    linked = str(tmp_path / "linked")
+    tsckpt.save(linked, after, base=a)  # an incremental save: the unchanged files are hard links
+    hashed = saved(tmp_path, "hashed", after, incremental=True)  # nothing linked, hashes recorded
+    full_a, full_b = saved(tmp_path, "full_a", before), saved(tmp_path, "full_b", after)  # no hashes: all read
+    md = {p: tsckpt.open(a)[p].metadata for p in ("w", "i")}
+    assert all(math.prod(m.shard_shape) > math.prod(m.chunk_shape) for m in md.values())
+
+    def chunk_bytes(path, index):
+        c = md[path].chunk_shape
+        lo = [k // n * n for k, n in zip(index, c)]
+        return math.prod(min(n, s - o) for n, s, o in zip(c, md[path].shape, lo)) * 8 // (2 if path == "w" else 1)
+
+    # distinct inner chunks: each changed element's own, the last cut by the array's end
+    assert len({tuple(k // n for k, n in zip(i, md["w"].chunk_shape)) for i in at}) == 3
+    want_read = 2 * (sum(chunk_bytes("w", i) for i in at) + chunk_bytes("i", (63, 0)))
+    for tolerance in ({}, {"atol": 1.0}, {"rtol": 0.1}):
+        full = {leaf.path: _found(leaf) for leaf in tsckpt.diff(full_a, full_b, **tolerance).leaves}
+        for b in (linked, hashed):
+            largest_read.clear()
+            report = tsckpt.diff(a, b, **tolerance)
+            assert report.bytes_read == sum(largest_read) == want_read
+            assert report.bytes_known_equal == (70 * 50 * 4 + 64 * 40 * 8) - want_read // 2
+            assert {leaf.path: _found(leaf) for leaf in report.leaves} == full
+    assert full["w"][2:] == (3, 3, math.inf, (0, 1)) and full["i"][2:] == (1, 1, 63 * 40 + 7, (63, 0))
+    unrelated = saved(tmp_path, "unrelated", {k: v + 1 for k, v in before.items()}, incremental=True)
+    largest_read.clear()
+    tsckpt.diff(a, unrelated)  # every inner chunk's hash differs: shards read in blocks, not chunk by chunk
+    assert max(largest_read) == max(math.prod(md["w"].shard_shape) * 4, math.prod(md["i"].shard_shape) * 8)
+
+
+def test_inner_chunk_hashes_that_prove_nothing_read_the_shard_whole(tmp_path, small_chunks, largest_read):
+    """A list of hashes of another length than the file's inner chunks, or not of 32 lowercase
+    hex digits, is none; so are lists equal on both sides although the files' hashes differ
+    (records contradicting themselves): the changed shard is read whole, and found."""
+    before, after, _ = _changed_state()
+    a = saved(tmp_path, "a", before, incremental=True)
+    md = tsckpt.open(a)["w"].metadata
+    shard = math.prod(md.shard_shape) * 4  # the first shard: whole, not at the array's end
+    full_read = tsckpt.diff(saved(tmp_path, "full_a", before), saved(tmp_path, "full_b", after))
+    full = {leaf.path: _found(leaf) for leaf in full_read.leaves}["w"]
+    key = "w/c/0/0"
+    theirs = _root_chunks(a)[key]
+    edits = {
+        "short": lambda c: c.__setitem__(key, c[key][:-1]),
+        "long": lambda c: c.__setitem__(key, [*c[key], c[key][0]]),
+        "upper": lambda c: c.__setitem__(key, [c[key][0].upper(), *c[key][1:]]),
+        "not a list": lambda c: c.__setitem__(key, "".join(c[key])),
+        "equal to A's": lambda c: c.__setitem__(key, list(theirs)),
+    }
+    for name, edit in edits.items():
+        b = saved(tmp_path, name, after, incremental=True)
+        assert _root_chunks(b)[key] != theirs
+        _root_chunks(b, edit)
+        largest_read.clear()
+        (leaf,) = [leaf for leaf in tsckpt.diff(a, b).leaves if leaf.path == "w"]
+        assert _found(leaf) == full, name
+        changed_rest = leaf.bytes_read - 2 * shard  # the other changed shard's changed inner chunk
+        assert 0 < changed_rest < 2 * shard, name
+
+
+def test_forged_inner_chunk_hashes_are_found_by_verify(tmp_path, small_chunks):
+    """Well-formed but false hashes are trusted by diff as false file hashes are (a root that
+    claims another inner chunk changed hides the one that did: docs/security.md); verify
+    hashes every inner chunk it reads, and reports them."""
+    before, after, _ = _changed_state()
+    a = saved(tmp_path, "a", before, incremental=True)
+    b = saved(tmp_path, "b", after, incremental=True)
+    key = "w/c/0/0"
+    mine, theirs = _root_chunks(b)[key], _root_chunks(a)[key]
+    differ = [i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y]
+    assert len(differ) == 2  # the first shard's two changed elements
+    forged = [theirs[i] if i in differ else "f" * 32 if i == len(mine) - 1 else mine[i] for i in range(len(mine))]
+    _root_chunks(b, lambda c: c.__setitem__(key, forged))
+    (leaf,) = [leaf for leaf in tsckpt.diff(a, b).leaves if leaf.path == "w"]
+    assert (leaf.status, leaf.changed_elements) == ("different", 1)  # the first shard's two changes hidden
+    assert tsckpt.verify(a).ok
+    report = tsckpt.verify(b)
+    assert list(report.bad) == ["w"] and f"its file {key} does not hold the data its save hashed" in report.bad["w"]

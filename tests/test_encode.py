@@ -218,6 +218,37 @@ def test_shard_files_built_in_memory_are_tensorstores(tmp_path, shape, shard, in
     assert mine == theirs
 
 
+def _inner_hashes(src: np.ndarray, inner: tuple[int, ...]) -> list[str]:
+    """xxh3-128 of each inner chunk's part in the array, its bytes in C order, computed here
+    from the definition (docs/format.md, "Content hashes"), not by the writer's code."""
+    import xxhash
+
+    starts = itertools.product(*(range(0, n, c) for n, c in zip(src.shape, inner)))
+    return [
+        xxhash.xxh3_128_hexdigest(np.ascontiguousarray(src[tuple(slice(o, o + c) for o, c in zip(lo, inner))]).tobytes())
+        for lo in starts
+    ]
+
+
+@pytest.mark.parametrize("shape, shard, inner, dtype", LAYOUTS)
+def test_the_writer_hashes_each_inner_chunk_as_it_writes_it(tmp_path, writer_io, shape, shard, inner, dtype):
+    """write_shard(hashes=True) and shard_bytes give each stored inner chunk's content hash, in
+    the order of the file's index, and the same file as without them."""
+    full = _data(shape, dtype)
+    rec = ArrayRecord("x", shape, dtype, "numpy", Chunking(shard, inner))
+    layout = stored_shapes(rec)
+    for i, off in enumerate(_shard_cells(shape, shard)):
+        src = full[tuple(slice(o, o + s) for o, s in zip(off, shard))]
+        want = _inner_hashes(src, layout.inner)
+        path = tmp_path / f"{i}"
+        assert _shardwrite.write_shard(str(path), src, layout.shard, layout.inner) is None
+        plain = path.read_bytes()
+        assert _shardwrite.write_shard(str(path), src, layout.shard, layout.inner, hashes=True) == want
+        digests: list[str] = []
+        assert _shardwrite.shard_bytes(src, layout.shard, layout.inner, digests) == path.read_bytes() == plain
+        assert digests == want
+
+
 def test_direct_writes_refused_at_write_time(tmp_path, writer_io, monkeypatch):
     """A file system that takes O_DIRECT at open but fails its writes with EINVAL gets the
     same file through the page cache."""

@@ -384,3 +384,97 @@ def test_copies_only_within_one_bucket_and_endpoint(monkeypatch, caplog):
 
     copier.client = Other()
     assert copier.copy("w/c.0", "w/c.0", '"e"') is None and copier.refused == 2
+
+
+def _inner_hashes(src: np.ndarray, inner: list[int]) -> list[str]:
+    """xxh3-128 of each inner chunk's part in the array (C-order bytes), in C order of the
+    chunks holding part of it: computed from the definition (docs/format.md), not by tsckpt."""
+    import itertools
+
+    import xxhash
+
+    starts = itertools.product(*(range(0, n, c) for n, c in zip(src.shape, inner)))
+    return [
+        xxhash.xxh3_128_hexdigest(np.ascontiguousarray(src[tuple(slice(o, o + c) for o, c in zip(lo, inner))]).tobytes())
+        for lo in starts
+    ]
+
+
+def _meta(directory) -> dict:
+    return json.loads((directory / "zarr.json").read_text())["attributes"]["tsckpt"]
+
+
+def test_the_inner_chunks_of_shard_files_are_hashed(tmp_path, small_chunks):
+    """Each shard file of several inner chunks records their hashes, computed as the writer
+    writes them; a file of one chunk (its hash is the file's) and unsharded files record none."""
+    state = {"w": np.arange(70 * 50, dtype=np.float32).reshape(70, 50), "b": np.arange(7.0)}
+    tsckpt.save(tmp_path / "a", state)
+    meta = _meta(tmp_path / "a")
+    (rec,) = [r for r in meta["arrays"] if r["path"] == "w"]
+    shard, inner = rec["shard_shape"], rec["chunk_shape"]
+    chunks = meta["content"]["chunks"]
+    want = {}
+    for lo in np.ndindex(*(-(-n // s) for n, s in zip(state["w"].shape, shard))):
+        box = state["w"][tuple(slice(i * s, (i + 1) * s) for i, s in zip(lo, shard))]
+        if len(_inner_hashes(box, inner)) > 1:
+            want["w/c/" + "/".join(map(str, lo))] = _inner_hashes(box, inner)
+    assert want and chunks == want  # the edge shard's chunks: their part in the array
+    assert set(chunks) <= set(meta["content"]["files"])
+    tsckpt.save(tmp_path / "off", state, incremental=False)
+    assert "content" not in _meta(tmp_path / "off")
+
+
+@pytest.mark.parametrize("incremental", [True, "versions"])
+def test_shared_files_keep_their_inner_chunk_hashes(tmp_path, small_chunks, incremental):
+    torch = pytest.importorskip("torch")
+    state = {"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48), "v": torch.ones(64, 48)}
+    tsckpt.save(tmp_path / "a", state, incremental=incremental)
+    state["v"][0, 0] = 2.0  # one file of v rewritten: its chunk hashes its own
+    tsckpt.save(tmp_path / "b", state, base=tmp_path / "a", incremental=incremental)
+    a, b = _meta(tmp_path / "a")["content"]["chunks"], _meta(tmp_path / "b")["content"]["chunks"]
+    assert a.keys() == b.keys()
+    changed = [k for k in a if a[k] != b[k]]
+    assert changed == ["v/c/0/0"] and sum(x != y for x, y in zip(a["v/c/0/0"], b["v/c/0/0"])) == 1
+    linked = [k for k in b if os.stat(tmp_path / "b" / k).st_nlink == 2]
+    assert sorted(linked) == sorted(k for k in b if k != "v/c/0/0")  # carried over with their files
+    (rec,) = [r for r in _meta(tmp_path / "b")["arrays"] if r["path"] == "v"]
+    box = state["v"].numpy()[tuple(slice(0, s) for s in rec["shard_shape"])]
+    assert b["v/c/0/0"] == _inner_hashes(box, rec["chunk_shape"])
+
+
+def test_recorded_inner_chunk_hashes_are_taken_only_when_valid():
+    from tsckpt._ondisk.records import content_chunks, content_field
+
+    entry = ("0" * 32, 36, 0, 0)
+    good = ["a" * 32, "b" * 32]
+    meta = {"content": content_field({"a/c/0": entry, "b/c/0": entry}, None, {"a/c/0": good, "x/c/0": good})}
+    assert json.loads(json.dumps(meta))["content"]["chunks"] == {"a/c/0": good}  # x: no file entry, left out
+    assert content_chunks(meta) == {"a/c/0": tuple(good)}
+    assert "chunks" not in content_field({"a/c/0": entry})
+    bad = {
+        "a/c/0": ["A" * 32, "b" * 32], "b/c/0": ["a" * 31, "b" * 32], "c/c/0": ["a" * 32], "d/c/0": "a" * 64,
+        "e/c/0": ["a" * 32, 7], "f/c/0": good,  # f: no file entry
+    }
+    files = {k: list(entry) for k in ("a/c/0", "b/c/0", "c/c/0", "d/c/0", "e/c/0")}
+    assert content_chunks({"content": {"algorithm": "xxh3-128", "files": files, "chunks": bad}}) == {}
+    assert content_chunks({"content": {"algorithm": "xxh3-128", "files": files, "chunks": [good]}}) == {}
+    assert content_chunks({"content": {"algorithm": "other", "files": files, "chunks": {"a/c/0": good}}}) == {}
+
+
+def test_verify_checks_the_inner_chunk_hashes(tmp_path, small_chunks):
+    """A root whose inner chunk hashes do not match its file's data is reported; one of
+    another length than the file's inner chunks is read as none."""
+    tsckpt.save(tmp_path / "a", {"w": np.arange(64 * 48, dtype=np.float32).reshape(64, 48)})
+    root = tmp_path / "a" / "zarr.json"
+    raw = json.loads(root.read_text())
+    chunks = raw["attributes"]["tsckpt"]["content"]["chunks"]
+    key = min(chunks)
+    real = list(chunks[key])
+    chunks[key] = [real[1], real[0], *real[2:]]
+    root.write_text(json.dumps(raw))
+    report = tsckpt.verify(tmp_path / "a")
+    assert list(report.bad) == ["w"]
+    assert f"its file {key} does not hold the data its save hashed (inner chunk 0 in C order" in report.bad["w"]
+    chunks[key] = real[1:]
+    root.write_text(json.dumps(raw))
+    assert tsckpt.verify(tmp_path / "a").ok

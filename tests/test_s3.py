@@ -723,6 +723,8 @@ def test_incremental_steps_copy_unchanged_objects_on_the_store(s3_server, prefix
     files0, etags0 = _content(s3_server, f"{prefix}/00000000")
     frozen = sorted(k for k in files0 if k.startswith("base/"))
     assert len(frozen) > 3 and set(etags0) == set(files0)  # several shard files, and every file's ETag
+    chunks0 = _root(s3_server, f"{prefix}/00000000")["content"]["chunks"]
+    assert chunks0 and set(chunks0) <= set(frozen)
     # each ETag from its write's response: no request reads one back
     assert [r.key for r in counted.seen if r.method == "HEAD" and not r.key.endswith("zarr.json")] == []
     counted.seen.clear()
@@ -733,6 +735,8 @@ def test_incremental_steps_copy_unchanged_objects_on_the_store(s3_server, prefix
     assert _data_puts(counted, step1)["adapter/c.0"] == 36
     files1, etags1 = _content(s3_server, step1)
     assert set(files1) == set(files0) and all(files1[k] == files0[k] for k in frozen)
+    # the inner chunks' hashes of each shard file of several: hashed as it was PUT, kept with its copy
+    assert _root(s3_server, step1)["content"]["chunks"] == chunks0
     client = _client(s3_server)
     for key, (_, size, _, _) in files1.items():  # each object's own ETag and size, as recorded
         head = client.head_object(Bucket=BUCKET, Key=f"{step1}/{key}")

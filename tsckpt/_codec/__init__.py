@@ -6,7 +6,8 @@ Owns:
 - :mod:`.route`: the one rule saying which arrays the own codec handles (both directions),
   and the switch ``TSCKPT_CODEC=tensorstore`` that sends all I/O through TensorStore.
 - :mod:`.crc`: crc32c through the crc32c package's public API (the GIL released).
-- :mod:`.contenthash`: the xxh3-128 content hash of a file's data (incremental saves' proof).
+- :mod:`.contenthash`: the xxh3-128 content hash of a file's data (incremental saves' proof), and of
+  each inner chunk of a shard file (what lets diff read only the inner chunks that differ).
 - :mod:`.files`: an array's stored shapes, and the shard index (:class:`.files.ShardIndex`).
 - :mod:`.encode`: unsharded chunk files (one kvstore read or write each).
 - :mod:`.chunkread`: restore's reads of unsharded chunk files into CPU memory.

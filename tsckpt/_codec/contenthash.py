@@ -7,13 +7,21 @@ times slower, so it costs a full save little) of the file's data as written: the
 C-order, little-endian bytes of the part of the array the file holds (docs/format.md,
 "Content hashes"). It is computed on the write threads, from the source memory the file
 is written from.
+
+A shard file of several inner chunks also records the hash of each inner chunk's data
+(:func:`chunk_digests`; its part inside the array, as a file's), so that diff reads only
+the inner chunks that differ.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xxhash
 
+from .._base.types import box_slices
+from .files import stored_starts
 
 
 def digest(src: np.ndarray) -> str:
@@ -22,3 +30,10 @@ def digest(src: np.ndarray) -> str:
     if data.dtype.isbuiltin == 2 or not data.ndim:  # a dtype numpy cannot export (bfloat16, float8), a scalar
         data = data.reshape(-1).view(np.uint8)
     return xxhash.xxh3_128_hexdigest(data.data)
+
+
+def chunk_digests(src: np.ndarray, inner: Sequence[int]) -> list[str]:
+    """The :func:`digest` of each inner chunk of ``inner`` elements of the shard whose part in
+    the array is ``src`` (its stored dtype and shape), over the chunk's part in the array, in
+    the order a shard file stores them (:func:`.files.stored_starts`)."""
+    return [digest(src[box_slices(lo, inner)]) for lo in stored_starts(src.shape, inner)]

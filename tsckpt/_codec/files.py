@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,13 @@ def stored_shapes(rec: ArrayRecord) -> StoredShapes:
     return StoredShapes(
         (*rec.chunking.shard_shape, *extra), None if inner is None else (*inner, *extra), (*rec.shape, *extra)
     )
+
+
+def stored_starts(shape: Sequence[int], inner: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Where each inner chunk a shard file stores starts (in elements from the shard's
+    start), in C order of the shard's grid of inner chunks: those holding part of the array
+    (``shape``: the part of the shard inside the array; the others are not stored)."""
+    return itertools.product(*(range(0, n, c) for n, c in zip(shape, inner)))
 
 
 def storage_box(rec: ArrayRecord, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -33,9 +33,9 @@ from .._base.types import box_slices
 from .._ondisk.arrays import CRC_BYTES
 from .._storage import native
 from .._storage.native import ALIGN, IOV_MAX
-from . import crc
+from . import contenthash, crc
 from .encode import chunk_parts
-from .files import ShardIndex
+from .files import ShardIndex, stored_starts
 from .pagecache import set_direct
 
 # Bytes of gathered (non-contiguous or padded) chunks staged before a pwritev; small, so
@@ -282,47 +282,65 @@ class _Memory:
         self.end += nbytes
 
 
-def write_shard(path: str, src: np.ndarray, shard: Sequence[int], inner: Sequence[int], *, writeback: bool = False) -> None:
+def write_shard(
+    path: str, src: np.ndarray, shard: Sequence[int], inner: Sequence[int], *, writeback: bool = False,
+    hashes: bool = False,
+) -> list[str] | None:
     """The shard file whose in-bounds part is ``src`` (the shard clipped to the array's
-    end), with inner chunks of shape ``inner``; ``shard`` is a multiple of ``inner``."""
+    end), with inner chunks of shape ``inner``; ``shard`` is a multiple of ``inner``.
+    ``hashes``: returns the content hash of each inner chunk's data (:func:`.contenthash.chunk_digests`),
+    hashed as the chunk is written."""
     f = _open(path, math.prod(inner) * src.dtype.itemsize)
+    digests: list[str] | None = [] if hashes else None
     try:
-        _encode_shard(f, src, shard, inner)
+        _encode_shard(f, src, shard, inner, digests)
     finally:
         f.close(writeback=writeback)
+    return digests
 
 
-def shard_bytes(src: np.ndarray, shard: Sequence[int], inner: Sequence[int]) -> bytes:
+def shard_bytes(
+    src: np.ndarray, shard: Sequence[int], inner: Sequence[int], digests: list[str] | None = None
+) -> bytes:
     """The bytes of the shard file :func:`write_shard` writes, for one object-store write
-    (whose response carries the object's ETag)."""
+    (whose response carries the object's ETag); the inner chunks' hashes appended to
+    ``digests`` where given."""
     f = _Memory()
-    _encode_shard(f, src, shard, inner)
+    _encode_shard(f, src, shard, inner, digests)
     return b"".join(f.parts)
 
 
-def _encode_shard(f: _File | _DirectFile | _Memory, src: np.ndarray, shard: Sequence[int], inner: Sequence[int]) -> None:
-    """The inner chunks of ``src``, then the shard's index, appended to ``f``."""
+def _encode_shard(
+    f: _File | _DirectFile | _Memory, src: np.ndarray, shard: Sequence[int], inner: Sequence[int],
+    digests: list[str] | None = None,
+) -> None:
+    """The inner chunks of ``src``, then the shard's index, appended to ``f``; each inner
+    chunk's content hash appended to ``digests`` where given, from the memory it is written
+    from (the part of a chunk at the array's end inside the array: copied to be hashed)."""
     inner = tuple(inner)
     grid = tuple(s // i for s, i in zip(shard, inner))
     chunk_bytes = math.prod(inner) * src.dtype.itemsize
     index = ShardIndex.missing(grid)
-    for cell in np.ndindex(*grid):
-        lo = [c * i for c, i in zip(cell, inner)]
-        if any(a >= s for a, s in zip(lo, src.shape)):
-            continue  # wholly outside the array: not stored
+    for lo in stored_starts(src.shape, inner):
+        cell = tuple(a // i for a, i in zip(lo, inner))
         box = src[box_slices(lo, inner)]
         index.put(cell, f.end, chunk_bytes + CRC_BYTES)
         if box.shape == inner and box.flags.c_contiguous:
             flat = box.reshape(-1).view(np.uint8)
             f.add(flat, chunk_bytes)
+            whole = box
         else:
             flat = f.space(chunk_bytes)
             chunk = flat.view(src.dtype).reshape(inner)
             if box.shape != inner:  # partly outside: the rest is the fill value, zero bytes
                 flat[...] = 0
                 chunk[tuple(slice(0, k) for k in box.shape)] = box
+                whole = box
             else:
                 np.copyto(chunk, box)
+                whole = chunk
+        if digests is not None:
+            digests.append(contenthash.digest(whole))
         f.add(crc.encoded(flat), CRC_BYTES)
     for part in index.stored():
         f.add(part, len(part))

@@ -237,25 +237,70 @@ ContentEntry = tuple[str, int, int, int]
 ETAG_CHARS_MAX = 200
 
 
+def _digest_ok(value: Any) -> bool:
+    """Whether ``value`` is a hash as recorded: :data:`CONTENT_HEX_DIGITS` lowercase hex digits."""
+    return isinstance(value, str) and len(value) == CONTENT_HEX_DIGITS and set(value) <= _HEX_DIGITS
+
+
 def _content_entry(value: Any) -> ContentEntry | None:
     """A stored entry, or None when it is not one (a damaged or hostile root proves nothing)."""
     if not isinstance(value, list) or len(value) != 4:
         return None
     digest, *stat = value
-    if not isinstance(digest, str) or len(digest) != CONTENT_HEX_DIGITS or not set(digest) <= _HEX_DIGITS:
+    if not _digest_ok(digest):
         return None
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stat):
         return None
     return digest, stat[0], stat[1], stat[2]
 
 
-def content_field(files: Mapping[str, ContentEntry], etags: Mapping[str, str] | None = None) -> dict[str, Any]:
+def content_field(
+    files: Mapping[str, ContentEntry], etags: Mapping[str, str] | None = None,
+    chunks: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, Any]:
     """The root metadata's ``content`` field for ``files`` (key -> entry), keys sorted, with
-    the ``etags`` of the objects (key -> ETag as written) where there are any."""
+    the ``etags`` of the objects (key -> ETag as written) and the ``chunks`` hashes of shard
+    files' inner chunks (key -> hashes) where there are any (of files in ``files`` only)."""
     out: dict[str, Any] = {"algorithm": CONTENT_HASH, "files": {k: list(v) for k, v in sorted(files.items())}}
     if etags:
         out["etags"] = dict(sorted(etags.items()))
+    kept = {k: list(v) for k, v in sorted((chunks or {}).items()) if k in files}
+    if kept:
+        out["chunks"] = kept
     return out
+
+
+def content_chunks(meta: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The hashes of the inner chunks of each shard file a root's ``content`` field records
+    them for (``chunks``: key -> hashes, in C order of the inner chunks holding part of the
+    array), for keys with a valid entry in ``files``; a list that is not of at least two
+    hashes is left out. Whether a list has as many hashes as its file has inner chunks is the
+    reader's to check (it knows the file's box): one of another length is read as absent."""
+    content = meta.get("content")
+    chunks = content.get("chunks") if isinstance(content, dict) else None
+    if not isinstance(chunks, dict):
+        return {}
+    entries = content_entries(meta)
+    return {
+        k: tuple(v) for k, v in chunks.items()
+        if k in entries and isinstance(v, list) and len(v) > 1 and _digests_ok(v)
+    }
+
+
+_HEX_RUN = re.compile(f"(?:[0-9a-f]{{{CONTENT_HEX_DIGITS}}})+")
+
+
+def _digests_ok(values: list[Any]) -> bool:
+    """Whether every one of ``values`` passes :func:`_digest_ok`, checked as one string (a root
+    holds a list per shard file: a loop over each digit's set cost most of reading them)."""
+    try:
+        joined = "".join(values)
+    except TypeError:  # not all strings
+        return False
+    return (
+        len(joined) == CONTENT_HEX_DIGITS * len(values) and _HEX_RUN.fullmatch(joined) is not None
+        and all(len(d) == CONTENT_HEX_DIGITS for d in values)
+    )
 
 
 def valid_etag(value: Any) -> bool:

@@ -9,7 +9,9 @@ read; so memory stays within the window whatever the checkpoints' size. A piece 
 same bytes on both sides costs a byte comparison; only elements that differ are widened
 to float64. A region whose stored data is known equal without reading
 (:func:`known_equal`: the same content hash recorded on both sides, the same file on disk,
-a hard link, or :func:`one_checkpoint` given twice) is not read.
+a hard link, or :func:`one_checkpoint` given twice) is not read; nor, in a shard file
+whose hash differs, an inner chunk whose recorded hash is the same on both sides
+(:func:`unequal_chunks`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 from .._base import dtypes as _dtypes
 from .._base.leafnames import did_you_mean, listed, spelled, under
 from .._base.types import Box, Dest, ReadItem, box_slices
-from .._codec.files import node_agrees, opened_directory
+from .._codec.files import node_agrees, opened_directory, stored_starts
 from .._codec.route import Place, Route, place, route
 from .._codec.shardread import StoredChunk, check_stored, read_stored
 from .._errors import StructureMismatchError
@@ -41,7 +43,7 @@ from .._ondisk.backing import check_backed
 from .._ondisk.checkpoint import Checkpoint
 from .._ondisk.chunking import cells, shard_boxes
 from .._ondisk.readfaults import unchanged
-from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, content_entries
+from .._ondisk.records import LAYOUT_PLAIN, ArrayRecord, content_chunks, content_entries
 from .._options import READ_WINDOW_BYTES, RestoreOptions, verb
 from .._runtime import fork as _fork
 from .._runtime.progress import Progress
@@ -161,15 +163,18 @@ def _json_number(v: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """What one side records of its files: their content hashes (key -> hash; none for
-    another library's checkpoint, or one saved without them)."""
+    another library's checkpoint, or one saved without them), and those of the inner chunks
+    of its shard files (key -> hashes, where recorded)."""
 
     ck: Checkpoint
     hashes: Mapping[str, str]
+    chunks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, ck: Checkpoint) -> Stored:
-        entries = {} if ck.foreign else content_entries(ck.raw)
-        return cls(ck, {k: e[0] for k, e in entries.items()})
+        if ck.foreign:
+            return cls(ck, {})
+        return cls(ck, {k: e[0] for k, e in content_entries(ck.raw).items()}, content_chunks(ck.raw))
 
 
 def one_checkpoint(a: Checkpoint, b: Checkpoint) -> bool:
@@ -189,20 +194,58 @@ def known_equal(a: Stored, b: Stored, path: str, region: Box, path_b: str | None
     :func:`one_checkpoint`'s); None when that is not known, and the region must be read."""
     ca, cb = a.ck, b.ck
     local = ca.location.local is not None and cb.location.local is not None
-    path_b = path if path_b is None else path_b
-    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path_b, path_b))
-    if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
+    keys = _shard_keys(a, b, path, region, path_b)
+    if keys is None:
         return None
-    if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
-        return None  # the same bytes would not decode to the same elements
     # a shard not stored (all fill value) or unreadable is read
-    ka, kb = chunk_key(ra, region[0]), chunk_key(rb, region[0])
+    ka, kb = keys[1:]
     ha, hb = a.hashes.get(ka), b.hashes.get(kb)
     if ha is not None and hb is not None:
         return True if ha == hb else None  # files of other contents are not one file
     if not local:
         return None
     return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
+
+
+def _shard_keys(a: Stored, b: Stored, path: str, region: Box, path_b: str | None) -> tuple[ArrayRecord, str, str] | None:
+    """A's record of the array ``path`` (in B ``path_b``) and each side's key of the file of the
+    shard ``region``, where both sides are tsckpt plain checkpoints storing the array alike
+    (dtype, shape, chunking): what makes equal stored bytes equal elements; else None."""
+    ca, cb = a.ck, b.ck
+    path_b = path if path_b is None else path_b
+    ra, rb = ca.arrays.get(ca.aliases.get(path, path)), cb.arrays.get(cb.aliases.get(path_b, path_b))
+    if ra is None or rb is None or ca.foreign or cb.foreign or LAYOUT_PLAIN != ca.layout or LAYOUT_PLAIN != cb.layout:
+        return None
+    if (ra.dtype, ra.shape, ra.chunking) != (rb.dtype, rb.shape, rb.chunking):
+        return None  # the same bytes would not decode to the same elements
+    return ra, chunk_key(ra, region[0]), chunk_key(rb, region[0])
+
+
+def unequal_chunks(a: Stored, b: Stored, path: str, region: Box, path_b: str | None = None) -> list[tuple[Box, bool]] | None:
+    """The inner chunks of the shard ``region`` (one of A's stored shards, not known equal: its
+    files' hashes differ) of the array ``path`` (in B ``path_b``), each with whether its data
+    may differ, known from the hashes both sides recorded for the inner chunks of its file
+    (docs/format.md, "Content hashes"): a chunk of the same hash on both sides is equal. None
+    where that is not known (a side records none, or a list of another length than the
+    file's inner chunks): the shard is read whole; so too where every chunk's hash is the
+    same on both sides although the files' hashes differ (records that contradict
+    themselves prove nothing), and where every one differs (nothing to leave unread: the
+    shard is read in blocks of several chunks, not a chunk at a time)."""
+    found = _shard_keys(a, b, path, region, path_b)
+    chunk = None if found is None else found[0].chunking.chunk_shape
+    if found is None or chunk is None:
+        return None
+    ha, hb = a.chunks.get(found[1]), b.chunks.get(found[2])
+    starts = list(stored_starts(region[1], chunk))
+    if ha is None or hb is None or not len(ha) == len(hb) == len(starts) or ha == hb:
+        return None
+    if all(x != y for x, y in zip(ha, hb)):
+        return None
+    return [
+        ((tuple(o + s for o, s in zip(region[0], lo)), tuple(min(c, n - s) for c, n, s in zip(chunk, region[1], lo))),
+         x != y)
+        for lo, x, y in zip(starts, ha, hb)
+    ]
 
 
 def _same_path(x: str, y: str) -> bool:
@@ -767,14 +810,28 @@ class _ArrayWork:
         return _StoredSide(sides.a, da, self.rec, sides.buffers), _StoredSide(sides.b, db, rb, sides.buffers)
 
     def blocks(self) -> Iterator[Box]:
-        """The blocks to read: every stored shard of A not known equal (:func:`known_equal`)."""
+        """The blocks to read: every stored shard of A not known equal (:func:`known_equal`), of
+        it only the inner chunks not known equal where both sides record their hashes
+        (:func:`unequal_chunks`)."""
         sides = self.sides
         for shard in shard_boxes((0,) * len(self.la.shape), self.la.shape, self.rec.chunking):
             if sides.twice or known_equal(sides.stored_a, sides.stored_b, self.la.path, shard, self.lb.path):
-                self.known += math.prod(shard[1]) * self.itemsize
-                sides.progress.update(2 * math.prod(shard[1]) * self.itemsize)
+                self._known(shard)
                 continue
-            yield from blocks(shard, self.chunk, self.limit)
+            inner = None
+            if tuple(self.chunk) == self.rec.chunking.chunk_shape:  # blocks of whole inner chunks
+                inner = unequal_chunks(sides.stored_a, sides.stored_b, self.la.path, shard, self.lb.path)
+            for box, differs in [(shard, True)] if inner is None else inner:
+                if differs:
+                    yield from blocks(box, self.chunk, self.limit)
+                else:
+                    self._known(box)
+
+    def _known(self, box: Box) -> None:
+        """Count ``box`` as known equal, not read."""
+        nbytes = math.prod(box[1]) * self.itemsize
+        self.known += nbytes
+        self.sides.progress.update(2 * nbytes)
 
     def compare(self, block: Box, a: np.ndarray | _StoredBlock, b: np.ndarray | _StoredBlock) -> None:
         sides = self.sides

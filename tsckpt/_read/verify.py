@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._base import dtypes as _dtypes
 from .._base.types import box_slices
 from .._codec import contenthash
+from .._codec.files import stored_shapes
 from .._formats import lazy
 from .._formats.sources import open_checkpoint
 from .._ondisk.arrays import chunk_file_bytes, chunk_key, chunk_size_problem, stored_node_problem
@@ -18,7 +19,7 @@ from .._ondisk.backing import backing_problems
 from .._ondisk.checkpoint import TSCKPT, Checkpoint
 from .._ondisk.chunking import shard_boxes
 from .._ondisk.readfaults import describe_read_error
-from .._ondisk.records import ROOT_KEY, content_entries
+from .._ondisk.records import ROOT_KEY, ArrayRecord, content_chunks, content_entries
 from .._options import RestoreOptions, verb
 from .._runtime.progress import Progress
 from .._runtime.window import Window
@@ -113,6 +114,22 @@ def _check_nodes(ck: Checkpoint, linked: Mapping[str, str]) -> _Nodes:
     return _Nodes(bad, tuple(problems))
 
 
+def _check_chunks(rec: ArrayRecord, key: str, data: Any, recorded: Sequence[str], bad: dict[str, str]) -> None:
+    """Report in ``bad`` a shard file ``key`` (its data read, ``data``) whose inner chunks' data do
+    not hash to the hashes its root records for them; a list of another length than the
+    file's inner chunks is read as none recorded (diff ignores it too)."""
+    inner = stored_shapes(rec).inner
+    if inner is None:
+        return
+    got = contenthash.chunk_digests(data, inner)
+    wrong = [i for i, (x, y) in enumerate(zip(got, recorded)) if x != y] if len(got) == len(recorded) else []
+    if wrong:
+        bad.setdefault(
+            rec.path, f"its file {key} does not hold the data its save hashed (inner chunk {wrong[0]} in C order: "
+            f"content hash {recorded[wrong[0]]} recorded, {got[wrong[0]]} read)",
+        )
+
+
 def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _Reads:
     """Read every shard file of every array not in ``skip``, a bounded window at a time; a
     file whose content hash the root records (docs/format.md, "Content hashes") is hashed
@@ -123,6 +140,7 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
     just past that size (:func:`_longer`)."""
     bad: dict[str, str] = {}
     hashes = content_entries(ck.raw) if not ck.foreign else {}
+    chunks = content_chunks(ck.raw) if not ck.foreign else {}
 
     def settle(read: tuple[Any, str, int, str, Any]) -> None:
         fut, path, nbytes, key, past = read
@@ -142,6 +160,8 @@ def _read_all(ck: Checkpoint, skip: Mapping[str, str], progress: Progress) -> _R
                 path, f"its file {key} does not hold the data its save hashed (content hash {hashes[key][0]} "
                 f"recorded, {contenthash.digest(data)} read)",
             )
+        elif key in chunks:
+            _check_chunks(ck.arrays[path], key, data, chunks[key], bad)
 
     window: Window[tuple[Any, str, int, str, Any]] = Window(VERIFY_WINDOW_BYTES, settle)
     total = files = 0

@@ -424,11 +424,12 @@ def _write(
         else:
             shared = set() if sharer is None else set(sharer.shared)
             _durable.sync_data(loc, [k for k in keys if k not in shared], linked=shared)
-        return None if sharer is None else (sharer.recorded(), sharer.etags)
+        return None if sharer is None else (sharer.recorded(), sharer.etags, sharer.chunks)
 
 
-# A rank's content entries, and its objects' ETags (object stores; else empty).
-Recorded = tuple[dict[str, ContentEntry], dict[str, str]]
+# A rank's content entries, its objects' ETags (object stores; else empty) and its shard
+# files' inner chunks' hashes.
+Recorded = tuple[dict[str, ContentEntry], dict[str, str], dict[str, tuple[str, ...]]]
 
 
 def _gather_files(coord: Any, mine: Recorded | None, layout: str) -> Recorded | None:
@@ -446,7 +447,10 @@ def _gather_files(coord: Any, mine: Recorded | None, layout: str) -> Recorded | 
     recorded = [p for p in everyone if p is not None]
     if not recorded:
         return None
-    return {k: v for p in recorded for k, v in p[0].items()}, {k: v for p in recorded for k, v in p[1].items()}
+    return (
+        {k: v for p in recorded for k, v in p[0].items()}, {k: v for p in recorded for k, v in p[1].items()},
+        {k: v for p in recorded for k, v in p[2].items()},
+    )
 
 
 def _write_spec(loc: Location, layout: str, writer: int | None = None) -> dict[str, Any]:

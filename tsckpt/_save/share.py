@@ -20,7 +20,9 @@ this process hashed it is taken from then, its data not read (:mod:`.versions`).
 Each rank records, per file, its hash and the file's size, modification time and inode
 (``content`` in the root metadata, docs/format.md): a written file's as its write thread
 closes it, a shared file's once the files are durable; a file shared whose base changed
-during the save fails the save (:meth:`Sharer.recorded`).
+during the save fails the save (:meth:`Sharer.recorded`). A shard file of several inner
+chunks the own writer wrote also has its inner chunks' hashes recorded, as the writer
+hashed them; a file shared takes those the base recorded for it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from .._coord.torchdist import torch_initialized
 from .._errors import CheckpointNotFoundError, NotACheckpointError, StorageError, TsckptError
 from .._ondisk import root as _root
 from .._ondisk.arrays import same_cell_key
-from .._ondisk.records import LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, ContentEntry, content_entries, content_etags
+from .._ondisk.records import (
+    LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, ContentEntry, content_chunks, content_entries, content_etags,
+)
 from .._ondisk.stepindex import STEP
 from .._storage.beneath import open_beneath, open_directory
 from .._storage.faults import leaf_of_key
@@ -65,12 +69,13 @@ STAMP_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswit
 @dataclasses.dataclass(frozen=True)
 class Base:
     """What a save shares with: the base's local directory (and a descriptor of it, open until
-    :meth:`close`), its records and recorded files."""
+    :meth:`close`), its records, recorded files and their inner chunks' hashes."""
 
     directory: str
     dir_fd: int
     records: Mapping[str, ArrayRecord]
     files: Mapping[str, ContentEntry]
+    chunks: Mapping[str, tuple[str, ...]]
 
     def close(self) -> None:
         os.close(self.dir_fd)
@@ -134,12 +139,13 @@ COPY_MIN_BYTES = 64 << 10
 
 @dataclasses.dataclass(frozen=True)
 class ObjectBase:
-    """What a save on an object store shares with: the base's records, recorded files and
-    their objects' ETags, and the copier that makes server-side copies of them."""
+    """What a save on an object store shares with: the base's records, recorded files, their
+    objects' ETags and inner chunks' hashes, and the copier that makes server-side copies of them."""
 
     records: Mapping[str, ArrayRecord]
     files: Mapping[str, ContentEntry]
     etags: Mapping[str, str]
+    chunks: Mapping[str, tuple[str, ...]]
     copier: Copier
 
     def copy(self, key: str, rec: ArrayRecord, digest: str) -> tuple[str, str, int] | None:
@@ -221,7 +227,7 @@ def open_base(base: Directory | None, target: Location) -> Base | None:
     except (TsckptError, OSError) as e:
         log.info("incremental save: base %s cannot be read (%s); every file is written", loc, e)
         return None
-    return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw))
+    return Base(loc.local, dir_fd, dict(ck.arrays), content_entries(ck.raw), content_chunks(ck.raw))
 
 
 def open_object_base(base: Directory | None, target: Location) -> ObjectBase | None:
@@ -249,7 +255,7 @@ def open_object_base(base: Directory | None, target: Location) -> ObjectBase | N
     if not etags:
         log.info("incremental save: base %s records no object ETags; every file is written", loc)
         return None
-    return ObjectBase(dict(ck.arrays), content_entries(ck.raw), etags, copier)
+    return ObjectBase(dict(ck.arrays), content_entries(ck.raw), etags, content_chunks(ck.raw), copier)
 
 
 def sharer_for(target: Location, layout: str, incremental: Any, base: Directory | None) -> Sharer | None:
@@ -316,6 +322,7 @@ class Sharer:
         self._states: dict[int, tuple[Any, _versions.State | None]] = {}
         self.known: set[str] = set()  # files whose hash was known, their data not read
         self.etags: dict[str, str] = {}  # on an object store: each file's object's ETag
+        self.chunks: dict[str, tuple[str, ...]] = {}  # shard files' inner chunks' hashes
 
     def proof(self, data: Any, region: tuple[str, tuple[int, ...]], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Proof | None:
         """The :data:`Proof` of the file of box (``offsets``, ``lengths``) of a leaf's local
@@ -365,12 +372,27 @@ class Sharer:
 
     def _share(self, key: str, rec: ArrayRecord, digest: str) -> bool:
         """Link the base's file for file ``key`` of hash ``digest`` where proven equal (:meth:`Base.link`)."""
-        theirs = None if self.base is None else self.base.link(key, rec, digest, os.path.join(self.directory, key))
-        if theirs is None:
+        base = self.base
+        theirs = None if base is None else base.link(key, rec, digest, os.path.join(self.directory, key))
+        if theirs is None or base is None:
             return False
         self.hashes[key] = digest
         self.shared[key] = theirs
+        self._carry_chunks(key, theirs, base.chunks)
         return True
+
+    def wrote_chunks(self, key: str, digests: list[str] | None) -> None:
+        """Record the hashes of the inner chunks of shard file ``key`` as its writer hashed them
+        (:func:`.shardwrite.write_shard`): of a file of several inner chunks only (the hash of
+        one is the file's)."""
+        if digests is not None and len(digests) > 1:
+            self.chunks[key] = tuple(digests)
+
+    def _carry_chunks(self, key: str, theirs: str, base_chunks: Mapping[str, tuple[str, ...]]) -> None:
+        """A file shared from the base's ``theirs`` keeps the inner chunks' hashes the base recorded."""
+        got = base_chunks.get(theirs)
+        if got is not None:
+            self.chunks[key] = got
 
     def close(self) -> None:
         """Close the base's directory (once every file is shared or written)."""
@@ -420,6 +442,8 @@ class ObjectSharer(Sharer):
         self.written[key] = (digest, size, 0, 0)
         self.etags[key] = etag
         self.shared[key] = theirs
+        if self.object_base is not None:
+            self._carry_chunks(key, theirs, self.object_base.chunks)
         return True
 
     def _wrote(self, key: str, digest: str, got: Any) -> None:

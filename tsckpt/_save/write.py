@@ -308,7 +308,11 @@ class _Writers:
         sharer = self.sharer
 
         def write() -> None:
-            shardwrite.write_shard(path, src, shapes.shard, inner, writeback=START_WRITEBACK)
+            digests = shardwrite.write_shard(
+                path, src, shapes.shard, inner, writeback=START_WRITEBACK, hashes=sharer is not None
+            )
+            if sharer is not None:
+                sharer.wrote_chunks(w.key, digests)
 
         return self.pool.submit(write if sharer is None else lambda: sharer.put(w.key, w.rec, src, write, proof))
 
@@ -326,7 +330,9 @@ class _Writers:
                 self.own and regular_shards(w.rec) and whole_shard(w.rec, w.offsets, w.lengths)
                 and src.nbytes < OBJECT_IN_MEMORY_BYTES
             ):
-                data = shardwrite.shard_bytes(src, w.shapes.shard, w.shapes.inner or w.shapes.shard)
+                digests: list[str] = []
+                data = shardwrite.shard_bytes(src, w.shapes.shard, w.shapes.inner or w.shapes.shard, digests)
+                sharer.wrote_chunks(w.key, digests)
             else:  # TensorStore's (a large shard file, or TSCKPT_CODEC=tensorstore): its ETag read back, reading none of its bytes
                 self._tensorstore(w, src).result()
                 stamp = self.kv.read(w.key, byte_range=slice(0, 0)).result().stamp
