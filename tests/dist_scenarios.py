@@ -430,6 +430,19 @@ def out_of_step(rank: int, world: int, root: str, how: str) -> tuple[str, list[i
     return "", m.all_steps()
 
 
+def nested_on_one_rank(rank: int, world: int, root: str) -> tuple[str, list[int], list[float]]:
+    """A manager keeping one step saves step 1, then step 2 with "r" a tensor on rank 0 and a
+    list of one on rank 1: the error each rank got, the steps listed, and step 1's "r" read back."""
+    m = tsckpt.CheckpointManager(root, keep_last=1, layout=rank_layout())
+    m.save(1, {"r": torch.arange(3.0)})
+    try:
+        m.save(2, {"r": torch.arange(3.0) if rank == 0 else [torch.arange(3.0)]})
+        message = ""
+    except tsckpt.LayoutError as e:
+        message = str(e)
+    return message, m.all_steps(), m.restore(1)["r"].tolist()
+
+
 def busy_on_one_rank(rank: int, world: int, root: str) -> tuple[str, str]:
     """Rank 0 still has a save in flight (a handle not yet done), rank 1 none: a save_async and a
     save with if_busy="error" are refused on both ranks (the messages each got)."""

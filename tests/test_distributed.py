@@ -106,6 +106,18 @@ def test_pipeline_name_collision_is_an_error(tmp_path):
         assert "'model/layers.0.weight'" in msg and "differ in content" in msg and "distinct global names" in msg
 
 
+def test_a_path_that_is_a_leaf_on_one_rank_and_holds_leaves_on_another_is_refused(tmp_path):
+    """Saved as the union of both ranks' leaves ("r" and "r/0"), the step was listed complete
+    and could not be restored, and retention had removed the step before it."""
+    for message, steps, first in run_ranks(sc.nested_on_one_rank, 2, str(tmp_path / "run")):
+        assert message == (
+            "'r' is a leaf on rank(s) [0] but holds leaves on rank(s) [1] ('r/0'): the ranks give different trees at "
+            "that path (e.g. a tensor on one, a list or dict of them on another); give it the same kind of node on "
+            "every rank, or distinct names per rank"
+        )
+        assert steps == [1] and first == [0.0, 1.0, 2.0]
+
+
 @pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_partial_placement_is_refused(tmp_path):
     with pytest.raises(RankError) as e:

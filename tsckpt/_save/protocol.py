@@ -324,9 +324,31 @@ def _gather(payloads: Sequence[Payload]) -> _Described:
         raise ValueError(
             f"ranks passed different layouts ({', '.join(map(repr, layouts))}); every rank must save with the same"
         )
+    _check_nesting(payloads)
     per_rank = [p.descs for p in payloads]
     aliases = plan_aliases(per_rank, [p.links for p in payloads])
     return _Described(tuple(payloads), aliases, without(gather_descs(per_rank), aliases))
+
+
+def _check_nesting(payloads: Sequence[Payload]) -> None:
+    """Ranks whose trees differ (per-rank state) save the union of their leaves: refused when
+    a path is a leaf on some rank and holds leaves on another (a tensor on one rank, a list of
+    them on another), which no tree could restore: the step would be listed, and unreadable."""
+    if all(p.paths == payloads[0].paths for p in payloads):
+        return
+    union = {q for p in payloads for q in p.paths}
+    for q in union:
+        parts = q.split("/")
+        for k in range(1, len(parts)):
+            above = "/".join(parts[:k])
+            if above in union:
+                leaf = [r for r, p in enumerate(payloads) if above in p.paths]
+                inner = [r for r, p in enumerate(payloads) if q in p.paths]
+                raise LayoutError(
+                    f"'{above}' is a leaf on rank(s) {leaf} but holds leaves on rank(s) {inner} ('{q}'): the ranks "
+                    "give different trees at that path (e.g. a tensor on one, a list or dict of them on another); "
+                    "give it the same kind of node on every rank, or distinct names per rank"
+                )
 
 
 def _parts(d: _Described) -> list[Part]:
