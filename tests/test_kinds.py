@@ -155,3 +155,20 @@ def test_save_refuses_before_writing_anything(tmp_path):
     with pytest.raises(tsckpt.LeafTypeError, match=r"^'big': an array of shape \[0, 1073741824, 1073741824\]"):
         tsckpt.save(str(tmp_path / "ck"), {"ok": torch.ones(2), "big": torch.empty(_HUGE_EMPTY)})
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("offsets", [(3, 0), (4, 0), (0, 2), (-1, 0)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_sharded_target_outside_the_stored_array_is_refused_naming_its_region(tmp_path, offsets, inplace):
+    """Rows [3:5] of a 4-row array were read with row 3 copied into a row 4 that does not
+    exist; further out, the restore blamed the checkpoint as damaged."""
+    tsckpt.save(tmp_path / "ck", {"w": torch.arange(16.0).reshape(4, 4)})
+    target = tsckpt.ShardedArray(torch.full((2, 4), -7.0), (4, 4), offsets)
+    box = ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, (2, 4)))
+    with pytest.raises(tsckpt.ShapeMismatchError) as e:
+        tsckpt.restore(tmp_path / "ck", {"w": target}, inplace=inplace)
+    assert str(e.value) == (
+        f"'w': the target's region [{box}] (offsets {list(offsets)}, local shape [2, 4]) lies outside the global "
+        "shape [4, 4]; fix the target's offsets or local shape"
+    )
+    assert (target.local == -7.0).all()

@@ -46,6 +46,16 @@ def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> No
         )
 
 
+def check_region(path: str, offsets: tuple[int, ...], lengths: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """A target's region (a ShardedArray's) must lie inside the global array it reads from."""
+    if any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        box = ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
+        raise ShapeMismatchError(
+            f"'{path}': the target's region [{box}] (offsets {list(offsets)}, local shape {list(lengths)}) lies outside "
+            f"the global shape {list(shape)}; fix the target's offsets or local shape"
+        )
+
+
 def writable(arr: np.ndarray, path: str) -> np.ndarray:
     """A numpy destination; numpy assignment casts, so any numeric dtype will do."""
     if not arr.flags.writeable:
@@ -354,6 +364,7 @@ class ShardedKind(LeafKind):
     def destination(self, rec: ArrayRecord, path: str, leaf: ShardedArray, inplace: bool, casting: str) -> Dest:
         local = leaf.local
         check_shape(path, leaf.global_shape, rec.shape)
+        check_region(path, leaf.offsets, tuple(local.shape), rec.shape)
         cast = check_cast(path, rec.dtype, local.dtype, casting=casting)
         item = ReadItem(path, leaf.offsets, tuple(local.shape))
         t: Any
