@@ -443,6 +443,21 @@ def nested_on_one_rank(rank: int, world: int, root: str) -> tuple[str, list[int]
     return message, m.all_steps(), m.restore(1)["r"].tolist()
 
 
+def overwrite_on_one_rank(rank: int, world: int, root: str) -> tuple[list[str], list[int]]:
+    """A manager saves step 1, then step 1 again with overwrite=True on rank 1 only, then step
+    2: what each save raised, and the steps listed."""
+    m = tsckpt.CheckpointManager(root, layout=rank_layout())
+    raised = []
+    for step, overwrite in ((1, False), (1, rank == 1), (2, False)):
+        tree = {"w": tsckpt.ShardedArray(torch.full((2, 3), float(step)), (2 * world, 3), (2 * rank, 0))}
+        try:
+            m.save(step, tree, overwrite=overwrite)
+            raised.append("")
+        except tsckpt.TsckptError as e:
+            raised.append(f"{type(e).__name__}: {e}")
+    return raised, m.all_steps()
+
+
 def busy_on_one_rank(rank: int, world: int, root: str) -> tuple[str, str]:
     """Rank 0 still has a save in flight (a handle not yet done), rank 1 none: a save_async and a
     save with if_busy="error" are refused on both ranks (the messages each got)."""

@@ -118,6 +118,18 @@ def test_a_path_that_is_a_leaf_on_one_rank_and_holds_leaves_on_another_is_refuse
         assert steps == [1] and first == [0.0, 1.0, 2.0]
 
 
+def test_a_manager_refuses_a_step_on_rank_0s_judgement_for_every_rank(tmp_path):
+    """overwrite=True on rank 1 only: rank 0 refused alone, before the save, and the ranks
+    were one call apart from then on (every later save failed)."""
+    root = str(tmp_path / "run")
+    for raised, steps in run_ranks(sc.overwrite_on_one_rank, 2, root):
+        assert raised == [
+            "", f"CheckpointExistsError: {root}: step 1 already has a complete checkpoint; pass overwrite=True to "
+            "replace it", "",
+        ]
+        assert steps == [1, 2]
+
+
 @pytest.mark.no_checkpoint_root  # the save fails on every rank
 def test_partial_placement_is_refused(tmp_path):
     with pytest.raises(RankError) as e:

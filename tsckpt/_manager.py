@@ -342,7 +342,8 @@ class CheckpointManager:
                 from ._save.protocol import save_with
 
                 save_with(self.directory(step), tree, options, refused=refused)
-            self._check_free(step, overwrite, judge_running=self._solo())
+            if self._solo():  # else rank 0 judges, inside the save (_clear), for every rank: ranks judging
+                self._check_free(step, overwrite)  # alone can disagree (the step or overwrite seen differently)
             job = self._job(step, options)
             job(tree)
             job.tidy()
