@@ -341,3 +341,26 @@ def test_mapping_writes_the_target_leaves(tmp_path):
     assert tsckpt.open(tmp_path / "cli")["fc.weight"].shape == (3, 5)
     assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "back"), "--map", "torch-to-flax"]) == 0
     np.testing.assert_array_equal(tsckpt.open(tmp_path / "back")["fc/kernel"][...], kernel)
+
+
+def convert_on_rank_0_alone(rank: int, world: int, root: str) -> list[float] | None:
+    """Every rank saves; then rank 0 alone converts it into a tsckpt checkpoint (as jobs export
+    from rank 0) while rank 1 goes on; both meet at a barrier after. What rank 0 converted."""
+    import torch.distributed as dist
+
+    tsckpt.save(os.path.join(root, "a"), {"w": torch.arange(4.0)})
+    out = None
+    if rank == 0:
+        tsckpt.convert(os.path.join(root, "a"), os.path.join(root, "converted"))
+        out = tsckpt.open(os.path.join(root, "converted"))["w"][:].tolist()  # offline: no other rank asked
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_convert_on_one_rank_of_a_distributed_job_saves_alone(tmp_path):
+    """convert is one process's verb: under torch.distributed it waited in a collective (the
+    save's group) for ranks that never joined, until the 10-minute timeout."""
+    from tests.dist_helpers import run_ranks
+
+    assert run_ranks(convert_on_rank_0_alone, 2, str(tmp_path), timeout=120) == [[0.0, 1.0, 2.0, 3.0], None]

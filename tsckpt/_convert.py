@@ -28,6 +28,7 @@ from ._base.casting import CastCheck, check_cast
 from ._base.lazytorch import is_dtype, is_tensor
 from ._base.mapping import Rules
 from ._base.types import LazySource, Local
+from ._coord.torchdist import THIS_PROCESS
 from ._errors import LeafTypeError, NotACheckpointError
 from ._formats import safetensors
 from ._formats.sources import FORMATS, KVSTORE_FORMATS, detect, open_checkpoint, unknown_format
@@ -274,8 +275,9 @@ def _write_tsckpt(dst: Directory, sel: Selected, prep: _Prepared, options: SaveO
         tree = structure_from_json(sel.structure, prep.leaves)
     else:
         tree = from_paths(sel.names, prep.leaves)
-    # a failed save removes what it wrote itself (save()'s step 8), never another's checkpoint
-    save(dst, tree, **options.kwargs())
+    # a failed save removes what it wrote itself (save()'s step 8), never another's checkpoint; convert is one
+    # process's verb: under torch.distributed, it saves alone (no group made, no other rank waited for)
+    save(dst, tree, **dataclasses.replace(options, group=THIS_PROCESS).kwargs())
 
 
 def _write_safetensors(dst: str, sel: Selected, prep: _Prepared, *, max_shard_size: int | None,

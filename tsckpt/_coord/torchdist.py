@@ -260,6 +260,18 @@ def is_distributed() -> bool:
     return dist.get_world_size() > 1
 
 
+class _ThisProcess:
+    """The ranks of a save or restore that one process runs by itself while torch.distributed
+    runs several (tsckpt.convert): coordinated as :class:`Solo`, and no group is made for it,
+    which would be a collective the other ranks never join."""
+
+    def __repr__(self) -> str:
+        return "THIS_PROCESS"
+
+
+THIS_PROCESS: Any = _ThisProcess()
+
+
 def coordinator_for(
     group: Any = None, timeout: datetime.timedelta | None = None, *, channel: str | None = None
 ) -> Coordinator:
@@ -273,6 +285,8 @@ def coordinator_for(
     so a background commit never interleaves its collectives with a save or
     restore the training loop runs meanwhile.
     """
+    if group is THIS_PROCESS:
+        return Solo()
     if not torch_initialized():
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialized")
