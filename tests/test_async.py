@@ -135,6 +135,28 @@ def test_second_save_can_refuse_instead(tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_close_raises_a_failure_only_where_result_did_not(tmp_path, monkeypatch, checked):
+    """A failure its result() raised (and the loop handled) is not raised again by close() in a
+    finally; one nobody asked for is."""
+    import tsckpt._save.protocol as save_module
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(save_module, "_write_regions", fail)
+    m = tsckpt.CheckpointManager(tmp_path / "run", writer="thread")
+    handle = m.save_async(1, {"x": np.ones(1)})
+    if checked:
+        with pytest.raises(OSError, match="No space left on device"):
+            handle.result(timeout=30)
+        m.close()
+    else:
+        with pytest.raises(OSError, match="No space left on device"):
+            m.close()
+    assert m.all_steps() == []
+
+
 def test_unchecked_failure_is_reported_by_the_next_save(tmp_path):
     tsckpt.save(tmp_path / "ck", {"x": np.zeros(1)})
     failed = tsckpt.save_async(tmp_path / "ck", {"x": np.zeros(1)})

@@ -629,12 +629,14 @@ class AsyncSaver:
     def wait(self) -> None:
         """Wait for the save in flight, if any, and its housekeeping (its result is out at the
         commit; a manager's retention removes the files of expired steps after), and re-raise its
-        failure."""
+        failure, unless its ``result()`` or ``exception()`` reported it already (a ``close()`` in a
+        ``finally`` would otherwise raise it again over the code that handled it)."""
         inflight = self._inflight
         try:
             if inflight is not None:
                 inflight.wait_for_staging()
-                inflight.result()
+                if not inflight.retrieved:
+                    inflight.result()
         finally:
             for handle in self._untidied:
                 handle.wait_tidied()
@@ -784,7 +786,8 @@ class AsyncSaver:
         return self._process.pid if self._process is not None else None
 
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure) and stop the workers."""
+        """Wait for the save in flight (re-raising a failure not reported yet: :meth:`wait`) and
+        stop the workers."""
         try:
             self.wait()
         finally:
