@@ -478,3 +478,32 @@ def test_verify_checks_the_inner_chunk_hashes(tmp_path, small_chunks):
     chunks[key] = real[1:]
     root.write_text(json.dumps(raw))
     assert tsckpt.verify(tmp_path / "a").ok
+
+
+def save_rows_with_small_chunks(rank: int, world: int, directory: str) -> None:
+    """Each rank saves its 64 rows of a (128, 64) array with 1 KiB inner chunks and 4 KiB shards."""
+    import tsckpt._ondisk.chunking as chunking
+
+    chunking.INNER_CHUNK_BYTES, chunking.SHARD_BYTES = 1024, 4096
+    full = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+    rows = slice(64 * rank, 64 * (rank + 1))
+    tsckpt.save(directory, {"w": tsckpt.ShardedArray(full[rows].copy(), full.shape, (64 * rank, 0))})
+
+
+@pytest.mark.slow
+def test_every_ranks_inner_chunk_hashes_reach_the_root(tmp_path):
+    """Each rank hashes the inner chunks of the shard files it writes; rank 0 records all of them."""
+    from tests.dist_helpers import run_ranks
+
+    run_ranks(save_rows_with_small_chunks, 2, str(tmp_path / "a"), timeout=120)
+    full = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+    meta = _meta(tmp_path / "a")
+    (rec,) = [r for r in meta["arrays"] if r["path"] == "w"]
+    shard, inner = rec["shard_shape"], rec["chunk_shape"]
+    want = {}
+    for lo in np.ndindex(*(-(-n // s) for n, s in zip(full.shape, shard))):
+        box = full[tuple(slice(i * s, (i + 1) * s) for i, s in zip(lo, shard))]
+        if len(_inner_hashes(box, inner)) > 1:
+            want["w/c/" + "/".join(map(str, lo))] = _inner_hashes(box, inner)
+    files = meta["content"]["files"]
+    assert len(want) == 8 and meta["content"]["chunks"] == want and set(want) <= set(files)  # 4 files per rank
