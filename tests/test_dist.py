@@ -180,3 +180,37 @@ def test_leaving_goes_on_past_a_peer_whose_connection_closed_in_the_wait(monkeyp
     coord.group, coord.rank, coord.world_size = "g", 1, 4
     coord._close()
     assert posted[:2] == [0, 2], posted
+
+
+def timeouts_changing(rank: int, world: int, root: str) -> float | None:
+    """Every rank saves with 30 s; then rank 1 alone passes 20 s; then rank 0 passes 2 s for a
+    save rank 1 never joins. How long rank 0 waited for it."""
+    import datetime
+    import os
+    import time
+
+    import numpy as np
+
+    import tsckpt
+
+    def save(name: str, seconds: float) -> None:
+        tsckpt.save(os.path.join(root, name), {"w": np.arange(4.0)}, timeout=datetime.timedelta(seconds=seconds))
+
+    save("a", 30)
+    save("b", 20 if rank == 1 else 30)
+    if rank == 1:
+        time.sleep(10)
+        return None
+    start = time.monotonic()
+    with pytest.raises(tsckpt.DistributedError):
+        save("c", 2)
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_timeout_changed_on_one_rank_makes_no_group_and_takes_effect(tmp_path):
+    """Groups were made per timeout: a rank passing another timeout made a new group, a
+    collective the others never entered (they waited in the save). Now one group, whose
+    waits the latest timeout bounds."""
+    waited = run_ranks(timeouts_changing, 2, str(tmp_path), timeout=120)[0]
+    assert waited is not None and waited < 8, waited

@@ -29,7 +29,7 @@ PROBE_SECONDS = 5.0
 PROBE_TAG = 0x75C6
 LEAVE_TAG = 0x75C7  # the receive that closes a rank's connections when it leaves (DistCoordinator.leave)
 
-_groups: dict[tuple[Any, float, str], Any] = {}
+_groups: dict[tuple[Any, str], list[Any]] = {}  # (ranks, channel) -> [the gloo group, its timeout now]
 _departed: dict[int, list[int]] = {}  # id of each group this process left -> the ranks it found lost then
 
 
@@ -40,12 +40,17 @@ class DistCoordinator:
         import torch.distributed as dist
 
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
-        key = (ranks, timeout.total_seconds(), channel)
+        key = (ranks, channel)
         if key not in _groups:
             # new_group is collective over the default group: every rank calls
             # save/restore, so every rank reaches this line in the same order.
-            _groups[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout)
-        self.group = _groups[key]
+            _groups[key] = [dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout), timeout]
+        elif _groups[key][1] != timeout:
+            # another timeout than the group was made with: set on this rank's group, never a new group, which
+            # would be a collective that only the ranks whose timeout changed enter (the others wait in this save)
+            _set_timeout(_groups[key][0], timeout)
+            _groups[key][1] = timeout
+        self.group = _groups[key][0]
         self.timeout = timeout
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -212,6 +217,17 @@ class DistCoordinator:
             return store is not None and bool(store.check([self._left_key(r)]))
         except Exception:  # noqa: BLE001 - no store to ask: as far as can be told, it did not
             return False
+
+
+def _set_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """Bound this rank's waits in ``group`` by ``timeout`` from now on. torch's call for it
+    (``_set_pg_timeout``, documented for this use) is not public: where it is missing, the
+    group keeps the timeout it was made with."""
+    import torch.distributed.distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
 
 
 def _closed_by_peer(error: BaseException) -> bool:
