@@ -214,3 +214,32 @@ def test_a_timeout_changed_on_one_rank_makes_no_group_and_takes_effect(tmp_path)
     waits the latest timeout bounds."""
     waited = run_ranks(timeouts_changing, 2, str(tmp_path), timeout=120)[0]
     assert waited is not None and waited < 8, waited
+
+
+def restore_on_rank_0_alone(rank: int, world: int, root: str) -> str | None:
+    """Every rank saves; rank 0 alone restores (with a 2 s timeout) while rank 1 waits. What rank 0 raised."""
+    import datetime
+    import os
+    import time
+
+    import numpy as np
+
+    import tsckpt
+
+    tsckpt.save(os.path.join(root, "a"), {"w": np.arange(4.0)})
+    if rank == 1:
+        time.sleep(8)
+        return None
+    try:
+        tsckpt.restore(os.path.join(root, "a"), timeout=datetime.timedelta(seconds=2))
+    except tsckpt.DistributedError as e:
+        return str(e)
+    return "restored"
+
+
+@pytest.mark.slow
+def test_a_restore_no_other_rank_makes_says_every_rank_makes_it(tmp_path):
+    message = run_ranks(restore_on_rank_0_alone, 2, str(tmp_path), timeout=120)[0]
+    assert message is not None and message.startswith("restore failed: lost contact with another rank"), message
+    assert "or it never made this call: every rank of the group makes it; one process alone reads with tsckpt.open" \
+        in message, message

@@ -104,7 +104,8 @@ def _lost_message(what: str, lost: list[int], cause: BaseException) -> str:
     cause_text = f"{type(cause).__name__}: {first[:300]}"
     who = (
         f"rank(s) {lost}, whose process or host is gone" if lost
-        else "another rank (none is known to be gone: one stopped answering, or its host was cut off)"
+        else "another rank (none is known to be gone: one stopped answering, its host was cut off, or it never "
+        "made this call: every rank of the group makes it; one process alone reads with tsckpt.open)"
     )
     return f"{what} failed: lost contact with {who} ({cause_text}); {RESTART}"
 
