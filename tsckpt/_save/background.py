@@ -648,25 +648,27 @@ class AsyncSaver:
         if inflight is not None:
             inflight.wait_for_staging()
 
-    def _settle(self, if_busy: IfBusy, job: Any = None) -> None:
+    def _settle(self, if_busy: IfBusy, job: Any = None, *, agreed_later: bool = False) -> str | None:
         """Wait for (or refuse next to) the save in flight; warn about an unchecked failure.
         Under torch.distributed ``if_busy="error"`` refuses on every rank of ``job``'s group
         when a save is still running on any (:func:`_busy_ranks`): a rank refusing alone would
-        leave the others' save waiting for it, then paired with its next one."""
+        leave the others' save waiting for it, then paired with its next one. ``agreed_later``
+        (a save_async call, whose agreement at its end decides this with the rest:
+        :func:`_agree_call`): under torch.distributed nothing is refused here, and the label of
+        the save still running on this rank under "error" is returned (it is not waited for)."""
         if if_busy not in ("wait", "error"):
             raise ValueError(f"if_busy must be 'wait' or 'error', not {if_busy!r}")
         prev = self._inflight
         busy = prev is not None and not prev.done()
-        ranks = _busy_ranks(busy, if_busy, job)
-        if if_busy == "error":
-            if ranks:
-                what = f"an asynchronous save to {prev.directory}" if busy and prev is not None else "an asynchronous save"
-                where = "" if ranks == [0] and busy else f" on rank(s) {ranks}, so every rank refuses this one"
-                raise SaveInProgressError(
-                    f"{what} is still running{where}; wait for it with .result(), or pass if_busy='wait'"
-                )
+        if agreed_later and _calls(job) is not None:
+            if if_busy == "error" and busy and prev is not None:
+                return prev.directory
+        else:
+            ranks = _busy_ranks(busy, if_busy, job)
+            if if_busy == "error" and ranks:
+                raise _refused_busy(prev.directory if busy and prev is not None else None, ranks)
         if prev is None:
-            return
+            return None
         if not prev.done():
             concurrent.futures.wait([prev])
         prev.wait_for_staging()  # its copies into the buffers this save reuses; its hooks removed
@@ -680,6 +682,7 @@ class AsyncSaver:
             )
         prev.retrieved = True
         self._inflight = None
+        return None
 
     def run(self, fn: Callable[[], None], *, if_busy: IfBusy = "wait", job: Any = None) -> None:
         """Run a synchronous save in the caller, after (or refusing) the one in flight (``job``:
@@ -716,7 +719,7 @@ class AsyncSaver:
         limit = _least(self.max_staging_bytes, max_staging_bytes)
         start = time.perf_counter()
         with self._lock:
-            self._settle(if_busy, job)
+            busy_with = self._settle(if_busy, job, agreed_later=True)
             untidied = [h for h in self._untidied if not h.wait_tidied(0)]  # earlier saves' housekeeping still running
             failed: BaseException | None = None  # a KeyboardInterrupt too: the other ranks must learn of it
             try:
@@ -729,7 +732,8 @@ class AsyncSaver:
             except BaseException as e:  # noqa: BLE001 - every rank learns of it first (_agree_call)
                 failed = e
             over = _agree_call(
-                label, failed, failed is None and limit is not None and found.nbytes > limit, job, writer=writer
+                label, failed, failed is None and limit is not None and found.nbytes > limit, job, writer=writer,
+                if_busy=if_busy, busy_with=busy_with,
             )
             leaves, regions, signature, nbytes = found.out, found.regions, found.signature, found.nbytes
             if over:
@@ -822,6 +826,19 @@ def _calls(job: Any) -> Any:
     return None if coord.world_size == 1 else coord
 
 
+IF_BUSY_DIFFERS = (
+    "ranks passed different if_busy options ('error' on some, 'wait' on others); every rank must pass the same"
+)
+
+
+def _refused_busy(running: str | None, ranks: list[int]) -> SaveInProgressError:
+    """The refusal of a save under ``if_busy="error"``: ``running``, the save still running on
+    this rank (None: on other ranks only), ``ranks`` those where one is."""
+    what = f"an asynchronous save to {running}" if running is not None else "an asynchronous save"
+    where = "" if ranks == [0] and running is not None else f" on rank(s) {ranks}, so every rank refuses this one"
+    return SaveInProgressError(f"{what} is still running{where}; wait for it with .result(), or pass if_busy='wait'")
+
+
 def _busy_ranks(busy: bool, if_busy: IfBusy, job: Any) -> list[int]:
     """With ``if_busy="error"``, the ranks where a save is still running (``busy``: on this
     one), asked of every rank (:func:`_calls`; one process: ``[0]`` or ``[]``), so that all
@@ -836,55 +853,62 @@ def _busy_ranks(busy: bool, if_busy: IfBusy, job: Any) -> list[int]:
     what = "save_async (the ranks' agreement)"
     any_busy, any_error, no_error = collective(coord, what, lambda: coord.most((int(busy), int(error), int(not error))))
     if any_error and no_error:
-        raise ValueError(
-            "ranks passed different if_busy options ('error' on some, 'wait' on others); every rank must pass the same"
-        )
+        raise ValueError(IF_BUSY_DIFFERS)
     if not (error and any_busy):
         return []
     return [r for r, b in enumerate(collective(coord, what, lambda: coord.all_gather(busy))) if b]
 
 
 def _agree_call(
-    label: str, failed: BaseException | None, over: bool, job: Any, *, writer: Writer = "thread"
+    label: str, failed: BaseException | None, over: bool, job: Any, *, writer: Writer = "thread",
+    if_busy: IfBusy = "wait", busy_with: str | None = None,
 ) -> list[int]:
     """Raise on every rank when the call failed on any (this rank's own error where it failed,
     else a DistributedError naming the ranks and their errors), so the ranks' saves stay in step
     (a rank failing alone before the protocol left the others' save to be paired with its
-    next one), or when the ranks passed different ``writer`` options (their saves would run
-    different protocols); else the ranks over ``max_staging_bytes`` (``over``: this one's).
-    Usually one small reduction (any failed, any over, the writers' least and largest); every
-    rank's details are gathered only when one of those calls for them."""
+    next one), when the ranks passed different ``writer`` or ``if_busy`` options (their saves
+    would run different protocols), or under ``if_busy="error"`` when a save is still running
+    on any rank (``busy_with``: this rank's, :meth:`AsyncSaver._settle`); else the ranks over
+    ``max_staging_bytes`` (``over``: this one's). Usually one small reduction (any failed, any
+    over, any busy, the least and largest ``writer`` and ``if_busy``); every rank's details are
+    gathered only when one of those calls for them."""
     coord = _calls(job)
     if coord is None:
         if failed is not None:
             raise failed
         return [0] if over else []
     what = "save_async (the ranks' agreement)"
-    code = WRITERS.index(writer)
-    any_failed, any_over, least, largest = collective(
-        coord, what, lambda: coord.most((int(failed is not None), int(over), -code, code))
+    code, error = WRITERS.index(writer), int(if_busy == "error")
+    mine = (int(failed is not None), int(over), int(busy_with is not None), -code, code, -error, error)
+    any_failed, any_over, any_busy, least, largest, least_error, most_error = collective(
+        coord, what, lambda: coord.most(mine)
     )
-    if not (any_failed or any_over or -least != largest):
+    if not (any_failed or any_over or any_busy or -least != largest or -least_error != most_error):
         return []
     text = None if failed is None else f"{type(failed).__name__}: {failed}"
-    found = collective(coord, what, lambda: coord.all_gather((text, over, writer)))
-    errors = {r: t for r, (t, _, _) in enumerate(found) if t is not None}
+    found = collective(coord, what, lambda: coord.all_gather((text, over, writer, busy_with is not None)))
+    errors = {r: t for r, (t, _, _, _) in enumerate(found) if t is not None}
     if failed is not None:
         raise failed
-    writers = [w for _, _, w in found]
+    writers = [w for _, _, w, _ in found]
     if len(set(writers)) > 1:
         odd = next(r for r, w in enumerate(writers) if w != writers[0])
         raise ValueError(
             f"the asynchronous save to {label}: ranks passed different writer options (rank 0 {writers[0]!r}, "
             f"rank {odd} {writers[odd]!r}); every rank must pass the same"
         )
+    if -least_error != most_error:
+        raise ValueError(IF_BUSY_DIFFERS)
     if errors:
         first = min(errors)
         raise DistributedError(
             f"the asynchronous save to {label} failed in the call on rank(s) {sorted(errors)} (rank {first}: "
             f"{errors[first]}); every rank raises, so the next save is again one save on every rank"
         )
-    return [r for r, (_, o, _) in enumerate(found) if o]
+    busy = [r for r, (_, _, _, b) in enumerate(found) if b]
+    if busy:
+        raise _refused_busy(busy_with, busy)
+    return [r for r, (_, o, _, _) in enumerate(found) if o]
 
 
 def _yield_to_training() -> None:
