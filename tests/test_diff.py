@@ -1031,3 +1031,20 @@ def test_forged_inner_chunk_hashes_are_found_by_verify(tmp_path, small_chunks):
     assert tsckpt.verify(a).ok
     report = tsckpt.verify(b)
     assert list(report.bad) == ["w"] and f"its file {key} does not hold the data its save hashed" in report.bad["w"]
+
+
+@pytest.mark.parametrize(
+    "paths", [["model/layers.0.w"], ["model.layers.0.w"], ["model/layers/0/w"], ["model/layers/%30/w"], ["model/*"]]
+)
+def test_a_path_filter_selects_both_leaves_of_a_pair_spelled_differently(tmp_path, paths):
+    """A stores model/layers.0.w, B the dict key "0" (model/layers/%30/w): paired without a
+    filter, they were split by one naming either (only in A, or only in B)."""
+    u = torch.arange(10.0)
+    v = u.clone()
+    v[3] = -1
+    tsckpt.save(tmp_path / "a", {"model": {"layers.0.w": u}})
+    tsckpt.save(tmp_path / "b", {"model": {"layers": {"0": {"w": v}}}})
+    report = tsckpt.diff(tmp_path / "a", tmp_path / "b", paths=paths)
+    assert [(x.path, x.path_b, x.status, x.changed_elements) for x in report.leaves] == [
+        ("model/layers.0.w", "model/layers/%30/w", "different", 1)
+    ]

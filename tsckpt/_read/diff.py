@@ -1079,6 +1079,21 @@ def _alike(only_a: Sequence[str], only_b: Sequence[str]) -> dict[str, str]:
     return {path: b[key] for key, path in a.items() if key in b}
 
 
+def _chosen(
+    leaves_a: Sequence[str], leaves_b: Sequence[str], patterns: tuple[str, ...] | None
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """The leaves of each side ``patterns`` select, and A's leaves B names alike (:func:`_alike`)
+    among them -> B's names. Leaves are paired first: a pattern that selects either leaf of a
+    pair selects both (``model/layers.0.w`` against B's ``model/layers/0/w``)."""
+    names_a, names_b = set(leaves_a), set(leaves_b)
+    alike = _alike([p for p in leaves_a if p not in names_b], [p for p in leaves_b if p not in names_a])
+    partner = {b: a for a, b in alike.items()}
+    in_a = [p for p in leaves_a if _selected(p, patterns) or (p in alike and _selected(alike[p], patterns))]
+    in_b = [p for p in leaves_b if _selected(p, patterns) or (p in partner and _selected(partner[p], patterns))]
+    chosen_a = set(in_a)
+    return in_a, in_b, {a: b for a, b in alike.items() if a in chosen_a}
+
+
 def _named_b(leaf: LeafDiff, renamed: dict[str, str]) -> LeafDiff:
     return dataclasses.replace(leaf, path_b=renamed[leaf.path]) if leaf.path in renamed else leaf
 
@@ -1238,15 +1253,13 @@ def diff(
     patterns = _patterns(paths)
     ra = open_reader(a, allow_pickle=allow_pickle)
     rb = open_reader(b, allow_pickle=allow_pickle)
-    in_a = [p for p in ra if _selected(p, patterns)]
-    in_b = [p for p in rb if _selected(p, patterns)]
+    in_a, in_b, renamed = _chosen(list(ra), list(rb), patterns)
     set_a, set_b = set(in_a), set(in_b)
     if patterns is not None:
         _check_selected(patterns, [*in_a, *in_b], list(ra), list(rb), str(ra.checkpoint.location),
                         str(rb.checkpoint.location))
     sa, sb = ra.checkpoint.structure, rb.checkpoint.structure
     na, nb = (_nodes(sa), _nodes(sb)) if sa is not None and sb is not None else ({}, {})
-    renamed = _alike([p for p in in_a if p not in set_b], [p for p in in_b if p not in set_a])
     both = [p for p in in_a if p in set_b or p in renamed]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff | _ArrayWork] = []
