@@ -129,6 +129,18 @@ def test_array_metadata_disagrees_with_the_root(ck):
     _restore_fails(ck, "layer/w", 'Expected "shape" of [64,32] but received: [128,32]')
 
 
+def test_a_node_rewritten_after_a_restore_found_it_right_is_still_caught(ck):
+    """Stored nodes found right are remembered by their bytes (records alike skip the parse):
+    a node rewritten since, to another dtype of the same size, is parsed and refused."""
+    tsckpt.restore(ck)  # every node found right, and remembered
+    node = json.loads(read_key(ck, f"bias/{ROOT_KEY}"))
+    assert node["data_type"] == "int64"
+    node["data_type"] = "float64"
+    write_key(ck, f"bias/{ROOT_KEY}", json.dumps(node).encode())
+    msg = _restore_fails(ck, "bias", "bias/zarr.json does not match the root metadata")
+    assert "data_type" in msg
+
+
 def test_detected_with_a_target_and_by_the_lazy_reader(ck):
     key = _chunks(ck, "layer/w")[0]
     data = bytearray(read_key(ck, key))

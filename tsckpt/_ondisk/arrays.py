@@ -11,6 +11,7 @@ import tensorstore as ts
 
 from .._base import dtypes as _dtypes
 from .._storage import locations as _locations
+from .._storage.durable import encode_json
 from .._storage.locations import Location
 from .records import LAYOUT_PLAIN, ArrayRecord, Chunking, array_metadata
 
@@ -215,8 +216,48 @@ def parse_node(raw: bytes) -> Any:
         raise ValueError("nested too deeply to parse") from None
 
 
+def _node_key(rec: ArrayRecord) -> tuple[Any, ...]:
+    """What an array's zarr.json depends on (not its path), as a tuple: hashing the record
+    itself (nested frozen dataclasses) costs more than parsing a node."""
+    c = rec.chunking
+    return (rec.shape, rec.dtype, rec.kind, c.shard_shape, c.chunk_shape, rec.separator)
+
+
+def node_bytes(rec: ArrayRecord) -> bytes:
+    """An array's zarr.json as tsckpt writes it, encoded once per process for records alike
+    (a manager saves the same records at every step)."""
+    key = _node_key(rec)
+    got = _ENCODED.get(key)
+    if got is None:
+        got = _kept(_ENCODED)[key] = encode_json(array_node(rec))
+    return got
+
+
+NODES_KEPT = 4096  # distinct array nodes kept, encoded or found right (an array's shape, dtype and chunking)
+NODE_KEPT_BYTES = 4096  # the largest stored node kept (tsckpt's are under 1 KiB; a hostile one may be large)
+_ENCODED: dict[tuple[Any, ...], bytes] = {}
+_FOUND_RIGHT: dict[tuple[Any, ...], bytes] = {}  # the stored bytes of a node found to agree with such records
+
+
+def _kept(cache: dict[tuple[Any, ...], bytes]) -> dict[tuple[Any, ...], bytes]:
+    if len(cache) >= NODES_KEPT:
+        cache.clear()
+    return cache
+
+
 def stored_node_problem(raw: bytes, rec: ArrayRecord) -> str | None:
-    """:func:`node_problem` of the stored bytes of an array's zarr.json."""
+    """:func:`node_problem` of the stored bytes of an array's zarr.json. The same bytes found
+    right for records alike before (a model's layers share shapes) are right at once."""
+    key = _node_key(rec)
+    if _FOUND_RIGHT.get(key) == raw:
+        return None
+    problem = _parsed_node_problem(raw, rec)
+    if problem is None and len(raw) <= NODE_KEPT_BYTES:
+        _kept(_FOUND_RIGHT)[key] = raw
+    return problem
+
+
+def _parsed_node_problem(raw: bytes, rec: ArrayRecord) -> str | None:
     try:
         node = parse_node(raw)
     except ValueError as e:

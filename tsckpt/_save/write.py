@@ -11,7 +11,6 @@ nodes (:func:`write_nodes`), all within the save's window of bytes in flight.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 import os
@@ -30,7 +29,7 @@ from .._codec.route import Place, Route, place, regular_shards, route
 from .._codec.threads import Workers, cpus
 from .._errors import LeafTypeError
 from .._leaves.kinds import storage_numpy
-from .._ondisk.arrays import array_node, chunk_key, open_array, stored_size
+from .._ondisk.arrays import chunk_key, node_bytes, open_array, stored_size
 from .._ondisk.chunking import intersect, shard_boxes
 from .._ondisk.records import LAYOUT_COMPACT, LAYOUT_PLAIN, ROOT_KEY, ArrayRecord, group_metadata
 from .._runtime import devicecopy as _devicecopy
@@ -484,7 +483,7 @@ class DeviceSources:
 
 def node_files(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     """zarr.json of every array and of every intermediate group (root excluded), by key."""
-    nodes = {f"{rec.path}/{ROOT_KEY}": _node_bytes(dataclasses.replace(rec, path=""), rec.separator) for rec in arrays}
+    nodes = {f"{rec.path}/{ROOT_KEY}": node_bytes(rec) for rec in arrays}
     groups: set[str] = set()
     for rec in arrays:
         parts = rec.path.split("/")
@@ -493,14 +492,6 @@ def node_files(arrays: tuple[ArrayRecord, ...]) -> dict[str, bytes]:
     body = _durable.encode_json(group_metadata())
     nodes.update((f"{g}/{ROOT_KEY}", body) for g in sorted(groups))
     return nodes
-
-
-@functools.lru_cache(maxsize=4096)
-def _node_bytes(rec: ArrayRecord, separator: str) -> bytes:
-    """An array's zarr.json (it names no path: arrays alike share it), encoded once for the
-    saves of a process (a manager saves the same records at every step); ``separator``, the
-    record's chunk key separator, is part of the key as it is of the node."""
-    return _durable.encode_json(array_node(rec))
 
 
 def write_nodes(
