@@ -1048,3 +1048,28 @@ def test_a_path_filter_selects_both_leaves_of_a_pair_spelled_differently(tmp_pat
     assert [(x.path, x.path_b, x.status, x.changed_elements) for x in report.leaves] == [
         ("model/layers.0.w", "model/layers/%30/w", "different", 1)
     ]
+
+
+@pytest.mark.parametrize("zero_chunk", [True, False])
+def test_rel_l2_with_inner_chunks_left_unread_is_a_bound_or_not_known(tmp_path, capsys, small_chunks, zero_chunk):
+    """Only the changed inner chunk is read (the others known equal by their hashes): ||a|| is
+    then A's part read. It was reported as inf where that part is all zeros, with nothing
+    saying it is not the whole; now None (not known), else an upper bound, marked as one."""
+    a = torch.ones(64, 64)
+    a[:4] = 0.0 if zero_chunk else 2.0  # the first inner chunk (1 KiB: 4 rows)
+    b = a.clone()
+    b[1, 7] += 1e-3
+    tsckpt.save(tmp_path / "a", {"w": a})
+    tsckpt.save(tmp_path / "b", {"w": b})
+    assert tuple(tsckpt.open(tmp_path / "a")["w"].metadata.chunk_shape) == (4, 64)
+    (leaf,) = tsckpt.diff(tmp_path / "a", tmp_path / "b").differences
+    assert leaf.bytes_read == 2 * 4 * 64 * 4 and leaf.rel_l2_bound  # that chunk from each side, no more
+    true = float((a - b).double().norm() / a.double().norm())
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    if zero_chunk:
+        assert leaf.rel_l2 is None
+        assert "rel L2 not known (A's part read is zero, the rest left unread)" in out
+    else:
+        assert leaf.rel_l2 >= true
+        assert f"rel L2 <= {leaf.rel_l2:.3g}," in out

@@ -442,9 +442,13 @@ def _diff_line(leaf: LeafDiff) -> str:
         return f"value      {path}  {_clip(leaf.value_a or '')} -> {_clip(leaf.value_b or '')}"
     first = "" if leaf.first_index is None else _shape_text(leaf.first_index)
     largest = str(leaf.max_abs) if isinstance(leaf.max_abs, int) else f"{leaf.max_abs:.6g}"  # integers: exact
+    if leaf.rel_l2 is None:
+        relative = "rel L2 not known (A's part read is zero, the rest left unread)"
+    else:
+        relative = f"rel L2 {'<= ' if leaf.rel_l2_bound else ''}{leaf.rel_l2:.3g}"
     return (
         f"changed    {path}  {leaf.changed_chunks} of {_count(leaf.chunks, 'chunk')}, "
-        f"{_count(leaf.changed_elements, 'element')}; max |a-b| {largest}, rel L2 {leaf.rel_l2:.3g}, "
+        f"{_count(leaf.changed_elements, 'element')}; max |a-b| {largest}, {relative}, "
         f"first at {first}"
     )
 

@@ -88,7 +88,8 @@ class LeafDiff:
     ``int``; infinite where one side is NaN, or where it is beyond the largest float64; NaNs
     at the same index of both sides are equal); ``rel_l2``, ``||a - b|| / ||a||``
     over the finite elements read (a region known equal unread adds nothing to ``a - b``,
-    but its part of ``||a||`` is unknown: then an upper bound); ``first_index``, the first element beyond the tolerance in C
+    but its part of ``||a||`` is unknown: then ``rel_l2_bound`` and ``rel_l2`` is an upper
+    bound, or None where A's part read is all zeros); ``first_index``, the first element beyond the tolerance in C
     order. Plain values: ``value_a`` and ``value_b`` (their repr) when they differ. A leaf that
     only one side names ``path`` is matched with one the other side names alike but for its
     separators (``model/layers.0.weight`` and ``model/layers/0/weight``; each the only such
@@ -107,6 +108,7 @@ class LeafDiff:
     changed_elements: int = 0
     max_abs: int | float | None = None
     rel_l2: float | None = None
+    rel_l2_bound: bool = False  # rel_l2 is an upper bound (or None: not known): regions known equal left unread
     first_index: tuple[int, ...] | None = None
     value_a: str | None = None
     value_b: str | None = None
@@ -883,6 +885,10 @@ class _ArrayWork:
 
     def result(self) -> LeafDiff:
         tally, read, shape = self.tally, self.read, self.la.shape
+        rel: float | None = _relative(tally.squares_diff, tally.squares_a) if read else 0.0
+        bound = bool(read and self.known and tally.changed_elements)
+        if bound and rel == math.inf:  # A's part read is all zeros; its part left unread, unknown
+            rel = None
         return LeafDiff(
             self.path, "different" if tally.changed_elements else "equal",
             "read" if read or not self.known else "same files",
@@ -890,8 +896,7 @@ class _ArrayWork:
             chunks=math.prod(-(-n // c) for n, c in zip(shape, self.chunk)),
             changed_chunks=len(tally.changed_chunks), changed_elements=tally.changed_elements,
             max_abs=(int(tally.max_abs) if self.integer else float(tally.max_abs)) if read else 0 if self.integer else 0.0,
-            rel_l2=_relative(tally.squares_diff, tally.squares_a) if read else 0.0,
-            first_index=tally.first, bytes_read=read,
+            rel_l2=rel, rel_l2_bound=bound, first_index=tally.first, bytes_read=read,
         )
 
 
