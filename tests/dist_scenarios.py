@@ -443,6 +443,30 @@ def nested_on_one_rank(rank: int, world: int, root: str) -> tuple[str, list[int]
     return message, m.all_steps(), m.restore(1)["r"].tolist()
 
 
+# Trees rank 0 and rank 1 give under one path, which differ in what "a" is.
+DIFFERING_TREES = {
+    "tuple-list": ((1, 2), [1, 2]),
+    "list-dict": ([torch.ones(2)], {"0": torch.ones(2)}),
+    "none-emptydict": (None, {}),
+    "leaf-emptylist": (torch.ones(2), []),
+}
+
+
+def trees_differ(rank: int, world: int, root: str, case: str) -> tuple[str, bool]:
+    """Every rank saves {"a": ..., "w": its rows}, "a" as DIFFERING_TREES[case] gives it for
+    its rank: the error it got, and whether anything was committed."""
+    tree = {
+        "a": DIFFERING_TREES[case][rank],
+        "w": tsckpt.ShardedArray(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0)),
+    }
+    try:
+        tsckpt.save(os.path.join(root, case), tree, layout=rank_layout())
+        message = ""
+    except tsckpt.LayoutError as e:
+        message = str(e)
+    return message, os.path.exists(os.path.join(root, case, "zarr.json"))
+
+
 def overwrite_on_one_rank(rank: int, world: int, root: str) -> tuple[list[str], list[int]]:
     """A manager saves step 1, then step 1 again with overwrite=True on rank 1 only, then step
     2: what each save raised, and the steps listed."""

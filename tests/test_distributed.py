@@ -118,6 +118,28 @@ def test_a_path_that_is_a_leaf_on_one_rank_and_holds_leaves_on_another_is_refuse
         assert steps == [1] and first == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.no_checkpoint_root  # the save fails on every rank
+@pytest.mark.parametrize(
+    "case, first, second",
+    [
+        ("tuple-list", "a tuple", "a list"),
+        ("list-dict", "a list", "a dict"),
+        ("none-emptydict", "None", "a dict"),
+        ("leaf-emptylist", "a leaf", "a list"),
+    ],
+)
+def test_ranks_giving_other_kinds_of_node_at_a_path_are_refused(tmp_path, case, first, second):
+    """Saved as their union, these were committed as a tree neither rank gave: a list and a
+    dict of one entry read back as a dict of both keys, a tuple as a dict, None or an empty
+    container dropped."""
+    for message, committed in run_ranks(sc.trees_differ, 2, str(tmp_path), case):
+        assert message == (
+            f"'a' is {first} on rank 0 but {second} on rank 1: the ranks give different trees at that path, which "
+            "no tree restores; give it the same kind of node on every rank, or distinct names per rank"
+        )
+        assert not committed
+
+
 def test_a_manager_refuses_a_step_on_rank_0s_judgement_for_every_rank(tmp_path):
     """overwrite=True on rank 1 only: rank 0 refused alone, before the save, and the ranks
     were one call apart from then on (every later save failed)."""

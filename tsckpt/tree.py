@@ -391,6 +391,32 @@ def structure_to_json(spec: optree.PyTreeSpec, depth: int = 1) -> Any:
     }
 
 
+def structure_nodes(structure: Any) -> dict[str, tuple[str, bool]]:
+    """Every container and ``None`` of a tree structure (:func:`structure_to_json`) by path:
+    (its kind, a namedtuple's with its name and fields in order; whether it is empty: ``None``,
+    or a container with no entries). The root's path is ``""``."""
+    out: dict[str, tuple[str, bool]] = {}
+    _walk(structure, "", out)
+    return out
+
+
+def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
+    """Add ``node`` (a leaf: null, nothing to add) and the nodes below it to ``out``."""
+    if not isinstance(node, dict):
+        return
+    kind = str(node.get("type"))
+    keys = node.get("keys")
+    if kind in ("namedtuple", "custom"):  # its fields in their order: P(x, y) is not P(y, x)
+        fields = ", ".join(map(str, keys)) if isinstance(keys, list) and kind == "namedtuple" else ""
+        kind = f"{kind} {node.get('name')}" + (f"({fields})" if fields else "")
+    children = node.get("children") or []
+    for i, child in enumerate(children):
+        key = keys[i] if isinstance(keys, list) and i < len(keys) else i
+        name = escape(key) if isinstance(key, str) else str(key)
+        _walk(child, f"{path}/{name}" if path else name, out)
+    out[path] = (kind, kind == "none" or not children)
+
+
 def own_order(structure: Any) -> list[int]:
     """The leaves' positions in flatten order (dict keys sorted, as optree flattens them)
     listed in the tree's own order (each dict's insertion order, as it was built); where

@@ -49,7 +49,7 @@ from .._runtime import fork as _fork
 from .._runtime.progress import Progress
 from .._storage import native
 from .._storage.locations import Directory
-from ..tree import escape
+from ..tree import structure_nodes
 from .engine import read_into
 from .open import open as open_reader
 from .reader import LazyArray
@@ -1110,34 +1110,9 @@ LEAST_WINDOW = 1 << 20
 
 
 def _empty_at(nodes: dict[str, tuple[str, bool]], path: str) -> str | None:
-    """How the empty node at ``path`` of a tree (:func:`_nodes`) reads ("None", "{}"), or None."""
+    """How the empty node at ``path`` of a tree (:func:`tsckpt.tree.structure_nodes`) reads ("None", "{}"), or None."""
     node = nodes.get(path)
     return _EMPTY.get(node[0], node[0]) if node is not None and node[1] else None
-
-
-def _nodes(structure: Any) -> dict[str, tuple[str, bool]]:
-    """Every container and ``None`` of a stored tree structure (:func:`tsckpt.tree.structure_to_json`)
-    by path: (its kind, whether it is empty: ``None``, or a container with no entries)."""
-    out: dict[str, tuple[str, bool]] = {}
-    _walk(structure, "", out)
-    return out
-
-
-def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
-    """Add ``node`` (a leaf: null, nothing to add) and the nodes below it to ``out``."""
-    if not isinstance(node, dict):
-        return
-    kind = str(node.get("type"))
-    keys = node.get("keys")
-    if kind in ("namedtuple", "custom"):  # its fields in their order: P(x, y) is not P(y, x)
-        fields = ", ".join(map(str, keys)) if isinstance(keys, list) and kind == "namedtuple" else ""
-        kind = f"{kind} {node.get('name')}" + (f"({fields})" if fields else "")
-    children = node.get("children") or []
-    for i, child in enumerate(children):
-        key = keys[i] if isinstance(keys, list) and i < len(keys) else i
-        name = escape(key) if isinstance(key, str) else str(key)
-        _walk(child, f"{path}/{name}" if path else name, out)
-    out[path] = (kind, kind == "none" or not children)
 
 
 def _containers(
@@ -1146,7 +1121,7 @@ def _containers(
 ) -> list[LeafDiff]:
     """The parts of two trees no leaf path names (``None`` entries, empty containers) and the
     containers whose kind differs (a list against a tuple), where both sides have a tree
-    structure (:func:`_nodes`): without them two checkpoints of different trees would read as
+    structure (:func:`tsckpt.tree.structure_nodes`): without them two checkpoints of different trees would read as
     equal. A path either side has a leaf at (``leaves``) is the leaf's comparison's."""
     out: list[LeafDiff] = []
     for path in [*na, *(p for p in nb if p not in na)]:
@@ -1264,7 +1239,7 @@ def diff(
         _check_selected(patterns, [*in_a, *in_b], list(ra), list(rb), str(ra.checkpoint.location),
                         str(rb.checkpoint.location))
     sa, sb = ra.checkpoint.structure, rb.checkpoint.structure
-    na, nb = (_nodes(sa), _nodes(sb)) if sa is not None and sb is not None else ({}, {})
+    na, nb = (structure_nodes(sa), structure_nodes(sb)) if sa is not None and sb is not None else ({}, {})
     both = [p for p in in_a if p in set_b or p in renamed]
     where = f"{ra.checkpoint.location} and {rb.checkpoint.location}"
     found: list[LeafDiff | _ArrayWork] = []
