@@ -218,6 +218,7 @@ def test_ranks_must_agree_on_the_layout(tmp_path):
     with pytest.raises(RankError) as info:
         run_ranks(sc.save_with_layouts, 2, d, ["plain", "compact"], timeout=60)
     assert sorted(info.value.errors) == [0, 1]
-    for msg in info.value.errors.values():
-        assert "ranks passed different layouts ('compact', 'plain'); every rank must save with the same" in msg
+    for msg in info.value.errors.values():  # the same error on every rank, naming the ranks
+        assert "LayoutError: ranks passed different layout options (rank 0 'plain', rank 1 'compact'); every rank " \
+            "must save with the same" in msg
     assert not os.path.exists(os.path.join(d, "zarr.json"))

@@ -403,7 +403,25 @@ def test_ranks_with_other_chunking_options_or_targets_are_refused_by_rank_0():
         return Payload.of([d], ["w"], None, {}, 1 << 20, "plain", **{"target": "/ck", **kw})
 
     assert _gather([payload(0), payload(1)]).gathered is not None
-    with pytest.raises(ValueError, match="ranks passed different inner_chunks"):
+    with pytest.raises(LayoutError, match=r"ranks passed different inner_chunks options \(rank 0 True, rank 1 False\)"):
         _gather([payload(0), payload(1, inner_chunks=False)])
     with pytest.raises(LayoutError, match="rank 0 saves /ck, rank 1 saves /other"):
         _gather([payload(0), payload(1, target="/other")])
+
+
+@pytest.mark.parametrize("name, first, other", [("overwrite", False, True), ("check_replicas", True, False)])
+def test_ranks_passing_other_options_that_decide_for_every_rank_are_refused(name, first, other):
+    """overwrite=True on rank 1 only was decided by rank 0 (rank 1 told to pass what it passed);
+    check_replicas=False on rank 0 only skipped the check rank 1 asked for."""
+    from tsckpt._save.descs import Payload
+    from tsckpt._save.protocol import _gather
+
+    def payload(rank, **kw):
+        d = desc("w", (8, 4), (4 * rank, 0), (4, 4))
+        return Payload.of([d], ["w"], None, {}, 1 << 20, "plain", "/ck", **kw)
+
+    with pytest.raises(LayoutError) as e:
+        _gather([payload(0, **{name: first}), payload(1, **{name: other})])
+    assert str(e.value) == (
+        f"ranks passed different {name} options (rank 0 {first!r}, rank 1 {other!r}); every rank must save with the same"
+    )

@@ -74,7 +74,8 @@ class LinkRefusedError(TsckptError, PermissionError):
 
 
 class LayoutError(TsckptError, ValueError):
-    """Shards given for one global array overlap, leave holes, or disagree."""
+    """Shards given for one global array overlap, leave holes, or disagree; or the ranks of
+    one save disagree on what it is (its checkpoint, tree or options)."""
 
 
 class DistributedError(TsckptError, RuntimeError):

@@ -180,18 +180,26 @@ class Payload:
     window: int  # bytes of source data this rank keeps in flight while writing
     layout: str
     target: str = ""  # the checkpoint this rank saves (its location): every rank's must be one
-    inner_chunks: bool = True  # the save's option: every rank's must be the same
+    inner_chunks: bool = True  # the save's options (with layout) that every rank must pass alike: AGREED
+    overwrite: bool = False
+    check_replicas: bool = True
 
     @classmethod
     def of(
         cls, descs: Sequence[Sequence[Any]], paths: Sequence[str], structure: Any, links: dict[str, str],
-        window: int, layout: str, target: str = "", inner_chunks: bool = True,
+        window: int, layout: str, target: str = "", inner_chunks: bool = True, *, overwrite: bool = False,
+        check_replicas: bool = True,
     ) -> Payload:
         """The payload of a rank's descriptors (LeafDescs or plain tuples) and tree structure (JSON)."""
         return cls(
             pack_descs(descs), tuple(paths), json.dumps(structure, separators=(",", ":")), links, window, layout, target,
-            inner_chunks,
+            inner_chunks, overwrite, check_replicas,
         )
+
+
+# The save options every rank must pass alike (rank 0 refuses them otherwise, on every rank): each
+# decides for the whole checkpoint, and a rank passing another would see its own ignored.
+AGREED = ("layout", "inner_chunks", "overwrite", "check_replicas")
 
 
 @dataclasses.dataclass(frozen=True)

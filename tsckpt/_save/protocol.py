@@ -49,7 +49,7 @@ from .commit import begin as _begin
 from .commit import commit as _commit_root
 from .commit import merge_databases
 from .commit import pending_root as _pending_root
-from .descs import ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
+from .descs import AGREED, ChecksumRequest, Gathered, Payload, gather_descs, shared_regions, with_checksums, without
 from .plan import RankPlan, plan_aliases, plan_save, split_plan
 from .write import exchange as _exchange
 from .write import node_files as _node_files
@@ -289,7 +289,8 @@ class Staged:
 
 
 def _describe(
-    tree: Any, window: int, layout: str, target: str = "", inner_chunks: bool = True
+    tree: Any, window: int, layout: str, target: str = "", inner_chunks: bool = True, *, overwrite: bool = False,
+    check_replicas: bool = True,
 ) -> tuple[dict[str, Local], Payload]:
     """Step 1, every rank: this rank's leaves by path, and what rank 0 needs of them."""
     if isinstance(tree, Staged):
@@ -299,7 +300,10 @@ def _describe(
         paths, leaves, structure = flat.paths, flat.leaves, structure_to_json(flat.spec)
     local = [describe(p, leaf) for p, leaf in zip(paths, leaves)]
     descs = [lf.desc for lf in local]
-    payload = Payload.of(descs, paths, structure, _ties(local), window, layout, target, inner_chunks)
+    payload = Payload.of(
+        descs, paths, structure, _ties(local), window, layout, target, inner_chunks, overwrite=overwrite,
+        check_replicas=check_replicas,
+    )
     return {lf.desc.path: lf for lf in local}, payload
 
 
@@ -317,13 +321,14 @@ def _gather(payloads: Sequence[Payload]) -> _Described:
             "must save the same checkpoint in the same call: the ranks fell out of step (a save that failed or "
             "was refused on some ranks only): save again on every rank, or restart from the last complete step"
         )
-    if len({p.inner_chunks for p in payloads}) > 1:
-        raise ValueError("ranks passed different inner_chunks; every rank must save with the same")
-    layouts = sorted({p.layout for p in payloads})
-    if len(layouts) > 1:
-        raise ValueError(
-            f"ranks passed different layouts ({', '.join(map(repr, layouts))}); every rank must save with the same"
-        )
+    for name in AGREED:
+        values = [getattr(p, name) for p in payloads]
+        other = next((r for r, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            raise LayoutError(
+                f"ranks passed different {name} options (rank 0 {values[0]!r}, rank {other} {values[other]!r}); "
+                "every rank must save with the same"
+            )
     _check_nesting(payloads)
     per_rank = [p.descs for p in payloads]
     aliases = plan_aliases(per_rank, [p.links for p in payloads])
@@ -446,7 +451,7 @@ def _plan_job(
             check()
         return _describe(
             tree if isinstance(tree, Staged) else expand(tree, rank=coord.rank).tree, window, layout, str(loc),
-            inner_chunks,
+            inner_chunks, overwrite=overwrite, check_replicas=check_replicas,
         )
 
     local, reply = ask_root(coord, "save (describe)", describe_mine, first)
