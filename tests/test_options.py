@@ -243,6 +243,8 @@ def test_an_option_taken_positionally_is_caught():
          "layout must be one of 'plain', 'compact', not 'dense'"),
         (lambda d: tt.restore(d, torch.nn.Linear(2, 2), casting="always"), ValueError,
          "casting must be one of 'no', 'equiv', 'safe', 'same_kind', 'unsafe', not 'always'"),
+        (lambda d: tsckpt.save(d, {"x": 1}, base=42), TypeError,
+         "base must be a directory (a str or path, or a kvstore spec dict) or None, not 42 (int)"),
         (lambda d: tsckpt.convert(d, d + "-out", max_inflight_bytes=1.5), TypeError,
          "max_inflight_bytes must be an int number of bytes, not 1.5 (float)"),
     ],

@@ -186,6 +186,14 @@ def _format(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be None (detected) or one of {', '.join(FORMATS)}, not {value!r}")
 
 
+def _directory_or_none(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike, dict)):
+        raise TypeError(
+            f"{name} must be a directory (a str or path, or a kvstore spec dict) or None, not {value!r} "
+            f"({type(value).__name__})"
+        )
+
+
 def _option(default: Any, doc: str, check: Callable[[str, Any], None] | None = None) -> Any:
     """A field of an option set: its default, what it does (``doc``) and how its value is checked."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
@@ -286,6 +294,7 @@ class SaveOptions(_Options):
         None,
         "A previous committed checkpoint whose files this save shares, by hard links (on S3: server-side "
         "copies), where their content is unchanged (docs/incremental.md); None: every file written.",
+        _directory_or_none,
     )
 
 
