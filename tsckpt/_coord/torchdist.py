@@ -44,7 +44,8 @@ class DistCoordinator:
         if key not in _groups:
             # new_group is collective over the default group: every rank calls
             # save/restore, so every rank reaches this line in the same order.
-            _groups[key] = [dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout), timeout]
+            made = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo", timeout=timeout)
+            _groups[key] = [made, timeout]
         elif _groups[key][1] != timeout:
             # another timeout than the group was made with: set on this rank's group, never a new group, which
             # would be a collective that only the ranks whose timeout changed enter (the others wait in this save)

@@ -51,8 +51,8 @@ def check_region(path: str, offsets: tuple[int, ...], lengths: tuple[int, ...], 
     if any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
         box = ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
         raise ShapeMismatchError(
-            f"'{path}': the target's region [{box}] (offsets {list(offsets)}, local shape {list(lengths)}) lies outside "
-            f"the global shape {list(shape)}; fix the target's offsets or local shape"
+            f"'{path}': the target's region [{box}] (offsets {list(offsets)}, local shape {list(lengths)}) lies "
+            f"outside the global shape {list(shape)}; fix the target's offsets or local shape"
         )
 
 

@@ -209,7 +209,9 @@ def known_equal(a: Stored, b: Stored, path: str, region: Box, path_b: str | None
     return True if _same_path(os.path.join(str(ca.location.local), ka), os.path.join(str(cb.location.local), kb)) else None
 
 
-def _shard_keys(a: Stored, b: Stored, path: str, region: Box, path_b: str | None) -> tuple[ArrayRecord, str, str] | None:
+def _shard_keys(
+    a: Stored, b: Stored, path: str, region: Box, path_b: str | None
+) -> tuple[ArrayRecord, str, str] | None:
     """A's record of the array ``path`` (in B ``path_b``) and each side's key of the file of the
     shard ``region``, where both sides are tsckpt plain checkpoints storing the array alike
     (dtype, shape, chunking): what makes equal stored bytes equal elements; else None."""
@@ -223,7 +225,9 @@ def _shard_keys(a: Stored, b: Stored, path: str, region: Box, path_b: str | None
     return ra, chunk_key(ra, region[0]), chunk_key(rb, region[0])
 
 
-def unequal_chunks(a: Stored, b: Stored, path: str, region: Box, path_b: str | None = None) -> list[tuple[Box, bool]] | None:
+def unequal_chunks(
+    a: Stored, b: Stored, path: str, region: Box, path_b: str | None = None
+) -> list[tuple[Box, bool]] | None:
     """The inner chunks of the shard ``region`` (one of A's stored shards, not known equal: its
     files' hashes differ) of the array ``path`` (in B ``path_b``), each with whether its data
     may differ, known from the hashes both sides recorded for the inner chunks of its file

@@ -826,6 +826,7 @@ def _calls(job: Any) -> Any:
     return None if coord.world_size == 1 else coord
 
 
+AGREEMENT = "save_async (the ranks' agreement)"  # the exchange every save_async call ends with, as errors name it
 IF_BUSY_DIFFERS = (
     "ranks passed different if_busy options ('error' on some, 'wait' on others); every rank must pass the same"
 )
@@ -850,13 +851,13 @@ def _busy_ranks(busy: bool, if_busy: IfBusy, job: Any) -> list[int]:
     coord = _calls(job)
     if coord is None:
         return [0] if busy and error else []
-    what = "save_async (the ranks' agreement)"
-    any_busy, any_error, no_error = collective(coord, what, lambda: coord.most((int(busy), int(error), int(not error))))
+    flags = (int(busy), int(error), int(not error))
+    any_busy, any_error, no_error = collective(coord, AGREEMENT, lambda: coord.most(flags))
     if any_error and no_error:
         raise ValueError(IF_BUSY_DIFFERS)
     if not (error and any_busy):
         return []
-    return [r for r, b in enumerate(collective(coord, what, lambda: coord.all_gather(busy))) if b]
+    return [r for r, b in enumerate(collective(coord, AGREEMENT, lambda: coord.all_gather(busy))) if b]
 
 
 def _agree_call(
@@ -877,16 +878,15 @@ def _agree_call(
         if failed is not None:
             raise failed
         return [0] if over else []
-    what = "save_async (the ranks' agreement)"
     code, error = WRITERS.index(writer), int(if_busy == "error")
     mine = (int(failed is not None), int(over), int(busy_with is not None), -code, code, -error, error)
     any_failed, any_over, any_busy, least, largest, least_error, most_error = collective(
-        coord, what, lambda: coord.most(mine)
+        coord, AGREEMENT, lambda: coord.most(mine)
     )
     if not (any_failed or any_over or any_busy or -least != largest or -least_error != most_error):
         return []
     text = None if failed is None else f"{type(failed).__name__}: {failed}"
-    found = collective(coord, what, lambda: coord.all_gather((text, over, writer, busy_with is not None)))
+    found = collective(coord, AGREEMENT, lambda: coord.all_gather((text, over, writer, busy_with is not None)))
     errors = {r: t for r, (t, _, _, _) in enumerate(found) if t is not None}
     if failed is not None:
         raise failed
@@ -1006,6 +1006,8 @@ def save_async_with(
     try:
         label = str(resolve(directory))
     except Exception as e:  # noqa: BLE001 - raised in the call on every rank
+        if not torch_initialized():
+            raise
         label, refused = str(directory), refused or e
     found = refused
 
