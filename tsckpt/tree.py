@@ -404,17 +404,32 @@ def _walk(node: Any, path: str, out: dict[str, tuple[str, bool]]) -> None:
     """Add ``node`` (a leaf: null, nothing to add) and the nodes below it to ``out``."""
     if not isinstance(node, dict):
         return
-    kind = str(node.get("type"))
-    keys = node.get("keys")
-    if kind in ("namedtuple", "custom"):  # its fields in their order: P(x, y) is not P(y, x)
-        fields = ", ".join(map(str, keys)) if isinstance(keys, list) and kind == "namedtuple" else ""
-        kind = f"{kind} {node.get('name')}" + (f"({fields})" if fields else "")
-    children = node.get("children") or []
-    for i, child in enumerate(children):
-        key = keys[i] if isinstance(keys, list) and i < len(keys) else i
-        name = escape(key) if isinstance(key, str) else str(key)
+    kind = node_kind(node)
+    children = node_children(node)
+    for name, child in children:
         _walk(child, f"{path}/{name}" if path else name, out)
     out[path] = (kind, kind == "none" or not children)
+
+
+def node_kind(node: dict[str, Any]) -> str:
+    """What a container or ``None`` node of a tree structure is: its type, a namedtuple's with
+    its name and fields in their order (``P(x, y)`` is not ``P(y, x)``), a custom node's with its name."""
+    kind = str(node.get("type"))
+    keys = node.get("keys")
+    if kind in ("namedtuple", "custom"):
+        fields = ", ".join(map(str, keys)) if isinstance(keys, list) and kind == "namedtuple" else ""
+        kind = f"{kind} {node.get('name')}" + (f"({fields})" if fields else "")
+    return kind
+
+
+def node_children(node: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The children of a node of a tree structure, each with its path component."""
+    keys = node.get("keys")
+    out = []
+    for i, child in enumerate(node.get("children") or []):
+        key = keys[i] if isinstance(keys, list) and i < len(keys) else i
+        out.append((escape(key) if isinstance(key, str) else str(key), child))
+    return out
 
 
 def own_order(structure: Any) -> list[int]:

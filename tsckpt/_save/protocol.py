@@ -39,7 +39,7 @@ from .._storage import durable as _durable
 from .._storage import faults as _faults
 from .._storage import locations as _locations
 from .._storage.locations import Directory, Location, resolve
-from ..tree import escape, flatten, structure_nodes, structure_to_json
+from ..tree import flatten, node_children, node_kind, structure_to_json
 from . import lease as _lease
 from . import share as _share
 
@@ -378,12 +378,8 @@ def _walk_kinds(
     if not isinstance(node, dict):
         kind = "leaf"
     else:
-        kind, _ = structure_nodes({**node, "children": []})[""]
-        children = node.get("children") or []
-        keys = node.get("keys")
-        for i, child in enumerate(children):
-            key = keys[i] if isinstance(keys, list) and i < len(keys) else i
-            name = escape(key) if isinstance(key, str) else str(key)
+        kind = node_kind(node)
+        for name, child in node_children(node):
             _walk_kinds(child, f"{path}/{name}" if path else name, rank, kinds, first)
     was = kinds.setdefault(path, (kind, rank))
     if was[0] != kind:
@@ -396,7 +392,7 @@ def _walk_kinds(
 
 
 def _shown(kind: str) -> str:
-    """A node's kind (:func:`tsckpt.tree.structure_nodes`, or "leaf") as a message says it."""
+    """A node's kind (:func:`tsckpt.tree.node_kind`, or "leaf") as a message says it."""
     return "None" if kind == "none" else f"a {kind}"
 
 
