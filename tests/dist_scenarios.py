@@ -3,6 +3,7 @@ save is in the test's checkpoint layout (``rank_layout()``)."""
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -449,6 +450,7 @@ DIFFERING_TREES = {
     "list-dict": ([torch.ones(2)], {"0": torch.ones(2)}),
     "none-emptydict": (None, {}),
     "leaf-emptylist": (torch.ones(2), []),
+    "ordereddict-dict": (collections.OrderedDict(w0=torch.ones(2)), {"w1": torch.ones(2)}),  # alike: saved
 }
 
 

@@ -140,7 +140,12 @@ def test_ranks_giving_other_kinds_of_node_at_a_path_are_refused(tmp_path, case, 
         assert not committed
 
 
-def test_a_manager_refuses_a_step_on_rank_0s_judgement_for_every_rank(tmp_path):
+def test_ranks_giving_a_dict_and_an_ordereddict_at_a_path_save_both(tmp_path):
+    """A stage's state_dict() (an OrderedDict) against a dict filtered from one: alike."""
+    for message, committed in run_ranks(sc.trees_differ, 2, str(tmp_path), "ordereddict-dict"):
+        assert (message, committed) == ("", True)
+    out = tsckpt.restore(tmp_path / "ordereddict-dict")
+    assert sorted(out["a"]) == ["w0", "w1"]
     """overwrite=True on rank 1 only: rank 0 refused alone, before the save, and the ranks
     were one call apart from then on (every later save failed)."""
     root = str(tmp_path / "run")

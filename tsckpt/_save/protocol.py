@@ -378,7 +378,7 @@ def _walk_kinds(
     if not isinstance(node, dict):
         kind = "leaf"
     else:
-        kind = node_kind(node)
+        kind = _MAPPINGS.get(node_kind(node), node_kind(node))
         for name, child in node_children(node):
             _walk_kinds(child, f"{path}/{name}" if path else name, rank, kinds, first)
     was = kinds.setdefault(path, (kind, rank))
@@ -389,6 +389,11 @@ def _walk_kinds(
             "different trees at that path, which no tree restores; give it the same kind of node on every rank, or "
             "distinct names per rank"
         )
+
+
+# Kinds of node that ranks may give alike at one path: mappings (a stage's state_dict(), an
+# OrderedDict, against a dict filtered from it) join into one.
+_MAPPINGS = {"ordereddict": "dict"}
 
 
 def _shown(kind: str) -> str:
