@@ -348,7 +348,7 @@ def test_every_rank_raises_when_one_writer_dies_and_the_ranks_agree_on_new_write
     nothing for the save's timeout): rank 0 raises too, naming rank 1 and why its writer is gone."""
     root = str(tmp_path / "run")
     os.makedirs(root)
-    results = run_ranks(one_writer_killed, 2, root, how, 60 if how == "SIGKILL" else 4, timeout=300)
+    results = run_ranks(one_writer_killed, 2, root, how, 60 if how == "SIGKILL" else 6, timeout=300)
     for rank, out in enumerate(results):
         assert out["steps"] == [1, 3, 4], out
         assert out["then"] not in (None, out["first"])
@@ -645,4 +645,18 @@ def test_a_writer_that_says_nothing_for_the_saves_timeout_is_killed_and_the_save
     assert 3 <= time.monotonic() - start < 30
     manager.save_async(3, state(3)).result(timeout=60)
     assert manager._saver.writer_pid != pid and manager.all_steps() == [1, 3]
+    manager.close()
+
+
+@pytest.mark.slow
+def test_a_short_timeout_does_not_kill_a_writer_between_two_beats(tmp_path, writer_process):
+    """With timeout=2 s, a writer that says it is alive every 2 s was killed between two beats
+    ("said nothing for 2 s", a save queued behind a longer one): the bound is a few beats at least."""
+    import datetime
+
+    from tsckpt._save.writer import BEAT_S, SILENT_BEATS
+
+    manager = tsckpt.CheckpointManager(tmp_path / "run", timeout=datetime.timedelta(seconds=2))
+    manager.save_async(1, state(1)).result(timeout=60)
+    assert manager._saver._process._writer._silent_s == SILENT_BEATS * BEAT_S > 2
     manager.close()

@@ -127,6 +127,7 @@ UNREADABLE = 4
 # How often a writer says it is alive while it runs (its training process kills one silent for the
 # save's timeout: stopped by SIGSTOP, or stuck, it would otherwise be waited for without end).
 BEAT_S = 2.0
+SILENT_BEATS = 3  # beats a writer may miss before its training process judges it stopped, whatever the timeout
 
 
 # ---- the training process's side ------------------------------------------------------------
@@ -514,7 +515,8 @@ class _Writer:
         never reads a buffer still being filled."""
         self._seq += 1
         timeout = getattr(getattr(caller_job, "options", None), "timeout", None)
-        self._silent_s = (timeout or DEFAULT_TIMEOUT).total_seconds()
+        # a few beats at least: a timeout shorter than that would kill a writer that is only between two beats
+        self._silent_s = max((timeout or DEFAULT_TIMEOUT).total_seconds(), SILENT_BEATS * BEAT_S)
         step = getattr(caller_job, "step", None)
         what = f"{handle.directory}" + (f" (step {step})" if step is not None else "")
         handle.set_running_or_notify_cancel()
