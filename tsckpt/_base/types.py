@@ -14,6 +14,12 @@ from typing import Any, NamedTuple
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
+def box_text(box: Box) -> str:
+    """A region as messages show it: ``[0:4, 0:8]``."""
+    off, ln = box
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, ln)) + "]"
+
+
 def box_slices(
     offsets: Sequence[int], lengths: Sequence[int], origin: Sequence[int] | None = None
 ) -> tuple[slice, ...]:

@@ -23,7 +23,17 @@ import numpy as np
 from .._base import dtypes as _dtypes
 from .._base.casting import check_cast
 from .._base.lazytorch import is_dtype, is_tensor, loaded
-from .._base.types import ArraySpec, Dest, LazySource, LeafDesc, Local, ReadItem, ShardedArray, TorchRegion
+from .._base.types import (
+    ArraySpec,
+    Dest,
+    LazySource,
+    LeafDesc,
+    Local,
+    ReadItem,
+    ShardedArray,
+    TorchRegion,
+    box_text,
+)
 from .._errors import LeafTypeError, ShapeMismatchError, short_repr
 from .._ondisk.records import ArrayRecord, extent_problem
 
@@ -49,10 +59,9 @@ def check_shape(path: str, want: tuple[int, ...], stored: tuple[int, ...]) -> No
 def check_region(path: str, offsets: tuple[int, ...], lengths: tuple[int, ...], shape: tuple[int, ...]) -> None:
     """A target's region (a ShardedArray's) must lie inside the global array it reads from."""
     if any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
-        box = ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths))
         raise ShapeMismatchError(
-            f"'{path}': the target's region [{box}] (offsets {list(offsets)}, local shape {list(lengths)}) lies "
-            f"outside the global shape {list(shape)}; fix the target's offsets or local shape"
+            f"'{path}': the target's region {box_text((offsets, lengths))} (offsets {list(offsets)}, local shape "
+            f"{list(lengths)}) lies outside the global shape {list(shape)}; fix the target's offsets or local shape"
         )
 
 

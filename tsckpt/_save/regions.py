@@ -14,14 +14,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from .._base.types import Box, LeafDesc
+from .._base.types import Box, LeafDesc, box_text
 from .._errors import LayoutError
-
-
-def _fmt_box(box: Box) -> str:
-    """A region as in messages: ``[0:4, 0:8]``."""
-    off, ln = box
-    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(off, ln)) + "]"
 
 
 def _overlap(a: Box, b: Box) -> bool:
@@ -33,7 +27,7 @@ def check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> No
     for off, ln in boxes:
         if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, ln, shape)) or len(off) != len(shape):
             raise LayoutError(
-                f"'{path}': region {_fmt_box((off, ln))} lies outside the global shape {list(shape)}; "
+                f"'{path}': region {box_text((off, ln))} lies outside the global shape {list(shape)}; "
                 "fix the offsets or global_shape given for this shard"
             )
     live = sorted((b for b in boxes if math.prod(b[1]) > 0), key=lambda b: b[0])
@@ -44,14 +38,14 @@ def check_exact_cover(path: str, shape: tuple[int, ...], boxes: list[Box]) -> No
             for other in active:
                 if _overlap(other, box):
                     raise LayoutError(
-                        f"'{path}': regions {_fmt_box(other)} and {_fmt_box(box)} overlap; "
+                        f"'{path}': regions {box_text(other)} and {box_text(box)} overlap; "
                         "every element must belong to exactly one shard (replicas must give identical regions)"
                     )
             active.append(box)
     covered = sum(math.prod(b[1]) for b in live)
     total = math.prod(shape)
     if covered != total:
-        shown = ", ".join(_fmt_box(b) for b in live[:8])
+        shown = ", ".join(box_text(b) for b in live[:8])
         raise LayoutError(
             f"'{path}': shards cover {covered} of {total} elements of global shape {list(shape)} "
             f"(regions: {shown}{', ...' if len(live) > 8 else ''}); a shard is missing - every rank "
@@ -101,7 +95,7 @@ def replica_groups(
                 by_sum[c].append(r)
             parts = " vs ".join(f"ranks {rs}" for rs in by_sum.values())
             raise LayoutError(
-                f"'{path}': replicas of region {_fmt_box(box)} differ in content ({parts}); ranks that give "
+                f"'{path}': replicas of region {box_text(box)} differ in content ({parts}); ranks that give "
                 "the same path must hold the same data. If these are different tensors (e.g. pipeline "
                 "stages with stage-local names), give them distinct global names; to skip this check pass "
                 "check_replicas=False"
