@@ -338,10 +338,9 @@ class CheckpointManager:
             raise refused  # at once, before waiting for a save in flight
 
         def run() -> None:
-            if refused is not None:
-                from ._save.protocol import save_with
-
-                save_with(self.directory(step), tree, options, refused=refused)
+            if refused is not None:  # raised in the save's step 1, on every rank
+                coord = _dist.coordinator_for(options.group, options.timeout)
+                refuse(coord, "save (describe)", refused, through_root=True)
             if self._solo():  # else rank 0 judges, inside the save (_clear), for every rank: ranks judging
                 self._check_free(step, overwrite)  # alone can disagree (the step or overwrite seen differently)
             job = self._job(step, options)
